@@ -1,0 +1,69 @@
+"""Launch configurations per platform: tile sizes, warps, pipeline stages, and AMD's knobs.
+
+Each function returns the constexprs and launch options of one kernel family for a target; the launchers
+call them with :func:`tripath.platform.current_platform`, and the compile check calls them under
+``override_platform`` so it compiles exactly what would run on MI300/MI355/H200. CPU (the interpreter)
+gets small tiles so tests exercise multi-tile loops on small shapes.
+"""
+
+from __future__ import annotations
+
+from tripath.platform import Platform
+
+
+def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
+    return {"num_warps": num_warps, "num_stages": num_stages, "waves_per_eu": waves_per_eu,
+            "matrix_instr_nonkdim": 16}
+
+
+def varlen_config(platform: Platform, head_size: int, elem_bytes: int) -> dict:
+    """Prefill: large query tiles on the matrix units."""
+    if platform.backend == "cpu":
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if platform.is_hip:
+        if head_size > 128:
+            return {"BLOCK_M": 64, "BLOCK_N": 32, **_amd(4, 2, 1)}
+        return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 2)}
+    if head_size > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    if head_size > 64:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int) -> dict:
+    """Paged decode: tiles of context tokens; enough loads in flight to saturate HBM."""
+    if platform.backend == "cpu":
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if platform.is_hip:
+        return {"BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 2)}
+    if head_size > 128:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
+    """Unified: ``BLOCK_M = BLOCK_Q · BLOCK_G`` rows of (token, head) pairs."""
+    if platform.backend == "cpu":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if platform.is_hip:
+        return {"BLOCK_M": 64, "BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 2)}
+    if head_size > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+
+
+def elementwise_config(platform: Platform) -> dict:
+    return {"num_warps": 4}
+
+
+def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
+                       block_n: int) -> int:
+    """Split count for paged decode: fill the GPU about twice over, never below ~4 tiles per split."""
+    if platform.backend == "cpu":
+        return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))
+    programs = max(1, num_seqs * num_kv_heads)
+    target = -(-2 * platform.num_sms // programs)
+    if max_seq_len is not None:
+        target = min(target, max(1, max_seq_len // (4 * block_n)))
+    return int(max(1, min(target, 64)))
