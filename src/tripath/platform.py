@@ -14,7 +14,6 @@ from typing import Iterator
 
 import torch
 
-from tripath import _env
 
 
 @dataclass(frozen=True)
@@ -101,8 +100,3 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of an fp8 dtype (448 for e4m3fn, 240 for e4m3fnuz)."""
     return float(torch.finfo(dtype).max)
-
-
-def use_triton(device: torch.device) -> bool:
-    """Whether ops on ``device`` run their Triton kernel (GPU, or CPU under ``TRITON_INTERPRET=1``)."""
-    return device.type == "cuda" or _env.triton_interpret()

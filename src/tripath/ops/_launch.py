@@ -11,6 +11,10 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import torch
+
+from tripath import _env
+
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack", "num_ctas")
 
 
@@ -51,3 +55,9 @@ def capture_launches() -> Iterator[list[LaunchRecord]]:
         yield records
     finally:
         _captures.pop()
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether ops on ``device`` run their Triton kernel: on a GPU, on the CPU under ``TRITON_INTERPRET=1``,
+    and always while launches are being captured (the compile check)."""
+    return device.type == "cuda" or _env.triton_interpret() or bool(_captures)

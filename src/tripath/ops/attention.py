@@ -20,9 +20,9 @@ from tripath.kernels.varlen_attention import varlen_attention_kernel
 from tripath.ops import _configs, reference
 from tripath.ops._checks import (FLOAT_DTYPES, check_gqa, check_head_size, check_index, check_options,
                                  check_out, check_per_head, check_scale, check_tensor, next_pow2)
-from tripath.ops._launch import launch
+from tripath.ops._launch import launch, use_triton
 from tripath.ops.kv_cache import cache_geometry, cache_strides, shuffle_width
-from tripath.platform import FP8_DTYPES, current_platform, use_triton
+from tripath.platform import FP8_DTYPES, current_platform
 
 LOG2E = 1.4426950408889634
 
