@@ -1,0 +1,33 @@
+"""The per-step handle a model's attention layers call: backend + metadata + one cache per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tripath.attention.backends.base import AttentionBackend
+from tripath.attention.metadata import AttentionMetadata
+from tripath.attention.spec import MLALayerWeights
+
+
+@dataclass
+class ForwardContext:
+    """``attend``/``attend_mla`` route layer ``i``'s tensors to the backend with ``caches[i]``."""
+
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    caches: list
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` → ``[T, Hq, Dv]`` (k/v written to the cache)."""
+        return self.backend.forward(q, k, v, self.caches[layer_idx], self.metadata, alibi_slopes=alibi_slopes,
+                                    sinks=sinks)
+
+    def attend_mla(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                   k_pe: torch.Tensor, positions: torch.Tensor, weights: MLALayerWeights) -> torch.Tensor:
+        """MLA: ``q_nope [T,H,P]``, unrotated ``q_pe [T,H,R]``, ``kv_c [T,L]``, unrotated ``k_pe [T,R]`` →
+        ``[T, H, V]``."""
+        return self.backend.forward_mla(q_nope, q_pe, kv_c, k_pe, positions, self.caches[layer_idx],
+                                        self.metadata, weights)
