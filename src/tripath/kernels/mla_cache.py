@@ -1,0 +1,73 @@
+"""Triton kernels that move MLA latent rows between the step's tensors and the paged cache.
+
+The MLA cache is ``[num_blocks, block_size, L + R]``: each row is ``[kv_c (L) | k_pe (R)]`` (k_pe already
+rotated). A token's slot is ``block_id * block_size + offset``. fp8 caches store ``sat(x / scale)`` and
+read ``x * scale`` with one per-tensor scale.
+"""
+
+import triton
+import triton.language as tl
+
+from tripath.kernels.kv_cache import find_sequence
+
+
+@triton.jit
+def quantize(x, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``sat(x / scale)`` in fp32 when ``QUANT``, else ``x`` as fp32 (the caller casts to the store dtype)."""
+    x = x.to(tl.float32)
+    if QUANT:
+        x = tl.clamp(x / tl.load(scale_ptr), -FP8_MAX, FP8_MAX)
+    return x
+
+
+@triton.jit
+def concat_and_cache_mla_kernel(
+    kv_c_ptr, k_pe_ptr, kv_cache_ptr, slot_mapping_ptr, scale_ptr,
+    stride_kv_c_t, stride_k_pe_t, stride_c_block, stride_c_slot,
+    kv_lora_rank, rope_dim, block_size,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    """Program ``t`` writes the row ``[kv_c[t] | k_pe[t]]`` at ``slot_mapping[t]`` (skipped when negative)."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    row = kv_cache_ptr + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot
+    dims_l = tl.arange(0, BLOCK_L)
+    dims_r = tl.arange(0, BLOCK_R)
+    kv_c = tl.load(kv_c_ptr + token * stride_kv_c_t + dims_l, mask=dims_l < kv_lora_rank)
+    k_pe = tl.load(k_pe_ptr + token * stride_k_pe_t + dims_r, mask=dims_r < rope_dim)
+    out_ty = kv_cache_ptr.dtype.element_ty
+    tl.store(row + dims_l, quantize(kv_c, scale_ptr, QUANT, FP8_MAX).to(out_ty), mask=dims_l < kv_lora_rank)
+    tl.store(row + kv_lora_rank + dims_r, quantize(k_pe, scale_ptr, QUANT, FP8_MAX).to(out_ty),
+             mask=dims_r < rope_dim)
+
+
+@triton.jit
+def gather_mla_cache_kernel(
+    kv_cache_ptr, block_table_ptr, cu_seqlens_ptr, seq_starts_ptr, out_ptr, scale_ptr,
+    stride_bt, stride_c_block, stride_c_slot, stride_out_t,
+    num_seqs, kv_lora_rank, rope_dim, block_size,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BINARY_STEPS: tl.constexpr, DEQUANT: tl.constexpr,
+):
+    """Program ``r`` copies output row ``r`` (request ``i`` with ``cu[i] <= r < cu[i+1]``, cached position
+    ``seq_starts[i] + r - cu[i]``), dequantising fp8; rows past ``cu[num_seqs]`` are left alone."""
+    row = tl.program_id(0)
+    if row >= tl.load(cu_seqlens_ptr + num_seqs):
+        return
+    seq = find_sequence(cu_seqlens_ptr, num_seqs, row, BINARY_STEPS)
+    pos = row - tl.load(cu_seqlens_ptr + seq) + tl.load(seq_starts_ptr + seq)
+    block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // block_size).to(tl.int64)
+    src = kv_cache_ptr + block * stride_c_block + (pos % block_size) * stride_c_slot
+    dst = out_ptr + row.to(tl.int64) * stride_out_t
+    dims_l = tl.arange(0, BLOCK_L)
+    dims_r = tl.arange(0, BLOCK_R)
+    lat = tl.load(src + dims_l, mask=dims_l < kv_lora_rank)
+    pe = tl.load(src + kv_lora_rank + dims_r, mask=dims_r < rope_dim)
+    if DEQUANT:
+        scale = tl.load(scale_ptr)
+        lat = lat.to(tl.float32) * scale
+        pe = pe.to(tl.float32) * scale
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(dst + dims_l, lat.to(out_ty), mask=dims_l < kv_lora_rank)
+    tl.store(dst + kv_lora_rank + dims_r, pe.to(out_ty), mask=dims_r < rope_dim)

@@ -1,0 +1,170 @@
+"""Absorbed MLA decode: every query head against one shared latent KV head, split-KV.
+
+Query ``q [B, H, L + R]`` = ``[q_lat (L) | q_pe (R)]``; cache rows ``c = [c_lat (L) | c_pe (R)]``. For request
+``b`` with ``n = seq_lens[b]`` cached rows (its own token included):
+
+    s[h, j] = sm_scale · (q_lat[h]·c_lat[j] + q_pe[h]·c_pe[j]),   o[h] = Σ_j softmax_j(s[h]) · c_lat[j]
+
+``mla_decode_kernel`` (program ``(b, head block, split)``) packs ``BLOCK_H`` heads into the rows of one tile:
+each ``[BLOCK_N, L + R]`` tile of cache rows is loaded once and used by all of them through two ``tl.dot``
+(latent and rotary parts, since ``L + R`` is not a power of two), so with 64-128 heads the tensor cores
+carry the work. ``mla_decode_per_head_kernel`` (program ``(b, h, split)``) is the plain baseline: one head,
+CUDA-core dot products, each head re-reading the rows. fp8: ``kv_scale`` (and ``q_scale`` for an fp8 query,
+which then multiplies fp8 tiles directly) folds into the score scale; ``kv_scale`` multiplies the output.
+With several splits each writes an fp32 partial ``(o_s, lse_s)`` ``[B, H, S, BLOCK_L]`` that
+:func:`tripath.kernels.paged_decode.reduce_splits_kernel` merges.
+"""
+
+import triton
+import triton.language as tl
+
+from tripath.kernels.attention_common import LOG2E, finalize, softmax_update
+
+
+@triton.jit
+def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This split's share ``[lo, hi)`` of ``seq_len`` rows, in whole tiles."""
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    return lo, hi
+
+
+@triton.jit
+def _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr):
+    qk_scale = sm_scale * LOG2E
+    v_scale = 1.0
+    if KV_FP8:
+        v_scale = tl.load(kv_scale_ptr)
+        qk_scale = qk_scale * v_scale
+    if Q_FP8:
+        qk_scale = qk_scale * tl.load(q_scale_ptr)
+    return qk_scale, v_scale
+
+
+@triton.jit
+def _store_result(out, lse, seq, heads, split, row_ok, dims_l, kv_lora_rank,
+                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+                  stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
+                  NUM_SPLITS: tl.constexpr, BLOCK_L: tl.constexpr, RETURN_LSE: tl.constexpr):
+    """The final output (one split) or this split's fp32 partial, for rows ``heads [M]``."""
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + dims_l[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_l[None, :] < kv_lora_rank))
+        if RETURN_LSE:
+            tl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=row_ok)
+    else:
+        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_L + dims_l[None, :], out, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def mla_decode_kernel(
+    q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, q_scale_ptr, kv_scale_ptr,
+    sm_scale,
+    stride_q_b, stride_q_h, stride_bt, stride_c_block, stride_c_slot,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    num_heads, kv_lora_rank, rope_dim, block_size,
+    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo, hi = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    row_ok = heads < num_heads
+    dims_l = tl.arange(0, BLOCK_L)
+    dims_r = tl.arange(0, BLOCK_R)
+    lat_ok = dims_l < kv_lora_rank
+    pe_ok = dims_r < rope_dim
+    q_rows = q_ptr + seq.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
+    q_lat = tl.load(q_rows + dims_l[None, :], mask=row_ok[:, None] & lat_ok[None, :], other=0.0)
+    q_pe = tl.load(q_rows + kv_lora_rank + dims_r[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0)
+    qk_scale, v_scale = _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8, Q_FP8)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        blocks = tl.load(block_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+        rows = kv_cache_ptr + blocks * stride_c_block + (pos % block_size) * stride_c_slot
+        c_lat = tl.load(rows[:, None] + dims_l[None, :], mask=valid[:, None] & lat_ok[None, :], other=0.0)
+        c_pe = tl.load(rows[:, None] + kv_lora_rank + dims_r[None, :], mask=valid[:, None] & pe_ok[None, :],
+                       other=0.0)
+        c_lat = c_lat.to(q_ptr.dtype.element_ty)
+        c_pe = c_pe.to(q_ptr.dtype.element_ty)
+        qk = tl.dot(q_lat, tl.trans(c_lat))
+        qk = tl.dot(q_pe, tl.trans(c_pe), qk)
+        s = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
+        m_i, l_i, acc = softmax_update(s, c_lat, m_i, l_i, acc, True)
+
+    out, lse = finalize(m_i, l_i, acc, v_scale)
+    _store_result(out, lse, seq, heads, split, row_ok, dims_l, kv_lora_rank, out_ptr, lse_ptr,
+                  part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
+                  NUM_SPLITS, BLOCK_L, RETURN_LSE)
+
+
+@triton.jit
+def mla_decode_per_head_kernel(
+    q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, q_scale_ptr, kv_scale_ptr,
+    sm_scale,
+    stride_q_b, stride_q_h, stride_bt, stride_c_block, stride_c_slot,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    num_heads, kv_lora_rank, rope_dim, block_size,
+    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo, hi = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+
+    dims_l = tl.arange(0, BLOCK_L)
+    dims_r = tl.arange(0, BLOCK_R)
+    lat_ok = dims_l < kv_lora_rank
+    pe_ok = dims_r < rope_dim
+    q_row = q_ptr + seq.to(tl.int64) * stride_q_b + head * stride_q_h
+    q_lat = tl.load(q_row + dims_l, mask=lat_ok, other=0.0).to(tl.float32)
+    q_pe = tl.load(q_row + kv_lora_rank + dims_r, mask=pe_ok, other=0.0).to(tl.float32)
+    qk_scale, v_scale = _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8, Q_FP8)
+
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        valid = pos < hi
+        blocks = tl.load(block_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+        rows = kv_cache_ptr + blocks * stride_c_block + (pos % block_size) * stride_c_slot
+        c_lat = tl.load(rows[:, None] + dims_l[None, :], mask=valid[:, None] & lat_ok[None, :],
+                        other=0.0).to(tl.float32)
+        c_pe = tl.load(rows[:, None] + kv_lora_rank + dims_r[None, :], mask=valid[:, None] & pe_ok[None, :],
+                       other=0.0).to(tl.float32)
+        qk = tl.sum(c_lat * q_lat[None, :], 1) + tl.sum(c_pe * q_pe[None, :], 1)
+        s = tl.where(valid, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p[:, None] * c_lat, 0)
+        m_i = m_new
+
+    out, lse = finalize(m_i, l_i, acc[None, :], v_scale)  # one-row tiles for the shared helpers
+    heads = tl.full([1], head, tl.int32)
+    _store_result(out, lse, seq, heads, split, heads < num_heads, dims_l, kv_lora_rank, out_ptr, lse_ptr,
+                  part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
+                  NUM_SPLITS, BLOCK_L, RETURN_LSE)
