@@ -1,0 +1,204 @@
+"""The engine end to end on a tiny stand-in model: greedy outputs equal a dense no-cache reference, and stay
+identical across backends, prefix caching on/off, chunked prefill on/off, tight KV memory (preemption) vs
+ample, CUDA graphs on/off (GPU); seeded sampling, the step API, text prompts, stop tokens, metrics.
+
+Tests on the ``torch`` backend switch the Triton interpreter off (every op then takes its PyTorch path), so
+only the tests of the Triton backends pay for the interpreter.
+"""
+
+import random
+
+import pytest
+import torch
+
+from engine_models import CharTokenizer, tiny_model
+from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+def pure_torch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def prompts_with_shared_prefix(n=6, seed=0, shared=20, lo=3, hi=30, vocab=61):
+    rng = random.Random(seed)
+    common = [rng.randrange(1, vocab) for _ in range(shared)]
+    out = []
+    for i in range(n):
+        head = common if i % 2 == 0 else []
+        out.append(head + [rng.randrange(1, vocab) for _ in range(rng.randrange(lo, hi))])
+    return out
+
+
+def greedy_outputs(llm, prompts, params=GREEDY):
+    return [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_greedy_matches_a_dense_reference(pure_torch, model):
+    prompts = prompts_with_shared_prefix()
+    llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, max_num_batched_tokens=24)
+    got = greedy_outputs(llm, prompts[:1]) + greedy_outputs(llm, prompts[1:])
+    assert got == [model.reference_greedy(p, GREEDY.max_tokens) for p in prompts]
+    assert llm.block_manager.num_hit_tokens > 0  # the shared prefix was reused (extends)
+    assert llm.backend_name == "torch"
+
+
+@pytest.mark.parametrize("backend", ["three_path", "unified", "two_path"])
+def test_triton_backends_give_the_reference_tokens(backend):
+    one_layer = tiny_model(num_layers=1)
+    prompts = prompts_with_shared_prefix(n=3, seed=1, shared=9, lo=2, hi=12)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(one_layer, backend=backend, num_kv_blocks=32, block_size=8, max_num_batched_tokens=16)
+    got = greedy_outputs(llm, prompts[:1], params) + greedy_outputs(llm, prompts[1:], params)
+    assert got == [one_layer.reference_greedy(p, params.max_tokens) for p in prompts]
+    assert llm.backend_name == backend and llm.block_manager.num_hit_tokens > 0
+
+
+@pytest.mark.parametrize("variant", ["no_prefix_cache", "no_chunked_prefill", "tight_memory", "all"])
+def test_scheduling_choices_do_not_change_greedy_outputs(pure_torch, model, variant):
+    prompts = prompts_with_shared_prefix(n=8, seed=2, shared=12, lo=4, hi=28)
+    base = dict(backend="torch", block_size=4, num_kv_blocks=200, max_num_batched_tokens=20, max_num_seqs=8)
+    expected = greedy_outputs(LLM(model, **base), prompts)
+    changes = {"no_prefix_cache": dict(enable_prefix_caching=False),
+               "no_chunked_prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
+               "tight_memory": dict(num_kv_blocks=14),
+               "all": dict(enable_prefix_caching=False, enable_chunked_prefill=False,
+                           max_num_batched_tokens=48, num_kv_blocks=14)}[variant]
+    llm = LLM(model, **{**base, **changes})
+    assert greedy_outputs(llm, prompts) == expected
+    if "num_kv_blocks" in changes:
+        assert llm.last_metrics.num_preemptions > 0, "memory was not tight enough to preempt"
+
+
+def test_seeded_sampling_is_reproducible_and_survives_preemption(pure_torch, model):
+    prompts = prompts_with_shared_prefix(n=6, seed=3, shared=4, lo=5, hi=20)
+    params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.95, seed=100 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    ample = greedy_outputs(LLM(model, backend="torch", num_kv_blocks=200, block_size=4), prompts, params)
+    tight_llm = LLM(model, backend="torch", num_kv_blocks=12, block_size=4, max_num_batched_tokens=16)
+    assert greedy_outputs(tight_llm, prompts, params) == ample
+    assert tight_llm.last_metrics.num_preemptions > 0
+    reseeded = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.95, seed=7, ignore_eos=True)] * 6
+    assert greedy_outputs(LLM(model, backend="torch", num_kv_blocks=200), prompts, reseeded) != ample
+
+    # Without per-request seeds the engine seed decides.
+    unseeded = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    a = greedy_outputs(LLM(model, backend="torch", num_kv_blocks=200, seed=5), prompts, unseeded)
+    b = greedy_outputs(LLM(model, backend="torch", num_kv_blocks=200, seed=5), prompts, unseeded)
+    c = greedy_outputs(LLM(model, backend="torch", num_kv_blocks=200, seed=6), prompts, unseeded)
+    assert a == b and a != c
+
+
+def test_step_api_streams_deltas_and_aborts(pure_torch, model):
+    llm = LLM(model, backend="torch", num_kv_blocks=64, block_size=4)
+    first = llm.add_request([5, 6, 7, 8, 9], GREEDY, request_id="a")
+    second = llm.add_request([10, 11, 12], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    streamed, finished = {first: [], second: []}, []
+    for _ in range(3):
+        for out in llm.step():
+            streamed[out.request_id] += out.new_token_ids
+    assert llm.abort_request(second) and not llm.abort_request("missing")
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            streamed[out.request_id] += out.new_token_ids
+            assert out.output_token_ids == streamed[out.request_id]
+            if out.finished:
+                finished.append(out)
+    assert [o.request_id for o in finished] == ["a"] and finished[0].finish_reason is FinishReason.LENGTH
+    assert streamed["a"] == model.reference_greedy([5, 6, 7, 8, 9], GREEDY.max_tokens)
+    assert len(streamed[second]) == 3
+    assert llm.block_manager.num_free_blocks == 63
+    outs = list(llm.stream([[1, 2, 3]], GREEDY))
+    assert sum(len(o.new_token_ids) for o in outs) == GREEDY.max_tokens and outs[-1].finished
+
+
+def test_text_prompts_use_the_tokenizer(pure_torch, model):
+    tok = CharTokenizer()
+    llm = LLM(model, tokenizer=tok, backend="torch", num_kv_blocks=64)
+    (out,) = llm.generate("hello world", GREEDY, use_tqdm=False)
+    assert out.prompt == "hello world" and out.prompt_token_ids == tok.encode("hello world")
+    assert out.output_token_ids == model.reference_greedy(tok.encode("hello world"), GREEDY.max_tokens)
+    assert out.text == tok.decode(out.output_token_ids)
+    with pytest.raises(TypeError, match="a text prompt needs a tokenizer"):
+        LLM(model, backend="torch", num_kv_blocks=64).generate("hi", use_tqdm=False)
+
+
+def test_eos_and_stop_tokens_end_generation(pure_torch):
+    plain = tiny_model()
+    first = plain.reference_greedy([3, 4, 5], 1)[0]
+    with_eos = tiny_model(eos_token_ids=[first])
+    llm = LLM(with_eos, backend="torch", num_kv_blocks=64)
+    (out,) = llm.generate([[3, 4, 5]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert out.output_token_ids == [first] and out.finish_reason is FinishReason.STOP
+    (out,) = llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
+    assert len(out.output_token_ids) == 8 and out.finish_reason is FinishReason.LENGTH
+    second = plain.reference_greedy([3, 4, 5], 2)[1]
+    stop = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[second])
+    (out,) = llm.generate([[3, 4, 5]], stop, use_tqdm=False)
+    assert out.output_token_ids[-1] == second and out.finish_reason is FinishReason.STOP
+
+
+def test_metrics_of_a_run(pure_torch, model):
+    llm = LLM(model, backend="torch", num_kv_blocks=64)
+    prompts = prompts_with_shared_prefix(n=4, seed=4)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    m = llm.last_metrics
+    assert m.num_requests == 4 and m.num_prompt_tokens == sum(map(len, prompts))
+    assert m.num_output_tokens == 4 * GREEDY.max_tokens and m.num_steps >= GREEDY.max_tokens
+    assert m.elapsed_s > 0 and m.output_throughput > 0 and 0 < m.mean_ttft_s <= m.elapsed_s
+    assert 0 < m.mean_tpot_s < m.elapsed_s and all(o.ttft > 0 and o.tpot > 0 for o in outs)
+    assert "output tok/s" in m.summary()
+
+
+def test_bad_settings_and_requests_are_refused(pure_torch, model):
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4' is not supported; supported: auto, fp8"):
+        EngineConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive int"):
+        EngineConfig(max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="num_kv_blocks must be an int >= 2"):
+        EngineConfig(num_kv_blocks=1)
+    with pytest.raises(ValueError, match="dtype='float8' is not supported"):
+        EngineConfig(dtype="float8")
+    with pytest.raises(ValueError, match="device=mps is not supported"):
+        EngineConfig(device="mps")
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        LLM(model, backend="nope", num_kv_blocks=8)
+    llm = LLM(model, backend="torch", num_kv_blocks=8, block_size=4, max_model_len=40)
+    with pytest.raises(ValueError, match=r"exceeds max_model_len \(40\)"):
+        llm.add_request(list(range(1, 40)), GREEDY)
+    with pytest.raises(ValueError, match="needs more KV blocks than the cache holds"):
+        llm.add_request(list(range(1, 30)), GREEDY)
+    with pytest.raises(ValueError, match="sampling_params has 1 entries for 2 prompts"):
+        llm.generate([[1], [2]], [GREEDY], use_tqdm=False)
+    assert not llm.has_unfinished_requests()
+    assert LLM(model, backend="torch").runner.num_blocks == 1024  # CPU default
+    assert EngineConfig().cuda_graph_batch_sizes()[:5] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["three_path", "unified", "two_path"])
+def test_cuda_graphs_and_fp8_on_gpu(backend):
+    model = tiny_model(dtype=torch.bfloat16, head_size=64).cuda()
+    prompts = prompts_with_shared_prefix(n=12, seed=5, lo=10, hi=200)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(backend=backend, max_num_batched_tokens=256, max_num_seqs=16, device="cuda")
+    eager = LLM(model, enforce_eager=True, num_kv_blocks=512, **common)
+    graphs = LLM(model, num_kv_blocks=512, **common)
+    assert eager.runner.graphs == {} and graphs.runner.graphs
+    expected = greedy_outputs(eager, prompts, params)
+    assert greedy_outputs(graphs, prompts, params) == expected
+    tight = LLM(model, num_kv_blocks=40, **common)
+    assert greedy_outputs(tight, prompts, params) == expected and tight.last_metrics.num_preemptions > 0
+    measured = LLM(model, gpu_memory_utilization=0.3, **common)
+    assert measured.runner.num_blocks > 1000
+    fp8 = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=512, **common)
+    assert all(len(o) == params.max_tokens for o in greedy_outputs(fp8, prompts, params))
