@@ -63,7 +63,7 @@ def tiny_deepseek() -> ModelConfig:
 
 def tiny_deepseek_v2() -> ModelConfig:
     mla = MLASpec(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32)
-    moe = MoEConfig(num_experts=8, top_k=2, intermediate_size=64, num_shared_experts=2, scoring_func="softmax",
+    moe = MoEConfig(num_experts=8, top_k=3, intermediate_size=64, num_shared_experts=2, scoring_func="softmax",
                     topk_method="group_limited_greedy", n_group=4, topk_group=2, first_k_dense_replace=1)
     return ModelConfig(architecture="DeepseekV2ForCausalLM", num_heads=4, num_kv_heads=1,
                        head_size=mla.cache_width, mla=mla, rope=RopeConfig(theta=10000.0, is_neox=False), moe=moe,
