@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache
+from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache_ref
 
 TOL = {torch.float16: dict(atol=1.5e-2, rtol=1e-2), torch.bfloat16: dict(atol=1.5e-2, rtol=1e-2),
        torch.float32: dict(atol=1e-4, rtol=1e-4)}
@@ -62,6 +62,44 @@ def filled_cache(seq_lens, num_kv_heads, head_size, *, block_size=16, dtype=torc
     values = [torch.randn(s, num_kv_heads, head_size_v, dtype=dtype, device=device) for s in seq_lens]
     slots = slots_for(block_table, [torch.arange(s) for s in seq_lens], block_size)
     if sum(seq_lens):
-        write_kv_cache(torch.cat(keys), torch.cat(values), k_cache, v_cache, slots, layout=layout,
-                       k_scale=k_scale, v_scale=v_scale)
+        # The reference writer: fast under the interpreter (the kernel is tested on its own).
+        write_kv_cache_ref(torch.cat(keys), torch.cat(values), k_cache, v_cache, slots, layout=layout,
+                           k_scale=k_scale, v_scale=v_scale)
     return k_cache, v_cache, block_table, keys, values
+
+
+def naive_attention(q, k, v, *, q_start, causal=True, sm_scale=None, window_left=-1, softcap=0.0,
+                    alibi_slopes=None, sinks=None):
+    """Independent float64 attention of one request, row by row: ``q [Sq,Hq,D]``, ``k [Sk,Hkv,D]``,
+    ``v [Sk,Hkv,Dv]``; query ``i`` at position ``q_start + i``, key ``j`` at ``j``.
+    Returns ``(out [Sq,Hq,Dv], lse [Sq,Hq])`` float64 (0 and -inf for rows that see nothing)."""
+    import math
+    sq, hq, d = q.shape
+    sk, hkv, dv = v.shape
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    out = torch.zeros(sq, hq, dv, dtype=torch.float64)
+    lse = torch.full((sq, hq), float("-inf"), dtype=torch.float64)
+    qd, kd, vd = q.double().cpu(), k.double().cpu(), v.double().cpu()
+    for h in range(hq):
+        kv = h // (hq // hkv)
+        for i in range(sq):
+            p = q_start + i
+            keys = [j for j in range(sk) if (not causal or j <= p) and (window_left < 0 or p - j <= window_left)]
+            logits = []
+            for j in keys:
+                s = scale * float(qd[i, h] @ kd[j, kv])
+                if softcap > 0:
+                    s = softcap * math.tanh(s / softcap)
+                if alibi_slopes is not None:
+                    s += float(alibi_slopes[h]) * (j - p)
+                logits.append(s)
+            extra = [float(sinks[h])] if sinks is not None else []
+            if not logits and not extra:
+                continue
+            m = max(logits + extra)
+            weights = [math.exp(s - m) for s in logits]
+            denom = sum(weights) + sum(math.exp(s - m) for s in extra)
+            if keys:
+                out[i, h] = sum(w * vd[j, kv] for w, j in zip(weights, keys)) / denom
+            lse[i, h] = m + math.log(denom)
+    return out, lse

@@ -1,6 +1,8 @@
-"""The engine end to end on a tiny stand-in model: greedy outputs equal a dense no-cache reference, and stay
-identical across backends, prefix caching on/off, chunked prefill on/off, tight KV memory (preemption) vs
-ample, CUDA graphs on/off (GPU); seeded sampling, the step API, text prompts, stop tokens, metrics.
+"""The engine end to end. Greedy outputs of the model presets (Llama/Qwen3 GQA, DeepSeek/Kimi MLA) equal a
+no-cache reference (the whole sequence recomputed for every token, no scheduler, block manager or runner),
+and stay identical across backends, prefix caching on/off, chunked prefill on/off, tight KV memory
+(preemption) vs ample, CUDA graphs on/off (GPU). A stand-in model with a float64 dense reference that shares
+no tripath code covers the rest cheaply: seeded sampling, the step API, text prompts, stop tokens, metrics.
 
 Tests on the ``torch`` backend switch the Triton interpreter off (every op then takes its PyTorch path), so
 only the tests of the Triton backends pay for the interpreter.
@@ -12,7 +14,10 @@ import pytest
 import torch
 
 from engine_models import CharTokenizer, tiny_model
+from tripath.attention import ForwardContext, plan_batch, select_backend
 from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
+from tripath.engine.cli_generate import main_generate
+from tripath.models import load_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -25,6 +30,31 @@ def pure_torch(monkeypatch):
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
+
+
+_presets = {}
+
+
+def preset(name):
+    if name not in _presets:
+        _presets[name] = load_model(name, dtype=torch.float32).eval()
+    return _presets[name]
+
+
+@torch.inference_mode()
+def no_cache_greedy(model, prompt, max_tokens, block_size=16):
+    """Recompute the whole sequence as one prefill for every token, on the torch backend."""
+    backend = select_backend(model.attention_spec(block_size=block_size, dtype=torch.float32), "torch", "cpu")
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        n = len(tokens)
+        num_blocks = -(-n // block_size)
+        caches = [backend.allocate_cache(num_blocks + 1) for _ in range(model.num_attention_layers)]
+        table = torch.arange(1, num_blocks + 1, dtype=torch.int32)[None]
+        meta = backend.build_metadata(plan_batch([n], [0]), table, torch.arange(n) + block_size)
+        hidden = model(torch.tensor(tokens), torch.arange(n), ForwardContext(backend, meta, caches))
+        tokens.append(int(model.compute_logits(hidden[-1:]).argmax()))
+    return tokens[len(prompt):]
 
 
 def prompts_with_shared_prefix(n=6, seed=0, shared=20, lo=3, hi=30, vocab=61):
@@ -42,7 +72,7 @@ def greedy_outputs(llm, prompts, params=GREEDY):
 
 
 def test_greedy_matches_a_dense_reference(pure_torch, model):
-    prompts = prompts_with_shared_prefix()
+    prompts = prompts_with_shared_prefix(n=4, shared=16, hi=20)
     llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, max_num_batched_tokens=24)
     got = greedy_outputs(llm, prompts[:1]) + greedy_outputs(llm, prompts[1:])
     assert got == [model.reference_greedy(p, GREEDY.max_tokens) for p in prompts]
@@ -50,31 +80,66 @@ def test_greedy_matches_a_dense_reference(pure_torch, model):
     assert llm.backend_name == "torch"
 
 
-@pytest.mark.parametrize("backend", ["three_path", "unified", "two_path"])
-def test_triton_backends_give_the_reference_tokens(backend):
-    one_layer = tiny_model(num_layers=1)
-    prompts = prompts_with_shared_prefix(n=3, seed=1, shared=9, lo=2, hi=12)
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    llm = LLM(one_layer, backend=backend, num_kv_blocks=32, block_size=8, max_num_batched_tokens=16)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-deepseek", "tiny-kimi-nope"])
+def test_presets_match_a_no_cache_reference(pure_torch, name):
+    model = preset(name)
+    prompts = prompts_with_shared_prefix(n=4, seed=7, shared=10, lo=2, hi=20, vocab=256)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    llm = LLM(model, backend="torch", num_kv_blocks=64, block_size=4, max_num_batched_tokens=16)
     got = greedy_outputs(llm, prompts[:1], params) + greedy_outputs(llm, prompts[1:], params)
-    assert got == [one_layer.reference_greedy(p, params.max_tokens) for p in prompts]
+    assert got == [no_cache_greedy(model, p, params.max_tokens) for p in prompts]
+    assert llm.block_manager.num_hit_tokens > 0
+
+
+@pytest.mark.parametrize("backend", ["three_path", "unified", "two_path"])
+def test_triton_backends_give_the_reference_tokens(monkeypatch, backend):
+    model = preset("tiny-llama")
+    prompts = prompts_with_shared_prefix(n=3, seed=1, shared=9, lo=2, hi=12, vocab=256)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expected = [no_cache_greedy(model, p, params.max_tokens) for p in prompts]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model, backend=backend, num_kv_blocks=32, block_size=8, max_num_batched_tokens=16)
+    got = greedy_outputs(llm, prompts[:1], params) + greedy_outputs(llm, prompts[1:], params)
+    assert got == expected
     assert llm.backend_name == backend and llm.block_manager.num_hit_tokens > 0
 
 
+_baselines = {}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek"])
 @pytest.mark.parametrize("variant", ["no_prefix_cache", "no_chunked_prefill", "tight_memory", "all"])
-def test_scheduling_choices_do_not_change_greedy_outputs(pure_torch, model, variant):
-    prompts = prompts_with_shared_prefix(n=8, seed=2, shared=12, lo=4, hi=28)
-    base = dict(backend="torch", block_size=4, num_kv_blocks=200, max_num_batched_tokens=20, max_num_seqs=8)
-    expected = greedy_outputs(LLM(model, **base), prompts)
+def test_scheduling_choices_do_not_change_greedy_outputs(pure_torch, name, variant):
+    model = preset(name)
+    prompts = prompts_with_shared_prefix(n=6, seed=2, shared=12, lo=4, hi=24, vocab=256)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    base = dict(backend="torch", block_size=4, num_kv_blocks=200, max_num_batched_tokens=20, max_num_seqs=6)
+    if name not in _baselines:
+        _baselines[name] = greedy_outputs(LLM(model, **base), prompts, params)
     changes = {"no_prefix_cache": dict(enable_prefix_caching=False),
                "no_chunked_prefill": dict(enable_chunked_prefill=False, max_num_batched_tokens=64),
-               "tight_memory": dict(num_kv_blocks=14),
+               "tight_memory": dict(num_kv_blocks=13),
                "all": dict(enable_prefix_caching=False, enable_chunked_prefill=False,
-                           max_num_batched_tokens=48, num_kv_blocks=14)}[variant]
+                           max_num_batched_tokens=48, num_kv_blocks=13)}[variant]
     llm = LLM(model, **{**base, **changes})
-    assert greedy_outputs(llm, prompts) == expected
+    assert greedy_outputs(llm, prompts, params) == _baselines[name]
     if "num_kv_blocks" in changes:
         assert llm.last_metrics.num_preemptions > 0, "memory was not tight enough to preempt"
+
+
+def test_generate_command_line(pure_torch, capsys):
+    status = main_generate(["--model", "tiny-llama", "--prompt", "Hi", "--prompt-ids", "5,6,7", "--max-tokens",
+                            "4", "--ignore-eos", "--num-kv-blocks", "32", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert status == 0
+    expected = no_cache_greedy(preset("tiny-llama"), [5, 6, 7], 4)
+    assert f"[1] tokens: {expected} (length)" in out
+    assert "[0] prompt: 'Hi'" in out and "backend torch" in out and "output tok/s" in out
+    assert main_generate(["--model", "no-such-model", "--prompt", "x", "--device", "cpu"]) == 2
+    assert "neither a local model directory nor a preset" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main_generate(["--model", "tiny-llama", "--prompt-ids", "1,x"])
 
 
 def test_seeded_sampling_is_reproducible_and_survives_preemption(pure_torch, model):
@@ -185,20 +250,26 @@ def test_bad_settings_and_requests_are_refused(pure_torch, model):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["three_path", "unified", "two_path"])
-def test_cuda_graphs_and_fp8_on_gpu(backend):
-    model = tiny_model(dtype=torch.bfloat16, head_size=64).cuda()
-    prompts = prompts_with_shared_prefix(n=12, seed=5, lo=10, hi=200)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    common = dict(backend=backend, max_num_batched_tokens=256, max_num_seqs=16, device="cuda")
-    eager = LLM(model, enforce_eager=True, num_kv_blocks=512, **common)
-    graphs = LLM(model, num_kv_blocks=512, **common)
-    assert eager.runner.graphs == {} and graphs.runner.graphs
+@pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-llama", "unified"),
+                                          ("tiny-llama", "two_path"), ("tiny-qwen3", "auto"),
+                                          ("tiny-deepseek", "auto"), ("tiny-kimi-nope", "auto")])
+def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
+    model = load_model(name, dtype=torch.bfloat16, device="cuda")
+    prompts = prompts_with_shared_prefix(n=24, seed=5, shared=40, lo=10, hi=300, vocab=256)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    common = dict(backend=backend, max_num_batched_tokens=512, max_num_seqs=24, device="cuda")
+    eager = LLM(model, enforce_eager=True, num_kv_blocks=1024, **common)
+    graphs = LLM(model, num_kv_blocks=1024, **common)
+    assert eager.runner.graphs == {} and sorted(graphs.runner.graphs) == [1, 2, 4, 8, 16, 24]
     expected = greedy_outputs(eager, prompts, params)
     assert greedy_outputs(graphs, prompts, params) == expected
-    tight = LLM(model, num_kv_blocks=40, **common)
+    tight = LLM(model, num_kv_blocks=80, **common)
     assert greedy_outputs(tight, prompts, params) == expected and tight.last_metrics.num_preemptions > 0
+    no_prefix = LLM(model, num_kv_blocks=1024, enable_prefix_caching=False, **common)
+    assert greedy_outputs(no_prefix, prompts, params) == expected
     measured = LLM(model, gpu_memory_utilization=0.3, **common)
     assert measured.runner.num_blocks > 1000
-    fp8 = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=512, **common)
-    assert all(len(o) == params.max_tokens for o in greedy_outputs(fp8, prompts, params))
+    fp8 = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=1024, **common)
+    fp8_out = greedy_outputs(fp8, prompts, params)
+    assert all(len(o) == params.max_tokens for o in fp8_out)
+    print(name, graphs.backend_name, graphs.last_metrics.summary())

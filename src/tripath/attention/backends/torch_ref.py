@@ -39,8 +39,17 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTables | None
 
 
 class TorchBackend(AttentionBackend):
+    """Where the step's new keys/values come from matters only for fp8 caches (rounding): by default
+    decode rows read them back from the cache (as paged decode does) and extend/prefill rows use them as
+    given (as ``three_path``'s varlen paths do); ``new_kv_from_cache=True`` reads them from the cache for
+    every row, like the backends that attend through the cache (``unified``, ``two_path``)."""
+
     name = "torch"
     capabilities = Capabilities(mla=True, needs_triton=False)
+
+    def __init__(self, spec, device="cpu", *, new_kv_from_cache: bool = False):
+        super().__init__(spec, device)
+        self.new_kv_from_cache = new_kv_from_cache
 
     # -- caches ----------------------------------------------------------------------------------------
     def cache_bytes_per_block(self) -> int:
@@ -68,10 +77,14 @@ class TorchBackend(AttentionBackend):
         plan, start = meta.plan, 0
         block_size = self.spec.block_size
         for j, (qlen, ctx) in enumerate(zip(plan.query_lens, plan.context_lens)):
-            pos = torch.arange(ctx, device=q.device)
+            from_cache = self.new_kv_from_cache or j < plan.num_decodes
+            pos = torch.arange(ctx + qlen if from_cache else ctx, device=q.device)
             blocks = meta.block_table[j, pos // block_size].long()
-            keys = torch.cat([dequantize(k_nhd[blocks, pos % block_size], k_scale), k[start:start + qlen].float()])
-            vals = torch.cat([dequantize(v_nhd[blocks, pos % block_size], v_scale), v[start:start + qlen].float()])
+            keys = dequantize(k_nhd[blocks, pos % block_size], k_scale)
+            vals = dequantize(v_nhd[blocks, pos % block_size], v_scale)
+            if not from_cache:
+                keys = torch.cat([keys, k[start:start + qlen].float()])
+                vals = torch.cat([vals, v[start:start + qlen].float()])
             o, _ = attend(q[start:start + qlen], keys, vals, q_start=ctx, causal=True, sm_scale=sm_scale, **opts)
             out[start:start + qlen] = o.to(out.dtype)
             start += qlen

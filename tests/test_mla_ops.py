@@ -1,0 +1,431 @@
+"""MLA ops: absorbed decode against float64 math and against non-absorbed attention, the cache write and
+gather, the fused decode preparation against the unfused ops, and bad input."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from helpers import FP8_TOL, TOL, cu_seqlens, poison, random_block_table
+from tripath.ops import (allocate_mla_cache, concat_and_cache_mla, concat_mla_query,
+                         fused_qk_rope_concat_and_cache_mla, gather_mla_cache, identity_rope_tables, mla_decode,
+                         rope_cos_sin, rotary_embedding)
+from tripath.ops._launch import capture_launches
+from tripath.ops.reference_mla import fused_qk_rope_concat_and_cache_mla_ref
+from tripath.platform import fp8_dtype
+
+FP8 = fp8_dtype()
+L, R = 512, 64
+
+
+def scale_tensor(value):
+    return torch.tensor([value], dtype=torch.float32, device=DEVICE)
+
+
+def quantize(x, dtype, scale):
+    """Independent fp8 quantisation: saturate ``x / scale`` to the e4m3 range."""
+    if dtype == FP8:
+        limit = torch.finfo(FP8).max
+        return (x.float() / scale.item()).clamp(-limit, limit).to(FP8)
+    return x.to(dtype)
+
+
+def filled_mla_cache(seq_lens, block_size, width, cache_dtype, kv_scale=None, magnitude=1.0):
+    """A cache whose rows for every (request, position) hold fresh random values (quantised for fp8);
+    returns ``(kv_cache, block_table, rows)`` with ``rows[i] [seq_len_i, width]`` float64 of what is stored."""
+    block_table, num_blocks = random_block_table(seq_lens, block_size, DEVICE)
+    cache = quantize(torch.randn(num_blocks, block_size, width, device=DEVICE) * magnitude, cache_dtype, kv_scale)
+    rows = []
+    for i, n in enumerate(seq_lens):
+        pos = torch.arange(n, device=DEVICE)
+        stored = cache[block_table[i, pos // block_size].long(), pos % block_size].double()
+        rows.append(stored * (kv_scale.item() if cache_dtype == FP8 else 1.0))
+    return cache, block_table, rows
+
+
+def absorbed_f64(q, rows, kv_lora_rank, sm_scale):
+    """Naive absorbed MLA decode in float64: ``q [H, L + R]`` against ``rows [n, L + R]``."""
+    if rows.shape[0] == 0:
+        return torch.zeros(q.shape[0], kv_lora_rank, dtype=torch.float64), torch.full((q.shape[0],), -math.inf,
+                                                                                     dtype=torch.float64)
+    s = (q.double() @ rows.T) * sm_scale
+    return torch.softmax(s, dim=-1) @ rows[:, :kv_lora_rank], torch.logsumexp(s, dim=-1)
+
+
+def check_decode(q, cache, block_table, seq_lens, rows, *, kv_lora_rank=L, kv_scale=None, q_scale=None, tol,
+                 **kwargs):
+    batch, heads, _ = q.shape
+    sm_scale = 1.0 / math.sqrt(192)
+    out = poison((batch, heads, kv_lora_rank), torch.float16 if q.dtype == FP8 else q.dtype, DEVICE)
+    got, lse = mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                          kv_lora_rank=kv_lora_rank, sm_scale=sm_scale, kv_scale=kv_scale, q_scale=q_scale,
+                          out=out, return_lse=True, **kwargs)
+    assert got is out
+    q64 = q.double() * (q_scale.item() if q_scale is not None else 1.0)
+    for b in range(batch):
+        want_o, want_lse = absorbed_f64(q64[b].cpu(), rows[b].cpu(), kv_lora_rank, sm_scale)
+        torch.testing.assert_close(got[b].double().cpu(), want_o, **tol)
+        torch.testing.assert_close(lse[b].double().cpu(), want_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+@pytest.mark.parametrize("num_heads", [8, 16, 32, 128])
+def test_mla_decode_matches_f64(num_heads, block_size):
+    seq_lens = [1, 37, 300] if num_heads < 128 else [1, 70]
+    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, torch.float16)
+    q = torch.randn(len(seq_lens), num_heads, L + R, dtype=torch.float16, device=DEVICE)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.float16])
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_mla_decode_long_context_and_splits(num_splits):
+    """Contexts up to a few thousand rows; one split, several, and the automatic choice agree with float64."""
+    seq_lens = [2049, 700, 0] if num_splits is None else [600, 250, 0]
+    cache, block_table, rows = filled_mla_cache(seq_lens, 64, L + R, torch.float16)
+    q = torch.randn(3, 16, L + R, dtype=torch.float16, device=DEVICE)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.float16], num_splits=num_splits)
+
+
+def test_mla_decode_empty_request_gives_zero_and_minus_inf():
+    cache, block_table, _ = filled_mla_cache([0, 5], 16, L + R, torch.float16)
+    q = torch.randn(2, 8, L + R, dtype=torch.float16, device=DEVICE)
+    for splits in (1, 3):
+        out, lse = mla_decode(q, cache, block_table, torch.tensor([0, 5], dtype=torch.int32, device=DEVICE),
+                              sm_scale=0.1, num_splits=splits, out=poison((2, 8, L), torch.float16, DEVICE),
+                              return_lse=True)
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[0]).all()
+        assert torch.isfinite(out[1]).all() and torch.isfinite(lse[1]).all()
+
+
+@pytest.mark.parametrize("q_fp8", [False, True])
+@pytest.mark.parametrize("variant", ["packed", "per_head"])
+def test_mla_decode_fp8_cache(q_fp8, variant):
+    """fp8 cache with a scale != 1 (and an fp8 query with its own scale): the scales fold into the scores
+    and the output."""
+    seq_lens = [90, 17]
+    kv_scale = scale_tensor(0.37)
+    cache, block_table, rows = filled_mla_cache(seq_lens, 16, L + R, FP8, kv_scale, magnitude=0.37)
+    q = torch.randn(2, 16 if variant == "packed" else 8, L + R, dtype=torch.float16, device=DEVICE)
+    q_scale = None
+    if q_fp8:
+        q_scale = scale_tensor(0.05)
+        q = quantize(q, FP8, q_scale)
+    check_decode(q, cache, block_table, seq_lens, rows, kv_scale=kv_scale, q_scale=q_scale, tol=FP8_TOL,
+                 variant=variant)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_decode_per_head_variant(num_splits):
+    seq_lens = [1, 130]
+    cache, block_table, rows = filled_mla_cache(seq_lens, 16, L + R, torch.float16)
+    q = torch.randn(2, 8, L + R, dtype=torch.float16, device=DEVICE)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.float16], variant="per_head",
+                 num_splits=num_splits)
+
+
+@pytest.mark.parametrize("kv_lora_rank,rope_dim", [(64, 16), (96, 32), (48, 8)])
+def test_mla_decode_small_and_odd_dims(kv_lora_rank, rope_dim):
+    """Any latent/rotary split (tiles are padded and masked): the small shapes the backend tests use."""
+    seq_lens = [33, 5]
+    cache, block_table, rows = filled_mla_cache(seq_lens, 16, kv_lora_rank + rope_dim, torch.float32)
+    q = torch.randn(2, 4, kv_lora_rank + rope_dim, dtype=torch.float32, device=DEVICE)
+    check_decode(q, cache, block_table, seq_lens, rows, kv_lora_rank=kv_lora_rank, tol=dict(atol=2e-3, rtol=2e-3))
+
+
+def test_absorbed_decode_equals_non_absorbed_attention():
+    """Same weights and inputs: absorbed decode (latent space + W_UK / W_UV) equals attention over the
+    explicitly up-projected keys ``[k_nope | k_pe]`` and values."""
+    heads, p_dim, v_dim, seq_lens = 8, 128, 128, [45, 200]
+    w_uk = torch.randn(heads, p_dim, L, dtype=torch.float64) / math.sqrt(L)
+    w_uv = torch.randn(heads, L, v_dim, dtype=torch.float64) / math.sqrt(L)
+    q_nope = torch.randn(len(seq_lens), heads, p_dim, dtype=torch.float64)
+    q_pe = torch.randn(len(seq_lens), heads, R, dtype=torch.float64)
+    cache, block_table, rows = filled_mla_cache(seq_lens, 16, L + R, torch.float16)
+    sm_scale = 1.0 / math.sqrt(p_dim + R)
+    ql_nope = torch.einsum("bhp,hpl->bhl", q_nope, w_uk)
+    q = torch.cat([ql_nope, q_pe], dim=-1).to(torch.float16)
+    o_lat = mla_decode(q.to(DEVICE), cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                       kv_lora_rank=L, sm_scale=sm_scale)
+    absorbed = torch.einsum("bhl,hlv->bhv", o_lat.double().cpu(), w_uv)
+    for b, rows_b in enumerate(rows):
+        kv_c, k_pe = rows_b[:, :L].cpu(), rows_b[:, L:].cpu()
+        k = torch.cat([torch.einsum("hpl,nl->nhp", w_uk, kv_c), k_pe[:, None, :].expand(-1, heads, -1)], dim=-1)
+        v = torch.einsum("nl,hlv->nhv", kv_c, w_uv)
+        qb = torch.cat([q_nope[b], q_pe[b]], dim=-1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", qb, k) * sm_scale, dim=-1)
+        explicit = torch.einsum("hn,nhv->hv", p, v)
+        torch.testing.assert_close(absorbed[b], explicit, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_concat_and_cache_mla(cache_dtype, block_size):
+    num_tokens = 12
+    kv_scale = scale_tensor(0.5) if cache_dtype == FP8 else None
+    num_blocks = 2 + num_tokens // block_size + 3
+    cache = quantize(torch.randn(num_blocks, block_size, L + R, device=DEVICE), cache_dtype, scale_tensor(1.0))
+    before = cache.clone()
+    slots = (torch.randperm((num_blocks - 1) * block_size, device=DEVICE)[:num_tokens] + block_size).long()
+    slots[[2, 7]] = -1  # padding: writes nothing
+    kv_c = torch.randn(num_tokens, L, dtype=torch.float16, device=DEVICE)
+    k_pe = torch.randn(num_tokens, 1, R, dtype=torch.float16, device=DEVICE)  # [T, 1, R] views are accepted
+    concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_scale=kv_scale)
+    expected = before.clone()
+    keep = slots >= 0
+    expected.view(-1, L + R)[slots[keep]] = quantize(torch.cat([kv_c, k_pe[:, 0]], -1)[keep], cache_dtype,
+                                                     kv_scale if kv_scale is not None else scale_tensor(1.0))
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
+def test_gather_mla_cache(cache_dtype):
+    kv_scale = scale_tensor(0.8) if cache_dtype == FP8 else None
+    seq_lens = [70, 3, 40]
+    cache, block_table, rows = filled_mla_cache(seq_lens, 16, L + R, cache_dtype, kv_scale)
+    starts, counts = [20, 0, 33], [50, 3, 7]
+    cu = cu_seqlens(counts, DEVICE)
+    seq_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    out = poison((sum(counts) + 5, L + R), torch.float32, DEVICE)
+    got = gather_mla_cache(cache, block_table, cu, seq_starts, kv_lora_rank=L, kv_scale=kv_scale, out=out)
+    assert got is out
+    want = torch.cat([rows[i][s:s + n] for i, (s, n) in enumerate(zip(starts, counts))])
+    torch.testing.assert_close(out[: sum(counts)].double(), want, atol=0, rtol=1e-6)  # fp32 dequantisation
+    assert torch.isnan(out[sum(counts):]).all()  # workspace rows past the chunk are left alone
+    auto = gather_mla_cache(cache, block_table, cu, seq_starts, kv_lora_rank=L, kv_scale=kv_scale)
+    assert auto.dtype == (torch.bfloat16 if cache_dtype == FP8 else torch.float16)
+    torch.testing.assert_close(auto.double(), want, **TOL[torch.bfloat16])
+
+
+def prep_inputs(num_tokens, heads, dtype=torch.float16):
+    return (torch.randn(num_tokens, heads, L, dtype=dtype, device=DEVICE),
+            torch.randn(num_tokens, heads, R, dtype=dtype, device=DEVICE),
+            torch.randn(num_tokens, L, dtype=dtype, device=DEVICE),
+            torch.randn(num_tokens, R, dtype=dtype, device=DEVICE))
+
+
+def unfused_prep(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, k_scale, q_scale, positions, cos, sin, is_neox):
+    """The unfused path: in-place rotary, the cache write, then the query concat (three launches)."""
+    q_pe, k_pe = q_pe.clone(), k_pe.clone()
+    rotary_embedding(positions, q_pe, k_pe, torch.cat([cos, sin], -1), is_neox=is_neox)
+    concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_scale=k_scale)
+    concat_mla_query(ql_nope, q_pe, q_out, q_scale=q_scale)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("heads", [16, 20])
+def test_fused_prep_equals_unfused(is_neox, fp8, heads):
+    """Cache rows bit-identical and q_out identical after quantisation; negative slots write nothing."""
+    num_tokens, block_size, num_blocks = 10, 16, 6
+    out_dtype = FP8 if fp8 else torch.float16
+    k_scale, q_scale = (scale_tensor(0.25), scale_tensor(0.125)) if fp8 else (None, None)
+    ql_nope, q_pe, kv_c, k_pe = prep_inputs(num_tokens, heads)
+    slots = (torch.randperm((num_blocks - 1) * block_size, device=DEVICE)[:num_tokens] + block_size).long()
+    slots[[0, 6]] = -1
+    positions = torch.randint(0, 4096, (num_tokens,), device=DEVICE)
+    cos, sin = rope_cos_sin(4096, R, device=DEVICE)
+    sentinel = quantize(torch.randn(num_blocks, block_size, L + R, device=DEVICE), out_dtype, scale_tensor(1.0))
+    cache_f, cache_u = sentinel.clone(), sentinel.clone()
+    q_f = poison((num_tokens, heads, L + R), torch.float16, DEVICE).to(out_dtype)
+    q_u = q_f.clone()
+    with capture_launches() as launches:
+        fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache_f, q_f, slots, k_scale, q_scale,
+                                           positions, cos, sin, is_neox=is_neox)
+    assert len(launches) == 1  # one launch per layer
+    fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache_f, q_f, slots, k_scale, q_scale,
+                                       positions, cos, sin, is_neox=is_neox)
+    unfused_prep(ql_nope, q_pe, kv_c, k_pe, cache_u, q_u, slots, k_scale, q_scale, positions, cos, sin, is_neox)
+    assert torch.equal(cache_f.view(torch.uint8), cache_u.view(torch.uint8))
+    assert torch.equal(q_f.view(torch.uint8), q_u.view(torch.uint8))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(cache_f.view(-1, L + R)[untouched].view(torch.uint8),
+                       sentinel.view(-1, L + R)[untouched].view(torch.uint8))
+    # ... and both agree with float math: rotation of the pairs, then quantisation.
+    ref_cache, ref_q = sentinel.clone(), q_u.clone()
+    fused_qk_rope_concat_and_cache_mla_ref(ql_nope, q_pe, kv_c, k_pe, ref_cache, ref_q, slots, k_scale, q_scale,
+                                           positions, cos, sin, is_neox=is_neox)
+    tol = FP8_TOL if fp8 else TOL[torch.float16]
+    torch.testing.assert_close(q_f.float(), ref_q.float(), **tol)
+    torch.testing.assert_close(cache_f.float(), ref_cache.float(), **tol)
+
+
+@pytest.mark.parametrize("use_tables", [True, False])
+def test_fused_prep_identity_rotation_is_exact(use_tables):
+    """NoPE: a one-row identity table (positions clamped into it) or no tables at all (the constexpr path
+    that skips the rotation) give exactly the unrotated values."""
+    num_tokens, heads = 6, 8
+    ql_nope, q_pe, kv_c, k_pe = prep_inputs(num_tokens, heads, torch.bfloat16)
+    cache = allocate_mla_cache(4, 16, L, R, dtype=torch.bfloat16, device=DEVICE)
+    q_out = poison((num_tokens, heads, L + R), torch.bfloat16, DEVICE)
+    slots = torch.arange(16, 16 + num_tokens, device=DEVICE)
+    if use_tables:
+        cos, sin = identity_rope_tables(R, device=DEVICE)
+        positions = torch.tensor([0, 1, 77, 4095, 10**6, 3], device=DEVICE)
+    else:
+        cos = sin = positions = None
+    fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, None, None, positions,
+                                       cos, sin, is_neox=True)
+    assert torch.equal(q_out, torch.cat([ql_nope, q_pe], -1))
+    assert torch.equal(cache.view(-1, L + R)[slots], torch.cat([kv_c, k_pe], -1))
+
+
+def test_fused_prep_rope_first_order():
+    """``is_nope_first=False`` orders both the query and the cache row ``[rope | nope]``."""
+    num_tokens, heads = 4, 16
+    ql_nope, q_pe, kv_c, k_pe = prep_inputs(num_tokens, heads)
+    cos, sin = rope_cos_sin(64, R, device=DEVICE)
+    positions = torch.tensor([3, 0, 63, 9], device=DEVICE)
+    slots = torch.tensor([17, 16, 40, 63], device=DEVICE)
+    cache = allocate_mla_cache(4, 16, L, R, dtype=torch.float16, device=DEVICE)
+    q_out = poison((num_tokens, heads, L + R), torch.float16, DEVICE)
+    fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, None, None, positions,
+                                       cos, sin, is_neox=False, is_nope_first=False)
+    rot_q, rot_k = q_pe.clone(), k_pe.clone()
+    rotary_embedding(positions, rot_q, rot_k, torch.cat([cos, sin], -1), is_neox=False)
+    assert torch.equal(q_out, torch.cat([rot_q, ql_nope], -1))
+    assert torch.equal(cache.view(-1, L + R)[slots], torch.cat([rot_k, kv_c], -1))
+
+
+def test_fused_prep_feeds_decode():
+    """Decode on what the fused kernel wrote (fp8 query and cache) equals float64 attention on the rotated
+    inputs: the preparation and the decode agree on the row layout and the scales."""
+    heads, seq_len, block_size = 16, 40, 16
+    k_scale, q_scale = scale_tensor(0.05), scale_tensor(0.04)
+    block_table, num_blocks = random_block_table([seq_len], block_size, DEVICE)
+    cache = allocate_mla_cache(num_blocks, block_size, L, R, dtype=FP8, device=DEVICE)
+    pos = torch.arange(seq_len, device=DEVICE)
+    slots = block_table[0, pos // block_size].long() * block_size + pos % block_size
+    ql_nope, q_pe, kv_c, k_pe = prep_inputs(seq_len, heads)
+    cos, sin = rope_cos_sin(seq_len, R, device=DEVICE)
+    q_out = torch.empty(seq_len, heads, L + R, dtype=FP8, device=DEVICE)
+    fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, k_scale, q_scale, pos,
+                                       cos, sin, is_neox=False)
+    last = q_out[-1:]
+    got = mla_decode(last, cache, block_table, torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
+                     sm_scale=0.08, kv_scale=k_scale, q_scale=q_scale)
+    rot_q, rot_k = q_pe.clone(), k_pe.clone()
+    rotary_embedding(pos, rot_q, rot_k, torch.cat([cos, sin], -1), is_neox=False)
+    q64 = last[0].double().cpu() * q_scale.item()
+    rows = cache[block_table[0, pos // block_size].long(), pos % block_size].double().cpu() * k_scale.item()
+    # What was written is the rotated, concatenated inputs at fp8 precision ...
+    torch.testing.assert_close(q64, torch.cat([ql_nope[-1], rot_q[-1]], -1).double().cpu(), atol=0.01, rtol=0.07)
+    torch.testing.assert_close(rows, torch.cat([kv_c, rot_k], -1).double().cpu(), atol=0.01, rtol=0.07)
+    # ... and the decode of it (fp8 operands) matches float64 attention on those values.
+    want, _ = absorbed_f64(q64, rows, L, 0.08)
+    torch.testing.assert_close(got[0].double().cpu(), want, **FP8_TOL)
+
+
+def test_mla_decode_bad_input():
+    cache = allocate_mla_cache(4, 16, L, R, dtype=torch.float16, device=DEVICE)
+    q = torch.randn(2, 8, L + R, dtype=torch.float16, device=DEVICE)
+    bt = torch.ones(2, 2, dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"kv_cache rows have 576 values; expected 560 \(kv_lora_rank \+ rope\)"):
+        mla_decode(q[..., :560], cache, bt, lens, sm_scale=0.1)
+    with pytest.raises(ValueError, match=r"kv_lora_rank=576 must be between 1 and q.shape\[-1\] - 1 \(575\)"):
+        mla_decode(q, cache, bt, lens, kv_lora_rank=576, sm_scale=0.1)
+    with pytest.raises(TypeError, match="kv_cache dtype torch.float32 must equal q's"):
+        mla_decode(q, cache.float(), bt, lens, sm_scale=0.1)
+    with pytest.raises(ValueError, match="kv_scale is required for an fp8 KV cache"):
+        mla_decode(q, cache.to(FP8), bt, lens, sm_scale=0.1)
+    with pytest.raises(ValueError, match="q_scale is required for an fp8 q"):
+        mla_decode(q.to(FP8), cache.to(FP8), bt, lens, sm_scale=0.1, kv_scale=scale_tensor(1.0))
+    with pytest.raises(TypeError, match="an fp8 q .* needs an fp8 kv_cache of the same dtype"):
+        mla_decode(q.to(FP8), cache, bt, lens, sm_scale=0.1, q_scale=scale_tensor(1.0))
+    with pytest.raises(ValueError, match=r"variant='flash' is not supported; supported: packed, per_head"):
+        mla_decode(q, cache, bt, lens, sm_scale=0.1, variant="flash")
+    with pytest.raises(ValueError, match="num_splits must be between 1 and 256, got 0"):
+        mla_decode(q, cache, bt, lens, sm_scale=0.1, num_splits=0)
+    with pytest.raises(ValueError, match=r"block_table \(1 rows\) and seq_lens \(2\) must have one row per request"):
+        mla_decode(q, cache, bt[:1], lens, sm_scale=0.1)
+    with pytest.raises(TypeError, match="seq_lens has dtype torch.int64; supported: int32"):
+        mla_decode(q, cache, bt, lens.long(), sm_scale=0.1)
+    with pytest.raises(ValueError, match=r"out must have shape \(2, 8, 512\), got \(2, 8, 576\)"):
+        mla_decode(q, cache, bt, lens, sm_scale=0.1, out=torch.empty_like(q))
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument: 'sm_scale'"):
+        mla_decode(q, cache, bt, lens)
+
+
+def test_cache_and_prep_bad_input():
+    cache = allocate_mla_cache(4, 16, L, R, dtype=FP8, device=DEVICE)
+    ql_nope, q_pe, kv_c, k_pe = prep_inputs(3, 8)
+    slots = torch.tensor([16, 17, -1], device=DEVICE)
+    q_out = torch.empty(3, 8, L + R, dtype=FP8, device=DEVICE)
+    cos, sin = rope_cos_sin(8, R, device=DEVICE)
+    pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_scale is required for an fp8 KV cache"):
+        concat_and_cache_mla(kv_c, k_pe, cache, slots)
+    with pytest.raises(ValueError, match=r"k_pe must be \[T, R\] \(or \[T, 1, R\]\) with T=3, got \(3, 2, 64\)"):
+        concat_and_cache_mla(kv_c, k_pe[:, None].expand(3, 2, R), cache, slots, kv_scale=scale_tensor(1.0))
+    with pytest.raises(ValueError, match=r"slot_mapping has 2 entries for 3 tokens"):
+        concat_and_cache_mla(kv_c, k_pe, cache, slots[:2], kv_scale=scale_tensor(1.0))
+    with pytest.raises(ValueError, match="q_scale is required for an fp8 KV cache"):
+        fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, scale_tensor(1.0),
+                                           None, pos, cos, sin)
+    with pytest.raises(ValueError, match="positions, cos_cache and sin_cache must be given together"):
+        fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, scale_tensor(1.0),
+                                           scale_tensor(1.0), pos, cos, None)
+    with pytest.raises(ValueError, match=r"cos_cache must have 32 columns, got shape \(8, 64\)"):
+        fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, scale_tensor(1.0),
+                                           scale_tensor(1.0), pos, torch.cat([cos, sin], -1), sin)
+    with pytest.raises(ValueError, match=r"q_out has shape \(3, 8, 576\); dimension 1 must be 4"):
+        fused_qk_rope_concat_and_cache_mla(ql_nope[:, :4], q_pe[:, :4], kv_c, k_pe, cache, q_out, slots,
+                                           scale_tensor(1.0), scale_tensor(1.0), pos, cos, sin)
+    with pytest.raises(TypeError, match="is_nope_first must be a bool, got str"):
+        fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, scale_tensor(1.0),
+                                           scale_tensor(1.0), pos, cos, sin, is_nope_first="yes")
+    with pytest.raises(ValueError, match=r"block_table \(1 rows\) and seq_starts \(2\) must have one entry per "
+                                         r"request of cu_seqlens \(2\)"):
+        gather_mla_cache(cache, torch.ones(1, 2, dtype=torch.int32, device=DEVICE),
+                         cu_seqlens([1, 2], DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                         kv_scale=scale_tensor(1.0))
+    with pytest.raises(TypeError, match="dtype=torch.int8 is not a supported MLA cache dtype"):
+        allocate_mla_cache(2, 16, dtype=torch.int8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_heads,batch,context", [(16, 8, 4096), (128, 4, 2048), (16, 2, 32768)])
+def test_mla_decode_bf16_gpu(num_heads, batch, context, block_size):
+    seq_lens = [context - 3 * i for i in range(batch)]
+    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, torch.bfloat16)
+    q = torch.randn(batch, num_heads, L + R, dtype=torch.bfloat16, device=DEVICE)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_fp8", [False, True])
+def test_mla_decode_fp8_gpu(q_fp8):
+    seq_lens = [4096, 1000, 1]
+    kv_scale = scale_tensor(0.2)
+    cache, block_table, rows = filled_mla_cache(seq_lens, 64, L + R, FP8, kv_scale, magnitude=0.2)
+    q = torch.randn(3, 128, L + R, dtype=torch.bfloat16, device=DEVICE)
+    q_scale = None
+    if q_fp8:
+        q_scale = scale_tensor(0.05)
+        q = quantize(q, FP8, q_scale)
+    check_decode(q, cache, block_table, seq_lens, rows, kv_scale=kv_scale, q_scale=q_scale, tol=FP8_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,heads", [(64, 16), (256, 128)])
+@pytest.mark.parametrize("fp8", [True, False])
+def test_fused_prep_equals_unfused_bf16_gpu(num_tokens, heads, fp8):
+    out_dtype = FP8 if fp8 else torch.bfloat16
+    k_scale, q_scale = (scale_tensor(0.3), scale_tensor(0.2)) if fp8 else (None, None)
+    ql_nope, q_pe, kv_c, k_pe = prep_inputs(num_tokens, heads, torch.bfloat16)
+    cache_f = allocate_mla_cache(num_tokens // 16 + 2, 64, L, R, dtype=out_dtype, device=DEVICE)
+    cache_u = cache_f.clone()
+    slots = torch.randperm(cache_f.shape[0] * 64 - 64, device=DEVICE)[:num_tokens] + 64
+    slots[::7] = -1
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEVICE)
+    cos, sin = rope_cos_sin(8192, R, device=DEVICE)
+    q_f = torch.empty(num_tokens, heads, L + R, dtype=out_dtype, device=DEVICE)
+    q_u = torch.empty_like(q_f)
+    fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache_f, q_f, slots, k_scale, q_scale,
+                                       positions, cos, sin, is_neox=False)
+    unfused_prep(ql_nope, q_pe, kv_c, k_pe, cache_u, q_u, slots, k_scale, q_scale, positions, cos, sin, False)
+    assert torch.equal(cache_f.view(torch.uint8), cache_u.view(torch.uint8))
+    assert torch.equal(q_f.view(torch.uint8), q_u.view(torch.uint8))

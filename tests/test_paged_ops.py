@@ -1,0 +1,105 @@
+"""paged_decode and unified_attention (Triton) against their references; random block tables."""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from helpers import FP8_TOL, TOL, cu_seqlens, filled_cache, poison
+from tripath.ops import paged_decode, unified_attention
+from tripath.ops import reference as R
+
+FP8 = torch.float8_e4m3fn
+
+# (hq, hkv, head_size, block_size, seq_lens, layout, cache dtype, options)
+DECODE_CASES = [
+    (4, 4, 64, 16, [1, 18, 70], "nhd", None, {}),
+    (8, 2, 128, 32, [1328, 5], "nhd", None, {}),
+    (8, 1, 80, 16, [33, 129], "shuffled", None, {}),
+    (5, 1, 96, 16, [40], "nhd", None, {"window_left": 9}),
+    (4, 2, 192, 16, [50, 3], "shuffled", None, {"softcap": 2.0}),
+    (8, 8, 256, 16, [20], "nhd", None, {"alibi": True}),
+    (4, 1, 112, 32, [64, 31], "nhd", None, {"sinks": True}),
+    (4, 2, 64, 16, [90, 7], "nhd", FP8, {}),
+    (4, 2, 64, 16, [45, 100], "shuffled", FP8, {"sinks": True, "window_left": 20}),
+    (4, 4, 64, 1, [7, 3], "nhd", None, {}),
+]
+
+
+def _opts(opts, hq):
+    return dict(window_left=opts.get("window_left", -1), softcap=opts.get("softcap", 0.0),
+                alibi_slopes=torch.rand(hq, device=DEVICE) if opts.get("alibi") else None,
+                sinks=torch.randn(hq, device=DEVICE) if opts.get("sinks") else None)
+
+
+def _scales(cache_dtype):
+    if cache_dtype is None:
+        return None, None
+    return torch.tensor([0.05], device=DEVICE), torch.tensor([0.04], device=DEVICE)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"h{c[0]}/{c[1]}-d{c[2]}-b{c[3]}-{c[5]}"
+                         f"{'-fp8' if c[6] else ''}-{'-'.join(c[7]) or 'plain'}")
+def test_paged_decode(case, num_splits):
+    hq, hkv, d, bs, seq_lens, layout, cache_dtype, opts = case
+    dtype = torch.float16
+    k_scale, v_scale = _scales(cache_dtype)
+    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, hkv, d, block_size=bs, dtype=dtype, cache_dtype=cache_dtype,
+                                              layout=layout, device=DEVICE, k_scale=k_scale, v_scale=v_scale)
+    q = torch.randn(len(seq_lens), hq, d, dtype=dtype, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    kw = _opts(opts, hq)
+    out = poison(q.shape, dtype, DEVICE)
+    got, lse = paged_decode(q, k_cache, v_cache, bt, sl, layout=layout, k_scale=k_scale, v_scale=v_scale,
+                            num_splits=num_splits, out=out, return_lse=True, **kw)
+    want, want_lse = R.paged_decode_ref(q, k_cache, v_cache, bt, sl, layout=layout, k_scale=k_scale,
+                                        v_scale=v_scale, return_lse=True, **kw)
+    tol = TOL[dtype] if cache_dtype is None else FP8_TOL
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)
+
+
+def test_paged_decode_default_splits_and_empty_split():
+    # More splits than tiles: some splits are empty and must not disturb the merge.
+    k_cache, v_cache, bt, _, _ = filled_cache([3, 40], 2, 64, device=DEVICE)
+    q = torch.randn(2, 4, 64, dtype=torch.float16, device=DEVICE)
+    sl = torch.tensor([3, 40], dtype=torch.int32, device=DEVICE)
+    want = R.paged_decode_ref(q, k_cache, v_cache, bt, sl)
+    for splits in (None, 8):
+        got = paged_decode(q, k_cache, v_cache, bt, sl, num_splits=splits)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+
+
+# (hq, hkv, head_size, block_size, [(context, query)], layout, cache dtype, options)
+UNIFIED_CASES = [
+    (4, 4, 64, 16, [(0, 5), (17, 1), (30, 12)], "nhd", None, {}),
+    (8, 2, 128, 32, [(1327, 1), (13, 5), (120, 29)], "nhd", None, {}),
+    (5, 1, 80, 16, [(9, 7), (0, 20)], "shuffled", None, {"window_left": 6}),
+    (4, 2, 256, 16, [(20, 3)], "nhd", None, {"softcap": 2.5, "alibi": True}),
+    (4, 2, 96, 16, [(12, 4), (0, 3)], "nhd", None, {"sinks": True}),
+    (4, 1, 64, 16, [(40, 6), (8, 1)], "shuffled", FP8, {}),
+]
+
+
+@pytest.mark.parametrize("case", UNIFIED_CASES, ids=lambda c: f"h{c[0]}/{c[1]}-d{c[2]}-b{c[3]}-{c[5]}"
+                         f"{'-fp8' if c[6] else ''}-{'-'.join(c[7]) or 'plain'}")
+def test_unified_attention(case):
+    hq, hkv, d, bs, reqs, layout, cache_dtype, opts = case
+    dtype = torch.float16
+    seq_lens = [c + q for c, q in reqs]
+    k_scale, v_scale = _scales(cache_dtype)
+    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, hkv, d, block_size=bs, dtype=dtype, cache_dtype=cache_dtype,
+                                              layout=layout, device=DEVICE, k_scale=k_scale, v_scale=v_scale)
+    q_lens = [q for _, q in reqs]
+    q = torch.randn(sum(q_lens), hq, d, dtype=dtype, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    cq = cu_seqlens(q_lens, DEVICE)
+    kw = _opts(opts, hq)
+    out = poison(q.shape, dtype, DEVICE)
+    got, lse = unified_attention(q, k_cache, v_cache, bt, sl, cq, max(q_lens), layout=layout, k_scale=k_scale,
+                                 v_scale=v_scale, out=out, return_lse=True, **kw)
+    want, want_lse = R.unified_attention_ref(q, k_cache, v_cache, bt, sl, cq, layout=layout, k_scale=k_scale,
+                                             v_scale=v_scale, return_lse=True, **kw)
+    tol = TOL[dtype] if cache_dtype is None else FP8_TOL
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)

@@ -1,0 +1,78 @@
+"""varlen_attention (Triton, interpreter on CPU) against its reference."""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from helpers import TOL, cu_seqlens, poison
+from tripath.ops import reference as R
+from tripath.ops import varlen_attention
+
+# (num_heads, num_kv_heads, head_size, head_size_v, query lens, key lens, options)
+CASES = [
+    (4, 4, 64, 64, [5, 1, 33], [18, 1, 33], {}),
+    (4, 1, 80, 80, [7, 20], [7, 31], {}),
+    (8, 1, 128, 128, [3], [3], {"causal": False}),
+    (5, 1, 96, 96, [9, 4], [12, 4], {"window_left": 4}),
+    (2, 2, 192, 128, [17], [40], {}),  # MLA prefill shapes: qk 192, v 128
+    (4, 2, 256, 256, [6], [10], {"softcap": 3.0}),
+    (4, 2, 112, 112, [8, 2], [8, 9], {"alibi": True}),
+    (4, 4, 64, 64, [5, 3], [9, 3], {"sinks": True}),
+    (4, 2, 32, 32, [6, 6], [6, 20], {"causal": False, "window_left": 2, "alibi": True, "sinks": True}),
+    (4, 2, 64, 64, [129], [463], {}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}/{c[1]}-d{c[2]}-{'-'.join(c[6]) or 'plain'}")
+def test_varlen_attention(case):
+    hq, hkv, d, dv, lq, lk, opts = case
+    dtype = torch.float16
+    q = torch.randn(sum(lq), hq, d, dtype=dtype, device=DEVICE)
+    k = torch.randn(sum(lk), hkv, d, dtype=dtype, device=DEVICE)
+    v = torch.randn(sum(lk), hkv, dv, dtype=dtype, device=DEVICE)
+    kw = dict(causal=opts.get("causal", True), window_left=opts.get("window_left", -1),
+              softcap=opts.get("softcap", 0.0),
+              alibi_slopes=torch.rand(hq, device=DEVICE) if opts.get("alibi") else None,
+              sinks=torch.randn(hq, device=DEVICE) if opts.get("sinks") else None)
+    cq, ck = cu_seqlens(lq, DEVICE), cu_seqlens(lk, DEVICE)
+    out = poison((sum(lq), hq, dv), dtype, DEVICE)
+    got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), out=out, return_lse=True, **kw)
+    want, want_lse = R.varlen_attention_ref(q, k, v, cq, ck, return_lse=True, **kw)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_rows_that_see_nothing_give_zero_and_neg_inf():
+    # 4 queries over 2 keys, bottom-right causal: queries 0 and 1 see no key.
+    q = torch.randn(4, 2, 32, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(2, 2, 32, dtype=torch.float16, device=DEVICE)
+    out, lse = varlen_attention(q, k, k.clone(), cu_seqlens([4], DEVICE), cu_seqlens([2], DEVICE), 4, 2,
+                                return_lse=True)
+    assert torch.all(out[:2] == 0) and torch.all(torch.isneginf(lse[:2]))
+    assert torch.isfinite(lse[2:]).all()
+
+
+def test_q_positions_start_shifts_the_mask():
+    q = torch.randn(3, 2, 32, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(8, 2, 32, dtype=torch.float16, device=DEVICE)
+    v = torch.randn(8, 2, 32, dtype=torch.float16, device=DEVICE)
+    start = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    kw = dict(causal=True, window_left=1, alibi_slopes=torch.rand(2, device=DEVICE))
+    got = varlen_attention(q, k, v, cu_seqlens([3], DEVICE), cu_seqlens([8], DEVICE), 3, 8,
+                           q_positions_start=start, **kw)
+    want = R.varlen_attention_ref(q, k, v, cu_seqlens([3], DEVICE), cu_seqlens([8], DEVICE),
+                                  q_positions_start=start, **kw)
+    default = varlen_attention(q, k, v, cu_seqlens([3], DEVICE), cu_seqlens([8], DEVICE), 3, 8, **kw)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    assert not torch.allclose(got.float(), default.float(), atol=1e-2)
+
+
+def test_float32_inputs():
+    q = torch.randn(6, 2, 48, device=DEVICE)
+    k = torch.randn(9, 1, 48, device=DEVICE)
+    v = torch.randn(9, 1, 48, device=DEVICE)
+    cq, ck = cu_seqlens([6], DEVICE), cu_seqlens([9], DEVICE)
+    got = varlen_attention(q, k, v, cq, ck, 6, 9)
+    want = R.varlen_attention_ref(q, k, v, cq, ck)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
