@@ -132,7 +132,8 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise TypeError("a text prompt needs a tokenizer; this model has none, pass token ids")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
+            encoded = self.tokenizer.encode(prompt)
+            text, token_ids = prompt, list(getattr(encoded, "ids", encoded))  # `tokenizers` returns an Encoding
         else:
             text, token_ids = None, [int(t) for t in prompt]
         number = self.num_requests_added
