@@ -12,11 +12,33 @@ from tripath.kernels.kv_cache import find_sequence
 
 
 @triton.jit
+def round_to_fp8_grid(x, FP8_MAX: tl.constexpr):
+    """fp32 ``x`` (within ±FP8_MAX) rounded to the nearest e4m3 value, ties to even, still in fp32.
+
+    The cast to e4m3 is then exact on every backend; Triton's interpreter otherwise drops the carry when
+    rounding crosses a power of two (7.98 → 4.0). Normal range: keep 3 mantissa bits (round the 20 dropped
+    bits to even); below the smallest normal (2^-6 for e4m3fn, max 448; 2^-7 for e4m3fnuz, max 240) the
+    grid is uniform and ``(x + magic) - magic`` rounds onto it.
+    """
+    if FP8_MAX > 300.0:
+        min_normal: tl.constexpr = 0.015625
+        magic: tl.constexpr = 24576.0  # 1.5 * 2^14: its ulp is 2^-9, e4m3fn's subnormal step
+    else:
+        min_normal: tl.constexpr = 0.0078125
+        magic: tl.constexpr = 12288.0  # 1.5 * 2^13: ulp 2^-10 (e4m3fnuz)
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (tl.abs(x) + magic) - magic
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < min_normal, subnormal, normal)
+
+
+@triton.jit
 def quantize(x, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
-    """``sat(x / scale)`` in fp32 when ``QUANT``, else ``x`` as fp32 (the caller casts to the store dtype)."""
+    """``sat(x / scale)`` on the e4m3 grid (fp32) when ``QUANT``, else ``x`` as fp32 (the caller casts)."""
     x = x.to(tl.float32)
     if QUANT:
-        x = tl.clamp(x / tl.load(scale_ptr), -FP8_MAX, FP8_MAX)
+        x = round_to_fp8_grid(tl.clamp(x / tl.load(scale_ptr), -FP8_MAX, FP8_MAX), FP8_MAX)
     return x
 
 

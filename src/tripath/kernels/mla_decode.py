@@ -18,7 +18,8 @@ With several splits each writes an fp32 partial ``(o_s, lse_s)`` ``[B, H, S, BLO
 import triton
 import triton.language as tl
 
-from tripath.kernels.attention_common import LOG2E, finalize, softmax_update
+from tripath.kernels.attention_common import LOG2E, finalize
+from tripath.kernels.mla_cache import round_to_fp8_grid
 
 
 @triton.jit
@@ -28,6 +29,21 @@ def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
     return lo, hi
+
+
+@triton.jit
+def _softmax_step(s, c_lat, m_i, l_i, acc, P_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Online softmax over one tile: log2-domain scores ``s [M, N]`` (masked entries −inf, each row with at
+    least one valid entry), values ``c_lat [N, L]``. With ``P_FP8`` the probabilities enter the product as
+    e4m3 (rounded onto its grid first, so the cast is exact everywhere)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if P_FP8:
+        p = round_to_fp8_grid(p, FP8_MAX)
+    acc = tl.dot(p.to(c_lat.dtype), c_lat, acc * alpha[:, None])
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -69,7 +85,7 @@ def mla_decode_kernel(
     num_heads, kv_lora_rank, rope_dim, block_size,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, RETURN_LSE: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -106,7 +122,7 @@ def mla_decode_kernel(
         qk = tl.dot(q_lat, tl.trans(c_lat))
         qk = tl.dot(q_pe, tl.trans(c_pe), qk)
         s = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-        m_i, l_i, acc = softmax_update(s, c_lat, m_i, l_i, acc, True)
+        m_i, l_i, acc = _softmax_step(s, c_lat, m_i, l_i, acc, Q_FP8, FP8_MAX)
 
     out, lse = finalize(m_i, l_i, acc, v_scale)
     _store_result(out, lse, seq, heads, split, row_ok, dims_l, kv_lora_rank, out_ptr, lse_ptr,

@@ -367,7 +367,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     flags = dict(NUM_SPLITS=num_splits, BLOCK_L=block_l, BLOCK_R=block_r, KV_FP8=kv_fp8, Q_FP8=q_fp8,
                  RETURN_LSE=return_lse)
     if variant == "packed":
-        launch(mla_decode_kernel, (batch, grid_h, num_splits), *args, BLOCK_H=block_h, **flags, **cfg)
+        launch(mla_decode_kernel, (batch, grid_h, num_splits), *args, BLOCK_H=block_h,
+               FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
     else:
         launch(mla_decode_per_head_kernel, (batch, grid_h, num_splits), *args, **flags, **cfg)
     if num_splits > 1:
