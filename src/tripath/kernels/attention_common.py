@@ -9,7 +9,7 @@ output at the end. Positions: a row's query sits at ``q_pos``, a key at ``k_pos`
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # instantiated: compiled kernels may only read constexpr globals
 
 
 @triton.jit
