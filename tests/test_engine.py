@@ -128,6 +128,42 @@ def test_scheduling_choices_do_not_change_greedy_outputs(pure_torch, name, varia
         assert llm.last_metrics.num_preemptions > 0, "memory was not tight enough to preempt"
 
 
+class ReplayRecorder:
+    """Stands in for a CUDA graph on the CPU: replay re-runs the captured closure (same static inputs, same
+    captured metadata object) and writes into the captured output, as a graph replay would."""
+
+    replays = 0
+
+    def __init__(self, run, hidden):
+        self.run, self.hidden = run, hidden
+
+    def replay(self):
+        ReplayRecorder.replays += 1
+        self.hidden.copy_(self.run())
+
+
+def test_decode_graph_path_pads_and_copies_metadata(monkeypatch):
+    """The CUDA-graph path without a GPU: padded decode batches, metadata copied into the captured one."""
+    def capture(self, run, pool):
+        hidden = run()
+        return ReplayRecorder(run, hidden), hidden, None
+
+    monkeypatch.setattr("tripath.engine.model_runner.ModelRunner._capture", capture)
+    model = preset("tiny-llama")
+    prompts = prompts_with_shared_prefix(n=3, seed=8, shared=0, lo=3, hi=14, vocab=256)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expected = [no_cache_greedy(model, p, params.max_tokens) for p in prompts]
+    assert LLM(model, backend="torch", num_kv_blocks=8).runner.graph_safe_backend is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model, backend="three_path", num_kv_blocks=32, block_size=8, max_num_seqs=4, max_model_len=64)
+    llm.runner.capture_cuda_graphs()
+    assert sorted(llm.runner.graphs) == [1, 2, 4]
+    ReplayRecorder.replays = 0
+    assert greedy_outputs(llm, prompts, params) == expected
+    assert ReplayRecorder.replays == params.max_tokens - 1  # every decode step of 3 requests, padded to 4
+
+
 def test_generate_command_line(pure_torch, capsys):
     status = main_generate(["--model", "tiny-llama", "--prompt", "Hi", "--prompt-ids", "5,6,7", "--max-tokens",
                             "4", "--ignore-eos", "--num-kv-blocks", "32", "--device", "cpu"])

@@ -20,6 +20,7 @@ warm-up prefill of ``max_num_batched_tokens`` tokens.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -172,14 +173,18 @@ class ModelRunner:
                 meta = self.backend.build_metadata(plan, block_table, slots)
                 ctx = ForwardContext(self.backend, meta, self.caches)
                 ids, positions = self._graph_ids[:bs], self._graph_positions[:bs]
-                self.model(ids, positions, ctx)  # warm up: compile kernels outside the capture
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    hidden = self.model(ids, positions, ctx)
-                pool = graph.pool()
+                graph, hidden, pool = self._capture(functools.partial(self.model, ids, positions, ctx), pool)
                 self.graphs[bs] = (graph, meta, hidden)
+
+    def _capture(self, run, pool):
+        """``(graph, static output, pool)`` of ``run`` captured after a warm-up call (kernels compile outside)."""
+        run()
         torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = run()
+        torch.cuda.synchronize(self.device)
+        return graph, hidden, graph.pool()
 
     def _replay(self, bs: int, inputs: StepInputs) -> torch.Tensor:
         graph, meta, hidden = self.graphs[bs]
