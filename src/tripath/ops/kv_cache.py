@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from tripath import _env
 from tripath.kernels.kv_cache import gather_kv_cache_kernel, write_kv_cache_kernel
 from tripath.ops._checks import FLOAT_DTYPES, check_index, check_scale, check_tensor, next_pow2
 from tripath.ops._launch import launch, use_triton
@@ -145,9 +146,17 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         num_kv_heads, head_size, block_size,
         BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_size),
         SHUFFLED=layout == "shuffled", X=shuffle_width(k_cache.dtype),
-        QUANT=quant, FP8_MAX=fp8_max(k_cache.dtype) if quant else 0.0,
+        QUANT=quant, **fp8_store_constexprs(k_cache.dtype),
         num_warps=4,
     )
+
+
+def fp8_store_constexprs(dtype: torch.dtype) -> dict:
+    """Constexprs of :func:`tripath.kernels.quant.fp8_round` for a cache dtype (any dtype; unused if not fp8)."""
+    is_fp8 = dtype in FP8_DTYPES
+    return {"FP8_MAX": fp8_max(dtype) if is_fp8 else 0.0,
+            "EMULATE_RNE": is_fp8 and _env.triton_interpret(),
+            "MIN_NORMAL_EXP": -7.0 if dtype == torch.float8_e4m3fnuz else -6.0}
 
 
 def write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping, *, layout="nhd", k_scale=None,
