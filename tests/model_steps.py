@@ -61,8 +61,8 @@ class PagedRunner:
         ctx = ForwardContext(self.backend, meta, self.caches)
         for j in plan.order:
             self.lens[rids[j]] = context_lens[j] + query_lens[j]
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(positions, dtype=torch.int64, device=dev),
-                ctx, [(rids[j], query_lens[j]) for j in plan.order])
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=dev)  # noqa: E731
+        return as_tensor(ids), as_tensor(positions), ctx, [(rids[j], query_lens[j]) for j in plan.order]
 
     def step(self, new_tokens: dict) -> dict:
         ids, positions, ctx, order = self.prepare(new_tokens)

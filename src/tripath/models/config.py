@@ -264,7 +264,8 @@ def _moe_from_hf(raw: dict, architecture: str) -> MoEConfig | None:
         n_group=int(_get(raw, "n_group", 1)), topk_group=int(_get(raw, "topk_group", 1)),
         norm_topk_prob=bool(_get(raw, "norm_topk_prob", False)),
         routed_scaling_factor=float(_get(raw, "routed_scaling_factor", 1.0)),
-        first_k_dense_replace=int(_get(raw, "first_k_dense_replace", 0)), layer_freq=int(_get(raw, "moe_layer_freq", 1)))
+        first_k_dense_replace=int(_get(raw, "first_k_dense_replace", 0)),
+        layer_freq=int(_get(raw, "moe_layer_freq", 1)))
 
 
 def config_from_hf(raw: dict, *, generation_config: dict | None = None, tokenizer_path: str | None = None,

@@ -136,6 +136,7 @@ def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> No
 
 def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0) -> CausalLM:
     """A model from a local Hugging Face directory or a preset name (random weights from ``seed``)."""
+    path_or_preset = os.fspath(path_or_preset)
     if os.path.isdir(path_or_preset):
         config = load_config(path_or_preset)
         model = build_model(config, dtype=dtype, device=device)
