@@ -290,22 +290,25 @@ def test_bad_settings_and_requests_are_refused(pure_torch, model):
                                           ("tiny-llama", "two_path"), ("tiny-qwen3", "auto"),
                                           ("tiny-deepseek", "auto"), ("tiny-kimi-nope", "auto")])
 def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
-    model = load_model(name, dtype=torch.bfloat16, device="cuda")
-    prompts = prompts_with_shared_prefix(n=24, seed=5, shared=40, lo=10, hi=300, vocab=256)
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    common = dict(backend=backend, max_num_batched_tokens=512, max_num_seqs=24, device="cuda")
+    # float16: graph replays use the padded batch and the full-width block table, so paged decode may
+    # split the context differently from eager steps; bf16 rounding of that could flip near-tied argmaxes.
+    model = load_model(name, dtype=torch.float16, device="cuda")
+    prompts = prompts_with_shared_prefix(n=12, seed=5, shared=40, lo=10, hi=300, vocab=256)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    common = dict(backend=backend, max_num_batched_tokens=512, max_num_seqs=12, device="cuda")
     eager = LLM(model, enforce_eager=True, num_kv_blocks=1024, **common)
     graphs = LLM(model, num_kv_blocks=1024, **common)
-    assert eager.runner.graphs == {} and sorted(graphs.runner.graphs) == [1, 2, 4, 8, 16, 24]
+    assert eager.runner.graphs == {}
+    if graphs.runner.graph_safe_backend:
+        assert sorted(graphs.runner.graphs) == [1, 2, 4, 8, 12]
     expected = greedy_outputs(eager, prompts, params)
     assert greedy_outputs(graphs, prompts, params) == expected
-    tight = LLM(model, num_kv_blocks=80, **common)
+    tight = LLM(model, num_kv_blocks=60, **common)
     assert greedy_outputs(tight, prompts, params) == expected and tight.last_metrics.num_preemptions > 0
     no_prefix = LLM(model, num_kv_blocks=1024, enable_prefix_caching=False, **common)
     assert greedy_outputs(no_prefix, prompts, params) == expected
     measured = LLM(model, gpu_memory_utilization=0.3, **common)
     assert measured.runner.num_blocks > 1000
     fp8 = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=1024, **common)
-    fp8_out = greedy_outputs(fp8, prompts, params)
-    assert all(len(o) == params.max_tokens for o in fp8_out)
+    assert all(len(o) == params.max_tokens for o in greedy_outputs(fp8, prompts, params))
     print(name, graphs.backend_name, graphs.last_metrics.summary())
