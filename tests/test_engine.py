@@ -178,6 +178,30 @@ def test_generate_command_line(pure_torch, capsys):
         main_generate(["--model", "tiny-llama", "--prompt-ids", "1,x"])
 
 
+def test_runner_inputs_follow_the_plan_order(pure_torch, model):
+    from tripath.engine.request import Request
+    from tripath.engine.scheduler import ScheduledRequest
+
+    llm = LLM(model, backend="torch", num_kv_blocks=32, block_size=4)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prefill = Request([11, 12, 13], params, block_ids=[7])
+    decode = Request([21, 22, 23, 24, 25], params, block_ids=[3, 9], num_computed_tokens=4)
+    extend = Request(list(range(30, 40)), params, block_ids=[5, 2, 8], num_computed_tokens=4)
+    scheduled = [ScheduledRequest(prefill, 3, 0), ScheduledRequest(decode, 1, 4), ScheduledRequest(extend, 4, 4)]
+    inputs = llm.runner.prepare(scheduled)
+    assert inputs.plan.order == [1, 2, 0]  # [decode | extend | prefill]
+    assert inputs.input_ids.tolist() == [25, 34, 35, 36, 37, 11, 12, 13]
+    assert inputs.positions.tolist() == [4, 4, 5, 6, 7, 0, 1, 2]
+    assert inputs.slot_mapping.tolist() == [9 * 4, 2 * 4, 2 * 4 + 1, 2 * 4 + 2, 2 * 4 + 3, 28, 29, 30]
+    assert inputs.block_table.tolist() == [[3, 9, 0], [5, 2, 8], [7, 0, 0]]
+    assert inputs.block_table.dtype == torch.int32 and inputs.slot_mapping.dtype == torch.int64
+    # The extend stops mid-prompt (no token sampled); logits rows are the decode's and the prefill's last.
+    assert inputs.logit_indices.tolist() == [0, 7] and inputs.sample_rows == [1, 0]
+    padded = llm.runner.prepare(scheduled[1:2], pad_to=4)
+    assert padded.positions.tolist() == [4, 1, 1, 1] and padded.slot_mapping.tolist() == [36, -1, -1, -1]
+    assert padded.block_table.shape == (4, llm.runner.max_blocks_per_seq) and padded.block_table[1:].eq(0).all()
+
+
 def test_seeded_sampling_is_reproducible_and_survives_preemption(pure_torch, model):
     prompts = prompts_with_shared_prefix(n=6, seed=3, shared=4, lo=5, hi=20)
     params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.95, seed=100 + i, ignore_eos=True)
