@@ -97,7 +97,11 @@ class AttentionMetadata:
     extra: dict = field(default_factory=dict)
 
     def copy_(self, other: "AttentionMetadata") -> "AttentionMetadata":
-        """Copy ``other``'s step tensors into this one's, in place (same shapes; CUDA-graph replay)."""
+        """Copy ``other``'s step tensors into this one's, in place (same shapes; CUDA-graph replay).
+
+        Only tensors are copied: host ints (``max_seq_len``, the decode split count, …) keep the values
+        of the captured step, so a captured decode launch depends on tensor contents alone. Capture with a
+        fixed ``decode_num_splits`` and a block table as wide as the longest sequence you will replay."""
         for name in ("slot_mapping", "block_table", "seq_lens", "context_lens", "cu_seqlens_q"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine.shape != theirs.shape:

@@ -91,8 +91,8 @@ class AttentionSpec:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.decode_threshold < 1:
             raise ValueError(f"decode_threshold must be >= 1, got {self.decode_threshold}")
-        if self.extend_chunk_budget < self.block_size:
-            raise ValueError(f"extend_chunk_budget ({self.extend_chunk_budget}) must be at least block_size")
+        if self.extend_chunk_budget < 1:
+            raise ValueError(f"extend_chunk_budget must be positive, got {self.extend_chunk_budget}")
         if self.window_left < -1 or self.softcap < 0:
             raise ValueError("window_left must be >= -1 and softcap >= 0")
 

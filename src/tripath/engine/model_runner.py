@@ -2,7 +2,7 @@
 
 Per step (host work once, shared by every layer):
 
-- ``plan = plan_batch(query_lens, context_lens)`` reorders the requests ``[decode | extend | prefill]``;
+- ``plan = backend.plan(query_lens, context_lens)`` reorders the requests ``[decode | extend | prefill]``;
 - flat ``input_ids [T]`` / ``positions [T]`` int64, the new tokens request by request in plan order;
 - ``block_table [B, max_blocks]`` int32 (rows in plan order, unused entries 0: block 0 is reserved) and
   ``slot_mapping [T]`` int64, ``block_ids[p // block_size] * block_size + p % block_size`` of position ``p``;
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tripath.attention import ForwardContext, plan_batch, select_backend
+from tripath.attention import ForwardContext, select_backend
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from tripath.engine.sampler import sample
@@ -72,8 +72,7 @@ class ModelRunner:
     def graph_safe_backend(self) -> bool:
         """Whether the backend's forward reads only device tensors of the metadata (graph replay can change
         them). The reference backend loops over the plan's host lists, so it is not."""
-        caps = self.backend.capabilities
-        return getattr(caps, "cuda_graphs", caps.needs_triton)
+        return self.backend.capabilities.cuda_graphs
 
     # ---- inputs -------------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepInputs:
@@ -84,8 +83,7 @@ class ModelRunner:
         num_padding = 0 if pad_to is None else pad_to - len(scheduled)
         query_lens += [1] * num_padding
         context_lens += [1] * num_padding
-        plan = plan_batch(query_lens, context_lens, decode_threshold=self.spec.decode_threshold,
-                          chunk_budget=self.spec.extend_chunk_budget, block_size=self.block_size)
+        plan = self.backend.plan(query_lens, context_lens)
         bs = self.block_size
         width = self.max_blocks_per_seq if pad_to is not None else max(
             (len(s.request.block_ids) for s in scheduled), default=1)
@@ -166,8 +164,7 @@ class ModelRunner:
         pool = None
         with torch.inference_mode():
             for bs in sorted(sizes, reverse=True):
-                plan = plan_batch([1] * bs, [1] * bs, decode_threshold=self.spec.decode_threshold,
-                                  chunk_budget=self.spec.extend_chunk_budget, block_size=self.block_size)
+                plan = self.backend.plan([1] * bs, [1] * bs)
                 block_table = torch.zeros(bs, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
                 slots = torch.full((bs,), -1, dtype=torch.int64, device=self.device)
                 meta = self.backend.build_metadata(plan, block_table, slots)
@@ -230,8 +227,7 @@ class ModelRunner:
         need = [blocks_needed(n, self.block_size) for n in lens]
         num_blocks = sum(need) + 1
         caches = [self.backend.allocate_cache(num_blocks, self.device) for _ in range(self.num_layers)]
-        plan = plan_batch(lens, [0] * len(lens), decode_threshold=self.spec.decode_threshold,
-                          chunk_budget=self.spec.extend_chunk_budget, block_size=self.block_size)
+        plan = self.backend.plan(lens, [0] * len(lens))
         block_table = torch.zeros(len(lens), max(need), dtype=torch.int32)
         slots, next_block = [], 1
         for row, n in enumerate(lens):

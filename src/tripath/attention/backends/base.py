@@ -14,7 +14,7 @@ import torch
 
 from tripath import _env
 from tripath.attention.metadata import AttentionMetadata, build_metadata
-from tripath.attention.planner import BatchPlan
+from tripath.attention.planner import BatchPlan, plan_batch
 from tripath.attention.spec import AttentionSpec, KVCache
 from tripath.ops._checks import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache
@@ -25,7 +25,9 @@ ALL_FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8_kv"})
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend supports. ``needs_triton``: its kernels need a GPU or ``TRITON_INTERPRET=1``."""
+    """What a backend supports. ``needs_triton``: its kernels need a GPU or ``TRITON_INTERPRET=1``;
+    ``cuda_graphs``: its decode-only forward has no host work that depends on the step's values, so it can
+    be captured once and replayed after :meth:`AttentionMetadata.copy_`."""
 
     head_sizes: tuple[int, int] = (MIN_HEAD_SIZE, MAX_HEAD_SIZE)
     dtypes: frozenset = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -34,6 +36,7 @@ class Capabilities:
     mha: bool = True
     mla: bool = False
     needs_triton: bool = True
+    cuda_graphs: bool = True
     max_decode_threshold: int = 64
 
 
@@ -107,6 +110,12 @@ class AttentionBackend:
         return KVCache(k, v, spec.kv_layout, ones, ones.clone())
 
     # -- per step --------------------------------------------------------------------------------------
+    def plan(self, query_lens, context_lens) -> BatchPlan:
+        """:func:`plan_batch` with this spec's decode threshold, chunk budget and block size."""
+        spec = self.spec
+        return plan_batch(query_lens, context_lens, decode_threshold=spec.decode_threshold,
+                          chunk_budget=spec.extend_chunk_budget, block_size=spec.block_size)
+
     def build_metadata(self, plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
                        decode_num_splits: int | None = None) -> AttentionMetadata:
         """Once per step; every layer's forward reuses the result."""

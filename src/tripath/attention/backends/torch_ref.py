@@ -45,7 +45,7 @@ class TorchBackend(AttentionBackend):
     every row, like the backends that attend through the cache (``unified``, ``two_path``)."""
 
     name = "torch"
-    capabilities = Capabilities(mla=True, needs_triton=False)
+    capabilities = Capabilities(mla=True, needs_triton=False, cuda_graphs=False)
 
     def __init__(self, spec, device="cpu", *, new_kv_from_cache: bool = False):
         super().__init__(spec, device)

@@ -1,0 +1,128 @@
+"""Every backend against ``torch`` on named batches; ``torch`` against float64 math; selection."""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from helpers import FP8_TOL, TOL, naive_attention
+from tripath.attention import AttentionSpec, BackendUnavailableError, explain, select_backend
+from tripath.attention.backends.torch_ref import TorchBackend
+from tripath.bench.batches import make_step
+
+# (context_len, query_len) per request, in arrival order (the plan reorders them)
+BATCHES = {
+    "decode_only": [(37, 1), (5, 1), (70, 1)],
+    "prefill_only": [(0, 9), (0, 30)],
+    "extend_only": [(50, 6), (17, 12)],
+    "mixed": [(40, 1), (0, 9), (70, 12), (5, 1), (33, 5), (0, 1)],
+}
+SPECS = {
+    "gqa4": dict(num_heads=8, num_kv_heads=2, head_size=64),
+    "mha-d80-shuffled": dict(num_heads=2, num_kv_heads=2, head_size=80, kv_layout="shuffled"),
+    "mqa-fp8": dict(num_heads=4, num_kv_heads=1, head_size=64, kv_cache_dtype="fp8"),
+    "window-sinks": dict(num_heads=4, num_kv_heads=2, head_size=64, window_left=12, use_sinks=True),
+    "alibi-softcap-b32": dict(num_heads=5, num_kv_heads=1, head_size=96, use_alibi=True, softcap=4.0,
+                              block_size=32),
+}
+
+
+def _run(backend, step):
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    cache = step.fresh_cache()
+    out = backend.forward(step.q, step.k, step.v, cache, meta, alibi_slopes=step.alibi_slopes, sinks=step.sinks)
+    return out, cache
+
+
+@pytest.mark.parametrize("spec_name", list(SPECS))
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("name", ["three_path", "unified", "two_path"])
+def test_backend_matches_torch(name, batch, spec_name):
+    # a 24-token chunk budget: the extends' contexts take several chunks
+    spec = AttentionSpec(dtype=torch.float16, extend_chunk_budget=24, **SPECS[spec_name])
+    backend = select_backend(spec, name, DEVICE)
+    step = make_step(spec, BATCHES[batch], backend, device=DEVICE, seed=hash((batch, spec_name)) % 1000)
+    if batch in ("extend_only", "mixed"):
+        assert step.plan.extend_chunks.num_chunks >= 2
+    reference = TorchBackend(spec, DEVICE, new_kv_from_cache=name != "three_path")
+    got, got_cache = _run(backend, step)
+    want, want_cache = _run(reference, step)
+    tol = FP8_TOL if spec.kv_cache_dtype == "fp8" else TOL[spec.dtype]
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # the step's new K/V landed in the cache exactly as the reference wrote them
+    assert torch.equal(got_cache.k_cache.view(torch.uint8), want_cache.k_cache.view(torch.uint8))
+    assert torch.equal(got_cache.v_cache.view(torch.uint8), want_cache.v_cache.view(torch.uint8))
+
+
+def test_torch_backend_matches_float64():
+    spec = AttentionSpec(4, 2, 32, dtype=torch.float32, window_left=6, use_sinks=True, use_alibi=True)
+    backend = select_backend(spec, "torch", "cpu")
+    reqs = [(10, 1), (0, 5), (7, 4)]
+    gen = torch.Generator().manual_seed(1)
+    step = make_step(spec, reqs, backend)
+    out, cache = _run(backend, step)
+    # recover each request's keys/values from the cache (context) and the step (new tokens)
+    from tripath.ops.kv_cache import as_nhd
+    k_nhd, v_nhd = as_nhd(cache.k_cache, cache.v_cache, "nhd")
+    at = 0
+    for j, (qlen, ctx) in enumerate(zip(step.plan.query_lens, step.plan.context_lens)):
+        pos = torch.arange(ctx + qlen)
+        blocks = step.block_table[j, pos // spec.block_size].long()
+        keys, vals = k_nhd[blocks, pos % spec.block_size], v_nhd[blocks, pos % spec.block_size]
+        want, _ = naive_attention(step.q[at:at + qlen], keys, vals, q_start=ctx, window_left=6,
+                                  alibi_slopes=step.alibi_slopes, sinks=step.sinks)
+        torch.testing.assert_close(out[at:at + qlen].double(), want, atol=1e-5, rtol=1e-5)
+        at += qlen
+    del gen
+
+
+def test_long_extend_many_chunks_three_path():
+    spec = AttentionSpec(4, 1, 64, dtype=torch.float16, extend_chunk_budget=32, block_size=16)
+    backend = select_backend(spec, "three_path", DEVICE)
+    step = make_step(spec, [(300, 7), (45, 3)], backend, device=DEVICE)
+    assert step.plan.extend_chunks.num_chunks == 19
+    got, _ = _run(backend, step)
+    want, _ = _run(TorchBackend(spec, DEVICE), step)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+
+
+def test_auto_selection_and_reasons(monkeypatch):
+    spec = AttentionSpec(8, 2, 64)
+    assert select_backend(spec, "auto", DEVICE).name == "three_path"  # GPU or interpreter
+    monkeypatch.setenv("TRIPATH_ATTENTION_BACKEND", "unified")
+    assert select_backend(spec, "auto", DEVICE).name == "unified"
+    monkeypatch.delenv("TRIPATH_ATTENTION_BACKEND")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cpu = select_backend(spec, "auto", "cpu")
+    assert cpu.name == "torch"
+    assert "need a CUDA/ROCm device or TRITON_INTERPRET=1" in cpu.rejected["three_path"][0]
+    with pytest.raises(BackendUnavailableError, match="three_path: its Triton kernels need"):
+        select_backend(spec, "three_path", "cpu")
+
+
+def test_selection_rejects_with_explanations():
+    spec = AttentionSpec(8, 2, 64, decode_threshold=3)
+    reasons = explain(spec, DEVICE)
+    assert reasons["three_path"] == [] and reasons["unified"] == []
+    assert reasons["two_path"] == ["decode_threshold 3 > 1"]
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        select_backend(spec, "fast", DEVICE)
+
+
+def test_speculative_decode_rows_three_path():
+    spec = AttentionSpec(4, 2, 64, dtype=torch.float16, decode_threshold=3)
+    backend = select_backend(spec, "three_path", DEVICE)
+    step = make_step(spec, [(20, 3), (9, 2), (0, 4), (30, 6)], backend, device=DEVICE)
+    assert step.plan.num_decodes == 2 and not backend.build_metadata(
+        step.plan, step.block_table, step.slot_mapping).decode.single_token
+    got, _ = _run(backend, step)
+    want, _ = _run(TorchBackend(spec, DEVICE), step)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+
+
+def test_forward_requires_declared_per_head_tensors():
+    spec = AttentionSpec(4, 2, 64, dtype=torch.float16, use_sinks=True)
+    backend = select_backend(spec, "torch", "cpu")
+    step = make_step(spec, [(4, 1)], backend)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    with pytest.raises(ValueError, match="pass sinks"):
+        backend.forward(step.q, step.k, step.v, step.fresh_cache(), meta)
