@@ -19,18 +19,38 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
             "matrix_instr_nonkdim": 16}
 
 
-def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_elem_bytes: int) -> dict:
-    """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step."""
+def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_elem_bytes: int,
+                      q_fp8: bool = False) -> dict:
+    """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step.
+
+    Chosen from compiles for sm_90 / gfx942 / gfx950 (no spills, within shared memory / LDS, every product
+    on the matrix units). H200: a 64-head tile runs as wgmma with a ``[64, 512]`` fp32 accumulator over 8
+    warps; an fp8 cache read by a 16-bit query converts each tile in registers, which spills at 64 heads,
+    so that case packs 32 (an fp8 query multiplies the fp8 tiles directly and keeps 64). AMD: 8 waves cap
+    a thread at 256 VGPRs, so the wide accumulators use 4 waves and ``waves_per_eu=1`` (up to 512); fp8
+    MFMA needs ``K >= 32``, so an fp8 query takes 32-row tiles.
+    """
     if platform.backend == "cpu":
         return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    wide = kv_lora_rank > 256
+    kv_fp8 = kv_elem_bytes == 1
+    converts = kv_fp8 and not q_fp8
+    few = num_heads <= FEW_HEADS
     if platform.is_hip:
-        if num_heads <= FEW_HEADS:
-            return {"BLOCK_H": 16, "BLOCK_N": 32 if wide else 64, **_amd(4, 2, 2)}
-        big_lds = platform.arch == "gfx950"
-        return {"BLOCK_H": 64 if big_lds else 32, "BLOCK_N": 16 if wide else 32, **_amd(8 if big_lds else 4, 2, 1)}
-    if num_heads <= FEW_HEADS:
-        return {"BLOCK_H": 16, "BLOCK_N": 32 if wide else 64, "num_warps": 4, "num_stages": 3}
+        gfx950 = platform.arch == "gfx950"
+        if few:
+            if kv_fp8:
+                return {"BLOCK_H": 16, "BLOCK_N": 32, **_amd(4, 2, 1)}
+            return {"BLOCK_H": 16, "BLOCK_N": 32, **_amd(8, 2, 2)}
+        if q_fp8:
+            return {"BLOCK_H": 64, "BLOCK_N": 32, **_amd(8, 2, 1)} if gfx950 else \
+                {"BLOCK_H": 32, "BLOCK_N": 32, **_amd(4, 2, 1)}
+        if gfx950 and not converts:
+            return {"BLOCK_H": 64, "BLOCK_N": 16, **_amd(8, 2, 1)}
+        return {"BLOCK_H": 32, "BLOCK_N": 16, **_amd(4, 2, 1)}
+    if few:
+        return {"BLOCK_H": 16, "BLOCK_N": 32 if kv_lora_rank > 256 else 64, "num_warps": 4, "num_stages": 3}
+    if converts:
+        return {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 

@@ -339,7 +339,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                                   device=device)
     platform = current_platform(device)
     if variant == "packed":
-        cfg = dict(_mla_configs.mla_decode_config(platform, num_heads, kv_lora_rank, kv_cache.element_size()))
+        cfg = dict(_mla_configs.mla_decode_config(platform, num_heads, kv_lora_rank, kv_cache.element_size(),
+                                                  q_fp8))
         block_h = cfg.pop("BLOCK_H")
         grid_h = -(-num_heads // block_h)
     else:
