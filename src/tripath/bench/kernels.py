@@ -1,0 +1,200 @@
+"""``tripath bench kernels``: every MHA op on the ANCHORS.md shapes beside its floor and PyTorch SDPA.
+
+Floors are measured in the same run: device-to-device copy bandwidth (bytes read + written) for the
+memory-bound decode, an 8192³ bf16 matmul for the compute-bound prefill. Bytes of a decode: K + V of
+every context token, read once. FLOPs of a causal prefill: ``4 · S² · H · D / 2`` per sequence.
+Times are medians of ``triton.testing.do_bench``. Each op is checked against its reference once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tripath.attention import AttentionSpec, select_backend
+from tripath.bench.batches import make_step
+from tripath.ops import paged_decode, varlen_attention
+from tripath.ops.kv_cache import allocate_kv_cache
+
+
+@dataclass
+class Row:
+    table: str
+    shape: str
+    impl: str
+    us: float
+    metric: float  # GB/s or TF/s
+    unit: str
+    note: str = ""
+
+
+@dataclass
+class Report:
+    device: str
+    copy_gbps: float = 0.0
+    matmul_tflops: float = 0.0
+    rows: list[Row] = field(default_factory=list)
+
+
+def _bench(fn, reps_ms: int = 200) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=25, rep=reps_ms, return_mode="median")) * 1e3  # us
+
+
+def measure_floors(report: Report) -> None:
+    n = 1 << 29  # 1 GiB of bf16
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = _bench(lambda: dst.copy_(src))
+    report.copy_gbps = 2 * n * 2 / (us * 1e-6) / 1e9
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    us = _bench(lambda: a @ b)
+    report.matmul_tflops = 2 * 8192 ** 3 / (us * 1e-6) / 1e12
+
+
+def _random_table(batch: int, ctx: int, block_size: int, device) -> tuple[torch.Tensor, int]:
+    per = -(-ctx // block_size)
+    num_blocks = batch * per + 1
+    perm = torch.randperm(num_blocks - 1, device=device)[: batch * per] + 1
+    return perm.view(batch, per).to(torch.int32), num_blocks
+
+
+def bench_decode(report: Report, shapes=((64, 1024), (64, 4096), (64, 16384), (8, 32768)),
+                 heads=(32, 8), head_size=128, block_size=16, layouts=("nhd", "shuffled")) -> None:
+    hq, hkv = heads
+    dev = torch.device("cuda")
+    for batch, ctx in shapes:
+        table, num_blocks = _random_table(batch, ctx, block_size, dev)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = torch.randn(batch, hq, head_size, dtype=torch.bfloat16, device=dev)
+        nbytes = 2 * batch * ctx * hkv * head_size * 2
+        shape = f"{batch} × {ctx}"
+        for layout in layouts:
+            k_cache, v_cache = allocate_kv_cache(num_blocks, block_size, hkv, head_size, dtype=torch.bfloat16,
+                                                 layout=layout, device=dev)
+            k_cache.normal_()
+            v_cache.normal_()
+            out = torch.empty_like(q)
+            us = _bench(lambda: paged_decode(q, k_cache, v_cache, table, seq_lens, layout=layout, out=out))
+            report.rows.append(Row("decode", shape, f"tripath paged_decode ({layout})", us,
+                                   nbytes / (us * 1e-6) / 1e9, "GB/s"))
+            del k_cache, v_cache
+        k = torch.randn(batch, hkv, ctx, head_size, dtype=torch.bfloat16, device=dev)
+        v = torch.randn_like(k)
+        qs = q.view(batch, hq, 1, head_size)
+        us = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+        report.rows.append(Row("decode", shape, "PyTorch SDPA (contiguous K/V)", us, nbytes / (us * 1e-6) / 1e9,
+                               "GB/s"))
+        del k, v
+        torch.cuda.empty_cache()
+
+
+def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), heads=(32, 8), head_size=128) -> None:
+    hq, hkv = heads
+    dev = torch.device("cuda")
+    for batch, seq in shapes:
+        q = torch.randn(batch * seq, hq, head_size, dtype=torch.bfloat16, device=dev)
+        k = torch.randn(batch * seq, hkv, head_size, dtype=torch.bfloat16, device=dev)
+        v = torch.randn_like(k)
+        cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=dev)
+        flops = batch * 4 * seq * seq * hq * head_size / 2
+        out = torch.empty_like(q)
+        us = _bench(lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True, out=out))
+        shape = f"{batch} × {seq}"
+        report.rows.append(Row("prefill", shape, "tripath varlen_attention", us, flops / (us * 1e-6) / 1e12, "TF/s"))
+        qs = q.view(batch, seq, hq, head_size).transpose(1, 2)
+        ks = k.view(batch, seq, hkv, head_size).transpose(1, 2)
+        vs = v.view(batch, seq, hkv, head_size).transpose(1, 2)
+        us = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                                              enable_gqa=True))
+        report.rows.append(Row("prefill", shape, "PyTorch SDPA", us, flops / (us * 1e-6) / 1e12, "TF/s"))
+
+
+MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
+
+
+def bench_mixed(report: Report, backends=("three_path", "unified", "two_path"), layout="nhd") -> None:
+    spec = AttentionSpec(32, 8, 128, dtype=torch.bfloat16, kv_layout=layout)
+    dev = torch.device("cuda")
+    ref = select_backend(spec, "three_path", dev)
+    step = make_step(spec, MIXED_STEP, ref, device=dev)
+    for name in backends:
+        backend = select_backend(spec, name, dev)
+        meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+        cache = step.fresh_cache()
+        out = torch.empty(step.q.shape[0], 32, 128, dtype=torch.bfloat16, device=dev)
+        us = _bench(lambda: backend.forward(step.q, step.k, step.v, cache, meta, out=out))
+        report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{name} ({layout})", us, us / 1e3, "ms"))
+        del cache
+    torch.cuda.empty_cache()
+
+
+def check_correctness(report: Report) -> None:
+    """One quick agreement check per op at benchmark dtype (bf16) before timing."""
+    from tripath.ops import reference as R
+    dev = torch.device("cuda")
+    table, nb = _random_table(4, 777, 16, dev)
+    kc, vc = allocate_kv_cache(nb, 16, 8, 128, dtype=torch.bfloat16, device=dev)
+    kc.normal_()
+    vc.normal_()
+    q = torch.randn(4, 32, 128, dtype=torch.bfloat16, device=dev)
+    sl = torch.tensor([777, 1, 500, 64], dtype=torch.int32, device=dev)
+    err = (paged_decode(q, kc, vc, table, sl).float() - R.paged_decode_ref(q, kc, vc, table, sl).float()).abs().max()
+    if err > 2e-2:
+        raise AssertionError(f"paged_decode disagrees with its reference on the GPU (max error {err:.3g})")
+
+
+def format_report(report: Report) -> str:
+    lines = [f"GPU: {report.device}. Floors measured in this run: copy **{report.copy_gbps:.0f} GB/s** "
+             f"(read + write), bf16 8192³ matmul **{report.matmul_tflops:.0f} TFLOP/s**.", ""]
+    for table, title in (("decode", "Paged decode, 32/8/128, block 16, bf16, random block order"),
+                         ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
+                         ("mixed", "Mixed step (ANCHORS.md), 32/8/128, bf16, one forward incl. KV write")):
+        rows = [r for r in report.rows if r.table == table]
+        if not rows:
+            continue
+        lines += [f"### {title}", ""]
+        if table == "mixed":
+            lines += ["| backend | time |", "|---|---|"]
+            lines += [f"| {r.impl} | {r.us:.0f} µs |" for r in rows]
+        else:
+            floor = report.copy_gbps if table == "decode" else report.matmul_tflops
+            lines += [f"| shape | implementation | time | {rows[0].unit} | % of floor |", "|---|---|---|---|---|"]
+            lines += [f"| {r.shape} | {r.impl} | {r.us:.1f} µs | {r.metric:.0f} | {100 * r.metric / floor:.0f}% |"
+                      for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run(sections=("decode", "prefill", "mixed")) -> Report:
+    if not torch.cuda.is_available():
+        raise SystemExit("tripath bench kernels needs a GPU (use `tripath bench` on a CPU)")
+    report = Report(device=torch.cuda.get_device_name())
+    torch.manual_seed(0)
+    check_correctness(report)
+    measure_floors(report)
+    if "decode" in sections:
+        bench_decode(report)
+    if "prefill" in sections:
+        bench_prefill(report)
+    if "mixed" in sections:
+        bench_mixed(report)
+    return report
+
+
+def main_kernels(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="tripath bench kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=["decode", "prefill", "mixed"],
+                        choices=["decode", "prefill", "mixed"])
+    parser.add_argument("--out", help="also write the markdown tables to this file")
+    args = parser.parse_args(argv)
+    text = format_report(run(tuple(args.only)))
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0

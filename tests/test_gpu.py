@@ -1,0 +1,94 @@
+"""GPU suite (bf16, fp8, large shapes, 100K+ contexts): run through the device tool with ``-m gpu``."""
+
+import pytest
+import torch
+
+from helpers import FP8_TOL, TOL, cu_seqlens, filled_cache, poison
+from tripath.attention import AttentionSpec, select_backend
+from tripath.attention.backends.torch_ref import TorchBackend
+from tripath.bench.batches import make_step
+from tripath.ops import paged_decode, unified_attention, varlen_attention
+from tripath.ops import reference as R
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("hq,hkv,d,dv", [(32, 8, 128, 128), (8, 1, 64, 64), (5, 1, 80, 80), (4, 4, 96, 96),
+                                         (4, 2, 112, 112), (16, 16, 192, 128), (4, 2, 256, 256), (4, 4, 160, 160)])
+@pytest.mark.parametrize("lens", [([1, 5, 129], [1328, 18, 463]), ([300, 1000], [300, 1000])])
+def test_varlen_bf16(hq, hkv, d, dv, lens):
+    lq, lk = lens
+    q = torch.randn(sum(lq), hq, d, dtype=BF16, device=DEV)
+    k = torch.randn(sum(lk), hkv, d, dtype=BF16, device=DEV)
+    v = torch.randn(sum(lk), hkv, dv, dtype=BF16, device=DEV)
+    cq, ck = cu_seqlens(lq, DEV), cu_seqlens(lk, DEV)
+    for kw in (dict(causal=True), dict(causal=False, window_left=100, softcap=20.0),
+               dict(causal=True, alibi_slopes=torch.rand(hq, device=DEV), sinks=torch.randn(hq, device=DEV))):
+        out = poison((sum(lq), hq, dv), BF16, DEV)
+        got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), out=out, return_lse=True, **kw)
+        want, want_lse = R.varlen_attention_ref(q, k, v, cq, ck, return_lse=True, **kw)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[BF16])
+        torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("layout", ["nhd", "shuffled"])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(32, 8, 128, 16), (8, 1, 64, 32), (16, 2, 256, 16), (5, 1, 80, 16),
+                                         (4, 4, 192, 64)])
+def test_paged_bf16_and_fp8(layout, fp8, hq, hkv, d, bs):
+    seq_lens = [1, 1328, 4097, 37]
+    cache_dtype = torch.float8_e4m3fn if fp8 else BF16
+    ks = torch.tensor([0.05], device=DEV) if fp8 else None
+    vs = torch.tensor([0.04], device=DEV) if fp8 else None
+    kc, vc, bt, _, _ = filled_cache(seq_lens, hkv, d, block_size=bs, dtype=BF16, cache_dtype=cache_dtype,
+                                    layout=layout, device=DEV, k_scale=ks, v_scale=vs)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    tol = FP8_TOL if fp8 else TOL[BF16]
+    q = torch.randn(len(seq_lens), hq, d, dtype=BF16, device=DEV)
+    for kw in (dict(), dict(window_left=511, sinks=torch.randn(hq, device=DEV)), dict(softcap=10.0)):
+        for splits in (None, 1, 7):
+            got = paged_decode(q, kc, vc, bt, sl, layout=layout, k_scale=ks, v_scale=vs, num_splits=splits,
+                               out=poison(q.shape, BF16, DEV), **kw)
+            want = R.paged_decode_ref(q, kc, vc, bt, sl, layout=layout, k_scale=ks, v_scale=vs, **kw)
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+    q_lens = [1, 300, 5, 37]
+    qu = torch.randn(sum(q_lens), hq, d, dtype=BF16, device=DEV)
+    cq = cu_seqlens(q_lens, DEV)
+    got = unified_attention(qu, kc, vc, bt, sl, cq, 300, layout=layout, k_scale=ks, v_scale=vs)
+    want = R.unified_attention_ref(qu, kc, vc, bt, sl, cq, layout=layout, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+LONG = [(100_000, 1), (4096, 1), (120_000, 16), (3000, 64), (0, 700), (0, 1)]
+
+
+@pytest.mark.parametrize("name", ["three_path", "unified", "two_path"])
+@pytest.mark.parametrize("layout", ["nhd", "shuffled"])
+def test_backends_100k_contexts(name, layout):
+    spec = AttentionSpec(32, 8, 128, dtype=BF16, kv_layout=layout, extend_chunk_budget=32768)
+    backend = select_backend(spec, name, DEV)
+    step = make_step(spec, LONG, backend, device=DEV)
+    if name == "three_path":
+        assert step.plan.extend_chunks.num_chunks >= 4
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    got = backend.forward(step.q, step.k, step.v, step.fresh_cache(), meta)
+    ref_meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    want = TorchBackend(spec, DEV).forward(step.q, step.k, step.v, step.fresh_cache(), ref_meta)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[BF16])
+
+
+@pytest.mark.parametrize("name", ["three_path", "unified", "two_path"])
+def test_backends_bf16_features_fp8(name):
+    for extra in (dict(kv_cache_dtype="fp8"), dict(window_left=255, use_sinks=True), dict(use_alibi=True, softcap=30.0)):
+        spec = AttentionSpec(16, 4, 128, dtype=BF16, extend_chunk_budget=512, **extra)
+        backend = select_backend(spec, name, DEV)
+        step = make_step(spec, [(2000, 1), (300, 1), (1500, 40), (700, 9), (0, 333)], backend, device=DEV)
+        meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+        got = backend.forward(step.q, step.k, step.v, step.fresh_cache(), meta, alibi_slopes=step.alibi_slopes,
+                              sinks=step.sinks)
+        want = TorchBackend(spec, DEV, new_kv_from_cache=name != "three_path").forward(
+            step.q, step.k, step.v, step.fresh_cache(), meta, alibi_slopes=step.alibi_slopes, sinks=step.sinks)
+        tol = FP8_TOL if "kv_cache_dtype" in extra else TOL[BF16]
+        torch.testing.assert_close(got.float(), want.float(), **tol)
