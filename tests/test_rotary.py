@@ -71,6 +71,18 @@ def test_rotary_two_dim_inputs_and_int32_positions():
     torch.testing.assert_close(k.double(), want_k, atol=1e-5, rtol=1e-5)
 
 
+def test_rotary_separate_tables_equal_the_concatenated_cache():
+    positions = torch.randint(0, 32, (7,), device=DEVICE)
+    cos, sin = rope_cos_sin(32, 64, device=DEVICE)
+    x = torch.randn(7, 3, 64, dtype=torch.float16, device=DEVICE)
+    a, b = x.clone(), x.clone()
+    rotary_embedding(positions, a, None, cos_sin_cache(cos, sin), is_neox=False)
+    rotary_embedding(positions, b, None, (cos, sin), is_neox=False)
+    assert torch.equal(a, b) and not torch.equal(a, x)
+    with pytest.raises(ValueError, match=r"sin must have 32 columns, got shape \(32, 16\)"):
+        rotary_embedding(positions, b, None, (cos, sin[:, :16].contiguous()), is_neox=False)
+
+
 def test_rotary_strided_heads_rotate_in_place():
     """q_pe as a view of a wider [T, H, P + R] tensor (its last dim contiguous) is rotated where it lies."""
     positions = torch.tensor([2, 5], device=DEVICE)

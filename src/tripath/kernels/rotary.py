@@ -55,18 +55,18 @@ def _rotate_heads_in_place(x_ptr, token, stride_t, stride_h, num_heads, cos, sin
 
 @triton.jit
 def rotary_embedding_kernel(
-    positions_ptr, q_ptr, k_ptr, cos_sin_ptr,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs,
+    positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cos, stride_sin,
     num_q_heads, num_k_heads, half, max_position,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
     IS_NEOX: tl.constexpr, HAS_K: tl.constexpr,
 ):
-    """Program ``t`` rotates every head of token ``t`` of ``q [T, Hq, D]`` (and ``k [T, Hk, D]``);
-    ``cos_sin [max_position, R]`` holds cos in its first half and sin in its second."""
+    """Program ``t`` rotates every head of token ``t`` of ``q [T, Hq, D]`` (and ``k [T, Hk, D]``) with the
+    ``[max_position, R/2]`` cos and sin tables (possibly the two halves of one ``[max_position, R]``)."""
     token = tl.program_id(0)
     pair, d1, d2, pair_ok = rope_pair_dims(BLOCK_HALF, half, IS_NEOX)
-    cos, sin = load_cos_sin(positions_ptr, token, max_position, cos_sin_ptr, cos_sin_ptr + half,
-                            stride_cs, stride_cs, pair, pair_ok)
+    cos, sin = load_cos_sin(positions_ptr, token, max_position, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                            pair, pair_ok)
     _rotate_heads_in_place(q_ptr, token, stride_q_t, stride_q_h, num_q_heads, cos, sin, d1, d2, pair_ok,
                            BLOCK_HQ)
     if HAS_K:

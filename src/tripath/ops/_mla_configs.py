@@ -1,10 +1,11 @@
 """Launch configurations of the MLA kernels per platform (same style as :mod:`tripath.ops._configs`).
 
 The absorbed decode kernel packs ``BLOCK_H`` query heads into one tile: 16 when a request has few heads
-(memory-bound: the tile count, not the math, sets the time), 64 with many heads (compute-bound: the
-``[64, 576] x [576, BLOCK_N]`` and ``[64, BLOCK_N] x [BLOCK_N, 512]`` products run on the tensor cores /
-matrix cores). On AMD the K tile and the packed query share 64 KB of LDS on gfx942 (160 KB on gfx950), so
-tiles are smaller there. CPU (the interpreter) gets small tiles so tests run multi-tile loops.
+(memory-bound: reading the cache sets the time), up to 64 with many heads (compute-bound: the
+``[BLOCK_H, 576] x [576, BLOCK_N]`` and ``[BLOCK_H, BLOCK_N] x [BLOCK_N, 512]`` products run on the tensor
+cores / matrix cores). The per-target table below was chosen by compiling for sm_90, gfx942 and gfx950;
+throughput is measured on the GPU, not here. CPU (the interpreter) gets small tiles so tests run
+multi-tile loops.
 """
 
 from __future__ import annotations
@@ -19,39 +20,37 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
             "matrix_instr_nonkdim": 16}
 
 
+# (BLOCK_H, BLOCK_N, num_warps, num_stages[, waves_per_eu]) per target, head count (few / many) and operand
+# kind: "bf16" (16-bit query and cache), "fp8_kv" (16-bit query, fp8 cache: tiles converted in registers),
+# "fp8_q" (fp8 query and cache: fp8 products). Picked from compiles of the check's scenarios (a cache in a
+# > 2 GiB allocation, so AMD has no 32-bit buffer addressing): no spills, within shared memory / LDS, every
+# product on the matrix units. H200: 64-head tiles run as wgmma ([64, 512] fp32 accumulator over 8 warps);
+# converting fp8 tiles spills at 64 heads, so that case packs 32. AMD: 8 waves cap a thread at 256 VGPRs,
+# so wide accumulators take 4 waves with waves_per_eu=1; fp8 MFMA needs K >= 32, so fp8 queries take
+# 32-row tiles.
+_DECODE_TABLE = {
+    ("sm90", True): {"bf16": (16, 32, 4, 3), "fp8_kv": (16, 32, 4, 3), "fp8_q": (16, 32, 8, 3)},
+    ("sm90", False): {"bf16": (64, 32, 8, 2), "fp8_kv": (32, 32, 8, 3), "fp8_q": (64, 32, 8, 2)},
+    ("gfx942", True): {"bf16": (16, 32, 4, 1, 1), "fp8_kv": (16, 16, 4, 2, 1), "fp8_q": (16, 32, 4, 1, 1)},
+    ("gfx942", False): {"bf16": (32, 16, 4, 2, 1), "fp8_kv": (32, 16, 4, 2, 1), "fp8_q": (32, 32, 4, 2, 1)},
+    ("gfx950", True): {"bf16": (16, 16, 8, 2, 2), "fp8_kv": (16, 16, 4, 2, 2), "fp8_q": (16, 32, 8, 2, 2)},
+    ("gfx950", False): {"bf16": (32, 16, 4, 2, 1), "fp8_kv": (32, 16, 4, 2, 1), "fp8_q": (64, 32, 8, 2, 1)},
+}
+
+
 def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_elem_bytes: int,
                       q_fp8: bool = False) -> dict:
-    """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step.
-
-    Chosen from compiles for sm_90 / gfx942 / gfx950 (no spills, within shared memory / LDS, every product
-    on the matrix units). H200: a 64-head tile runs as wgmma with a ``[64, 512]`` fp32 accumulator over 8
-    warps; an fp8 cache read by a 16-bit query converts each tile in registers, which spills at 64 heads,
-    so that case packs 32 (an fp8 query multiplies the fp8 tiles directly and keeps 64). AMD: 8 waves cap
-    a thread at 256 VGPRs, so the wide accumulators use 4 waves and ``waves_per_eu=1`` (up to 512); fp8
-    MFMA needs ``K >= 32``, so an fp8 query takes 32-row tiles.
-    """
+    """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step (see the table).
+    Other NVIDIA GPUs use the H200 row, other AMD GPUs the gfx942 row (the smaller LDS)."""
     if platform.backend == "cpu":
         return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    kv_fp8 = kv_elem_bytes == 1
-    converts = kv_fp8 and not q_fp8
-    few = num_heads <= FEW_HEADS
+    kind = "fp8_q" if q_fp8 else ("fp8_kv" if kv_elem_bytes == 1 else "bf16")
+    arch = ("gfx950" if platform.arch == "gfx950" else "gfx942") if platform.is_hip else "sm90"
+    block_h, block_n, warps, stages, *wpe = _DECODE_TABLE[(arch, num_heads <= FEW_HEADS)][kind]
+    cfg = {"BLOCK_H": block_h, "BLOCK_N": block_n}
     if platform.is_hip:
-        gfx950 = platform.arch == "gfx950"
-        if few:
-            if kv_fp8:
-                return {"BLOCK_H": 16, "BLOCK_N": 32, **_amd(4, 2, 1)}
-            return {"BLOCK_H": 16, "BLOCK_N": 32, **_amd(8, 2, 2)}
-        if q_fp8:
-            return {"BLOCK_H": 64, "BLOCK_N": 32, **_amd(8, 2, 1)} if gfx950 else \
-                {"BLOCK_H": 32, "BLOCK_N": 32, **_amd(4, 2, 1)}
-        if gfx950 and not converts:
-            return {"BLOCK_H": 64, "BLOCK_N": 16, **_amd(8, 2, 1)}
-        return {"BLOCK_H": 32, "BLOCK_N": 16, **_amd(4, 2, 1)}
-    if few:
-        return {"BLOCK_H": 16, "BLOCK_N": 32 if kv_lora_rank > 256 else 64, "num_warps": 4, "num_stages": 3}
-    if converts:
-        return {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+        return {**cfg, **_amd(warps, stages, wpe[0])}
+    return {**cfg, "num_warps": warps, "num_stages": stages}
 
 
 def mla_decode_per_head_config(platform: Platform, kv_lora_rank: int) -> dict:

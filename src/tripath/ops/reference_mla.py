@@ -47,10 +47,9 @@ def rope_rotate(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     return out
 
 
-def rotary_embedding_ref(positions, q, k, cos_sin_cache, *, is_neox):
-    """Reference of :func:`tripath.ops.rotary_embedding` (``q``/``k`` ``[T, H, D]``, rotated in place)."""
-    half = cos_sin_cache.shape[1] // 2
-    cos, sin = cos_sin_cache[:, :half], cos_sin_cache[:, half:]
+def rotary_embedding_ref(positions, q, k, cos, sin, *, is_neox):
+    """Reference of :func:`tripath.ops.rotary_embedding` (``q``/``k`` ``[T, H, D]``, rotated in place;
+    ``cos``/``sin`` ``[max_position, R/2]``)."""
     for t in (q, k):
         if t is not None:
             t.copy_(rope_rotate(t, positions, cos, sin, is_neox))

@@ -62,7 +62,8 @@ def check_rotary_table(name: str, table: torch.Tensor, device, width: int | None
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
-                     cos_sin_cache: torch.Tensor, *, is_neox: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     cos_sin_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], *,
+                     is_neox: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate the first ``R`` dims of each head of ``q`` (and ``k``) in place.
 
     Parameters
@@ -70,6 +71,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor |
     positions : ``[T]`` int32/int64 token positions (clamped into ``[0, max_position)``).
     q : ``[T, Hq, D]`` or ``[T, D]``; k : ``[T, Hk, D]``, ``[T, D]`` or None; fp16/bf16/fp32, last dim contiguous.
     cos_sin_cache : ``[max_position, R]``, cos in columns ``[0, R/2)``, sin in ``[R/2, R)``; ``R <= D``, even.
+        Or a pair ``(cos, sin)`` of ``[max_position, R/2]`` tables (no concatenated copy needed).
     is_neox : NeoX pairs ``(i, i + R/2)`` if True, GPT-J interleaved pairs ``(2i, 2i + 1)`` if False.
 
     Returns ``(q, k)``, the same tensors, rotated.
@@ -79,10 +81,21 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor |
     num_tokens = positions.shape[0]
     q3 = _as_heads("q", q, num_tokens, device)
     k3 = _as_heads("k", k, num_tokens, device) if k is not None else None
-    check_rotary_table("cos_sin_cache", cos_sin_cache, device)
-    rotary_dim = cos_sin_cache.shape[1]
-    if rotary_dim % 2:
-        raise ValueError(f"cos_sin_cache must have an even number of columns (cos | sin), got {rotary_dim}")
+    if isinstance(cos_sin_cache, (tuple, list)):
+        if len(cos_sin_cache) != 2:
+            raise ValueError(f"cos_sin_cache as a sequence must be (cos, sin), got {len(cos_sin_cache)} tables")
+        cos, sin = cos_sin_cache
+        check_rotary_table("cos", cos, device)
+        check_rotary_table("sin", sin, device, cos.shape[1])
+        if sin.shape[0] != cos.shape[0]:
+            raise ValueError(f"sin has {sin.shape[0]} positions but cos has {cos.shape[0]}")
+        rotary_dim = 2 * cos.shape[1]
+    else:
+        check_rotary_table("cos_sin_cache", cos_sin_cache, device)
+        rotary_dim = cos_sin_cache.shape[1]
+        if rotary_dim % 2:
+            raise ValueError(f"cos_sin_cache must have an even number of columns (cos | sin), got {rotary_dim}")
+        cos, sin = cos_sin_cache[:, : rotary_dim // 2], cos_sin_cache[:, rotary_dim // 2:]
     for name, t in (("q", q3), ("k", k3)):
         if t is not None and t.shape[2] < rotary_dim:
             raise ValueError(f"{name}'s head size {t.shape[2]} is smaller than the rotary dim {rotary_dim}")
@@ -90,15 +103,15 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor |
         raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
     if not use_triton(device):
         from tripath.ops.reference_mla import rotary_embedding_ref
-        rotary_embedding_ref(positions, q3, k3, cos_sin_cache, is_neox=is_neox)
+        rotary_embedding_ref(positions, q3, k3, cos, sin, is_neox=is_neox)
         return q, k
     half = rotary_dim // 2
     k_arg = k3 if k3 is not None else q3
     launch(
         rotary_embedding_kernel, (num_tokens,),
-        positions, q3, k_arg, cos_sin_cache,
-        q3.stride(0), q3.stride(1), k_arg.stride(0), k_arg.stride(1), cos_sin_cache.stride(0),
-        q3.shape[1], k_arg.shape[1], half, cos_sin_cache.shape[0],
+        positions, q3, k_arg, cos, sin,
+        q3.stride(0), q3.stride(1), k_arg.stride(0), k_arg.stride(1), cos.stride(0), sin.stride(0),
+        q3.shape[1], k_arg.shape[1], half, cos.shape[0],
         BLOCK_HQ=next_pow2(q3.shape[1]), BLOCK_HK=next_pow2(k_arg.shape[1]), BLOCK_HALF=next_pow2(half),
         IS_NEOX=is_neox, HAS_K=k3 is not None,
         **_mla_configs.elementwise_config(current_platform(device)),
