@@ -146,10 +146,22 @@ def test_specialisation_matches_the_jit():
     assert attrs[names.index("stride_q_t")] == [["tt.divisibility", 16]]  # 32 heads x 128: divisible by 16
     # MHA: one query head per KV head folds num_queries_per_kv = 1 into a constant, as the JIT does.
     mha = cc.collect_jobs([Scenario("mha", lambda p: scen._build_varlen(
-        p, head_size=64, dtype=torch.float16, causal=True, lse=False, full=False, num_heads=8,
+        p, head_size=64, dtype=torch.float16, causal=True, lse=False, num_heads=8,
         num_kv_heads=8))], [cc.TARGETS["sm90"]])[0][0]
     assert dict(mha.signature)["num_queries_per_kv"] == "constexpr"
     assert dict(mha.constexprs)["num_queries_per_kv"] == 1
+
+
+def test_kv_caches_compile_as_production_sized_on_amd():
+    """Caches are views of a > 2 GiB allocation, so AMD gets no 32-bit buffer-range attribute on them,
+    while the step's small tensors keep it (as the JIT would decide on a serving GPU)."""
+    job = _jobs("decode hd128 bf16 nhd splits=auto", "gfx942")[0]
+    names = [n for n, _ in job.signature]
+    attrs = dict(job.attrs)
+    assert ["tt.pointer_range", 32] not in attrs[names.index("k_cache_ptr")]
+    assert ["tt.pointer_range", 32] in attrs[names.index("q_ptr")]
+    mla_job = _jobs("MLA decode packed H=16 kv=fp8", "gfx950")[0]
+    assert ["tt.pointer_range", 32] not in dict(mla_job.attrs)[[n for n, _ in mla_job.signature].index("kv_cache_ptr")]
 
 
 def _merge(tokens: int, head_size: int):

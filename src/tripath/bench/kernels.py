@@ -198,3 +198,7 @@ def main_kernels(argv=None) -> int:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_kernels())

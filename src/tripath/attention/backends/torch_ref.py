@@ -110,10 +110,11 @@ class TorchBackend(AttentionBackend):
         plan, start, block_size = meta.plan, 0, self.spec.block_size
         lat = mla.kv_lora_rank
         for j, (qlen, ctx) in enumerate(zip(plan.query_lens, plan.context_lens)):
-            pos = torch.arange(ctx, device=q_nope.device)
+            from_cache = self.new_kv_from_cache or j < plan.num_decodes  # as for MHA: decodes read back
+            pos = torch.arange(ctx + qlen if from_cache else ctx, device=q_nope.device)
             blocks = meta.block_table[j, pos // block_size].long()
             cached = dequantize(cache.kv_cache[blocks, pos % block_size], scale)
-            latent = torch.cat([cached, rows[start:start + qlen]])  # [S, L + R]
+            latent = cached if from_cache else torch.cat([cached, rows[start:start + qlen]])  # [S, L + R]
             k_nope = torch.einsum("sl,hpl->shp", latent[:, :lat], w_uk)
             keys = torch.cat([k_nope, latent[:, None, lat:].expand(-1, num_heads, -1)], dim=-1)
             vals = torch.einsum("sl,hlv->shv", latent[:, :lat], w_uv)
