@@ -79,20 +79,43 @@ def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_he
                   stride_v0, stride_v1, stride_v2, stride_v3,
                   SHUFFLED: tl.constexpr, X: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
     """Load keys transposed ``[Dk, N]`` and values ``[N, Dv]`` of positions ``k_pos [N]`` from the paged
-    cache, converted to the compute dtype (fp8 is dequantised by the caller's scales)."""
-    valid = k_pos < k_limit
-    blocks = tl.load(block_row_ptr + k_pos // block_size, mask=valid, other=0).to(tl.int64)
-    offsets = k_pos % block_size
+    cache, converted to the compute dtype (fp8 is dequantised by the caller's scales).
+
+    The shuffled layout is read as 3-D tiles whose last axis is the 16-byte vector ``x`` and whose middle
+    axis walks the memory-contiguous direction (tokens for K, dims for V), so a warp's vector loads are
+    adjacent in memory; the tile is then permuted into the ``[Dk, N]`` / ``[N, Dv]`` operands. This needs
+    ``k_pos`` to start at a multiple of ``x`` (tiles start at multiples of ``BLOCK_N``).
+    """
+    BLOCK_N: tl.constexpr = k_pos.shape[0]
     if SHUFFLED:
-        k_off = (blocks[None, :] * stride_k0 + kv_head * stride_k1 + (dims_k[:, None] // X) * stride_k2
-                 + offsets[None, :] * stride_k3 + dims_k[:, None] % X)
-        v_off = (blocks[:, None] * stride_v0 + kv_head * stride_v1 + (offsets[:, None] // X) * stride_v2
-                 + dims_v[None, :] * stride_v3 + offsets[:, None] % X)
+        BLOCK_DK: tl.constexpr = dims_k.shape[0]
+        BLOCK_DV: tl.constexpr = dims_v.shape[0]
+        # K[b, h, d // x, s, d % x] as [Dk // x, N, x]
+        g = tl.arange(0, BLOCK_DK // X)[:, None, None]
+        j = tl.arange(0, X)[None, None, :]
+        pos_k = k_pos[None, :, None]
+        valid_k = pos_k < k_limit
+        blocks_k = tl.load(block_row_ptr + pos_k // block_size, mask=valid_k, other=0).to(tl.int64)
+        k_off = blocks_k * stride_k0 + kv_head * stride_k1 + g * stride_k2 + (pos_k % block_size) * stride_k3 + j
+        k3 = tl.load(k_cache_ptr + k_off, mask=valid_k & (g * X + j < head_size), other=0.0)
+        k = tl.reshape(tl.permute(k3, (0, 2, 1)), (BLOCK_DK, BLOCK_N))
+        # V[b, h, s // x, d, s % x] as [N // x, Dv, x]
+        pos_v = tl.reshape(k_pos, (BLOCK_N // X, X))[:, None, :]
+        dv = tl.arange(0, BLOCK_DV)[None, :, None]
+        valid_v = pos_v < k_limit
+        blocks_v = tl.load(block_row_ptr + pos_v // block_size, mask=valid_v, other=0).to(tl.int64)
+        v_off = (blocks_v * stride_v0 + kv_head * stride_v1 + ((pos_v % block_size) // X) * stride_v2
+                 + dv * stride_v3 + pos_v % X)
+        v3 = tl.load(v_cache_ptr + v_off, mask=valid_v & (dv < head_size_v), other=0.0)
+        v = tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, BLOCK_DV))
     else:
+        valid = k_pos < k_limit
+        blocks = tl.load(block_row_ptr + k_pos // block_size, mask=valid, other=0).to(tl.int64)
+        offsets = k_pos % block_size
         k_off = (blocks[None, :] * stride_k0 + offsets[None, :] * stride_k1 + kv_head * stride_k2
                  + dims_k[:, None] * stride_k3)
         v_off = (blocks[:, None] * stride_v0 + offsets[:, None] * stride_v1 + kv_head * stride_v2
                  + dims_v[None, :] * stride_v3)
-    k = tl.load(k_cache_ptr + k_off, mask=valid[None, :] & (dims_k[:, None] < head_size), other=0.0)
-    v = tl.load(v_cache_ptr + v_off, mask=valid[:, None] & (dims_v[None, :] < head_size_v), other=0.0)
+        k = tl.load(k_cache_ptr + k_off, mask=valid[None, :] & (dims_k[:, None] < head_size), other=0.0)
+        v = tl.load(v_cache_ptr + v_off, mask=valid[:, None] & (dims_v[None, :] < head_size_v), other=0.0)
     return k.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)

@@ -1,0 +1,100 @@
+"""``tripath bench tune``: sweep the launch configurations of the decode and prefill kernels on this GPU.
+
+Prints, per shape, every configuration's time and bandwidth or FLOP rate, best first, so the tables in
+:mod:`tripath.ops._configs` can be set from measurements. Candidates are installed by replacing the config
+functions for the duration of one measurement.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager
+
+import torch
+
+from tripath.bench.kernels import _bench, _random_table
+from tripath.ops import _configs, paged_decode, varlen_attention
+from tripath.ops.kv_cache import allocate_kv_cache
+
+
+@contextmanager
+def _patched(name: str, value):
+    old = getattr(_configs, name)
+    setattr(_configs, name, lambda *a, **k: dict(value))
+    try:
+        yield
+    finally:
+        setattr(_configs, name, old)
+
+
+def tune_decode(shapes=((64, 4096), (8, 32768)), layouts=("nhd", "shuffled"), top: int = 6) -> list[str]:
+    lines = []
+    dev = torch.device("cuda")
+    for (batch, ctx), layout in itertools.product(shapes, layouts):
+        table, nb = _random_table(batch, ctx, 16, dev)
+        kc, vc = allocate_kv_cache(nb, 16, 8, 128, dtype=torch.bfloat16, layout=layout, device=dev)
+        kc.normal_()
+        vc.normal_()
+        q = torch.randn(batch, 32, 128, dtype=torch.bfloat16, device=dev)
+        sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        nbytes = 2 * batch * ctx * 8 * 128 * 2
+        splits_options = (1, 2) if batch * 8 >= 264 else (8, 16, 24, 32)
+        results = []
+        for bn, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), splits_options):
+            cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            try:
+                with _patched("decode_config", cfg):
+                    us = _bench(lambda: paged_decode(q, kc, vc, table, sl, layout=layout, num_splits=splits),
+                                reps_ms=60)
+            except Exception as exc:  # an invalid config (e.g. out of shared memory) is reported, not fatal
+                lines.append(f"decode {batch}x{ctx} {layout} {cfg} splits={splits}: {type(exc).__name__}")
+                continue
+            results.append((us, cfg, splits))
+        results.sort(key=lambda r: r[0])
+        for us, cfg, splits in results[:top]:
+            lines.append(f"decode {batch}x{ctx} {layout}: {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s  {cfg} "
+                         f"splits={splits}")
+        del kc, vc
+        torch.cuda.empty_cache()
+    return lines
+
+
+def tune_prefill(shapes=((1, 8192), (16, 512)), top: int = 6) -> list[str]:
+    lines = []
+    dev = torch.device("cuda")
+    for batch, seq in shapes:
+        q = torch.randn(batch * seq, 32, 128, dtype=torch.bfloat16, device=dev)
+        k = torch.randn(batch * seq, 8, 128, dtype=torch.bfloat16, device=dev)
+        v = torch.randn_like(k)
+        cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=dev)
+        flops = batch * 4 * seq * seq * 32 * 128 / 2
+        results = []
+        for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            try:
+                with _patched("varlen_config", cfg):
+                    us = _bench(lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True), reps_ms=60)
+            except Exception as exc:
+                lines.append(f"prefill {batch}x{seq} {cfg}: {type(exc).__name__}")
+                continue
+            results.append((us, cfg))
+        results.sort(key=lambda r: r[0])
+        for us, cfg in results[:top]:
+            lines.append(f"prefill {batch}x{seq}: {us:8.1f} us {flops / us / 1e6:6.0f} TF/s  {cfg}")
+    return lines
+
+
+def main_tune(argv=None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="tripath bench tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=["decode", "prefill"], choices=["decode", "prefill"])
+    args = parser.parse_args(argv)
+    if "decode" in args.only:
+        print("\n".join(tune_decode()), flush=True)
+    if "prefill" in args.only:
+        print("\n".join(tune_prefill()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_tune())
