@@ -81,6 +81,13 @@ def mla_prep_config(platform: Platform, num_heads: int) -> dict:
     return {"BLOCK_H": block_h, "num_warps": 4}
 
 
+def gather_config(platform: Platform) -> dict:
+    """Latent row gather: ``BLOCK_ROWS`` rows of ``L + R`` values per program."""
+    if platform.backend == "cpu":
+        return {"BLOCK_ROWS": 32, "num_warps": 4}
+    return {"BLOCK_ROWS": 4, "num_warps": 4}
+
+
 def elementwise_config(platform: Platform) -> dict:
     """Row copies (cache write, gather) and the in-place rotary embedding."""
     return {"num_warps": 4}

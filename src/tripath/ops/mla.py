@@ -145,14 +145,15 @@ def gather_mla_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqle
     if not use_triton(device):
         return reference_mla.gather_mla_cache_ref(kv_cache, block_table, cu_seqlens, seq_starts,
                                                   kv_scale=kv_scale, out=out)
+    cfg = dict(_mla_configs.gather_config(current_platform(device)))
+    block_rows = cfg.pop("BLOCK_ROWS")
     launch(
-        gather_mla_cache_kernel, (out.shape[0],),
+        gather_mla_cache_kernel, (-(-out.shape[0] // block_rows),),
         kv_cache, block_table, cu_seqlens, seq_starts, out, kv_scale if fp8 else cu_seqlens,
         block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), out.stride(0),
         num_seqs, kv_lora_rank, width - kv_lora_rank, block_size,
-        BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(width - kv_lora_rank),
-        BINARY_STEPS=max(1, num_seqs.bit_length()), DEQUANT=fp8,
-        **_mla_configs.elementwise_config(current_platform(device)),
+        BLOCK_ROWS=block_rows, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(width - kv_lora_rank),
+        BINARY_STEPS=max(1, num_seqs.bit_length()), DEQUANT=fp8, **cfg,
     )
     return out
 

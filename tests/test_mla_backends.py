@@ -1,0 +1,248 @@
+"""The MLA backends (``mla``, ``mla_triton``) against ``torch`` on mixed MLA batches: decode, prefill and
+extend with chunked context, fp8 caches, NoPE, NeoX/GPT-J RoPE, speculative decodes; fused vs unfused
+preparation; selection."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import DEVICE, HAS_GPU
+from helpers import FP8_TOL, TOL
+from tripath.attention import AttentionSpec, MLALayerWeights, MLASpec, RotaryTables, explain, select_backend
+from tripath.attention.backends.mla import MLABackend
+from tripath.attention.backends.torch_ref import TorchBackend
+from tripath.attention.planner import BatchPlan, plan_batch
+from tripath.attention.spec import MLACache
+from tripath.ops import rope_cos_sin
+from tripath.ops._launch import capture_launches
+from tripath.platform import FP8_DTYPES
+
+SMALL = MLASpec(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
+DEEPSEEK = MLASpec()  # 512 / 64 / 128 / 128
+
+# (context_len, query_len) per request, in arrival order (the plan reorders them)
+BATCHES = {
+    "decode_only": [(37, 1), (5, 1), (70, 1), (1, 1)],
+    "prefill_only": [(0, 9), (0, 30)],
+    "mixed": [(40, 1), (0, 9), (70, 12), (5, 1), (33, 5), (0, 1)],
+}
+CHUNKED = [(1568, 32), (520, 8), (8, 8), (80, 16), (96, 16), (8, 8), (300, 1), (0, 5)]
+
+
+@dataclass
+class MLAStep:
+    plan: BatchPlan
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    weights: MLALayerWeights
+    cache: MLACache
+
+    def fresh_cache(self) -> MLACache:
+        return MLACache(self.cache.kv_cache.clone(), self.cache.kv_scale.clone())
+
+
+def make_mla_step(spec, requests, *, seed=0, rope="gptj", q_scale=None) -> MLAStep:
+    """Random latent context in a paged cache (random block order, block 0 reserved), the step's new
+    tokens (plan order) with positions ``context_len + i``, and random ``W_UK``/``W_UV``."""
+    mla, gen = spec.mla, torch.Generator().manual_seed(seed)
+    plan = plan_batch([q for _, q in requests], [c for c, _ in requests], decode_threshold=spec.decode_threshold,
+                      chunk_budget=spec.extend_chunk_budget, block_size=spec.block_size)
+    bs = spec.block_size
+    need = [-(-s // bs) for s in plan.seq_lens]
+    num_blocks = sum(need) + 1
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(need), max(need), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
+        at += n
+    cache = TorchBackend(spec, "cpu").allocate_cache(num_blocks, "cpu")
+    fp8 = cache.kv_cache.dtype in FP8_DTYPES
+    if fp8:
+        cache.kv_scale.fill_(0.05)
+    flat = cache.kv_cache.view(-1, mla.cache_width)
+    ctx_rows = torch.randn(num_blocks * bs, mla.cache_width, generator=gen)
+    flat.copy_((ctx_rows / (0.05 if fp8 else 1.0)).to(cache.kv_cache.dtype))
+
+    def slots(lo, hi):
+        return torch.cat([table[i, torch.arange(lo[i], hi[i]) // bs].long() * bs + torch.arange(lo[i], hi[i]) % bs
+                          for i in range(len(lo))])
+
+    t, h = plan.num_tokens, spec.num_heads
+    positions = torch.cat([torch.arange(c, s) for c, s in zip(plan.context_lens, plan.seq_lens)])
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(spec.dtype).to(DEVICE)
+
+    rotary = None
+    if rope is not None:
+        cos, sin = rope_cos_sin(max(plan.seq_lens) + 1, mla.qk_rope_head_dim, base=1000.0, device=DEVICE)
+        rotary = RotaryTables(cos, sin, is_neox=rope == "neox")
+    weights = MLALayerWeights(w_uk=rand(h, mla.qk_nope_head_dim, mla.kv_lora_rank, scale=mla.kv_lora_rank ** -0.5),
+                              w_uv=rand(h, mla.kv_lora_rank, mla.v_head_dim, scale=mla.kv_lora_rank ** -0.5),
+                              rotary=rotary, q_scale=q_scale)
+    # q_nope / q_pe as views of one [T, H, P + R] projection, kv_c / k_pe of one [T, L + R], as models give them
+    q = rand(t, h, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    kv = rand(t, mla.cache_width)
+    return MLAStep(plan, table.to(DEVICE), slots(plan.context_lens, plan.seq_lens).to(DEVICE), positions.to(DEVICE),
+                   q[..., :mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:], kv[:, :mla.kv_lora_rank],
+                   kv[:, mla.kv_lora_rank:], weights, MLACache(cache.kv_cache.to(DEVICE), cache.kv_scale.to(DEVICE)))
+
+
+def run_mla(backend, step: MLAStep):
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    cache = step.fresh_cache()
+    out = backend.forward_mla(step.q_nope, step.q_pe, step.kv_c, step.k_pe, step.positions, cache, meta,
+                              step.weights)
+    return out, cache
+
+
+def mla_spec(mla=SMALL, heads=4, **kwargs):
+    return AttentionSpec(heads, 1, mla.cache_width, dtype=kwargs.pop("dtype", torch.float16), mla=mla, **kwargs)
+
+
+def check_against_torch(name, spec, requests, *, seed=0, rope="gptj", q_scale=None, **backend_kwargs):
+    step = make_mla_step(spec, requests, seed=seed, rope=rope, q_scale=q_scale)
+    backend = select_backend(spec, name, DEVICE) if not backend_kwargs else MLABackend(spec, DEVICE,
+                                                                                       **backend_kwargs)
+    got, got_cache = run_mla(backend, step)
+    want, want_cache = run_mla(TorchBackend(spec, DEVICE), step)
+    fp8 = spec.kv_cache_dtype == "fp8"
+    tol = FP8_TOL if fp8 else TOL[spec.dtype]
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # the step's rows landed in the cache as the reference wrote them (bit for bit on the CPU, where
+    # rotation and quantisation round identically; within rounding on a GPU)
+    if HAS_GPU:
+        torch.testing.assert_close(got_cache.kv_cache.float(), want_cache.kv_cache.float(), **tol)
+    else:
+        assert torch.equal(got_cache.kv_cache.view(torch.uint8), want_cache.kv_cache.view(torch.uint8))
+    return step, got
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("name", ["mla", "mla_triton"])
+def test_mla_backend_matches_torch(name, batch, kv_cache_dtype):
+    spec = mla_spec(kv_cache_dtype=kv_cache_dtype, extend_chunk_budget=48)
+    check_against_torch(name, spec, BATCHES[batch], seed=len(batch))
+
+
+@pytest.mark.parametrize("name", ["mla", "mla_triton"])
+def test_chunked_context_with_many_chunks(name):
+    """Long and short extends sharing a small chunk budget: many chunks of gathered, up-projected context
+    merged by LSE with the new tokens' causal attention (and a decode and a prefill in the same step)."""
+    spec = mla_spec(heads=2, extend_chunk_budget=1024)
+    step = make_mla_step(spec, CHUNKED)
+    assert step.plan.extend_chunks.num_chunks == 10
+    check_against_torch(name, spec, CHUNKED)
+
+
+@pytest.mark.parametrize("rope", ["neox", None])
+@pytest.mark.parametrize("name", ["mla", "mla_triton"])
+def test_rope_styles_and_nope(name, rope):
+    """NeoX pairs, and NoPE models (no tables: identity rotation, the fused kernel's no-rotation path)."""
+    check_against_torch(name, mla_spec(extend_chunk_budget=32), BATCHES["mixed"], rope=rope)
+
+
+@pytest.mark.parametrize("name", ["mla", "mla_triton"])
+def test_yarn_scale_block_size_and_fp8_query(name):
+    """A softmax scale with yarn's mscale², 64-token blocks, and an fp8 absorbed query (``q_scale``)."""
+    mscale = 0.1 * math.log(40) + 1.0
+    spec = mla_spec(kv_cache_dtype="fp8", block_size=64, extend_chunk_budget=128,
+                    sm_scale=mscale ** 2 / math.sqrt(SMALL.qk_nope_head_dim + SMALL.qk_rope_head_dim))
+    q_scale = torch.tensor([0.02], device=DEVICE)
+    check_against_torch(name, spec, [(150, 1), (70, 1), (200, 20), (0, 7)], q_scale=q_scale)
+
+
+@pytest.mark.parametrize("name", ["mla", "mla_triton"])
+def test_speculative_decodes(name):
+    spec = mla_spec(decode_threshold=3, extend_chunk_budget=64)
+    step, _ = check_against_torch(name, spec, [(20, 3), (9, 2), (0, 4), (30, 6), (14, 1)])
+    assert step.plan.num_decodes == 3
+
+
+def test_deepseek_dims():
+    """The real latent geometry (L 512, R 64, P 128, V 128; prefill qk 192 / v 128) on a small batch."""
+    spec = mla_spec(DEEPSEEK, heads=2, extend_chunk_budget=64)
+    check_against_torch("mla", spec, [(40, 1), (18, 1), (30, 4), (0, 3)])
+
+
+def test_fused_and_unfused_preparation_agree_bitwise():
+    """The guard only picks a path: fused or unfused, the cache and the output are the same bits."""
+    spec = mla_spec(kv_cache_dtype="fp8", extend_chunk_budget=32)
+    for batch in ("decode_only", "mixed"):
+        step = make_mla_step(spec, BATCHES[batch], q_scale=torch.tensor([0.03], device=DEVICE))
+        fused = MLABackend(spec, DEVICE)
+        unfused = MLABackend(spec, DEVICE, fused_prep=False)
+        assert fused.fused_prep_reasons(fused.build_metadata(step.plan, step.block_table, step.slot_mapping),
+                                        step.weights) == []
+        out_f, cache_f = run_mla(fused, step)
+        out_u, cache_u = run_mla(unfused, step)
+        assert torch.equal(cache_f.kv_cache.view(torch.uint8), cache_u.kv_cache.view(torch.uint8))
+        assert torch.equal(out_f, out_u)
+
+
+def _launched(backend, step) -> list[str]:
+    with capture_launches() as records:
+        run_mla(backend, step)
+    return [r.name for r in records]
+
+
+def test_decode_step_launches():
+    """A decode step: ``mla`` prepares in one launch (the fused kernel) and decodes with the head-packed
+    kernel; ``mla_triton`` prepares in three (rotary, cache write, query concat) and decodes per head."""
+    spec = mla_spec()
+    step = make_mla_step(spec, [(30, 1), (12, 1)])
+    fast = _launched(select_backend(spec, "mla", DEVICE), step)
+    base = _launched(select_backend(spec, "mla_triton", DEVICE), step)
+    assert fast[:2] == ["mla_prep_kernel", "mla_decode_kernel"]
+    assert base[:4] == ["rotary_embedding_kernel", "concat_and_cache_mla_kernel", "mla_prep_kernel",
+                        "mla_decode_per_head_kernel"]
+
+
+def test_guard_reasons():
+    spec = mla_spec()
+    step = make_mla_step(spec, BATCHES["prefill_only"])
+    mla = select_backend(spec, "mla", DEVICE)
+    meta = mla.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    assert mla.fused_prep_reasons(meta, step.weights) == ["no decode tokens"]
+    assert "mla_prep_kernel" not in _launched(mla, step)
+    bad = MLALayerWeights(step.weights.w_uk, step.weights.w_uv,
+                          RotaryTables(step.weights.rotary.cos[:, :4], step.weights.rotary.sin, False))
+    assert mla.fused_prep_reasons(meta, bad)[-1] == ("rotary cos table is not a [max_position, 8] float tensor "
+                                                     "on the device")
+    triton_base = select_backend(spec, "mla_triton", DEVICE)
+    assert triton_base.fused_prep_reasons(meta, step.weights) == ["backend 'mla_triton' prepares unfused"]
+
+
+def test_selection():
+    spec = mla_spec()
+    assert select_backend(spec, "auto", DEVICE).name == "mla"
+    reasons = explain(spec, DEVICE)
+    assert reasons["mla"] == [] and reasons["mla_triton"] == [] and reasons["torch"] == []
+    assert reasons["three_path"] == ["does not serve MLA models"]
+    assert explain(AttentionSpec(4, 1, 64), DEVICE)["mla"] == ["serves only MLA models"]
+    tiny = AttentionSpec(2, 1, 24, mla=MLASpec(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                               v_head_dim=16))
+    assert explain(tiny, DEVICE)["mla"] == [
+        "qk_nope_head_dim + qk_rope_head_dim = 16 outside 32..256 (the prefill kernel)",
+        "v_head_dim = 16 outside 32..256 (the prefill kernel)"]
+    with pytest.raises(TypeError, match="backend 'mla' does not implement MHA forward"):
+        select_backend(spec, "mla", DEVICE).forward(None, None, None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("name", ["mla", "mla_triton"])
+def test_deepseek_bf16_gpu(name, kv_cache_dtype):
+    spec = mla_spec(DEEPSEEK, heads=16, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, block_size=64,
+                    extend_chunk_budget=2048)
+    check_against_torch(name, spec, [(4000, 1), (1500, 1), (3000, 200), (900, 64), (0, 300), (60, 1)],
+                        q_scale=torch.tensor([0.05], device=DEVICE) if kv_cache_dtype == "fp8" else None)
