@@ -100,7 +100,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
     lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
-    cfg = dict(_configs.varlen_config(current_platform(device), max(q.shape[2], v.shape[2]), q.element_size()))
+    cfg = dict(_configs.varlen_config(current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(),
+                                      int(max_seqlen_q)))
     block_m = cfg.pop("BLOCK_M")
     dummy = cu_seqlens_q
     launch(
