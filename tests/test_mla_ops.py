@@ -178,21 +178,22 @@ def test_concat_and_cache_mla(cache_dtype, block_size):
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
+@pytest.mark.parametrize("width", [L + R, 80, 48])
 @pytest.mark.parametrize("cache_dtype", [torch.float16, FP8])
-def test_gather_mla_cache(cache_dtype):
+def test_gather_mla_cache(cache_dtype, width):
     kv_scale = scale_tensor(0.8) if cache_dtype == FP8 else None
     seq_lens = [70, 3, 40]
-    cache, block_table, rows = filled_mla_cache(seq_lens, 16, L + R, cache_dtype, kv_scale)
+    cache, block_table, rows = filled_mla_cache(seq_lens, 16, width, cache_dtype, kv_scale)
     starts, counts = [20, 0, 33], [50, 3, 7]
     cu = cu_seqlens(counts, DEVICE)
     seq_starts = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    out = poison((sum(counts) + 5, L + R), torch.float32, DEVICE)
-    got = gather_mla_cache(cache, block_table, cu, seq_starts, kv_lora_rank=L, kv_scale=kv_scale, out=out)
+    out = poison((sum(counts) + 5, width), torch.float32, DEVICE)
+    got = gather_mla_cache(cache, block_table, cu, seq_starts, kv_scale=kv_scale, out=out)
     assert got is out
     want = torch.cat([rows[i][s:s + n] for i, (s, n) in enumerate(zip(starts, counts))])
     torch.testing.assert_close(out[: sum(counts)].double(), want, atol=0, rtol=1e-6)  # fp32 dequantisation
     assert torch.isnan(out[sum(counts):]).all()  # workspace rows past the chunk are left alone
-    auto = gather_mla_cache(cache, block_table, cu, seq_starts, kv_lora_rank=L, kv_scale=kv_scale)
+    auto = gather_mla_cache(cache, block_table, cu, seq_starts, kv_scale=kv_scale)
     assert auto.dtype == (torch.bfloat16 if cache_dtype == FP8 else torch.float16)
     torch.testing.assert_close(auto.double(), want, **TOL[torch.bfloat16])
 

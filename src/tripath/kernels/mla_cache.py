@@ -69,13 +69,14 @@ def concat_and_cache_mla_kernel(
 def gather_mla_cache_kernel(
     kv_cache_ptr, block_table_ptr, cu_seqlens_ptr, seq_starts_ptr, out_ptr, scale_ptr,
     stride_bt, stride_c_block, stride_c_slot, stride_out_t,
-    num_seqs, kv_lora_rank, rope_dim, block_size,
+    num_seqs, first_width, second_width, block_size,
     BLOCK_ROWS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BINARY_STEPS: tl.constexpr,
     DEQUANT: tl.constexpr,
 ):
     """Program ``p`` copies output rows ``p·BLOCK_ROWS ..``: row ``r`` belongs to request ``i`` with
     ``cu[i] <= r < cu[i+1]`` and holds its cached position ``seq_starts[i] + r - cu[i]``; fp8 is
-    dequantised. Rows past ``cu[num_seqs]`` are left alone."""
+    dequantised. Rows past ``cu[num_seqs]`` are left alone. A row is copied as two power-of-two tiles of
+    ``first_width`` and ``second_width`` values (the latent and rotary parts for DeepSeek)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < tl.load(cu_seqlens_ptr + num_seqs)
     seq = find_sequence(cu_seqlens_ptr, num_seqs, rows, BINARY_STEPS)
@@ -86,14 +87,14 @@ def gather_mla_cache_kernel(
     dst = (out_ptr + rows.to(tl.int64) * stride_out_t)[:, None]
     dims_l = tl.arange(0, BLOCK_L)[None, :]
     dims_r = tl.arange(0, BLOCK_R)[None, :]
-    lat_ok = row_ok[:, None] & (dims_l < kv_lora_rank)
-    pe_ok = row_ok[:, None] & (dims_r < rope_dim)
+    lat_ok = row_ok[:, None] & (dims_l < first_width)
+    pe_ok = row_ok[:, None] & (dims_r < second_width)
     lat = tl.load(src + dims_l, mask=lat_ok)
-    pe = tl.load(src + kv_lora_rank + dims_r, mask=pe_ok)
+    pe = tl.load(src + first_width + dims_r, mask=pe_ok)
     if DEQUANT:
         scale = tl.load(scale_ptr)
         lat = lat.to(tl.float32) * scale
         pe = pe.to(tl.float32) * scale
     out_ty = out_ptr.dtype.element_ty
     tl.store(dst + dims_l, lat.to(out_ty), mask=lat_ok)
-    tl.store(dst + kv_lora_rank + dims_r, pe.to(out_ty), mask=pe_ok)
+    tl.store(dst + first_width + dims_r, pe.to(out_ty), mask=pe_ok)

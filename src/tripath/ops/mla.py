@@ -110,20 +110,27 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
     )
 
 
+def _row_split(width: int) -> int:
+    """Where the gather cuts a row into two power-of-two tiles (512 | 64 for DeepSeek's 576)."""
+    first = 1 << (width.bit_length() - 1)
+    return first if first < width else max(1, width // 2)
+
+
 def gather_mla_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
-                     seq_starts: torch.Tensor, *, kv_lora_rank: int = 512, kv_scale: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                     seq_starts: torch.Tensor, *, kv_scale: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                     kv_lora_rank: int | None = None) -> torch.Tensor:
     """Copy cached latent rows to a contiguous ``[T, L + R]`` tensor, dequantising fp8.
 
     Request ``i`` contributes its cached positions ``seq_starts[i] .. seq_starts[i] + n_i`` with
     ``n_i = cu_seqlens[i+1] - cu_seqlens[i]``, written to rows ``cu_seqlens[i] ..``. Rows of ``out`` past
     ``cu_seqlens[-1]`` are left untouched (workspaces may be larger than the chunk). Without ``out`` the
     total is read from the device (one host sync); its dtype is ``dtype`` or bf16 (fp8 cache) / the cache's.
-    ``kv_lora_rank`` only splits the row for the kernel's two tiles.
+    ``kv_lora_rank`` (optional) only says where the kernel cuts a row into its two tiles.
     """
     device = kv_cache.device
     _, block_size, width = check_mla_cache(kv_cache, device)
-    if not 0 < kv_lora_rank < width:
+    if kv_lora_rank is not None and not 0 < kv_lora_rank < width:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be between 1 and the row width - 1 ({width - 1})")
     check_index("block_table", block_table, device, ndim=2)
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32,), device=device)
@@ -147,12 +154,13 @@ def gather_mla_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqle
                                                   kv_scale=kv_scale, out=out)
     cfg = dict(_mla_configs.gather_config(current_platform(device)))
     block_rows = cfg.pop("BLOCK_ROWS")
+    first = kv_lora_rank if kv_lora_rank is not None else _row_split(width)
     launch(
         gather_mla_cache_kernel, (-(-out.shape[0] // block_rows),),
         kv_cache, block_table, cu_seqlens, seq_starts, out, kv_scale if fp8 else cu_seqlens,
         block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), out.stride(0),
-        num_seqs, kv_lora_rank, width - kv_lora_rank, block_size,
-        BLOCK_ROWS=block_rows, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(width - kv_lora_rank),
+        num_seqs, first, width - first, block_size,
+        BLOCK_ROWS=block_rows, BLOCK_L=next_pow2(first), BLOCK_R=next_pow2(width - first),
         BINARY_STEPS=max(1, num_seqs.bit_length()), DEQUANT=fp8, **cfg,
     )
     return out

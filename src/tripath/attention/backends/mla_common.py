@@ -229,7 +229,7 @@ class MLABackendBase(AttentionBackend):
         lat = self.spec.mla.kv_lora_rank
         workspace = torch.empty(e.workspace_tokens, self.spec.mla.cache_width, dtype=q.dtype, device=q.device)
         for i, chunk in enumerate(e.chunks):
-            gather_mla_cache(cache.kv_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts, kv_lora_rank=lat,
+            gather_mla_cache(cache.kv_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
                              kv_scale=self._kv_scale(cache), out=workspace)
             k_ctx, v_ctx = self._up_project(workspace[:, :lat], workspace[:, lat:], weights)
             part, part_lse = varlen_attention(q, k_ctx, v_ctx, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
