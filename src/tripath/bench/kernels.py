@@ -132,6 +132,116 @@ def bench_mixed(report: Report, backends=("three_path", "unified", "two_path"), 
     torch.cuda.empty_cache()
 
 
+def _mla_table(batch, ctx, block_size, dev, width=576):
+    from tripath.ops.mla import allocate_mla_cache
+    table, nb = _random_table(batch, ctx, block_size, dev)
+    cache = allocate_mla_cache(nb, block_size, dtype=torch.bfloat16, device=dev)
+    cache.normal_()
+    return table, cache
+
+
+def bench_mla_decode(report: Report) -> None:
+    """Absorbed MLA decode: head-packed tensor-core kernel (``mla``) vs per-head kernel (``mla_triton``)."""
+    from tripath.ops import mla_decode
+    dev = torch.device("cuda")
+    cases = [(16, 64, 4096, 64), (16, 64, 16384, 64), (16, 8, 32768, 64), (16, 64, 4096, 16), (128, 64, 4096, 64)]
+    for heads, batch, ctx, bs in cases:
+        table, cache = _mla_table(batch, ctx, bs, dev)
+        q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device=dev)
+        sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        nbytes = batch * ctx * 576 * 2
+        flops = 2 * batch * heads * ctx * (576 + 512)
+        for variant in ("packed", "per_head"):
+            us = _bench(lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07, variant=variant))
+            compute_bound = heads >= 64
+            report.rows.append(Row("mla", f"H{heads}, {batch} × {ctx}, block {bs}", f"mla_decode ({variant})", us,
+                                   flops / (us * 1e-6) / 1e12 if compute_bound else nbytes / (us * 1e-6) / 1e9,
+                                   "TF/s" if compute_bound else "GB/s"))
+        del cache
+        torch.cuda.empty_cache()
+
+
+def bench_mla_prep(report: Report) -> None:
+    """Decode preparation: the fused kernel (one launch) vs RoPE + cache write + query concat/quantise."""
+    from tripath.ops import concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla, \
+        rotary_embedding
+    from tripath.ops.mla import allocate_mla_cache
+    from tripath.platform import fp8_dtype
+    dev = torch.device("cuda")
+    fp8 = fp8_dtype()
+    max_pos = 8192
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=dev).float() / 64))
+    freqs = torch.outer(torch.arange(max_pos, device=dev).float(), inv)
+    cos, sin = freqs.cos(), freqs.sin()
+    for tokens, heads in ((64, 16), (256, 16), (64, 128), (256, 128)):
+        cache = allocate_mla_cache(tokens // 16 + 2, 16, dtype=fp8, device=dev)
+        slots = torch.arange(16, 16 + tokens, device=dev)
+        pos = torch.randint(0, max_pos, (tokens,), device=dev)
+        ql = torch.randn(tokens, heads, 512, dtype=torch.bfloat16, device=dev)
+        q_pe = torch.randn(tokens, heads, 64, dtype=torch.bfloat16, device=dev)
+        kv_c = torch.randn(tokens, 512, dtype=torch.bfloat16, device=dev)
+        k_pe = torch.randn(tokens, 64, dtype=torch.bfloat16, device=dev)
+        q_out = torch.empty(tokens, heads, 576, dtype=fp8, device=dev)
+        scale = torch.tensor([0.05], device=dev)
+
+        def fused():
+            fused_qk_rope_concat_and_cache_mla(ql, q_pe, kv_c, k_pe, cache, q_out, slots, scale, scale, pos, cos,
+                                               sin, is_neox=False, is_nope_first=True)
+
+        def unfused():
+            rotary_embedding(pos, q_pe, k_pe, (cos, sin), is_neox=False)
+            concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_scale=scale)
+            concat_mla_query(ql, q_pe, q_out, q_scale=scale)
+
+        t_fused, t_unfused = _bench(fused), _bench(unfused)
+        shape = f"T {tokens}, H {heads}"
+        report.rows.append(Row("mla_prep", shape, "fused (1 launch)", t_fused, t_unfused / t_fused, "×"))
+        report.rows.append(Row("mla_prep", shape, "unfused (3 launches)", t_unfused, 1.0, "×"))
+
+
+def bench_mla_backends(report: Report) -> None:
+    """``mla`` vs ``mla_triton`` on a decode-heavy MLA step (DeepSeek-R1 attention at TP 8: 16 heads)."""
+    from tripath.attention import AttentionSpec, ForwardContext, MLALayerWeights, MLASpec, RotaryTables
+    dev = torch.device("cuda")
+    spec = AttentionSpec(16, 1, 576, dtype=torch.bfloat16, block_size=64, mla=MLASpec())
+    requests = [(4096, 1)] * 64 + [(0, 512)] * 2
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    w_uk = (torch.randn(16, 128, 512, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
+    w_uv = (torch.randn(16, 512, 128, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=dev).float() / 64))
+    freqs = torch.outer(torch.arange(16384, device=dev).float(), inv)
+    weights = MLALayerWeights(w_uk, w_uv, RotaryTables(freqs.cos(), freqs.sin(), is_neox=False))
+    times = {}
+    for name in ("mla", "mla_triton"):
+        backend = select_backend(spec, name, dev)
+        plan = backend.plan([q for _, q in requests], [c for c, _ in requests])
+        need = [-(-(c + q) // 64) for c, q in zip(plan.context_lens, plan.query_lens)]
+        perm = torch.randperm(sum(need), generator=gen) + 1
+        table = torch.zeros(len(need), max(need), dtype=torch.int32)
+        at = 0
+        for i, n in enumerate(need):
+            table[i, :n] = perm[at:at + n].int()
+            at += n
+        slots = torch.cat([table[i, p // 64].long() * 64 + p % 64 for i, p in
+                           enumerate(torch.arange(c, c + q) for c, q in zip(plan.context_lens, plan.query_lens))])
+        cache = backend.allocate_cache(sum(need) + 1, dev)
+        cache.kv_cache.normal_()
+        meta = backend.build_metadata(plan, table.to(dev), slots.to(dev))
+        t = plan.num_tokens
+        q_nope = torch.randn(t, 16, 128, dtype=torch.bfloat16, device=dev)
+        q_pe = torch.randn(t, 16, 64, dtype=torch.bfloat16, device=dev)
+        kv_c = torch.randn(t, 512, dtype=torch.bfloat16, device=dev)
+        k_pe = torch.randn(t, 64, dtype=torch.bfloat16, device=dev)
+        positions = torch.tensor([p for c, q in zip(plan.context_lens, plan.query_lens) for p in range(c, c + q)],
+                                 device=dev)
+        ctx = ForwardContext(backend, meta, [cache])
+        times[name] = _bench(lambda: ctx.attend_mla(0, q_nope, q_pe, kv_c, k_pe, positions, weights))
+        del cache
+    for name, us in times.items():
+        report.rows.append(Row("mla_backend", "64 dec (4096) + 2 pre (512), H16", name, us,
+                               times["mla_triton"] / us, "×"))
+
+
 def check_correctness(report: Report) -> None:
     """One quick agreement check per op at benchmark dtype (bf16) before timing."""
     from tripath.ops import reference as R
@@ -152,7 +262,10 @@ def format_report(report: Report) -> str:
              f"(read + write), bf16 8192³ matmul **{report.matmul_tflops:.0f} TFLOP/s**.", ""]
     for table, title in (("decode", "Paged decode, 32/8/128, block 16, bf16, random block order"),
                          ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
-                         ("mixed", "Mixed step (ANCHORS.md), 32/8/128, bf16, one forward incl. KV write")):
+                         ("mixed", "Mixed step (ANCHORS.md), 32/8/128, bf16, one forward incl. KV write"),
+                         ("mla", "MLA decode (absorbed, 576-wide rows, 512-wide values), bf16 cache"),
+                         ("mla_prep", "MLA decode preparation, fp8 cache and query (speed-up of fused over unfused)"),
+                         ("mla_backend", "MLA backends on a decode-heavy step (speed-up over mla_triton)")):
         rows = [r for r in report.rows if r.table == table]
         if not rows:
             continue
@@ -160,6 +273,15 @@ def format_report(report: Report) -> str:
         if table == "mixed":
             lines += ["| backend | time |", "|---|---|"]
             lines += [f"| {r.impl} | {r.us:.0f} µs |" for r in rows]
+        elif table in ("mla_prep", "mla_backend"):
+            lines += ["| shape | implementation | time | speed-up |", "|---|---|---|---|"]
+            lines += [f"| {r.shape} | {r.impl} | {r.us:.2f} µs | {r.metric:.2f}× |" for r in rows]
+        elif table == "mla":
+            lines += ["| heads, shape | kernel | time | rate | % of floor |", "|---|---|---|---|---|"]
+            for r in rows:
+                floor = report.copy_gbps if r.unit == "GB/s" else report.matmul_tflops
+                lines.append(f"| {r.shape} | {r.impl} | {r.us:.1f} µs | {r.metric:.0f} {r.unit} | "
+                             f"{100 * r.metric / floor:.0f}% |")
         else:
             floor = report.copy_gbps if table == "decode" else report.matmul_tflops
             lines += [f"| shape | implementation | time | {rows[0].unit} | % of floor |", "|---|---|---|---|---|"]
@@ -169,7 +291,7 @@ def format_report(report: Report) -> str:
     return "\n".join(lines)
 
 
-def run(sections=("decode", "prefill", "mixed")) -> Report:
+def run(sections=("decode", "prefill", "mixed", "mla")) -> Report:
     if not torch.cuda.is_available():
         raise SystemExit("tripath bench kernels needs a GPU (use `tripath bench` on a CPU)")
     report = Report(device=torch.cuda.get_device_name())
@@ -182,14 +304,18 @@ def run(sections=("decode", "prefill", "mixed")) -> Report:
         bench_prefill(report)
     if "mixed" in sections:
         bench_mixed(report)
+    if "mla" in sections:
+        bench_mla_decode(report)
+        bench_mla_prep(report)
+        bench_mla_backends(report)
     return report
 
 
 def main_kernels(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="tripath bench kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=["decode", "prefill", "mixed"],
-                        choices=["decode", "prefill", "mixed"])
+    parser.add_argument("--only", nargs="*", default=["decode", "prefill", "mixed", "mla"],
+                        choices=["decode", "prefill", "mixed", "mla"])
     parser.add_argument("--out", help="also write the markdown tables to this file")
     args = parser.parse_args(argv)
     text = format_report(run(tuple(args.only)))
