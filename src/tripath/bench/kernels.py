@@ -35,6 +35,7 @@ class Report:
     copy_gbps: float = 0.0
     matmul_tflops: float = 0.0
     rows: list[Row] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
 
 
 def _bench(fn, reps_ms: int = 200) -> float:
@@ -288,6 +289,7 @@ def format_report(report: Report) -> str:
             lines += [f"| {r.shape} | {r.impl} | {r.us:.1f} µs | {r.metric:.0f} | {100 * r.metric / floor:.0f}% |"
                       for r in rows]
         lines.append("")
+    lines += [f"**failed**: {e}" for e in report.errors]
     return "\n".join(lines)
 
 
@@ -298,16 +300,15 @@ def run(sections=("decode", "prefill", "mixed", "mla")) -> Report:
     torch.manual_seed(0)
     check_correctness(report)
     measure_floors(report)
-    if "decode" in sections:
-        bench_decode(report)
-    if "prefill" in sections:
-        bench_prefill(report)
-    if "mixed" in sections:
-        bench_mixed(report)
-    if "mla" in sections:
-        bench_mla_decode(report)
-        bench_mla_prep(report)
-        bench_mla_backends(report)
+    parts = {"decode": [bench_decode], "prefill": [bench_prefill], "mixed": [bench_mixed],
+             "mla": [bench_mla_decode, bench_mla_prep, bench_mla_backends]}
+    for section in sections:
+        for fn in parts[section]:
+            try:
+                fn(report)
+            except Exception as exc:  # one broken section must not hide the others' numbers
+                report.errors.append(f"{fn.__name__}: {type(exc).__name__}: {exc}")
+            torch.cuda.empty_cache()
     return report
 
 
