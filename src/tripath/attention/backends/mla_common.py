@@ -112,7 +112,7 @@ class MLABackendBase(AttentionBackend):
                 reasons.append("odd rotary dim")
             for name, table in (("cos", rotary.cos), ("sin", rotary.sin)):
                 if (table.dim() != 2 or table.shape[1] != half or table.dtype not in FLOAT_TABLE_DTYPES
-                        or table.stride(-1) != 1 or table.device != self.device):
+                        or table.stride(-1) != 1 or table.device != meta.slot_mapping.device):
                     reasons.append(f"rotary {name} table is not a [max_position, {half}] float tensor on the device")
         return reasons
 
