@@ -8,7 +8,19 @@ read ``x * scale`` with one per-tensor scale.
 import triton
 import triton.language as tl
 
-from tripath.kernels.kv_cache import find_sequence
+
+
+@triton.jit
+def find_sequences(cu_seqlens_ptr, num_seqs, rows, BINARY_STEPS: tl.constexpr):
+    """Per row of ``rows [N]``: the request ``i`` with ``cu_seqlens[i] <= row < cu_seqlens[i + 1]``."""
+    lo = tl.zeros_like(rows)
+    hi = tl.zeros_like(rows) + num_seqs
+    for _ in range(BINARY_STEPS):
+        mid = (lo + hi) // 2
+        go_right = tl.load(cu_seqlens_ptr + mid) <= rows
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -79,7 +91,7 @@ def gather_mla_cache_kernel(
     ``first_width`` and ``second_width`` values (the latent and rotary parts for DeepSeek)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < tl.load(cu_seqlens_ptr + num_seqs)
-    seq = find_sequence(cu_seqlens_ptr, num_seqs, rows, BINARY_STEPS)
+    seq = find_sequences(cu_seqlens_ptr, num_seqs, rows, BINARY_STEPS)
     pos = rows - tl.load(cu_seqlens_ptr + seq) + tl.load(seq_starts_ptr + seq)
     block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=row_ok,
                     other=0).to(tl.int64)
