@@ -77,9 +77,10 @@ def write_kv_cache_kernel(
 
 @triton.jit
 def find_sequence(cu_seqlens_ptr, num_seqs, row, BINARY_STEPS: tl.constexpr):
-    """Index ``i`` with ``cu_seqlens[i] <= row < cu_seqlens[i + 1]`` (binary search, ``num_seqs`` requests)."""
-    lo = 0
-    hi = num_seqs
+    """Index ``i`` with ``cu_seqlens[i] <= row < cu_seqlens[i + 1]`` (binary search, ``num_seqs`` requests).
+    ``row`` may be a scalar or a tensor of rows; the search carries values of the same shape."""
+    lo = row * 0
+    hi = row * 0 + num_seqs
     for _ in range(BINARY_STEPS):
         mid = (lo + hi) // 2
         go_right = tl.load(cu_seqlens_ptr + mid) <= row

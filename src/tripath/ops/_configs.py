@@ -26,9 +26,9 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
             return {"BLOCK_M": 64, "BLOCK_N": 32, **_amd(4, 2, 1)}
         return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 2)}
     if head_size > 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     if max_seqlen_q <= 1024 or head_size <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4}
 
 
@@ -40,7 +40,7 @@ def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int) -> dic
     if platform.is_hip:
         return {"BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 2)}
     if head_size > 128:
-        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
@@ -51,8 +51,8 @@ def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
     if platform.is_hip:
         return {"BLOCK_M": 64, "BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 2)}
     if head_size > 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
 def elementwise_config(platform: Platform) -> dict:
