@@ -13,18 +13,18 @@ from contextlib import contextmanager
 import torch
 
 from tripath.bench.kernels import _bench, _random_table
-from tripath.ops import _configs, paged_decode, varlen_attention
+from tripath.ops import _configs, _mla_configs, mla_decode, paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache
 
 
 @contextmanager
-def _patched(name: str, value):
-    old = getattr(_configs, name)
-    setattr(_configs, name, lambda *a, **k: dict(value))
+def _patched(name: str, value, module=_configs):
+    old = getattr(module, name)
+    setattr(module, name, lambda *a, **k: dict(value))
     try:
         yield
     finally:
-        setattr(_configs, name, old)
+        setattr(module, name, old)
 
 
 def tune_decode(shapes=((64, 4096), (8, 32768)), layouts=("nhd", "shuffled"), top: int = 6) -> list[str]:
@@ -84,15 +84,51 @@ def tune_prefill(shapes=((1, 8192), (16, 512)), top: int = 6) -> list[str]:
     return lines
 
 
+def tune_mla(top: int = 6) -> list[str]:
+    """Absorbed MLA decode (bf16 cache, block 64): 16 heads (memory-bound) and 128 heads (compute-bound)."""
+    from tripath.bench.kernels import _mla_table
+    lines = []
+    dev = torch.device("cuda")
+    for heads, batch, ctx in ((16, 64, 4096), (16, 8, 32768), (128, 64, 4096)):
+        table, cache = _mla_table(batch, ctx, 64, dev)
+        q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device=dev)
+        sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        nbytes, flops = batch * ctx * 576 * 2, 2 * batch * heads * ctx * 1088
+        block_hs = (16,) if heads <= 32 else (32, 64)
+        splits_options = (None, 2, 4, 8) if batch >= 64 else (16, 32, 48)
+        results = []
+        for bh, bn, warps, stages, splits in itertools.product(block_hs, (16, 32, 64), (4, 8), (1, 2, 3),
+                                                                splits_options):
+            cfg = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+            try:
+                with _patched("mla_decode_config", cfg, _mla_configs):
+                    us = _bench(lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
+                                                   num_splits=splits), reps_ms=40)
+            except Exception as exc:
+                lines.append(f"mla H{heads} {batch}x{ctx} {cfg} splits={splits}: {type(exc).__name__}")
+                continue
+            results.append((us, cfg, splits))
+        results.sort(key=lambda r: r[0])
+        for us, cfg, splits in results[:top]:
+            lines.append(f"mla H{heads} {batch}x{ctx}: {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
+                         f"{flops / us / 1e6:5.0f} TF/s  {cfg} splits={splits}")
+        del cache
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main_tune(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="tripath bench tune", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=["decode", "prefill"], choices=["decode", "prefill"])
+    parser.add_argument("--only", nargs="*", default=["decode", "prefill", "mla"],
+                        choices=["decode", "prefill", "mla"])
     args = parser.parse_args(argv)
     if "decode" in args.only:
         print("\n".join(tune_decode()), flush=True)
     if "prefill" in args.only:
         print("\n".join(tune_prefill()), flush=True)
+    if "mla" in args.only:
+        print("\n".join(tune_mla()), flush=True)
     return 0
 
 
