@@ -94,10 +94,10 @@ def tune_mla(top: int = 6) -> list[str]:
         q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device=dev)
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         nbytes, flops = batch * ctx * 576 * 2, 2 * batch * heads * ctx * 1088
-        block_hs = (16,) if heads <= 32 else (32, 64)
-        splits_options = (None, 2, 4, 8) if batch >= 64 else (16, 32, 48)
+        block_hs, block_ns = ((16,), (16, 32, 64)) if heads <= 32 else ((64,), (16, 32))
+        splits_options = ((None, 4) if heads <= 32 else (None, 2)) if batch >= 64 else (16, 32)
         results = []
-        for bh, bn, warps, stages, splits in itertools.product(block_hs, (16, 32, 64), (4, 8), (1, 2, 3),
+        for bh, bn, warps, stages, splits in itertools.product(block_hs, block_ns, (4, 8), (1, 2),
                                                                 splits_options):
             cfg = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
             try:
