@@ -16,18 +16,19 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
             "matrix_instr_nonkdim": 16}
 
 
-def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqlen_q: int = 8192) -> dict:
+def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqlen_k: int = 8192) -> dict:
     """Prefill: large query tiles on the matrix units (H200 sweep, 2026-11-29: 128×64 tiles, 8 warps,
-    4 stages for long sequences; 64×64, 4 warps, 2 stages for sequences of at most 1024)."""
+    4 stages when there are many keys per query tile; 64-row tiles, 4 warps, 2 stages when requests have
+    at most 1024 keys, where more, smaller programs win)."""
     if platform.backend == "cpu":
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    if platform.is_hip:
+    if platform.is_hip:  # one wave per SIMD: the whole register file, so no spills with every feature on
         if head_size > 128:
             return {"BLOCK_M": 64, "BLOCK_N": 32, **_amd(4, 2, 1)}
-        return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 2)}
+        return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 1)}
     if head_size > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    if max_seqlen_q <= 1024 or head_size <= 64:
+    if max_seqlen_k <= 1024 or head_size <= 64:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4}
 
@@ -38,7 +39,7 @@ def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int) -> dic
     if platform.backend == "cpu":
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:
-        return {"BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 2)}
+        return {"BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 1)}
     if head_size > 128:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
@@ -49,7 +50,7 @@ def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
     if platform.backend == "cpu":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:
-        return {"BLOCK_M": 64, "BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 2)}
+        return {"BLOCK_M": 64, "BLOCK_N": 32 if head_size <= 128 else 16, **_amd(4, 2, 1)}
     if head_size > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}

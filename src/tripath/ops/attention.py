@@ -101,7 +101,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     cfg = dict(_configs.varlen_config(current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(),
-                                      int(max_seqlen_q)))
+                                      int(max_seqlen_k)))
     block_m = cfg.pop("BLOCK_M")
     dummy = cu_seqlens_q
     launch(
