@@ -184,12 +184,12 @@ def compile_jobs(jobs: Sequence[CompileJob], workers: int = 1, verbose: bool = F
                 json.dump([asdict(jobs[i]) for i in chunk], f)
             cmd = [sys.executable, "-m", "tripath.bench.check_compile", "--worker", src, dst]
             cmd += ["--verbose"] if verbose else []
-            stderr = None if verbose else open(log, "w")
-            procs.append((chunk, dst, log, stderr, subprocess.Popen(cmd, env=env, stderr=stderr)))
-        for chunk, dst, log, stderr, proc in procs:
+            log_file = open(log, "w")  # the child's stdout (and stderr unless verbose): kept for crash reports
+            proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=None if verbose else log_file)
+            procs.append((chunk, dst, log, log_file, proc))
+        for chunk, dst, log, log_file, proc in procs:
             rc = proc.wait()
-            if stderr is not None:
-                stderr.close()
+            log_file.close()
             if rc == 0 and os.path.exists(dst):
                 with open(dst) as f:
                     for i, data in zip(chunk, json.load(f)):

@@ -17,7 +17,9 @@ and reports:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import re
 import subprocess
@@ -194,7 +196,8 @@ def compile_job(job: CompileJob) -> CompileResult:
                            {name: decode_value(v) for name, v in job.constexprs},
                            {(index,): [list(a) for a in attr] for index, attr in job.attrs})
         target = GPUTarget(job.gpu.backend, job.gpu.arch, job.gpu.warp_size)
-        with warnings.catch_warnings(record=True) as caught:
+        # Triton prints the whole PTX when ptxas fails; keep it out of the report (the error says enough).
+        with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("always")
             compiled = triton.compile(source, target=target, options=dict(job.options))
         result.warnings = sorted({str(w.message).splitlines()[0] for w in caught})
