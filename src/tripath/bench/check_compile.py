@@ -322,11 +322,14 @@ def _regs(r: CompileResult) -> str:
 
 
 def _spills(r: CompileResult) -> str:
+    """Memory spills (AMD VGPR spill count, NVIDIA spill-store bytes) with scratch bytes; AMD SGPR spills
+    into VGPR lanes after a ``+``."""
     if r.error:
         return "-"
     if r.vgpr_spills is not None:
-        return str((r.vgpr_spills or 0) + (r.sgpr_spills or 0)) + (f" ({r.scratch_bytes}B)" if r.scratch_bytes else "")
-    return str(r.spill_store_bytes or 0) + (f" ({r.scratch_bytes}B)" if r.scratch_bytes else "")
+        text = str(r.vgpr_spills or 0) + (f" ({r.scratch_bytes}B)" if r.scratch_bytes else "")
+        return text + (f" +{r.sgpr_spills} sgpr" if r.sgpr_spills else "")
+    return f"{r.spill_store_bytes or 0}B" + (f" ({r.scratch_bytes}B local)" if r.scratch_bytes else "")
 
 
 def _matrix(r: CompileResult) -> str:
@@ -338,7 +341,9 @@ def _matrix(r: CompileResult) -> str:
 
 
 def summary_table(report: CheckReport) -> str:
-    """One row per kernel and target: configurations compiled, worst registers/spills/shared, matrix units."""
+    """One row per kernel and target: configurations compiled, worst registers (``v``GPRs incl. AGPRs /
+    ``s``GPRs on AMD), how many configurations spill to memory and how many spill SGPRs into VGPR lanes,
+    the largest LDS / shared memory, and in how many configurations the dots run on the matrix units."""
     rows = []
     kernels = sorted({r.kernel for r in report.results})
     for kernel in kernels:
@@ -352,7 +357,8 @@ def summary_table(report: CheckReport) -> str:
             status = f"FAIL {failed}/{len(rs)}" if failed else ("ok*" if any(r.deliberate for r in rs) else "ok")
             regs = max((r.regs or 0 for r in ok), default=0)
             sgprs = max((r.sgprs or 0 for r in ok), default=0)
-            spills = sum((r.vgpr_spills or 0) + (r.sgpr_spills or 0) + (r.spill_store_bytes or 0) for r in ok)
+            spilled = sum(1 for r in ok if r.vgpr_spills or r.scratch_bytes or r.spill_store_bytes)
+            lanes = sum(1 for r in ok if r.sgpr_spills)
             shared = max((r.shared_bytes or 0 for r in ok), default=0)
             if role is None or not role.matrix_stage:
                 matrix = "no matrix stage (deliberate)" if role else "undeclared"
@@ -361,9 +367,10 @@ def summary_table(report: CheckReport) -> str:
                 kinds = sorted({k for r in ok for k in r.matrix_kind.split("+")})
                 matrix = f"{'+'.join(kinds)} in {using}/{len(rs)}"
             reg_text = f"{regs}v/{sgprs}s" if target.gpu.backend == "hip" else str(regs)
-            rows.append([kernel, target.name, str(len(rs)), status, reg_text, str(spills),
-                         f"{shared / 1024:.1f} KiB", matrix])
-    header = ["kernel", "target", "configs", "status", "max regs", "spills", "max LDS/smem", "matrix units"]
+            rows.append([kernel, target.name, str(len(rs)), status, reg_text, str(spilled),
+                         str(lanes) if target.gpu.backend == "hip" else "-", f"{shared / 1024:.1f} KiB", matrix])
+    header = ["kernel", "target", "configs", "status", "max regs", "spilling", "SGPR lane spills",
+              "max LDS/smem", "matrix units"]
     return _table(header, rows)
 
 
