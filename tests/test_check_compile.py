@@ -362,3 +362,17 @@ def test_main_exit_status(monkeypatch, capsys, tmp_path):
     assert "FAILED" in (tmp_path / "r.md").read_text()
     with pytest.raises(SystemExit):
         cc.main_check_compile(["--only", "nothing matches this"])
+
+
+def test_a_crashed_compile_worker_fails_its_jobs(monkeypatch):
+    jobs, _ = cc.collect_jobs([Scenario("merge", _merge(8, 64))], [cc.TARGETS["gfx950"]])
+    monkeypatch.setattr(cc.sys, "executable", "false")  # the child exits 1 without writing results
+    results = cc.compile_jobs(jobs, workers=2)
+    assert len(results) == 1 and results[0].error.startswith("compile worker exited with status 1")
+    assert cc.evaluate(results[0], cc.TARGETS["gfx950"]).failures[0][0] == "compile"
+
+
+def test_list_prints_the_distinct_compilations(capsys):
+    assert cc.main_check_compile(["--list", "--subset", "ci", "--target", "sm90", "--only", "kv "]) == 0
+    out = capsys.readouterr().out
+    assert "write_kv_cache_kernel" in out and "gather_kv_cache_kernel" in out and "2 distinct compilations" in out
