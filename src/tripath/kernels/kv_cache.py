@@ -52,7 +52,7 @@ def write_kv_cache_kernel(
     num_kv_heads, head_size, block_size,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SHUFFLED: tl.constexpr, X: tl.constexpr,
-    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr,
+    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -66,8 +66,8 @@ def write_kv_cache_kernel(
     k = tl.load(key_ptr + token * stride_key_t + heads * stride_key_h + dims, mask=mask).to(tl.float32)
     v = tl.load(value_ptr + token * stride_value_t + heads * stride_value_h + dims, mask=mask).to(tl.float32)
     if QUANT:
-        k = fp8_round(k / tl.load(k_scale_ptr), FP8_MAX, EMULATE_RNE, MIN_NORMAL_EXP)
-        v = fp8_round(v / tl.load(v_scale_ptr), FP8_MAX, EMULATE_RNE, MIN_NORMAL_EXP)
+        k = fp8_round(k / tl.load(k_scale_ptr), FP8_MAX, EMULATE_RNE)
+        v = fp8_round(v / tl.load(v_scale_ptr), FP8_MAX, EMULATE_RNE)
     k_off, v_off = kv_offsets(block, offset, heads, dims,
                               stride_k0, stride_k1, stride_k2, stride_k3,
                               stride_v0, stride_v1, stride_v2, stride_v3, SHUFFLED, X)

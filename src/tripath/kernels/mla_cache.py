@@ -8,41 +8,9 @@ read ``x * scale`` with one per-tensor scale.
 import triton
 import triton.language as tl
 
+from tripath.kernels.kv_cache import find_sequence
+from tripath.kernels.quant import round_to_fp8_grid
 
-
-@triton.jit
-def find_sequences(cu_seqlens_ptr, num_seqs, rows, BINARY_STEPS: tl.constexpr):
-    """Per row of ``rows [N]``: the request ``i`` with ``cu_seqlens[i] <= row < cu_seqlens[i + 1]``."""
-    lo = tl.zeros_like(rows)
-    hi = tl.zeros_like(rows) + num_seqs
-    for _ in range(BINARY_STEPS):
-        mid = (lo + hi) // 2
-        go_right = tl.load(cu_seqlens_ptr + mid) <= rows
-        lo = tl.where(go_right, mid, lo)
-        hi = tl.where(go_right, hi, mid)
-    return lo
-
-
-@triton.jit
-def round_to_fp8_grid(x, FP8_MAX: tl.constexpr):
-    """fp32 ``x`` (within ±FP8_MAX) rounded to the nearest e4m3 value, ties to even, still in fp32.
-
-    The cast to e4m3 is then exact on every backend; Triton's interpreter otherwise drops the carry when
-    rounding crosses a power of two (7.98 → 4.0). Normal range: keep 3 mantissa bits (round the 20 dropped
-    bits to even); below the smallest normal (2^-6 for e4m3fn, max 448; 2^-7 for e4m3fnuz, max 240) the
-    grid is uniform and ``(x + magic) - magic`` rounds onto it.
-    """
-    if FP8_MAX > 300.0:
-        min_normal: tl.constexpr = 0.015625
-        magic: tl.constexpr = 24576.0  # 1.5 * 2^14: its ulp is 2^-9, e4m3fn's subnormal step
-    else:
-        min_normal: tl.constexpr = 0.0078125
-        magic: tl.constexpr = 12288.0  # 1.5 * 2^13: ulp 2^-10 (e4m3fnuz)
-    bits = x.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
-    subnormal = (tl.abs(x) + magic) - magic
-    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(x) < min_normal, subnormal, normal)
 
 
 @triton.jit
@@ -91,7 +59,7 @@ def gather_mla_cache_kernel(
     ``first_width`` and ``second_width`` values (the latent and rotary parts for DeepSeek)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < tl.load(cu_seqlens_ptr + num_seqs)
-    seq = find_sequences(cu_seqlens_ptr, num_seqs, rows, BINARY_STEPS)
+    seq = find_sequence(cu_seqlens_ptr, num_seqs, rows, BINARY_STEPS)
     pos = rows - tl.load(cu_seqlens_ptr + seq) + tl.load(seq_starts_ptr + seq)
     block = tl.load(block_table_ptr + seq.to(tl.int64) * stride_bt + pos // block_size, mask=row_ok,
                     other=0).to(tl.int64)

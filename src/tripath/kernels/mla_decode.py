@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from tripath.kernels.attention_common import LOG2E, finalize
-from tripath.kernels.mla_cache import round_to_fp8_grid
+from tripath.kernels.quant import round_to_fp8_grid
 
 
 @triton.jit

@@ -11,14 +11,31 @@ import triton.language as tl
 
 
 @triton.jit
-def fp8_round(x, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr, MIN_NORMAL_EXP: tl.constexpr):
-    """Saturate ``x`` (fp32) to ±FP8_MAX; with ``EMULATE_RNE`` also round it to the e4m3 grid (3 mantissa
-    bits; spacing ``2^(max(e, MIN_NORMAL_EXP) - 3)`` for ``|x|`` in ``[2^e, 2^(e+1))``)."""
+def fp8_round(x, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """Saturate ``x`` (fp32) to ±FP8_MAX; with ``EMULATE_RNE`` also round it onto the e4m3 grid."""
     y = tl.clamp(x, -FP8_MAX, FP8_MAX)
     if EMULATE_RNE:
-        e = tl.floor(tl.math.log2(tl.maximum(tl.abs(y), 1e-30)))
-        step = tl.math.exp2(tl.maximum(e, MIN_NORMAL_EXP) - 3.0)
-        r = y / step
-        r = (r + 12582912.0) - 12582912.0  # round half to even in fp32 (|r| < 2^22)
-        y = r * step
+        y = round_to_fp8_grid(y, FP8_MAX)
     return y
+
+
+@triton.jit
+def round_to_fp8_grid(x, FP8_MAX: tl.constexpr):
+    """fp32 ``x`` (within ±FP8_MAX) rounded to the nearest e4m3 value, ties to even, still in fp32.
+
+    The cast to e4m3 is then exact on every backend; Triton's interpreter otherwise drops the carry when
+    rounding crosses a power of two (7.98 → 4.0). Normal range: keep 3 mantissa bits (round the 20 dropped
+    bits to even); below the smallest normal (2^-6 for e4m3fn, max 448; 2^-7 for e4m3fnuz, max 240) the
+    grid is uniform and ``(x + magic) - magic`` rounds onto it.
+    """
+    if FP8_MAX > 300.0:
+        min_normal: tl.constexpr = 0.015625
+        magic: tl.constexpr = 24576.0  # 1.5 * 2^14: its ulp is 2^-9, e4m3fn's subnormal step
+    else:
+        min_normal: tl.constexpr = 0.0078125
+        magic: tl.constexpr = 12288.0  # 1.5 * 2^13: ulp 2^-10 (e4m3fnuz)
+    bits = x.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    subnormal = (tl.abs(x) + magic) - magic
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < min_normal, subnormal, normal)

@@ -155,8 +155,7 @@ def fp8_store_constexprs(dtype: torch.dtype) -> dict:
     """Constexprs of :func:`tripath.kernels.quant.fp8_round` for a cache dtype (any dtype; unused if not fp8)."""
     is_fp8 = dtype in FP8_DTYPES
     return {"FP8_MAX": fp8_max(dtype) if is_fp8 else 0.0,
-            "EMULATE_RNE": is_fp8 and _env.triton_interpret(),
-            "MIN_NORMAL_EXP": -7.0 if dtype == torch.float8_e4m3fnuz else -6.0}
+            "EMULATE_RNE": is_fp8 and _env.triton_interpret()}
 
 
 def write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping, *, layout="nhd", k_scale=None,
