@@ -3,7 +3,6 @@ extend with chunked context, fp8 caches, NoPE, NeoX/GPT-J RoPE, speculative deco
 preparation; selection."""
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,11 +12,9 @@ from helpers import FP8_TOL, TOL
 from tripath.attention import AttentionSpec, MLALayerWeights, MLASpec, RotaryTables, explain, select_backend
 from tripath.attention.backends.mla import MLABackend
 from tripath.attention.backends.torch_ref import TorchBackend
-from tripath.attention.planner import BatchPlan, plan_batch
-from tripath.attention.spec import MLACache
-from tripath.ops import rope_cos_sin
+from tripath.bench.batches import MLAStep
+from tripath.bench.batches import make_mla_step as build_mla_step
 from tripath.ops._launch import capture_launches
-from tripath.platform import FP8_DTYPES
 
 SMALL = MLASpec(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 DEEPSEEK = MLASpec()  # 512 / 64 / 128 / 128
@@ -31,69 +28,10 @@ BATCHES = {
 CHUNKED = [(1568, 32), (520, 8), (8, 8), (80, 16), (96, 16), (8, 8), (300, 1), (0, 5)]
 
 
-@dataclass
-class MLAStep:
-    plan: BatchPlan
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    positions: torch.Tensor
-    q_nope: torch.Tensor
-    q_pe: torch.Tensor
-    kv_c: torch.Tensor
-    k_pe: torch.Tensor
-    weights: MLALayerWeights
-    cache: MLACache
-
-    def fresh_cache(self) -> MLACache:
-        return MLACache(self.cache.kv_cache.clone(), self.cache.kv_scale.clone())
-
-
 def make_mla_step(spec, requests, *, seed=0, rope="gptj", q_scale=None) -> MLAStep:
-    """Random latent context in a paged cache (random block order, block 0 reserved), the step's new
-    tokens (plan order) with positions ``context_len + i``, and random ``W_UK``/``W_UV``."""
-    mla, gen = spec.mla, torch.Generator().manual_seed(seed)
-    plan = plan_batch([q for _, q in requests], [c for c, _ in requests], decode_threshold=spec.decode_threshold,
-                      chunk_budget=spec.extend_chunk_budget, block_size=spec.block_size)
-    bs = spec.block_size
-    need = [-(-s // bs) for s in plan.seq_lens]
-    num_blocks = sum(need) + 1
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    table = torch.zeros(len(need), max(need), dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(need):
-        table[i, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
-        at += n
-    cache = TorchBackend(spec, "cpu").allocate_cache(num_blocks, "cpu")
-    fp8 = cache.kv_cache.dtype in FP8_DTYPES
-    if fp8:
-        cache.kv_scale.fill_(0.05)
-    flat = cache.kv_cache.view(-1, mla.cache_width)
-    ctx_rows = torch.randn(num_blocks * bs, mla.cache_width, generator=gen)
-    flat.copy_((ctx_rows / (0.05 if fp8 else 1.0)).to(cache.kv_cache.dtype))
-
-    def slots(lo, hi):
-        return torch.cat([table[i, torch.arange(lo[i], hi[i]) // bs].long() * bs + torch.arange(lo[i], hi[i]) % bs
-                          for i in range(len(lo))])
-
-    t, h = plan.num_tokens, spec.num_heads
-    positions = torch.cat([torch.arange(c, s) for c, s in zip(plan.context_lens, plan.seq_lens)])
-
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(spec.dtype).to(DEVICE)
-
-    rotary = None
-    if rope is not None:
-        cos, sin = rope_cos_sin(max(plan.seq_lens) + 1, mla.qk_rope_head_dim, base=1000.0, device=DEVICE)
-        rotary = RotaryTables(cos, sin, is_neox=rope == "neox")
-    weights = MLALayerWeights(w_uk=rand(h, mla.qk_nope_head_dim, mla.kv_lora_rank, scale=mla.kv_lora_rank ** -0.5),
-                              w_uv=rand(h, mla.kv_lora_rank, mla.v_head_dim, scale=mla.kv_lora_rank ** -0.5),
-                              rotary=rotary, q_scale=q_scale)
-    # q_nope / q_pe as views of one [T, H, P + R] projection, kv_c / k_pe of one [T, L + R], as models give them
-    q = rand(t, h, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
-    kv = rand(t, mla.cache_width)
-    return MLAStep(plan, table.to(DEVICE), slots(plan.context_lens, plan.seq_lens).to(DEVICE), positions.to(DEVICE),
-                   q[..., :mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:], kv[:, :mla.kv_lora_rank],
-                   kv[:, mla.kv_lora_rank:], weights, MLACache(cache.kv_cache.to(DEVICE), cache.kv_scale.to(DEVICE)))
+    """The library's step builder with a reference-allocated cache on the test device."""
+    return build_mla_step(spec, requests, TorchBackend(spec, DEVICE), device=DEVICE, seed=seed, rope=rope,
+                          q_scale=q_scale)
 
 
 def run_mla(backend, step: MLAStep):

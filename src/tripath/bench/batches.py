@@ -9,8 +9,10 @@ from dataclasses import dataclass
 import torch
 
 from tripath.attention.planner import BatchPlan, plan_batch
-from tripath.attention.spec import AttentionSpec, KVCache
+from tripath.attention.spec import AttentionSpec, KVCache, MLACache, MLALayerWeights, RotaryTables
 from tripath.ops.kv_cache import write_kv_cache, write_kv_cache_ref
+from tripath.ops.rotary import rope_cos_sin
+from tripath.platform import FP8_DTYPES
 
 
 @dataclass
@@ -90,3 +92,71 @@ def make_step(spec: AttentionSpec, requests: list[tuple[int, int]], backend, *, 
     alibi = (torch.rand(spec.num_heads, generator=gen) * 0.5).to(device) if spec.use_alibi else None
     sinks = torch.randn(spec.num_heads, generator=gen).to(device) if spec.use_sinks else None
     return Step(spec, plan, block_table, slot_mapping, q, k, v, cache, alibi, sinks)
+
+
+@dataclass
+class MLAStep:
+    """An MLA step for ``backend.forward_mla``: inputs in plan order (``q_nope``/``q_pe`` views of one
+    ``[T, H, P + R]`` projection, ``kv_c``/``k_pe`` of one ``[T, L + R]``, as models give them)."""
+
+    plan: BatchPlan
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    kv_c: torch.Tensor
+    k_pe: torch.Tensor
+    weights: MLALayerWeights
+    cache: MLACache
+
+    def fresh_cache(self) -> MLACache:
+        return MLACache(self.cache.kv_cache.clone(), self.cache.kv_scale.clone())
+
+
+def make_mla_step(spec: AttentionSpec, requests: list[tuple[int, int]], backend, *, device="cpu", seed: int = 0,
+                  rope: str | None = "gptj", q_scale: torch.Tensor | None = None) -> MLAStep:
+    """Random latent context in a paged cache allocated by ``backend`` (random block order, block 0
+    reserved), the step's new tokens with positions ``context_len + i``, random ``W_UK``/``W_UV`` and RoPE
+    tables (``rope``: ``"gptj"``, ``"neox"`` or None for NoPE). fp8 caches get the scale 0.05."""
+    mla, gen = spec.mla, torch.Generator().manual_seed(seed)
+    plan = plan_batch([q for _, q in requests], [c for c, _ in requests], decode_threshold=spec.decode_threshold,
+                      chunk_budget=spec.extend_chunk_budget, block_size=spec.block_size)
+    bs = spec.block_size
+    need = [-(-s // bs) for s in plan.seq_lens]
+    num_blocks = sum(need) + 1
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(need), max(need), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
+        at += n
+    cache = backend.allocate_cache(num_blocks, device)
+    fp8 = cache.kv_cache.dtype in FP8_DTYPES
+    if fp8:
+        cache.kv_scale.fill_(0.05)
+    ctx_rows = torch.randn(num_blocks * bs, mla.cache_width, generator=gen) / (0.05 if fp8 else 1.0)
+    cache.kv_cache.view(-1, mla.cache_width).copy_(ctx_rows.to(cache.kv_cache.dtype).to(device))
+
+    def slots(lo, hi):
+        return torch.cat([table[i, torch.arange(lo[i], hi[i]) // bs].long() * bs + torch.arange(lo[i], hi[i]) % bs
+                          for i in range(len(lo))])
+
+    t, h = plan.num_tokens, spec.num_heads
+    positions = torch.cat([torch.arange(c, s) for c, s in zip(plan.context_lens, plan.seq_lens)])
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(spec.dtype).to(device)
+
+    rotary = None
+    if rope is not None:
+        cos, sin = rope_cos_sin(max(plan.seq_lens) + 1, mla.qk_rope_head_dim, base=1000.0, device=device)
+        rotary = RotaryTables(cos, sin, is_neox=rope == "neox")
+    weights = MLALayerWeights(w_uk=rand(h, mla.qk_nope_head_dim, mla.kv_lora_rank, scale=mla.kv_lora_rank ** -0.5),
+                              w_uv=rand(h, mla.kv_lora_rank, mla.v_head_dim, scale=mla.kv_lora_rank ** -0.5),
+                              rotary=rotary, q_scale=q_scale)
+    q = rand(t, h, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    kv = rand(t, mla.cache_width)
+    return MLAStep(plan, table.to(device), slots(plan.context_lens, plan.seq_lens).to(device), positions.to(device),
+                   q[..., :mla.qk_nope_head_dim], q[..., mla.qk_nope_head_dim:], kv[:, :mla.kv_lora_rank],
+                   kv[:, mla.kv_lora_rank:], weights, cache)

@@ -211,41 +211,19 @@ def bench_mla_prep(report: Report) -> None:
 
 def bench_mla_backends(report: Report) -> None:
     """``mla`` vs ``mla_triton`` on a decode-heavy MLA step (DeepSeek-R1 attention at TP 8: 16 heads)."""
-    from tripath.attention import AttentionSpec, ForwardContext, MLALayerWeights, MLASpec, RotaryTables
+    from tripath.attention import MLASpec
+    from tripath.attention.backends.torch_ref import TorchBackend
+    from tripath.bench.batches import make_mla_step
     dev = torch.device("cuda")
     spec = AttentionSpec(16, 1, 576, dtype=torch.bfloat16, block_size=64, mla=MLASpec())
-    requests = [(4096, 1)] * 64 + [(0, 512)] * 2
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    w_uk = (torch.randn(16, 128, 512, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
-    w_uv = (torch.randn(16, 512, 128, generator=gen) * 0.05).to(torch.bfloat16).to(dev)
-    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=dev).float() / 64))
-    freqs = torch.outer(torch.arange(16384, device=dev).float(), inv)
-    weights = MLALayerWeights(w_uk, w_uv, RotaryTables(freqs.cos(), freqs.sin(), is_neox=False))
+    step = make_mla_step(spec, [(4096, 1)] * 64 + [(0, 512)] * 2, TorchBackend(spec, dev), device=dev)
+    args = (step.q_nope, step.q_pe, step.kv_c, step.k_pe, step.positions)
     times = {}
     for name in ("mla", "mla_triton"):
         backend = select_backend(spec, name, dev)
-        plan = backend.plan([q for _, q in requests], [c for c, _ in requests])
-        need = [-(-(c + q) // 64) for c, q in zip(plan.context_lens, plan.query_lens)]
-        perm = torch.randperm(sum(need), generator=gen) + 1
-        table = torch.zeros(len(need), max(need), dtype=torch.int32)
-        at = 0
-        for i, n in enumerate(need):
-            table[i, :n] = perm[at:at + n].int()
-            at += n
-        slots = torch.cat([table[i, p // 64].long() * 64 + p % 64 for i, p in
-                           enumerate(torch.arange(c, c + q) for c, q in zip(plan.context_lens, plan.query_lens))])
-        cache = backend.allocate_cache(sum(need) + 1, dev)
-        cache.kv_cache.normal_()
-        meta = backend.build_metadata(plan, table.to(dev), slots.to(dev))
-        t = plan.num_tokens
-        q_nope = torch.randn(t, 16, 128, dtype=torch.bfloat16, device=dev)
-        q_pe = torch.randn(t, 16, 64, dtype=torch.bfloat16, device=dev)
-        kv_c = torch.randn(t, 512, dtype=torch.bfloat16, device=dev)
-        k_pe = torch.randn(t, 64, dtype=torch.bfloat16, device=dev)
-        positions = torch.tensor([p for c, q in zip(plan.context_lens, plan.query_lens) for p in range(c, c + q)],
-                                 device=dev)
-        ctx = ForwardContext(backend, meta, [cache])
-        times[name] = _bench(lambda: ctx.attend_mla(0, q_nope, q_pe, kv_c, k_pe, positions, weights))
+        meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+        cache = step.fresh_cache()
+        times[name] = _bench(lambda: backend.forward_mla(*args, cache, meta, step.weights))
         del cache
     for name, us in times.items():
         report.rows.append(Row("mla_backend", "64 dec (4096) + 2 pre (512), H16", name, us,
