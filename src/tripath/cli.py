@@ -53,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from tripath.bench.check_compile import main_check_compile
         return main_check_compile(rest)
     if command == "generate":
+        backend = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--backend"), None)
+        backend = backend or next((a.split("=", 1)[1] for a in rest if a.startswith("--backend=")), None)
+        if backend not in (None, "auto", "torch"):
+            _interpret_on_cpu()  # a Triton backend asked for on a CPU-only machine runs in the interpreter
         from tripath.engine.cli_generate import main_generate
         return main_generate(rest)
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
