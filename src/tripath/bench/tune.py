@@ -27,6 +27,17 @@ def _patched(name: str, value, module=_configs):
         setattr(module, name, old)
 
 
+def _measure(config_fn: str, cfg: dict, fn, label: str, lines: list[str], module=_configs, reps_ms: int = 60):
+    """Median µs of ``fn`` with ``config_fn`` returning ``cfg``; None (and a line saying why) when the
+    configuration does not compile or run (e.g. out of shared memory)."""
+    try:
+        with _patched(config_fn, cfg, module):
+            return _bench(fn, reps_ms=reps_ms)
+    except Exception as exc:
+        lines.append(f"{label} {cfg}: {type(exc).__name__}")
+        return None
+
+
 def tune_decode(shapes=((64, 4096), (8, 32768)), layouts=("nhd", "shuffled"), top: int = 6) -> list[str]:
     lines = []
     dev = torch.device("cuda")
@@ -42,14 +53,11 @@ def tune_decode(shapes=((64, 4096), (8, 32768)), layouts=("nhd", "shuffled"), to
         results = []
         for bn, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), splits_options):
             cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-            try:
-                with _patched("decode_config", cfg):
-                    us = _bench(lambda: paged_decode(q, kc, vc, table, sl, layout=layout, num_splits=splits),
-                                reps_ms=60)
-            except Exception as exc:  # an invalid config (e.g. out of shared memory) is reported, not fatal
-                lines.append(f"decode {batch}x{ctx} {layout} {cfg} splits={splits}: {type(exc).__name__}")
-                continue
-            results.append((us, cfg, splits))
+            us = _measure("decode_config", cfg,
+                          lambda: paged_decode(q, kc, vc, table, sl, layout=layout, num_splits=splits),
+                          f"decode {batch}x{ctx} {layout} splits={splits}", lines)
+            if us is not None:
+                results.append((us, cfg, splits))
         results.sort(key=lambda r: r[0])
         for us, cfg, splits in results[:top]:
             lines.append(f"decode {batch}x{ctx} {layout}: {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s  {cfg} "
@@ -71,13 +79,10 @@ def tune_prefill(shapes=((1, 8192), (16, 512)), top: int = 6) -> list[str]:
         results = []
         for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
             cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-            try:
-                with _patched("varlen_config", cfg):
-                    us = _bench(lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True), reps_ms=60)
-            except Exception as exc:
-                lines.append(f"prefill {batch}x{seq} {cfg}: {type(exc).__name__}")
-                continue
-            results.append((us, cfg))
+            us = _measure("varlen_config", cfg, lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True),
+                          f"prefill {batch}x{seq}", lines)
+            if us is not None:
+                results.append((us, cfg))
         results.sort(key=lambda r: r[0])
         for us, cfg in results[:top]:
             lines.append(f"prefill {batch}x{seq}: {us:8.1f} us {flops / us / 1e6:6.0f} TF/s  {cfg}")
@@ -100,14 +105,12 @@ def tune_mla(top: int = 6) -> list[str]:
         for bh, bn, warps, stages, splits in itertools.product(block_hs, block_ns, (4, 8), (1, 2),
                                                                 splits_options):
             cfg = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-            try:
-                with _patched("mla_decode_config", cfg, _mla_configs):
-                    us = _bench(lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
-                                                   num_splits=splits), reps_ms=40)
-            except Exception as exc:
-                lines.append(f"mla H{heads} {batch}x{ctx} {cfg} splits={splits}: {type(exc).__name__}")
-                continue
-            results.append((us, cfg, splits))
+            us = _measure("mla_decode_config", cfg,
+                          lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
+                                             num_splits=splits),
+                          f"mla H{heads} {batch}x{ctx} splits={splits}", lines, _mla_configs, reps_ms=40)
+            if us is not None:
+                results.append((us, cfg, splits))
         results.sort(key=lambda r: r[0])
         for us, cfg, splits in results[:top]:
             lines.append(f"mla H{heads} {batch}x{ctx}: {us:8.1f} us {nbytes / us / 1e3:6.0f} GB/s "
