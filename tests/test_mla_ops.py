@@ -124,6 +124,27 @@ def test_mla_decode_per_head_variant(num_splits):
                  num_splits=num_splits)
 
 
+@pytest.mark.parametrize("num_splits,fp8", [(1, False), (3, False), (2, True)])
+def test_mla_decode_value_split_in_two(monkeypatch, num_splits, fp8):
+    """``V_PARTS = 2`` (the many-heads layout): two programs per head block, each writing half of the
+    latent columns, agree with float64, with splits and an fp8 cache too."""
+    from tripath.ops import _mla_configs
+
+    base = _mla_configs.mla_decode_config
+    monkeypatch.setattr(_mla_configs, "mla_decode_config", lambda *a, **kw: {**base(*a, **kw), "V_PARTS": 2})
+    seq_lens = [45, 130, 1]
+    kv_scale = scale_tensor(0.5) if fp8 else None
+    cache, block_table, rows = filled_mla_cache(seq_lens, 16, L + R, FP8 if fp8 else torch.float16, kv_scale,
+                                                magnitude=0.5 if fp8 else 1.0)
+    q = torch.randn(3, 16, L + R, dtype=torch.float16, device=DEVICE)
+    with capture_launches() as records:
+        mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                   sm_scale=0.1, kv_scale=kv_scale, num_splits=num_splits)
+    assert records[0].kwargs["V_PARTS"] == 2 and records[0].grid[1] == 2
+    check_decode(q, cache, block_table, seq_lens, rows, kv_scale=kv_scale, num_splits=num_splits,
+                 tol=FP8_TOL if fp8 else TOL[torch.float16])
+
+
 @pytest.mark.parametrize("kv_lora_rank,rope_dim", [(64, 16), (96, 32), (48, 8)])
 def test_mla_decode_small_and_odd_dims(kv_lora_rank, rope_dim):
     """Any latent/rotary split (tiles are padded and masked): the small shapes the backend tests use."""

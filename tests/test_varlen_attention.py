@@ -76,3 +76,49 @@ def test_float32_inputs():
     got = varlen_attention(q, k, v, cq, ck, 6, 9)
     want = R.varlen_attention_ref(q, k, v, cq, ck)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("opts", [{}, {"causal": False}, {"window_left": 5, "sinks": True}],
+                         ids=["causal", "non-causal", "window+sinks"])
+def test_tensor_descriptor_path(monkeypatch, opts):
+    """The Hopper path (keys and values through tensor descriptors) on K/V that are column slices of one
+    packed QKV buffer, with NaN rows beyond the last request that edge tiles must not let through."""
+    from tripath.ops import _configs
+    from tripath.ops._launch import capture_launches
+
+    base = _configs.varlen_config
+    monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": True})
+    hq, hkv, d, lq, lk = 4, 2, 64, [7, 16, 3], [23, 16, 37]
+    tk = sum(lk)
+    qkv = torch.randn(tk + 5, (hq + 2 * hkv) * d, dtype=torch.float16, device=DEVICE)
+    qkv[tk:] = float("nan")
+    q = torch.randn(sum(lq), hq, d, dtype=torch.float16, device=DEVICE)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(-1, hkv, d)
+    kw = dict(causal=opts.get("causal", True), window_left=opts.get("window_left", -1),
+              sinks=torch.randn(hq, device=DEVICE) if opts.get("sinks") else None)
+    cq, ck = cu_seqlens(lq, DEVICE), cu_seqlens(lk, DEVICE)
+    with capture_launches() as records:
+        varlen_attention(q, k, v, cq, ck, max(lq), max(lk), **kw)
+    assert records[0].kwargs["USE_TMA"] is True
+    got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), return_lse=True, **kw)
+    want, want_lse = R.varlen_attention_ref(q, k[:tk], v[:tk], cq, ck, return_lse=True, **kw)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_tensor_descriptor_falls_back_when_heads_are_not_contiguous(monkeypatch):
+    from tripath.ops import _configs
+    from tripath.ops._launch import capture_launches
+
+    base = _configs.varlen_config
+    monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": True})
+    q = torch.randn(4, 2, 32, dtype=torch.float16, device=DEVICE)
+    kv = torch.randn(4, 2, 2, 32, dtype=torch.float16, device=DEVICE)  # [T, 2 (k|v), H, D]
+    k, v = kv[:, :, 0], kv[:, :, 1]  # head stride 64 != 32
+    with capture_launches() as records:
+        varlen_attention(q, k, v, cu_seqlens([4], DEVICE), cu_seqlens([4], DEVICE), 4, 4)
+    assert records[0].kwargs["USE_TMA"] is False
+    got = varlen_attention(q, k, v, cu_seqlens([4], DEVICE), cu_seqlens([4], DEVICE), 4, 4)
+    want = R.varlen_attention_ref(q, k, v, cu_seqlens([4], DEVICE), cu_seqlens([4], DEVICE))
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])

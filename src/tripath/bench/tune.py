@@ -38,7 +38,7 @@ def _measure(config_fn: str, cfg: dict, fn, label: str, lines: list[str], module
         return None
 
 
-def tune_decode(shapes=((64, 4096), (8, 32768)), layouts=("nhd", "shuffled"), top: int = 6) -> list[str]:
+def tune_decode(shapes=((64, 4096), (64, 16384), (8, 32768)), layouts=("nhd",), top: int = 6) -> list[str]:
     lines = []
     dev = torch.device("cuda")
     for (batch, ctx), layout in itertools.product(shapes, layouts):
@@ -49,9 +49,9 @@ def tune_decode(shapes=((64, 4096), (8, 32768)), layouts=("nhd", "shuffled"), to
         q = torch.randn(batch, 32, 128, dtype=torch.bfloat16, device=dev)
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         nbytes = 2 * batch * ctx * 8 * 128 * 2
-        splits_options = (1, 2) if batch * 8 >= 264 else (8, 16, 24, 32)
+        splits_options = (1, 2) if batch * 8 >= 264 else (8, 16)
         results = []
-        for bn, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3, 4), splits_options):
+        for bn, warps, stages, splits in itertools.product((32, 64), (4,), (2, 3, 4), splits_options):
             cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
             us = _measure("decode_config", cfg,
                           lambda: paged_decode(q, kc, vc, table, sl, layout=layout, num_splits=splits),
@@ -67,7 +67,12 @@ def tune_decode(shapes=((64, 4096), (8, 32768)), layouts=("nhd", "shuffled"), to
     return lines
 
 
-def tune_prefill(shapes=((1, 8192), (16, 512)), top: int = 6) -> list[str]:
+# Prefill candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), each with and without tensor descriptors.
+PREFILL_CANDIDATES = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 2),
+                      (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2))
+
+
+def tune_prefill(shapes=((1, 8192), (8, 2048), (16, 512)), top: int = 8) -> list[str]:
     lines = []
     dev = torch.device("cuda")
     for batch, seq in shapes:
@@ -77,8 +82,8 @@ def tune_prefill(shapes=((1, 8192), (16, 512)), top: int = 6) -> list[str]:
         cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=dev)
         flops = batch * 4 * seq * seq * 32 * 128 / 2
         results = []
-        for bm, bn, warps, stages in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
-            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        for (bm, bn, warps, stages), tma in itertools.product(PREFILL_CANDIDATES, (True, False)):
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": tma}
             us = _measure("varlen_config", cfg, lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True),
                           f"prefill {batch}x{seq}", lines)
             if us is not None:
@@ -89,22 +94,27 @@ def tune_prefill(shapes=((1, 8192), (16, 512)), top: int = 6) -> list[str]:
     return lines
 
 
+# MLA decode candidates (BLOCK_H, BLOCK_N, num_warps, num_stages, V_PARTS) and split counts per shape.
+MLA_FEW_HEADS = ((16, 32, 4, 2, 1), (16, 32, 4, 3, 1), (16, 64, 4, 2, 1), (16, 16, 4, 3, 1), (16, 32, 8, 3, 1))
+MLA_MANY_HEADS = ((64, 32, 8, 2, 1), (64, 64, 8, 1, 1), (128, 32, 8, 2, 2), (128, 32, 8, 1, 2),
+                  (128, 64, 8, 1, 2), (64, 32, 4, 2, 2), (64, 32, 8, 2, 2), (64, 64, 4, 1, 2))
+
+
 def tune_mla(top: int = 6) -> list[str]:
     """Absorbed MLA decode (bf16 cache, block 64): 16 heads (memory-bound) and 128 heads (compute-bound)."""
     from tripath.bench.kernels import _mla_table
     lines = []
     dev = torch.device("cuda")
-    for heads, batch, ctx in ((16, 64, 4096), (16, 8, 32768), (128, 64, 4096)):
+    shapes = ((16, 64, 4096, (None, 2, 8)), (16, 8, 32768, (16, 32, 64)), (128, 64, 4096, (None, 1, 2, 4)))
+    for heads, batch, ctx, splits_options in shapes:
         table, cache = _mla_table(batch, ctx, 64, dev)
         q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device=dev)
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         nbytes, flops = batch * ctx * 576 * 2, 2 * batch * heads * ctx * 1088
-        block_hs, block_ns = ((16,), (16, 32, 64)) if heads <= 32 else ((64,), (16, 32))
-        splits_options = ((None, 4) if heads <= 32 else (None, 2)) if batch >= 64 else (16, 32)
         results = []
-        for bh, bn, warps, stages, splits in itertools.product(block_hs, block_ns, (4, 8), (1, 2),
-                                                                splits_options):
-            cfg = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        for (bh, bn, warps, stages, parts), splits in itertools.product(
+                MLA_FEW_HEADS if heads <= 32 else MLA_MANY_HEADS, splits_options):
+            cfg = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "V_PARTS": parts}
             us = _measure("mla_decode_config", cfg,
                           lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
                                              num_splits=splits),

@@ -50,7 +50,20 @@ def softmax_update(s, v, m_i, l_i, acc, MASK: tl.constexpr):
     alpha = tl.math.exp2(m_i - m_use)
     p = tl.math.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulate in place (wgmma/MFMA accumulator)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_update_raw(qk, qk_scale, v, m_i, l_i, acc):
+    """:func:`softmax_update` for an unmasked tile with no score modifications, on the raw products
+    ``qk [M, N]``: the scale is folded into the exponent, ``p = exp2(qk · qk_scale − m)`` (one FMA an
+    element), and the running max is taken on the raw maxima times the (positive) scale."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
     return m_new, l_i, acc
 
 

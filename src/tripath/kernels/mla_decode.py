@@ -8,8 +8,12 @@ Query ``q [B, H, L + R]`` = ``[q_lat (L) | q_pe (R)]``; cache rows ``c = [c_lat 
 ``mla_decode_kernel`` (program ``(b, head block, split)``) packs ``BLOCK_H`` heads into the rows of one tile:
 each ``[BLOCK_N, L + R]`` tile of cache rows is loaded once and used by all of them through two ``tl.dot``
 (latent and rotary parts, since ``L + R`` is not a power of two), so with 64-128 heads the tensor cores
-carry the work. ``mla_decode_per_head_kernel`` (program ``(b, h, split)``) is the plain baseline: one head,
-CUDA-core dot products, each head re-reading the rows. fp8: ``kv_scale`` (and ``q_scale`` for an fp8 query,
+carry the work. With ``V_PARTS = 2`` (many heads: compute-bound) program ``(b, 2·head block + part, split)``
+produces half of the ``L`` output columns: it still computes the full scores, but its accumulator is
+``[BLOCK_H, L/2]``, which lets 128-head tiles fit in registers without spreading one row's softmax
+across warpgroups (the price: the score products run twice, 1.5x the FLOPs).
+``mla_decode_per_head_kernel`` (program ``(b, h, split)``) is the plain baseline: one head, CUDA-core dot
+products, each head re-reading the rows. fp8: ``kv_scale`` (and ``q_scale`` for an fp8 query,
 which then multiplies fp8 tiles directly) folds into the score scale; ``kv_scale`` multiplies the output.
 With several splits each writes an fp32 partial ``(o_s, lse_s)`` ``[B, H, S, BLOCK_L]`` that
 :func:`tripath.kernels.paged_decode.reduce_splits_kernel` merges.
@@ -59,20 +63,21 @@ def _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8: tl.constexpr, Q_FP
 
 
 @triton.jit
-def _store_result(out, lse, seq, heads, split, row_ok, dims_l, kv_lora_rank,
+def _store_result(out, lse, seq, heads, split, row_ok, lse_ok, dims_l, kv_lora_rank,
                   out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                   stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
                   NUM_SPLITS: tl.constexpr, BLOCK_L: tl.constexpr, RETURN_LSE: tl.constexpr):
-    """The final output (one split) or this split's fp32 partial, for rows ``heads [M]``."""
+    """The final output (one split) or this split's fp32 partial, for rows ``heads [M]`` and output columns
+    ``dims_l``; the LSE only where ``lse_ok``."""
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + dims_l[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_l[None, :] < kv_lora_rank))
         if RETURN_LSE:
-            tl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=row_ok)
+            tl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=lse_ok)
     else:
         part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + part[:, None] * BLOCK_L + dims_l[None, :], out, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_lse_ptr + part, lse, mask=lse_ok)
 
 
 @triton.jit
@@ -84,29 +89,38 @@ def mla_decode_kernel(
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     num_heads, kv_lora_rank, rope_dim, block_size,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, V_PARTS: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
-    head_block = tl.program_id(1)
+    head_block = tl.program_id(1) // V_PARTS
+    part = tl.program_id(1) % V_PARTS
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo, hi = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
 
+    # The latent splits into V_PARTS column parts: this program's output columns ("mine") and, with two
+    # parts, the other half, which enters only the scores. The two programs of a head block sum the
+    # score products in a different order (equal up to fp32 rounding); part 0 alone writes the LSE.
+    BLOCK_V: tl.constexpr = BLOCK_L // V_PARTS
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = heads < num_heads
-    dims_l = tl.arange(0, BLOCK_L)
+    mine = part * BLOCK_V + tl.arange(0, BLOCK_V)
+    other = (1 - part) * BLOCK_V + tl.arange(0, BLOCK_V)
     dims_r = tl.arange(0, BLOCK_R)
-    lat_ok = dims_l < kv_lora_rank
+    mine_ok = mine < kv_lora_rank
+    other_ok = other < kv_lora_rank
     pe_ok = dims_r < rope_dim
     q_rows = q_ptr + seq.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h
-    q_lat = tl.load(q_rows + dims_l[None, :], mask=row_ok[:, None] & lat_ok[None, :], other=0.0)
+    q_mine = tl.load(q_rows + mine[None, :], mask=row_ok[:, None] & mine_ok[None, :], other=0.0)
+    if V_PARTS == 2:
+        q_other = tl.load(q_rows + other[None, :], mask=row_ok[:, None] & other_ok[None, :], other=0.0)
     q_pe = tl.load(q_rows + kv_lora_rank + dims_r[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0)
     qk_scale, v_scale = _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8, Q_FP8)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
@@ -114,20 +128,24 @@ def mla_decode_kernel(
         valid = pos < hi
         blocks = tl.load(block_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
         rows = kv_cache_ptr + blocks * stride_c_block + (pos % block_size) * stride_c_slot
-        c_lat = tl.load(rows[:, None] + dims_l[None, :], mask=valid[:, None] & lat_ok[None, :], other=0.0)
+        c_mine = tl.load(rows[:, None] + mine[None, :], mask=valid[:, None] & mine_ok[None, :], other=0.0)
         c_pe = tl.load(rows[:, None] + kv_lora_rank + dims_r[None, :], mask=valid[:, None] & pe_ok[None, :],
                        other=0.0)
-        c_lat = c_lat.to(q_ptr.dtype.element_ty)
+        c_mine = c_mine.to(q_ptr.dtype.element_ty)
         c_pe = c_pe.to(q_ptr.dtype.element_ty)
-        qk = tl.dot(q_lat, tl.trans(c_lat))
+        qk = tl.dot(q_mine, tl.trans(c_mine))
+        if V_PARTS == 2:
+            c_other = tl.load(rows[:, None] + other[None, :], mask=valid[:, None] & other_ok[None, :],
+                              other=0.0).to(q_ptr.dtype.element_ty)
+            qk = qk + tl.dot(q_other, tl.trans(c_other))
         qk = tl.dot(q_pe, tl.trans(c_pe), qk)
         s = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-        m_i, l_i, acc = _softmax_step(s, c_lat, m_i, l_i, acc, Q_FP8, FP8_MAX)
+        m_i, l_i, acc = _softmax_step(s, c_mine, m_i, l_i, acc, Q_FP8, FP8_MAX)
 
     out, lse = finalize(m_i, l_i, acc, v_scale)
-    _store_result(out, lse, seq, heads, split, row_ok, dims_l, kv_lora_rank, out_ptr, lse_ptr,
-                  part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
-                  NUM_SPLITS, BLOCK_L, RETURN_LSE)
+    _store_result(out, lse, seq, heads, split, row_ok, row_ok & (part == 0), mine, kv_lora_rank,
+                  out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b,
+                  stride_lse_h, num_heads, NUM_SPLITS, BLOCK_L, RETURN_LSE)
 
 
 @triton.jit
@@ -181,6 +199,7 @@ def mla_decode_per_head_kernel(
 
     out, lse = finalize(m_i, l_i, acc[None, :], v_scale)  # one-row tiles for the shared helpers
     heads = tl.full([1], head, tl.int32)
-    _store_result(out, lse, seq, heads, split, heads < num_heads, dims_l, kv_lora_rank, out_ptr, lse_ptr,
+    row_ok = heads < num_heads
+    _store_result(out, lse, seq, heads, split, row_ok, row_ok, dims_l, kv_lora_rank, out_ptr, lse_ptr,
                   part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
                   NUM_SPLITS, BLOCK_L, RETURN_LSE)

@@ -4,42 +4,59 @@ Program ``(m, h, b)`` computes ``BLOCK_M`` queries of head ``h`` of request ``b`
 keys, online softmax in the log2 domain. The key range is cut into masked edge tiles and unmasked inner
 tiles so the inner loop carries no mask. Query ``i`` of a request sits at position ``q_start + i`` in key
 coordinates, ``q_start = seqlen_k - seqlen_q`` (bottom-right) unless given per request.
+
+With ``USE_TMA`` (Hopper) key and value tiles come through tensor descriptors over the ``[Tk, Hkv · D]``
+matrices (heads contiguous, power-of-two head sizes); otherwise through pointer loads.
 """
 
 import triton
 import triton.language as tl
 
-from tripath.kernels.attention_common import LOG2E, add_sinks, finalize, score_mods, softmax_update
+from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, score_mods, softmax_update,
+                                              softmax_update_raw)
 
 
 @triton.jit
-def _key_loop(acc, m_i, l_i, q, k_base, v_base, stride_k_t, stride_v_t, q_pos, slope2, lo, hi, seqlen_k,
-              qk_scale, softcap, window_left, dims_k, dims_v, head_size, head_size_v,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, EVEN_D: tl.constexpr):
+def _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row, stride_k_t, stride_v_t,
+              q_pos, slope2, lo, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v, kv_head,
+              head_size, head_size_v, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+              HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + offs_n
-        k_ptrs = k_base + k_pos[None, :].to(tl.int64) * stride_k_t + dims_k[:, None]
-        v_ptrs = v_base + k_pos[:, None].to(tl.int64) * stride_v_t + dims_v[None, :]
-        if MASK:
-            k = tl.load(k_ptrs, mask=(k_pos[None, :] < seqlen_k) & (dims_k[:, None] < head_size), other=0.0)
-            v = tl.load(v_ptrs, mask=(k_pos[:, None] < seqlen_k) & (dims_v[None, :] < head_size_v), other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        if USE_TMA:
+            # Tiles through the tensor-memory accelerator: rows past the request are the next request's
+            # keys (or zeros past the tensor), so edge tiles mask scores and zero those value rows.
+            k = tl.trans(k_desc.load([desc_row + start, kv_head * head_size]))
+            v = v_desc.load([desc_row + start, kv_head * head_size_v])
+            if MASK:
+                v = tl.where(k_pos[:, None] < seqlen_k, v, 0.0)
         else:
-            k = tl.load(k_ptrs, mask=dims_k[:, None] < head_size, other=0.0)
-            v = tl.load(v_ptrs, mask=dims_v[None, :] < head_size_v, other=0.0)
-        s = score_mods(tl.dot(q, k), q_pos, k_pos, seqlen_k, slope2, qk_scale, softcap, window_left,
-                       MASK, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, MASK)
+            k_ptrs = k_base + k_pos[None, :].to(tl.int64) * stride_k_t + dims_k[:, None]
+            v_ptrs = v_base + k_pos[:, None].to(tl.int64) * stride_v_t + dims_v[None, :]
+            if MASK:
+                k = tl.load(k_ptrs, mask=(k_pos[None, :] < seqlen_k) & (dims_k[:, None] < head_size), other=0.0)
+                v = tl.load(v_ptrs, mask=(k_pos[:, None] < seqlen_k) & (dims_v[None, :] < head_size_v),
+                            other=0.0)
+            elif EVEN_D:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=dims_k[:, None] < head_size, other=0.0)
+                v = tl.load(v_ptrs, mask=dims_v[None, :] < head_size_v, other=0.0)
+        if MASK or HAS_SOFTCAP or HAS_ALIBI:
+            s = score_mods(tl.dot(q, k), q_pos, k_pos, seqlen_k, slope2, qk_scale, softcap, window_left,
+                           MASK, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, MASK)
+        else:
+            m_i, l_i, acc = softmax_update_raw(tl.dot(q, k), qk_scale, v, m_i, l_i, acc)
     return acc, m_i, l_i
 
 
 @triton.jit
 def varlen_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, alibi_ptr, sinks_ptr,
     qk_scale, softcap, window_left,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
@@ -48,6 +65,7 @@ def varlen_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_Q_START: tl.constexpr, RETURN_LSE: tl.constexpr, EVEN_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (causal) blocks first
     head = tl.program_id(1)
@@ -101,18 +119,21 @@ def varlen_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     k_base = k_ptr + k_begin.to(tl.int64) * stride_k_t + kv_head * stride_k_h
     v_base = v_ptr + k_begin.to(tl.int64) * stride_v_t + kv_head * stride_v_h
-    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, stride_k_t, stride_v_t, q_pos, slope2,
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
+                              stride_k_t, stride_v_t, q_pos, slope2,
                               full_lo, full_hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                              head_size, head_size_v, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              HAS_ALIBI, EVEN_D)
-    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, stride_k_t, stride_v_t, q_pos, slope2,
+                              kv_head, head_size, head_size_v, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              HAS_ALIBI, EVEN_D, USE_TMA)
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
+                              stride_k_t, stride_v_t, q_pos, slope2,
                               lo, full_lo, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                              head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              HAS_ALIBI, EVEN_D)
-    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, stride_k_t, stride_v_t, q_pos, slope2,
+                              kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              HAS_ALIBI, EVEN_D, USE_TMA)
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
+                              stride_k_t, stride_v_t, q_pos, slope2,
                               full_hi, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                              head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              HAS_ALIBI, EVEN_D)
+                              kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              HAS_ALIBI, EVEN_D, USE_TMA)
     if HAS_SINKS:
         sink2 = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
         m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)

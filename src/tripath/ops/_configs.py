@@ -28,9 +28,10 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
         return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 1)}
     if head_size > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    tma = {"TMA": True} if platform.is_hopper else {}
     if max_seqlen_k <= 1024 or head_size <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **tma}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4, **tma}
 
 
 def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int) -> dict:

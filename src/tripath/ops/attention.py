@@ -103,10 +103,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     cfg = dict(_configs.varlen_config(current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(),
                                       int(max_seqlen_k)))
     block_m = cfg.pop("BLOCK_M")
+    even_d = q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2])
+    k_desc, v_desc = _kv_descriptors(k, v, cfg["BLOCK_N"]) if cfg.pop("TMA", False) and even_d else (k, v)
     dummy = cu_seqlens_q
     launch(
         varlen_attention_kernel, (triton_cdiv(max(int(max_seqlen_q), 1), block_m), q.shape[1], num_seqs),
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k,
         q_positions_start if q_positions_start is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         sm_scale * LOG2E, float(softcap), int(window_left),
@@ -117,10 +119,26 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None,
         HAS_Q_START=q_positions_start is not None, RETURN_LSE=return_lse,
-        EVEN_D=q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2]),
-        **cfg,
+        EVEN_D=even_d, USE_TMA=k_desc is not k, **cfg,
     )
     return (out, lse) if return_lse else out
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
+    """Tensor descriptors over keys and values as ``[Tk, Hkv · D]`` matrices with ``[block_n, D]`` tiles,
+    or ``(k, v)`` unchanged when their strides do not allow it (heads not contiguous, rows or bases not
+    16-byte aligned): the kernel then reads through pointers."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = []
+    for t in (k, v):
+        rows, heads, dim = t.shape
+        if (t.stride(1) != dim or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
+                or rows == 0):
+            return k, v
+        descs.append(TensorDescriptor(t, shape=[rows, heads * dim], strides=[t.stride(0), 1],
+                                      block_shape=[block_n, dim]))
+    return tuple(descs)
 
 
 def triton_cdiv(a: int, b: int) -> int:

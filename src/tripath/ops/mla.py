@@ -351,7 +351,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         cfg = dict(_mla_configs.mla_decode_config(platform, num_heads, kv_lora_rank, kv_cache.element_size(),
                                                   q_fp8))
         block_h = cfg.pop("BLOCK_H")
-        grid_h = -(-num_heads // block_h)
+        v_parts = cfg.pop("V_PARTS", 1) if kv_lora_rank == next_pow2(kv_lora_rank) else 1
+        grid_h = -(-num_heads // block_h) * v_parts
     else:
         cfg = dict(_mla_configs.mla_decode_per_head_config(platform, kv_lora_rank))
         grid_h = num_heads
@@ -378,7 +379,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                  RETURN_LSE=return_lse)
     if variant == "packed":
         launch(mla_decode_kernel, (batch, grid_h, num_splits), *args, BLOCK_H=block_h,
-               FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
+               V_PARTS=v_parts, FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
     else:
         launch(mla_decode_per_head_kernel, (batch, grid_h, num_splits), *args, **flags, **cfg)
     if num_splits > 1:
