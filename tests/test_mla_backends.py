@@ -135,14 +135,15 @@ def _launched(backend, step) -> list[str]:
 
 def test_decode_step_launches():
     """A decode step: ``mla`` prepares in one launch (the fused kernel) and decodes with the head-packed
-    kernel; ``mla_triton`` prepares in three (rotary, cache write, query concat) and decodes per head."""
+    kernel; ``mla_triton`` prepares in three (rotary, cache write, query concat) and decodes with the plain
+    grouped configuration of the same kernel."""
     spec = mla_spec()
     step = make_mla_step(spec, [(30, 1), (12, 1)])
     fast = _launched(select_backend(spec, "mla", DEVICE), step)
     base = _launched(select_backend(spec, "mla_triton", DEVICE), step)
     assert fast[:2] == ["mla_prep_kernel", "mla_decode_kernel"]
     assert base[:4] == ["rotary_embedding_kernel", "concat_and_cache_mla_kernel", "mla_prep_kernel",
-                        "mla_decode_per_head_kernel"]
+                        "mla_decode_kernel"]
 
 
 def test_guard_reasons():

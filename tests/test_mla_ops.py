@@ -99,7 +99,7 @@ def test_mla_decode_empty_request_gives_zero_and_minus_inf():
 
 
 @pytest.mark.parametrize("q_fp8", [False, True])
-@pytest.mark.parametrize("variant", ["packed", "per_head"])
+@pytest.mark.parametrize("variant", ["packed", "grouped", "per_head"])
 def test_mla_decode_fp8_cache(q_fp8, variant):
     """fp8 cache with a scale != 1 (and an fp8 query with its own scale): the scales fold into the scores
     and the output."""
@@ -124,25 +124,26 @@ def test_mla_decode_per_head_variant(num_splits):
                  num_splits=num_splits)
 
 
-@pytest.mark.parametrize("num_splits,fp8", [(1, False), (3, False), (2, True)])
-def test_mla_decode_value_split_in_two(monkeypatch, num_splits, fp8):
+@pytest.mark.parametrize("num_splits,fp8,lora,rope", [(1, False, L, R), (3, False, L, R), (2, True, L, R),
+                                                     (1, False, 96, 32)])
+def test_mla_decode_value_split_in_two(monkeypatch, num_splits, fp8, lora, rope):
     """``V_PARTS = 2`` (the many-heads layout): two programs per head block, each writing half of the
-    latent columns, agree with float64, with splits and an fp8 cache too."""
+    latent columns, agree with float64, with splits, an fp8 cache, and a latent that is no power of two."""
     from tripath.ops import _mla_configs
 
     base = _mla_configs.mla_decode_config
     monkeypatch.setattr(_mla_configs, "mla_decode_config", lambda *a, **kw: {**base(*a, **kw), "V_PARTS": 2})
     seq_lens = [45, 130, 1]
     kv_scale = scale_tensor(0.5) if fp8 else None
-    cache, block_table, rows = filled_mla_cache(seq_lens, 16, L + R, FP8 if fp8 else torch.float16, kv_scale,
-                                                magnitude=0.5 if fp8 else 1.0)
-    q = torch.randn(3, 16, L + R, dtype=torch.float16, device=DEVICE)
+    cache, block_table, rows = filled_mla_cache(seq_lens, 16, lora + rope, FP8 if fp8 else torch.float16,
+                                                kv_scale, magnitude=0.5 if fp8 else 1.0)
+    q = torch.randn(3, 16, lora + rope, dtype=torch.float16, device=DEVICE)
     with capture_launches() as records:
         mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                   sm_scale=0.1, kv_scale=kv_scale, num_splits=num_splits)
+                   kv_lora_rank=lora, sm_scale=0.1, kv_scale=kv_scale, num_splits=num_splits)
     assert records[0].kwargs["V_PARTS"] == 2 and records[0].grid[1] == 2
-    check_decode(q, cache, block_table, seq_lens, rows, kv_scale=kv_scale, num_splits=num_splits,
-                 tol=FP8_TOL if fp8 else TOL[torch.float16])
+    check_decode(q, cache, block_table, seq_lens, rows, kv_lora_rank=lora, kv_scale=kv_scale,
+                 num_splits=num_splits, tol=FP8_TOL if fp8 else TOL[torch.float16])
 
 
 @pytest.mark.parametrize("kv_lora_rank,rope_dim", [(64, 16), (96, 32), (48, 8)])
@@ -356,7 +357,7 @@ def test_mla_decode_bad_input():
         mla_decode(q.to(FP8), cache.to(FP8), bt, lens, sm_scale=0.1, kv_scale=scale_tensor(1.0))
     with pytest.raises(TypeError, match="an fp8 q .* needs an fp8 kv_cache of the same dtype"):
         mla_decode(q.to(FP8), cache, bt, lens, sm_scale=0.1, q_scale=scale_tensor(1.0))
-    with pytest.raises(ValueError, match=r"variant='flash' is not supported; supported: packed, per_head"):
+    with pytest.raises(ValueError, match=r"variant='flash' is not supported; supported: packed, grouped, per_head"):
         mla_decode(q, cache, bt, lens, sm_scale=0.1, variant="flash")
     with pytest.raises(ValueError, match="num_splits must be between 1 and 256, got 0"):
         mla_decode(q, cache, bt, lens, sm_scale=0.1, num_splits=0)

@@ -51,7 +51,7 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "write_kv_cache_kernel": KernelRole(False, "deliberate: row copy / fp8 quantising store, no matmul"),
     "gather_kv_cache_kernel": KernelRole(False, "deliberate: row gather / fp8 dequantising copy, no matmul"),
     "mla_decode_kernel": KernelRole(True, "heads packed into tiles: q·c^T (latent and rope parts) and P·c_lat"),
-    "mla_decode_per_head_kernel": KernelRole(False, "deliberate: the plain per-head baseline (mla_triton) uses "
+    "mla_decode_per_head_kernel": KernelRole(False, "deliberate: the one-head-per-program variant uses "
                                                     "CUDA-core reductions by design"),
     "concat_and_cache_mla_kernel": KernelRole(False, "deliberate: latent row write / fp8 quantising store"),
     "gather_mla_cache_kernel": KernelRole(False, "deliberate: latent row gather / fp8 dequantising copy"),

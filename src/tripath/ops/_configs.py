@@ -16,10 +16,13 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
             "matrix_instr_nonkdim": 16}
 
 
-def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqlen_k: int = 8192) -> dict:
-    """Prefill: large query tiles on the matrix units (H200 sweep, 2026-11-29: 128×64 tiles, 8 warps,
-    4 stages when there are many keys per query tile; 64-row tiles, 4 warps, 2 stages when requests have
-    at most 1024 keys, where more, smaller programs win)."""
+def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqlen_k: int = 8192,
+                  tma: bool = True) -> dict:
+    """Prefill tiles. H200 sweep (2026-11-29, causal 32/8/128 bf16): with tensor-descriptor loads
+    (``TMA``), 128×128 tiles, 8 warps, 3 stages when there are many keys per query tile (554 TF/s at
+    1 × 8192, 413 at 8 × 2048); 64×64, 4 warps, 3 stages when requests have at most 1024 keys (241 TF/s at
+    16 × 512: more, smaller programs win). ``tma=False`` gives the pointer-load configuration, used when the
+    keys' strides rule descriptors out (128-wide key tiles spill there; 128×64, 3 stages: 458 TF/s)."""
     if platform.backend == "cpu":
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:  # one wave per SIMD: the whole register file, so no spills with every feature on
@@ -28,10 +31,13 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
         return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 1)}
     if head_size > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    tma = {"TMA": True} if platform.is_hopper else {}
     if max_seqlen_k <= 1024 or head_size <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2, **tma}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4, **tma}
+        if tma and platform.is_hopper:
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": True}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if tma and platform.is_hopper:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
 def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int) -> dict:

@@ -27,11 +27,12 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
 # product on the matrix units. H200: 64-head tiles run as wgmma ([64, 512] fp32 accumulator over 8 warps);
 # converting fp8 tiles spills at 64 heads, so that case packs 32. AMD: 8 waves cap a thread at 256 VGPRs,
 # so wide accumulators take 4 waves with waves_per_eu=1; fp8 MFMA needs K >= 32, so fp8 queries take
-# 32-row tiles. H200 sweep (2026-11-29, bf16, block 64): 16 heads best at 32-row tiles, 4 warps, 2 stages
-# (2.26 TB/s at 64 × 4096); 128 heads at 64 heads x 32 rows, 8 warps, 2 stages (146 TF/s).
+# 32-row tiles. H200 sweeps (2026-11-29, bf16, block 64): 16 heads best at 32-row tiles, 4 warps, 2 stages
+# (2.24 TB/s at 64 × 4096); 128 heads: 128 heads x 64 rows, 8 warps, 1 stage, value columns in two halves
+# (V_PARTS = 2, below; 212 TF/s, against 146 TF/s for 64 heads x 32 rows over the whole latent).
 _DECODE_TABLE = {
     ("sm90", True): {"bf16": (16, 32, 4, 2), "fp8_kv": (16, 32, 4, 3), "fp8_q": (16, 32, 8, 3)},
-    ("sm90", False): {"bf16": (64, 32, 8, 2), "fp8_kv": (32, 32, 8, 3), "fp8_q": (64, 32, 8, 2)},
+    ("sm90", False): {"bf16": (128, 64, 8, 1), "fp8_kv": (32, 32, 8, 3), "fp8_q": (64, 32, 8, 2)},
     ("gfx942", True): {"bf16": (16, 32, 4, 1, 1), "fp8_kv": (16, 16, 4, 2, 1), "fp8_q": (16, 32, 4, 1, 1)},
     ("gfx942", False): {"bf16": (32, 16, 4, 2, 1), "fp8_kv": (32, 16, 4, 2, 1), "fp8_q": (32, 32, 4, 2, 1)},
     ("gfx950", True): {"bf16": (16, 16, 8, 2, 2), "fp8_kv": (16, 16, 4, 2, 1), "fp8_q": (16, 32, 8, 2, 2)},
@@ -39,16 +40,26 @@ _DECODE_TABLE = {
 }
 
 
+# (target, few heads, kind) whose programs each produce half of the latent output columns.
+_VALUE_SPLIT = {("sm90", False, "bf16")}
+
+
 def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_elem_bytes: int,
-                      q_fp8: bool = False) -> dict:
+                      q_fp8: bool = False, grouped: bool = False) -> dict:
     """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step (see the table).
-    Other NVIDIA GPUs use the H200 row, other AMD GPUs the gfx942 row (the smaller LDS)."""
+    Other NVIDIA GPUs use the H200 row, other AMD GPUs the gfx942 row (the smaller LDS). ``grouped``: the
+    plain baseline's choice, the few-heads row (16-head tiles over the whole latent) for every head count,
+    as in SGLang's and vLLM's Triton MLA decode."""
     if platform.backend == "cpu":
         return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     kind = "fp8_q" if q_fp8 else ("fp8_kv" if kv_elem_bytes == 1 else "bf16")
     arch = ("gfx950" if platform.arch == "gfx950" else "gfx942") if platform.is_hip else "sm90"
-    block_h, block_n, warps, stages, *wpe = _DECODE_TABLE[(arch, num_heads <= FEW_HEADS)][kind]
+    few = grouped or num_heads <= FEW_HEADS
+    block_h, block_n, warps, stages, *wpe = _DECODE_TABLE[(arch, few)][kind]
     cfg = {"BLOCK_H": block_h, "BLOCK_N": block_n}
+    if (arch, few, kind) in _VALUE_SPLIT:
+        # Half the latent columns per program; one such program fills a multiprocessor's shared memory.
+        cfg.update(V_PARTS=2, PROGRAMS_PER_SM=1)
     if platform.is_hip:
         return {**cfg, **_amd(warps, stages, wpe[0])}
     return {**cfg, "num_warps": warps, "num_stages": stages}
@@ -63,14 +74,15 @@ def mla_decode_per_head_config(platform: Platform, kv_lora_rank: int) -> dict:
     return {"BLOCK_N": 16 if kv_lora_rank > 256 else 32, "num_warps": 4, "num_stages": 2}
 
 
-def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: int, block_n: int) -> int:
-    """KV splits per (request, head block): about two programs per SM, rounded down to a power of two,
-    never below ~4 tiles a split. H200 sweep (2026-11-29, bf16, 16 heads, block 64): 4 splits for 64
-    requests (2.26 TB/s; the 5 that rounding up gave reached 1.65 TB/s), 32 for 8 requests (2.01 TB/s);
-    128 heads: 2 splits for 64 requests."""
+def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: int, block_n: int,
+                          programs_per_sm: int = 2) -> int:
+    """KV splits per (request, head block): about ``programs_per_sm`` programs per SM, rounded down to a
+    power of two, never below ~4 tiles a split. H200 sweeps (2026-11-29, bf16, block 64), 16 heads: 4 splits
+    for 64 requests (2.24 TB/s; the 5 that rounding up gave reached 1.65 TB/s), 64 for 8 requests
+    (2.12 TB/s; 32: 2.03); 128 heads in value halves, one program per SM: 1 split for 64 requests."""
     if platform.backend == "cpu":
         return max(1, min(4, -(-max_seq_len // (4 * block_n))))
-    target = max(1, (2 * platform.num_sms) // max(1, num_programs))
+    target = max(1, (programs_per_sm * platform.num_sms) // max(1, num_programs))
     target = 1 << (target.bit_length() - 1)
     target = min(target, max(1, max_seq_len // (4 * block_n)))
     return int(max(1, min(target, 64)))

@@ -27,7 +27,7 @@ from tripath.ops.rotary import check_rotary_table
 from tripath.platform import FP8_DTYPES, current_platform, fp8_max
 
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
-DECODE_VARIANTS = ("packed", "per_head")
+DECODE_VARIANTS = ("packed", "grouped", "per_head")
 
 
 def _block(n: int) -> int:
@@ -325,8 +325,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_table : ``[B, max_blocks]`` int32; seq_lens : ``[B]`` int32, rows to attend (the new one included).
     sm_scale : required; ``1/sqrt(qk_nope + qk_rope)`` (times the yarn mscale²) for DeepSeek.
     num_splits : KV splits per request; None picks one from the batch, the heads and the GPU.
-    variant : ``"packed"`` (heads packed into tensor-core tiles, each row read once per head block) or
-        ``"per_head"`` (the plain baseline: one head per program, CUDA-core math).
+    variant : ``"packed"`` (heads packed into tensor-core tiles, each row read once per head block; tiles
+        tuned per head count), ``"grouped"`` (the same kernel with the plain 16-head tiles for every head
+        count: the baseline backend's choice) or ``"per_head"`` (one head per program, CUDA-core math).
 
     Returns ``out [B, H, L]`` (q's dtype; bf16 for an fp8 q unless ``out`` says otherwise), and
     ``lse [B, H]`` fp32 (natural log; −inf for empty requests, whose output is 0) when ``return_lse``.
@@ -347,18 +348,21 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     out = out if out is not None else torch.empty(out_shape, dtype=torch.bfloat16 if q_fp8 else q.dtype,
                                                   device=device)
     platform = current_platform(device)
-    if variant == "packed":
+    if variant in ("packed", "grouped"):
         cfg = dict(_mla_configs.mla_decode_config(platform, num_heads, kv_lora_rank, kv_cache.element_size(),
-                                                  q_fp8))
+                                                  q_fp8, grouped=variant == "grouped"))
         block_h = cfg.pop("BLOCK_H")
-        v_parts = cfg.pop("V_PARTS", 1) if kv_lora_rank == next_pow2(kv_lora_rank) else 1
+        v_parts = cfg.pop("V_PARTS", 1) if _block(kv_lora_rank) >= 32 else 1  # halves >= 16 wide for tl.dot
+        programs_per_sm = cfg.pop("PROGRAMS_PER_SM", 2)
         grid_h = -(-num_heads // block_h) * v_parts
     else:
         cfg = dict(_mla_configs.mla_decode_per_head_config(platform, kv_lora_rank))
         grid_h = num_heads
+        programs_per_sm = 2
     if num_splits is None:
         num_splits = _mla_configs.mla_decode_num_splits(platform, batch * grid_h,
-                                                        block_table.shape[1] * block_size, cfg["BLOCK_N"])
+                                                        block_table.shape[1] * block_size, cfg["BLOCK_N"],
+                                                        programs_per_sm)
     num_splits = int(num_splits)
     lse = torch.empty((batch, num_heads) if return_lse else (1, 1), dtype=torch.float32, device=device)
     block_l, block_r = _block(kv_lora_rank), _block(width - kv_lora_rank)
@@ -377,7 +381,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             num_heads, kv_lora_rank, width - kv_lora_rank, block_size)
     flags = dict(NUM_SPLITS=num_splits, BLOCK_L=block_l, BLOCK_R=block_r, KV_FP8=kv_fp8, Q_FP8=q_fp8,
                  RETURN_LSE=return_lse)
-    if variant == "packed":
+    if variant in ("packed", "grouped"):
         launch(mla_decode_kernel, (batch, grid_h, num_splits), *args, BLOCK_H=block_h,
                V_PARTS=v_parts, FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
     else:

@@ -1,9 +1,10 @@
 """``mla_triton``: the baseline MLA backend (the seed's TRITON_MLA role).
 
 The same math as ``mla`` with the plain choices: the decode preparation runs unfused (in-place RoPE,
-cache write and query concat / quantisation as separate launches) and the decode kernel is the per-head
-split-KV kernel on CUDA cores (each head re-reads the latent rows). Prefill and extend are shared with
-``mla`` (see :mod:`.mla_common`).
+cache write and query concat / quantisation as separate launches) and the decode kernel runs the plain
+head-grouped configuration (16-head tensor-core tiles over the whole latent for every head count, the
+design of SGLang's and vLLM's Triton MLA decode) instead of ``mla``'s per-head-count tuning. Prefill and
+extend are shared with ``mla`` (see :mod:`.mla_common`).
 """
 
 from __future__ import annotations
@@ -13,5 +14,5 @@ from tripath.attention.backends.mla_common import MLABackendBase
 
 class MLATritonBackend(MLABackendBase):
     name = "mla_triton"
-    decode_variant = "per_head"
+    decode_variant = "grouped"
     fused_prep = False
