@@ -309,13 +309,31 @@ def test_bad_settings_and_requests_are_refused(pure_torch, model):
     assert EngineConfig().cuda_graph_batch_sizes()[:5] == [1, 2, 4, 8, 16]
 
 
+def assert_same_or_near_tie(model, prompts, expected, got, max_gap=0.05):
+    """Greedy outputs agree, except where a run of different but valid floating-point order (CUDA-graph
+    replays pad the batch and fix the decode split count; tight memory recomputes preempted requests) takes
+    the other side of a near tie: at the first differing token, the reference logits (the ``torch``
+    backend) of both candidates must be within ``max_gap``. A real bug diverges at a clear winner."""
+    from model_steps import PagedRunner
+
+    for prompt, want, have in zip(prompts, expected, got):
+        if want == have:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(want, have)) if a != b)
+        runner = PagedRunner(model, backend="torch", device="cuda", num_blocks=64)
+        logits = runner.step({0: list(prompt) + want[:i]})[0][-1].float()
+        gap = abs(float(logits[want[i]] - logits[have[i]]))
+        assert gap <= max_gap, (f"outputs diverge at token {i} ({want[i]} vs {have[i]}) where the reference "
+                                f"logits differ by {gap:.4f} (> {max_gap}): not a near tie")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-llama", "unified"),
                                           ("tiny-llama", "two_path"), ("tiny-qwen3", "auto"),
                                           ("tiny-deepseek", "auto"), ("tiny-kimi-nope", "auto")])
 def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
-    # float16: graph replays use the padded batch and the full-width block table, so paged decode may
-    # split the context differently from eager steps; bf16 rounding of that could flip near-tied argmaxes.
+    # float16: graph replays use the padded batch and a fixed decode split count, so their rounding differs
+    # from eager steps'; that may flip near-tied argmaxes (checked by assert_same_or_near_tie).
     model = load_model(name, dtype=torch.float16, device="cuda")
     prompts = prompts_with_shared_prefix(n=12, seed=5, shared=40, lo=10, hi=300, vocab=256)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -326,11 +344,12 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
     if graphs.runner.graph_safe_backend:
         assert sorted(graphs.runner.graphs) == [1, 2, 4, 8, 12]
     expected = greedy_outputs(eager, prompts, params)
-    assert greedy_outputs(graphs, prompts, params) == expected
+    assert_same_or_near_tie(model, prompts, expected, greedy_outputs(graphs, prompts, params))
     tight = LLM(model, num_kv_blocks=60, **common)
-    assert greedy_outputs(tight, prompts, params) == expected and tight.last_metrics.num_preemptions > 0
+    assert_same_or_near_tie(model, prompts, expected, greedy_outputs(tight, prompts, params))
+    assert tight.last_metrics.num_preemptions > 0
     no_prefix = LLM(model, num_kv_blocks=1024, enable_prefix_caching=False, **common)
-    assert greedy_outputs(no_prefix, prompts, params) == expected
+    assert_same_or_near_tie(model, prompts, expected, greedy_outputs(no_prefix, prompts, params))
     measured = LLM(model, gpu_memory_utilization=0.3, **common)
     assert measured.runner.num_blocks > 1000
     fp8 = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=1024, **common)
