@@ -211,33 +211,37 @@ def bench_mla_prep(report: Report) -> None:
 
 
 def bench_mla_backends(report: Report) -> None:
-    """``mla`` vs ``mla_triton`` on a decode-heavy MLA step (DeepSeek-R1 attention at TP 8: 16 heads)."""
+    """``mla`` vs ``mla_triton`` on a decode-heavy MLA step: DeepSeek-R1 attention at TP 8 (16 heads) and
+    at TP 1 (128 heads), as GPU time (CUDA-graph replay) and as eager time (Python launches included)."""
     from tripath.attention import MLASpec
     from tripath.attention.backends.torch_ref import TorchBackend
     from tripath.bench.batches import make_mla_step
     dev = torch.device("cuda")
-    spec = AttentionSpec(16, 1, 576, dtype=torch.bfloat16, block_size=64, mla=MLASpec())
-    step = make_mla_step(spec, [(4096, 1)] * 64 + [(0, 512)] * 2, TorchBackend(spec, dev), device=dev)
-    args = (step.q_nope, step.q_pe, step.kv_c, step.k_pe, step.positions)
-    times = {}
-    for name in ("mla", "mla_triton"):
-        backend = select_backend(spec, name, dev)
-        meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
-        cache = step.fresh_cache()
-        run_step = lambda: backend.forward_mla(*args, cache, meta, step.weights)  # noqa: E731
-        try:
-            graph_us = _bench_graph(run_step)
-        except Exception as exc:  # a step that cannot be captured still gets its eager time
-            report.errors.append(f"bench_mla_backends: {name} not capturable: {type(exc).__name__}: {exc}")
-            graph_us = float("nan")
-        times[name] = (graph_us, _bench(run_step))
-        del cache
-    for name, (graph_us, eager_us) in times.items():
-        shape = "64 dec (4096) + 2 pre (512), H16"
-        report.rows.append(Row("mla_backend", shape, f"{name} (CUDA graph: GPU time)", graph_us,
-                               times["mla_triton"][0] / graph_us, "×"))
-        report.rows.append(Row("mla_backend", shape, f"{name} (eager, Python launches)", eager_us,
-                               times["mla_triton"][1] / eager_us, "×"))
+    for heads in (16, 128):
+        spec = AttentionSpec(heads, 1, 576, dtype=torch.bfloat16, block_size=64, mla=MLASpec())
+        step = make_mla_step(spec, [(4096, 1)] * 64 + [(0, 512)] * 2, TorchBackend(spec, dev), device=dev)
+        args = (step.q_nope, step.q_pe, step.kv_c, step.k_pe, step.positions)
+        times = {}
+        for name in ("mla", "mla_triton"):
+            backend = select_backend(spec, name, dev)
+            meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+            cache = step.fresh_cache()
+            run_step = lambda: backend.forward_mla(*args, cache, meta, step.weights)  # noqa: E731
+            try:
+                graph_us = _bench_graph(run_step)
+            except Exception as exc:  # a step that cannot be captured still gets its eager time
+                report.errors.append(f"bench_mla_backends: {name} not capturable: {type(exc).__name__}: {exc}")
+                graph_us = float("nan")
+            times[name] = (graph_us, _bench(run_step))
+            del cache
+        shape = f"64 dec (4096) + 2 pre (512), H{heads}"
+        for name, (graph_us, eager_us) in times.items():
+            report.rows.append(Row("mla_backend", shape, f"{name} (CUDA graph: GPU time)", graph_us,
+                                   times["mla_triton"][0] / graph_us, "×"))
+            report.rows.append(Row("mla_backend", shape, f"{name} (eager, Python launches)", eager_us,
+                                   times["mla_triton"][1] / eager_us, "×"))
+        del step
+        torch.cuda.empty_cache()
 
 
 def check_correctness(report: Report) -> None:

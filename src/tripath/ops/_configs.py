@@ -8,6 +8,8 @@ gets small tiles so tests exercise multi-tile loops on small shapes.
 
 from __future__ import annotations
 
+import math
+
 from tripath.platform import Platform
 
 
@@ -17,12 +19,15 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
 
 
 def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqlen_k: int = 8192,
-                  tma: bool = True) -> dict:
-    """Prefill tiles. H200 sweep (2026-11-29, causal 32/8/128 bf16): with tensor-descriptor loads
-    (``TMA``), 128×128 tiles, 8 warps, 3 stages when there are many keys per query tile (554 TF/s at
-    1 × 8192, 413 at 8 × 2048); 64×64, 4 warps, 3 stages when requests have at most 1024 keys (241 TF/s at
-    16 × 512: more, smaller programs win). ``tma=False`` gives the pointer-load configuration, used when the
-    keys' strides rule descriptors out (128-wide key tiles spill there; 128×64, 3 stages: 458 TF/s)."""
+                  tma: bool = True, causal_tiles: int | None = None) -> dict:
+    """Prefill tiles. H200 sweeps (2026-11-29, 32/8/128 bf16): with tensor-descriptor loads (``TMA``),
+    128×128 tiles, 8 warps, 3 stages when there are many keys per query tile (causal: 554 TF/s at
+    1 × 8192, 413 at 8 × 2048; non-causal 8 × (512 × 4096): 557); 64×64, 4 warps, 3 stages when requests
+    have at most 1024 keys (241 TF/s at 16 × 512), and for causal launches of fewer than 12 waves of
+    128-row tiles (``causal_tiles`` = requests × 128-row query tiles × heads), where the uneven causal
+    programs leave the last waves ragged (2 × 2048: 178 µs against 192). ``tma=False`` gives the
+    pointer-load configuration, used when the keys' strides rule descriptors out (128-wide key tiles spill
+    there; 128×64, 3 stages: 458 TF/s)."""
     if platform.backend == "cpu":
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:  # one wave per SIMD: the whole register file, so no spills with every feature on
@@ -31,7 +36,8 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
         return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 1)}
     if head_size > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    if max_seqlen_k <= 1024 or head_size <= 64:
+    few_causal_tiles = causal_tiles is not None and causal_tiles < 12 * platform.num_sms
+    if max_seqlen_k <= 1024 or head_size <= 64 or (few_causal_tiles and platform.is_hopper):
         if tma and platform.is_hopper:
             return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": True}
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
@@ -68,13 +74,23 @@ def elementwise_config(platform: Platform) -> dict:
 
 
 def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
-                       block_n: int) -> int:
-    """Split count for paged decode: about four programs per SM (8 × 32768 on an H200: 8 splits measured
-    best, 16 and 32 slower), never below ~4 tiles per split."""
+                       block_n: int, resident_per_sm: int = 2) -> int:
+    """Split count for paged decode. Start from about four programs per SM (8 × 32768 on an H200: 8 splits
+    measured best, 16 and 32 slower), never below ~4 tiles per split; then, up to twice that, take the
+    count whose programs fill the last wave best, ``resident_per_sm`` programs per SM being resident at
+    once (two on the H200: 254 registers a thread). 48 × 4096 (384 programs): 1 split leaves the second of
+    two waves 45% full, 2 splits fill 97% of three."""
     if platform.backend == "cpu":
         return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))
     programs = max(1, num_seqs * num_kv_heads)
-    target = max(1, (4 * platform.num_sms) // programs)
+    cap = 64
     if max_seq_len is not None:
-        target = min(target, max(1, max_seq_len // (4 * block_n)))
-    return int(min(target, 64))
+        cap = min(cap, max(1, max_seq_len // (4 * block_n)))
+    base = min(max(1, (4 * platform.num_sms) // programs), cap)
+    slots = resident_per_sm * platform.num_sms
+
+    def wave_fill(splits: int) -> float:
+        waves = programs * splits / slots
+        return waves / math.ceil(waves)
+
+    return max(range(base, min(2 * base, cap) + 1), key=lambda s: (round(wave_fill(s), 2), -s))

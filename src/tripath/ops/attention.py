@@ -101,13 +101,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     config_args = (current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(), int(max_seqlen_k))
-    cfg = dict(_configs.varlen_config(*config_args))
+    causal_tiles = num_seqs * triton_cdiv(int(max_seqlen_q), 128) * q.shape[1] if causal else None
+    cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles))
     even_d = q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2])
     k_desc, v_desc = k, v
     if cfg.pop("TMA", False):
         k_desc, v_desc = _kv_descriptors(k, v, cfg["BLOCK_N"]) if even_d else (k, v)
         if k_desc is k:  # descriptors ruled out: the pointer-load configuration
-            cfg = dict(_configs.varlen_config(*config_args, tma=False))
+            cfg = dict(_configs.varlen_config(*config_args, tma=False, causal_tiles=causal_tiles))
             cfg.pop("TMA", None)
     block_m = cfg.pop("BLOCK_M")
     dummy = cu_seqlens_q

@@ -1,0 +1,39 @@
+"""Launch-configuration rules that the H200 measurements set (docs/BENCHMARKS.md): checked on the H200
+platform description without a GPU, so a change to a rule is a deliberate one."""
+
+from tripath.ops._configs import default_num_splits, varlen_config
+from tripath.ops._mla_configs import mla_decode_config, mla_decode_num_splits
+from tripath.platform import CPU, H200
+
+
+def test_decode_splits_fill_the_last_wave():
+    # 64 × 4096 and 64 × 16384: 512 programs fill two waves of 264 resident programs; one split.
+    assert default_num_splits(H200, 64, 8, 4096, 64) == 1
+    assert default_num_splits(H200, 64, 8, 16384, 64) == 1
+    # 48 × 4096: one split leaves the second wave 45% full; two fill 97% of three.
+    assert default_num_splits(H200, 48, 8, 4096, 64) == 2
+    # 8 × 32768: about four programs per SM.
+    assert default_num_splits(H200, 8, 8, 32768, 64) == 8
+    # Short contexts never split below ~4 tiles per split.
+    assert default_num_splits(H200, 1, 8, 512, 64) == 2
+    assert default_num_splits(CPU, 1, 8, 512, 16) == 4
+
+
+def test_prefill_tiles():
+    long_tiles = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
+    short_tiles = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": True}
+    assert varlen_config(H200, 128, 2, 8192, causal_tiles=1 * 64 * 32) == long_tiles
+    assert varlen_config(H200, 128, 2, 2048, causal_tiles=8 * 16 * 32) == long_tiles
+    assert varlen_config(H200, 128, 2, 4096) == long_tiles  # non-causal context chunk
+    assert varlen_config(H200, 128, 2, 2048, causal_tiles=2 * 16 * 32) == short_tiles  # < 12 waves
+    assert varlen_config(H200, 128, 2, 512, causal_tiles=16 * 4 * 32) == short_tiles
+    assert "TMA" not in varlen_config(H200, 128, 2, 8192, tma=False)
+
+
+def test_mla_many_heads_split_the_values():
+    cfg = mla_decode_config(H200, 128, 512, 2)
+    assert cfg["V_PARTS"] == 2 and cfg["BLOCK_H"] == 128 and cfg["PROGRAMS_PER_SM"] == 1
+    assert "V_PARTS" not in mla_decode_config(H200, 16, 512, 2)
+    assert "V_PARTS" not in mla_decode_config(H200, 128, 512, 2, grouped=True)
+    assert mla_decode_num_splits(H200, 64 * 2, 4096, 64, programs_per_sm=1) == 1
+    assert mla_decode_num_splits(H200, 64, 4096, 32) == 4
