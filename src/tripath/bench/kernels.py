@@ -8,6 +8,7 @@ Times are medians of ``triton.testing.do_bench``. Each op is checked against its
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -259,6 +260,10 @@ def check_correctness(report: Report) -> None:
         raise AssertionError(f"paged_decode disagrees with its reference on the GPU (max error {err:.3g})")
 
 
+def _spread(row: Row) -> str:
+    return f" ({row.note})" if row.note else ""
+
+
 def format_report(report: Report) -> str:
     lines = [f"GPU: {report.device}. Floors measured in this run: copy **{report.copy_gbps:.0f} GB/s** "
              f"(read + write), bf16 8192³ matmul **{report.matmul_tflops:.0f} TFLOP/s**.", ""]
@@ -274,27 +279,55 @@ def format_report(report: Report) -> str:
         lines += [f"### {title}", ""]
         if table == "mixed":
             lines += ["| backend | time |", "|---|---|"]
-            lines += [f"| {r.impl} | {r.us:.0f} µs |" for r in rows]
+            lines += [f"| {r.impl} | {r.us:.0f} µs{_spread(r)} |" for r in rows]
         elif table in ("mla_prep", "mla_backend"):
             lines += ["| shape | implementation | time | speed-up |", "|---|---|---|---|"]
-            lines += [f"| {r.shape} | {r.impl} | {r.us:.2f} µs | {r.metric:.2f}× |" for r in rows]
+            lines += [f"| {r.shape} | {r.impl} | {r.us:.2f} µs{_spread(r)} | {r.metric:.2f}× |" for r in rows]
         elif table == "mla":
             lines += ["| heads, shape | kernel | time | rate | % of floor |", "|---|---|---|---|---|"]
             for r in rows:
                 floor = report.copy_gbps if r.unit == "GB/s" else report.matmul_tflops
-                lines.append(f"| {r.shape} | {r.impl} | {r.us:.1f} µs | {r.metric:.0f} {r.unit} | "
+                lines.append(f"| {r.shape} | {r.impl} | {r.us:.1f} µs{_spread(r)} | {r.metric:.0f} {r.unit} | "
                              f"{100 * r.metric / floor:.0f}% |")
         else:
             floor = report.copy_gbps if table == "decode" else report.matmul_tflops
             lines += [f"| shape | implementation | time | {rows[0].unit} | % of floor |", "|---|---|---|---|---|"]
-            lines += [f"| {r.shape} | {r.impl} | {r.us:.1f} µs | {r.metric:.0f} | {100 * r.metric / floor:.0f}% |"
+            lines += [f"| {r.shape} | {r.impl} | {r.us:.1f} µs{_spread(r)} | {r.metric:.0f} | "
+                      f"{100 * r.metric / floor:.0f}% |"
                       for r in rows]
         lines.append("")
     lines += [f"**failed**: {e}" for e in report.errors]
     return "\n".join(lines)
 
 
-def run(sections=("decode", "prefill", "mixed", "mla")) -> Report:
+def merge_repeats(reports: list[Report]) -> Report:
+    """One report from ``len(reports)`` runs of the same sections: each row's median time over the runs
+    (rates scaled to it; speed-ups the median of the runs' speed-ups), with the runs' range in ``note``."""
+    merged = Report(device=reports[0].device, copy_gbps=statistics.median(r.copy_gbps for r in reports),
+                    matmul_tflops=statistics.median(r.matmul_tflops for r in reports))
+    for row in reports[0].rows:
+        same = [r for rep in reports for r in rep.rows
+                if (r.table, r.shape, r.impl) == (row.table, row.shape, row.impl)]
+        times = [r.us for r in same]
+        us = statistics.median(times)
+        if row.unit == "×":
+            metric = statistics.median(r.metric for r in same)
+        elif row.unit == "ms":
+            metric = us / 1e3
+        else:
+            metric = row.metric * row.us / us
+        merged.rows.append(Row(row.table, row.shape, row.impl, us, metric, row.unit,
+                               f"{min(times):.1f}–{max(times):.1f}" if len(same) > 1 else ""))
+    for rep in reports:
+        merged.errors += [e for e in rep.errors if e not in merged.errors]
+    return merged
+
+
+def run(sections=("decode", "prefill", "mixed", "mla"), repeat: int = 1) -> Report:
+    """Run the sections (``repeat`` times, merged by :func:`merge_repeats`: run-to-run spread on the
+    H200 reached 25% for identical memory-bound kernels, so single runs are not to be trusted alone)."""
+    if repeat > 1:
+        return merge_repeats([run(sections) for _ in range(repeat)])
     if not torch.cuda.is_available():
         raise SystemExit("tripath bench kernels needs a GPU (use `tripath bench` on a CPU)")
     report = Report(device=torch.cuda.get_device_name())
@@ -319,8 +352,10 @@ def main_kernels(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=["decode", "prefill", "mixed", "mla"],
                         choices=["decode", "prefill", "mixed", "mla"])
     parser.add_argument("--out", help="also write the markdown tables to this file")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run everything this many times; report medians and the range (default 1)")
     args = parser.parse_args(argv)
-    text = format_report(run(tuple(args.only)))
+    text = format_report(run(tuple(args.only), repeat=max(1, args.repeat)))
     print(text)
     if args.out:
         with open(args.out, "w") as f:
