@@ -8,8 +8,6 @@ gets small tiles so tests exercise multi-tile loops on small shapes.
 
 from __future__ import annotations
 
-import math
-
 from tripath.platform import Platform
 
 
@@ -74,23 +72,15 @@ def elementwise_config(platform: Platform) -> dict:
 
 
 def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
-                       block_n: int, resident_per_sm: int = 2) -> int:
-    """Split count for paged decode. Start from about four programs per SM (8 × 32768 on an H200: 8 splits
-    measured best, 16 and 32 slower), never below ~4 tiles per split; then, up to twice that, take the
-    count whose programs fill the last wave best, ``resident_per_sm`` programs per SM being resident at
-    once (two on the H200: 254 registers a thread). 48 × 4096 (384 programs): 1 split leaves the second of
-    two waves 45% full, 2 splits fill 97% of three."""
+                       block_n: int) -> int:
+    """Split count for paged decode: about four programs per SM, never below ~4 tiles per split. H200
+    (2026-11-29): 8 × 32768 best at 8 splits (16 and 32 slower); 64 × 4096 and 64 × 16384 at 1 (2: 9%
+    slower); 48 × 4096 (384 programs) 220 µs at 1 split, 264 at 2, 213 at 3, 232 at 4, so filling the last
+    wave is no rule to follow here."""
     if platform.backend == "cpu":
         return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))
     programs = max(1, num_seqs * num_kv_heads)
-    cap = 64
+    target = max(1, (4 * platform.num_sms) // programs)
     if max_seq_len is not None:
-        cap = min(cap, max(1, max_seq_len // (4 * block_n)))
-    base = min(max(1, (4 * platform.num_sms) // programs), cap)
-    slots = resident_per_sm * platform.num_sms
-
-    def wave_fill(splits: int) -> float:
-        waves = programs * splits / slots
-        return waves / math.ceil(waves)
-
-    return max(range(base, min(2 * base, cap) + 1), key=lambda s: (round(wave_fill(s), 2), -s))
+        target = min(target, max(1, max_seq_len // (4 * block_n)))
+    return int(min(target, 64))
