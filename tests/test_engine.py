@@ -354,4 +354,10 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
     assert measured.runner.num_blocks > 1000
     fp8 = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=1024, **common)
     assert all(len(o) == params.max_tokens for o in greedy_outputs(fp8, prompts, params))
+    # Calibrated scales are set in place after the graphs were captured: replays must read them.
+    calibrated = LLM(model, kv_cache_dtype="fp8", calculate_kv_scales=True, num_kv_blocks=1024, **common)
+    eager_calibrated = LLM(model, kv_cache_dtype="fp8", calculate_kv_scales=True, num_kv_blocks=1024,
+                           enforce_eager=True, **common)
+    assert_same_or_near_tie(model, prompts, greedy_outputs(eager_calibrated, prompts, params),
+                            greedy_outputs(calibrated, prompts, params), max_gap=0.1)
     print(name, graphs.backend_name, graphs.last_metrics.summary())

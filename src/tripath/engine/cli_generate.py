@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", default="auto",
                         help="attention backend: auto, three_path, unified, two_path, torch, mla, mla_triton")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="fp8 KV cache: set each layer's scales from the first step (default: 1.0)")
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float16, ...")
     parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     parser.add_argument("--seed", type=int, default=0)
@@ -88,7 +90,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
             print(f"{args.model} has no tokenizer: text is encoded as UTF-8 bytes", file=sys.stderr)
         llm = LLM(model, tokenizer=tokenizer, backend=args.backend, dtype=dtype, device=device,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   enforce_eager=args.enforce_eager, seed=args.seed)

@@ -46,7 +46,9 @@ class EngineConfig:
     KV cache: ``num_kv_blocks`` blocks (block 0 reserved) if given, else as many as fit in
     ``gpu_memory_utilization`` of the GPU after the weights and a warm-up step (on the CPU,
     ``CPU_DEFAULT_KV_BLOCKS``). ``enforce_eager`` turns CUDA graphs for decode-only steps off; graphs are
-    captured for padded batch sizes up to ``max_cuda_graph_batch_size``.
+    captured for padded batch sizes up to ``max_cuda_graph_batch_size``. ``calculate_kv_scales`` (fp8 KV
+    cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
+    of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped.
     """
 
     backend: str = "auto"
@@ -54,6 +56,7 @@ class EngineConfig:
     device: torch.device | str | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     kv_layout: str = "nhd"
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -78,6 +81,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; supported: "
                              f"{', '.join(KV_CACHE_DTYPES)}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise TypeError(f"calculate_kv_scales must be a bool, got {type(self.calculate_kv_scales).__name__}")
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ValueError("calculate_kv_scales=True needs kv_cache_dtype='fp8' (only fp8 caches have scales)")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={self.kv_layout!r} is not supported; supported: {', '.join(KV_LAYOUTS)}")
         if not 0 < self.gpu_memory_utilization <= 1:

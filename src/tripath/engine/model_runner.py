@@ -64,6 +64,7 @@ class ModelRunner:
         self.max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
         self.caches = [self.backend.allocate_cache(self.num_blocks, self.device) for _ in range(self.num_layers)]
+        self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         if config.use_cuda_graphs and self.graph_safe_backend:
             self.capture_cuda_graphs()
@@ -138,7 +139,9 @@ class ModelRunner:
             hidden = self._replay(graph_bs, inputs)
         else:
             meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
-            hidden = self.model(inputs.input_ids, inputs.positions, ForwardContext(self.backend, meta, self.caches))
+            ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            self.kv_scales_pending = False
         sampled: list[int | None] = [None] * len(scheduled)
         if not inputs.sample_rows:
             return sampled
