@@ -81,3 +81,17 @@ def test_metadata_rejects_bad_tables():
         build_metadata(plan, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(4, dtype=torch.int64))
     with pytest.raises(TypeError, match="slot_mapping must be int64"):
         build_metadata(plan, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+
+
+def test_metadata_copy_takes_a_narrower_block_table():
+    """Graph replay: a step's block table as wide as its longest row is copied into the captured, wider
+    table's first columns; the columns past it keep their values (never read); a wider one is refused."""
+    plan = plan_batch([1, 1], [5, 9], block_size=4)
+    slots = torch.full((2,), -1, dtype=torch.int64)
+    captured = build_metadata(plan, torch.full((2, 6), 7, dtype=torch.int32), slots)
+    step_table = torch.tensor([[3, 4, 0], [5, 6, 8]], dtype=torch.int32)
+    captured.copy_(build_metadata(plan, step_table, slots))
+    assert torch.equal(captured.block_table[:, :3], step_table)
+    assert torch.equal(captured.block_table[:, 3:], torch.full((2, 3), 7, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"metadata.block_table: shape \(2, 7\) does not match the captured"):
+        captured.copy_(build_metadata(plan, torch.zeros(2, 7, dtype=torch.int32), slots))

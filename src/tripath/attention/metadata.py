@@ -101,9 +101,14 @@ class AttentionMetadata:
 
         Only tensors are copied: host ints (``max_seq_len``, the decode split count, …) keep the values
         of the captured step, so a captured decode launch depends on tensor contents alone. Capture with a
-        fixed ``decode_num_splits`` and a block table as wide as the longest sequence you will replay."""
+        fixed ``decode_num_splits`` and a block table as wide as the longest sequence you will replay.
+        ``other``'s block table may be narrower (as wide as the step's longest row): only those columns
+        are copied; the columns past them keep older block ids, which no kernel reads (a row's blocks are
+        read only up to its ``seq_lens``)."""
         for name in ("slot_mapping", "block_table", "seq_lens", "context_lens", "cu_seqlens_q"):
             mine, theirs = getattr(self, name), getattr(other, name)
+            if name == "block_table" and theirs.shape[0] == mine.shape[0] and theirs.shape[1] <= mine.shape[1]:
+                mine = mine[:, :theirs.shape[1]]
             if mine.shape != theirs.shape:
                 raise ValueError(f"metadata.{name}: shape {tuple(theirs.shape)} does not match the captured "
                                  f"{tuple(mine.shape)}")

@@ -78,7 +78,8 @@ class ModelRunner:
     # ---- inputs -------------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepInputs:
         """Build the step's inputs in plan order (see the module doc). ``pad_to``: decode-only steps padded to
-        a captured batch size, with a block table ``max_blocks_per_seq`` wide."""
+        a captured batch size. The block table is as wide as the step's longest row; a graph replay copies
+        just those columns into its captured ``max_blocks_per_seq``-wide table."""
         query_lens = [s.num_new_tokens for s in scheduled]
         context_lens = [s.num_computed_tokens for s in scheduled]
         num_padding = 0 if pad_to is None else pad_to - len(scheduled)
@@ -86,8 +87,7 @@ class ModelRunner:
         context_lens += [1] * num_padding
         plan = self.backend.plan(query_lens, context_lens)
         bs = self.block_size
-        width = self.max_blocks_per_seq if pad_to is not None else max(
-            (len(s.request.block_ids) for s in scheduled), default=1)
+        width = max((len(s.request.block_ids) for s in scheduled), default=1)
         block_table = np.zeros((plan.num_requests, max(width, 1)), dtype=np.int32)
         input_ids, positions, slots = [], [], []
         logit_indices, sample_rows = [], []
