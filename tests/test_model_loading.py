@@ -174,6 +174,8 @@ def test_missing_and_unexpected_tensors(tmp_path):
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8, max_window_layers=1),
      "mixes sliding-window and full-attention layers"),
     (dict(num_key_value_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
+    (dict(architectures=["Qwen3MoeForCausalLM"], num_experts=0, num_experts_per_tok=1, moe_intermediate_size=8),
+     "Qwen3MoeForCausalLM needs num_experts >= 1 and decoder_sparse_step >= 1, got 0 and 1"),
 ])
 def test_bad_config_values(tmp_path, changes, message):
     save_llama(tmp_path)
@@ -295,3 +297,13 @@ def test_presets_bf16_auto_backend_matches_torch(name):
             assert torch.isfinite(got[rid]).all()
             relative = (got[rid] - want[rid]).norm() / want[rid].norm()
             assert relative < 2e-2, f"{name}, request {rid}: relative logit error {float(relative):.3g}"
+
+
+def test_routed_experts_only_on_qwen3_moe():
+    from tripath.models.presets import tiny_qwen3, tiny_qwen3_moe
+
+    moe = tiny_qwen3_moe()
+    with pytest.raises(ValueError, match="routed experts .* go with Qwen3MoeForCausalLM alone"):
+        ModelConfig(**{**moe.__dict__, "architecture": "Qwen3ForCausalLM"})
+    with pytest.raises(ValueError, match="routed experts .* go with Qwen3MoeForCausalLM alone"):
+        ModelConfig(**{**tiny_qwen3().__dict__, "architecture": "Qwen3MoeForCausalLM"})

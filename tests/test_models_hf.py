@@ -42,6 +42,14 @@ def qwen3():
         **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=64, attention_bias=True))
 
 
+def qwen3_moe():
+    """Experts in layers 0 and 2 (``decoder_sparse_step`` 1, layer 1 dense), renormalised top-2 of 8."""
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3}, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        mlp_only_layers=[1], norm_topk_prob=True))
+
+
 def deepseek_v2():
     cfg = transformers.DeepseekV2Config(
         **{**COMMON, "num_hidden_layers": 3}, **{**MLA, "num_experts_per_tok": 3}, q_lora_rank=None,
@@ -101,15 +109,23 @@ def compare_steps(hf_model, model, *, block_size=4, decode_steps=3):
         check(out, known)
 
 
-@pytest.mark.parametrize("make", [llama, mistral, qwen2, qwen3, deepseek_v2, deepseek_v3,
+@pytest.mark.parametrize("make", [llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3,
                                   lambda: deepseek_v3(rope_interleave=False)],
-                         ids=["llama3", "mistral", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3",
+                         ids=["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3",
                               "deepseek_v3_neox"])
 def test_matches_transformers(make, tmp_path):
     hf_model = _save(make(), tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32)
     assert model.config.architecture == type(hf_model).__name__
     compare_steps(hf_model, model)
+
+
+def test_qwen3_moe_layers_follow_the_config(tmp_path):
+    _save(qwen3_moe(), tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32)
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds == ["MoE", "MLP", "MoE"]
+    assert model.model.layers[0].mlp.shared_experts is None and model.config.moe.norm_topk_prob
 
 
 def test_mistral_window_is_used(tmp_path):

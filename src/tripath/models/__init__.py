@@ -1,5 +1,5 @@
-"""Models that use the attention layer: Llama/Mistral/Qwen2/Qwen3 (GQA) and DeepSeek V2/V3/Kimi (MLA),
-loaded from local Hugging Face directories or built from presets with random weights.
+"""Models that use the attention layer: Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE (GQA) and DeepSeek V2/V3/Kimi
+(MLA), loaded from local Hugging Face directories or built from presets with random weights.
 
 >>> model = load_model("tiny-llama", dtype=torch.float32)
 >>> spec = model.attention_spec(block_size=16)

@@ -3,10 +3,12 @@
 
 Two families:
 
-- ``llama`` (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``):
-  GQA with ``num_heads`` query heads and ``num_kv_heads`` KV heads of ``head_size``; RoPE on the whole head
-  (NeoX pairs ``(i, i + D/2)``); Qwen2 adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k before RoPE;
-  Mistral (and Qwen with ``use_sliding_window``) a sliding window.
+- ``llama`` (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+  ``Qwen3MoeForCausalLM``): GQA with ``num_heads`` query heads and ``num_kv_heads`` KV heads of
+  ``head_size``; RoPE on the whole head (NeoX pairs ``(i, i + D/2)``); Qwen2 adds q/k/v biases, Qwen3 a
+  per-head RMSNorm on q and k before RoPE; Mistral (and Qwen with ``use_sliding_window``) a sliding window.
+  Qwen3-MoE replaces the MLP of every ``decoder_sparse_step``-th layer (except ``mlp_only_layers``) with
+  routed experts: softmax router, top-k, weights renormalised when ``norm_topk_prob``, no shared expert.
 - ``deepseek`` (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, Kimi K2 which uses the V3 class):
   MLA with ``num_heads`` heads over one latent KV head; ``head_size = kv_lora_rank + qk_rope_head_dim``
   (the cache row), ``num_kv_heads = 1``; RoPE only on the ``qk_rope_head_dim`` part (GPT-J interleaved
@@ -22,7 +24,8 @@ from dataclasses import dataclass, field
 
 from tripath.attention.spec import MLASpec
 
-LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "Qwen3MoeForCausalLM")
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ARCHITECTURES = LLAMA_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -81,7 +84,8 @@ class MoEConfig:
     the scores), ``group_limited_greedy`` (V2: keep the ``topk_group`` groups of the highest max score) or
     ``noaux_tc`` (V3: add the correction bias for the choice only, rank groups by the sum of their top-2);
     weights renormalised when ``norm_topk_prob``, then times ``routed_scaling_factor``. Layer ``i`` is MoE when
-    ``i >= first_k_dense_replace`` and ``i % layer_freq == 0``."""
+    ``i >= first_k_dense_replace`` and ``i % layer_freq == 0``, or, when ``moe_layers`` lists them (Qwen3-MoE),
+    when ``i`` is listed."""
 
     num_experts: int
     top_k: int
@@ -95,6 +99,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     first_k_dense_replace: int = 0
     layer_freq: int = 1
+    moe_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.scoring_func not in SCORING_FUNCS:
@@ -111,6 +116,8 @@ class MoEConfig:
                              "groups")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
+        if self.moe_layers is not None:
+            return layer_idx in self.moe_layers
         return layer_idx >= self.first_k_dense_replace and layer_idx % self.layer_freq == 0
 
 
@@ -161,8 +168,10 @@ class ModelConfig:
             if self.rope is not None and self.mla.is_neox_rope != self.rope.is_neox:
                 raise ValueError("MLASpec.is_neox_rope and RopeConfig.is_neox disagree")
         else:
-            if self.mla is not None or self.moe is not None or self.q_lora_rank is not None:
-                raise ValueError(f"{self.architecture} has no MLA, MoE or q_lora_rank")
+            if self.mla is not None or self.q_lora_rank is not None:
+                raise ValueError(f"{self.architecture} has no MLA or q_lora_rank")
+            if (self.moe is not None) != (self.architecture == "Qwen3MoeForCausalLM"):
+                raise ValueError(f"{self.architecture}: routed experts (moe=...) go with Qwen3MoeForCausalLM alone")
             if self.rope is None:
                 raise ValueError(f"{self.architecture} needs a rope config")
             if self.head_size % 2:
@@ -268,6 +277,22 @@ def _moe_from_hf(raw: dict, architecture: str) -> MoEConfig | None:
         layer_freq=int(_get(raw, "moe_layer_freq", 1)))
 
 
+def _qwen3_moe_from_hf(raw: dict, num_layers: int) -> MoEConfig:
+    """Qwen3-MoE routing: layer ``i`` has experts when ``(i + 1) % decoder_sparse_step == 0`` and it is not in
+    ``mlp_only_layers`` (``num_experts``, or ``num_local_experts`` as transformers 5 writes it)."""
+    num_experts = int(_get(raw, "num_experts", _get(raw, "num_local_experts", 0)))
+    step = int(_get(raw, "decoder_sparse_step", 1))
+    dense = set(_get(raw, "mlp_only_layers", []))
+    if num_experts < 1 or step < 1:
+        raise ValueError(f"Qwen3MoeForCausalLM needs num_experts >= 1 and decoder_sparse_step >= 1, got "
+                         f"{num_experts} and {step}")
+    layers = tuple(i for i in range(num_layers) if (i + 1) % step == 0 and i not in dense)
+    return MoEConfig(num_experts=num_experts, top_k=int(raw["num_experts_per_tok"]),
+                     intermediate_size=int(raw["moe_intermediate_size"]), scoring_func="softmax",
+                     topk_method="greedy", norm_topk_prob=bool(_get(raw, "norm_topk_prob", False)),
+                     moe_layers=layers)
+
+
 def config_from_hf(raw: dict, *, generation_config: dict | None = None, tokenizer_path: str | None = None,
                    source: str = "config.json") -> ModelConfig:
     """A :class:`ModelConfig` from a parsed Hugging Face ``config.json`` (``source`` names it in errors)."""
@@ -309,7 +334,8 @@ def config_from_hf(raw: dict, *, generation_config: dict | None = None, tokenize
         return ModelConfig(**common, num_kv_heads=int(_get(raw, "num_key_value_heads", num_heads)),
                            head_size=int(_get(raw, "head_dim", common["hidden_size"] // num_heads)),
                            rope=rope_from_hf(raw, is_neox=True), qkv_bias=qwen2 or bias, o_bias=bias and not qwen2,
-                           qk_norm=architecture == "Qwen3ForCausalLM",
-                           sliding_window=_sliding_window(raw, architecture, num_layers))
+                           qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+                           sliding_window=_sliding_window(raw, architecture, num_layers),
+                           moe=_qwen3_moe_from_hf(raw, num_layers) if architecture == "Qwen3MoeForCausalLM" else None)
     except KeyError as missing:
         raise ValueError(f"{source}: {architecture} config is missing the key {missing.args[0]!r}") from None

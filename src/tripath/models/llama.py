@@ -1,5 +1,5 @@
 """GQA decoder models: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head
-q/k RMSNorm).
+q/k RMSNorm), Qwen3-MoE (Qwen3 attention, routed experts in the MLP of the layers the config names).
 
 Per layer, for ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads of size ``D``:
 ``q = rope(norm_q(x·Wqᵀ))`` ``[T, Hq, D]``, ``k = rope(norm_k(x·Wkᵀ))``, ``v = x·Wvᵀ`` ``[T, Hkv, D]``
@@ -15,7 +15,7 @@ from torch import nn
 
 from tripath.models.base import CausalLM, DecoderLayer
 from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
-from tripath.models.layers import MLP, RMSNorm, apply_rotary, rotary_tables
+from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables
 
 
 class GQAAttention(nn.Module):
@@ -50,14 +50,18 @@ class GQAAttention(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    """Llama / Mistral / Qwen2 / Qwen3 (selected by ``config.architecture``)."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE (selected by ``config.architecture``)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
         if config.family != "llama":
             raise ValueError(f"LlamaForCausalLM serves {', '.join(LLAMA_ARCHITECTURES)}, not {config.architecture}")
-        layers = [DecoderLayer(config, GQAAttention(config, i, dtype),
-                               MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype),
-                               dtype) for i in range(config.num_layers)]
+        layers = []
+        for i in range(config.num_layers):
+            if config.moe is not None and config.moe.is_moe_layer(i):
+                mlp = MoE(config.hidden_size, config.moe, dtype=dtype)
+            else:
+                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype)
+            layers.append(DecoderLayer(config, GQAAttention(config, i, dtype), mlp, dtype))
         super().__init__(config, layers, dtype)
 
     def post_load(self) -> None:

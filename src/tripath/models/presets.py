@@ -9,6 +9,7 @@ tiny-llama                Llama 3             GQA 4/2, head 32, llama3 rope scal
 tiny-mistral              Mistral             GQA 4/1, head 32, sliding window 64
 tiny-qwen2                Qwen2               q/k/v biases, tied embeddings
 tiny-qwen3                Qwen3               q/k RMSNorm, head 64 (> hidden / heads)
+tiny-qwen3-moe            Qwen3-MoE           Qwen3 attention, top-2 of 8 experts (layer 1 dense)
 tiny-deepseek             DeepSeek V3         MLA 64+32 with q_lora, yarn, MoE (sigmoid, groups)
 tiny-deepseek-v2          DeepSeek V2         MLA without q_lora, softmax group-limited MoE
 tiny-kimi-nope            DeepSeek V3 (Kimi)  NoPE MLA (identity rotation), MoE
@@ -51,6 +52,12 @@ def tiny_qwen2() -> ModelConfig:
 def tiny_qwen3() -> ModelConfig:
     return ModelConfig(architecture="Qwen3ForCausalLM", num_heads=4, num_kv_heads=2, head_size=64,
                        rope=RopeConfig(theta=1e6), qk_norm=True, **_TINY)
+
+
+def tiny_qwen3_moe() -> ModelConfig:
+    moe = MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True, moe_layers=(0, 2))
+    return ModelConfig(architecture="Qwen3MoeForCausalLM", num_heads=4, num_kv_heads=2, head_size=32,
+                       rope=RopeConfig(theta=1e6), qk_norm=True, moe=moe, **{**_TINY, "num_layers": 3})
 
 
 def tiny_deepseek() -> ModelConfig:
@@ -101,6 +108,7 @@ def kimi_nope_attn_tp8() -> ModelConfig:
 
 PRESETS = {
     "tiny-llama": tiny_llama, "tiny-mistral": tiny_mistral, "tiny-qwen2": tiny_qwen2, "tiny-qwen3": tiny_qwen3,
+    "tiny-qwen3-moe": tiny_qwen3_moe,
     "tiny-deepseek": tiny_deepseek, "tiny-deepseek-v2": tiny_deepseek_v2, "tiny-kimi-nope": tiny_kimi_nope,
     "qwen3-235b-attn-tp8": qwen3_235b_attn_tp8, "deepseek-r1-attn-tp8": deepseek_r1_attn_tp8,
     "kimi-nope-attn-tp8": kimi_nope_attn_tp8,
