@@ -53,6 +53,26 @@ def test_backend_matches_torch(name, batch, spec_name):
     assert torch.equal(got_cache.v_cache.view(torch.uint8), want_cache.v_cache.view(torch.uint8))
 
 
+@pytest.mark.parametrize("name", ["three_path", "unified", "two_path", "torch"])
+def test_layer_window_overrides_the_spec(name):
+    """A layer's ``window_left`` (models mixing sliding-window and full-attention layers): −1 on a windowed
+    spec gives full attention, and 5 gives what a spec with window 5 gives; bad values are refused."""
+    windowed = AttentionSpec(4, 2, 64, dtype=torch.float16, window_left=12, extend_chunk_budget=24)
+    backend = select_backend(windowed, name, DEVICE)
+    step = make_step(windowed, BATCHES["mixed"], backend, device=DEVICE, seed=4)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    for window in (-1, 5):
+        spec = AttentionSpec(4, 2, 64, dtype=torch.float16, window_left=window, extend_chunk_budget=24)
+        want = select_backend(spec, name, DEVICE).forward(step.q, step.k, step.v, step.fresh_cache(), meta)
+        got = backend.forward(step.q, step.k, step.v, step.fresh_cache(), meta, window_left=window)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    full = select_backend(AttentionSpec(4, 2, 64, dtype=torch.float16), name, DEVICE)
+    with pytest.raises(ValueError, match="window_left=5 for a layer of a spec without a sliding window"):
+        full.forward(step.q, step.k, step.v, step.fresh_cache(), meta, window_left=5)
+    with pytest.raises(ValueError, match="window_left must be >= -1"):
+        backend.forward(step.q, step.k, step.v, step.fresh_cache(), meta, window_left=-3)
+
+
 def test_torch_backend_matches_float64():
     spec = AttentionSpec(4, 2, 32, dtype=torch.float32, window_left=6, use_sinks=True, use_alibi=True)
     backend = select_backend(spec, "torch", "cpu")

@@ -171,8 +171,6 @@ def test_missing_and_unexpected_tensors(tmp_path):
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported; supported: silu"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
      "rope_type='dynamic' in config.json is not supported; supported: default, linear, llama3, yarn"),
-    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8, max_window_layers=1),
-     "mixes sliding-window and full-attention layers"),
     (dict(num_key_value_heads=3), r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"),
     (dict(architectures=["Qwen3MoeForCausalLM"], num_experts=0, num_experts_per_tok=1, moe_intermediate_size=8),
      "Qwen3MoeForCausalLM needs num_experts >= 1 and decoder_sparse_step >= 1, got 0 and 1"),

@@ -143,6 +143,20 @@ def test_mistral_window_is_used(tmp_path):
     assert (unwindowed[-1] - windowed[-1]).abs().max() > 1e-2
 
 
+def test_qwen2_window_on_some_layers(tmp_path):
+    """``use_sliding_window`` with ``max_window_layers=1``: layer 0 attends to everything, layer 1 to a
+    window of 8 (per-layer windows through ``ctx.attend(..., window_left=...)``), as in transformers."""
+    hf_model = _save(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **COMMON, num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+        max_window_layers=1)), tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32)
+    assert model.config.window_layers == (1,) and model.attention_spec().window_left == 7
+    assert [layer.self_attn.window_left for layer in model.model.layers] == [-1, 7]
+    compare_steps(hf_model, model)
+    tokens = list(range(2, 18))
+    torch.testing.assert_close(PagedRunner(model).step({"A": tokens})["A"], hf_logits(hf_model, tokens), **TOL)
+
+
 def test_deepseek_yarn_scale_and_mscale(tmp_path):
     """sm_scale = mscale(factor, mscale_all_dim)² / sqrt(P + R); the rotary tables carry
     mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""

@@ -26,12 +26,14 @@ class ForwardContext:
     calibrate_kv_scales: bool = False
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` → ``[T, Hq, Dv]`` (k/v written to the cache)."""
+               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+               window_left: int | None = None) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` → ``[T, Hq, Dv]`` (k/v written to the cache).
+        ``window_left``: this layer's window where layers differ (−1: full attention; None: the spec's)."""
         if self.calibrate_kv_scales:
             calibrate_kv_scales(self.caches[layer_idx], k, v)
         return self.backend.forward(q, k, v, self.caches[layer_idx], self.metadata, alibi_slopes=alibi_slopes,
-                                    sinks=sinks)
+                                    sinks=sinks, window_left=window_left)
 
     def attend_mla(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                    k_pe: torch.Tensor, positions: torch.Tensor, weights: MLALayerWeights) -> torch.Tensor:

@@ -6,7 +6,8 @@ Two families:
 - ``llama`` (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
   ``Qwen3MoeForCausalLM``): GQA with ``num_heads`` query heads and ``num_kv_heads`` KV heads of
   ``head_size``; RoPE on the whole head (NeoX pairs ``(i, i + D/2)``); Qwen2 adds q/k/v biases, Qwen3 a
-  per-head RMSNorm on q and k before RoPE; Mistral (and Qwen with ``use_sliding_window``) a sliding window.
+  per-head RMSNorm on q and k before RoPE; Mistral (and Qwen with ``use_sliding_window``) a sliding window,
+  on every layer or, from ``layer_types`` / ``max_window_layers``, on some (``window_layers``).
   Qwen3-MoE replaces the MLP of every ``decoder_sparse_step``-th layer (except ``mlp_only_layers``) with
   routed experts: softmax router, top-k, weights renormalised when ``norm_topk_prob``, no shared expert.
 - ``deepseek`` (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``, Kimi K2 which uses the V3 class):
@@ -145,6 +146,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    window_layers: tuple[int, ...] | None = None
     q_lora_rank: int | None = None
     moe: MoEConfig | None = None
     bos_token_id: int | None = None
@@ -178,6 +180,10 @@ class ModelConfig:
                 raise ValueError(f"head_size must be even for RoPE, got {self.head_size}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+        if self.window_layers is not None and (self.sliding_window is None or not all(
+                0 <= i < self.num_layers for i in self.window_layers)):
+            raise ValueError(f"window_layers={self.window_layers} needs a sliding_window and layer indices in "
+                             f"0..{self.num_layers - 1}")
 
     @property
     def family(self) -> str:
@@ -200,6 +206,13 @@ class ModelConfig:
     def window_left(self) -> int:
         """Sliding window as the attention spec takes it (``W - 1``; −1 = off)."""
         return -1 if self.sliding_window is None else self.sliding_window - 1
+
+    def layer_window_left(self, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s window where layers differ (``window_left`` or −1 for full attention);
+        None when every layer has the spec's."""
+        if self.window_layers is None:
+            return None
+        return self.window_left if layer_idx in self.window_layers else -1
 
 
 # -- Hugging Face config.json ---------------------------------------------------------------------------------
@@ -245,20 +258,21 @@ def rope_from_hf(raw: dict, *, is_neox: bool) -> RopeConfig:
         is_neox=is_neox)
 
 
-def _sliding_window(raw: dict, architecture: str, num_layers: int) -> int | None:
+def _sliding_window(raw: dict, architecture: str, num_layers: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """``(window, window_layers)``: the sliding window and, when only some layers use it, which ones (from
+    ``layer_types``, or Qwen's ``use_sliding_window`` + ``max_window_layers``: layers from that index on)."""
     window = raw.get("sliding_window")
     if architecture == "MistralForCausalLM" or window is None:
-        return window
+        return window, None
     if architecture == "LlamaForCausalLM":
-        return None
+        return None, None
     layer_types = raw.get("layer_types") or [
         "sliding_attention" if raw.get("use_sliding_window") and i >= _get(raw, "max_window_layers", 0)
         else "full_attention" for i in range(num_layers)]
-    sliding = {t == "sliding_attention" for t in layer_types[:num_layers]}
-    if sliding == {True, False}:
-        raise ValueError(f"{architecture}: config.json mixes sliding-window and full-attention layers "
-                         "(layer_types / max_window_layers); tripath supports one window for all layers")
-    return window if sliding == {True} else None
+    sliding = tuple(i for i, t in enumerate(layer_types[:num_layers]) if t == "sliding_attention")
+    if not sliding:
+        return None, None
+    return window, None if len(sliding) == num_layers else sliding
 
 
 def _moe_from_hf(raw: dict, architecture: str) -> MoEConfig | None:
@@ -331,11 +345,12 @@ def config_from_hf(raw: dict, *, generation_config: dict | None = None, tokenize
         num_heads = common["num_heads"]
         qwen2 = architecture == "Qwen2ForCausalLM"
         bias = bool(_get(raw, "attention_bias", False))
+        window, window_layers = _sliding_window(raw, architecture, num_layers)
         return ModelConfig(**common, num_kv_heads=int(_get(raw, "num_key_value_heads", num_heads)),
                            head_size=int(_get(raw, "head_dim", common["hidden_size"] // num_heads)),
                            rope=rope_from_hf(raw, is_neox=True), qkv_bias=qwen2 or bias, o_bias=bias and not qwen2,
                            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-                           sliding_window=_sliding_window(raw, architecture, num_layers),
+                           sliding_window=window, window_layers=window_layers,
                            moe=_qwen3_moe_from_hf(raw, num_layers) if architecture == "Qwen3MoeForCausalLM" else None)
     except KeyError as missing:
         raise ValueError(f"{source}: {architecture} config is missing the key {missing.args[0]!r}") from None

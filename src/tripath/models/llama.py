@@ -5,7 +5,7 @@ Per layer, for ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads of size ``D``:
 ``q = rope(norm_q(x·Wqᵀ))`` ``[T, Hq, D]``, ``k = rope(norm_k(x·Wkᵀ))``, ``v = x·Wvᵀ`` ``[T, Hkv, D]``
 (``norm_*`` only on Qwen3; RoPE with NeoX pairs at the absolute positions), then
 ``o = ctx.attend(layer, q, k, v)`` ``[T, Hq, D]`` (writes k/v into the layer's paged cache; causal, with the
-sliding window of the spec) and ``out = o·Woᵀ``.
+sliding window of the spec, or the layer's own where layers differ) and ``out = o·Woᵀ``.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class GQAAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary = None  # RotaryTables, shared by every layer (set by LlamaForCausalLM.post_load)
+        self.window_left = config.layer_window_left(layer_idx)  # None: the spec's window
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -45,7 +46,7 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, positions, self.rotary)
         k = apply_rotary(k, positions, self.rotary)
-        out = ctx.attend(self.layer_idx, q, k, v)
+        out = ctx.attend(self.layer_idx, q, k, v, window_left=self.window_left)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
 
 

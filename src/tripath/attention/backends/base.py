@@ -134,13 +134,23 @@ class AttentionBackend:
         write_kv_cache(k, v, cache.k_cache, cache.v_cache, meta.slot_mapping, layout=cache.layout,
                        k_scale=k_scale, v_scale=v_scale)
 
-    def _options(self, alibi_slopes, sinks) -> dict:
+    def _options(self, alibi_slopes, sinks, window_left: int | None = None) -> dict:
+        """The ops' keyword options for one layer. ``window_left``: this layer's window when it differs
+        from the spec's (models whose layers mix sliding-window and full attention): −1 (full) is always
+        allowed, a window only when the spec has one (so selection checked the backend supports it)."""
         spec = self.spec
         if spec.use_alibi and alibi_slopes is None:
             raise ValueError("the spec uses ALiBi: pass alibi_slopes [num_heads]")
         if spec.use_sinks and sinks is None:
             raise ValueError("the spec uses sinks: pass sinks [num_heads]")
-        return dict(sm_scale=spec.sm_scale, window_left=spec.window_left, softcap=spec.softcap,
+        if window_left is None:
+            window_left = spec.window_left
+        elif window_left >= 0 and spec.window_left < 0:
+            raise ValueError(f"window_left={window_left} for a layer of a spec without a sliding window: set "
+                             "the spec's window_left so the backend is chosen for windows")
+        elif window_left < -1:
+            raise ValueError(f"window_left must be >= -1 (-1: no window), got {window_left}")
+        return dict(sm_scale=spec.sm_scale, window_left=int(window_left), softcap=spec.softcap,
                     alibi_slopes=alibi_slopes if spec.use_alibi else None,
                     sinks=sinks if spec.use_sinks else None)
 
@@ -154,9 +164,11 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, *, alibi_slopes: torch.Tensor | None = None,
-                sinks: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                window_left: int | None = None) -> torch.Tensor:
         """Write the step's ``k [T, Hkv, D]``/``v [T, Hkv, Dv]`` into ``cache`` and return the attention
-        output ``[T, Hq, Dv]`` of ``q [T, Hq, D]`` (tokens in plan order)."""
+        output ``[T, Hq, Dv]`` of ``q [T, Hq, D]`` (tokens in plan order). ``window_left``: this layer's
+        sliding window if it differs from the spec's (see :meth:`_options`)."""
         raise TypeError(f"backend {self.name!r} does not implement MHA forward")
 
     def forward_mla(self, q_nope, q_pe, kv_c, k_pe, positions, cache, meta, weights, *, out=None):

@@ -24,8 +24,8 @@ class ThreePathBackend(AttentionBackend):
     capabilities = Capabilities()
 
     def forward(self, q, k, v, cache: KVCache, meta: AttentionMetadata, *, alibi_slopes=None, sinks=None,
-                out=None):
-        opts = self._options(alibi_slopes, sinks)
+                out=None, window_left=None):
+        opts = self._options(alibi_slopes, sinks, window_left)
         self._write(k, v, cache, meta)
         out = self._out(q, out)
         k_scale, v_scale = self._scales(cache)

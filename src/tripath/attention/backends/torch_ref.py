@@ -67,8 +67,9 @@ class TorchBackend(AttentionBackend):
         return MLACache(cache, torch.ones(1, dtype=torch.float32, device=device))
 
     # -- MHA -------------------------------------------------------------------------------------------
-    def forward(self, q, k, v, cache: KVCache, meta, *, alibi_slopes=None, sinks=None, out=None):
-        opts = self._options(alibi_slopes, sinks)
+    def forward(self, q, k, v, cache: KVCache, meta, *, alibi_slopes=None, sinks=None, out=None,
+                window_left=None):
+        opts = self._options(alibi_slopes, sinks, window_left)
         self._write(k, v, cache, meta)
         out = self._out(q, out)
         k_scale, v_scale = self._scales(cache)

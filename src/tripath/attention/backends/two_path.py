@@ -12,8 +12,8 @@ class TwoPathBackend(AttentionBackend):
     name = "two_path"
     capabilities = Capabilities(max_decode_threshold=1)
 
-    def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None):
-        opts = self._options(alibi_slopes, sinks)
+    def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None, window_left=None):
+        opts = self._options(alibi_slopes, sinks, window_left)
         self._write(k, v, cache, meta)
         out = self._out(q, out)
         k_scale, v_scale = self._scales(cache)

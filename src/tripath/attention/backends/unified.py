@@ -10,8 +10,8 @@ class UnifiedBackend(AttentionBackend):
     name = "unified"
     capabilities = Capabilities()
 
-    def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None):
-        opts = self._options(alibi_slopes, sinks)
+    def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None, window_left=None):
+        opts = self._options(alibi_slopes, sinks, window_left)
         self._write(k, v, cache, meta)
         k_scale, v_scale = self._scales(cache)
         return unified_attention(q, cache.k_cache, cache.v_cache, meta.block_table, meta.seq_lens,
