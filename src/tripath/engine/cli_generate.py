@@ -90,7 +90,8 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
             print(f"{args.model} has no tokenizer: text is encoded as UTF-8 bytes", file=sys.stderr)
         llm = LLM(model, tokenizer=tokenizer, backend=args.backend, dtype=dtype, device=device,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-                  calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
                   enforce_eager=args.enforce_eager, seed=args.seed)

@@ -87,7 +87,8 @@ class LLM:
 
     def __init__(self, model, *, tokenizer=None, backend: str = "auto", dtype: torch.dtype | str | None = None,
                  device: torch.device | str | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
-                 calculate_kv_scales: bool = False, kv_layout: str = "nhd", max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 calculate_kv_scales: bool = False, kv_layout: str = "nhd", max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False,
@@ -96,7 +97,8 @@ class LLM:
             dtype = next(model.parameters()).dtype
         self.config = EngineConfig(
             backend=backend, dtype=dtype, device=device, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-            calculate_kv_scales=calculate_kv_scales, kv_layout=kv_layout, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            calculate_kv_scales=calculate_kv_scales, kv_layout=kv_layout, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,

@@ -104,12 +104,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     causal_tiles = num_seqs * triton_cdiv(int(max_seqlen_q), 128) * q.shape[1] if causal else None
     cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles))
     even_d = q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2])
-    k_desc, v_desc = k, v
-    if cfg.pop("TMA", False):
-        k_desc, v_desc = _kv_descriptors(k, v, cfg["BLOCK_N"]) if even_d else (k, v)
-        if k_desc is k:  # descriptors ruled out: the pointer-load configuration
-            cfg = dict(_configs.varlen_config(*config_args, tma=False, causal_tiles=causal_tiles))
-            cfg.pop("TMA", None)
+    use_tma = cfg.pop("TMA", False)
+    k_desc, v_desc = _kv_descriptors(k, v, cfg["BLOCK_N"]) if use_tma and even_d else (k, v)
+    if use_tma and k_desc is k:  # descriptors ruled out: the pointer-load configuration
+        cfg = dict(_configs.varlen_config(*config_args, tma=False, causal_tiles=causal_tiles))
+        cfg.pop("TMA", None)
     block_m = cfg.pop("BLOCK_M")
     dummy = cu_seqlens_q
     launch(
