@@ -146,6 +146,71 @@ def test_mla_decode_value_split_in_two(monkeypatch, num_splits, fp8, lora, rope)
                  num_splits=num_splits, tol=FP8_TOL if fp8 else TOL[torch.float16])
 
 
+def poison_unused_rows(cache, block_table, seq_lens):
+    """NaN in every cache row no request reads: rows past a request's end in its last page, free pages."""
+    used = torch.zeros(cache.shape[:2], dtype=torch.bool, device=cache.device)
+    for i, n in enumerate(seq_lens):
+        pos = torch.arange(n, device=cache.device)
+        used[block_table[i, pos // cache.shape[1]].long(), pos % cache.shape[1]] = True
+    if cache.element_size() == 1:
+        cache.view(torch.uint8)[~used] = 0x7F  # e4m3 NaN
+    else:
+        cache[~used] = float("nan")
+
+
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["heads-as-rows", "cache-rows-as-rows"])
+@pytest.mark.parametrize("v_parts,kind,num_splits,block_size", [(1, "fp16", 1, 16), (1, "fp16", 3, 64),
+                                                                (2, "fp16", 2, 16), (1, "fp8_kv", 1, 32),
+                                                                (2, "fp8_q", 3, 16)])
+def test_mla_decode_tensor_descriptor_path(monkeypatch, v_parts, kind, num_splits, block_size, swap_ab):
+    """The Hopper path (cache tiles through tensor descriptors): unmasked whole tiles, then a ragged last
+    tile whose rows past the request are NaN in the cache and must not reach the output; with the products
+    in either orientation (``SWAP_AB``)."""
+    from tripath.ops import _mla_configs
+
+    base = _mla_configs.mla_decode_config
+    monkeypatch.setattr(_mla_configs, "mla_decode_config",
+                        lambda *a, **kw: {**base(*a, **kw), "V_PARTS": v_parts, "TMA": True, "SWAP_AB": swap_ab})
+    seq_lens = [45, 130, 16, 1]
+    fp8 = kind != "fp16"
+    kv_scale = scale_tensor(0.5) if fp8 else None
+    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, FP8 if fp8 else torch.float16,
+                                                kv_scale, magnitude=0.5 if fp8 else 1.0)
+    poison_unused_rows(cache, block_table, seq_lens)
+    q = torch.randn(len(seq_lens), 16, L + R, dtype=torch.float16, device=DEVICE)
+    q_scale = None
+    if kind == "fp8_q":
+        q_scale = scale_tensor(0.05)
+        q = quantize(q, FP8, q_scale)
+    with capture_launches() as records:
+        mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                   sm_scale=0.1, kv_scale=kv_scale, q_scale=q_scale, num_splits=num_splits)
+    assert records[0].kwargs["USE_TMA"] is True and records[0].kwargs["V_PARTS"] == v_parts
+    assert records[0].kwargs["SWAP_AB"] is swap_ab
+    check_decode(q, cache, block_table, seq_lens, rows, kv_scale=kv_scale, q_scale=q_scale,
+                 num_splits=num_splits, tol=FP8_TOL if fp8 else TOL[torch.float16])
+
+
+@pytest.mark.parametrize("block_size,lora,rope,swap_ab", [(1, L, R, False), (16, 96, 32, False), (1, L, R, True),
+                                                          (16, 96, 32, True)])
+def test_mla_decode_tensor_descriptor_falls_back(monkeypatch, block_size, lora, rope, swap_ab):
+    """Pages smaller than a tile, or a latent that is no power of two: pointer loads, same results (with
+    the products in either orientation)."""
+    from tripath.ops import _mla_configs
+
+    base = _mla_configs.mla_decode_config
+    monkeypatch.setattr(_mla_configs, "mla_decode_config",
+                        lambda *a, **kw: {**base(*a, **kw), "TMA": True, "SWAP_AB": swap_ab})
+    seq_lens = [40, 3]
+    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, lora + rope, torch.float16)
+    q = torch.randn(2, 16, lora + rope, dtype=torch.float16, device=DEVICE)
+    with capture_launches() as records:
+        mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                   kv_lora_rank=lora, sm_scale=0.1)
+    assert records[0].kwargs["USE_TMA"] is False
+    check_decode(q, cache, block_table, seq_lens, rows, kv_lora_rank=lora, tol=TOL[torch.float16])
+
+
 @pytest.mark.parametrize("kv_lora_rank,rope_dim", [(64, 16), (96, 32), (48, 8)])
 def test_mla_decode_small_and_odd_dims(kv_lora_rank, rope_dim):
     """Any latent/rotary split (tiles are padded and masked): the small shapes the backend tests use."""

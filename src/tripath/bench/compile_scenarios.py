@@ -75,7 +75,7 @@ class Scenario:
 
 # Llama-3-8B-like GQA geometry; the MLA prefill uses one head per KV head in its non-absorbed form.
 NUM_HEADS, NUM_KV_HEADS = 32, 8
-BLOCK_SIZE = 16
+BLOCK_SIZE = 64
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 

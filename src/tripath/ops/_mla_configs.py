@@ -42,6 +42,9 @@ _DECODE_TABLE = {
 
 # (target, few heads, kind) whose programs each produce half of the latent output columns.
 _VALUE_SPLIT = {("sm90", False, "bf16")}
+# (target, few heads, kind) that read cache tiles through tensor descriptors (TMA) where the page size
+# allows (see ops.mla._cache_descriptors).
+_TMA = {("sm90", True, "bf16"), ("sm90", False, "bf16")}
 
 
 def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_elem_bytes: int,
@@ -60,6 +63,8 @@ def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_
     if (arch, few, kind) in _VALUE_SPLIT:
         # Half the latent columns per program; one such program fills a multiprocessor's shared memory.
         cfg.update(V_PARTS=2, PROGRAMS_PER_SM=1)
+    if (arch, few, kind) in _TMA:
+        cfg["TMA"] = True
     if platform.is_hip:
         return {**cfg, **_amd(warps, stages, wpe[0])}
     return {**cfg, "num_warps": warps, "num_stages": stages}

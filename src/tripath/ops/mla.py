@@ -311,6 +311,25 @@ def _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_
     return device, block_size
 
 
+def _cache_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_l: int, block_r: int, block_v: int,
+                       block_n: int):
+    """Tensor descriptors over the cache as a ``[num_blocks · block_size, L + R]`` matrix: latent tiles
+    ``[block_n, block_v]`` and rotary tiles ``[block_n, R]``; None when the geometry rules them out (a
+    latent or rotary width that is not a power of two, tiles that would cross a page, pages not packed
+    row after row, rows or base not 16-byte aligned): the kernel then reads through pointers."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_blocks, block_size, width = kv_cache.shape
+    row_stride = kv_cache.stride(1)
+    if (kv_lora_rank != block_l or width - kv_lora_rank != block_r or block_size % block_n
+            or kv_cache.stride(2) != 1 or kv_cache.stride(0) != block_size * row_stride
+            or (row_stride * kv_cache.element_size()) % 16 or kv_cache.data_ptr() % 16 or num_blocks == 0):
+        return None
+    rows = num_blocks * block_size
+    return tuple(TensorDescriptor(kv_cache, shape=[rows, width], strides=[row_stride, 1],
+                                  block_shape=[block_n, cols]) for cols in (block_v, block_r))
+
+
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                kv_lora_rank: int = 512, sm_scale: float, kv_scale: torch.Tensor | None = None,
                q_scale: torch.Tensor | None = None, num_splits: int | None = None, variant: str = "packed",
@@ -353,11 +372,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                                   q_fp8, grouped=variant == "grouped"))
         block_h = cfg.pop("BLOCK_H")
         v_parts = cfg.pop("V_PARTS", 1) if _block(kv_lora_rank) >= 32 else 1  # halves >= 16 wide for tl.dot
+        tma = cfg.pop("TMA", False)
+        swap_ab = cfg.pop("SWAP_AB", False)
         programs_per_sm = cfg.pop("PROGRAMS_PER_SM", 2)
         grid_h = -(-num_heads // block_h) * v_parts
     else:
         cfg = dict(_mla_configs.mla_decode_per_head_config(platform, kv_lora_rank))
         grid_h = num_heads
+        tma = swap_ab = False
         programs_per_sm = 2
     if num_splits is None:
         num_splits = _mla_configs.mla_decode_num_splits(platform, batch * grid_h,
@@ -374,6 +396,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     q = _contiguous_last(q)
     kv_fp8 = kv_cache.dtype in FP8_DTYPES
     dummy = seq_lens
+    descs = None
+    if variant in ("packed", "grouped") and tma:
+        descs = _cache_descriptors(kv_cache, kv_lora_rank, block_l, block_r, block_l // v_parts, cfg["BLOCK_N"])
+    lat_desc, pe_desc = descs if descs is not None else (kv_cache, kv_cache)
     args = (q, kv_cache, block_table, seq_lens, out, lse, part_out, part_lse,
             q_scale if q_fp8 else dummy, kv_scale if kv_fp8 else dummy, float(sm_scale),
             q.stride(0), q.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
@@ -382,8 +408,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     flags = dict(NUM_SPLITS=num_splits, BLOCK_L=block_l, BLOCK_R=block_r, KV_FP8=kv_fp8, Q_FP8=q_fp8,
                  RETURN_LSE=return_lse)
     if variant in ("packed", "grouped"):
-        launch(mla_decode_kernel, (batch, grid_h, num_splits), *args, BLOCK_H=block_h,
-               V_PARTS=v_parts, FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
+        launch(mla_decode_kernel, (batch, grid_h, num_splits), args[0], args[1], lat_desc, pe_desc, *args[2:],
+               BLOCK_H=block_h, V_PARTS=v_parts, USE_TMA=descs is not None, SWAP_AB=swap_ab, FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
     else:
         launch(mla_decode_per_head_kernel, (batch, grid_h, num_splits), *args, **flags, **cfg)
     if num_splits > 1:
