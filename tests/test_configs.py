@@ -3,7 +3,7 @@ platform description without a GPU, so a change to a rule is a deliberate one.""
 
 from tripath.ops._configs import default_num_splits, varlen_config
 from tripath.ops._mla_configs import mla_decode_config, mla_decode_num_splits
-from tripath.platform import CPU, H200
+from tripath.platform import CPU, H200, MI300X
 
 
 def test_decode_splits():
@@ -36,3 +36,23 @@ def test_mla_many_heads_split_the_values():
     assert "V_PARTS" not in mla_decode_config(H200, 128, 512, 2, grouped=True)
     assert mla_decode_num_splits(H200, 64 * 2, 4096, 64, programs_per_sm=1) == 1
     assert mla_decode_num_splits(H200, 64, 4096, 32) == 4
+
+
+def test_mla_descriptor_rows_need_pages_of_whole_tiles():
+    """Hopper bf16 with 64-row pages: descriptor tiles (16 heads: transposed products and L2 prefetch, one
+    program per SM, so 2 splits for 64 requests and 16 for 8); smaller pages, fp8 and the plain baseline
+    keep the pointer rows."""
+    few = mla_decode_config(H200, 16, 512, 2, block_size=64)
+    assert few == {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "TMA": True, "SWAP_AB": True,
+                   "PREFETCH": 2, "PROGRAMS_PER_SM": 1}
+    assert mla_decode_num_splits(H200, 64, 4096, 64, programs_per_sm=1) == 2
+    assert mla_decode_num_splits(H200, 8, 32768, 64, programs_per_sm=1) == 16
+    many = mla_decode_config(H200, 128, 512, 2, block_size=64)
+    assert many["TMA"] and many["BLOCK_N"] == 32 and many["V_PARTS"] == 2
+    assert "TMA" in mla_decode_config(H200, 128, 512, 2, block_size=32)
+    for cfg in (mla_decode_config(H200, 16, 512, 2, block_size=16),
+                mla_decode_config(H200, 128, 512, 2, block_size=16),
+                mla_decode_config(H200, 16, 512, 1, block_size=64), mla_decode_config(H200, 16, 512, 2),
+                mla_decode_config(H200, 128, 512, 2, grouped=True, block_size=64),
+                mla_decode_config(MI300X, 16, 512, 2, block_size=64)):
+        assert "TMA" not in cfg and "SWAP_AB" not in cfg and "PREFETCH" not in cfg

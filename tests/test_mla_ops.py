@@ -484,6 +484,24 @@ def test_mla_decode_bf16_gpu(num_heads, batch, context, block_size):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,num_splits", [(16, None), (16, 3), (128, None), (128, 2)])
+def test_mla_decode_descriptor_path_gpu(num_heads, num_splits):
+    """The H200 configuration (64-row pages: descriptor tiles; 16 heads: transposed products and L2
+    prefetch) with ragged requests whose pages hold NaN past their ends, against float64."""
+    from tripath.ops._launch import capture_launches
+
+    seq_lens = [3000, 1025, 64, 1, 777]
+    cache, block_table, rows = filled_mla_cache(seq_lens, 64, L + R, torch.bfloat16)
+    poison_unused_rows(cache, block_table, seq_lens)
+    q = torch.randn(len(seq_lens), num_heads, L + R, dtype=torch.bfloat16, device=DEVICE)
+    with capture_launches() as records:
+        mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), sm_scale=0.1)
+    assert records[0].kwargs["USE_TMA"] is True
+    assert records[0].kwargs["PREFETCH"] == (2 if num_heads == 16 else 0)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.bfloat16], num_splits=num_splits)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("q_fp8", [False, True])
 def test_mla_decode_fp8_gpu(q_fp8):
     seq_lens = [4096, 1000, 1]

@@ -75,7 +75,7 @@ class Scenario:
 
 # Llama-3-8B-like GQA geometry; the MLA prefill uses one head per KV head in its non-absorbed form.
 NUM_HEADS, NUM_KV_HEADS = 32, 8
-BLOCK_SIZE = 64
+BLOCK_SIZE = 16
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
@@ -197,24 +197,25 @@ def _build_gather(platform: Platform, *, head_size: int, dtype: torch.dtype, lay
 # DeepSeek V3/R1 latent geometry: L = 512, R = 64; 16 heads per GPU at TP8, 128 without TP.
 MLA_L, MLA_R = 512, 64
 MLA_SCALE = 1.0 / (128 + 64) ** 0.5
+MLA_BLOCK_SIZE = 64  # DeepSeek deployments' page size; whole pages per tile give the descriptor path on sm_90
 
 
-def _mla_cache(platform: Platform, fp8: bool, num_blocks: int = 8):
+def _mla_cache(platform: Platform, fp8: bool, num_blocks: int = 8, block_size: int = BLOCK_SIZE):
     dtype = fp8_dtype(platform) if fp8 else torch.bfloat16
     scale = dict(kv_scale=torch.tensor([0.5])) if fp8 else {}
-    return in_large_allocation((num_blocks, BLOCK_SIZE, MLA_L + MLA_R), dtype), scale
+    return in_large_allocation((num_blocks, block_size, MLA_L + MLA_R), dtype), scale
 
 
 def _build_mla_decode(platform: Platform, *, num_heads: int, fp8_cache: bool, fp8_query: bool,
-                      variant: str = "packed") -> None:
-    kv_cache, scale = _mla_cache(platform, fp8_cache)
+                      variant: str = "packed", block_size: int = MLA_BLOCK_SIZE) -> None:
+    kv_cache, scale = _mla_cache(platform, fp8_cache, block_size=block_size)
     batch, context_blocks = 4, 256
     q = _rand(batch, num_heads, MLA_L + MLA_R, dtype=torch.bfloat16)
     if fp8_query:
         q = q.to(fp8_dtype(platform))
         scale["q_scale"] = torch.tensor([0.25])
     block_table = torch.zeros(batch, context_blocks, dtype=torch.int32)
-    seq_lens = torch.full((batch,), context_blocks * BLOCK_SIZE, dtype=torch.int32)
+    seq_lens = torch.full((batch,), context_blocks * block_size, dtype=torch.int32)
     mla.mla_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank=MLA_L, sm_scale=MLA_SCALE,
                    variant=variant, **scale)
 
@@ -353,6 +354,8 @@ def all_scenarios() -> list[Scenario]:
             rows.append(_s(f"MLA decode packed H={heads_} {kv}", _build_mla_decode,
                            ci=(heads_, fp8_cache, fp8_query) in ((16, True, False), (128, True, True)),
                            num_heads=heads_, fp8_cache=fp8_cache, fp8_query=fp8_query))
+        rows.append(_s(f"MLA decode packed H={heads_} bf16 block 16", _build_mla_decode, num_heads=heads_,
+                       fp8_cache=False, fp8_query=False, block_size=16))
     for fp8 in (False, True):
         tag = "kv=fp8" if fp8 else "bf16"
         rows.append(_s(f"MLA decode per-head baseline H=16 {tag}", _build_mla_decode, ci=not fp8, num_heads=16,

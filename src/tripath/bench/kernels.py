@@ -3,7 +3,10 @@
 Floors are measured in the same run: device-to-device copy bandwidth (bytes read + written) for the
 memory-bound decode, an 8192³ bf16 matmul for the compute-bound prefill. Bytes of a decode: K + V of
 every context token, read once. FLOPs of a causal prefill: ``4 · S² · H · D / 2`` per sequence.
-Times are medians of ``triton.testing.do_bench``. Each op is checked against its reference once.
+Times are medians of ``triton.testing.do_bench``; decode ops (paged and MLA, ~100-1000 µs) are timed as
+GPU time of CUDA-graph replays, since an eager launch of a 100 µs kernel also measures Python on the host
+(H200, 2026-11-29: the same MLA decode read 95 µs as GPU time and 117-252 µs eagerly). Each op is checked
+against its reference once.
 """
 
 from __future__ import annotations
@@ -88,14 +91,14 @@ def bench_decode(report: Report, shapes=((64, 1024), (64, 4096), (64, 16384), (8
             k_cache.normal_()
             v_cache.normal_()
             out = torch.empty_like(q)
-            us = _bench(lambda: paged_decode(q, k_cache, v_cache, table, seq_lens, layout=layout, out=out))
+            us = _bench_graph(lambda: paged_decode(q, k_cache, v_cache, table, seq_lens, layout=layout, out=out))
             report.rows.append(Row("decode", shape, f"tripath paged_decode ({layout})", us,
                                    nbytes / (us * 1e-6) / 1e9, "GB/s"))
             del k_cache, v_cache
         k = torch.randn(batch, hkv, ctx, head_size, dtype=torch.bfloat16, device=dev)
         v = torch.randn_like(k)
         qs = q.view(batch, hq, 1, head_size)
-        us = _bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
+        us = _bench_graph(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
         report.rows.append(Row("decode", shape, "PyTorch SDPA (contiguous K/V)", us, nbytes / (us * 1e-6) / 1e9,
                                "GB/s"))
         del k, v
@@ -171,7 +174,8 @@ def bench_mla_decode(report: Report) -> None:
         nbytes = batch * ctx * 576 * 2
         flops = 2 * batch * heads * ctx * (576 + 512)
         for variant in ("packed", "grouped"):
-            us = _bench(lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07, variant=variant))
+            us = _bench_graph(lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
+                                                 variant=variant))
             compute_bound = heads >= 64
             report.rows.append(Row("mla", f"H{heads}, {batch} × {ctx}, block {bs}", f"mla_decode ({variant})", us,
                                    flops / (us * 1e-6) / 1e12 if compute_bound else nbytes / (us * 1e-6) / 1e9,

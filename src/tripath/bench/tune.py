@@ -27,12 +27,12 @@ def _patched(name: str, value, module=_configs):
         setattr(module, name, old)
 
 
-def _measure(config_fn: str, cfg: dict, fn, label: str, lines: list[str], module=_configs, reps_ms: int = 60):
-    """Median µs of ``fn`` with ``config_fn`` returning ``cfg``; None (and a line saying why) when the
-    configuration does not compile or run (e.g. out of shared memory)."""
+def _measure(config_fn: str, cfg: dict, fn, label: str, lines: list[str], module=_configs, timer=None):
+    """Median µs of ``fn`` (by ``timer``, default eager ``_bench``) with ``config_fn`` returning ``cfg``; None
+    (and a line saying why) when the configuration does not compile or run (e.g. out of shared memory)."""
     try:
         with _patched(config_fn, cfg, module):
-            return _bench(fn, reps_ms=reps_ms)
+            return _bench(fn, reps_ms=60) if timer is None else timer(fn)
     except Exception as exc:
         lines.append(f"{label} {cfg}: {type(exc).__name__}")
         return None
@@ -67,12 +67,9 @@ def tune_decode(shapes=((64, 4096), (64, 16384), (8, 32768)), layouts=("nhd",), 
     return lines
 
 
-# Prefill candidates (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA, TILES_OUTER, ONE_LOOP).
-PREFILL_CANDIDATES = ((128, 128, 8, 3, True, False, False), (128, 128, 8, 3, True, True, False),
-                      (128, 128, 8, 3, True, False, True), (64, 64, 4, 3, True, False, False),
-                      (64, 64, 4, 3, True, False, True), (64, 64, 4, 3, True, True, True),
-                      (64, 64, 4, 4, True, False, True), (128, 64, 8, 3, True, False, True),
-                      (64, 128, 4, 3, True, False, True), (128, 64, 8, 3, False, False, False))
+# Prefill candidates (BLOCK_M, BLOCK_N, num_warps, num_stages), each with and without tensor descriptors.
+PREFILL_CANDIDATES = ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 2),
+                      (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2))
 
 
 def tune_prefill(shapes=((1, 8192), (8, 2048), (16, 512)), top: int = 8) -> list[str]:
@@ -85,9 +82,8 @@ def tune_prefill(shapes=((1, 8192), (8, 2048), (16, 512)), top: int = 8) -> list
         cu = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=dev)
         flops = batch * 4 * seq * seq * 32 * 128 / 2
         results = []
-        for bm, bn, warps, stages, tma, outer, one_loop in PREFILL_CANDIDATES:
-            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": tma,
-                   "TILES_OUTER": outer, "ONE_LOOP": one_loop}
+        for (bm, bn, warps, stages), tma in itertools.product(PREFILL_CANDIDATES, (True, False)):
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": tma}
             us = _measure("varlen_config", cfg, lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True),
                           f"prefill {batch}x{seq}", lines)
             if us is not None:
@@ -98,34 +94,36 @@ def tune_prefill(shapes=((1, 8192), (8, 2048), (16, 512)), top: int = 8) -> list
     return lines
 
 
-# MLA decode candidates (BLOCK_H, BLOCK_N, num_warps, num_stages, V_PARTS, SWAP_AB), each with and without
-# tensor descriptors, and split counts per shape.
-MLA_FEW_HEADS = ((16, 32, 4, 3, 1, False), (16, 32, 4, 4, 1, False), (16, 16, 4, 4, 1, False),
-                 (16, 64, 4, 2, 1, True), (16, 64, 4, 3, 1, True), (16, 64, 8, 2, 1, True), (16, 64, 4, 2, 2, True))
-MLA_MANY_HEADS = ((128, 32, 8, 2, 2, False), (128, 16, 8, 4, 2, False), (128, 16, 8, 3, 2, False),
-                  (64, 32, 4, 2, 2, False), (64, 64, 4, 2, 2, True), (128, 64, 8, 1, 2, True))
+# MLA decode candidates (BLOCK_H, BLOCK_N, num_warps, num_stages, V_PARTS, TMA, SWAP_AB, PREFETCH), and split
+# counts per shape.
+MLA_FEW_HEADS = ((16, 32, 4, 2, 1, False, False, 0), (16, 32, 4, 3, 1, True, False, 0),
+                 (16, 64, 4, 2, 1, True, True, 0), (16, 64, 4, 2, 1, True, True, 2),
+                 (16, 64, 4, 2, 1, True, True, 3))
+MLA_MANY_HEADS = ((128, 64, 8, 1, 2, False, False, 0), (128, 32, 8, 2, 2, True, False, 0),
+                  (128, 32, 8, 2, 2, True, False, 2), (64, 32, 4, 2, 2, True, False, 0))
 
 
-def tune_mla(top: int = 10) -> list[str]:
-    """Absorbed MLA decode (bf16 cache, block 64): 16 heads (memory-bound) and 128 heads (compute-bound)."""
-    from tripath.bench.kernels import _mla_table
+def tune_mla(top: int = 8) -> list[str]:
+    """Absorbed MLA decode (bf16 cache, block 64): 16 heads (memory-bound) and 128 heads (compute-bound),
+    GPU time of CUDA-graph replays (eager timing of a ~100 µs launch measures the host as well)."""
+    from tripath.bench.kernels import _bench_graph, _mla_table
     lines = []
     dev = torch.device("cuda")
-    shapes = ((16, 64, 4096, (None, 2)), (16, 8, 32768, (16, 32, 64)), (128, 64, 4096, (None, 2)))
+    shapes = ((16, 64, 4096, (2, 4)), (16, 64, 16384, (2, 4)), (16, 8, 32768, (16, 32)), (128, 64, 4096, (1, 2)))
     for heads, batch, ctx, splits_options in shapes:
         table, cache = _mla_table(batch, ctx, 64, dev)
         q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device=dev)
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         nbytes, flops = batch * ctx * 576 * 2, 2 * batch * heads * ctx * 1088
         results = []
-        for (bh, bn, warps, stages, parts, swap), tma, splits in itertools.product(
-                MLA_FEW_HEADS if heads <= 32 else MLA_MANY_HEADS, (True, False), splits_options):
+        for (bh, bn, warps, stages, parts, tma, swap, prefetch), splits in itertools.product(
+                MLA_FEW_HEADS if heads <= 32 else MLA_MANY_HEADS, splits_options):
             cfg = {"BLOCK_H": bh, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "V_PARTS": parts,
-                   "TMA": tma, "SWAP_AB": swap}
+                   "TMA": tma, "SWAP_AB": swap, "PREFETCH": prefetch}
             us = _measure("mla_decode_config", cfg,
                           lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
                                              num_splits=splits),
-                          f"mla H{heads} {batch}x{ctx} splits={splits}", lines, _mla_configs, reps_ms=40)
+                          f"mla H{heads} {batch}x{ctx} splits={splits}", lines, _mla_configs, timer=_bench_graph)
             if us is not None:
                 results.append((us, cfg, splits))
         results.sort(key=lambda r: r[0])

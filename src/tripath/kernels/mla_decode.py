@@ -113,18 +113,41 @@ def _load_tile(kv_cache_ptr, lat_desc, pe_desc, block_row_ptr, start, pos, valid
 
 
 @triton.jit
+def _prefetch_tile_l2(kv_cache_ptr, block_row_ptr, start, hi, block_size, stride_c_slot,
+                      BLOCK_N: tl.constexpr, ROW_LINES: tl.constexpr, LINES_P2: tl.constexpr,
+                      LINE_ELEMS: tl.constexpr):
+    """Ask L2 for the tile of rows ``[start, start + BLOCK_N)`` when ``start < hi``: one
+    ``prefetch.global.L2`` per 128-byte line (NVIDIA; rows of ``ROW_LINES`` whole lines). TMA loads then
+    wait on L2 rather than on HBM, which puts more bytes in flight than shared memory holds."""
+    if start < hi:
+        block = tl.load(block_row_ptr + start // block_size).to(tl.int64)
+        first = kv_cache_ptr + (block * block_size + start % block_size) * stride_c_slot
+        rows = tl.arange(0, BLOCK_N).to(tl.int64)
+        lines = tl.minimum(tl.arange(0, LINES_P2), ROW_LINES - 1)
+        ptrs = first + rows[:, None] * stride_c_slot + lines[None, :] * LINE_ELEMS
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_desc, block_row_ptr,
                lo, hi, qk_scale, mine, other, dims_r, mine_ok, other_ok, pe_ok, part,
                stride_c_block, stride_c_slot, kv_lora_rank, block_size,
                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, V_PARTS: tl.constexpr, MASK: tl.constexpr,
-               USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+               USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+               PREFETCH: tl.constexpr = 0, ROW_LINES: tl.constexpr = 1):
     """Cache rows ``[lo, hi)`` in ``BLOCK_N``-row tiles (``MASK``: the last may run past ``hi``; only
     pointer loads, ``USE_TMA`` False, may be masked).
     ``SWAP_AB``: the products run transposed, cache rows as the tile's M dimension (``s^T = c · q^T``,
     ``acc^T [V, H] += c^T · p^T``), so a few heads still fill Hopper's 64-row warpgroup MMA; the softmax
-    then runs down the columns."""
+    then runs down the columns. ``PREFETCH`` (> 0, with ``USE_TMA``): each step first asks L2 for the tile
+    that many steps ahead."""
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
+        if PREFETCH > 0:
+            _prefetch_tile_l2(kv_cache_ptr, block_row_ptr, start + PREFETCH * BLOCK_N, hi, block_size,
+                              stride_c_slot, BLOCK_N, ROW_LINES, triton.next_power_of_2(ROW_LINES),
+                              128 // (kv_cache_ptr.dtype.element_ty.primitive_bitwidth // 8))
         pos = start + offs_n
         valid = pos < hi
         c_mine, c_other, c_pe = _load_tile(kv_cache_ptr, lat_desc, pe_desc, block_row_ptr, start, pos, valid,
@@ -173,7 +196,8 @@ def mla_decode_kernel(
     num_heads, kv_lora_rank, rope_dim, block_size,
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, V_PARTS: tl.constexpr, USE_TMA: tl.constexpr,
-    SWAP_AB: tl.constexpr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, RETURN_LSE: tl.constexpr,
+    SWAP_AB: tl.constexpr, PREFETCH: tl.constexpr, ROW_LINES: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head_block = tl.program_id(1) // V_PARTS
@@ -217,7 +241,8 @@ def mla_decode_kernel(
         m_i, l_i, acc = _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_desc,
                                    block_row_ptr, lo, full_hi, qk_scale, mine, other, dims_r, mine_ok,
                                    other_ok, pe_ok, part, stride_c_block, stride_c_slot, kv_lora_rank,
-                                   block_size, BLOCK_N, BLOCK_V, V_PARTS, False, True, SWAP_AB, Q_FP8, FP8_MAX)
+                                   block_size, BLOCK_N, BLOCK_V, V_PARTS, False, True, SWAP_AB, Q_FP8, FP8_MAX,
+                                   PREFETCH, ROW_LINES)
         if SWAP_AB:
             acc = tl.trans(acc)
         m_i, l_i, acc = _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_desc,

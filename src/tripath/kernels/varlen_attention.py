@@ -1,6 +1,6 @@
 """Varlen flash attention over contiguous keys (the prefill path, and the extend path's pieces).
 
-Program ``(m, h, b)`` (or ``(h, b, m)`` with ``TILES_OUTER``) computes ``BLOCK_M`` queries of head ``h`` of request ``b`` against the request's
+Program ``(m, h, b)`` computes ``BLOCK_M`` queries of head ``h`` of request ``b`` against the request's
 keys, online softmax in the log2 domain. The key range is cut into masked edge tiles and unmasked inner
 tiles so the inner loop carries no mask. Query ``i`` of a request sits at position ``q_start + i`` in key
 coordinates, ``q_start = seqlen_k - seqlen_q`` (bottom-right) unless given per request.
@@ -21,9 +21,7 @@ def _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row, stride
               q_pos, slope2, lo, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v, kv_head,
               head_size, head_size_v, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr, V_EDGE: tl.constexpr):
-    """Key tiles ``[lo, hi)``. ``MASK``: scores masked (causal, window, past ``seqlen_k``). ``V_EDGE`` (with
-    ``USE_TMA``): the tiles may run past ``seqlen_k``, so those value rows are zeroed."""
+              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + offs_n
@@ -32,7 +30,7 @@ def _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row, stride
             # keys (or zeros past the tensor), so edge tiles mask scores and zero those value rows.
             k = tl.trans(k_desc.load([desc_row + start, kv_head * head_size]))
             v = v_desc.load([desc_row + start, kv_head * head_size_v])
-            if V_EDGE:
+            if MASK:
                 v = tl.where(k_pos[:, None] < seqlen_k, v, 0.0)
         else:
             k_ptrs = k_base + k_pos[None, :].to(tl.int64) * stride_k_t + dims_k[:, None]
@@ -67,16 +65,11 @@ def varlen_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_Q_START: tl.constexpr, RETURN_LSE: tl.constexpr, EVEN_D: tl.constexpr,
-    USE_TMA: tl.constexpr, TILES_OUTER: tl.constexpr, ONE_LOOP: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    if TILES_OUTER:  # grid (head, request, query tile): every request's last (longest causal) tiles first
-        block_m = tl.num_programs(2) - 1 - tl.program_id(2)
-        head = tl.program_id(0)
-        seq = tl.program_id(1)
-    else:  # grid (query tile, head, request): longest tiles first within each (head, request)
-        block_m = tl.num_programs(0) - 1 - tl.program_id(0)
-        head = tl.program_id(1)
-        seq = tl.program_id(2)
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (causal) blocks first
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
     q_begin = tl.load(cu_seqlens_q_ptr + seq)
     seqlen_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
     if block_m * BLOCK_M >= seqlen_q:
@@ -126,37 +119,21 @@ def varlen_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     k_base = k_ptr + k_begin.to(tl.int64) * stride_k_t + kv_head * stride_k_h
     v_base = v_ptr + k_begin.to(tl.int64) * stride_v_t + kv_head * stride_v_h
-    if ONE_LOOP:
-        # Short requests: one pipelined loop masks every tile (cheaper than restarting the pipeline for
-        # the diagonal tile), then the tile that runs past the keys, if any.
-        edge = tl.maximum(tl.minimum(hi, (seqlen_k // BLOCK_N) * BLOCK_N), lo)
-        acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
-                                  stride_k_t, stride_v_t, q_pos, slope2,
-                                  lo, edge, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                                  kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA, False)
-        acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
-                                  stride_k_t, stride_v_t, q_pos, slope2,
-                                  edge, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                                  kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA, True)
-    else:
-        # [full_lo, full_hi) unmasked, then the masked tiles below it (window) and above it (diagonal).
-        acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
-                                  stride_k_t, stride_v_t, q_pos, slope2,
-                                  full_lo, full_hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                                  kv_head, head_size, head_size_v, BLOCK_N, False, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA, False)
-        acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
-                                  stride_k_t, stride_v_t, q_pos, slope2,
-                                  lo, full_lo, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                                  kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA, True)
-        acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
-                                  stride_k_t, stride_v_t, q_pos, slope2,
-                                  full_hi, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                                  kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW,
-                                  HAS_SOFTCAP, HAS_ALIBI, EVEN_D, USE_TMA, True)
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
+                              stride_k_t, stride_v_t, q_pos, slope2,
+                              full_lo, full_hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
+                              kv_head, head_size, head_size_v, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              HAS_ALIBI, EVEN_D, USE_TMA)
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
+                              stride_k_t, stride_v_t, q_pos, slope2,
+                              lo, full_lo, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
+                              kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              HAS_ALIBI, EVEN_D, USE_TMA)
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
+                              stride_k_t, stride_v_t, q_pos, slope2,
+                              full_hi, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
+                              kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
+                              HAS_ALIBI, EVEN_D, USE_TMA)
     if HAS_SINKS:
         sink2 = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
         m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)

@@ -22,14 +22,12 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
 
 # (BLOCK_H, BLOCK_N, num_warps, num_stages[, waves_per_eu]) per target, head count (few / many) and operand
 # kind: "bf16" (16-bit query and cache), "fp8_kv" (16-bit query, fp8 cache: tiles converted in registers),
-# "fp8_q" (fp8 query and cache: fp8 products). Picked from compiles of the check's scenarios (a cache in a
-# > 2 GiB allocation, so AMD has no 32-bit buffer addressing): no spills, within shared memory / LDS, every
-# product on the matrix units. H200: 64-head tiles run as wgmma ([64, 512] fp32 accumulator over 8 warps);
-# converting fp8 tiles spills at 64 heads, so that case packs 32. AMD: 8 waves cap a thread at 256 VGPRs,
-# so wide accumulators take 4 waves with waves_per_eu=1; fp8 MFMA needs K >= 32, so fp8 queries take
-# 32-row tiles. H200 sweeps (2026-11-29, bf16, block 64): 16 heads best at 32-row tiles, 4 warps, 2 stages
-# (2.24 TB/s at 64 × 4096); 128 heads: 128 heads x 64 rows, 8 warps, 1 stage, value columns in two halves
-# (V_PARTS = 2, below; 212 TF/s, against 146 TF/s for 64 heads x 32 rows over the whole latent).
+# "fp8_q" (fp8 query and cache: fp8 products), for cache tiles read through pointers. Picked from compiles
+# of the check's scenarios (a cache in a > 2 GiB allocation, so AMD has no 32-bit buffer addressing): no
+# spills, within shared memory / LDS, every product on the matrix units. Converting fp8 tiles spills at 64
+# heads on sm_90, so that case packs 32. AMD: 8 waves cap a thread at 256 VGPRs, so wide accumulators take
+# 4 waves with waves_per_eu=1; fp8 MFMA needs K >= 32, so fp8 queries take 32-row tiles. The few-heads rows
+# are also the plain baseline's tiles (``grouped``).
 _DECODE_TABLE = {
     ("sm90", True): {"bf16": (16, 32, 4, 2), "fp8_kv": (16, 32, 4, 3), "fp8_q": (16, 32, 8, 3)},
     ("sm90", False): {"bf16": (128, 64, 8, 1), "fp8_kv": (32, 32, 8, 3), "fp8_q": (64, 32, 8, 2)},
@@ -38,33 +36,47 @@ _DECODE_TABLE = {
     ("gfx950", True): {"bf16": (16, 16, 8, 2, 2), "fp8_kv": (16, 16, 4, 2, 1), "fp8_q": (16, 32, 8, 2, 2)},
     ("gfx950", False): {"bf16": (32, 16, 4, 2, 1), "fp8_kv": (32, 16, 4, 2, 1), "fp8_q": (64, 32, 8, 2, 1)},
 }
-
-
-# (target, few heads, kind) whose programs each produce half of the latent output columns.
+# (target, few heads, kind) whose pointer-load programs each produce half of the latent output columns.
 _VALUE_SPLIT = {("sm90", False, "bf16")}
-# (target, few heads, kind) that read cache tiles through tensor descriptors (TMA) where the page size
-# allows (see ops.mla._cache_descriptors).
-_TMA = {("sm90", True, "bf16"), ("sm90", False, "bf16")}
+
+# Hopper with pages holding whole tiles (block_size % BLOCK_N == 0): tiles through tensor descriptors.
+# H200 (2026-11-29, bf16, block 64, GPU time from CUDA-graph replays, medians of 3):
+# - 16 heads: 64-row tiles with the products transposed (cache rows as the warpgroup MMA's M, SWAP_AB),
+#   2 buffers (183 KiB of shared memory: one program per SM), each step asking L2 for the tile two steps
+#   ahead (PREFETCH): 3169 / 3565 / 3133 GB/s at 64 × 4096 / 64 × 16384 / 8 × 32768, against 2320 / 2511 /
+#   2273 for the pointer-load row above; without the prefetch 3108 / 3380 / 3067, prefetching 1 or 3-4
+#   steps ahead is slower. Untransposed 32-row tiles get one descriptor buffer from Triton's pipeliner
+#   (2967 / 3310 / 2904).
+# - 128 heads: 128 heads x 32 rows, value columns in two halves (V_PARTS), one program per SM, 1 split:
+#   242 TF/s at 64 × 4096 (pointer row above: 218); prefetching makes it slower (200).
+_TMA_TABLE = {
+    ("sm90", True, "bf16"): ((16, 64, 4, 2), {"SWAP_AB": True, "PREFETCH": 2, "PROGRAMS_PER_SM": 1}),
+    ("sm90", False, "bf16"): ((128, 32, 8, 2), {"V_PARTS": 2, "PROGRAMS_PER_SM": 1}),
+}
 
 
 def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_elem_bytes: int,
-                      q_fp8: bool = False, grouped: bool = False) -> dict:
-    """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step (see the table).
-    Other NVIDIA GPUs use the H200 row, other AMD GPUs the gfx942 row (the smaller LDS). ``grouped``: the
-    plain baseline's choice, the few-heads row (16-head tiles over the whole latent) for every head count,
-    as in SGLang's and vLLM's Triton MLA decode."""
+                      q_fp8: bool = False, grouped: bool = False, block_size: int | None = None) -> dict:
+    """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step (see the tables).
+    Other NVIDIA GPUs use the H200 rows, other AMD GPUs the gfx942 rows (the smaller LDS). ``grouped``: the
+    plain baseline's choice, the few-heads pointer row (16-head tiles over the whole latent) for every head
+    count, as in SGLang's and vLLM's Triton MLA decode. ``block_size``: the cache's page size; the
+    descriptor rows (``TMA``) apply only when pages hold whole tiles (None: pointer rows)."""
     if platform.backend == "cpu":
         return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     kind = "fp8_q" if q_fp8 else ("fp8_kv" if kv_elem_bytes == 1 else "bf16")
     arch = ("gfx950" if platform.arch == "gfx950" else "gfx942") if platform.is_hip else "sm90"
     few = grouped or num_heads <= FEW_HEADS
+    tma = None if grouped or block_size is None else _TMA_TABLE.get((arch, few, kind))
+    if tma is not None and block_size % tma[0][1] == 0:
+        (block_h, block_n, warps, stages), extra = tma
+        return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "TMA": True,
+                **extra}
     block_h, block_n, warps, stages, *wpe = _DECODE_TABLE[(arch, few)][kind]
     cfg = {"BLOCK_H": block_h, "BLOCK_N": block_n}
     if (arch, few, kind) in _VALUE_SPLIT:
         # Half the latent columns per program; one such program fills a multiprocessor's shared memory.
         cfg.update(V_PARTS=2, PROGRAMS_PER_SM=1)
-    if (arch, few, kind) in _TMA:
-        cfg["TMA"] = True
     if platform.is_hip:
         return {**cfg, **_amd(warps, stages, wpe[0])}
     return {**cfg, "num_warps": warps, "num_stages": stages}

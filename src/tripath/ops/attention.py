@@ -110,13 +110,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         cfg = dict(_configs.varlen_config(*config_args, tma=False, causal_tiles=causal_tiles))
         cfg.pop("TMA", None)
     block_m = cfg.pop("BLOCK_M")
-    q_tiles = triton_cdiv(max(int(max_seqlen_q), 1), block_m)
-    tiles_outer = cfg.pop("TILES_OUTER", False) and num_seqs <= 65535 and q_tiles <= 65535
-    one_loop = cfg.pop("ONE_LOOP", False)
-    grid = (q.shape[1], num_seqs, q_tiles) if tiles_outer else (q_tiles, q.shape[1], num_seqs)
     dummy = cu_seqlens_q
     launch(
-        varlen_attention_kernel, grid,
+        varlen_attention_kernel, (triton_cdiv(max(int(max_seqlen_q), 1), block_m), q.shape[1], num_seqs),
         q, k, v, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k,
         q_positions_start if q_positions_start is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
@@ -128,7 +124,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None,
         HAS_Q_START=q_positions_start is not None, RETURN_LSE=return_lse,
-        EVEN_D=even_d, USE_TMA=k_desc is not k, TILES_OUTER=tiles_outer, ONE_LOOP=one_loop, **cfg,
+        EVEN_D=even_d, USE_TMA=k_desc is not k, **cfg,
     )
     return (out, lse) if return_lse else out
 

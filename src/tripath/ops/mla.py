@@ -14,6 +14,8 @@ read ``x · kv_scale``; an fp8 query likewise carries ``q_scale``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tripath.kernels.mla_cache import concat_and_cache_mla_kernel, gather_mla_cache_kernel
@@ -311,6 +313,48 @@ def _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_
     return device, block_size
 
 
+@dataclass
+class _PackedTiles:
+    """How the head-packed decode kernel runs: its launch options (``BLOCK_N``, warps, stages) and the
+    choices the launcher passes as constexprs."""
+
+    launch_options: dict
+    block_h: int
+    v_parts: int
+    programs_per_sm: int
+    swap_ab: bool
+    prefetch: int
+    row_lines: int
+    descriptors: tuple | None
+
+
+def _packed_tiles(platform, kv_cache, num_heads, kv_lora_rank, block_l, block_r, q_fp8, grouped) -> _PackedTiles:
+    """The configuration for this cache; a descriptor configuration whose descriptors the cache's geometry
+    rules out falls back to the pointer-load one."""
+    block_size = kv_cache.shape[1]
+    config_args = (platform, num_heads, kv_lora_rank, kv_cache.element_size(), q_fp8)
+    cfg = dict(_mla_configs.mla_decode_config(*config_args, grouped=grouped, block_size=block_size))
+    descriptors = None
+    if cfg.get("TMA"):
+        v_parts = cfg.get("V_PARTS", 1) if block_l >= 32 else 1
+        descriptors = _cache_descriptors(kv_cache, kv_lora_rank, block_l, block_r, block_l // v_parts,
+                                         cfg["BLOCK_N"])
+        if descriptors is None:
+            cfg = dict(_mla_configs.mla_decode_config(*config_args, grouped=grouped))
+    cfg.pop("TMA", None)
+    block_h = cfg.pop("BLOCK_H")
+    v_parts = cfg.pop("V_PARTS", 1) if block_l >= 32 else 1  # halves >= 16 wide for tl.dot
+    programs_per_sm = cfg.pop("PROGRAMS_PER_SM", 2)
+    swap_ab = bool(cfg.pop("SWAP_AB", False))
+    prefetch = int(cfg.pop("PREFETCH", 0))
+    row_bytes = kv_cache.stride(1) * kv_cache.element_size()
+    # L2 prefetch (inline PTX): NVIDIA GPUs only, with the descriptor path, rows of whole 128-byte lines.
+    if descriptors is None or row_bytes % 128 or not platform.is_cuda:
+        prefetch = 0
+    return _PackedTiles(cfg, block_h, v_parts, programs_per_sm, swap_ab, prefetch, max(1, row_bytes // 128),
+                        descriptors)
+
+
 def _cache_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_l: int, block_r: int, block_v: int,
                        block_n: int):
     """Tensor descriptors over the cache as a ``[num_blocks · block_size, L + R]`` matrix: latent tiles
@@ -367,27 +411,20 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     out = out if out is not None else torch.empty(out_shape, dtype=torch.bfloat16 if q_fp8 else q.dtype,
                                                   device=device)
     platform = current_platform(device)
+    block_l, block_r = _block(kv_lora_rank), _block(width - kv_lora_rank)
     if variant in ("packed", "grouped"):
-        cfg = dict(_mla_configs.mla_decode_config(platform, num_heads, kv_lora_rank, kv_cache.element_size(),
-                                                  q_fp8, grouped=variant == "grouped"))
-        block_h = cfg.pop("BLOCK_H")
-        v_parts = cfg.pop("V_PARTS", 1) if _block(kv_lora_rank) >= 32 else 1  # halves >= 16 wide for tl.dot
-        tma = cfg.pop("TMA", False)
-        swap_ab = cfg.pop("SWAP_AB", False)
-        programs_per_sm = cfg.pop("PROGRAMS_PER_SM", 2)
-        grid_h = -(-num_heads // block_h) * v_parts
+        tiles = _packed_tiles(platform, kv_cache, num_heads, kv_lora_rank, block_l, block_r, q_fp8,
+                              variant == "grouped")
+        cfg, grid_h = tiles.launch_options, -(-num_heads // tiles.block_h) * tiles.v_parts
     else:
-        cfg = dict(_mla_configs.mla_decode_per_head_config(platform, kv_lora_rank))
-        grid_h = num_heads
-        tma = swap_ab = False
-        programs_per_sm = 2
+        tiles = None
+        cfg, grid_h = dict(_mla_configs.mla_decode_per_head_config(platform, kv_lora_rank)), num_heads
     if num_splits is None:
         num_splits = _mla_configs.mla_decode_num_splits(platform, batch * grid_h,
                                                         block_table.shape[1] * block_size, cfg["BLOCK_N"],
-                                                        programs_per_sm)
+                                                        tiles.programs_per_sm if tiles else 2)
     num_splits = int(num_splits)
     lse = torch.empty((batch, num_heads) if return_lse else (1, 1), dtype=torch.float32, device=device)
-    block_l, block_r = _block(kv_lora_rank), _block(width - kv_lora_rank)
     if num_splits > 1:
         part_out = torch.empty(batch, num_heads, num_splits, block_l, dtype=torch.float32, device=device)
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
@@ -396,10 +433,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     q = _contiguous_last(q)
     kv_fp8 = kv_cache.dtype in FP8_DTYPES
     dummy = seq_lens
-    descs = None
-    if variant in ("packed", "grouped") and tma:
-        descs = _cache_descriptors(kv_cache, kv_lora_rank, block_l, block_r, block_l // v_parts, cfg["BLOCK_N"])
-    lat_desc, pe_desc = descs if descs is not None else (kv_cache, kv_cache)
     args = (q, kv_cache, block_table, seq_lens, out, lse, part_out, part_lse,
             q_scale if q_fp8 else dummy, kv_scale if kv_fp8 else dummy, float(sm_scale),
             q.stride(0), q.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
@@ -407,9 +440,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             num_heads, kv_lora_rank, width - kv_lora_rank, block_size)
     flags = dict(NUM_SPLITS=num_splits, BLOCK_L=block_l, BLOCK_R=block_r, KV_FP8=kv_fp8, Q_FP8=q_fp8,
                  RETURN_LSE=return_lse)
-    if variant in ("packed", "grouped"):
-        launch(mla_decode_kernel, (batch, grid_h, num_splits), args[0], args[1], lat_desc, pe_desc, *args[2:],
-               BLOCK_H=block_h, V_PARTS=v_parts, USE_TMA=descs is not None, SWAP_AB=swap_ab, FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
+    if tiles is not None:
+        lat_desc, pe_desc = tiles.descriptors or (kv_cache, kv_cache)
+        launch(mla_decode_kernel, (batch, grid_h, num_splits), q, kv_cache, lat_desc, pe_desc, *args[2:],
+               BLOCK_H=tiles.block_h, V_PARTS=tiles.v_parts, USE_TMA=tiles.descriptors is not None,
+               SWAP_AB=tiles.swap_ab, PREFETCH=tiles.prefetch, ROW_LINES=tiles.row_lines,
+               FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
     else:
         launch(mla_decode_per_head_kernel, (batch, grid_h, num_splits), *args, **flags, **cfg)
     if num_splits > 1:
