@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tripath.bench.kernels import _bench, _random_table
+from tripath.bench.kernels import _bench, _bench_graph, _random_table
 from tripath.ops import _configs, _mla_configs, mla_decode, paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache
 
@@ -55,7 +55,7 @@ def tune_decode(shapes=((64, 4096), (64, 16384), (8, 32768)), layouts=("nhd",), 
             cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
             us = _measure("decode_config", cfg,
                           lambda: paged_decode(q, kc, vc, table, sl, layout=layout, num_splits=splits),
-                          f"decode {batch}x{ctx} {layout} splits={splits}", lines)
+                          f"decode {batch}x{ctx} {layout} splits={splits}", lines, timer=_bench_graph)
             if us is not None:
                 results.append((us, cfg, splits))
         results.sort(key=lambda r: r[0])
@@ -106,7 +106,7 @@ MLA_MANY_HEADS = ((128, 64, 8, 1, 2, False, False, 0), (128, 32, 8, 2, 2, True, 
 def tune_mla(top: int = 8) -> list[str]:
     """Absorbed MLA decode (bf16 cache, block 64): 16 heads (memory-bound) and 128 heads (compute-bound),
     GPU time of CUDA-graph replays (eager timing of a ~100 µs launch measures the host as well)."""
-    from tripath.bench.kernels import _bench_graph, _mla_table
+    from tripath.bench.kernels import _mla_table
     lines = []
     dev = torch.device("cuda")
     shapes = ((16, 64, 4096, (2, 4)), (16, 64, 16384, (2, 4)), (16, 8, 32768, (16, 32)), (128, 64, 4096, (1, 2)))

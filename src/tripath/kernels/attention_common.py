@@ -86,6 +86,15 @@ def finalize(m_i, l_i, acc, v_scale):
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines holding ``ptrs`` (a tensor of pointers, any shape): one
+    ``prefetch.global.L2`` per element, NVIDIA only, a hint that returns nothing. Loads issued later then
+    wait on L2 rather than on HBM, which keeps more bytes in flight than registers or shared memory hold."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_head, dims_k, dims_v,
                   head_size, head_size_v, block_size,
                   stride_k0, stride_k1, stride_k2, stride_k3,

@@ -26,7 +26,7 @@ With several splits each writes an fp32 partial ``(o_s, lse_s)`` ``[B, H, S, BLO
 import triton
 import triton.language as tl
 
-from tripath.kernels.attention_common import LOG2E, finalize
+from tripath.kernels.attention_common import LOG2E, finalize, prefetch_l2
 from tripath.kernels.quant import round_to_fp8_grid
 
 
@@ -116,17 +116,14 @@ def _load_tile(kv_cache_ptr, lat_desc, pe_desc, block_row_ptr, start, pos, valid
 def _prefetch_tile_l2(kv_cache_ptr, block_row_ptr, start, hi, block_size, stride_c_slot,
                       BLOCK_N: tl.constexpr, ROW_LINES: tl.constexpr, LINES_P2: tl.constexpr,
                       LINE_ELEMS: tl.constexpr):
-    """Ask L2 for the tile of rows ``[start, start + BLOCK_N)`` when ``start < hi``: one
-    ``prefetch.global.L2`` per 128-byte line (NVIDIA; rows of ``ROW_LINES`` whole lines). TMA loads then
-    wait on L2 rather than on HBM, which puts more bytes in flight than shared memory holds."""
+    """Ask L2 for the tile of rows ``[start, start + BLOCK_N)`` (one page's rows, ``ROW_LINES`` whole
+    128-byte lines each) when ``start < hi``."""
     if start < hi:
         block = tl.load(block_row_ptr + start // block_size).to(tl.int64)
         first = kv_cache_ptr + (block * block_size + start % block_size) * stride_c_slot
         rows = tl.arange(0, BLOCK_N).to(tl.int64)
         lines = tl.minimum(tl.arange(0, LINES_P2), ROW_LINES - 1)
-        ptrs = first + rows[:, None] * stride_c_slot + lines[None, :] * LINE_ELEMS
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        prefetch_l2(first + rows[:, None] * stride_c_slot + lines[None, :] * LINE_ELEMS)
 
 
 @triton.jit
