@@ -92,3 +92,32 @@ def test_backends_bf16_features_fp8(name):
             step.q, step.k, step.v, step.fresh_cache(), meta, alibi_slopes=step.alibi_slopes, sinks=step.sinks)
         tol = FP8_TOL if "kv_cache_dtype" in extra else TOL[BF16]
         torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_three_path_decode_overlap_is_exact_and_captures():
+    """Decode on a side stream beside extend/prefill: the same bits as the serial order, eager and replayed
+    from a CUDA graph (fork and join captured), and close to the torch reference."""
+    spec = AttentionSpec(32, 8, 128, dtype=BF16, extend_chunk_budget=2048)
+    backend = select_backend(spec, "three_path", DEV)
+    step = make_step(spec, [(4096, 1)] * 12 + [(3000, 200)] * 2 + [(0, 900)], backend, device=DEV)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    serial = select_backend(spec, "three_path", DEV)
+    serial.overlap_decode = False
+    want = serial.forward(step.q, step.k, step.v, step.fresh_cache(), meta)
+    cache = step.fresh_cache()
+    out = poison(want.shape, want.dtype, DEV)
+    assert torch.equal(backend.forward(step.q, step.k, step.v, cache, meta, out=out), want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graphs require
+        backend.forward(step.q, step.k, step.v, cache, meta, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(step.q, step.k, step.v, cache, meta, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    ref = TorchBackend(spec, DEV).forward(step.q, step.k, step.v, step.fresh_cache(), meta)
+    torch.testing.assert_close(want.float(), ref.float(), **TOL[BF16])

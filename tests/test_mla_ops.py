@@ -191,6 +191,17 @@ def test_mla_decode_tensor_descriptor_path(monkeypatch, v_parts, kind, num_split
                  num_splits=num_splits, tol=FP8_TOL if fp8 else TOL[torch.float16])
 
 
+def test_mla_cache_descriptors_are_kept_on_the_cache():
+    """Descriptors are built once per cache tensor and tile shape (eager steps reuse them per layer)."""
+    from tripath.ops.mla import _cache_descriptors
+
+    cache = allocate_mla_cache(4, 64, dtype=torch.float16, device=DEVICE)
+    first = _cache_descriptors(cache, L, L, R, L, 64)
+    assert first is not None and _cache_descriptors(cache, L, L, R, L, 64) is first
+    assert _cache_descriptors(cache, L, L, R, L // 2, 32)[0].block_shape == [32, L // 2]
+    assert _cache_descriptors(allocate_mla_cache(4, 16, dtype=torch.float16, device=DEVICE), L, L, R, L, 64) is None
+
+
 @pytest.mark.parametrize("block_size,lora,rope,swap_ab", [(1, L, R, False), (16, 96, 32, False), (1, L, R, True),
                                                           (16, 96, 32, True)])
 def test_mla_decode_tensor_descriptor_falls_back(monkeypatch, block_size, lora, rope, swap_ab):

@@ -129,36 +129,35 @@ def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), head
 MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
 
 
-def bench_mixed(report: Report, backends=("three_path", "unified", "two_path"), layout="nhd") -> None:
+def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "unified", "two_path"),
+                layout="nhd") -> None:
+    """The ANCHORS.md mixed step per backend, eager and as GPU time of a CUDA-graph replay.
+    ``three_path/serial``: three_path with its decode launch on the main stream (no overlap)."""
     spec = AttentionSpec(32, 8, 128, dtype=torch.bfloat16, kv_layout=layout)
     dev = torch.device("cuda")
     ref = select_backend(spec, "three_path", dev)
     step = make_step(spec, MIXED_STEP, ref, device=dev)
-    for name in backends:
+    for label in backends:
+        name, _, variant = label.partition("/")
         backend = select_backend(spec, name, dev)
+        if variant == "serial":
+            backend.overlap_decode = False
         meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
         cache = step.fresh_cache()
         out = torch.empty(step.q.shape[0], 32, 128, dtype=torch.bfloat16, device=dev)
         run_step = lambda: backend.forward(step.q, step.k, step.v, cache, meta, out=out)  # noqa: E731
+        shown = f"{name}{', decode not overlapped' if variant else ''} ({layout})"
         us = _bench(run_step)
-        report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{name} ({layout}), eager", us, us / 1e3, "ms"))
+        report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, eager", us, us / 1e3, "ms"))
         try:
             us = _bench_graph(run_step)
         except Exception as exc:  # the eager time stands alone
-            report.errors.append(f"bench_mixed: {name} not capturable: {type(exc).__name__}: {exc}")
+            report.errors.append(f"bench_mixed: {label} not capturable: {type(exc).__name__}: {exc}")
             continue
-        report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{name} ({layout}), CUDA graph (GPU time)", us,
+        report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, CUDA graph (GPU time)", us,
                                us / 1e3, "ms"))
         del cache
     torch.cuda.empty_cache()
-
-
-def _mla_table(batch, ctx, block_size, dev, width=576):
-    from tripath.ops.mla import allocate_mla_cache
-    table, nb = _random_table(batch, ctx, block_size, dev)
-    cache = allocate_mla_cache(nb, block_size, dtype=torch.bfloat16, device=dev)
-    cache.normal_()
-    return table, cache
 
 
 def bench_mla_decode(report: Report) -> None:

@@ -7,9 +7,17 @@
   :func:`merge_states` into the running result;
 - prefill rows → causal :func:`varlen_attention` over the new tokens.
 Sinks go to the new-token pass only, so each row counts them once.
+
+On a GPU, when a step has decode rows beside extend or prefill rows, the decode launch runs on a side
+stream, concurrently with the extend/prefill launches (``overlap_decode``; they read the cache written
+before the fork and write disjoint rows of the output), and the main stream waits for it before
+returning: the memory-bound decode fills the SMs that the compute-bound prefill's last waves leave idle.
+CUDA graphs capture the fork and the join.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -22,23 +30,25 @@ from tripath.ops import gather_kv_cache, merge_states, paged_decode, unified_att
 class ThreePathBackend(AttentionBackend):
     name = "three_path"
     capabilities = Capabilities()
+    overlap_decode = True  # decode on a side stream beside extend/prefill (GPU only)
+
+    def __init__(self, spec, device="cpu"):
+        super().__init__(spec, device)
+        self._side_stream = None
 
     def forward(self, q, k, v, cache: KVCache, meta: AttentionMetadata, *, alibi_slopes=None, sinks=None,
                 out=None, window_left=None):
         opts = self._options(alibi_slopes, sinks, window_left)
         self._write(k, v, cache, meta)
         out = self._out(q, out)
-        k_scale, v_scale = self._scales(cache)
+        side = None
+        if (meta.decode is not None and (meta.extend is not None or meta.prefill is not None)
+                and self.overlap_decode and q.is_cuda):
+            side = self._side(q.device)
+            side.wait_stream(torch.cuda.current_stream(q.device))  # the cache write and `out` come first
         if meta.decode is not None:
-            d = meta.decode
-            if d.single_token:
-                paged_decode(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
-                             layout=cache.layout, k_scale=k_scale, v_scale=v_scale, num_splits=d.num_splits,
-                             out=out[:d.num_tokens], **opts)
-            else:
-                unified_attention(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
-                                  d.cu_seqlens_q, d.max_query_len, layout=cache.layout, k_scale=k_scale,
-                                  v_scale=v_scale, out=out[:d.num_tokens], **opts)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                self._decode(q, cache, meta, out, opts)
         if meta.extend is not None:
             self._extend(q, k, v, cache, meta.extend, out, opts)
         if meta.prefill is not None:
@@ -46,7 +56,26 @@ class ThreePathBackend(AttentionBackend):
             varlen_attention(q[p.token_start:p.token_end], k[p.token_start:p.token_end],
                              v[p.token_start:p.token_end], p.cu_seqlens_q, p.cu_seqlens_q, p.max_query_len,
                              p.max_query_len, causal=True, out=out[p.token_start:p.token_end], **opts)
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
         return out
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        if self._side_stream is None or self._side_stream.device != device:
+            self._side_stream = torch.cuda.Stream(device=device)
+        return self._side_stream
+
+    def _decode(self, q, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor, opts: dict) -> None:
+        d = meta.decode
+        k_scale, v_scale = self._scales(cache)
+        if d.single_token:
+            paged_decode(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
+                         layout=cache.layout, k_scale=k_scale, v_scale=v_scale, num_splits=d.num_splits,
+                         out=out[:d.num_tokens], **opts)
+        else:
+            unified_attention(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
+                              d.cu_seqlens_q, d.max_query_len, layout=cache.layout, k_scale=k_scale,
+                              v_scale=v_scale, out=out[:d.num_tokens], **opts)
 
     def _extend(self, q, k, v, cache: KVCache, e: ExtendMetadata, out: torch.Tensor, opts: dict) -> None:
         q_e = q[e.token_start:e.token_end]
