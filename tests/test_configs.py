@@ -2,7 +2,7 @@
 platform description without a GPU, so a change to a rule is a deliberate one."""
 
 from tripath.ops._configs import default_num_splits, varlen_config
-from tripath.ops._mla_configs import mla_decode_config, mla_decode_num_splits
+from tripath.ops._mla_configs import mla_decode_config, mla_decode_num_splits, mla_prep_config
 from tripath.platform import CPU, H200, MI300X
 
 
@@ -56,3 +56,10 @@ def test_mla_descriptor_rows_need_pages_of_whole_tiles():
                 mla_decode_config(H200, 128, 512, 2, grouped=True, block_size=64),
                 mla_decode_config(MI300X, 16, 512, 2, block_size=64)):
         assert "TMA" not in cfg and "SWAP_AB" not in cfg and "PREFETCH" not in cfg
+
+
+def test_mla_prep_small_head_blocks_on_hopper():
+    """The decode preparation spreads a step's few tokens over small head blocks on the H200."""
+    assert mla_prep_config(H200, 16) == {"BLOCK_H": 2, "num_warps": 2}
+    assert mla_prep_config(H200, 128) == {"BLOCK_H": 4, "num_warps": 1}
+    assert mla_prep_config(MI300X, 128)["BLOCK_H"] == 16

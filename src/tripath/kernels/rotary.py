@@ -36,8 +36,11 @@ def load_cos_sin(positions_ptr, token, max_position, cos_ptr, sin_ptr, stride_co
 
 @triton.jit
 def rotate_pairs(x1, x2, cos, sin):
-    """The rotation of fp32 pairs ``(x1, x2)``; ``cos``/``sin`` broadcast against them."""
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    """The rotation of fp32 pairs ``(x1, x2)``; ``cos``/``sin`` broadcast against them. Written as explicit
+    FMAs (``x1·cos − x2·sin`` = ``fma(x1, cos, −x2·sin)``) so every kernel that rotates rounds the same way:
+    left to the compiler, the contraction into FMAs varies with the launch configuration, and the fused
+    decode preparation must give the unfused path's bits."""
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
 
 
 @triton.jit
