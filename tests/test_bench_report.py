@@ -18,3 +18,28 @@ def test_repeats_merge_to_medians_with_ranges():
     assert merged.copy_gbps == 4110
     text = format_report(merged)
     assert "| 64 × 4096 | tripath | 110.0 µs (100.0–120.0) | 4000 | 97% |" in text
+
+
+def test_gpu_benchmark_functions_name_only_defined_globals():
+    """The GPU-only benchmark code never runs in the CPU suite, so check that every global name its functions
+    load exists (a helper lost in an edit otherwise surfaces only as a NameError on the GPU)."""
+    import builtins
+    import dis
+    import inspect
+
+    import tripath.bench.kernels as kernels
+    import tripath.bench.tune as tune
+
+    for module in (kernels, tune):
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            fn = inspect.unwrap(fn)
+            if fn.__module__ != module.__name__:
+                continue
+            codes = [fn.__code__]
+            while codes:
+                code = codes.pop()
+                codes += [c for c in code.co_consts if inspect.iscode(c)]
+                missing = [ins.argval for ins in dis.get_instructions(code)
+                           if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+                           and ins.argval not in vars(module) and not hasattr(builtins, ins.argval)]
+                assert not missing, f"{module.__name__}.{name} uses undefined globals {missing}"

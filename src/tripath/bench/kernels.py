@@ -160,6 +160,14 @@ def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "un
     torch.cuda.empty_cache()
 
 
+def _mla_table(batch, ctx, block_size, dev, width=576):
+    from tripath.ops.mla import allocate_mla_cache
+    table, nb = _random_table(batch, ctx, block_size, dev)
+    cache = allocate_mla_cache(nb, block_size, dtype=torch.bfloat16, device=dev)
+    cache.normal_()
+    return table, cache
+
+
 def bench_mla_decode(report: Report) -> None:
     """Absorbed MLA decode: the tuned head-packed configuration (``mla``) vs the plain 16-head grouped one
     (``mla_triton``; the one-head-per-program variant is far slower and left out)."""
