@@ -111,11 +111,10 @@ def mla_prep_config(platform: Platform, num_heads: int) -> dict:
     step's few tokens over more programs. 2 heads x 2 warps up to 32 heads (T 64 / 256 at 16 heads: 2.85 /
     4.06 µs, against 4.36 / 6.61 with 16-head blocks), 4 heads x 1 warp beyond (128 heads: 5.63 / 18.31 µs,
     against 9.62 / 29.58)."""
+    block_h = 16 if num_heads >= 16 else max(1, 1 << (num_heads - 1).bit_length())
     if platform.backend == "cpu":
-        block_h = 16 if num_heads >= 16 else max(1, 1 << (num_heads - 1).bit_length())
         return {"BLOCK_H": block_h, "num_warps": 4}
     if platform.is_hip:
-        block_h = 16 if num_heads >= 16 else max(1, 1 << (num_heads - 1).bit_length())
         return {"BLOCK_H": block_h, "num_warps": 4, "waves_per_eu": 2}
     if num_heads <= FEW_HEADS:
         return {"BLOCK_H": 2, "num_warps": 2}
