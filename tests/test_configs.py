@@ -48,8 +48,12 @@ def test_mla_descriptor_rows_need_pages_of_whole_tiles():
     assert mla_decode_num_splits(H200, 64, 4096, 64, programs_per_sm=1) == 2
     assert mla_decode_num_splits(H200, 8, 32768, 64, programs_per_sm=1) == 16
     many = mla_decode_config(H200, 128, 512, 2, block_size=64)
-    assert many["TMA"] and many["BLOCK_N"] == 32 and many["V_PARTS"] == 2
-    assert "TMA" in mla_decode_config(H200, 128, 512, 2, block_size=32)
+    assert many == {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "TMA": True,
+                    "PROGRAMS_PER_SM": 1}
+    assert mla_decode_num_splits(H200, 64 * 2, 4096, 64, programs_per_sm=1) == 1  # 128 heads, 64 requests
+    assert mla_decode_num_splits(H200, 64, 4096, 64, programs_per_sm=1) == 2  # 64 heads, 64 requests
+    pages_of_32 = mla_decode_config(H200, 128, 512, 2, block_size=32)  # the value-halves row
+    assert pages_of_32["TMA"] and pages_of_32["BLOCK_N"] == 32 and pages_of_32["V_PARTS"] == 2
     for cfg in (mla_decode_config(H200, 16, 512, 2, block_size=16),
                 mla_decode_config(H200, 128, 512, 2, block_size=16),
                 mla_decode_config(H200, 16, 512, 1, block_size=64), mla_decode_config(H200, 16, 512, 2),

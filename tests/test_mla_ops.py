@@ -546,3 +546,19 @@ def test_fused_prep_equals_unfused_bf16_gpu(num_tokens, heads, fp8):
     unfused_prep(ql_nope, q_pe, kv_c, k_pe, cache_u, q_u, slots, k_scale, q_scale, positions, cos, sin, False)
     assert torch.equal(cache_f.view(torch.uint8), cache_u.view(torch.uint8))
     assert torch.equal(q_f.view(torch.uint8), q_u.view(torch.uint8))
+
+
+def test_one_buffer_transposed_descriptor_tiles_are_refused(monkeypatch):
+    """On an NVIDIA GPU, descriptor tiles with transposed products and a single buffer (``num_stages=1``)
+    returned wrong results (triton 3.6, H200): the launcher refuses such a configuration rather than run it."""
+    from tripath.ops import _mla_configs
+    from tripath.ops.mla import _packed_tiles
+    from tripath.platform import H200
+
+    cfg = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "TMA": True, "SWAP_AB": True}
+    cache = allocate_mla_cache(4, 64, dtype=torch.float16)
+    monkeypatch.setattr(_mla_configs, "mla_decode_config", lambda *a, **kw: {**cfg, "num_stages": 1})
+    with pytest.raises(ValueError, match="num_stages >= 2"):
+        _packed_tiles(H200, cache, 16, L, L, R, False, False)
+    monkeypatch.setattr(_mla_configs, "mla_decode_config", lambda *a, **kw: {**cfg, "num_stages": 2})
+    assert _packed_tiles(H200, cache, 16, L, L, R, False, False).swap_ab

@@ -100,7 +100,7 @@ MLA_FEW_HEADS = ((16, 32, 4, 2, 1, False, False, 0), (16, 32, 4, 3, 1, True, Fal
                  (16, 64, 4, 2, 1, True, True, 0), (16, 64, 4, 2, 1, True, True, 2),
                  (16, 64, 4, 2, 1, True, True, 3))
 MLA_MANY_HEADS = ((128, 64, 8, 1, 2, False, False, 0), (128, 32, 8, 2, 2, True, False, 0),
-                  (128, 32, 8, 2, 2, True, False, 2), (64, 32, 4, 2, 2, True, False, 0))
+                  (64, 64, 8, 2, 1, True, False, 0), (64, 32, 8, 2, 1, True, False, 0))
 
 
 def tune_mla(top: int = 8) -> list[str]:

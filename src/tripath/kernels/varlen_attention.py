@@ -17,34 +17,51 @@ from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, score_
 
 
 @triton.jit
+def _load_k(k_base, k_desc, desc_row, start, stride_k_t, k_pos, seqlen_k, dims_k, kv_head, head_size,
+            MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Keys of positions ``k_pos = start + [0, BLOCK_N)``, transposed: ``[Dk, BLOCK_N]`` (zeros past the
+    request with pointer loads; descriptor tiles may hold the next request's keys there)."""
+    if USE_TMA:
+        return tl.trans(k_desc.load([desc_row + start, kv_head * head_size]))
+    k_ptrs = k_base + k_pos[None, :].to(tl.int64) * stride_k_t + dims_k[:, None]
+    if MASK:
+        return tl.load(k_ptrs, mask=(k_pos[None, :] < seqlen_k) & (dims_k[:, None] < head_size), other=0.0)
+    if EVEN_D:
+        return tl.load(k_ptrs)
+    return tl.load(k_ptrs, mask=dims_k[:, None] < head_size, other=0.0)
+
+
+@triton.jit
+def _load_v(v_base, v_desc, desc_row, start, stride_v_t, k_pos, seqlen_k, dims_v, kv_head, head_size_v,
+            MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Values of positions ``k_pos``: ``[BLOCK_N, Dv]``, rows past the request zeroed when ``MASK``."""
+    if USE_TMA:
+        v = v_desc.load([desc_row + start, kv_head * head_size_v])
+        if MASK:
+            v = tl.where(k_pos[:, None] < seqlen_k, v, 0.0)
+        return v
+    v_ptrs = v_base + k_pos[:, None].to(tl.int64) * stride_v_t + dims_v[None, :]
+    if MASK:
+        return tl.load(v_ptrs, mask=(k_pos[:, None] < seqlen_k) & (dims_v[None, :] < head_size_v), other=0.0)
+    if EVEN_D:
+        return tl.load(v_ptrs)
+    return tl.load(v_ptrs, mask=dims_v[None, :] < head_size_v, other=0.0)
+
+
+@triton.jit
 def _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row, stride_k_t, stride_v_t,
               q_pos, slope2, lo, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v, kv_head,
               head_size, head_size_v, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
               HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Key tiles ``[lo, hi)`` (``MASK``: edge tiles, masked scores and zeroed value rows)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + offs_n
-        if USE_TMA:
-            # Tiles through the tensor-memory accelerator: rows past the request are the next request's
-            # keys (or zeros past the tensor), so edge tiles mask scores and zero those value rows.
-            k = tl.trans(k_desc.load([desc_row + start, kv_head * head_size]))
-            v = v_desc.load([desc_row + start, kv_head * head_size_v])
-            if MASK:
-                v = tl.where(k_pos[:, None] < seqlen_k, v, 0.0)
-        else:
-            k_ptrs = k_base + k_pos[None, :].to(tl.int64) * stride_k_t + dims_k[:, None]
-            v_ptrs = v_base + k_pos[:, None].to(tl.int64) * stride_v_t + dims_v[None, :]
-            if MASK:
-                k = tl.load(k_ptrs, mask=(k_pos[None, :] < seqlen_k) & (dims_k[:, None] < head_size), other=0.0)
-                v = tl.load(v_ptrs, mask=(k_pos[:, None] < seqlen_k) & (dims_v[None, :] < head_size_v),
-                            other=0.0)
-            elif EVEN_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=dims_k[:, None] < head_size, other=0.0)
-                v = tl.load(v_ptrs, mask=dims_v[None, :] < head_size_v, other=0.0)
+        k = _load_k(k_base, k_desc, desc_row, start, stride_k_t, k_pos, seqlen_k, dims_k, kv_head, head_size,
+                    MASK, EVEN_D, USE_TMA)
+        v = _load_v(v_base, v_desc, desc_row, start, stride_v_t, k_pos, seqlen_k, dims_v, kv_head,
+                    head_size_v, MASK, EVEN_D, USE_TMA)
         if MASK or HAS_SOFTCAP or HAS_ALIBI:
             s = score_mods(tl.dot(q, k), q_pos, k_pos, seqlen_k, slope2, qk_scale, softcap, window_left,
                            MASK, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)

@@ -47,11 +47,20 @@ _VALUE_SPLIT = {("sm90", False, "bf16")}
 #   2273 for the pointer-load row above; without the prefetch 3108 / 3380 / 3067, prefetching 1 or 3-4
 #   steps ahead is slower. Untransposed 32-row tiles get one descriptor buffer from Triton's pipeliner
 #   (2967 / 3310 / 2904).
-# - 128 heads: 128 heads x 32 rows, value columns in two halves (V_PARTS), one program per SM, 1 split:
-#   242 TF/s at 64 × 4096 (pointer row above: 218); prefetching makes it slower (200).
+# - many heads: 64 heads x 64 rows, 8 warps (two warpgroups, each with half of the 512 value columns, the
+#   row softmax shared through shared memory), 2 buffers, one program per SM: 273 TF/s at 128 heads,
+#   64 × 4096 (1 split), 272 at 8 × 32768 (8 splits), 255 at 16 × 8192 (4 splits), 243 at 64 heads,
+#   64 × 4096 (2 splits). The previous row, 128 heads x 32 rows with the value columns in two programs
+#   (V_PARTS 2, recomputing the scores): 242 / 248 / 233 / 121. 64 x 32 rows: 188; 64 x 64 with one buffer:
+#   185; with an L2 prefetch: slower (158-176).
+# One buffer with transposed products (16 heads, 64 rows, 4 warps) returned wrong results on triton 3.6
+# (sm_90, 2026-11-29); such a configuration is never used (see _packed_tiles).
+# Rows in order of preference; the first whose BLOCK_N divides the page size applies (32-row pages keep
+# the previous many-heads row).
 _TMA_TABLE = {
-    ("sm90", True, "bf16"): ((16, 64, 4, 2), {"SWAP_AB": True, "PREFETCH": 2, "PROGRAMS_PER_SM": 1}),
-    ("sm90", False, "bf16"): ((128, 32, 8, 2), {"V_PARTS": 2, "PROGRAMS_PER_SM": 1}),
+    ("sm90", True, "bf16"): (((16, 64, 4, 2), {"SWAP_AB": True, "PREFETCH": 2, "PROGRAMS_PER_SM": 1}),),
+    ("sm90", False, "bf16"): (((64, 64, 8, 2), {"PROGRAMS_PER_SM": 1}),
+                              ((128, 32, 8, 2), {"V_PARTS": 2, "PROGRAMS_PER_SM": 1})),
 }
 
 
@@ -67,11 +76,11 @@ def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_
     kind = "fp8_q" if q_fp8 else ("fp8_kv" if kv_elem_bytes == 1 else "bf16")
     arch = ("gfx950" if platform.arch == "gfx950" else "gfx942") if platform.is_hip else "sm90"
     few = grouped or num_heads <= FEW_HEADS
-    tma = None if grouped or block_size is None else _TMA_TABLE.get((arch, few, kind))
-    if tma is not None and block_size % tma[0][1] == 0:
-        (block_h, block_n, warps, stages), extra = tma
-        return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages, "TMA": True,
-                **extra}
+    tma_rows = () if grouped or block_size is None else _TMA_TABLE.get((arch, few, kind), ())
+    for (block_h, block_n, warps, stages), extra in tma_rows:
+        if block_size % block_n == 0:
+            return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                    "TMA": True, **extra}
     block_h, block_n, warps, stages, *wpe = _DECODE_TABLE[(arch, few)][kind]
     cfg = {"BLOCK_H": block_h, "BLOCK_N": block_n}
     if (arch, few, kind) in _VALUE_SPLIT:

@@ -351,6 +351,9 @@ def _packed_tiles(platform, kv_cache, num_heads, kv_lora_rank, block_l, block_r,
     # L2 prefetch (inline PTX): NVIDIA GPUs only, with the descriptor path, rows of whole 128-byte lines.
     if descriptors is None or row_bytes % 128 or not platform.is_cuda:
         prefetch = 0
+    if platform.is_cuda and descriptors is not None and swap_ab and cfg.get("num_stages", 2) < 2:
+        raise ValueError("mla_decode: descriptor tiles with transposed products need num_stages >= 2 (one "
+                         "buffer returned wrong results on triton 3.6, sm_90)")
     return _PackedTiles(cfg, block_h, v_parts, programs_per_sm, swap_ab, prefetch, max(1, row_bytes // 128),
                         descriptors)
 
