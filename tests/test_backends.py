@@ -105,6 +105,33 @@ def test_long_extend_many_chunks_three_path():
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("budget", [32768, 24], ids=["one-chunk", "several-chunks"])
+def test_three_path_joins_the_last_chunk_with_the_new_tokens(budget):
+    """The extends' last context chunk and their new tokens (read back from the cache) go through one causal
+    launch: with one chunk, a step's extends cost one gather and one attention launch and no merge; with
+    several (a context that ends before the last chunk included), the earlier chunks merge into it. Both
+    orders of work agree with ``torch`` and with the separate new-token pass (``join_extend_tail=False``)."""
+    from tripath.ops._launch import capture_launches
+
+    spec = AttentionSpec(4, 2, 64, dtype=torch.float16, window_left=40, use_sinks=True,
+                         extend_chunk_budget=budget)
+    backend = select_backend(spec, "three_path", DEVICE)
+    step = make_step(spec, [(50, 6), (17, 12), (3, 1), (0, 5)], backend, device=DEVICE, seed=7)
+    assert (step.plan.extend_chunks.num_chunks == 1) == (budget == 32768)
+    with capture_launches() as records:  # records the launches without running them
+        _run(backend, step)
+    joined, _ = _run(backend, step)
+    names = [r.name for r in records]
+    if budget == 32768:
+        assert names.count("varlen_attention_kernel") == 2  # the extends' one launch and the prefill's
+        assert "merge_states_kernel" not in names and names.count("gather_kv_cache_kernel") == 1
+    backend.join_extend_tail = False
+    separate, _ = _run(backend, step)
+    want, _ = _run(TorchBackend(spec, DEVICE), step)
+    torch.testing.assert_close(joined.float(), want.float(), **TOL[torch.float16])
+    torch.testing.assert_close(separate.float(), want.float(), **TOL[torch.float16])
+
+
 def test_auto_selection_and_reasons(monkeypatch):
     spec = AttentionSpec(8, 2, 64)
     assert select_backend(spec, "auto", DEVICE).name == "three_path"  # GPU or interpreter

@@ -58,7 +58,22 @@ def test_metadata_slices_follow_the_plan():
     assert [c.cu_seqlens_k.tolist() for c in e.chunks] == [[0, 16], [0, 4]]
     assert [c.q_positions_start.tolist() for c in e.chunks] == [[20], [4]]
     assert e.workspace_tokens == 16
+    # the last chunk joined with the 3 new tokens: positions [16, 23)
+    assert (e.tail.seq_starts.tolist(), e.tail.cu_seqlens_k.tolist(), e.tail.q_positions_start.tolist(),
+            e.tail.max_len, e.tail_tokens) == ([16], [0, 7], [4], 7, 7)
     assert meta.prefill.cu_seqlens_q.tolist() == [0, 7] and meta.prefill.token_start == 5
+
+
+def test_extend_tail_of_a_context_that_ended_in_an_earlier_chunk():
+    """Contexts 40, 10, 33 in 16-token chunks: the last chunk starts at 32, after the second context ends,
+    so that extend's tail is its new tokens alone (from position 10)."""
+    plan = plan_batch([3, 5, 2], [40, 10, 33], chunk_budget=64, block_size=16)
+    meta = build_metadata(plan, torch.zeros(3, 4, dtype=torch.int32), torch.arange(10, dtype=torch.int64))
+    tail = meta.extend.tail
+    assert tail.seq_starts.tolist() == [32, 10, 32]
+    assert tail.cu_seqlens_k.tolist() == [0, 11, 16, 19]
+    assert tail.q_positions_start.tolist() == [8, 0, 1]
+    assert (tail.max_len, meta.extend.tail_tokens) == (11, 19)
 
 
 @pytest.mark.parametrize("query_lens,context_lens,message", [

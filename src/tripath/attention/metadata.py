@@ -52,7 +52,9 @@ class ContextChunk:
 @dataclass
 class ExtendMetadata:
     """Extends: ``token_start..token_end``; new tokens' ``cu_seqlens_q [E + 1]`` (local), the context
-    chunks, and the gather workspace size in tokens."""
+    chunks, and the gather workspace size in tokens. ``tail`` is the last chunk joined with the extends'
+    new tokens (positions ``[start, seq_len)`` of each extend, ``tail_tokens`` in all), for backends that
+    read the new keys back from the cache and attend to them in the same causal launch as that chunk."""
 
     num_reqs: int
     token_start: int
@@ -65,6 +67,8 @@ class ExtendMetadata:
     max_context_len: int
     chunks: list[ContextChunk] = field(default_factory=list)
     workspace_tokens: int = 0
+    tail: ContextChunk | None = None
+    tail_tokens: int = 0
 
 
 @dataclass
@@ -163,6 +167,12 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
             local_tensors.append(chunks.cu_lens(c))
             local_tensors.append(chunks.starts[c])
             local_tensors.append([ctx - s for ctx, s in zip(ext_ctx, chunks.starts[c])])
+        # The tail: each extend's positions [min(last start, context_len), seq_len) (a context that ended in
+        # an earlier chunk contributes only its new tokens).
+        tail_starts = [min(s, ctx) for s, ctx in zip(chunks.starts[-1], ext_ctx)] if chunks.num_chunks else []
+        tail_lens = [ctx - s + q for s, ctx, q in zip(tail_starts, ext_ctx, ext_q)]
+        if tail_lens:
+            local_tensors += [_cumsum(tail_lens), tail_starts, [ctx - s for s, ctx in zip(tail_starts, ext_ctx)]]
     if npf:
         local_tensors.append(_cumsum(plan.query_lens[nd + ne:]))
     flat = [v for t in local_tensors for v in t]
@@ -179,11 +189,15 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
         for c in range(chunks.num_chunks):
             chunk_list.append(ContextChunk(cu_seqlens_k=next(it), seq_starts=next(it), q_positions_start=next(it),
                                            max_len=max(chunks.lens[c])))
+        tail = None
+        if tail_lens:
+            tail = ContextChunk(cu_seqlens_k=next(it), seq_starts=next(it), q_positions_start=next(it),
+                                max_len=max(tail_lens))
         meta.extend = ExtendMetadata(
             num_reqs=ne, token_start=e0, token_end=e1, block_table=block_table[nd:nd + ne],
             seq_lens=seq_lens[nd:nd + ne], context_lens=context_lens[nd:nd + ne], cu_seqlens_q=cu_q_ext,
             max_query_len=max(ext_q), max_context_len=max(ext_ctx), chunks=chunk_list,
-            workspace_tokens=chunks.workspace_tokens)
+            workspace_tokens=chunks.workspace_tokens, tail=tail, tail_tokens=sum(tail_lens))
     if npf:
         p0, p1 = plan.prefill_tokens
         meta.prefill = PrefillMetadata(num_reqs=npf, token_start=p0, token_end=p1, cu_seqlens_q=next(it),

@@ -129,10 +129,16 @@ def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), head
 MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
 
 
-def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "unified", "two_path"),
-                layout="nhd") -> None:
+VARIANTS = {"serial": ("overlap_decode", "decode not overlapped"),
+            "separate": ("join_extend_tail", "extend's new tokens in a separate pass")}
+
+
+def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "three_path/separate", "unified",
+                                          "two_path"), layout="nhd") -> None:
     """The ANCHORS.md mixed step per backend, eager and as GPU time of a CUDA-graph replay.
-    ``three_path/serial``: three_path with its decode launch on the main stream (no overlap)."""
+    ``three_path/serial``: three_path with its decode launch on the main stream (no overlap);
+    ``three_path/separate``: the extends' new tokens in their own causal launch, merged with the context
+    (the seed's order) instead of joined with the last context chunk."""
     spec = AttentionSpec(32, 8, 128, dtype=torch.bfloat16, kv_layout=layout)
     dev = torch.device("cuda")
     ref = select_backend(spec, "three_path", dev)
@@ -140,13 +146,13 @@ def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "un
     for label in backends:
         name, _, variant = label.partition("/")
         backend = select_backend(spec, name, dev)
-        if variant == "serial":
-            backend.overlap_decode = False
+        if variant:
+            setattr(backend, VARIANTS[variant][0], False)
         meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
         cache = step.fresh_cache()
         out = torch.empty(step.q.shape[0], 32, 128, dtype=torch.bfloat16, device=dev)
         run_step = lambda: backend.forward(step.q, step.k, step.v, cache, meta, out=out)  # noqa: E731
-        shown = f"{name}{', decode not overlapped' if variant else ''} ({layout})"
+        shown = f"{name}{', ' + VARIANTS[variant][1] if variant else ''} ({layout})"
         us = _bench(run_step)
         report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, eager", us, us / 1e3, "ms"))
         try:

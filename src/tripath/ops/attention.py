@@ -101,7 +101,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     config_args = (current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(), int(max_seqlen_k))
-    causal_tiles = num_seqs * triton_cdiv(int(max_seqlen_q), 128) * q.shape[1] if causal else None
+    causal_tiles = _causal_tiles(causal, num_seqs, int(max_seqlen_q), int(max_seqlen_k), q.shape[1])
     cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles))
     even_d = q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2])
     use_tma = cfg.pop("TMA", False)
@@ -127,6 +127,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         EVEN_D=even_d, USE_TMA=k_desc is not k, **cfg,
     )
     return (out, lse) if return_lse else out
+
+
+def _causal_tiles(causal: bool, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, num_heads: int) -> int | None:
+    """128-row query tiles of a causal launch whose keys are mostly the queries' own (fewer than twice as
+    many): there the programs' lengths differ by up to the whole request and the launch's last waves run
+    ragged (:func:`tripath.ops._configs.varlen_config`). None otherwise: with a long cached context before
+    the queries (an extend's last chunk joined with its new tokens) every program walks about the same
+    number of keys."""
+    if not causal or max_seqlen_k >= 2 * max_seqlen_q:
+        return None
+    return num_seqs * triton_cdiv(max_seqlen_q, 128) * num_heads
 
 
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):

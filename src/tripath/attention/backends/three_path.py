@@ -30,6 +30,7 @@ class ThreePathBackend(AttentionBackend):
     name = "three_path"
     capabilities = Capabilities()
     overlap_decode = True  # decode on a side stream beside extend/prefill (GPU only)
+    join_extend_tail = True  # last context chunk and new tokens in one causal launch (cache of k's dtype)
 
     def __init__(self, spec, device="cpu"):
         super().__init__(spec, device)
@@ -78,6 +79,9 @@ class ThreePathBackend(AttentionBackend):
                               v_scale=v_scale, out=out[:d.num_tokens], **opts)
 
     def _extend(self, q, k, v, cache: KVCache, e: ExtendMetadata, out: torch.Tensor, opts: dict) -> None:
+        if self.join_extend_tail and e.tail is not None and cache.k_cache.dtype == k.dtype:
+            self._extend_joined(q, cache, e, out, opts)
+            return
         q_e = q[e.token_start:e.token_end]
         acc, lse = varlen_attention(q_e, k[e.token_start:e.token_end], v[e.token_start:e.token_end],
                                     e.cu_seqlens_q, e.cu_seqlens_q, e.max_query_len, e.max_query_len,
@@ -85,18 +89,43 @@ class ThreePathBackend(AttentionBackend):
         if not e.chunks:
             out[e.token_start:e.token_end] = acc
             return
-        k_scale, v_scale = self._scales(cache)
-        shape = (e.workspace_tokens, self.spec.num_kv_heads)
-        ws_k = torch.empty(*shape, self.spec.head_size, dtype=q.dtype, device=q.device)
-        ws_v = torch.empty(*shape, self.spec.v_size, dtype=q.dtype, device=q.device)
+        ws_k, ws_v = self._workspace(q, e.workspace_tokens)
         chunk_opts = dict(opts, sinks=None)
         for i, chunk in enumerate(e.chunks):
-            gather_kv_cache(cache.k_cache, cache.v_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
-                            layout=cache.layout, k_scale=k_scale, v_scale=v_scale, out_k=ws_k, out_v=ws_v)
-            part, part_lse = varlen_attention(q_e, ws_k, ws_v, e.cu_seqlens_q, chunk.cu_seqlens_k,
-                                              e.max_query_len, chunk.max_len, causal=False,
-                                              q_positions_start=chunk.q_positions_start, return_lse=True,
-                                              **chunk_opts)
+            part, part_lse = self._chunk(q_e, cache, e, chunk, ws_k, ws_v, causal=False, **chunk_opts)
             last = i == len(e.chunks) - 1
             acc, lse = merge_states(acc, lse, part, part_lse,
                                     out=out[e.token_start:e.token_end] if last else None)
+
+    def _extend_joined(self, q, cache: KVCache, e: ExtendMetadata, out: torch.Tensor, opts: dict) -> None:
+        """Chunks before the last as above; the last chunk gathered together with the new tokens (already in
+        the cache, bit-identical there when the cache has the keys' dtype) and attended in one causal launch
+        (query ``i`` of an extend sits at ``context_len + i``, bottom-right in the joined keys). One chunk (the
+        usual case) is a single gather and a single launch written straight into ``out``, with no merge."""
+        q_e, out_e = q[e.token_start:e.token_end], out[e.token_start:e.token_end]
+        ws_k, ws_v = self._workspace(q, max(e.workspace_tokens, e.tail_tokens))
+        acc = lse = None
+        for chunk in e.chunks[:-1]:
+            part, part_lse = self._chunk(q_e, cache, e, chunk, ws_k, ws_v, causal=False, **dict(opts, sinks=None))
+            acc, lse = (part, part_lse) if acc is None else merge_states(acc, lse, part, part_lse)
+        if acc is None:
+            self._chunk(q_e, cache, e, e.tail, ws_k, ws_v, causal=True, out=out_e, **opts)
+            return
+        part, part_lse = self._chunk(q_e, cache, e, e.tail, ws_k, ws_v, causal=True, **opts)
+        merge_states(acc, lse, part, part_lse, out=out_e)
+
+    def _workspace(self, q, tokens: int):
+        shape = (tokens, self.spec.num_kv_heads)
+        return (torch.empty(*shape, self.spec.head_size, dtype=q.dtype, device=q.device),
+                torch.empty(*shape, self.spec.v_size, dtype=q.dtype, device=q.device))
+
+    def _chunk(self, q_e, cache: KVCache, e: ExtendMetadata, chunk, ws_k, ws_v, *, causal: bool, out=None,
+               **opts):
+        """Gather one chunk's rows into the workspace and attend the extends' queries to them: with the LSE
+        (for a merge) unless ``out`` is given."""
+        k_scale, v_scale = self._scales(cache)
+        gather_kv_cache(cache.k_cache, cache.v_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
+                        layout=cache.layout, k_scale=k_scale, v_scale=v_scale, out_k=ws_k, out_v=ws_v)
+        return varlen_attention(q_e, ws_k, ws_v, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
+                                chunk.max_len, causal=causal, q_positions_start=chunk.q_positions_start,
+                                return_lse=out is None, out=out, **opts)
