@@ -95,18 +95,26 @@ def test_backends_bf16_features_fp8(name):
 
 
 def test_three_path_decode_overlap_is_exact_and_captures():
-    """Decode on a side stream beside extend/prefill: the same bits as the serial order, eager and replayed
-    from a CUDA graph (fork and join captured), and close to the torch reference."""
+    """Decode and prefill on side streams beside the extend: the same bits as the serial order, eager and
+    replayed from a CUDA graph (forks and joins captured), and close to the torch reference."""
     spec = AttentionSpec(32, 8, 128, dtype=BF16, extend_chunk_budget=2048)
     backend = select_backend(spec, "three_path", DEV)
     step = make_step(spec, [(4096, 1)] * 12 + [(3000, 200)] * 2 + [(0, 900)], backend, device=DEV)
     meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
     serial = select_backend(spec, "three_path", DEV)
-    serial.overlap_decode = False
+    serial.overlap_decode = serial.overlap_prefill = False
     want = serial.forward(step.q, step.k, step.v, step.fresh_cache(), meta)
     cache = step.fresh_cache()
     out = poison(want.shape, want.dtype, DEV)
-    assert torch.equal(backend.forward(step.q, step.k, step.v, cache, meta, out=out), want)
+    from tripath.attention.backends import three_path
+    streams, launch = [], three_path.varlen_attention
+    three_path.varlen_attention = lambda *a, **kw: (streams.append(torch.cuda.current_stream()), launch(*a, **kw))[1]
+    try:
+        assert torch.equal(backend.forward(step.q, step.k, step.v, cache, meta, out=out), want)
+    finally:
+        three_path.varlen_attention = launch
+    main = torch.cuda.current_stream()
+    assert streams[0] == main and streams[-1] != main  # extend on the main stream, prefill beside it
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graphs require

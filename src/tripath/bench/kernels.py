@@ -130,13 +130,15 @@ MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
 
 
 VARIANTS = {"serial": ("overlap_decode", "decode not overlapped"),
+            "prefill-serial": ("overlap_prefill", "prefill not overlapped"),
             "separate": ("join_extend_tail", "extend's new tokens in a separate pass")}
 
 
-def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "three_path/separate", "unified",
-                                          "two_path"), layout="nhd") -> None:
+def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "three_path/prefill-serial",
+                                          "three_path/separate", "unified", "two_path"), layout="nhd") -> None:
     """The ANCHORS.md mixed step per backend, eager and as GPU time of a CUDA-graph replay.
     ``three_path/serial``: three_path with its decode launch on the main stream (no overlap);
+    ``three_path/prefill-serial``: the prefill launch on the main stream after the extend's;
     ``three_path/separate``: the extends' new tokens in their own causal launch, merged with the context
     (the seed's order) instead of joined with the last context chunk."""
     spec = AttentionSpec(32, 8, 128, dtype=torch.bfloat16, kv_layout=layout)

@@ -2,21 +2,31 @@
 
 - decode rows → :func:`paged_decode` (split-KV, GQA-packed; the cache may be NHD or shuffled); decodes
   with several query tokens (speculative) → :func:`unified_attention` on the decode slice;
-- extend rows → causal :func:`varlen_attention` over the new tokens (with LSE), then for each chunk of
-  cached context: gather into the workspace, non-causal :func:`varlen_attention` with LSE, and
-  :func:`merge_states` into the running result;
+- extend rows → for each chunk of cached context: gather into the workspace, non-causal
+  :func:`varlen_attention` with LSE, and :func:`merge_states` into the running result; the new tokens
+  by causal :func:`varlen_attention`, either joined with the last chunk (below) or in their own pass over
+  the step's keys, merged with the context;
 - prefill rows → causal :func:`varlen_attention` over the new tokens.
-Sinks go to the new-token pass only, so each row counts them once.
+Sinks go to the pass that holds the new tokens only, so each row counts them once.
 
 On a GPU, when a step has decode rows beside extend or prefill rows, the decode launch goes last, on a
 side stream forked after the cache write (``overlap_decode``; it reads that cache and writes rows of the
 output no other launch touches), and the main stream joins it before returning: the memory-bound decode
 programs fill the ragged last waves of the compute-bound prefill kernels and the gaps between the
 extend's dependent launches. H200, ANCHORS.md mixed step: 1086 → 1068 µs GPU time, bit-identical output.
-CUDA graphs capture the fork and the join.
+CUDA graphs capture the fork and the join. Likewise, when a step has both extend and prefill rows, the
+prefill launch runs on a second side stream (``overlap_prefill``), so each of the two compute-bound launches
+fills the other's last wave.
+
+The extends' last context chunk is gathered together with their new tokens (already in the cache) and
+attended in one causal launch (``join_extend_tail``), when the cache holds the keys' own dtype (so the
+gathered new rows are exactly the step's keys; an fp8 cache keeps the separate new-token pass, which uses
+the unquantised keys). With one chunk, the usual case, that is one gather and one launch, with no merge.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -30,41 +40,51 @@ class ThreePathBackend(AttentionBackend):
     name = "three_path"
     capabilities = Capabilities()
     overlap_decode = True  # decode on a side stream beside extend/prefill (GPU only)
+    overlap_prefill = True  # prefill on another side stream beside the extend (GPU only)
     join_extend_tail = True  # last context chunk and new tokens in one causal launch (cache of k's dtype)
 
     def __init__(self, spec, device="cpu"):
         super().__init__(spec, device)
-        self._side_stream = None
+        self._side_streams: dict[str, torch.cuda.Stream] = {}
 
     def forward(self, q, k, v, cache: KVCache, meta: AttentionMetadata, *, alibi_slopes=None, sinks=None,
                 out=None, window_left=None):
         opts = self._options(alibi_slopes, sinks, window_left)
         self._write(k, v, cache, meta)
         out = self._out(q, out)
-        side = None
-        if (meta.decode is not None and (meta.extend is not None or meta.prefill is not None)
-                and self.overlap_decode and q.is_cuda):
-            side = self._side(q.device)
-            side.wait_stream(torch.cuda.current_stream(q.device))  # fork after the cache write
-        if meta.decode is not None and side is None:
+        on_gpu = q.is_cuda
+        decode_side = self._fork("decode", q.device, on_gpu and self.overlap_decode and meta.decode is not None
+                                 and (meta.extend is not None or meta.prefill is not None))
+        prefill_side = self._fork("prefill", q.device, on_gpu and self.overlap_prefill
+                                  and meta.prefill is not None and meta.extend is not None)
+        if meta.decode is not None and decode_side is None:
             self._decode(q, cache, meta, out, opts)
         if meta.extend is not None:
             self._extend(q, k, v, cache, meta.extend, out, opts)
         if meta.prefill is not None:
             p = meta.prefill
-            varlen_attention(q[p.token_start:p.token_end], k[p.token_start:p.token_end],
-                             v[p.token_start:p.token_end], p.cu_seqlens_q, p.cu_seqlens_q, p.max_query_len,
-                             p.max_query_len, causal=True, out=out[p.token_start:p.token_end], **opts)
-        if side is not None:  # launched last: its programs fill the extend/prefill kernels' ragged waves
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(prefill_side) if prefill_side is not None else contextlib.nullcontext():
+                varlen_attention(q[p.token_start:p.token_end], k[p.token_start:p.token_end],
+                                 v[p.token_start:p.token_end], p.cu_seqlens_q, p.cu_seqlens_q, p.max_query_len,
+                                 p.max_query_len, causal=True, out=out[p.token_start:p.token_end], **opts)
+        if decode_side is not None:  # launched last: its programs fill the extend/prefill kernels' ragged waves
+            with torch.cuda.stream(decode_side):
                 self._decode(q, cache, meta, out, opts)
-            torch.cuda.current_stream(q.device).wait_stream(side)
+        for side in (prefill_side, decode_side):
+            if side is not None:
+                torch.cuda.current_stream(q.device).wait_stream(side)
         return out
 
-    def _side(self, device: torch.device) -> torch.cuda.Stream:
-        if self._side_stream is None or self._side_stream.device != device:
-            self._side_stream = torch.cuda.Stream(device=device)
-        return self._side_stream
+    def _fork(self, name: str, device: torch.device, wanted: bool) -> torch.cuda.Stream | None:
+        """This backend's side stream ``name`` on ``device``, made to wait for the main stream's work so far
+        (the cache write); None when not ``wanted``."""
+        if not wanted:
+            return None
+        side = self._side_streams.get(name)
+        if side is None or side.device != device:
+            side = self._side_streams[name] = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        return side
 
     def _decode(self, q, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor, opts: dict) -> None:
         d = meta.decode
