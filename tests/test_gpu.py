@@ -95,8 +95,9 @@ def test_backends_bf16_features_fp8(name):
 
 
 def test_three_path_decode_overlap_is_exact_and_captures():
-    """Decode and prefill on side streams beside the extend: the same bits as the serial order, eager and
-    replayed from a CUDA graph (forks and joins captured), and close to the torch reference."""
+    """Decode and prefill on side streams beside the extend: the same bits as the serial order (the
+    900-token prefill takes the short-request tiles either way), eager and replayed from a CUDA graph (forks
+    and joins captured), and close to the torch reference."""
     spec = AttentionSpec(32, 8, 128, dtype=BF16, extend_chunk_budget=2048)
     backend = select_backend(spec, "three_path", DEV)
     step = make_step(spec, [(4096, 1)] * 12 + [(3000, 200)] * 2 + [(0, 900)], backend, device=DEV)

@@ -122,3 +122,24 @@ def test_tensor_descriptor_falls_back_when_heads_are_not_contiguous(monkeypatch)
     got = varlen_attention(q, k, v, cu_seqlens([4], DEVICE), cu_seqlens([4], DEVICE), 4, 4)
     want = R.varlen_attention_ref(q, k, v, cu_seqlens([4], DEVICE), cu_seqlens([4], DEVICE))
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+
+
+def test_tile_choice_counts_causal_tiles_only_where_they_decide_it(monkeypatch):
+    """The launcher passes the causal tile count (the rule for ragged last waves) only for causal launches
+    whose keys are mostly the queries' own and that run alone: not for an extend's last chunk joined with
+    its new tokens (many more keys than queries), nor for a ``concurrent`` launch."""
+    from tripath.ops import _configs
+    from tripath.ops._launch import capture_launches
+
+    seen, base = [], _configs.varlen_config
+    monkeypatch.setattr(_configs, "varlen_config",
+                        lambda *a, **kw: (seen.append(kw.get("causal_tiles")), base(*a, **kw))[1])
+    q = torch.randn(2 * 300, 4, 64, dtype=torch.float16, device=DEVICE)
+    kv = torch.randn(2 * 700, 2, 64, dtype=torch.float16, device=DEVICE)
+    cq, c_self, c_long = cu_seqlens([300, 300], DEVICE), cu_seqlens([300, 300], DEVICE), cu_seqlens([700, 700], DEVICE)
+    with capture_launches():
+        varlen_attention(q, kv[:600], kv[:600], cq, c_self, 300, 300)  # a prefill
+        varlen_attention(q, kv, kv, cq, c_long, 300, 700)  # keys > 2x the queries
+        varlen_attention(q, kv[:600], kv[:600], cq, c_self, 300, 300, concurrent=True)
+        varlen_attention(q, kv[:600], kv[:600], cq, c_self, 300, 300, causal=False)
+    assert seen == [2 * 3 * 4, None, None, None]  # 2 requests x 3 tiles of 128 rows x 4 heads

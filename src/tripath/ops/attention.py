@@ -56,7 +56,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      sm_scale: float | None = None, window_left: int = -1, softcap: float = 0.0,
                      alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                      q_positions_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     return_lse: bool = False):
+                     return_lse: bool = False, concurrent: bool = False):
     """Attention of variable-length requests over contiguous keys.
 
     Parameters
@@ -68,6 +68,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     q_positions_start : optional ``[B]`` int32, the position of each request's first query in its key
         coordinates (default ``seqlen_k - seqlen_q``); chunked context uses it so windows and ALiBi see
         true distances.
+    concurrent : a scheduling hint: another compute-bound launch runs beside this one (on another stream),
+        so the tiles are chosen for throughput even where this launch alone would leave its last waves
+        ragged (a causal launch of few tiles).
 
     Returns
     -------
@@ -101,7 +104,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     config_args = (current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(), int(max_seqlen_k))
-    causal_tiles = _causal_tiles(causal, num_seqs, int(max_seqlen_q), int(max_seqlen_k), q.shape[1])
+    causal_tiles = None if concurrent else _causal_tiles(causal, num_seqs, int(max_seqlen_q), int(max_seqlen_k),
+                                                         q.shape[1])
     cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles))
     even_d = q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2])
     use_tma = cfg.pop("TMA", False)
