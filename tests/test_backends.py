@@ -105,16 +105,20 @@ def test_long_extend_many_chunks_three_path():
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
+JOIN_SPECS = {"window-sinks": dict(window_left=40, use_sinks=True),
+              "alibi-softcap-b32": dict(use_alibi=True, softcap=4.0, block_size=32)}
+
+
+@pytest.mark.parametrize("opts", list(JOIN_SPECS))
 @pytest.mark.parametrize("budget", [32768, 24], ids=["one-chunk", "several-chunks"])
-def test_three_path_joins_the_last_chunk_with_the_new_tokens(budget):
+def test_three_path_joins_the_last_chunk_with_the_new_tokens(budget, opts):
     """The extends' last context chunk and their new tokens (read back from the cache) go through one causal
     launch: with one chunk, a step's extends cost one gather and one attention launch and no merge; with
     several (a context that ends before the last chunk included), the earlier chunks merge into it. Both
     orders of work agree with ``torch`` and with the separate new-token pass (``join_extend_tail=False``)."""
     from tripath.ops._launch import capture_launches
 
-    spec = AttentionSpec(4, 2, 64, dtype=torch.float16, window_left=40, use_sinks=True,
-                         extend_chunk_budget=budget)
+    spec = AttentionSpec(4, 2, 64, dtype=torch.float16, extend_chunk_budget=budget, **JOIN_SPECS[opts])
     backend = select_backend(spec, "three_path", DEVICE)
     step = make_step(spec, [(50, 6), (17, 12), (3, 1), (0, 5)], backend, device=DEVICE, seed=7)
     assert (step.plan.extend_chunks.num_chunks == 1) == (budget == 32768)
@@ -130,6 +134,20 @@ def test_three_path_joins_the_last_chunk_with_the_new_tokens(budget):
     want, _ = _run(TorchBackend(spec, DEVICE), step)
     torch.testing.assert_close(joined.float(), want.float(), **TOL[torch.float16])
     torch.testing.assert_close(separate.float(), want.float(), **TOL[torch.float16])
+
+
+def test_three_path_keeps_the_new_token_pass_for_fp8_caches():
+    """An fp8 cache holds the new keys rounded: the extend's new tokens then take their own causal pass over
+    the step's keys (as the torch reference does), merged with the context."""
+    from tripath.ops._launch import capture_launches
+
+    spec = AttentionSpec(4, 1, 64, dtype=torch.float16, kv_cache_dtype="fp8")
+    backend = select_backend(spec, "three_path", DEVICE)
+    step = make_step(spec, [(50, 6), (17, 12)], backend, device=DEVICE, seed=3)
+    with capture_launches() as records:
+        _run(backend, step)
+    names = [r.name for r in records]
+    assert names.count("varlen_attention_kernel") == 2 and names.count("merge_states_kernel") == 1
 
 
 def test_auto_selection_and_reasons(monkeypatch):
