@@ -9,9 +9,11 @@ Dims: ``H`` heads, latent ``L``, rotary ``R``, no-position ``P``, value ``V`` (D
                             o = mla_decode(q, cache) · W_UV       [Td, H, L] → [Td, H, V]
     prefill (non-absorbed)  k = [kv_c·W_UKᵀ | rope(k_pe)],  v = kv_c·W_UV         (per head; qk P + R, v V)
                             o = causal varlen_attention(q = [q_nope | rope(q_pe)], k, v)
-    extend                  causal attention over the new tokens (with LSE), then per chunk of cached
-                            context: gather latent rows, dequantise, up-project as above, non-causal
-                            attention with LSE, merge_states
+    extend                  per chunk of cached context: gather latent rows, dequantise, up-project as
+                            above, non-causal attention with LSE, merge_states; the new tokens causal:
+                            with a cache of the model's dtype, their rows are gathered with the last
+                            chunk and attended in one causal launch (``join_extend_tail``), otherwise in
+                            their own pass (with LSE) merged with the context
 
 Scores are ``sm_scale · (q_nope·k_nope + rope(q_pe)·rope(k_pe))`` in both forms, ``sm_scale`` the spec's
 (the model folds yarn's ``mscale²`` in) or ``1/sqrt(P + R)``. The backends differ in the decode only:
@@ -54,6 +56,7 @@ class MLABackendBase(AttentionBackend):
     capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}))
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
+    join_extend_tail: bool = True  # last context chunk and new tokens in one causal launch (cache of kv_c's dtype)
 
     @classmethod
     def unsupported_reasons(cls, spec, device) -> list[str]:
@@ -135,18 +138,31 @@ class MLABackendBase(AttentionBackend):
             return out
         rest = slice(decode_tokens, num_tokens)
         q_full = torch.cat([q_nope[rest], q_pe_rest], dim=-1)  # [T - Td, H, P + R], non-absorbed
-        k_new, v_new = self._up_project(kv_c[rest], k_pe_rest, weights)
-        if meta.extend is not None:
-            e = meta.extend
-            span = slice(e.token_start - decode_tokens, e.token_end - decode_tokens)
-            self._extend(q_full[span], k_new[span], v_new[span], cache, e, weights, out[e.token_start:e.token_end])
-        if meta.prefill is not None:
-            p = meta.prefill
-            span = slice(p.token_start - decode_tokens, p.token_end - decode_tokens)
-            varlen_attention(q_full[span], k_new[span], v_new[span], p.cu_seqlens_q, p.cu_seqlens_q,
-                             p.max_query_len, p.max_query_len, causal=True, sm_scale=self.sm_scale,
-                             out=out[p.token_start:p.token_end])
+        e, p = meta.extend, meta.prefill
+        joined = e is not None and self._joins_tail(e, cache, kv_c)
+        # The new tokens that attend to keys up-projected from the step's inputs: the prefills', and the
+        # extends' unless their rows are read back from the cache with the last chunk.
+        own = p if joined else (e if e is not None else p)
+        if own is not None:
+            k_new, v_new = self._up_project(kv_c[own.token_start:], k_pe_rest[own.token_start - decode_tokens:],
+                                            weights)
+            local = lambda m: slice(m.token_start - own.token_start, m.token_end - own.token_start)  # noqa: E731
+        if e is not None:
+            q_e, out_e = q_full[e.token_start - decode_tokens:e.token_end - decode_tokens], out[e.token_start:e.token_end]
+            if joined:
+                self._extend_joined(q_e, cache, e, weights, out_e)
+            else:
+                self._extend(q_e, k_new[local(e)], v_new[local(e)], cache, e, weights, out_e)
+        if p is not None:
+            varlen_attention(q_full[p.token_start - decode_tokens:p.token_end - decode_tokens], k_new[local(p)],
+                             v_new[local(p)], p.cu_seqlens_q, p.cu_seqlens_q, p.max_query_len, p.max_query_len,
+                             causal=True, sm_scale=self.sm_scale, out=out[p.token_start:p.token_end])
         return out
+
+    def _joins_tail(self, e: ExtendMetadata, cache: MLACache, kv_c: torch.Tensor) -> bool:
+        """Whether the extends' new tokens are read back from the cache with the last chunk: the cache holds
+        the model's dtype, so its rows are the step's ``[kv_c | rope(k_pe)]`` bit for bit."""
+        return self.join_extend_tail and e.tail is not None and cache.kv_cache.dtype == kv_c.dtype
 
     # -- pieces ----------------------------------------------------------------------------------------
     def _kv_scale(self, cache: MLACache):
@@ -220,19 +236,40 @@ class MLABackendBase(AttentionBackend):
         values = torch.matmul(latent.unsqueeze(0), weights.w_uv).transpose(0, 1)  # [n, H, V] strided view
         return keys, values
 
+    def _extend_joined(self, q, cache, e: ExtendMetadata, weights, out):
+        """Chunks before the last as in :meth:`_extend`; the last gathered with the new tokens' rows and
+        attended in one causal launch (query ``i`` at ``context_len + i``); one chunk needs no merge."""
+        workspace = torch.empty(max(e.workspace_tokens, e.tail_tokens), self.spec.mla.cache_width, dtype=q.dtype,
+                                device=q.device)
+        acc = lse = None
+        for chunk in e.chunks[:-1]:
+            part, part_lse = self._chunk(q, cache, e, chunk, workspace, weights, causal=False)
+            acc, lse = (part, part_lse) if acc is None else merge_states(acc, lse, part, part_lse)
+        if acc is None:
+            self._chunk(q, cache, e, e.tail, workspace, weights, causal=True, out=out)
+            return
+        part, part_lse = self._chunk(q, cache, e, e.tail, workspace, weights, causal=True)
+        merge_states(acc, lse, part, part_lse, out=out)
+
+    def _chunk(self, q, cache, e: ExtendMetadata, chunk, workspace, weights, *, causal: bool, out=None):
+        """Gather one chunk's latent rows, up-project them and attend the extends' queries to them: with the
+        LSE (for a merge) unless ``out`` is given."""
+        lat = self.spec.mla.kv_lora_rank
+        gather_mla_cache(cache.kv_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
+                         kv_scale=self._kv_scale(cache), out=workspace)
+        k_ctx, v_ctx = self._up_project(workspace[:, :lat], workspace[:, lat:], weights)
+        return varlen_attention(q, k_ctx, v_ctx, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
+                                chunk.max_len, causal=causal, sm_scale=self.sm_scale,
+                                q_positions_start=chunk.q_positions_start, return_lse=out is None, out=out)
+
     def _extend(self, q, k_new, v_new, cache, e: ExtendMetadata, weights, out):
+        """The new tokens' causal pass over their own keys (with LSE), merged with each context chunk's."""
         acc, lse = varlen_attention(q, k_new, v_new, e.cu_seqlens_q, e.cu_seqlens_q, e.max_query_len,
                                     e.max_query_len, causal=True, sm_scale=self.sm_scale, return_lse=True)
         if not e.chunks:
             out.copy_(acc)
             return
-        lat = self.spec.mla.kv_lora_rank
         workspace = torch.empty(e.workspace_tokens, self.spec.mla.cache_width, dtype=q.dtype, device=q.device)
         for i, chunk in enumerate(e.chunks):
-            gather_mla_cache(cache.kv_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
-                             kv_scale=self._kv_scale(cache), out=workspace)
-            k_ctx, v_ctx = self._up_project(workspace[:, :lat], workspace[:, lat:], weights)
-            part, part_lse = varlen_attention(q, k_ctx, v_ctx, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
-                                              chunk.max_len, causal=False, sm_scale=self.sm_scale,
-                                              q_positions_start=chunk.q_positions_start, return_lse=True)
+            part, part_lse = self._chunk(q, cache, e, chunk, workspace, weights, causal=False)
             acc, lse = merge_states(acc, lse, part, part_lse, out=out if i == len(e.chunks) - 1 else None)
