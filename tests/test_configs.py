@@ -29,6 +29,16 @@ def test_prefill_tiles():
     assert "TMA" not in varlen_config(H200, 128, 2, 8192, tma=False)
 
 
+def test_wide_heads():
+    """MLA's non-absorbed prefill (keys 192 wide, values 128, 16-bit) takes 128x64 tiles on Hopper; 256-wide
+    values, fp32 and other GPUs keep the narrow tiles."""
+    mla_prefill = varlen_config(H200, 192, 2, 4608, head_size_v=128)
+    assert (mla_prefill["BLOCK_M"], mla_prefill["BLOCK_N"], mla_prefill["num_stages"]) == (128, 64, 3)
+    for cfg in (varlen_config(H200, 256, 2, 4096), varlen_config(H200, 192, 4, 4096, head_size_v=128),
+                varlen_config(MI300X, 192, 2, 4096, head_size_v=128)):
+        assert cfg["BLOCK_N"] <= 32
+
+
 def test_mla_many_heads_split_the_values():
     cfg = mla_decode_config(H200, 128, 512, 2)
     assert cfg["V_PARTS"] == 2 and cfg["BLOCK_H"] == 128 and cfg["PROGRAMS_PER_SM"] == 1

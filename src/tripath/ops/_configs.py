@@ -17,7 +17,7 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
 
 
 def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqlen_k: int = 8192,
-                  tma: bool = True, causal_tiles: int | None = None) -> dict:
+                  tma: bool = True, causal_tiles: int | None = None, head_size_v: int | None = None) -> dict:
     """Prefill tiles. H200 sweeps (2026-11-29, 32/8/128 bf16): with tensor-descriptor loads (``TMA``),
     128×128 tiles, 8 warps, 3 stages when there are many keys per query tile (causal: 554 TF/s at
     1 × 8192, 413 at 8 × 2048; non-causal 8 × (512 × 4096): 557); 64×64, 4 warps, 3 stages when requests
@@ -25,7 +25,10 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
     128-row tiles (``causal_tiles`` = requests × 128-row query tiles × heads), where the uneven causal
     programs leave the last waves ragged (2 × 2048: 178 µs against 192). ``tma=False`` gives the
     pointer-load configuration, used when the keys' strides rule descriptors out (128-wide key tiles spill
-    there; 128×64, 3 stages: 458 TF/s)."""
+    there; 128×64, 3 stages: 458 TF/s). ``head_size`` is the larger of the query/key and value head sizes,
+    ``head_size_v`` the value's (default: the same). MLA's non-absorbed prefill and extend (keys 192 wide,
+    values 128, 16-bit): 128×64 tiles, 8 warps, 3 stages on Hopper (H200, 2026-11-29, 128 heads, 4 × 512
+    queries on 4608 keys: 1858 µs against 7347 with the 64×32 tiles that 256-wide heads need)."""
     if platform.backend == "cpu":
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:  # one wave per SIMD: the whole register file, so no spills with every feature on
@@ -33,6 +36,8 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
             return {"BLOCK_M": 64, "BLOCK_N": 32, **_amd(4, 2, 1)}
         return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 1)}
     if head_size > 128:
+        if platform.is_hopper and elem_bytes == 2 and head_size <= 256 and (head_size_v or head_size) <= 128:
+            return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     few_causal_tiles = causal_tiles is not None and causal_tiles < 12 * platform.num_sms
     if max_seqlen_k <= 1024 or head_size <= 64 or (few_causal_tiles and platform.is_hopper):

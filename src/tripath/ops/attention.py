@@ -106,12 +106,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     config_args = (current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(), int(max_seqlen_k))
     causal_tiles = None if concurrent else _causal_tiles(causal, num_seqs, int(max_seqlen_q), int(max_seqlen_k),
                                                          q.shape[1])
-    cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles))
+    cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles, head_size_v=v.shape[2]))
     even_d = q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2])
     use_tma = cfg.pop("TMA", False)
     k_desc, v_desc = _kv_descriptors(k, v, cfg["BLOCK_N"]) if use_tma and even_d else (k, v)
     if use_tma and k_desc is k:  # descriptors ruled out: the pointer-load configuration
-        cfg = dict(_configs.varlen_config(*config_args, tma=False, causal_tiles=causal_tiles))
+        cfg = dict(_configs.varlen_config(*config_args, tma=False, causal_tiles=causal_tiles,
+                                          head_size_v=v.shape[2]))
         cfg.pop("TMA", None)
     block_m = cfg.pop("BLOCK_M")
     dummy = cu_seqlens_q
