@@ -8,19 +8,37 @@ can explain itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
 from tripath import _env
-from tripath.attention.metadata import AttentionMetadata, build_metadata
+from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, build_metadata
 from tripath.attention.planner import BatchPlan, plan_batch
 from tripath.attention.spec import AttentionSpec, KVCache
 from tripath.ops._checks import MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from tripath.ops import merge_states
 from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache
 from tripath.platform import fp8_dtype, current_platform
 
 ALL_FEATURES = frozenset({"window", "softcap", "alibi", "sinks", "fp8_kv"})
+
+
+def attend_joined_chunks(e: ExtendMetadata, attend: Callable[..., object], out: torch.Tensor) -> None:
+    """The extends' context chunks with the last one joined to their new tokens (``e.tail``).
+
+    ``attend(chunk, causal=..., out=None)`` gathers one chunk and attends the extends' queries to it,
+    returning ``(part, lse)``, or writing into ``out`` when given. Chunks before the last run non-causal
+    and merge by LSE; the tail runs causal and, when it is the only chunk, writes ``out`` directly."""
+    acc = lse = None
+    for chunk in e.chunks[:-1]:
+        part, part_lse = attend(chunk, causal=False)
+        acc, lse = (part, part_lse) if acc is None else merge_states(acc, lse, part, part_lse)
+    if acc is None:
+        attend(e.tail, causal=True, out=out)
+        return
+    part, part_lse = attend(e.tail, causal=True)
+    merge_states(acc, lse, part, part_lse, out=out)
 
 
 @dataclass(frozen=True)

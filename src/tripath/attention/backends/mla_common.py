@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from tripath.attention.backends.base import AttentionBackend, Capabilities
+from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
 from tripath.attention.spec import MLACache, MLALayerWeights
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
@@ -241,15 +241,8 @@ class MLABackendBase(AttentionBackend):
         attended in one causal launch (query ``i`` at ``context_len + i``); one chunk needs no merge."""
         workspace = torch.empty(max(e.workspace_tokens, e.tail_tokens), self.spec.mla.cache_width, dtype=q.dtype,
                                 device=q.device)
-        acc = lse = None
-        for chunk in e.chunks[:-1]:
-            part, part_lse = self._chunk(q, cache, e, chunk, workspace, weights, causal=False)
-            acc, lse = (part, part_lse) if acc is None else merge_states(acc, lse, part, part_lse)
-        if acc is None:
-            self._chunk(q, cache, e, e.tail, workspace, weights, causal=True, out=out)
-            return
-        part, part_lse = self._chunk(q, cache, e, e.tail, workspace, weights, causal=True)
-        merge_states(acc, lse, part, part_lse, out=out)
+        attend_joined_chunks(e, lambda chunk, causal, out=None: self._chunk(q, cache, e, chunk, workspace, weights,
+                                                                            causal=causal, out=out), out)
 
     def _chunk(self, q, cache, e: ExtendMetadata, chunk, workspace, weights, *, causal: bool, out=None):
         """Gather one chunk's latent rows, up-project them and attend the extends' queries to them: with the

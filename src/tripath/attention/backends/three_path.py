@@ -31,7 +31,7 @@ import contextlib
 
 import torch
 
-from tripath.attention.backends.base import AttentionBackend, Capabilities
+from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
 from tripath.attention.spec import KVCache
 from tripath.ops import gather_kv_cache, merge_states, paged_decode, unified_attention, varlen_attention
@@ -124,17 +124,14 @@ class ThreePathBackend(AttentionBackend):
         the cache, bit-identical there when the cache has the keys' dtype) and attended in one causal launch
         (query ``i`` of an extend sits at ``context_len + i``, bottom-right in the joined keys). One chunk (the
         usual case) is a single gather and a single launch written straight into ``out``, with no merge."""
-        q_e, out_e = q[e.token_start:e.token_end], out[e.token_start:e.token_end]
+        q_e = q[e.token_start:e.token_end]
         ws_k, ws_v = self._workspace(q, max(e.workspace_tokens, e.tail_tokens))
-        acc = lse = None
-        for chunk in e.chunks[:-1]:
-            part, part_lse = self._chunk(q_e, cache, e, chunk, ws_k, ws_v, causal=False, **dict(opts, sinks=None))
-            acc, lse = (part, part_lse) if acc is None else merge_states(acc, lse, part, part_lse)
-        if acc is None:
-            self._chunk(q_e, cache, e, e.tail, ws_k, ws_v, causal=True, out=out_e, **opts)
-            return
-        part, part_lse = self._chunk(q_e, cache, e, e.tail, ws_k, ws_v, causal=True, **opts)
-        merge_states(acc, lse, part, part_lse, out=out_e)
+
+        def attend(chunk, *, causal: bool, out=None):
+            chunk_opts = opts if chunk is e.tail else dict(opts, sinks=None)  # sinks once, with the new tokens
+            return self._chunk(q_e, cache, e, chunk, ws_k, ws_v, causal=causal, out=out, **chunk_opts)
+
+        attend_joined_chunks(e, attend, out[e.token_start:e.token_end])
 
     def _workspace(self, q, tokens: int):
         shape = (tokens, self.spec.num_kv_heads)
