@@ -166,6 +166,36 @@ def test_decode_step_launches():
                         "mla_decode_kernel"]
 
 
+def test_non_absorbed_attention_scores_the_rotary_part_separately():
+    """Prefill and extend attention take ``[q_nope | q_pe]`` and ``[k_nope | k_pe]`` as two parts (no
+    concatenated copy, no padding of 192-wide heads): every varlen launch has the rotary part, 32 + 16
+    wide for the small spec."""
+    spec = mla_spec()
+    step = make_mla_step(spec, BATCHES["mixed"])
+    with capture_launches() as records:
+        run_mla(select_backend(spec, "mla", DEVICE), step)
+    varlen = [r.kwargs for r in records if r.name == "varlen_attention_kernel"]
+    assert varlen and all(kw["HAS_ROPE"] and kw["BLOCK_DK"] == 32 and kw["BLOCK_DR"] == 16 for kw in varlen)
+
+
+def test_layer_weights_share_one_up_projection_matrix():
+    """``w_uk`` and ``w_uv`` are views of one ``kv_b [H·(P+V), L]``: no copy from a ``kv_b_proj`` weight, one
+    copy from separate tensors, the same values either way; bad shapes are refused."""
+    heads, p_dim, v_dim, lat = 3, 4, 5, 6
+    weight = torch.randn(heads * (p_dim + v_dim), lat)
+    w = MLALayerWeights.from_kv_b_proj(weight, heads, p_dim)
+    assert w.kv_b.data_ptr() == weight.data_ptr() and torch.equal(w.kv_b, weight)
+    per_head = weight.view(heads, p_dim + v_dim, lat)
+    assert torch.equal(w.w_uk, per_head[:, :p_dim]) and torch.equal(w.w_uv, per_head[:, p_dim:].transpose(1, 2))
+    copied = MLALayerWeights(w.w_uk.contiguous(), w.w_uv.contiguous())
+    assert copied.kv_b.data_ptr() != weight.data_ptr() and torch.equal(copied.kv_b, weight)
+    assert copied.w_uk.data_ptr() == copied.kv_b.data_ptr()
+    with pytest.raises(ValueError, match="w_uv must be"):
+        MLALayerWeights(w.w_uk, torch.randn(heads, lat + 1, v_dim))
+    with pytest.raises(ValueError, match="kv_b_proj weight"):
+        MLALayerWeights.from_kv_b_proj(weight[:-1], heads, p_dim)
+
+
 def test_guard_reasons():
     spec = mla_spec()
     step = make_mla_step(spec, BATCHES["prefill_only"])

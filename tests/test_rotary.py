@@ -33,7 +33,8 @@ def cos_sin_cache(cos, sin):
 
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("heads,head_size,rot", [((4, 2), 64, 64), ((3, 1), 96, 32), ((16, 16), 192, 64)])
+@pytest.mark.parametrize("heads,head_size,rot", [((4, 2), 64, 64), ((3, 1), 96, 32), ((16, 16), 192, 64),
+                                                 ((40, 1), 64, 64), ((4, 20), 32, 32)])  # several head blocks
 def test_rotary_matches_complex_rotation(is_neox, dtype, heads, head_size, rot):
     num_tokens = 9
     cos, sin = rope_cos_sin(50, rot, base=500.0, device=DEVICE)

@@ -107,20 +107,26 @@ def test_tensor_descriptor_path(monkeypatch, opts):
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
-def test_tensor_descriptor_falls_back_when_heads_are_not_contiguous(monkeypatch):
+@pytest.mark.parametrize("misaligned", [False, True], ids=["strided-heads", "misaligned-fallback"])
+def test_tensor_descriptor_strided_heads_and_fallback(monkeypatch, misaligned):
+    """Heads strided in their rows (keys and values interleaved per head, as MLA's up-projection
+    ``[k_nope | v]`` leaves them) go through descriptors; a base off the 16-byte grid falls back to pointer
+    loads. Both agree with the reference."""
     from tripath.ops import _configs
     from tripath.ops._launch import capture_launches
 
     base = _configs.varlen_config
     monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": True})
-    q = torch.randn(4, 2, 32, dtype=torch.float16, device=DEVICE)
-    kv = torch.randn(4, 2, 2, 32, dtype=torch.float16, device=DEVICE)  # [T, 2 (k|v), H, D]
+    q = torch.randn(9, 2, 32, dtype=torch.float16, device=DEVICE)
+    rows = torch.randn(9, 2 * 2 * 32 + 8, dtype=torch.float16, device=DEVICE)
+    kv = rows[:, int(misaligned):int(misaligned) + 128].view(9, 2, 2, 32)  # [T, H, (k|v), D]
     k, v = kv[:, :, 0], kv[:, :, 1]  # head stride 64 != 32
+    cq = cu_seqlens([4, 5], DEVICE)
     with capture_launches() as records:
-        varlen_attention(q, k, v, cu_seqlens([4], DEVICE), cu_seqlens([4], DEVICE), 4, 4)
-    assert records[0].kwargs["USE_TMA"] is False
-    got = varlen_attention(q, k, v, cu_seqlens([4], DEVICE), cu_seqlens([4], DEVICE), 4, 4)
-    want = R.varlen_attention_ref(q, k, v, cu_seqlens([4], DEVICE), cu_seqlens([4], DEVICE))
+        varlen_attention(q, k, v, cq, cq, 5, 5)
+    assert records[0].kwargs["USE_TMA"] is not misaligned
+    got = varlen_attention(q, k, v, cq, cq, 5, 5)
+    want = R.varlen_attention_ref(q, k, v, cq, cq)
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
@@ -143,3 +149,69 @@ def test_tile_choice_counts_causal_tiles_only_where_they_decide_it(monkeypatch):
         varlen_attention(q, kv[:600], kv[:600], cq, c_self, 300, 300, concurrent=True)
         varlen_attention(q, kv[:600], kv[:600], cq, c_self, 300, 300, causal=False)
     assert seen == [2 * 3 * 4, None, None, None]  # 2 requests x 3 tiles of 128 rows x 4 heads
+
+
+# (num_heads, num_kv_heads, head_size, rope width, rotary key heads, query lens, key lens, options, TMA)
+ROPE_CASES = [
+    (4, 4, 64, 32, 1, [5, 17], [5, 40], {}, False),  # MLA: one rotary key shared by every head
+    (4, 2, 32, 16, 2, [9], [9], {"window_left": 3, "alibi": True}, False),  # a rotary key per KV head
+    (2, 2, 64, 32, 1, [6, 1], [30, 13], {"causal": False, "softcap": 2.0, "sinks": True}, False),
+    (4, 4, 64, 32, 1, [7, 16, 3], [23, 16, 37], {}, True),  # descriptors; k_rope a column slice
+]
+
+
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: f"h{c[0]}/{c[1]}-r{c[3]}x{c[4]}{'-tma' if c[8] else ''}")
+def test_rotary_part_scores_as_the_concatenation(monkeypatch, case):
+    """``q_rope``/``k_rope`` add ``q_rope · k_rope`` to the scores: the same attention as the concatenated
+    ``[q | q_rope]`` and ``[k | k_rope]`` (broadcast over heads when shared), default scale included; the
+    rotary keys are a column slice of a latent-style workspace row, as the MLA backends pass them."""
+    from tripath.ops import _configs
+    from tripath.ops._launch import capture_launches
+
+    hq, hkv, d, r, hr, lq, lk, opts, tma = case
+    if tma:
+        base = _configs.varlen_config
+        monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": True})
+    dtype = torch.float16
+    tk = sum(lk)
+    q = torch.randn(sum(lq), hq, d, dtype=dtype, device=DEVICE)
+    q_rope = torch.randn(sum(lq), hq, r, dtype=dtype, device=DEVICE)
+    k = torch.randn(tk, hkv, d, dtype=dtype, device=DEVICE)
+    v = torch.randn(tk, hkv, d, dtype=dtype, device=DEVICE)
+    workspace = torch.randn(tk + 4, 64 + hr * r, dtype=dtype, device=DEVICE)
+    workspace[tk:] = float("nan")
+    k_rope = workspace[:, 64:].view(-1, hr, r)
+    kw = dict(causal=opts.get("causal", True), window_left=opts.get("window_left", -1),
+              softcap=opts.get("softcap", 0.0),
+              alibi_slopes=torch.rand(hq, device=DEVICE) if opts.get("alibi") else None,
+              sinks=torch.randn(hq, device=DEVICE) if opts.get("sinks") else None)
+    cq, ck = cu_seqlens(lq, DEVICE), cu_seqlens(lk, DEVICE)
+    out = poison((sum(lq), hq, d), dtype, DEVICE)
+    with capture_launches() as records:
+        varlen_attention(q, k, v, cq, ck, max(lq), max(lk), q_rope=q_rope, k_rope=k_rope[:tk], **kw)
+    assert records[0].kwargs["HAS_ROPE"] is True and records[0].kwargs["USE_TMA"] is tma
+    got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), q_rope=q_rope, k_rope=k_rope[:tk], out=out,
+                                return_lse=True, **kw)
+    q_cat = torch.cat([q, q_rope], dim=-1)
+    k_cat = torch.cat([k, k_rope[:tk].expand(-1, hkv, -1)], dim=-1)
+    want, want_lse = R.varlen_attention_ref(q_cat, k_cat, v, cq, ck, return_lse=True, **kw)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_rotary_part_errors():
+    q = torch.randn(4, 2, 32, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(4, 2, 32, dtype=torch.float16, device=DEVICE)
+    cq = cu_seqlens([4], DEVICE)
+    args = (q, k, k, cq, cq, 4, 4)
+    with pytest.raises(ValueError, match="q_rope and k_rope must be given together"):
+        varlen_attention(*args, q_rope=torch.randn(4, 2, 16, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="k_rope must have 1 head"):
+        varlen_attention(*args, q_rope=torch.randn(4, 2, 16, dtype=torch.float16, device=DEVICE),
+                         k_rope=torch.randn(4, 3, 16, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="rotary part's width"):
+        varlen_attention(*args, q_rope=torch.randn(4, 2, 8, dtype=torch.float16, device=DEVICE),
+                         k_rope=torch.randn(4, 1, 8, dtype=torch.float16, device=DEVICE))
+    with pytest.raises(ValueError, match="k_rope"):
+        varlen_attention(*args, q_rope=torch.randn(4, 2, 16, dtype=torch.float16, device=DEVICE),
+                         k_rope=torch.randn(4, 1, 32, dtype=torch.float16, device=DEVICE))

@@ -154,9 +154,44 @@ class RotaryTables:
 class MLALayerWeights:
     """The absorbed/up-projection weights of one MLA layer, split once from ``kv_b_proj``:
     ``w_uk [H, P, L]`` (``k_nope = W_UK · kv_c``) and ``w_uv [H, L, V]`` (``v = kv_c · W_UV``);
-    ``rotary`` None for NoPE models."""
+    ``rotary`` None for NoPE models.
+
+    Both are views of one ``kv_b [H · (P + V), L]`` matrix in the layout of the model's ``kv_b_proj``
+    weight (head ``h``'s rows: its ``P`` key rows, then its ``V`` value rows), so the non-absorbed
+    up-projection is a single matmul, ``latent @ kv_b.T`` → ``[n, H, P + V]``. Given as views of such a
+    matrix (:meth:`from_kv_b_proj`) nothing is copied; otherwise the two are copied into one once, here."""
 
     w_uk: torch.Tensor
     w_uv: torch.Tensor
     rotary: RotaryTables | None = None
     q_scale: torch.Tensor | None = field(default=None)
+    kv_b: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.w_uk.dim() != 3 or self.w_uv.dim() != 3:
+            raise ValueError(f"w_uk must be [H, P, L] and w_uv [H, L, V], got shapes {tuple(self.w_uk.shape)} "
+                             f"and {tuple(self.w_uv.shape)}")
+        heads, p_dim, lat = self.w_uk.shape
+        if self.w_uv.shape[:2] != (heads, lat):
+            raise ValueError(f"w_uv must be [H={heads}, L={lat}, V] to match w_uk, got {tuple(self.w_uv.shape)}")
+        if self.w_uv.dtype != self.w_uk.dtype or self.w_uv.device != self.w_uk.device:
+            raise ValueError("w_uk and w_uv must share a dtype and a device")
+        v_dim = self.w_uv.shape[2]
+        rows = p_dim + v_dim
+        elem = self.w_uk.element_size()
+        if not (self.w_uk.stride() == (rows * lat, lat, 1) and self.w_uv.stride() == (rows * lat, 1, lat)
+                and self.w_uv.data_ptr() == self.w_uk.data_ptr() + p_dim * lat * elem):
+            kv_b = torch.empty(heads, rows, lat, dtype=self.w_uk.dtype, device=self.w_uk.device)
+            kv_b[:, :p_dim] = self.w_uk
+            kv_b[:, p_dim:] = self.w_uv.transpose(1, 2)
+            self.w_uk, self.w_uv = kv_b[:, :p_dim], kv_b[:, p_dim:].transpose(1, 2)
+        self.kv_b = self.w_uk.as_strided((heads * rows, lat), (lat, 1))
+
+    @classmethod
+    def from_kv_b_proj(cls, weight: torch.Tensor, num_heads: int, qk_nope_head_dim: int, **kwargs):
+        """Views of a ``kv_b_proj`` weight ``[H · (P + V), L]`` (no copy)."""
+        if weight.dim() != 2 or weight.shape[0] % num_heads or not weight.is_contiguous():
+            raise ValueError(f"kv_b_proj weight must be a contiguous [H * (P + V), L] matrix with H={num_heads}, "
+                             f"got shape {tuple(weight.shape)}")
+        kv_b = weight.view(num_heads, weight.shape[0] // num_heads, weight.shape[1])
+        return cls(w_uk=kv_b[:, :qk_nope_head_dim], w_uv=kv_b[:, qk_nope_head_dim:].transpose(1, 2), **kwargs)

@@ -44,9 +44,9 @@ def rotate_pairs(x1, x2, cos, sin):
 
 
 @triton.jit
-def _rotate_heads_in_place(x_ptr, token, stride_t, stride_h, num_heads, cos, sin, d1, d2, pair_ok,
-                           BLOCK_HEADS: tl.constexpr):
-    heads = tl.arange(0, BLOCK_HEADS)
+def _rotate_heads_in_place(x_ptr, token, stride_t, stride_h, first_head, num_heads, cos, sin, d1, d2, pair_ok,
+                           BLOCK_H: tl.constexpr):
+    heads = first_head + tl.arange(0, BLOCK_H)
     mask = (heads[:, None] < num_heads) & pair_ok[None, :]
     base = x_ptr + token.to(tl.int64) * stride_t + heads[:, None] * stride_h
     x1 = tl.load(base + d1[None, :], mask=mask, other=0.0)
@@ -61,17 +61,20 @@ def rotary_embedding_kernel(
     positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cos, stride_sin,
     num_q_heads, num_k_heads, half, max_position,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    IS_NEOX: tl.constexpr, HAS_K: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr, HAS_K: tl.constexpr,
 ):
-    """Program ``t`` rotates every head of token ``t`` of ``q [T, Hq, D]`` (and ``k [T, Hk, D]``) with the
-    ``[max_position, R/2]`` cos and sin tables (possibly the two halves of one ``[max_position, R]``)."""
+    """Program ``(t, b)`` rotates heads ``[b · BLOCK_H, (b + 1) · BLOCK_H)`` of token ``t`` of
+    ``q [T, Hq, D]`` (and of ``k [T, Hk, D]``) with the ``[max_position, R/2]`` cos and sin tables (possibly
+    the two halves of one ``[max_position, R]``)."""
     token = tl.program_id(0)
+    first_head = tl.program_id(1) * BLOCK_H
     pair, d1, d2, pair_ok = rope_pair_dims(BLOCK_HALF, half, IS_NEOX)
     cos, sin = load_cos_sin(positions_ptr, token, max_position, cos_ptr, sin_ptr, stride_cos, stride_sin,
                             pair, pair_ok)
-    _rotate_heads_in_place(q_ptr, token, stride_q_t, stride_q_h, num_q_heads, cos, sin, d1, d2, pair_ok,
-                           BLOCK_HQ)
+    if first_head < num_q_heads:
+        _rotate_heads_in_place(q_ptr, token, stride_q_t, stride_q_h, first_head, num_q_heads, cos, sin, d1, d2,
+                               pair_ok, BLOCK_H)
     if HAS_K:
-        _rotate_heads_in_place(k_ptr, token, stride_k_t, stride_k_h, num_k_heads, cos, sin, d1, d2, pair_ok,
-                               BLOCK_HK)
+        if first_head < num_k_heads:
+            _rotate_heads_in_place(k_ptr, token, stride_k_t, stride_k_h, first_head, num_k_heads, cos, sin, d1,
+                                   d2, pair_ok, BLOCK_H)

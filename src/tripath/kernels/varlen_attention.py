@@ -5,8 +5,14 @@ keys, online softmax in the log2 domain. The key range is cut into masked edge t
 tiles so the inner loop carries no mask. Query ``i`` of a request sits at position ``q_start + i`` in key
 coordinates, ``q_start = seqlen_k - seqlen_q`` (bottom-right) unless given per request.
 
-With ``USE_TMA`` (Hopper) key and value tiles come through tensor descriptors over the ``[Tk, Hkv · D]``
-matrices (heads contiguous, power-of-two head sizes); otherwise through pointer loads.
+With ``USE_TMA`` (Hopper) key and value tiles come through tensor descriptors over the keys' and values'
+rows as ``[Tk, ·]`` matrices, head ``h`` starting at column ``h · stride_h`` (power-of-two head sizes);
+otherwise through pointer loads.
+
+With ``HAS_ROPE`` the scores have a second part: ``s = q · k + q_rope · k_rope`` with ``q_rope [Tq, Hq, R]``
+and ``k_rope [Tk, Hr, R]``, ``Hr`` either the KV heads or one head shared by all (MLA's decoupled rotary
+key). The two products accumulate into one score tile, so MLA's 128 + 64 query/key dims need neither a
+concatenated copy nor padding to 256.
 """
 
 import triton
@@ -17,12 +23,13 @@ from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, score_
 
 
 @triton.jit
-def _load_k(k_base, k_desc, desc_row, start, stride_k_t, k_pos, seqlen_k, dims_k, kv_head, head_size,
+def _load_k(k_base, k_desc, desc_row, desc_col, start, stride_k_t, k_pos, seqlen_k, dims_k, head_size,
             MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
     """Keys of positions ``k_pos = start + [0, BLOCK_N)``, transposed: ``[Dk, BLOCK_N]`` (zeros past the
-    request with pointer loads; descriptor tiles may hold the next request's keys there)."""
+    request with pointer loads; descriptor tiles, from column ``desc_col``, may hold the next request's
+    keys there)."""
     if USE_TMA:
-        return tl.trans(k_desc.load([desc_row + start, kv_head * head_size]))
+        return tl.trans(k_desc.load([desc_row + start, desc_col]))
     k_ptrs = k_base + k_pos[None, :].to(tl.int64) * stride_k_t + dims_k[:, None]
     if MASK:
         return tl.load(k_ptrs, mask=(k_pos[None, :] < seqlen_k) & (dims_k[:, None] < head_size), other=0.0)
@@ -32,11 +39,11 @@ def _load_k(k_base, k_desc, desc_row, start, stride_k_t, k_pos, seqlen_k, dims_k
 
 
 @triton.jit
-def _load_v(v_base, v_desc, desc_row, start, stride_v_t, k_pos, seqlen_k, dims_v, kv_head, head_size_v,
+def _load_v(v_base, v_desc, desc_row, desc_col, start, stride_v_t, k_pos, seqlen_k, dims_v, head_size_v,
             MASK: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
     """Values of positions ``k_pos``: ``[BLOCK_N, Dv]``, rows past the request zeroed when ``MASK``."""
     if USE_TMA:
-        v = v_desc.load([desc_row + start, kv_head * head_size_v])
+        v = v_desc.load([desc_row + start, desc_col])
         if MASK:
             v = tl.where(k_pos[:, None] < seqlen_k, v, 0.0)
         return v
@@ -49,37 +56,45 @@ def _load_v(v_base, v_desc, desc_row, start, stride_v_t, k_pos, seqlen_k, dims_v
 
 
 @triton.jit
-def _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, desc_row, stride_k_t, stride_v_t,
-              q_pos, slope2, lo, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v, kv_head,
-              head_size, head_size_v, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-              EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
-    """Key tiles ``[lo, hi)`` (``MASK``: edge tiles, masked scores and zeroed value rows)."""
+def _key_loop(acc, m_i, l_i, q, q_r, k_base, v_base, kr_base, k_desc, v_desc, kr_desc, desc_row, stride_k_t,
+              stride_v_t, stride_kr_t, q_pos, slope2, lo, hi, seqlen_k, qk_scale, softcap, window_left, dims_k,
+              dims_v, dims_r, k_col, v_col, kr_col, head_size, head_size_v, rope_size, BLOCK_N: tl.constexpr,
+              MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_ALIBI: tl.constexpr, HAS_ROPE: tl.constexpr, EVEN_D: tl.constexpr, USE_TMA: tl.constexpr):
+    """Key tiles ``[lo, hi)`` (``MASK``: edge tiles, masked scores and zeroed value rows). ``k_col``,
+    ``v_col``, ``kr_col``: the KV head's first column in the descriptors' ``[Tk, ·]`` matrices."""
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + offs_n
-        k = _load_k(k_base, k_desc, desc_row, start, stride_k_t, k_pos, seqlen_k, dims_k, kv_head, head_size,
+        k = _load_k(k_base, k_desc, desc_row, k_col, start, stride_k_t, k_pos, seqlen_k, dims_k, head_size,
                     MASK, EVEN_D, USE_TMA)
-        v = _load_v(v_base, v_desc, desc_row, start, stride_v_t, k_pos, seqlen_k, dims_v, kv_head,
-                    head_size_v, MASK, EVEN_D, USE_TMA)
+        v = _load_v(v_base, v_desc, desc_row, v_col, start, stride_v_t, k_pos, seqlen_k, dims_v, head_size_v,
+                    MASK, EVEN_D, USE_TMA)
+        qk = tl.dot(q, k)
+        if HAS_ROPE:
+            k_r = _load_k(kr_base, kr_desc, desc_row, kr_col, start, stride_kr_t, k_pos, seqlen_k, dims_r,
+                          rope_size, MASK, EVEN_D, USE_TMA)
+            qk = tl.dot(q_r, k_r, qk)
         if MASK or HAS_SOFTCAP or HAS_ALIBI:
-            s = score_mods(tl.dot(q, k), q_pos, k_pos, seqlen_k, slope2, qk_scale, softcap, window_left,
+            s = score_mods(qk, q_pos, k_pos, seqlen_k, slope2, qk_scale, softcap, window_left,
                            MASK, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
             m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, MASK)
         else:
-            m_i, l_i, acc = softmax_update_raw(tl.dot(q, k), qk_scale, v, m_i, l_i, acc)
+            m_i, l_i, acc = softmax_update_raw(qk, qk_scale, v, m_i, l_i, acc)
     return acc, m_i, l_i
 
 
 @triton.jit
 def varlen_attention_kernel(
-    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, qr_ptr, kr_ptr, kr_desc, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, alibi_ptr, sinks_ptr,
     qk_scale, softcap, window_left,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    stride_qr_t, stride_qr_h, stride_kr_t, stride_kr_h,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
-    num_queries_per_kv, head_size, head_size_v,
+    num_queries_per_kv, head_size, head_size_v, rope_size,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DR: tl.constexpr, HAS_ROPE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_Q_START: tl.constexpr, RETURN_LSE: tl.constexpr, EVEN_D: tl.constexpr,
     USE_TMA: tl.constexpr,
@@ -106,6 +121,15 @@ def varlen_attention_kernel(
     q_rows = (q_begin + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + head * stride_q_h + dims_k[None, :],
                 mask=row_ok[:, None] & (dims_k[None, :] < head_size), other=0.0)
+    dims_r = tl.arange(0, BLOCK_DR)
+    k_col = kv_head * stride_k_h  # the head's first column in the [Tk, ·] key, value and rotary key rows
+    v_col = kv_head * stride_v_h
+    kr_col = kv_head * stride_kr_h  # 0 when one rotary key is shared
+    if HAS_ROPE:
+        q_r = tl.load(qr_ptr + q_rows[:, None] * stride_qr_t + head * stride_qr_h + dims_r[None, :],
+                      mask=row_ok[:, None] & (dims_r[None, :] < rope_size), other=0.0)
+    else:
+        q_r = q
     q_pos = q_start + offs_m
     if HAS_ALIBI:
         slope2 = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(alibi_ptr + head).to(tl.float32) * LOG2E
@@ -134,23 +158,24 @@ def varlen_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    k_base = k_ptr + k_begin.to(tl.int64) * stride_k_t + kv_head * stride_k_h
-    v_base = v_ptr + k_begin.to(tl.int64) * stride_v_t + kv_head * stride_v_h
-    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
-                              stride_k_t, stride_v_t, q_pos, slope2,
+    k_base = k_ptr + k_begin.to(tl.int64) * stride_k_t + k_col
+    v_base = v_ptr + k_begin.to(tl.int64) * stride_v_t + v_col
+    kr_base = kr_ptr + k_begin.to(tl.int64) * stride_kr_t + kr_col
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, q_r, k_base, v_base, kr_base, k_desc, v_desc, kr_desc,
+                              k_begin, stride_k_t, stride_v_t, stride_kr_t, q_pos, slope2,
                               full_lo, full_hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                              kv_head, head_size, head_size_v, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              HAS_ALIBI, EVEN_D, USE_TMA)
-    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
-                              stride_k_t, stride_v_t, q_pos, slope2,
+                              dims_r, k_col, v_col, kr_col, head_size, head_size_v, rope_size, BLOCK_N, False, CAUSAL,
+                              HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, EVEN_D, USE_TMA)
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, q_r, k_base, v_base, kr_base, k_desc, v_desc, kr_desc,
+                              k_begin, stride_k_t, stride_v_t, stride_kr_t, q_pos, slope2,
                               lo, full_lo, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                              kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              HAS_ALIBI, EVEN_D, USE_TMA)
-    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, k_base, v_base, k_desc, v_desc, k_begin,
-                              stride_k_t, stride_v_t, q_pos, slope2,
+                              dims_r, k_col, v_col, kr_col, head_size, head_size_v, rope_size, BLOCK_N, True, CAUSAL,
+                              HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, EVEN_D, USE_TMA)
+    acc, m_i, l_i = _key_loop(acc, m_i, l_i, q, q_r, k_base, v_base, kr_base, k_desc, v_desc, kr_desc,
+                              k_begin, stride_k_t, stride_v_t, stride_kr_t, q_pos, slope2,
                               full_hi, hi, seqlen_k, qk_scale, softcap, window_left, dims_k, dims_v,
-                              kv_head, head_size, head_size_v, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP,
-                              HAS_ALIBI, EVEN_D, USE_TMA)
+                              dims_r, k_col, v_col, kr_col, head_size, head_size_v, rope_size, BLOCK_N, True, CAUSAL,
+                              HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, HAS_ROPE, EVEN_D, USE_TMA)
     if HAS_SINKS:
         sink2 = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * LOG2E
         m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)

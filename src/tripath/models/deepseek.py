@@ -46,13 +46,9 @@ class MLAAttention(nn.Module):
         self.weights: MLALayerWeights | None = None  # built by build_weights() once kv_b_proj is loaded
 
     def build_weights(self, rotary) -> None:
-        """Split ``kv_b_proj`` into ``W_UK [H, P, L]`` and ``W_UV [H, L, V]``."""
-        mla = self.mla
-        kv_b = self.kv_b_proj.weight.detach().view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim,
-                                                   mla.kv_lora_rank)
-        w_uk = kv_b[:, :mla.qk_nope_head_dim].contiguous()
-        w_uv = kv_b[:, mla.qk_nope_head_dim:].transpose(1, 2).contiguous()
-        self.weights = MLALayerWeights(w_uk=w_uk, w_uv=w_uv, rotary=rotary)
+        """``W_UK [H, P, L]`` and ``W_UV [H, L, V]`` as views of ``kv_b_proj``'s weight."""
+        self.weights = MLALayerWeights.from_kv_b_proj(self.kv_b_proj.weight.detach(), self.num_heads,
+                                                      self.mla.qk_nope_head_dim, rotary=rotary)
 
     def project_q(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):

@@ -138,5 +138,14 @@ def gather_config(platform: Platform) -> dict:
 
 
 def elementwise_config(platform: Platform) -> dict:
-    """Row copies (cache write, gather) and the in-place rotary embedding."""
+    """Row copies (cache write, gather)."""
     return {"num_warps": 4}
+
+
+def rotary_config(platform: Platform, num_heads: int) -> dict:
+    """In-place rotary embedding: ``BLOCK_H`` heads of one token per program. One program per token with
+    every head (the previous grid) ran 2048 tokens × 128 heads × 64 dims in 289 µs, 234 GB/s (H200)."""
+    block_h = min(16, max(1, 1 << (num_heads - 1).bit_length()))
+    if platform.backend == "cpu":
+        return {"BLOCK_H": block_h, "num_warps": 4}
+    return {"BLOCK_H": block_h, "num_warps": 4}

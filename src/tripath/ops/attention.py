@@ -55,7 +55,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
                      sm_scale: float | None = None, window_left: int = -1, softcap: float = 0.0,
                      alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                     q_positions_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     q_positions_start: torch.Tensor | None = None, q_rope: torch.Tensor | None = None,
+                     k_rope: torch.Tensor | None = None, out: torch.Tensor | None = None,
                      return_lse: bool = False, concurrent: bool = False):
     """Attention of variable-length requests over contiguous keys.
 
@@ -68,6 +69,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     q_positions_start : optional ``[B]`` int32, the position of each request's first query in its key
         coordinates (default ``seqlen_k - seqlen_q``); chunked context uses it so windows and ALiBi see
         true distances.
+    q_rope, k_rope : optional second parts of the queries and keys, ``[Tq, Hq, R]`` and ``[Tk, Hr, R]`` with
+        ``Hr`` = ``Hkv`` or 1 (one rotary key shared by every head, as MLA's): the scores are
+        ``q · k + q_rope · k_rope``, the attention of the concatenations ``[q | q_rope]``, ``[k | k_rope]``
+        without building them; ``sm_scale`` then defaults to ``1/sqrt(Dqk + R)``. ``R`` from 16 to 256.
     concurrent : a scheduling hint: another compute-bound launch runs beside this one (on another stream),
         so the tiles are chosen for throughput even where this launch alone would leave its last waves
         ragged (a causal launch of few tiles).
@@ -92,10 +97,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      shape=(num_seqs,))
     if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
         raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+    rope_size = _check_rope(q, k, q_rope, k_rope)
     out_shape = (q.shape[0], q.shape[1], v.shape[2])
     check_out("out", out, out_shape, q.dtype, device)
-    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2] + rope_size)
     if not use_triton(device):
+        if rope_size:
+            q = torch.cat([q, q_rope], dim=-1)
+            k = torch.cat([k, k_rope.expand(-1, k.shape[1], -1)], dim=-1)
         return reference.varlen_attention_ref(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
             window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
@@ -103,13 +112,20 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
     lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
-    config_args = (current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(), int(max_seqlen_k))
+    if rope_size:
+        q_rope, k_rope = (t if t.stride(2) == 1 else t.contiguous() for t in (q_rope, k_rope))
+    else:
+        q_rope, k_rope = q, k  # unused by the kernel
+    config_args = (current_platform(device), max(q.shape[2] + rope_size, v.shape[2]), q.element_size(),
+                   int(max_seqlen_k))
     causal_tiles = None if concurrent else _causal_tiles(causal, num_seqs, int(max_seqlen_q), int(max_seqlen_k),
                                                          q.shape[1])
     cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles, head_size_v=v.shape[2]))
-    even_d = q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2])
+    even_d = all(d == next_pow2(d) for d in (q.shape[2], v.shape[2], rope_size or 16))
     use_tma = cfg.pop("TMA", False)
-    k_desc, v_desc = _kv_descriptors(k, v, cfg["BLOCK_N"]) if use_tma and even_d else (k, v)
+    k_desc, v_desc, kr_desc = k, v, k_rope
+    if use_tma and even_d:
+        k_desc, v_desc, kr_desc = _kv_descriptors(k, v, k_rope if rope_size else None, cfg["BLOCK_N"])
     if use_tma and k_desc is k:  # descriptors ruled out: the pointer-load configuration
         cfg = dict(_configs.varlen_config(*config_args, tma=False, causal_tiles=causal_tiles,
                                           head_size_v=v.shape[2]))
@@ -118,14 +134,16 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     dummy = cu_seqlens_q
     launch(
         varlen_attention_kernel, (triton_cdiv(max(int(max_seqlen_q), 1), block_m), q.shape[1], num_seqs),
-        q, k, v, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, k_desc, v_desc, q_rope, k_rope, kr_desc, out, lse, cu_seqlens_q, cu_seqlens_k,
         q_positions_start if q_positions_start is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         sm_scale * LOG2E, float(softcap), int(window_left),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q.stride(0), q.stride(1), *_row_strides(k), *_row_strides(v),
+        q_rope.stride(0), q_rope.stride(1), *_row_strides(k_rope),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        group, q.shape[2], v.shape[2],
+        group, q.shape[2], v.shape[2], rope_size,
         BLOCK_M=block_m, BLOCK_DK=next_pow2(q.shape[2]), BLOCK_DV=next_pow2(v.shape[2]),
+        BLOCK_DR=next_pow2(max(rope_size, 16)), HAS_ROPE=rope_size > 0,
         CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None,
         HAS_Q_START=q_positions_start is not None, RETURN_LSE=return_lse,
@@ -145,21 +163,47 @@ def _causal_tiles(causal: bool, num_seqs: int, max_seqlen_q: int, max_seqlen_k: 
     return num_seqs * triton_cdiv(max_seqlen_q, 128) * num_heads
 
 
-def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
-    """Tensor descriptors over keys and values as ``[Tk, Hkv · D]`` matrices with ``[block_n, D]`` tiles,
-    or ``(k, v)`` unchanged when their strides do not allow it (heads not contiguous, rows or bases not
-    16-byte aligned): the kernel then reads through pointers."""
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, k_rope: torch.Tensor | None, block_n: int):
+    """Tensor descriptors over the rows of keys, values (and rotary keys) as ``[Tk, (H − 1) · stride_h + D]``
+    matrices with ``[block_n, D]`` tiles (head ``h`` from column ``h · stride_h``: heads may be strided, as
+    in a packed QKV buffer or MLA's up-projection ``[k_nope | v]``), or the tensors unchanged when their
+    strides do not allow it (overlapping heads, rows or bases not 16-byte aligned): the kernel then reads
+    through pointers."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    tensors = (k, v, k_rope) if k_rope is not None else (k, v)
     descs = []
-    for t in (k, v):
+    for t in tensors:
         rows, heads, dim = t.shape
-        if (t.stride(1) != dim or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
-                or rows == 0):
-            return k, v
-        descs.append(TensorDescriptor(t, shape=[rows, heads * dim], strides=[t.stride(0), 1],
-                                      block_shape=[block_n, dim]))
-    return tuple(descs)
+        row_stride, head_stride = _row_strides(t)
+        cols = (heads - 1) * head_stride + dim
+        if ((heads > 1 and head_stride < dim) or row_stride < cols or (row_stride * t.element_size()) % 16
+                or t.data_ptr() % 16 or rows == 0):
+            return k, v, k_rope if k_rope is not None else k
+        descs.append(TensorDescriptor(t, shape=[rows, cols], strides=[row_stride, 1], block_shape=[block_n, dim]))
+    return descs[0], descs[1], descs[2] if k_rope is not None else k
+
+
+def _row_strides(t: torch.Tensor) -> tuple[int, int]:
+    """``(token stride, head stride)`` of a ``[T, H, D]`` tensor, the head stride 0 for one head (shared)."""
+    return t.stride(0), t.stride(1) if t.shape[1] > 1 else 0
+
+
+def _check_rope(q, k, q_rope, k_rope) -> int:
+    """The rotary part's width ``R`` (0 without one) after checking ``q_rope``/``k_rope`` against q and k."""
+    if q_rope is None and k_rope is None:
+        return 0
+    if q_rope is None or k_rope is None:
+        raise ValueError("q_rope and k_rope must be given together")
+    check_tensor("q_rope", q_rope, ndim=3, dtypes=(q.dtype,), device=q.device, shape=(q.shape[0], q.shape[1], None))
+    check_tensor("k_rope", k_rope, ndim=3, dtypes=(q.dtype,), device=q.device,
+                 shape=(k.shape[0], None, q_rope.shape[2]))
+    if k_rope.shape[1] not in (1, k.shape[1]):
+        raise ValueError(f"k_rope must have 1 head (shared) or k's {k.shape[1]}, got {k_rope.shape[1]}")
+    rope_size = q_rope.shape[2]
+    if not 16 <= rope_size <= 256:
+        raise ValueError(f"the rotary part's width (q_rope.shape[-1]={rope_size}) is not supported: 16 to 256")
+    return rope_size
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -107,13 +107,13 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor |
         return q, k
     half = rotary_dim // 2
     k_arg = k3 if k3 is not None else q3
+    max_heads = max(q3.shape[1], k3.shape[1] if k3 is not None else 0)
+    cfg = dict(_mla_configs.rotary_config(current_platform(device), max_heads))
     launch(
-        rotary_embedding_kernel, (num_tokens,),
+        rotary_embedding_kernel, (num_tokens, -(-max_heads // cfg["BLOCK_H"])),
         positions, q3, k_arg, cos, sin,
         q3.stride(0), q3.stride(1), k_arg.stride(0), k_arg.stride(1), cos.stride(0), sin.stride(0),
-        q3.shape[1], k_arg.shape[1], half, cos.shape[0],
-        BLOCK_HQ=next_pow2(q3.shape[1]), BLOCK_HK=next_pow2(k_arg.shape[1]), BLOCK_HALF=next_pow2(half),
-        IS_NEOX=is_neox, HAS_K=k3 is not None,
-        **_mla_configs.elementwise_config(current_platform(device)),
+        q3.shape[1], k3.shape[1] if k3 is not None else 0, half, cos.shape[0],
+        BLOCK_HALF=next_pow2(half), IS_NEOX=is_neox, HAS_K=k3 is not None, **cfg,
     )
     return q, k

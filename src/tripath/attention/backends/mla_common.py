@@ -136,27 +136,30 @@ class MLABackendBase(AttentionBackend):
             self._decode(q_decode, cache, meta, weights, out[:decode_tokens])
         if meta.extend is None and meta.prefill is None:
             return out
-        rest = slice(decode_tokens, num_tokens)
-        q_full = torch.cat([q_nope[rest], q_pe_rest], dim=-1)  # [T - Td, H, P + R], non-absorbed
+        # Non-absorbed queries ``[q_nope | rope(q_pe)]`` of the other tokens, kept as their two parts (the
+        # attention kernel scores them separately: no concatenated copy).
+        q_rest = (q_nope[decode_tokens:], q_pe_rest)
         e, p = meta.extend, meta.prefill
         joined = e is not None and self._joins_tail(e, cache, kv_c)
         # The new tokens that attend to keys up-projected from the step's inputs: the prefills', and the
         # extends' unless their rows are read back from the cache with the last chunk.
         own = p if joined else (e if e is not None else p)
         if own is not None:
-            k_new, v_new = self._up_project(kv_c[own.token_start:], k_pe_rest[own.token_start - decode_tokens:],
-                                            weights)
-            local = lambda m: slice(m.token_start - own.token_start, m.token_end - own.token_start)  # noqa: E731
+            keys_new = self._up_project(kv_c[own.token_start:], k_pe_rest[own.token_start - decode_tokens:],
+                                        weights)
+            own_rows = lambda m: tuple(t[m.token_start - own.token_start:m.token_end - own.token_start]  # noqa: E731
+                                       for t in keys_new)
+        query_rows = lambda m: tuple(t[m.token_start - decode_tokens:m.token_end - decode_tokens]  # noqa: E731
+                                     for t in q_rest)
         if e is not None:
-            q_e, out_e = q_full[e.token_start - decode_tokens:e.token_end - decode_tokens], out[e.token_start:e.token_end]
+            q_e, out_e = query_rows(e), out[e.token_start:e.token_end]
             if joined:
                 self._extend_joined(q_e, cache, e, weights, out_e)
             else:
-                self._extend(q_e, k_new[local(e)], v_new[local(e)], cache, e, weights, out_e)
+                self._extend(q_e, own_rows(e), cache, e, weights, out_e)
         if p is not None:
-            varlen_attention(q_full[p.token_start - decode_tokens:p.token_end - decode_tokens], k_new[local(p)],
-                             v_new[local(p)], p.cu_seqlens_q, p.cu_seqlens_q, p.max_query_len, p.max_query_len,
-                             causal=True, sm_scale=self.sm_scale, out=out[p.token_start:p.token_end])
+            self._attend(query_rows(p), own_rows(p), p.cu_seqlens_q, p.cu_seqlens_q, p.max_query_len,
+                         p.max_query_len, causal=True, out=out[p.token_start:p.token_end])
         return out
 
     def _joins_tail(self, e: ExtendMetadata, cache: MLACache, kv_c: torch.Tensor) -> bool:
@@ -179,7 +182,7 @@ class MLABackendBase(AttentionBackend):
         """Rotated copies of ``q_pe [n, H, R]`` and ``k_pe [n, R]`` (the inputs as given for NoPE)."""
         if weights.rotary is None or q_pe.shape[0] == 0:
             return q_pe, k_pe
-        q_rot, k_rot = q_pe.contiguous().clone(), k_pe.contiguous().clone()
+        q_rot, k_rot = (t.clone(memory_format=torch.contiguous_format) for t in (q_pe, k_pe))
         rotary_embedding(positions, q_rot, k_rot, (weights.rotary.cos, weights.rotary.sin),
                          is_neox=weights.rotary.is_neox)
         return q_rot, k_rot
@@ -229,18 +232,24 @@ class MLABackendBase(AttentionBackend):
         out.copy_(torch.bmm(o_latent.transpose(0, 1), weights.w_uv).transpose(0, 1))  # [H,Td,L]x[H,L,V]
 
     def _up_project(self, latent, k_pe_rot, weights):
-        """Non-absorbed keys ``[n, H, P + R]`` and values ``[n, H, V]`` of latent rows ``[n, L]``."""
-        num_heads, p_dim, lat = weights.w_uk.shape
-        k_nope = (latent @ weights.w_uk.reshape(num_heads * p_dim, lat).T).view(-1, num_heads, p_dim)
-        keys = torch.cat([k_nope, k_pe_rot[:, None, :].expand(-1, num_heads, -1).to(k_nope.dtype)], dim=-1)
-        values = torch.matmul(latent.unsqueeze(0), weights.w_uv).transpose(0, 1)  # [n, H, V] strided view
-        return keys, values
+        """Non-absorbed keys of latent rows ``latent [n, L]`` and rotated rotary keys ``k_pe_rot [n, R]``:
+        ``(k_nope [n, H, P], k_rope [n, 1, R], v [n, H, V])``, ``k_nope`` and ``v`` strided views of one
+        matmul's ``[n, H, P + V]`` output, ``k_rope`` shared by every head."""
+        num_heads, p_dim, _ = weights.w_uk.shape
+        kv = (latent @ weights.kv_b.T).view(latent.shape[0], num_heads, -1)
+        return kv[..., :p_dim], k_pe_rot[:, None, :].to(kv.dtype), kv[..., p_dim:]
+
+    def _attend(self, q, keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, **kwargs):
+        """``varlen_attention`` of queries ``(q_nope, q_rope)`` on keys ``(k_nope, k_rope, v)``."""
+        (q_nope, q_rope), (k_nope, k_rope, v) = q, keys
+        return varlen_attention(q_nope, k_nope, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                causal=causal, sm_scale=self.sm_scale, q_rope=q_rope, k_rope=k_rope, **kwargs)
 
     def _extend_joined(self, q, cache, e: ExtendMetadata, weights, out):
         """Chunks before the last as in :meth:`_extend`; the last gathered with the new tokens' rows and
         attended in one causal launch (query ``i`` at ``context_len + i``); one chunk needs no merge."""
-        workspace = torch.empty(max(e.workspace_tokens, e.tail_tokens), self.spec.mla.cache_width, dtype=q.dtype,
-                                device=q.device)
+        workspace = torch.empty(max(e.workspace_tokens, e.tail_tokens), self.spec.mla.cache_width,
+                                dtype=q[0].dtype, device=q[0].device)
         attend_joined_chunks(e, lambda chunk, causal, out=None: self._chunk(q, cache, e, chunk, workspace, weights,
                                                                             causal=causal, out=out), out)
 
@@ -250,19 +259,20 @@ class MLABackendBase(AttentionBackend):
         lat = self.spec.mla.kv_lora_rank
         gather_mla_cache(cache.kv_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
                          kv_scale=self._kv_scale(cache), out=workspace)
-        k_ctx, v_ctx = self._up_project(workspace[:, :lat], workspace[:, lat:], weights)
-        return varlen_attention(q, k_ctx, v_ctx, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
-                                chunk.max_len, causal=causal, sm_scale=self.sm_scale,
-                                q_positions_start=chunk.q_positions_start, return_lse=out is None, out=out)
+        keys = self._up_project(workspace[:, :lat], workspace[:, lat:], weights)
+        return self._attend(q, keys, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len, chunk.max_len,
+                            causal=causal, q_positions_start=chunk.q_positions_start, return_lse=out is None,
+                            out=out)
 
-    def _extend(self, q, k_new, v_new, cache, e: ExtendMetadata, weights, out):
+    def _extend(self, q, keys_new, cache, e: ExtendMetadata, weights, out):
         """The new tokens' causal pass over their own keys (with LSE), merged with each context chunk's."""
-        acc, lse = varlen_attention(q, k_new, v_new, e.cu_seqlens_q, e.cu_seqlens_q, e.max_query_len,
-                                    e.max_query_len, causal=True, sm_scale=self.sm_scale, return_lse=True)
+        acc, lse = self._attend(q, keys_new, e.cu_seqlens_q, e.cu_seqlens_q, e.max_query_len, e.max_query_len,
+                                causal=True, return_lse=True)
         if not e.chunks:
             out.copy_(acc)
             return
-        workspace = torch.empty(e.workspace_tokens, self.spec.mla.cache_width, dtype=q.dtype, device=q.device)
+        workspace = torch.empty(e.workspace_tokens, self.spec.mla.cache_width, dtype=q[0].dtype,
+                                device=q[0].device)
         for i, chunk in enumerate(e.chunks):
             part, part_lse = self._chunk(q, cache, e, chunk, workspace, weights, causal=False)
             acc, lse = merge_states(acc, lse, part, part_lse, out=out if i == len(e.chunks) - 1 else None)

@@ -1,0 +1,21 @@
+"""``mla``: the fast MLA backend (the seed's ROCM_AITER_MLA role).
+
+Decode tokens take the absorbed path: ``q_nope · W_UK``, then the fused preparation kernel (RoPE, query
+concat / fp8 quantisation and cache write in one launch) whenever :meth:`fused_prep_reasons` finds nothing
+against it — otherwise the unfused ops run, with the same bits — then the head-packed tensor-core decode
+kernel and ``· W_UV``. Prefill and extend run non-absorbed (see :mod:`.mla_common`).
+"""
+
+from __future__ import annotations
+
+from tripath.attention.backends.mla_common import MLABackendBase
+
+
+class MLABackend(MLABackendBase):
+    name = "mla"
+    decode_variant = "packed"
+    fused_prep = True
+
+    def __init__(self, spec, device="cpu", *, fused_prep: bool = True):
+        super().__init__(spec, device)
+        self.fused_prep = fused_prep

@@ -1,0 +1,268 @@
+"""What the MLA backends (``mla``, ``mla_triton``) share: the cache, the metadata, and the phase routing.
+
+Dims: ``H`` heads, latent ``L``, rotary ``R``, no-position ``P``, value ``V`` (DeepSeek: 512 / 64 / 128 / 128);
+``W_UK [H, P, L]`` and ``W_UV [H, L, V]`` are ``kv_b_proj`` split per head. The step's inputs are
+``q_nope [T, H, P]``, unrotated ``q_pe [T, H, R]``, ``kv_c [T, L]``, unrotated ``k_pe [T, R]``::
+
+    every token      cache[slot] = quant([kv_c | rope(k_pe)])                     (one row of L + R)
+    decode  (absorbed)      q = [q_nope·W_UK | rope(q_pe)]        [Td, H, L + R]
+                            o = mla_decode(q, cache) · W_UV       [Td, H, L] → [Td, H, V]
+    prefill (non-absorbed)  k = [kv_c·W_UKᵀ | rope(k_pe)],  v = kv_c·W_UV         (per head; qk P + R, v V)
+                            o = causal varlen_attention(q = [q_nope | rope(q_pe)], k, v)
+    extend                  per chunk of cached context: gather latent rows, dequantise, up-project as
+                            above, non-causal attention with LSE, merge_states; the new tokens causal:
+                            with a cache of the model's dtype, their rows are gathered with the last
+                            chunk and attended in one causal launch (``join_extend_tail``), otherwise in
+                            their own pass (with LSE) merged with the context
+
+Scores are ``sm_scale · (q_nope·k_nope + rope(q_pe)·rope(k_pe))`` in both forms, ``sm_scale`` the spec's
+(the model folds yarn's ``mscale²`` in) or ``1/sqrt(P + R)``. The backends differ in the decode only:
+``mla`` prepares the decode tokens with the fused kernel (when :meth:`MLABackendBase.fused_prep_reasons`
+finds nothing against it) and runs the head-packed decode kernel; ``mla_triton`` runs the unfused
+preparation (rotary, cache write, query concat: separate launches) and the plain per-head decode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
+from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
+from tripath.attention.spec import MLACache, MLALayerWeights
+from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
+                         gather_mla_cache, merge_states, mla_decode, rotary_embedding, varlen_attention)
+from tripath.ops._checks import MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from tripath.platform import FP8_DTYPES
+
+FLOAT_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class MLADecodeRows:
+    """Speculative decodes (several query tokens per request) as one decode row per token: token ``i`` of a
+    request with ``c`` cached tokens sees ``c + i + 1`` rows through its request's block-table row."""
+
+    block_table: torch.Tensor  # [Td, max_blocks] int32
+    seq_lens: torch.Tensor  # [Td] int32
+
+
+class MLABackendBase(AttentionBackend):
+    """The MLA phase routing; subclasses choose the decode kernel and whether the fused preparation runs."""
+
+    capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}))
+    decode_variant: ClassVar[str] = "packed"
+    fused_prep: ClassVar[bool] = False
+    join_extend_tail: bool = True  # last context chunk and new tokens in one causal launch (cache of kv_c's dtype)
+
+    @classmethod
+    def unsupported_reasons(cls, spec, device) -> list[str]:
+        reasons = super().unsupported_reasons(spec, device)
+        if spec.is_mla:
+            mla = spec.mla
+            for name, size in (("qk_nope_head_dim + qk_rope_head_dim", mla.qk_nope_head_dim + mla.qk_rope_head_dim),
+                               ("v_head_dim", mla.v_head_dim)):
+                if not MIN_HEAD_SIZE <= size <= MAX_HEAD_SIZE:
+                    reasons.append(f"{name} = {size} outside {MIN_HEAD_SIZE}..{MAX_HEAD_SIZE} (the prefill kernel)")
+        return reasons
+
+    # -- cache -----------------------------------------------------------------------------------------
+    def cache_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()
+        return self.spec.block_size * self.spec.mla.cache_width * elem
+
+    def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None) -> MLACache:
+        """One layer's latent cache (scale 1.0; set ``kv_scale`` after calibration for fp8)."""
+        device = torch.device(device) if device is not None else self.device
+        cache = torch.zeros(num_blocks, self.spec.block_size, self.spec.mla.cache_width, dtype=self.cache_dtype,
+                            device=device)
+        return MLACache(cache, torch.ones(1, dtype=torch.float32, device=device))
+
+    # -- metadata --------------------------------------------------------------------------------------
+    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> AttentionMetadata:
+        meta = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
+        d = meta.decode
+        if d is not None and not d.single_token:
+            rows, lens = [], []
+            for j in range(d.num_reqs):
+                rows += [j] * plan.query_lens[j]
+                lens += [plan.context_lens[j] + i + 1 for i in range(plan.query_lens[j])]
+            index = torch.tensor(rows, dtype=torch.long).to(block_table.device, non_blocking=True)
+            meta.extra["mla_decode_rows"] = MLADecodeRows(
+                block_table.index_select(0, index), torch.tensor(lens, dtype=torch.int32).to(block_table.device))
+        return meta
+
+    # -- forward ---------------------------------------------------------------------------------------
+    @property
+    def sm_scale(self) -> float:
+        mla = self.spec.mla
+        return self.spec.sm_scale or 1.0 / math.sqrt(mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+
+    def fused_prep_reasons(self, meta: AttentionMetadata, weights: MLALayerWeights) -> list[str]:
+        """Why the fused preparation cannot run for this step (empty: it runs). The seed's guard idea: take
+        the fused path only when its preconditions are checked; the unfused path gives the same bits."""
+        if not self.fused_prep:
+            return [f"backend {self.name!r} prepares unfused"]
+        reasons = []
+        if meta.decode is None:
+            reasons.append("no decode tokens")
+        rotary, half = weights.rotary, self.spec.mla.qk_rope_head_dim // 2
+        if rotary is not None:
+            if self.spec.mla.qk_rope_head_dim % 2:
+                reasons.append("odd rotary dim")
+            for name, table in (("cos", rotary.cos), ("sin", rotary.sin)):
+                if (table.dim() != 2 or table.shape[1] != half or table.dtype not in FLOAT_TABLE_DTYPES
+                        or table.stride(-1) != 1 or table.device != meta.slot_mapping.device):
+                    reasons.append(f"rotary {name} table is not a [max_position, {half}] float tensor on the device")
+        return reasons
+
+    def forward_mla(self, q_nope, q_pe, kv_c, k_pe, positions, cache: MLACache, meta: AttentionMetadata,
+                    weights: MLALayerWeights, *, out=None):
+        mla = self.spec.mla
+        num_tokens, num_heads = q_nope.shape[0], q_nope.shape[1]
+        shape = (num_tokens, num_heads, mla.v_head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=q_nope.dtype, device=q_nope.device)
+        elif tuple(out.shape) != shape:
+            raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+        k_pe = k_pe.reshape(num_tokens, mla.qk_rope_head_dim)
+        decode_tokens = meta.decode.num_tokens if meta.decode is not None else 0
+        q_decode, q_pe_rest, k_pe_rest = self._prepare(q_nope, q_pe, kv_c, k_pe, positions, cache, meta, weights,
+                                                       decode_tokens)
+        if decode_tokens:
+            self._decode(q_decode, cache, meta, weights, out[:decode_tokens])
+        if meta.extend is None and meta.prefill is None:
+            return out
+        rest = slice(decode_tokens, num_tokens)
+        q_full = torch.cat([q_nope[rest], q_pe_rest], dim=-1)  # [T - Td, H, P + R], non-absorbed
+        e, p = meta.extend, meta.prefill
+        joined = e is not None and self._joins_tail(e, cache, kv_c)
+        # The new tokens that attend to keys up-projected from the step's inputs: the prefills', and the
+        # extends' unless their rows are read back from the cache with the last chunk.
+        own = p if joined else (e if e is not None else p)
+        if own is not None:
+            k_new, v_new = self._up_project(kv_c[own.token_start:], k_pe_rest[own.token_start - decode_tokens:],
+                                            weights)
+            local = lambda m: slice(m.token_start - own.token_start, m.token_end - own.token_start)  # noqa: E731
+        if e is not None:
+            q_e, out_e = q_full[e.token_start - decode_tokens:e.token_end - decode_tokens], out[e.token_start:e.token_end]
+            if joined:
+                self._extend_joined(q_e, cache, e, weights, out_e)
+            else:
+                self._extend(q_e, k_new[local(e)], v_new[local(e)], cache, e, weights, out_e)
+        if p is not None:
+            varlen_attention(q_full[p.token_start - decode_tokens:p.token_end - decode_tokens], k_new[local(p)],
+                             v_new[local(p)], p.cu_seqlens_q, p.cu_seqlens_q, p.max_query_len, p.max_query_len,
+                             causal=True, sm_scale=self.sm_scale, out=out[p.token_start:p.token_end])
+        return out
+
+    def _joins_tail(self, e: ExtendMetadata, cache: MLACache, kv_c: torch.Tensor) -> bool:
+        """Whether the extends' new tokens are read back from the cache with the last chunk: the cache holds
+        the model's dtype, so its rows are the step's ``[kv_c | rope(k_pe)]`` bit for bit."""
+        return self.join_extend_tail and e.tail is not None and cache.kv_cache.dtype == kv_c.dtype
+
+    # -- pieces ----------------------------------------------------------------------------------------
+    def _kv_scale(self, cache: MLACache):
+        return cache.kv_scale if cache.kv_cache.dtype in FP8_DTYPES else None
+
+    def _query_format(self, cache: MLACache, weights: MLALayerWeights, dtype):
+        """The absorbed query's dtype and scale: fp8 with ``weights.q_scale`` when the cache is fp8 and the
+        model gives a query scale (the seed's fp8 ``q_out``), else the model dtype unscaled."""
+        if cache.kv_cache.dtype in FP8_DTYPES and weights.q_scale is not None:
+            return cache.kv_cache.dtype, weights.q_scale
+        return dtype, None
+
+    def _rotated(self, positions, q_pe, k_pe, weights):
+        """Rotated copies of ``q_pe [n, H, R]`` and ``k_pe [n, R]`` (the inputs as given for NoPE)."""
+        if weights.rotary is None or q_pe.shape[0] == 0:
+            return q_pe, k_pe
+        q_rot, k_rot = q_pe.contiguous().clone(), k_pe.contiguous().clone()
+        rotary_embedding(positions, q_rot, k_rot, (weights.rotary.cos, weights.rotary.sin),
+                         is_neox=weights.rotary.is_neox)
+        return q_rot, k_rot
+
+    def _prepare(self, q_nope, q_pe, kv_c, k_pe, positions, cache, meta, weights, decode_tokens):
+        """Write every token's cache row; build the decode tokens' absorbed query. Returns ``(q_decode,
+        rotated q_pe, rotated k_pe)`` with the rotated parts of the non-decode tokens only."""
+        kv_scale = self._kv_scale(cache)
+        q_decode = None
+        ql_nope = None
+        if decode_tokens:
+            # q_nope · W_UK per head: [H, Td, P] x [H, P, L] -> [Td, H, L] (a strided view)
+            ql_nope = torch.bmm(q_nope[:decode_tokens].transpose(0, 1), weights.w_uk).transpose(0, 1)
+            q_dtype, _ = self._query_format(cache, weights, q_nope.dtype)
+            q_decode = torch.empty(decode_tokens, q_nope.shape[1], self.spec.mla.cache_width, dtype=q_dtype,
+                                   device=q_nope.device)
+        _, q_scale = self._query_format(cache, weights, q_nope.dtype)
+        if decode_tokens and not self.fused_prep_reasons(meta, weights):
+            d = slice(0, decode_tokens)
+            rotary = weights.rotary
+            tables = (positions[d], rotary.cos, rotary.sin) if rotary is not None else (None, None, None)
+            fused_qk_rope_concat_and_cache_mla(
+                ql_nope, q_pe[d], kv_c[d], k_pe[d], cache.kv_cache, q_decode, meta.slot_mapping[d], kv_scale,
+                q_scale, *tables, is_neox=rotary.is_neox if rotary is not None else True, is_nope_first=True)
+            rest = slice(decode_tokens, q_nope.shape[0])
+            q_rot, k_rot = self._rotated(positions[rest], q_pe[rest], k_pe[rest], weights)
+            if k_rot.shape[0]:
+                concat_and_cache_mla(kv_c[rest], k_rot, cache.kv_cache, meta.slot_mapping[rest], kv_scale=kv_scale)
+            return q_decode, q_rot, k_rot
+        q_rot, k_rot = self._rotated(positions, q_pe, k_pe, weights)
+        concat_and_cache_mla(kv_c, k_rot, cache.kv_cache, meta.slot_mapping, kv_scale=kv_scale)
+        if decode_tokens:
+            concat_mla_query(ql_nope, q_rot[:decode_tokens], q_decode, q_scale=q_scale)
+        return q_decode, q_rot[decode_tokens:], k_rot[decode_tokens:]
+
+    def _decode(self, q_decode, cache, meta, weights, out):
+        d = meta.decode
+        rows = meta.extra.get("mla_decode_rows")
+        block_table, seq_lens = (rows.block_table, rows.seq_lens) if rows is not None else (d.block_table,
+                                                                                             d.seq_lens)
+        _, q_scale = self._query_format(cache, weights, out.dtype)
+        o_latent = torch.empty(q_decode.shape[0], q_decode.shape[1], self.spec.mla.kv_lora_rank, dtype=out.dtype,
+                               device=out.device)
+        mla_decode(q_decode, cache.kv_cache, block_table, seq_lens, kv_lora_rank=self.spec.mla.kv_lora_rank,
+                   sm_scale=self.sm_scale, kv_scale=self._kv_scale(cache), q_scale=q_scale,
+                   num_splits=d.num_splits, variant=self.decode_variant, out=o_latent)
+        out.copy_(torch.bmm(o_latent.transpose(0, 1), weights.w_uv).transpose(0, 1))  # [H,Td,L]x[H,L,V]
+
+    def _up_project(self, latent, k_pe_rot, weights):
+        """Non-absorbed keys ``[n, H, P + R]`` and values ``[n, H, V]`` of latent rows ``[n, L]``."""
+        num_heads, p_dim, lat = weights.w_uk.shape
+        k_nope = (latent @ weights.w_uk.reshape(num_heads * p_dim, lat).T).view(-1, num_heads, p_dim)
+        keys = torch.cat([k_nope, k_pe_rot[:, None, :].expand(-1, num_heads, -1).to(k_nope.dtype)], dim=-1)
+        values = torch.matmul(latent.unsqueeze(0), weights.w_uv).transpose(0, 1)  # [n, H, V] strided view
+        return keys, values
+
+    def _extend_joined(self, q, cache, e: ExtendMetadata, weights, out):
+        """Chunks before the last as in :meth:`_extend`; the last gathered with the new tokens' rows and
+        attended in one causal launch (query ``i`` at ``context_len + i``); one chunk needs no merge."""
+        workspace = torch.empty(max(e.workspace_tokens, e.tail_tokens), self.spec.mla.cache_width, dtype=q.dtype,
+                                device=q.device)
+        attend_joined_chunks(e, lambda chunk, causal, out=None: self._chunk(q, cache, e, chunk, workspace, weights,
+                                                                            causal=causal, out=out), out)
+
+    def _chunk(self, q, cache, e: ExtendMetadata, chunk, workspace, weights, *, causal: bool, out=None):
+        """Gather one chunk's latent rows, up-project them and attend the extends' queries to them: with the
+        LSE (for a merge) unless ``out`` is given."""
+        lat = self.spec.mla.kv_lora_rank
+        gather_mla_cache(cache.kv_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
+                         kv_scale=self._kv_scale(cache), out=workspace)
+        k_ctx, v_ctx = self._up_project(workspace[:, :lat], workspace[:, lat:], weights)
+        return varlen_attention(q, k_ctx, v_ctx, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
+                                chunk.max_len, causal=causal, sm_scale=self.sm_scale,
+                                q_positions_start=chunk.q_positions_start, return_lse=out is None, out=out)
+
+    def _extend(self, q, k_new, v_new, cache, e: ExtendMetadata, weights, out):
+        """The new tokens' causal pass over their own keys (with LSE), merged with each context chunk's."""
+        acc, lse = varlen_attention(q, k_new, v_new, e.cu_seqlens_q, e.cu_seqlens_q, e.max_query_len,
+                                    e.max_query_len, causal=True, sm_scale=self.sm_scale, return_lse=True)
+        if not e.chunks:
+            out.copy_(acc)
+            return
+        workspace = torch.empty(e.workspace_tokens, self.spec.mla.cache_width, dtype=q.dtype, device=q.device)
+        for i, chunk in enumerate(e.chunks):
+            part, part_lse = self._chunk(q, cache, e, chunk, workspace, weights, causal=False)
+            acc, lse = merge_states(acc, lse, part, part_lse, out=out if i == len(e.chunks) - 1 else None)

@@ -1,0 +1,150 @@
+"""``three_path``: decode, extend and prefill routed to specialised kernels (the seed's ROCM_AITER_FA).
+
+- decode rows → :func:`paged_decode` (split-KV, GQA-packed; the cache may be NHD or shuffled); decodes
+  with several query tokens (speculative) → :func:`unified_attention` on the decode slice;
+- extend rows → for each chunk of cached context: gather into the workspace, non-causal
+  :func:`varlen_attention` with LSE, and :func:`merge_states` into the running result; the new tokens
+  by causal :func:`varlen_attention`, either joined with the last chunk (below) or in their own pass over
+  the step's keys, merged with the context;
+- prefill rows → causal :func:`varlen_attention` over the new tokens.
+Sinks go to the pass that holds the new tokens only, so each row counts them once.
+
+On a GPU, when a step has decode rows beside extend or prefill rows, the decode launch goes last, on a
+side stream forked after the cache write (``overlap_decode``; it reads that cache and writes rows of the
+output no other launch touches), and the main stream joins it before returning: the memory-bound decode
+programs fill the ragged last waves of the compute-bound prefill kernels and the gaps between the
+extend's dependent launches. H200, ANCHORS.md mixed step: 1086 → 1068 µs GPU time, bit-identical output.
+CUDA graphs capture the fork and the join. Likewise, when a step has both extend and prefill rows, the
+prefill launch runs on a second side stream (``overlap_prefill``), so each of the two compute-bound launches
+fills the other's last wave; the prefill then takes the large tiles even when it has few (``concurrent``):
+mixed step 1003 → 992 µs GPU time.
+
+The extends' last context chunk is gathered together with their new tokens (already in the cache) and
+attended in one causal launch (``join_extend_tail``), when the cache holds the keys' own dtype (so the
+gathered new rows are exactly the step's keys; an fp8 cache keeps the separate new-token pass, which uses
+the unquantised keys). With one chunk, the usual case, that is one gather and one launch, with no merge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
+from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
+from tripath.attention.spec import KVCache
+from tripath.ops import gather_kv_cache, merge_states, paged_decode, unified_attention, varlen_attention
+
+
+class ThreePathBackend(AttentionBackend):
+    name = "three_path"
+    capabilities = Capabilities()
+    overlap_decode = True  # decode on a side stream beside extend/prefill (GPU only)
+    overlap_prefill = True  # prefill on another side stream beside the extend (GPU only)
+    join_extend_tail = True  # last context chunk and new tokens in one causal launch (cache of k's dtype)
+
+    def __init__(self, spec, device="cpu"):
+        super().__init__(spec, device)
+        self._side_streams: dict[str, torch.cuda.Stream] = {}
+
+    def forward(self, q, k, v, cache: KVCache, meta: AttentionMetadata, *, alibi_slopes=None, sinks=None,
+                out=None, window_left=None):
+        opts = self._options(alibi_slopes, sinks, window_left)
+        self._write(k, v, cache, meta)
+        out = self._out(q, out)
+        on_gpu = q.is_cuda
+        decode_side = self._fork("decode", q.device, on_gpu and self.overlap_decode and meta.decode is not None
+                                 and (meta.extend is not None or meta.prefill is not None))
+        prefill_side = self._fork("prefill", q.device, on_gpu and self.overlap_prefill
+                                  and meta.prefill is not None and meta.extend is not None)
+        if meta.decode is not None and decode_side is None:
+            self._decode(q, cache, meta, out, opts)
+        if meta.extend is not None:
+            self._extend(q, k, v, cache, meta.extend, out, opts)
+        if meta.prefill is not None:
+            p = meta.prefill
+            with torch.cuda.stream(prefill_side) if prefill_side is not None else contextlib.nullcontext():
+                varlen_attention(q[p.token_start:p.token_end], k[p.token_start:p.token_end],
+                                 v[p.token_start:p.token_end], p.cu_seqlens_q, p.cu_seqlens_q, p.max_query_len,
+                                 p.max_query_len, causal=True, out=out[p.token_start:p.token_end],
+                                 concurrent=prefill_side is not None, **opts)
+        if decode_side is not None:  # launched last: its programs fill the extend/prefill kernels' ragged waves
+            with torch.cuda.stream(decode_side):
+                self._decode(q, cache, meta, out, opts)
+        for side in (prefill_side, decode_side):
+            if side is not None:
+                torch.cuda.current_stream(q.device).wait_stream(side)
+        return out
+
+    def _fork(self, name: str, device: torch.device, wanted: bool) -> torch.cuda.Stream | None:
+        """This backend's side stream ``name`` on ``device``, made to wait for the main stream's work so far
+        (the cache write); None when not ``wanted``."""
+        if not wanted:
+            return None
+        side = self._side_streams.get(name)
+        if side is None or side.device != device:
+            side = self._side_streams[name] = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        return side
+
+    def _decode(self, q, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor, opts: dict) -> None:
+        d = meta.decode
+        k_scale, v_scale = self._scales(cache)
+        if d.single_token:
+            paged_decode(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
+                         layout=cache.layout, k_scale=k_scale, v_scale=v_scale, num_splits=d.num_splits,
+                         out=out[:d.num_tokens], **opts)
+        else:
+            unified_attention(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
+                              d.cu_seqlens_q, d.max_query_len, layout=cache.layout, k_scale=k_scale,
+                              v_scale=v_scale, out=out[:d.num_tokens], **opts)
+
+    def _extend(self, q, k, v, cache: KVCache, e: ExtendMetadata, out: torch.Tensor, opts: dict) -> None:
+        if self.join_extend_tail and e.tail is not None and cache.k_cache.dtype == k.dtype:
+            self._extend_joined(q, cache, e, out, opts)
+            return
+        q_e = q[e.token_start:e.token_end]
+        acc, lse = varlen_attention(q_e, k[e.token_start:e.token_end], v[e.token_start:e.token_end],
+                                    e.cu_seqlens_q, e.cu_seqlens_q, e.max_query_len, e.max_query_len,
+                                    causal=True, return_lse=True, **opts)
+        if not e.chunks:
+            out[e.token_start:e.token_end] = acc
+            return
+        ws_k, ws_v = self._workspace(q, e.workspace_tokens)
+        chunk_opts = dict(opts, sinks=None)
+        for i, chunk in enumerate(e.chunks):
+            part, part_lse = self._chunk(q_e, cache, e, chunk, ws_k, ws_v, causal=False, **chunk_opts)
+            last = i == len(e.chunks) - 1
+            acc, lse = merge_states(acc, lse, part, part_lse,
+                                    out=out[e.token_start:e.token_end] if last else None)
+
+    def _extend_joined(self, q, cache: KVCache, e: ExtendMetadata, out: torch.Tensor, opts: dict) -> None:
+        """Chunks before the last as above; the last chunk gathered together with the new tokens (already in
+        the cache, bit-identical there when the cache has the keys' dtype) and attended in one causal launch
+        (query ``i`` of an extend sits at ``context_len + i``, bottom-right in the joined keys). One chunk (the
+        usual case) is a single gather and a single launch written straight into ``out``, with no merge."""
+        q_e = q[e.token_start:e.token_end]
+        ws_k, ws_v = self._workspace(q, max(e.workspace_tokens, e.tail_tokens))
+
+        def attend(chunk, *, causal: bool, out=None):
+            chunk_opts = opts if chunk is e.tail else dict(opts, sinks=None)  # sinks once, with the new tokens
+            return self._chunk(q_e, cache, e, chunk, ws_k, ws_v, causal=causal, out=out, **chunk_opts)
+
+        attend_joined_chunks(e, attend, out[e.token_start:e.token_end])
+
+    def _workspace(self, q, tokens: int):
+        shape = (tokens, self.spec.num_kv_heads)
+        return (torch.empty(*shape, self.spec.head_size, dtype=q.dtype, device=q.device),
+                torch.empty(*shape, self.spec.v_size, dtype=q.dtype, device=q.device))
+
+    def _chunk(self, q_e, cache: KVCache, e: ExtendMetadata, chunk, ws_k, ws_v, *, causal: bool, out=None,
+               **opts):
+        """Gather one chunk's rows into the workspace and attend the extends' queries to them: with the LSE
+        (for a merge) unless ``out`` is given."""
+        k_scale, v_scale = self._scales(cache)
+        gather_kv_cache(cache.k_cache, cache.v_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
+                        layout=cache.layout, k_scale=k_scale, v_scale=v_scale, out_k=ws_k, out_v=ws_v)
+        return varlen_attention(q_e, ws_k, ws_v, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
+                                chunk.max_len, causal=causal, q_positions_start=chunk.q_positions_start,
+                                return_lse=out is None, out=out, **opts)

@@ -1,0 +1,135 @@
+"""``torch``: the reference backend, plain PyTorch on any device, request by request in fp32.
+
+MHA: each request's queries attend to its cached context (read back from the paged cache, dequantised)
+followed by its new keys/values as given. MLA (non-absorbed, for every request): RoPE on ``q_pe``/``k_pe``,
+the cache rows ``[kv_c | rope(k_pe)]`` written, then per request
+``k = [kv_c·W_UKᵀ | rope(k_pe)]`` (per head), ``v = kv_c·W_UV`` over context + new rows, causal attention
+with ``sm_scale`` (default ``1/sqrt(P + R)``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tripath.attention.backends.base import AttentionBackend, Capabilities
+from tripath.attention.spec import KVCache, MLACache, MLALayerWeights, RotaryTables
+from tripath.ops.kv_cache import as_nhd, dequantize
+from tripath.ops.reference import attend
+from tripath.platform import FP8_DTYPES, fp8_max
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTables | None) -> torch.Tensor:
+    """RoPE on the last dim of ``x [T, ..., R]`` (fp32 math); ``None`` = identity (NoPE)."""
+    if rotary is None:
+        return x
+    cos = rotary.cos[positions.clamp(0, rotary.cos.shape[0] - 1)].float()
+    sin = rotary.sin[positions.clamp(0, rotary.sin.shape[0] - 1)].float()
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    xf = x.float()
+    if rotary.is_neox:
+        a, b = xf.chunk(2, dim=-1)
+    else:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    out = torch.cat([ra, rb], dim=-1) if rotary.is_neox else torch.stack([ra, rb], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class TorchBackend(AttentionBackend):
+    """Where the step's new keys/values come from matters only for fp8 caches (rounding): by default
+    decode rows read them back from the cache (as paged decode does) and extend/prefill rows use them as
+    given (as ``three_path``'s varlen paths do); ``new_kv_from_cache=True`` reads them from the cache for
+    every row, like the backends that attend through the cache (``unified``, ``two_path``)."""
+
+    name = "torch"
+    capabilities = Capabilities(mla=True, needs_triton=False, cuda_graphs=False)
+
+    def __init__(self, spec, device="cpu", *, new_kv_from_cache: bool = False):
+        super().__init__(spec, device)
+        self.new_kv_from_cache = new_kv_from_cache
+
+    # -- caches ----------------------------------------------------------------------------------------
+    def cache_bytes_per_block(self) -> int:
+        if not self.spec.is_mla:
+            return super().cache_bytes_per_block()
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()
+        return self.spec.block_size * self.spec.mla.cache_width * elem
+
+    def allocate_cache(self, num_blocks, device=None):
+        if not self.spec.is_mla:
+            return super().allocate_cache(num_blocks, device)
+        device = torch.device(device) if device is not None else self.device
+        cache = torch.zeros(num_blocks, self.spec.block_size, self.spec.mla.cache_width, dtype=self.cache_dtype,
+                            device=device)
+        return MLACache(cache, torch.ones(1, dtype=torch.float32, device=device))
+
+    # -- MHA -------------------------------------------------------------------------------------------
+    def forward(self, q, k, v, cache: KVCache, meta, *, alibi_slopes=None, sinks=None, out=None,
+                window_left=None):
+        opts = self._options(alibi_slopes, sinks, window_left)
+        self._write(k, v, cache, meta)
+        out = self._out(q, out)
+        k_scale, v_scale = self._scales(cache)
+        k_nhd, v_nhd = as_nhd(cache.k_cache, cache.v_cache, cache.layout)
+        sm_scale = opts.pop("sm_scale") or 1.0 / math.sqrt(self.spec.head_size)
+        plan, start = meta.plan, 0
+        block_size = self.spec.block_size
+        for j, (qlen, ctx) in enumerate(zip(plan.query_lens, plan.context_lens)):
+            from_cache = self.new_kv_from_cache or j < plan.num_decodes
+            pos = torch.arange(ctx + qlen if from_cache else ctx, device=q.device)
+            blocks = meta.block_table[j, pos // block_size].long()
+            keys = dequantize(k_nhd[blocks, pos % block_size], k_scale)
+            vals = dequantize(v_nhd[blocks, pos % block_size], v_scale)
+            if not from_cache:
+                keys = torch.cat([keys, k[start:start + qlen].float()])
+                vals = torch.cat([vals, v[start:start + qlen].float()])
+            o, _ = attend(q[start:start + qlen], keys, vals, q_start=ctx, causal=True, sm_scale=sm_scale, **opts)
+            out[start:start + qlen] = o.to(out.dtype)
+            start += qlen
+        return out
+
+    # -- MLA -------------------------------------------------------------------------------------------
+    def forward_mla(self, q_nope, q_pe, kv_c, k_pe, positions, cache: MLACache, meta,
+                    weights: MLALayerWeights, *, out=None):
+        mla = self.spec.mla
+        if mla is None:
+            raise TypeError("forward_mla needs an MLA spec (AttentionSpec(mla=MLASpec(...)))")
+        num_tokens, num_heads = q_nope.shape[0], q_nope.shape[1]
+        q_pe = rotate(q_pe, positions, weights.rotary)
+        k_pe = rotate(k_pe, positions, weights.rotary)
+        rows = torch.cat([kv_c, k_pe], dim=-1).float()
+        self._write_mla(rows, cache, meta.slot_mapping)
+        scale = cache.kv_scale if cache.kv_cache.dtype in FP8_DTYPES else None
+        sm_scale = self.spec.sm_scale or 1.0 / math.sqrt(mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        w_uk, w_uv = weights.w_uk.float(), weights.w_uv.float()
+        q_full = torch.cat([q_nope.float(), q_pe.float()], dim=-1)
+        if out is None:
+            out = torch.empty(num_tokens, num_heads, mla.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+        plan, start, block_size = meta.plan, 0, self.spec.block_size
+        lat = mla.kv_lora_rank
+        for j, (qlen, ctx) in enumerate(zip(plan.query_lens, plan.context_lens)):
+            from_cache = self.new_kv_from_cache or j < plan.num_decodes  # as for MHA: decodes read back
+            pos = torch.arange(ctx + qlen if from_cache else ctx, device=q_nope.device)
+            blocks = meta.block_table[j, pos // block_size].long()
+            cached = dequantize(cache.kv_cache[blocks, pos % block_size], scale)
+            latent = cached if from_cache else torch.cat([cached, rows[start:start + qlen]])  # [S, L + R]
+            k_nope = torch.einsum("sl,hpl->shp", latent[:, :lat], w_uk)
+            keys = torch.cat([k_nope, latent[:, None, lat:].expand(-1, num_heads, -1)], dim=-1)
+            vals = torch.einsum("sl,hlv->shv", latent[:, :lat], w_uv)
+            o, _ = attend(q_full[start:start + qlen], keys, vals, q_start=ctx, causal=True, sm_scale=sm_scale)
+            out[start:start + qlen] = o.to(out.dtype)
+            start += qlen
+        return out
+
+    def _write_mla(self, rows: torch.Tensor, cache: MLACache, slot_mapping: torch.Tensor) -> None:
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        values = rows[keep]
+        if cache.kv_cache.dtype in FP8_DTYPES:
+            limit = fp8_max(cache.kv_cache.dtype)
+            values = (values / cache.kv_scale.float()).clamp(-limit, limit)
+        block_size = cache.kv_cache.shape[1]
+        cache.kv_cache[slots // block_size, slots % block_size] = values.to(cache.kv_cache.dtype)

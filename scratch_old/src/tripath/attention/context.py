@@ -1,0 +1,45 @@
+"""The per-step handle a model's attention layers call: backend + metadata + one cache per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tripath.attention.backends.base import AttentionBackend
+from tripath.attention.calibration import calibrate_kv_scales, calibrate_mla_scale
+from tripath.attention.metadata import AttentionMetadata
+from tripath.attention.spec import MLALayerWeights
+
+
+@dataclass
+class ForwardContext:
+    """``attend``/``attend_mla`` route layer ``i``'s tensors to the backend with ``caches[i]``.
+
+    ``calibrate_kv_scales``: before writing, set each fp8 cache's scales from this step's keys and values
+    (:mod:`tripath.attention.calibration`); the engine does this on its first step when asked to.
+    """
+
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    caches: list
+    calibrate_kv_scales: bool = False
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+               window_left: int | None = None) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` → ``[T, Hq, Dv]`` (k/v written to the cache).
+        ``window_left``: this layer's window where layers differ (−1: full attention; None: the spec's)."""
+        if self.calibrate_kv_scales:
+            calibrate_kv_scales(self.caches[layer_idx], k, v)
+        return self.backend.forward(q, k, v, self.caches[layer_idx], self.metadata, alibi_slopes=alibi_slopes,
+                                    sinks=sinks, window_left=window_left)
+
+    def attend_mla(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
+                   k_pe: torch.Tensor, positions: torch.Tensor, weights: MLALayerWeights) -> torch.Tensor:
+        """MLA: ``q_nope [T,H,P]``, unrotated ``q_pe [T,H,R]``, ``kv_c [T,L]``, unrotated ``k_pe [T,R]`` →
+        ``[T, H, V]``."""
+        if self.calibrate_kv_scales:
+            calibrate_mla_scale(self.caches[layer_idx], kv_c, k_pe)
+        return self.backend.forward_mla(q_nope, q_pe, kv_c, k_pe, positions, self.caches[layer_idx],
+                                        self.metadata, weights)

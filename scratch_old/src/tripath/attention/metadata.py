@@ -1,0 +1,206 @@
+"""Per-step attention metadata: the plan's host lists turned into device tensors once, shared by every
+layer. Sub-metadata per class holds views into the step's tensors (no copies, no host syncs in forward).
+
+Rows (requests) and tokens are in plan order, so each class is a contiguous slice:
+``decode`` rows ``[0, D)``, ``extend`` rows ``[D, D + E)``, ``prefill`` rows after; likewise for tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tripath.attention.planner import BatchPlan
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+@dataclass
+class DecodeMetadata:
+    """Decodes: rows ``[0, num_reqs)``, tokens ``[0, num_tokens)``; ``single_token`` when every decode has
+    one query token (paged decode); otherwise (speculative decode) ``cu_seqlens_q`` is used."""
+
+    num_reqs: int
+    num_tokens: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    single_token: bool
+    num_splits: int | None = None
+
+
+@dataclass
+class ContextChunk:
+    """One chunk of the extends' cached context: ``cu_seqlens_k [E + 1]`` offsets into the workspace,
+    ``seq_starts [E]`` first cached position gathered, ``q_positions_start [E]`` = context_len − start
+    (query 0's position in chunk coordinates), ``max_len`` the longest piece."""
+
+    cu_seqlens_k: torch.Tensor
+    seq_starts: torch.Tensor
+    q_positions_start: torch.Tensor
+    max_len: int
+
+
+@dataclass
+class ExtendMetadata:
+    """Extends: ``token_start..token_end``; new tokens' ``cu_seqlens_q [E + 1]`` (local), the context
+    chunks, and the gather workspace size in tokens. ``tail`` is the last chunk joined with the extends'
+    new tokens (positions ``[start, seq_len)`` of each extend, ``tail_tokens`` in all), for backends that
+    read the new keys back from the cache and attend to them in the same causal launch as that chunk."""
+
+    num_reqs: int
+    token_start: int
+    token_end: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_query_len: int
+    max_context_len: int
+    chunks: list[ContextChunk] = field(default_factory=list)
+    workspace_tokens: int = 0
+    tail: ContextChunk | None = None
+    tail_tokens: int = 0
+
+
+@dataclass
+class PrefillMetadata:
+    """Prefills: ``token_start..token_end``; ``cu_seqlens_q [P + 1]`` (local)."""
+
+    num_reqs: int
+    token_start: int
+    token_end: int
+    cu_seqlens_q: torch.Tensor
+    max_query_len: int
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a backend's forward needs for one step (all layers)."""
+
+    plan: BatchPlan
+    num_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    context_lens: torch.Tensor  # [B] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    decode: DecodeMetadata | None = None
+    extend: ExtendMetadata | None = None
+    prefill: PrefillMetadata | None = None
+    extra: dict = field(default_factory=dict)
+
+    def copy_(self, other: "AttentionMetadata") -> "AttentionMetadata":
+        """Copy ``other``'s step tensors into this one's, in place (same shapes; CUDA-graph replay).
+
+        Only tensors are copied: host ints (``max_seq_len``, the decode split count, …) keep the values
+        of the captured step, so a captured decode launch depends on tensor contents alone. Capture with a
+        fixed ``decode_num_splits`` and a block table as wide as the longest sequence you will replay.
+        ``other``'s block table may be narrower (as wide as the step's longest row): only those columns
+        are copied; the columns past them keep older block ids, which no kernel reads (a row's blocks are
+        read only up to its ``seq_lens``)."""
+        for name in ("slot_mapping", "block_table", "seq_lens", "context_lens", "cu_seqlens_q"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if name == "block_table" and theirs.shape[0] == mine.shape[0] and theirs.shape[1] <= mine.shape[1]:
+                mine = mine[:, :theirs.shape[1]]
+            if mine.shape != theirs.shape:
+                raise ValueError(f"metadata.{name}: shape {tuple(theirs.shape)} does not match the captured "
+                                 f"{tuple(mine.shape)}")
+            mine.copy_(theirs, non_blocking=True)
+        return self
+
+
+def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
+                   decode_num_splits: int | None = None) -> AttentionMetadata:
+    """Turn a plan and the step's block table / slot mapping (rows and tokens in plan order) into metadata."""
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be a [num_requests, max_blocks] int32 tensor, got "
+                        f"{block_table.dtype} of shape {tuple(block_table.shape)}")
+    if block_table.shape[0] != plan.num_requests:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {plan.num_requests} requests")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != plan.num_tokens:
+        raise ValueError(f"slot_mapping must be [{plan.num_tokens}] (one slot per new token), got "
+                         f"{tuple(slot_mapping.shape)}")
+    if slot_mapping.dtype != torch.int64:
+        raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    device = block_table.device
+    if slot_mapping.device != device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device} but block_table on {device}")
+
+    seq_lens_host = plan.seq_lens
+    cu_q_host = _cumsum(plan.query_lens)
+    host = torch.tensor(seq_lens_host + plan.context_lens + cu_q_host, dtype=torch.int32)
+    packed = host.to(device, non_blocking=True)
+    b = plan.num_requests
+    seq_lens, context_lens, cu_seqlens_q = packed[:b], packed[b:2 * b], packed[2 * b:]
+    meta = AttentionMetadata(
+        plan=plan, num_tokens=plan.num_tokens, slot_mapping=slot_mapping, block_table=block_table,
+        seq_lens=seq_lens, context_lens=context_lens, cu_seqlens_q=cu_seqlens_q,
+        max_query_len=max(plan.query_lens, default=0), max_seq_len=max(seq_lens_host, default=0))
+
+    nd, ne, npf = plan.num_decodes, plan.num_extends, plan.num_prefills
+    if nd:
+        d0, d1 = plan.decode_tokens
+        meta.decode = DecodeMetadata(
+            num_reqs=nd, num_tokens=d1 - d0, block_table=block_table[:nd], seq_lens=seq_lens[:nd],
+            cu_seqlens_q=cu_seqlens_q[:nd + 1], max_query_len=max(plan.query_lens[:nd]),
+            max_seq_len=max(seq_lens_host[:nd]), single_token=max(plan.query_lens[:nd]) == 1,
+            num_splits=decode_num_splits)
+    local_tensors = []
+    if ne:
+        e0, e1 = plan.extend_tokens
+        ext_q = plan.query_lens[nd:nd + ne]
+        ext_ctx = plan.context_lens[nd:nd + ne]
+        chunks = plan.extend_chunks
+        local_tensors.append(_cumsum(ext_q))
+        for c in range(chunks.num_chunks):
+            local_tensors.append(chunks.cu_lens(c))
+            local_tensors.append(chunks.starts[c])
+            local_tensors.append([ctx - s for ctx, s in zip(ext_ctx, chunks.starts[c])])
+        # The tail: each extend's positions [min(last start, context_len), seq_len) (a context that ended in
+        # an earlier chunk contributes only its new tokens).
+        tail_starts = [min(s, ctx) for s, ctx in zip(chunks.starts[-1], ext_ctx)] if chunks.num_chunks else []
+        tail_lens = [ctx - s + q for s, ctx, q in zip(tail_starts, ext_ctx, ext_q)]
+        if tail_lens:
+            local_tensors += [_cumsum(tail_lens), tail_starts, [ctx - s for s, ctx in zip(tail_starts, ext_ctx)]]
+    if npf:
+        local_tensors.append(_cumsum(plan.query_lens[nd + ne:]))
+    flat = [v for t in local_tensors for v in t]
+    dev_flat = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True) if flat else None
+    pieces, at = [], 0
+    for t in local_tensors:
+        pieces.append(dev_flat[at:at + len(t)])
+        at += len(t)
+    it = iter(pieces)
+    if ne:
+        e0, e1 = plan.extend_tokens
+        cu_q_ext = next(it)
+        chunk_list = []
+        for c in range(chunks.num_chunks):
+            chunk_list.append(ContextChunk(cu_seqlens_k=next(it), seq_starts=next(it), q_positions_start=next(it),
+                                           max_len=max(chunks.lens[c])))
+        tail = None
+        if tail_lens:
+            tail = ContextChunk(cu_seqlens_k=next(it), seq_starts=next(it), q_positions_start=next(it),
+                                max_len=max(tail_lens))
+        meta.extend = ExtendMetadata(
+            num_reqs=ne, token_start=e0, token_end=e1, block_table=block_table[nd:nd + ne],
+            seq_lens=seq_lens[nd:nd + ne], context_lens=context_lens[nd:nd + ne], cu_seqlens_q=cu_q_ext,
+            max_query_len=max(ext_q), max_context_len=max(ext_ctx), chunks=chunk_list,
+            workspace_tokens=chunks.workspace_tokens, tail=tail, tail_tokens=sum(tail_lens))
+    if npf:
+        p0, p1 = plan.prefill_tokens
+        meta.prefill = PrefillMetadata(num_reqs=npf, token_start=p0, token_end=p1, cu_seqlens_q=next(it),
+                                       max_query_len=max(plan.query_lens[nd + ne:]))
+    return meta
+

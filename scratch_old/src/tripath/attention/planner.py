@@ -1,0 +1,164 @@
+"""Batch planning, on the host, once per step: classify, reorder ``[decode | extend | prefill]``, chunk.
+
+A request with ``context_len == 0`` is a **prefill**; otherwise it is a **decode** when
+``query_len <= decode_threshold`` and an **extend** when ``query_len > decode_threshold``. The order is
+stable inside each class. Extends whose cached context is attended in chunks share a token budget:
+``chunk_size = budget // num_extends`` (rounded down to whole blocks when it is at least one block), and
+chunk ``c`` covers context tokens ``[c · chunk_size, (c + 1) · chunk_size)`` of every extend, so each chunk's
+gathered workspace holds at most ``budget`` tokens.
+
+Example: query lens ``[1, 7, 1, 3]``, context lens ``[9, 0, 4, 5]`` (threshold 1) → kinds decode, prefill,
+decode, extend → order ``[0, 2, 3, 1]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+DECODE, EXTEND, PREFILL = "decode", "extend", "prefill"
+
+
+def classify(query_len: int, context_len: int, decode_threshold: int = 1) -> str:
+    """``"decode"``, ``"extend"`` or ``"prefill"`` for one request."""
+    if context_len == 0:
+        return PREFILL
+    return DECODE if query_len <= decode_threshold else EXTEND
+
+
+@dataclass(frozen=True)
+class ExtendChunkPlan:
+    """Chunks of the extends' cached context: ``starts[c][i]`` and ``lens[c][i]`` for chunk ``c`` and extend
+    ``i`` (in plan order); ``workspace_tokens`` is the largest chunk total (the gather workspace size)."""
+
+    chunk_size: int
+    starts: list[list[int]]
+    lens: list[list[int]]
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.starts)
+
+    @property
+    def workspace_tokens(self) -> int:
+        return max((sum(lens) for lens in self.lens), default=0)
+
+    def cu_lens(self, chunk: int) -> list[int]:
+        out = [0]
+        for n in self.lens[chunk]:
+            out.append(out[-1] + n)
+        return out
+
+
+def plan_extend_chunks(context_lens: Sequence[int], budget: int, block_size: int = 16) -> ExtendChunkPlan:
+    """Split the extends' cached contexts into chunks that share ``budget`` tokens (see module doc)."""
+    if not context_lens:
+        return ExtendChunkPlan(0, [], [])
+    if budget < 1:
+        raise ValueError(f"chunk budget must be positive, got {budget}")
+    chunk_size = max(1, budget // len(context_lens))
+    if chunk_size >= block_size:
+        chunk_size -= chunk_size % block_size
+    num_chunks = -(-max(context_lens) // chunk_size)
+    starts = [[c * chunk_size] * len(context_lens) for c in range(num_chunks)]
+    lens = [[max(0, min(chunk_size, ctx - c * chunk_size)) for ctx in context_lens] for c in range(num_chunks)]
+    return ExtendChunkPlan(chunk_size, starts, lens)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One step, reordered. Every per-request list is in plan order; ``order[j]`` is the caller's index of
+    the request now at position ``j``. Token offsets of each class are ``decode_tokens``, ``extend_tokens``,
+    ``prefill_tokens`` as ``(start, end)`` pairs in the flat token dimension."""
+
+    order: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    num_decodes: int
+    num_extends: int
+    num_prefills: int
+    decode_threshold: int
+    extend_chunks: ExtendChunkPlan = field(repr=False)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.order)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [q + c for q, c in zip(self.query_lens, self.context_lens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    def _token_range(self, first: int, count: int) -> tuple[int, int]:
+        start = sum(self.query_lens[:first])
+        return start, start + sum(self.query_lens[first:first + count])
+
+    @property
+    def decode_tokens(self) -> tuple[int, int]:
+        return self._token_range(0, self.num_decodes)
+
+    @property
+    def extend_tokens(self) -> tuple[int, int]:
+        return self._token_range(self.num_decodes, self.num_extends)
+
+    @property
+    def prefill_tokens(self) -> tuple[int, int]:
+        return self._token_range(self.num_decodes + self.num_extends, self.num_prefills)
+
+    @property
+    def kinds(self) -> list[str]:
+        return [DECODE] * self.num_decodes + [EXTEND] * self.num_extends + [PREFILL] * self.num_prefills
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == self.num_requests
+
+    def token_order(self) -> torch.Tensor:
+        """Index ``idx [T]`` with ``planned_tokens = original_tokens[idx]`` (original: requests concatenated
+        in the caller's order)."""
+        original_query_lens = [0] * self.num_requests
+        for j, i in enumerate(self.order):
+            original_query_lens[i] = self.query_lens[j]
+        starts = [0]
+        for n in original_query_lens:
+            starts.append(starts[-1] + n)
+        idx = [t for i in self.order for t in range(starts[i], starts[i] + original_query_lens[i])]
+        return torch.tensor(idx, dtype=torch.long)
+
+    def apply(self, items: Sequence) -> list:
+        """A per-request list in plan order."""
+        return [items[i] for i in self.order]
+
+
+def plan_batch(query_lens: Sequence[int], context_lens: Sequence[int], *, decode_threshold: int = 1,
+               chunk_budget: int = 32768, block_size: int = 16) -> BatchPlan:
+    """Classify and reorder a step's requests; plan the extends' context chunks.
+
+    Parameters: ``query_lens[i]`` new tokens and ``context_lens[i]`` cached tokens of request ``i`` (host
+    ints). Raises ``ValueError`` for mismatched lengths, ``query_len < 1`` or ``context_len < 0``.
+    """
+    query_lens, context_lens = list(query_lens), list(context_lens)
+    if len(query_lens) != len(context_lens):
+        raise ValueError(f"query_lens ({len(query_lens)}) and context_lens ({len(context_lens)}) must have "
+                         "one entry per request")
+    if decode_threshold < 1:
+        raise ValueError(f"decode_threshold must be >= 1, got {decode_threshold}")
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        if int(q) < 1:
+            raise ValueError(f"query_lens[{i}] = {q}: every request needs at least one new token")
+        if int(c) < 0:
+            raise ValueError(f"context_lens[{i}] = {c} must be >= 0")
+    kinds = [classify(q, c, decode_threshold) for q, c in zip(query_lens, context_lens)]
+    order = ([i for i, k in enumerate(kinds) if k == DECODE] + [i for i, k in enumerate(kinds) if k == EXTEND]
+             + [i for i, k in enumerate(kinds) if k == PREFILL])
+    n_dec, n_ext = kinds.count(DECODE), kinds.count(EXTEND)
+    ordered_ctx = [int(context_lens[i]) for i in order]
+    chunks = plan_extend_chunks(ordered_ctx[n_dec:n_dec + n_ext], chunk_budget, block_size)
+    return BatchPlan(order=order, query_lens=[int(query_lens[i]) for i in order], context_lens=ordered_ctx,
+                     num_decodes=n_dec, num_extends=n_ext, num_prefills=kinds.count(PREFILL),
+                     decode_threshold=decode_threshold, extend_chunks=chunks)

@@ -1,0 +1,69 @@
+"""Backend selection: validate candidates against the spec and the device, keep why each was rejected.
+
+``auto`` tries ``three_path, unified, two_path, torch`` for MHA/GQA specs and ``mla, mla_triton, torch``
+for MLA specs, in that order. ``TRIPATH_ATTENTION_BACKEND`` overrides the ``name`` argument.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from tripath import _env
+from tripath.attention.spec import AttentionSpec
+
+# name -> "module:Class" (imported on first use, so a backend's kernels load only when asked for)
+BACKENDS = {
+    "three_path": "tripath.attention.backends.three_path:ThreePathBackend",
+    "unified": "tripath.attention.backends.unified:UnifiedBackend",
+    "two_path": "tripath.attention.backends.two_path:TwoPathBackend",
+    "torch": "tripath.attention.backends.torch_ref:TorchBackend",
+    "mla": "tripath.attention.backends.mla:MLABackend",
+    "mla_triton": "tripath.attention.backends.mla_triton:MLATritonBackend",
+}
+AUTO_MHA = ("three_path", "unified", "two_path", "torch")
+AUTO_MLA = ("mla", "mla_triton", "torch")
+
+
+class BackendUnavailableError(ValueError):
+    """No requested backend can serve the spec; ``reasons`` maps each candidate to why."""
+
+    def __init__(self, reasons: dict[str, list[str]]):
+        self.reasons = reasons
+        lines = [f"  {name}: {'; '.join(why)}" for name, why in reasons.items()]
+        super().__init__("no attention backend can serve this spec:\n" + "\n".join(lines))
+
+
+def backend_class(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: auto, {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def explain(spec: AttentionSpec, device: torch.device | str = "cpu") -> dict[str, list[str]]:
+    """Every backend's reasons for rejecting ``spec`` on ``device`` (empty list = supported)."""
+    device = torch.device(device)
+    return {name: backend_class(name).unsupported_reasons(spec, device) for name in BACKENDS}
+
+
+def select_backend(spec: AttentionSpec, name: str = "auto", device: torch.device | str | None = None):
+    """Instantiate the backend ``name`` (or the first that fits, for ``"auto"``) for ``spec`` on ``device``.
+
+    Raises ``BackendUnavailableError`` listing why each candidate was rejected.
+    """
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    name = _env.attention_backend_override() or name
+    candidates = (AUTO_MLA if spec.is_mla else AUTO_MHA) if name == "auto" else (name,)
+    reasons: dict[str, list[str]] = {}
+    for candidate in candidates:
+        cls = backend_class(candidate)
+        why = cls.unsupported_reasons(spec, device)
+        if not why:
+            backend = cls(spec, device)
+            backend.rejected = reasons
+            return backend
+        reasons[candidate] = why
+    raise BackendUnavailableError(reasons)

@@ -1,0 +1,1 @@
+"""Benchmarks, the portability check (``tripath check-compile``), tables and plots."""

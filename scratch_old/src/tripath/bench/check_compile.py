@@ -1,0 +1,463 @@
+"""``tripath check-compile``: compile every Triton kernel for AMD MI300/MI355 and NVIDIA Hopper, on any machine.
+
+For each target (gfx942 = MI300X/MI325X, gfx950 = MI355X, sm90 = H200) the check runs every
+:class:`~tripath.bench.compile_scenarios.Scenario` under ``override_platform(target)`` and
+``capture_launches()``: the public ops validate, pick that GPU's launch configuration (tiles, warps,
+stages, ``waves_per_eu``, ``matrix_instr_nonkdim``) and record their launches instead of running them.
+Each record becomes a :class:`~tripath.bench.compile_inspect.CompileJob` with the signature, constexprs and
+alignment attributes the Triton JIT would derive from those arguments; identical jobs (same kernel,
+signature, constexprs, attributes, options, target) are compiled once. Every compiled kernel is then
+judged; it fails when
+
+- it does not compile for the target, or a launch option would be rejected there;
+- it spills to memory (AMD: VGPR spills or scratch; NVIDIA: local memory). AMD SGPR spills that stay in
+  VGPR lanes (``v_writelane``, no memory traffic) are shown in the table and fail only with
+  ``--strict-sgpr``;
+- its LDS / shared memory exceeds the target's per-workgroup limit;
+- it has a matrix stage (``tl.dot``) that is not on the matrix units (a dot lowered to FMA, or no
+  MFMA / wgmma / mma instruction), or its ``KERNEL_ROLES`` declaration disagrees with the code;
+- it is not declared in ``KERNEL_ROLES``;
+
+unless ``DELIBERATE`` documents the finding. The exit status is 1 when anything fails.
+Compiling needs Triton's real front end, so under ``TRITON_INTERPRET=1`` the compilations run in child
+processes without it (``--jobs N`` also spreads them over N children).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+from tripath import _env
+from tripath.bench.compile_inspect import (CompileJob, CompileResult, TargetSpec, compile_job, encode_value,
+                                           job_from_json)
+from tripath.bench.compile_scenarios import DELIBERATE, KERNEL_ROLES, Scenario, all_scenarios
+from tripath.ops._launch import LaunchRecord, capture_launches
+from tripath.platform import H200, MI300X, MI355X, Platform, override_platform
+
+
+@dataclass(frozen=True)
+class Target:
+    """A compile target: the platform the launchers choose for and Triton's ``GPUTarget``."""
+
+    name: str
+    label: str
+    platform: Platform
+    gpu: TargetSpec
+    shared_limit: int  # bytes of LDS / shared memory one workgroup may use
+
+
+TARGETS: dict[str, Target] = {
+    "gfx942": Target("gfx942", "MI300X/MI325X", MI300X, TargetSpec("hip", "gfx942", 64), 64 * 1024),
+    "gfx950": Target("gfx950", "MI355X", MI355X, TargetSpec("hip", "gfx950", 64), 160 * 1024),
+    "sm90": Target("sm90", "H200", H200, TargetSpec("cuda", 90, 32), 227 * 1024),
+}
+
+
+@dataclass
+class ScenarioError:
+    scenario: str
+    target: str
+    error: str
+
+
+# --- launches -> compile jobs --------------------------------------------------------------------------
+
+def _raw_function(kernel):
+    return kernel.fn if hasattr(kernel, "fn") else kernel
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    ann = param.annotation
+    text = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+    return "constexpr" in text
+
+
+def _backend_info(gpu: TargetSpec):
+    """The Triton backend class of a target and the launch options it accepts."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    backend = make_backend(GPUTarget(gpu.backend, gpu.arch, gpu.warp_size))
+    return type(backend), set(backend.parse_options({}).__dict__)
+
+
+def job_from_record(record: LaunchRecord, target: Target, scenario: str) -> CompileJob:
+    """The compilation the Triton JIT would make for ``record`` on ``target``: the same specialisation
+    (pointer dtypes, ``i32``/``i64``, 16-divisibility, ints equal to 1 and ``None`` folded to constants)."""
+    from triton._C.libtriton import native_specialize_impl
+
+    fn = _raw_function(record.kernel)
+    params = list(inspect.signature(fn).parameters.values())
+    names = [p.name for p in params]
+    backend_cls, accepted = _backend_info(target.gpu)
+    bound = dict(zip(names, record.args))
+    options: dict = {}
+    for key, value in record.kwargs.items():
+        if key in names:
+            bound[key] = value
+        else:
+            options[key] = value
+    signature, constexprs, attrs = [], [], []
+    launch_error = None
+    for index, param in enumerate(params):
+        if param.name in bound:
+            value = bound[param.name]
+        elif param.default is not inspect.Parameter.empty:
+            value = param.default
+        else:
+            launch_error = f"argument {param.name} is missing from the launch"
+            break
+        if _is_constexpr(param):
+            signature.append((param.name, "constexpr"))
+            constexprs.append((param.name, encode_value(value)))
+            continue
+        ty, spec = native_specialize_impl(backend_cls, value, False, True, True)
+        signature.append((param.name, ty))
+        if ty == "constexpr":
+            constexprs.append((param.name, encode_value(value)))
+        elif isinstance(spec, str):
+            attrs.append((index, [list(a) for a in backend_cls.parse_attr(spec)]))
+    rejected = sorted(set(options) - accepted)
+    if rejected and launch_error is None:
+        launch_error = (f"launch option(s) {', '.join(rejected)} not accepted by the {target.gpu.backend} "
+                        "backend (the JIT would raise KeyError)")
+    return CompileJob(
+        kernel=f"{fn.__module__}:{fn.__name__}", kernel_file=inspect.getsourcefile(fn) or "",
+        target=target.name, gpu=target.gpu, signature=signature, constexprs=constexprs, attrs=attrs,
+        options=sorted((k, v) for k, v in options.items() if k in accepted), launch_error=launch_error,
+        scenarios=[scenario])
+
+
+def collect_jobs(scenarios: Sequence[Scenario], targets: Sequence[Target]
+                 ) -> tuple[list[CompileJob], list[ScenarioError]]:
+    """Run every scenario for every target and deduplicate the launches they record."""
+    jobs: dict[tuple, CompileJob] = {}
+    errors: list[ScenarioError] = []
+    for target in targets:
+        for scenario in scenarios:
+            try:
+                with override_platform(target.platform), capture_launches() as records:
+                    scenario.build(target.platform)
+                if not records:
+                    raise RuntimeError("the scenario made no kernel launch")
+                new = [job_from_record(r, target, scenario.name) for r in records]
+            except Exception as exc:  # reported as a failure of the scenario on this target
+                errors.append(ScenarioError(scenario.name, target.name, f"{type(exc).__name__}: {exc}"))
+                continue
+            for job in new:
+                if job.key in jobs:
+                    jobs[job.key].scenarios.append(scenario.name)
+                else:
+                    jobs[job.key] = job
+    return list(jobs.values()), errors
+
+
+# --- compiling (here or in child processes) -------------------------------------------------------------
+
+def compile_jobs(jobs: Sequence[CompileJob], workers: int = 1, verbose: bool = False) -> list[CompileResult]:
+    """Compile ``jobs``; in this process when possible, else (interpreter on, or ``workers > 1``) in
+    ``workers`` child processes that run without ``TRITON_INTERPRET``."""
+    if workers <= 1 and not _env.triton_interpret():
+        results = []
+        for i, job in enumerate(jobs):
+            results.append(compile_job(job))
+            if verbose:
+                print(f"[{i + 1}/{len(jobs)}] {job.name} {job.target} {results[-1].seconds:.1f}s", file=sys.stderr)
+        return results
+    workers = max(1, min(workers, len(jobs)))
+    chunks = [list(range(i, len(jobs), workers)) for i in range(workers)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    results: list[CompileResult | None] = [None] * len(jobs)
+    with tempfile.TemporaryDirectory(prefix="tripath-check-compile-") as tmp:
+        procs = []
+        for w, chunk in enumerate(chunks):
+            src, dst, log = (os.path.join(tmp, f"{w}.{ext}") for ext in ("in.json", "out.json", "log"))
+            with open(src, "w") as f:
+                json.dump([asdict(jobs[i]) for i in chunk], f)
+            cmd = [sys.executable, "-m", "tripath.bench.check_compile", "--worker", src, dst]
+            cmd += ["--verbose"] if verbose else []
+            log_file = open(log, "w")  # the child's stdout (and stderr unless verbose): kept for crash reports
+            proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=None if verbose else log_file)
+            procs.append((chunk, dst, log, log_file, proc))
+        for chunk, dst, log, log_file, proc in procs:
+            rc = proc.wait()
+            log_file.close()
+            if rc == 0 and os.path.exists(dst):
+                with open(dst) as f:
+                    for i, data in zip(chunk, json.load(f)):
+                        results[i] = _result_from_json(data)
+                continue
+            tail = open(log).read()[-2000:] if os.path.exists(log) else ""
+            for i in chunk:
+                r = CompileResult(jobs[i].name, jobs[i].target, "", list(jobs[i].scenarios))
+                r.error = f"compile worker exited with status {rc}\n{tail}"
+                results[i] = r
+    return [r for r in results if r is not None]
+
+
+def _result_from_json(data: dict) -> CompileResult:
+    data = dict(data)
+    for key in ("failures", "deliberate"):
+        data[key] = [tuple(item) for item in data[key]]
+    return CompileResult(**data)
+
+
+def _worker(src: str, dst: str, verbose: bool) -> int:
+    with open(src) as f:
+        jobs = [job_from_json(d) for d in json.load(f)]
+    results = compile_jobs(jobs, 1, verbose)
+    with open(dst, "w") as f:
+        json.dump([r.to_json() for r in results], f)
+    return 0
+
+
+# --- judging -------------------------------------------------------------------------------------------
+
+def evaluate(result: CompileResult, target: Target, strict_sgpr: bool = False) -> CompileResult:
+    """Fill ``result.failures`` (and move findings that ``DELIBERATE`` documents to ``result.deliberate``).
+    ``strict_sgpr``: also fail on AMD SGPR spills that stay in VGPR lanes."""
+    found: list[tuple[str, str]] = []
+    role = KERNEL_ROLES.get(result.kernel)
+    if result.error:
+        found.append(("compile", result.error.splitlines()[0][:300]))
+    else:
+        if role is None:
+            found.append(("undeclared", "kernel missing from KERNEL_ROLES (does it have a matrix stage?)"))
+        # AMD spills SGPRs into VGPR lanes first (v_writelane, no memory traffic); only VGPR spills and
+        # scratch reach memory. SGPR lane spills are shown in the table and fail only with strict_sgpr.
+        spilled = any(x for x in (result.vgpr_spills, result.scratch_bytes, result.spill_store_bytes))
+        if spilled or (strict_sgpr and result.sgpr_spills):
+            if target.gpu.backend == "hip":
+                found.append(("spill", f"{result.vgpr_spills} VGPR + {result.sgpr_spills} SGPR spills, "
+                                       f"{result.scratch_bytes} B scratch"))
+            else:
+                found.append(("spill", f"{result.scratch_bytes} B local memory, "
+                                       f"{result.spill_store_bytes} B spill stores"))
+        if (result.shared_bytes or 0) > target.shared_limit:
+            found.append(("shared", f"{result.shared_bytes} B shared memory > {target.shared_limit} B on "
+                                    f"{target.label}"))
+        if role is not None and role.matrix_stage:
+            if result.dots == 0:
+                found.append(("matrix", "declared with a matrix stage but has no tt.dot"))
+            elif result.fma_dots:
+                found.append(("matrix", f"{result.fma_dots} of {result.dots} dots lowered to FMA"))
+            elif result.matrix_instrs == 0:
+                found.append(("matrix", f"no {result.matrix_kind} instruction in the machine code"))
+        elif role is not None and result.dots:
+            found.append(("matrix", f"has {result.dots} tt.dot but KERNEL_ROLES declares no matrix stage"))
+    result.failures, result.deliberate = [], []
+    for kind, text in found:
+        reason = DELIBERATE.get((result.kernel, target.name, kind)) or DELIBERATE.get((result.kernel, "*", kind))
+        if reason and kind != "undeclared":
+            result.deliberate.append((kind, f"{text} (deliberate: {reason})"))
+        else:
+            result.failures.append((kind, text))
+    return result
+
+
+@dataclass
+class CheckReport:
+    targets: list[Target]
+    results: list[CompileResult]
+    scenario_errors: list[ScenarioError]
+
+    @property
+    def ok(self) -> bool:
+        return not self.scenario_errors and all(not r.failures for r in self.results)
+
+
+def select_scenarios(subset: str = "full", only: str | None = None) -> list[Scenario]:
+    rows = all_scenarios()
+    if subset == "ci":
+        rows = [s for s in rows if s.ci]
+    elif subset != "full":
+        raise ValueError(f"subset={subset!r} is not supported; supported: ci, full")
+    if only:
+        rows = [s for s in rows if only.lower() in s.name.lower()]
+    return rows
+
+
+def run_check(subset: str = "full", targets: Iterable[str] | None = None, only: str | None = None,
+              workers: int = 1, verbose: bool = False, scenarios: Sequence[Scenario] | None = None,
+              strict_sgpr: bool = False) -> CheckReport:
+    """Compile the scenarios' kernels for ``targets`` (names of :data:`TARGETS`; default all) and judge them.
+    ``scenarios`` replaces the ``subset``/``only`` selection."""
+    names = list(targets or TARGETS)
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise ValueError(f"targets {unknown} are not supported; supported: {', '.join(TARGETS)}")
+    chosen = [TARGETS[n] for n in names]
+    scenarios = list(scenarios) if scenarios is not None else select_scenarios(subset, only)
+    if not scenarios:
+        raise ValueError(f"no scenario matches subset={subset!r} only={only!r}")
+    jobs, errors = collect_jobs(scenarios, chosen)
+    results = compile_jobs(jobs, workers, verbose)
+    for r in results:
+        evaluate(r, TARGETS[r.target], strict_sgpr)
+    order = {n: i for i, n in enumerate(names)}
+    results.sort(key=lambda r: (r.kernel, order[r.target]))
+    return CheckReport(chosen, results, errors)
+
+
+# --- report --------------------------------------------------------------------------------------------
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    return "\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(r) for r in rows])
+
+
+def _regs(r: CompileResult) -> str:
+    if r.regs is None:
+        return "-"
+    return f"{r.regs}v/{r.sgprs}s" if r.sgprs is not None else str(r.regs)
+
+
+def _spills(r: CompileResult) -> str:
+    """Memory spills (AMD VGPR spill count, NVIDIA spill-store bytes) with scratch bytes; AMD SGPR spills
+    into VGPR lanes after a ``+``."""
+    if r.error:
+        return "-"
+    if r.vgpr_spills is not None:
+        text = str(r.vgpr_spills or 0) + (f" ({r.scratch_bytes}B)" if r.scratch_bytes else "")
+        return text + (f" +{r.sgpr_spills} sgpr" if r.sgpr_spills else "")
+    return f"{r.spill_store_bytes or 0}B" + (f" ({r.scratch_bytes}B local)" if r.scratch_bytes else "")
+
+
+def _matrix(r: CompileResult) -> str:
+    if r.error:
+        return "-"
+    if not r.dots:
+        return "no dot"
+    return f"{r.matrix_kind} x{r.matrix_instrs}" + (f", {r.fma_dots} FMA dots" if r.fma_dots else "")
+
+
+def summary_table(report: CheckReport) -> str:
+    """One row per kernel and target: configurations compiled, worst registers (``v``GPRs incl. AGPRs /
+    ``s``GPRs on AMD), how many configurations spill to memory and how many spill SGPRs into VGPR lanes,
+    the largest LDS / shared memory, and in how many configurations the dots run on the matrix units."""
+    rows = []
+    kernels = sorted({r.kernel for r in report.results})
+    for kernel in kernels:
+        role = KERNEL_ROLES.get(kernel)
+        for target in report.targets:
+            rs = [r for r in report.results if r.kernel == kernel and r.target == target.name]
+            if not rs:
+                continue
+            ok = [r for r in rs if not r.error]
+            failed = sum(1 for r in rs if r.failures)
+            status = f"FAIL {failed}/{len(rs)}" if failed else ("ok*" if any(r.deliberate for r in rs) else "ok")
+            regs = max((r.regs or 0 for r in ok), default=0)
+            sgprs = max((r.sgprs or 0 for r in ok), default=0)
+            spilled = sum(1 for r in ok if r.vgpr_spills or r.scratch_bytes or r.spill_store_bytes)
+            lanes = sum(1 for r in ok if r.sgpr_spills)
+            shared = max((r.shared_bytes or 0 for r in ok), default=0)
+            if role is None or not role.matrix_stage:
+                matrix = "no matrix stage (deliberate)" if role else "undeclared"
+            else:
+                using = sum(1 for r in ok if r.matrix_instrs and not r.fma_dots)
+                kinds = sorted({k for r in ok for k in r.matrix_kind.split("+")})
+                matrix = f"{'+'.join(kinds)} in {using}/{len(rs)}"
+            reg_text = f"{regs}v/{sgprs}s" if target.gpu.backend == "hip" else str(regs)
+            rows.append([kernel, target.name, str(len(rs)), status, reg_text, str(spilled),
+                         str(lanes) if target.gpu.backend == "hip" else "-", f"{shared / 1024:.1f} KiB", matrix])
+    header = ["kernel", "target", "configs", "status", "max regs", "spilling", "SGPR lane spills",
+              "max LDS/smem", "matrix units"]
+    return _table(header, rows)
+
+
+def detail_table(report: CheckReport) -> str:
+    """One row per distinct compilation."""
+    rows = []
+    for r in report.results:
+        scen = r.scenarios[0] + (f" (+{len(r.scenarios) - 1})" if len(r.scenarios) > 1 else "")
+        notes = "; ".join(f"{k}: {t}" for k, t in r.failures + r.deliberate)
+        occ = f" occ{r.occupancy}" if r.occupancy is not None else ""
+        rows.append([r.kernel, r.target, r.config, scen, r.status, _regs(r) + occ, _spills(r),
+                     f"{(r.shared_bytes or 0) / 1024:.1f} KiB" if not r.error else "-", _matrix(r), notes])
+    header = ["kernel", "target", "config", "scenario", "status", "regs", "spills", "LDS/smem", "matrix",
+              "notes"]
+    return _table(header, rows)
+
+
+def format_report(report: CheckReport, detail: bool = True) -> str:
+    parts = ["Targets: " + ", ".join(f"{t.name} ({t.label})" for t in report.targets), "", summary_table(report)]
+    if detail:
+        parts += ["", detail_table(report)]
+    if report.scenario_errors:
+        parts += ["", "Scenario errors:"] + [f"- {e.scenario} on {e.target}: {e.error}"
+                                             for e in report.scenario_errors]
+    failed = [r for r in report.results if r.failures]
+    if failed:
+        parts += ["", "Failures:"]
+        for r in failed:
+            for kind, text in r.failures:
+                parts.append(f"- {r.kernel} on {r.target} [{r.config}] ({r.scenarios[0]}): {kind}: {text}")
+    n = len(report.results)
+    parts += ["", f"{n} compilations, {len(failed)} failed, {len(report.scenario_errors)} scenario errors: "
+                  + ("OK" if report.ok else "FAILED")]
+    return "\n".join(parts)
+
+
+# --- command line --------------------------------------------------------------------------------------
+
+def main_check_compile(argv: Sequence[str] | None = None) -> int:
+    """``tripath check-compile``; returns the exit status (0 all good, 1 failures)."""
+    parser = argparse.ArgumentParser(
+        prog="tripath check-compile",
+        description="Compile every Triton kernel for gfx942 (MI300X/MI325X), gfx950 (MI355X) and sm90 (H200) "
+                    "with the launch configurations the launchers choose, and check registers, spills, "
+                    "shared memory and matrix-unit use.")
+    parser.add_argument("--target", action="append", choices=list(TARGETS),
+                        help="target to compile for (repeatable; default: all)")
+    parser.add_argument("--subset", choices=("full", "ci"), default="full",
+                        help="full: every scenario (default); ci: the subset the CPU test suite compiles")
+    parser.add_argument("--only", help="only scenarios whose name contains this text (e.g. decode)")
+    parser.add_argument("-j", "--jobs", type=int, default=1, help="compile in this many processes")
+    parser.add_argument("--json", help="write every result as JSON to this file")
+    parser.add_argument("--markdown", help="write the report to this file")
+    parser.add_argument("--summary", action="store_true", help="print the per-kernel summary only")
+    parser.add_argument("--strict-sgpr", action="store_true",
+                        help="also fail on AMD SGPR spills that stay in VGPR lanes (no memory traffic)")
+    parser.add_argument("--list", action="store_true", help="list the distinct compilations, compile nothing")
+    parser.add_argument("--verbose", action="store_true", help="progress on stderr")
+    parser.add_argument("--worker", nargs=2, metavar=("JOBS_JSON", "RESULTS_JSON"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker[0], args.worker[1], args.verbose)
+    if args.list:
+        jobs, errors = collect_jobs(select_scenarios(args.subset, args.only),
+                                    [TARGETS[n] for n in (args.target or TARGETS)])
+        for job in jobs:
+            print(f"{job.name:28s} {job.target:7s} {len(job.scenarios):3d} scenario(s)  {job.scenarios[0]}")
+        for e in errors:
+            print(f"scenario error: {e.scenario} on {e.target}: {e.error}")
+        print(f"{len(jobs)} distinct compilations")
+        return 1 if errors else 0
+    try:
+        report = run_check(args.subset, args.target, args.only, args.jobs, args.verbose,
+                           strict_sgpr=args.strict_sgpr)
+    except ValueError as exc:
+        parser.error(str(exc))
+    text = format_report(report, detail=not args.summary)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ok": report.ok, "results": [r.to_json() for r in report.results],
+                       "scenario_errors": [asdict(e) for e in report.scenario_errors]}, f, indent=1)
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main_check_compile(sys.argv[1:]))

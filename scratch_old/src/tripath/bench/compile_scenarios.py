@@ -1,0 +1,373 @@
+"""What the portability check compiles: representative calls of every public op, and what each kernel is.
+
+A :class:`Scenario` calls one public op on small CPU tensors. The check runs it under
+``override_platform(target)`` and ``capture_launches()``, so the op validates its inputs and picks the
+launch configuration of that GPU exactly as it would there, and the recorded launches (kernel, argument
+types, constexprs, options) are what gets compiled. Tensor sizes only matter where the launchers read them
+(head sizes, heads per KV head, dtypes, layout, context length for the split count); everything else is tiny.
+
+Representative shapes: a Llama-style GQA layer (32 query heads, 8 KV heads) with head sizes 64/128/256
+(plus 80 and the MLA prefill 192/128 for the padded, uneven-head paths), fp16 and bf16 activations, fp8
+e4m3 KV caches of the platform's flavour (:func:`tripath.platform.fp8_dtype`), NHD and shuffled layouts,
+the score modifiers as models combine them; for MLA the DeepSeek latent (L = 512, R = 64) with 16 heads
+(TP8) and 128 heads, bf16 / fp8 caches and fp8 queries. ``ci=True`` marks the subset the CPU test suite
+compiles on every submission (every kernel on every target); the CLI compiles everything.
+
+Adding an op (e.g. the MLA kernels): write a ``_build_*`` function that calls the op, append a few
+``Scenario`` rows in :func:`all_scenarios`, and declare each new kernel in :data:`KERNEL_ROLES`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from tripath import ops
+from tripath.ops import mla, rotary
+from tripath.platform import Platform, fp8_dtype
+
+
+@dataclass(frozen=True)
+class KernelRole:
+    """Whether a kernel has a matrix-multiply stage (``tl.dot``) that must run on the matrix units
+    (MFMA on CDNA, wgmma/mma on Hopper); ``why`` documents the answer in the report."""
+
+    matrix_stage: bool
+    why: str
+
+
+# Every Triton kernel of the project. An undeclared kernel fails the check; a declaration that disagrees
+# with the compiled code (a tt.dot in a kernel declared elementwise, or none in a matrix kernel) fails too.
+KERNEL_ROLES: dict[str, KernelRole] = {
+    "varlen_attention_kernel": KernelRole(True, "QK^T and PV tiles"),
+    "paged_decode_kernel": KernelRole(True, "QK^T and PV over [BLOCK_G query heads x BLOCK_N tokens]"),
+    "unified_attention_kernel": KernelRole(True, "QK^T and PV over [(token, head) rows x BLOCK_N tokens]"),
+    "reduce_splits_kernel": KernelRole(False, "deliberate: weighted sum of split partials, no matmul"),
+    "merge_states_kernel": KernelRole(False, "deliberate: elementwise LSE merge, no matmul"),
+    "write_kv_cache_kernel": KernelRole(False, "deliberate: row copy / fp8 quantising store, no matmul"),
+    "gather_kv_cache_kernel": KernelRole(False, "deliberate: row gather / fp8 dequantising copy, no matmul"),
+    "mla_decode_kernel": KernelRole(True, "heads packed into tiles: q·c^T (latent and rope parts) and P·c_lat"),
+    "mla_decode_per_head_kernel": KernelRole(False, "deliberate: the one-head-per-program variant uses "
+                                                    "CUDA-core reductions by design"),
+    "concat_and_cache_mla_kernel": KernelRole(False, "deliberate: latent row write / fp8 quantising store"),
+    "gather_mla_cache_kernel": KernelRole(False, "deliberate: latent row gather / fp8 dequantising copy"),
+    "mla_prep_kernel": KernelRole(False, "deliberate: fused RoPE + concat + fp8 quantisation + cache write"),
+    "rotary_embedding_kernel": KernelRole(False, "deliberate: in-place pair rotation"),
+}
+
+# Findings accepted on purpose: (kernel, target name or "*", kind) -> reason. Kinds: "spill", "shared",
+# "matrix", "compile". Empty means every kernel must compile cleanly everywhere.
+DELIBERATE: dict[tuple[str, str, str], str] = {}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One representative call: ``build(platform)`` calls a public op (launches are captured, not run)."""
+
+    name: str
+    build: Callable[[Platform], None]
+    ci: bool = False
+
+
+# Llama-3-8B-like GQA geometry; the MLA prefill uses one head per KV head in its non-absorbed form.
+NUM_HEADS, NUM_KV_HEADS = 32, 8
+BLOCK_SIZE = 16
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _rand(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape).to(dtype)
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths).cumsum(0)
+    return out
+
+
+# Score modifiers as real models combine them (each combination is its own compiled kernel).
+FEATURE_SETS = {
+    "": {},
+    "window+sinks": {"window_left": 127, "sinks": True},  # gpt-oss
+    "window+softcap": {"window_left": 4095, "softcap": 50.0},  # Gemma 2
+    "alibi": {"alibi_slopes": True},  # BLOOM, MPT
+}
+
+
+def _features(num_heads: int, features: str) -> dict:
+    """Keyword arguments of one :data:`FEATURE_SETS` entry (per-head tensors made here)."""
+    kwargs = dict(FEATURE_SETS[features])
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = torch.randn(num_heads)
+    if kwargs.pop("alibi_slopes", False):
+        kwargs["alibi_slopes"] = torch.rand(num_heads)
+    return kwargs
+
+
+def in_large_allocation(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` at the start of an allocation larger than 2 GiB, like a serving KV cache.
+
+    Triton's AMD back end gives pointers into allocations under 2 GiB 32-bit buffer-load attributes; a
+    production cache is larger, so the check must compile the cache pointers without them. The backing
+    memory is never touched (``torch.empty``), so it costs address space only.
+    """
+    numel = math.prod(shape)
+    backing = torch.empty(2**31 // torch.empty((), dtype=dtype).element_size() + numel, dtype=dtype)
+    return backing[:numel].view(shape)
+
+
+def _cache(head_size: int, cache_dtype: torch.dtype, layout: str, num_blocks: int = 8):
+    k_shape, v_shape = ops.kv_cache_shapes(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_size, cache_dtype, layout)
+    k_cache, v_cache = in_large_allocation(k_shape, cache_dtype), in_large_allocation(v_shape, cache_dtype)
+    scales = {}
+    if cache_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        scales = dict(k_scale=torch.tensor([0.5]), v_scale=torch.tensor([0.25]))
+    return k_cache, v_cache, scales
+
+
+def _cache_dtype(platform: Platform, dtype: torch.dtype, fp8: bool) -> torch.dtype:
+    return fp8_dtype(platform) if fp8 else dtype
+
+
+def _build_varlen(platform: Platform, *, head_size: int, dtype: torch.dtype, causal: bool, lse: bool,
+                  features: str = "", head_size_v: int | None = None, num_heads: int = NUM_HEADS,
+                  num_kv_heads: int = NUM_KV_HEADS) -> None:
+    head_size_v = head_size_v or head_size
+    lengths = [48, 80]
+    q = _rand(sum(lengths), num_heads, head_size, dtype=dtype)
+    k = _rand(sum(lengths), num_kv_heads, head_size, dtype=dtype)
+    v = _rand(sum(lengths), num_kv_heads, head_size_v, dtype=dtype)
+    cu = _cu(lengths)
+    ops.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, return_lse=lse,
+                         **_features(num_heads, features))
+
+
+def _build_decode(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool,
+                  num_splits: int | None, features: str = "") -> None:
+    k_cache, v_cache, scales = _cache(head_size, _cache_dtype(platform, dtype, fp8), layout)
+    batch, context_blocks = 4, 256  # 4K-token contexts: the default split count is the platform's choice
+    q = _rand(batch, NUM_HEADS, head_size, dtype=dtype)
+    block_table = torch.zeros(batch, context_blocks, dtype=torch.int32)
+    seq_lens = torch.full((batch,), context_blocks * BLOCK_SIZE, dtype=torch.int32)
+    ops.paged_decode(q, k_cache, v_cache, block_table, seq_lens, layout=layout, num_splits=num_splits,
+                     return_lse=True, **scales, **_features(NUM_HEADS, features))
+
+
+def _build_unified(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool,
+                   features: str = "") -> None:
+    k_cache, v_cache, scales = _cache(head_size, _cache_dtype(platform, dtype, fp8), layout)
+    query_lens, seq_lens = [1, 1, 7, 40], [300, 33, 64, 40]  # decode, decode, extend, prefill
+    q = _rand(sum(query_lens), NUM_HEADS, head_size, dtype=dtype)
+    block_table = torch.zeros(len(seq_lens), 32, dtype=torch.int32)
+    ops.unified_attention(q, k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32),
+                          _cu(query_lens), max(query_lens), layout=layout, **scales,
+                          **_features(NUM_HEADS, features))
+
+
+def _build_merge(platform: Platform, *, head_size: int, dtype: torch.dtype) -> None:
+    tokens = 24
+    out_a, out_b = (_rand(tokens, NUM_HEADS, head_size, dtype=dtype) for _ in range(2))
+    lse_a, lse_b = (torch.randn(tokens, NUM_HEADS) for _ in range(2))
+    ops.merge_states(out_a, lse_a, out_b, lse_b)
+
+
+def _build_write(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool) -> None:
+    k_cache, v_cache, scales = _cache(head_size, _cache_dtype(platform, dtype, fp8), layout)
+    tokens = 24
+    key = _rand(tokens, NUM_KV_HEADS, head_size, dtype=dtype)
+    value = _rand(tokens, NUM_KV_HEADS, head_size, dtype=dtype)
+    slots = torch.arange(BLOCK_SIZE, BLOCK_SIZE + tokens, dtype=torch.int64)
+    ops.write_kv_cache(key, value, k_cache, v_cache, slots, layout=layout, **scales)
+
+
+def _build_gather(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool) -> None:
+    k_cache, v_cache, scales = _cache(head_size, _cache_dtype(platform, dtype, fp8), layout)
+    lengths = [40, 24]
+    out_k = torch.empty(sum(lengths), NUM_KV_HEADS, head_size, dtype=dtype)
+    out_v = torch.empty_like(out_k)
+    ops.gather_kv_cache(k_cache, v_cache, torch.zeros(len(lengths), 8, dtype=torch.int32), _cu(lengths),
+                        torch.zeros(len(lengths), dtype=torch.int32), layout=layout, out_k=out_k, out_v=out_v,
+                        **scales)
+
+
+# DeepSeek V3/R1 latent geometry: L = 512, R = 64; 16 heads per GPU at TP8, 128 without TP.
+MLA_L, MLA_R = 512, 64
+MLA_SCALE = 1.0 / (128 + 64) ** 0.5
+MLA_BLOCK_SIZE = 64  # DeepSeek deployments' page size; whole pages per tile give the descriptor path on sm_90
+
+
+def _mla_cache(platform: Platform, fp8: bool, num_blocks: int = 8, block_size: int = BLOCK_SIZE):
+    dtype = fp8_dtype(platform) if fp8 else torch.bfloat16
+    scale = dict(kv_scale=torch.tensor([0.5])) if fp8 else {}
+    return in_large_allocation((num_blocks, block_size, MLA_L + MLA_R), dtype), scale
+
+
+def _build_mla_decode(platform: Platform, *, num_heads: int, fp8_cache: bool, fp8_query: bool,
+                      variant: str = "packed", block_size: int = MLA_BLOCK_SIZE) -> None:
+    kv_cache, scale = _mla_cache(platform, fp8_cache, block_size=block_size)
+    batch, context_blocks = 4, 256
+    q = _rand(batch, num_heads, MLA_L + MLA_R, dtype=torch.bfloat16)
+    if fp8_query:
+        q = q.to(fp8_dtype(platform))
+        scale["q_scale"] = torch.tensor([0.25])
+    block_table = torch.zeros(batch, context_blocks, dtype=torch.int32)
+    seq_lens = torch.full((batch,), context_blocks * block_size, dtype=torch.int32)
+    mla.mla_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank=MLA_L, sm_scale=MLA_SCALE,
+                   variant=variant, **scale)
+
+
+def _build_mla_cache_write(platform: Platform, *, fp8: bool) -> None:
+    kv_cache, scale = _mla_cache(platform, fp8)
+    tokens = 24
+    mla.concat_and_cache_mla(_rand(tokens, MLA_L, dtype=torch.bfloat16), _rand(tokens, MLA_R, dtype=torch.bfloat16),
+                             kv_cache, torch.arange(BLOCK_SIZE, BLOCK_SIZE + tokens), **scale)
+
+
+def _build_mla_gather(platform: Platform, *, fp8: bool) -> None:
+    kv_cache, scale = _mla_cache(platform, fp8)
+    lengths = [40, 24]
+    out = torch.empty(sum(lengths), MLA_L + MLA_R, dtype=torch.bfloat16)
+    mla.gather_mla_cache(kv_cache, torch.zeros(len(lengths), 8, dtype=torch.int32), _cu(lengths),
+                         torch.zeros(len(lengths), dtype=torch.int32), kv_lora_rank=MLA_L, out=out, **scale)
+
+
+def _build_mla_prep(platform: Platform, *, fp8: bool, rope: str, num_heads: int = 16) -> None:
+    """The seed's fused preparation: rotate, concat, fp8-quantise the query, write the cache row."""
+    kv_cache, scale = _mla_cache(platform, fp8)
+    tokens = 8
+    out_dtype = fp8_dtype(platform) if fp8 else torch.bfloat16
+    q_out = torch.empty(tokens, num_heads, MLA_L + MLA_R, dtype=out_dtype)
+    positions, cos, sin = None, None, None
+    if rope != "none":
+        positions = torch.arange(tokens)
+        cos, sin = (rotary.identity_rope_tables(MLA_R) if rope == "identity"
+                    else rotary.rope_cos_sin(4096, MLA_R))
+    mla.fused_qk_rope_concat_and_cache_mla(
+        _rand(tokens, num_heads, MLA_L, dtype=torch.bfloat16), _rand(tokens, num_heads, MLA_R, dtype=torch.bfloat16),
+        _rand(tokens, MLA_L, dtype=torch.bfloat16), _rand(tokens, MLA_R, dtype=torch.bfloat16), kv_cache, q_out,
+        torch.arange(BLOCK_SIZE, BLOCK_SIZE + tokens), scale.get("kv_scale"),
+        torch.tensor([0.25]) if fp8 else None, positions, cos, sin, is_neox=rope != "gptj")
+
+
+def _build_mla_query_concat(platform: Platform, *, fp8: bool, num_heads: int = 16) -> None:
+    tokens = 8
+    q_out = torch.empty(tokens, num_heads, MLA_L + MLA_R, dtype=fp8_dtype(platform) if fp8 else torch.bfloat16)
+    mla.concat_mla_query(_rand(tokens, num_heads, MLA_L, dtype=torch.bfloat16),
+                         _rand(tokens, num_heads, MLA_R, dtype=torch.bfloat16), q_out,
+                         q_scale=torch.tensor([0.25]) if fp8 else None)
+
+
+def _build_rotary(platform: Platform, *, head_size: int, rotary_dim: int, is_neox: bool,
+                  dtype: torch.dtype = torch.bfloat16) -> None:
+    tokens = 8
+    cos, sin = rotary.rope_cos_sin(4096, rotary_dim)
+    rotary.rotary_embedding(torch.arange(tokens), _rand(tokens, NUM_HEADS, head_size, dtype=dtype),
+                            _rand(tokens, NUM_KV_HEADS, head_size, dtype=dtype), torch.cat([cos, sin], 1),
+                            is_neox=is_neox)
+
+
+def _s(name: str, build: Callable, ci: bool = False, **kwargs) -> Scenario:
+    return Scenario(name, functools.partial(build, **kwargs), ci)
+
+
+def _tag(dtype: torch.dtype, layout: str | None = None, fp8: bool = False) -> str:
+    parts = [DTYPE_NAMES[dtype]]
+    if fp8:
+        parts.append("kv=fp8")
+    if layout:
+        parts.append(layout)
+    return " ".join(parts)
+
+
+def all_scenarios() -> list[Scenario]:
+    """Every representative call, in report order. ``ci`` rows: each kernel in its main production
+    configuration (bf16, head 128, fp8 and the shuffled layout where the kernel reads the cache, the
+    MLA prefill's uneven 192/128 heads, gpt-oss-style window+sinks), so CI compiles every kernel for every
+    target in a few minutes; the full set adds head sizes 64/256, fp16, both layouts x both cache dtypes,
+    and the other score modifiers."""
+    rows: list[Scenario] = []
+    dtypes = (torch.bfloat16, torch.float16)
+    heads = (64, 128, 256)
+    layouts = ("nhd", "shuffled")
+
+    for d in heads:
+        for dt in dtypes:
+            rows.append(_s(f"prefill hd{d} {_tag(dt)} causal", _build_varlen, ci=dt is torch.bfloat16 and d == 128,
+                           head_size=d, dtype=dt, causal=True, lse=False))
+            rows.append(_s(f"context chunk hd{d} {_tag(dt)} non-causal+lse", _build_varlen,
+                           head_size=d, dtype=dt, causal=False, lse=True))
+        for features in ("window+sinks", "window+softcap", "alibi"):
+            rows.append(_s(f"prefill hd{d} bf16 causal+lse {features}", _build_varlen, head_size=d,
+                           dtype=torch.bfloat16, causal=True, lse=True, features=features))
+    rows.append(_s("prefill hd80 bf16 causal (padded head)", _build_varlen, head_size=80,
+                   dtype=torch.bfloat16, causal=True, lse=False))
+    rows.append(_s("MLA prefill qk192/v128 bf16 causal+lse", _build_varlen, ci=True, head_size=192,
+                   head_size_v=128, dtype=torch.bfloat16, causal=True, lse=True, num_heads=16, num_kv_heads=16))
+
+    for d in heads:
+        for dt in dtypes:
+            for layout in layouts:
+                for fp8 in (False, True):
+                    ci = dt is torch.bfloat16 and d == 128 and not fp8 and layout == "nhd"
+                    rows.append(_s(f"decode hd{d} {_tag(dt, layout, fp8)} splits=auto", _build_decode, ci=ci,
+                                   head_size=d, dtype=dt, layout=layout, fp8=fp8, num_splits=None))
+        rows.append(_s(f"decode hd{d} bf16 nhd one split", _build_decode, head_size=d, dtype=torch.bfloat16,
+                       layout="nhd", fp8=False, num_splits=1))
+    for features in ("window+sinks", "window+softcap", "alibi"):
+        rows.append(_s(f"decode hd128 bf16 kv=fp8 shuffled {features}", _build_decode,
+                       ci=features == "window+sinks", head_size=128, dtype=torch.bfloat16, layout="shuffled",
+                       fp8=True, num_splits=None, features=features))
+
+    for d in heads:
+        for dt in dtypes:
+            for layout in layouts:
+                for fp8 in (False, True):
+                    ci = dt is torch.bfloat16 and d == 128 and fp8 and layout == "shuffled"
+                    rows.append(_s(f"unified hd{d} {_tag(dt, layout, fp8)}", _build_unified, ci=ci,
+                                   head_size=d, dtype=dt, layout=layout, fp8=fp8))
+    for features in ("window+sinks", "window+softcap", "alibi"):
+        rows.append(_s(f"unified hd128 bf16 nhd {features}", _build_unified, head_size=128,
+                       dtype=torch.bfloat16, layout="nhd", fp8=False, features=features))
+
+    for d in heads:
+        for dt in dtypes:
+            rows.append(_s(f"merge hd{d} {_tag(dt)}", _build_merge, ci=d == 128 and dt is torch.bfloat16,
+                           head_size=d, dtype=dt))
+
+    for build, what in ((_build_write, "write"), (_build_gather, "gather")):
+        for d in heads:
+            for layout in layouts:
+                for fp8 in (False, True):
+                    ci = d == 128 and fp8 and layout == "shuffled"
+                    rows.append(_s(f"kv {what} hd{d} {_tag(torch.bfloat16, layout, fp8)}", build, ci=ci,
+                                   head_size=d, dtype=torch.bfloat16, layout=layout, fp8=fp8))
+        rows.append(_s(f"kv {what} hd128 {_tag(torch.float16, 'nhd')}", build, head_size=128,
+                       dtype=torch.float16, layout="nhd", fp8=False))
+
+    for heads_ in (16, 128):
+        for fp8_cache, fp8_query in ((False, False), (True, False), (True, True)):
+            kv = "fp8 q+kv" if fp8_query else ("kv=fp8" if fp8_cache else "bf16")
+            rows.append(_s(f"MLA decode packed H={heads_} {kv}", _build_mla_decode,
+                           ci=(heads_, fp8_cache, fp8_query) in ((16, True, False), (128, True, True)),
+                           num_heads=heads_, fp8_cache=fp8_cache, fp8_query=fp8_query))
+        rows.append(_s(f"MLA decode packed H={heads_} bf16 block 16", _build_mla_decode, num_heads=heads_,
+                       fp8_cache=False, fp8_query=False, block_size=16))
+    for fp8 in (False, True):
+        tag = "kv=fp8" if fp8 else "bf16"
+        rows.append(_s(f"MLA decode per-head baseline H=16 {tag}", _build_mla_decode, ci=not fp8, num_heads=16,
+                       fp8_cache=fp8, fp8_query=False, variant="per_head"))
+        rows.append(_s(f"MLA cache write {tag}", _build_mla_cache_write, ci=fp8, fp8=fp8))
+        rows.append(_s(f"MLA cache gather {tag}", _build_mla_gather, ci=fp8, fp8=fp8))
+        rows.append(_s(f"MLA query concat {tag}", _build_mla_query_concat, fp8=fp8))
+    for rope in ("neox", "gptj", "identity", "none"):
+        rows.append(_s(f"MLA fused prep fp8 rope={rope}", _build_mla_prep, ci=rope == "neox", fp8=True, rope=rope))
+    rows.append(_s("MLA fused prep bf16 rope=neox H=128", _build_mla_prep, fp8=False, rope="neox", num_heads=128))
+    for head_size, rotary_dim, is_neox in ((128, 128, True), (128, 64, False), (64, 64, True)):
+        rows.append(_s(f"rotary hd{head_size} R={rotary_dim} {'neox' if is_neox else 'gptj'}", _build_rotary,
+                       ci=head_size == 128 and is_neox, head_size=head_size, rotary_dim=rotary_dim,
+                       is_neox=is_neox))
+    return rows

@@ -1,0 +1,16 @@
+"""The serving engine: requests, scheduler, block manager (prefix caching), model runner, sampler, LLM facade.
+
+``LLM(model, ...).generate(prompts, SamplingParams(...))`` for offline batches; ``add_request`` / ``step`` for
+servers. The engine owns no attention math: it plans each step and hands the backend one metadata.
+"""
+
+from tripath.engine.block_manager import BlockManager
+from tripath.engine.config import EngineConfig
+from tripath.engine.llm import LLM, RunMetrics
+from tripath.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from tripath.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+
+__all__ = [
+    "LLM", "RunMetrics", "EngineConfig", "SamplingParams", "Request", "RequestOutput", "RequestStatus",
+    "FinishReason", "Scheduler", "SchedulerOutput", "ScheduledRequest", "BlockManager",
+]

@@ -1,0 +1,115 @@
+"""``tripath generate``: complete prompts with the engine and print the outputs and the run's metrics.
+
+    tripath generate --model tiny-llama --prompt "Hello" --prompt "The sky is" --max-tokens 32
+    tripath generate --model /models/Qwen3-8B --backend three_path --kv-cache-dtype fp8 --temperature 0.7
+
+A model directory brings its tokenizer. Presets (random weights) have none: text is then encoded as UTF-8
+bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the same way; ``--prompt-ids``
+passes token ids directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (the fallback for models without a tokenizer)."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tripath generate", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory or preset name")
+    parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    parser.add_argument("--prompt-ids", action="append", default=[],
+                        help="a prompt as comma-separated token ids (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--backend", default="auto",
+                        help="attention backend: auto, three_path, unified, two_path, torch, mla, mla_triton")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--calculate-kv-scales", action="store_true",
+                        help="fp8 KV cache: set each layer's scales from the first step (default: 1.0)")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float16, ...")
+    parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    return parser
+
+
+def _parse_ids(text: str, parser: argparse.ArgumentParser) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        parser.error(f"--prompt-ids expects comma-separated integers, got {text!r}")
+    if not ids:
+        parser.error("--prompt-ids got an empty list")
+    return ids
+
+
+def main_generate(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tripath generate``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prompts: list = list(args.prompt) + [_parse_ids(p, parser) for p in args.prompt_ids]
+    if not prompts:
+        parser.error("give at least one --prompt or --prompt-ids")
+
+    from tripath.engine import LLM, SamplingParams
+    from tripath.engine.config import resolve_device, resolve_dtype
+    from tripath.models import load_model, load_tokenizer
+
+    try:
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, ignore_eos=args.ignore_eos)
+        model = load_model(args.model, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(model)
+        if tokenizer is None and model.config.vocab_size >= 256:
+            tokenizer = ByteTokenizer()
+            print(f"{args.model} has no tokenizer: text is encoded as UTF-8 bytes", file=sys.stderr)
+        llm = LLM(model, tokenizer=tokenizer, backend=args.backend, dtype=dtype, device=device,
+                  block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                  calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                  num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                  enforce_eager=args.enforce_eager, seed=args.seed)
+        outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
+        print(f"tripath generate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"model {args.model} | backend {llm.backend_name} | {llm.runner.num_blocks} KV blocks of "
+          f"{args.block_size} | {dtype} on {device}")
+    for i, out in enumerate(outputs):
+        prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
+        print(f"\n[{i}] prompt: {prompt!r}")
+        if out.text is not None:
+            print(f"[{i}] output: {out.text!r}")
+        print(f"[{i}] tokens: {out.output_token_ids} ({out.finish_reason.value})")
+    print("\n" + llm.last_metrics.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_generate())

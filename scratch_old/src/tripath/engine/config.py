@@ -1,0 +1,106 @@
+"""Engine settings, validated on construction (each error names the setting and what is allowed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_LAYOUTS = ("nhd", "shuffled")
+CPU_DEFAULT_KV_BLOCKS = 1024  # without a GPU to measure, the cache size when num_kv_blocks is not given
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """``None``/``"auto"``: bfloat16 on a GPU, float32 on the CPU; names such as ``"float16"`` accepted."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not supported; supported: auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype={dtype} is not supported; supported: float16, bfloat16, float32")
+    return dtype
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device={device} is not supported; supported: cuda (NVIDIA or ROCm), cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device} was asked for but torch sees no GPU")
+    return device
+
+
+@dataclass
+class EngineConfig:
+    """How the engine batches, caches and runs.
+
+    ``max_num_batched_tokens``: new tokens per step (the scheduler's budget). ``max_num_seqs``: requests
+    running at once. ``max_model_len``: longest prompt + output (None: the model's ``max_position``).
+    KV cache: ``num_kv_blocks`` blocks (block 0 reserved) if given, else as many as fit in
+    ``gpu_memory_utilization`` of the GPU after the weights and a warm-up step (on the CPU,
+    ``CPU_DEFAULT_KV_BLOCKS``). ``enforce_eager`` turns CUDA graphs for decode-only steps off; graphs are
+    captured for padded batch sizes up to ``max_cuda_graph_batch_size``. ``calculate_kv_scales`` (fp8 KV
+    cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
+    of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped.
+    """
+
+    backend: str = "auto"
+    dtype: torch.dtype | str | None = None
+    device: torch.device | str | None = None
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    kv_layout: str = "nhd"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    max_cuda_graph_batch_size: int = 128
+    seed: int = 0
+
+    def __post_init__(self):
+        self.device = resolve_device(self.device)
+        self.dtype = resolve_dtype(self.dtype, self.device)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_cuda_graph_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; supported: "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise TypeError(f"calculate_kv_scales must be a bool, got {type(self.calculate_kv_scales).__name__}")
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ValueError("calculate_kv_scales=True needs kv_cache_dtype='fp8' (only fp8 caches have scales)")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r} is not supported; supported: {', '.join(KV_LAYOUTS)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved) or None, "
+                             f"got {self.num_kv_blocks!r}")
+        if not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.enforce_eager
+
+    def cuda_graph_batch_sizes(self) -> list[int]:
+        """Padded decode batch sizes that get a graph: 1, 2, 4, 8, then multiples of 16."""
+        top = min(self.max_num_seqs, self.max_cuda_graph_batch_size)
+        sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
+        return sorted(set(sizes + [top]))

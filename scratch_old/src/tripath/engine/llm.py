@@ -1,0 +1,240 @@
+"""The engine's front door: :class:`LLM` — offline ``generate`` and a step API for servers — plus run metrics.
+
+::
+
+    llm = LLM("tiny-llama", num_kv_blocks=256)
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+    llm.last_metrics            # throughput, TTFT, TPOT of that run
+
+    rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=8))   # servers: add, then step
+    while llm.has_unfinished_requests():
+        for out in llm.step(): ...   # out.new_token_ids, out.finished
+
+Each ``step`` schedules (decodes, then prompt chunks, then new requests, under the token budget), runs the
+model once on the step's batch and returns a :class:`RequestOutput` for every request that produced a token
+or finished.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from tripath.engine.block_manager import BlockManager
+from tripath.engine.config import EngineConfig
+from tripath.engine.model_runner import ModelRunner
+from tripath.engine.request import Request, RequestOutput, SamplingParams
+from tripath.engine.sampler import make_generator
+from tripath.engine.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class RunMetrics:
+    """One ``generate`` run: token counts, wall time, throughputs (tokens/s), TTFT and TPOT (seconds)."""
+
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    elapsed_s: float
+    num_steps: int
+    num_preemptions: int
+    prefix_hit_rate: float
+    mean_ttft_s: float
+    p50_ttft_s: float
+    mean_tpot_s: float
+
+    @property
+    def output_throughput(self) -> float:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def total_throughput(self) -> float:
+        return (self.num_prompt_tokens + self.num_output_tokens) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"{self.num_requests} requests, {self.num_prompt_tokens} prompt + {self.num_output_tokens} output "
+                f"tokens in {self.elapsed_s:.2f} s ({self.num_steps} steps): {self.output_throughput:.1f} output "
+                f"tok/s, {self.total_throughput:.1f} total tok/s; TTFT mean {self.mean_ttft_s * 1e3:.1f} ms "
+                f"(p50 {self.p50_ttft_s * 1e3:.1f}), TPOT mean {self.mean_tpot_s * 1e3:.2f} ms; "
+                f"{self.num_preemptions} preemptions, prefix hit rate {self.prefix_hit_rate:.0%}")
+
+    @classmethod
+    def of(cls, requests: list[Request], elapsed_s: float, num_steps: int, num_preemptions: int,
+           prefix_hit_rate: float) -> "RunMetrics":
+        ttfts = [r.ttft for r in requests if r.ttft is not None]
+        tpots = [r.tpot for r in requests if r.tpot is not None]
+        return cls(len(requests), sum(r.num_prompt_tokens for r in requests),
+                   sum(r.num_output_tokens for r in requests), elapsed_s, num_steps, num_preemptions,
+                   prefix_hit_rate, statistics.fmean(ttfts) if ttfts else 0.0,
+                   statistics.median(ttfts) if ttfts else 0.0, statistics.fmean(tpots) if tpots else 0.0)
+
+
+class LLM:
+    """A model, its KV cache and a scheduler.
+
+    ``model``: a path or preset name (loaded with :func:`tripath.models.load_model`, tokenizer with
+    ``load_tokenizer``) or an already built model object (``attention_spec``, ``num_attention_layers``,
+    ``config.eos_token_ids``/``max_position``, ``forward(input_ids, positions, ctx)``, ``compute_logits``).
+    The other arguments are :class:`EngineConfig`'s.
+    """
+
+    def __init__(self, model, *, tokenizer=None, backend: str = "auto", dtype: torch.dtype | str | None = None,
+                 device: torch.device | str | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
+                 calculate_kv_scales: bool = False, kv_layout: str = "nhd", max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192,
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
+                 enable_chunked_prefill: bool = True, enforce_eager: bool = False,
+                 max_cuda_graph_batch_size: int = 128, seed: int = 0):
+        if dtype is None and not isinstance(model, str):
+            dtype = next(model.parameters()).dtype
+        self.config = EngineConfig(
+            backend=backend, dtype=dtype, device=device, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales, kv_layout=kv_layout, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
+            max_cuda_graph_batch_size=max_cuda_graph_batch_size, seed=seed)
+        if isinstance(model, str):
+            from tripath.models import load_model, load_tokenizer
+            model = load_model(model, dtype=self.config.dtype, device=self.config.device)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(int(t) for t in getattr(model.config, "eos_token_ids", ()) or ())
+        self.runner = ModelRunner(model, self.config)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
+                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
+                                   max_model_len=self.runner.max_model_len,
+                                   enable_chunked_prefill=self.config.enable_chunked_prefill)
+        self.num_requests_added = 0
+        self.num_steps = 0
+        self.last_metrics: RunMetrics | None = None
+
+    @property
+    def backend_name(self) -> str:
+        return self.runner.backend.name
+
+    # ---- step API -----------------------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text, with the model's tokenizer, or token ids); returns its request id.
+        Raises ``ValueError`` when it could never be served (see :class:`Scheduler`)."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("a text prompt needs a tokenizer; this model has none, pass token ids")
+            encoded = self.tokenizer.encode(prompt)
+            text, token_ids = prompt, list(getattr(encoded, "ids", encoded))  # `tokenizers` returns an Encoding
+        else:
+            text, token_ids = None, [int(t) for t in prompt]
+        number = self.num_requests_added
+        request = Request(token_ids, params, request_id=request_id or f"req-{number}", prompt=text,
+                          eos_token_ids=self.eos_token_ids)
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else hash((self.config.seed, number))
+            request.generator = make_generator(seed, self.config.device)
+        self.scheduler.add(request)
+        self.num_requests_added += 1
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False when no such request is queued or running."""
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step and one model run; outputs of the requests that gained a token or finished."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("the scheduler could not schedule any unfinished request")
+            return []
+        before = [item.request.num_output_tokens for item in out.scheduled]
+        sampled = self.runner.execute(out.scheduled)
+        self.scheduler.update(out, sampled)
+        self.num_steps += 1
+        outputs = []
+        for item, count in zip(out.scheduled, before):
+            request = item.request
+            new = request.output_token_ids[count:]
+            if new or request.is_finished:
+                text = self.decode(request.output_token_ids) if request.is_finished else None
+                outputs.append(RequestOutput.of(request, new, text))
+        return outputs
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Add ``prompts`` and yield each step's outputs until all of them finish."""
+        for prompt, params in zip(*self._normalise(prompts, sampling_params)):
+            self.add_request(prompt, params)
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    def decode(self, token_ids: Sequence[int]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    # ---- offline ------------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs in the prompts' order. Metrics of the run go to ``last_metrics``.
+
+        ``prompts``: one prompt or a list; a prompt is text or a list of token ids. ``sampling_params``: one for
+        all, or one per prompt (default: ``SamplingParams()``).
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError("generate() needs an idle engine: finish or abort the requests added with "
+                               "add_request() first")
+        prompts, params = self._normalise(prompts, sampling_params)
+        start = time.perf_counter()
+        steps0, preempt0 = self.num_steps, self.scheduler.num_preemptions
+        hits0, queried0 = self.block_manager.num_hit_tokens, self.block_manager.num_queried_tokens
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        requests = {r.request_id: r for r in self.scheduler.waiting}
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+                elapsed = time.perf_counter() - start
+                produced = sum(r.num_output_tokens for r in requests.values())
+                bar.set_postfix_str(f"{produced / max(elapsed, 1e-9):.1f} output tok/s", refresh=False)
+        elapsed = time.perf_counter() - start
+        queried = self.block_manager.num_queried_tokens - queried0
+        hit_rate = (self.block_manager.num_hit_tokens - hits0) / queried if queried else 0.0
+        self.last_metrics = RunMetrics.of(list(requests.values()), elapsed, self.num_steps - steps0,
+                                          self.scheduler.num_preemptions - preempt0, hit_rate)
+        return [finished[i] for i in ids]
+
+    @staticmethod
+    def _normalise(prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
+                                        all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError("prompts is empty")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        return prompts, params

@@ -1,0 +1,248 @@
+"""Runs one scheduled step on the model: inputs and attention metadata in plan order, forward, logits, sampling.
+
+Per step (host work once, shared by every layer):
+
+- ``plan = backend.plan(query_lens, context_lens)`` reorders the requests ``[decode | extend | prefill]``;
+- flat ``input_ids [T]`` / ``positions [T]`` int64, the new tokens request by request in plan order;
+- ``block_table [B, max_blocks]`` int32 (rows in plan order, unused entries 0: block 0 is reserved) and
+  ``slot_mapping [T]`` int64, ``block_ids[p // block_size] * block_size + p % block_size`` of position ``p``;
+- ``meta = backend.build_metadata(plan, block_table, slot_mapping)``, the model runs under
+  ``ForwardContext(backend, meta, caches)`` and logits ``[N, vocab]`` are computed only for the last token of
+  each request whose step reaches the end of its tokens (a decode, or the last chunk of a prompt); the
+  sampled tokens go back to the scheduler's order.
+
+Decode-only steps on a GPU replay a CUDA graph captured for the next padded batch size (padding rows:
+one query token at position 1 reading block 0, slot −1 so nothing is written); the step's metadata is
+copied into the captured one with ``meta.copy_``. The KV cache (one per attention layer) has
+``num_kv_blocks`` blocks, or as many as fit in ``gpu_memory_utilization`` of the GPU after the weights and a
+warm-up prefill of ``max_num_batched_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tripath.attention import ForwardContext, select_backend
+from tripath.engine.block_manager import blocks_needed
+from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
+from tripath.engine.sampler import sample
+from tripath.engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs and where each sampled token goes (``sample_rows[k]``: index into the
+    scheduled list of the request whose logits are row ``k``)."""
+
+    plan: object
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    logit_indices: torch.Tensor
+    sample_rows: list[int]
+    num_padding: int = 0
+
+
+class ModelRunner:
+    """Owns the model, the attention backend and the per-layer KV caches of one engine."""
+
+    def __init__(self, model, config: EngineConfig):
+        self.model = model
+        self.config = config
+        self.device = config.device
+        self.spec = model.attention_spec(block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+                                         kv_layout=config.kv_layout, dtype=config.dtype)
+        self.backend = select_backend(self.spec, name=config.backend, device=self.device)
+        self.num_layers = model.num_attention_layers
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len or int(model.config.max_position)
+        self.max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
+        self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
+        self.caches = [self.backend.allocate_cache(self.num_blocks, self.device) for _ in range(self.num_layers)]
+        self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        if config.use_cuda_graphs and self.graph_safe_backend:
+            self.capture_cuda_graphs()
+
+    @property
+    def graph_safe_backend(self) -> bool:
+        """Whether the backend's forward reads only device tensors of the metadata (graph replay can change
+        them). The reference backend loops over the plan's host lists, so it is not."""
+        return self.backend.capabilities.cuda_graphs
+
+    # ---- inputs -------------------------------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepInputs:
+        """Build the step's inputs in plan order (see the module doc). ``pad_to``: decode-only steps padded to
+        a captured batch size. The block table is as wide as the step's longest row; a graph replay copies
+        just those columns into its captured ``max_blocks_per_seq``-wide table."""
+        query_lens = [s.num_new_tokens for s in scheduled]
+        context_lens = [s.num_computed_tokens for s in scheduled]
+        num_padding = 0 if pad_to is None else pad_to - len(scheduled)
+        query_lens += [1] * num_padding
+        context_lens += [1] * num_padding
+        plan = self.backend.plan(query_lens, context_lens)
+        bs = self.block_size
+        width = max((len(s.request.block_ids) for s in scheduled), default=1)
+        block_table = np.zeros((plan.num_requests, max(width, 1)), dtype=np.int32)
+        input_ids, positions, slots = [], [], []
+        logit_indices, sample_rows = [], []
+        at = 0
+        for row, i in enumerate(plan.order):
+            if i >= len(scheduled):  # padding: position 1, nothing written
+                input_ids.append(0)
+                positions.append(1)
+                slots.append(np.array([-1], dtype=np.int64))
+                at += 1
+                continue
+            item = scheduled[i]
+            request = item.request
+            start, stop = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            blocks = np.asarray(request.block_ids, dtype=np.int64)
+            block_table[row, :len(blocks)] = blocks
+            pos = np.arange(start, stop, dtype=np.int64)
+            input_ids.extend(request.token_ids(start, stop))
+            positions.extend(range(start, stop))
+            slots.append(blocks[pos // bs] * bs + pos % bs)
+            at += item.num_new_tokens
+            if item.samples:
+                logit_indices.append(at - 1)
+                sample_rows.append(i)
+        to_device = self._to_device
+        return StepInputs(
+            plan=plan,
+            input_ids=to_device(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=to_device(torch.tensor(positions, dtype=torch.int64)),
+            block_table=to_device(torch.from_numpy(block_table)),
+            slot_mapping=to_device(torch.from_numpy(np.concatenate(slots))),
+            logit_indices=to_device(torch.tensor(logit_indices, dtype=torch.int64)),
+            sample_rows=sample_rows, num_padding=num_padding)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> list[int | None]:
+        """Run the step; the sampled token of each scheduled request (None where it is mid-prompt)."""
+        if not scheduled:
+            return []
+        graph_bs = self._graph_batch_size(scheduled)
+        inputs = self.prepare(scheduled, pad_to=graph_bs)
+        if graph_bs is not None:
+            hidden = self._replay(graph_bs, inputs)
+        else:
+            meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
+            ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            self.kv_scales_pending = False
+        sampled: list[int | None] = [None] * len(scheduled)
+        if not inputs.sample_rows:
+            return sampled
+        logits = self.model.compute_logits(hidden[inputs.logit_indices])
+        requests = [scheduled[i].request for i in inputs.sample_rows]
+        tokens = sample(logits, [r.sampling_params for r in requests], [r.generator for r in requests]).tolist()
+        for i, token in zip(inputs.sample_rows, tokens):
+            sampled[i] = token
+        return sampled
+
+    # ---- CUDA graphs for decode-only steps ----------------------------------------------------------
+    def _graph_batch_size(self, scheduled: list[ScheduledRequest]) -> int | None:
+        if not self.graphs or any(s.num_new_tokens != 1 or s.num_computed_tokens == 0 for s in scheduled):
+            return None
+        return next((b for b in sorted(self.graphs) if b >= len(scheduled)), None)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the model's forward for decode-only batches of each size in
+        ``config.cuda_graph_batch_sizes()`` (largest first, sharing one memory pool)."""
+        sizes = self.config.cuda_graph_batch_sizes()
+        self._graph_ids = torch.zeros(max(sizes), dtype=torch.int64, device=self.device)
+        self._graph_positions = torch.ones(max(sizes), dtype=torch.int64, device=self.device)
+        pool = None
+        with torch.inference_mode():
+            for bs in sorted(sizes, reverse=True):
+                plan = self.backend.plan([1] * bs, [1] * bs)
+                block_table = torch.zeros(bs, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+                slots = torch.full((bs,), -1, dtype=torch.int64, device=self.device)
+                meta = self.backend.build_metadata(plan, block_table, slots)
+                ctx = ForwardContext(self.backend, meta, self.caches)
+                ids, positions = self._graph_ids[:bs], self._graph_positions[:bs]
+                graph, hidden, pool = self._capture(functools.partial(self.model, ids, positions, ctx), pool)
+                self.graphs[bs] = (graph, meta, hidden)
+
+    def _capture(self, run, pool):
+        """``(graph, static output, pool)`` of ``run`` captured after a warm-up call (kernels compile outside)."""
+        run()
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = run()
+        torch.cuda.synchronize(self.device)
+        return graph, hidden, graph.pool()
+
+    def _replay(self, bs: int, inputs: StepInputs) -> torch.Tensor:
+        graph, meta, hidden = self.graphs[bs]
+        step_meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
+        meta.copy_(step_meta)
+        self._graph_ids[:bs].copy_(inputs.input_ids)
+        self._graph_positions[:bs].copy_(inputs.positions)
+        graph.replay()
+        return hidden
+
+    # ---- KV memory ----------------------------------------------------------------------------------
+    def _num_blocks_that_fit(self) -> int:
+        """Blocks of all layers' caches that fit in ``gpu_memory_utilization`` of the GPU, after the weights
+        and the activations of a warm-up step of ``max_num_batched_tokens`` tokens (CPU: the default)."""
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_BLOCKS
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        warmup_cache_bytes = self._warm_up()
+        activations = torch.cuda.max_memory_allocated(self.device) - allocated - warmup_cache_bytes
+        torch.cuda.empty_cache()
+        per_block = self.backend.cache_bytes_per_block() * self.num_layers
+        available = total * self.config.gpu_memory_utilization - (total - free) - activations
+        num_blocks = int(available // per_block)
+        if num_blocks < 2:
+            raise RuntimeError(
+                f"no room for the KV cache: {total / 2**30:.1f} GiB × gpu_memory_utilization "
+                f"{self.config.gpu_memory_utilization} leaves {available / 2**30:.2f} GiB after the weights "
+                f"({(total - free) / 2**30:.1f} GiB in use) and activations ({activations / 2**30:.2f} GiB); "
+                "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        return num_blocks
+
+    @torch.inference_mode()
+    def _warm_up(self) -> int:
+        """A prefill of ``max_num_batched_tokens`` tokens (sequences of at most ``max_model_len``) into a
+        temporary cache; returns the temporary cache's bytes."""
+        tokens = self.config.max_num_batched_tokens
+        lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
+        lens = lens[:self.config.max_num_seqs]
+        need = [blocks_needed(n, self.block_size) for n in lens]
+        num_blocks = sum(need) + 1
+        caches = [self.backend.allocate_cache(num_blocks, self.device) for _ in range(self.num_layers)]
+        plan = self.backend.plan(lens, [0] * len(lens))
+        block_table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+        slots, next_block = [], 1
+        for row, n in enumerate(lens):
+            block_table[row, :need[row]] = torch.arange(next_block, next_block + need[row], dtype=torch.int32)
+            pos = torch.arange(n)
+            slots.append(block_table[row, pos // self.block_size].long() * self.block_size + pos % self.block_size)
+            next_block += need[row]
+        meta = self.backend.build_metadata(plan, block_table.to(self.device), torch.cat(slots).to(self.device))
+        ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        hidden = self.model(ids, positions, ForwardContext(self.backend, meta, caches))
+        last = torch.tensor(np.cumsum(lens) - 1, device=self.device)
+        self.model.compute_logits(hidden[last]).softmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        return self.backend.cache_bytes_per_block() * num_blocks * self.num_layers

@@ -1,0 +1,195 @@
+"""Requests as the engine tracks them: sampling parameters, token state, timings, and the results it returns.
+
+A request's tokens are ``prompt_token_ids + output_token_ids``. ``num_computed_tokens`` of them have their
+K/V in the paged cache (the blocks listed in ``block_ids``, block ``i`` holding positions
+``i * block_size .. (i + 1) * block_size - 1``). A step feeds ``num_new_tokens`` more; when the computed
+tokens then reach the end of the sequence the step's last logits give the next token. Preemption by
+recompute frees the blocks and resets ``num_computed_tokens`` to 0 while keeping the outputs, so the request
+later re-prefills ``prompt + outputs`` and continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token.
+
+    ``temperature`` 0 is greedy (argmax); otherwise logits are divided by it, cut to the ``top_k`` most
+    likely tokens (``-1`` or 0 = all) and to the smallest set whose probability reaches ``top_p``, and sampled
+    with a per-request generator (seeded by ``seed``, or by the engine's seed and the request's number), so a
+    request's tokens do not depend on what else is in the batch. Generation stops after ``max_tokens``, at an
+    end-of-sequence token of the model (unless ``ignore_eos``) or at any of ``stop_token_ids``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= 1, or -1 / 0 for no limit, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"      # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"      # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"        # max_tokens reached
+    STOP = "stop"            # an end-of-sequence or stop token was sampled
+    ABORTED = "aborted"      # the caller aborted it
+
+
+_request_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request and its progress (owned by the scheduler)."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    request_id: str = ""
+    prompt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.perf_counter)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chained hashes of the leading full blocks
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    index: int = field(default_factory=lambda: next(_request_counter))
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must hold at least one token")
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        if not self.request_id:
+            self.request_id = str(self.index)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"outputs={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={self.block_ids})")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose K/V are not in the cache yet (1 for a decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start .. stop - 1`` of ``prompt + outputs``."""
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt):stop - len(prompt)]
+        return prompt[start:] + self.output_token_ids[:stop - len(prompt)]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        """Record a sampled token and finish the request when it hits a stop condition."""
+        now = time.perf_counter() if now is None else now
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_token_ids.append(int(token_id))
+        params = self.sampling_params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            self.finish(FinishReason.STOP, now)
+        elif self.num_output_tokens >= params.max_tokens:
+            self.finish(FinishReason.LENGTH, now)
+
+    def finish(self, reason: FinishReason, now: float | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = time.perf_counter() if now is None else now
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first output token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (None with fewer than two outputs)."""
+        if self.finish_time is None or self.first_token_time is None or self.num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports about a request after a step (and, finished, at the end of ``generate``).
+
+    ``output_token_ids`` are all outputs so far and ``new_token_ids`` the ones this step added (streaming).
+    ``text`` is the decoded output once the request has finished (None without a tokenizer).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    text: str | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+    num_preemptions: int = 0
+
+    @classmethod
+    def of(cls, request: Request, new_token_ids: Sequence[int] = (), text: str | None = None) -> "RequestOutput":
+        return cls(request.request_id, request.prompt, list(request.prompt_token_ids),
+                   list(request.output_token_ids), list(new_token_ids), request.is_finished,
+                   request.finish_reason, text, request.ttft, request.tpot, request.num_preemptions)

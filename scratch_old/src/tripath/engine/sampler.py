@@ -1,0 +1,69 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, with a generator per request.
+
+For a row of logits ``z [V]`` with temperature ``t > 0``: ``p = softmax(z / t)`` restricted to the ``k``
+most likely tokens (ties at the k-th value kept) and then to the smallest most-likely-first set whose mass
+reaches ``top_p`` (the most likely token always stays), renormalised. The token is drawn with the
+exponential race ``argmax_i p_i / e_i``, ``e_i ~ Exp(1)`` from the request's own generator — the same law as
+a categorical draw, and it makes each request's tokens independent of the rest of the batch (a preempted,
+recomputed request continues with exactly the tokens it would have had). ``t = 0`` is ``argmax z``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from tripath.engine.request import SamplingParams
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                   top_p: torch.Tensor) -> torch.Tensor:
+    """``[N, V]`` probabilities after temperature, top-k and top-p (rows of ``logits [N, V]`` fp32;
+    ``temperature [N] > 0``, ``top_k [N]`` int64 with values < 1 meaning no limit, ``top_p [N]`` in (0, 1])."""
+    vocab = logits.shape[-1]
+    scaled = logits.float() / temperature[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    k = torch.where(top_k < 1, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop = mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``logits [N, V]`` for requests with ``params[i]`` and ``generators[i]`` (a
+    generator on the logits' device; None draws from the global one). Returns ``[N]`` int64."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [num_requests, vocab], got shape {tuple(logits.shape)}")
+    if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
+        raise ValueError(f"params ({len(params)}) and generators ({len(generators)}) must have one entry per "
+                         f"row of logits ({logits.shape[0]})")
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens
+    device = logits.device
+    pick = torch.tensor(rows, device=device)
+    temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
+    top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64, device=device)
+    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
+    probs = filtered_probs(logits[pick], temperature, top_k, top_p)
+    noise = torch.empty_like(probs)
+    for j, i in enumerate(rows):
+        noise[j].exponential_(generator=generators[i])
+    noise.clamp_(min=torch.finfo(torch.float32).tiny)  # a zero draw would make 0 / 0 for a cut token
+    tokens[pick] = (probs / noise).argmax(dim=-1)
+    return tokens
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator

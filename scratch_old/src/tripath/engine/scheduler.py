@@ -1,0 +1,185 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute.
+
+Each step the scheduler picks, within ``max_num_batched_tokens`` new tokens and ``max_num_seqs`` running
+requests:
+
+1. every running *decode* (one pending token), oldest first;
+2. running requests part-way through their prompt (chunked prefill: the next chunk, an *extend*);
+3. waiting requests, first come first served: the prefix cache supplies their leading full blocks (a hit
+   turns the prefill into an extend) and they get as many prompt tokens as the budget allows — the whole
+   prompt without chunked prefill, or they wait.
+
+When a running request needs a KV block and none is free, the most recently admitted running request that
+is not yet scheduled this step is *preempted*: its blocks are freed (full ones stay in the prefix cache) and
+it returns to the front of the waiting queue with its outputs kept, to be recomputed later. If no such
+request exists the request preempts itself. Waiting requests never preempt running ones. A request that
+could never fit (longer than ``max_model_len``, more blocks than the cache holds, or a prompt over the
+token budget without chunked prefill) is refused when it is added, so no accepted request is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tripath.engine.block_manager import BlockManager, blocks_needed
+from tripath.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """A request in this step: ``num_new_tokens`` tokens after its ``num_computed_tokens`` cached ones."""
+
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the step reaches the end of the request's tokens (its last logits give a new token)."""
+        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager; the engine calls :meth:`schedule`, runs
+    the step, then :meth:`update` with the sampled tokens."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Accept a request, or raise ``ValueError`` if it could never be served."""
+        longest = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if longest > self.max_model_len:
+            raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                             f"({request.sampling_params.max_tokens}) exceeds max_model_len ({self.max_model_len})")
+        bm = self.block_manager
+        if blocks_needed(longest, bm.block_size) > bm.num_usable_blocks:
+            raise ValueError(f"prompt + max_tokens ({longest} tokens) needs more KV blocks than the cache holds "
+                             f"({bm.num_usable_blocks} blocks of {bm.block_size}); raise num_kv_blocks or "
+                             "gpu_memory_utilization")
+        if not self.enable_chunked_prefill and longest - 1 > self.max_num_batched_tokens:
+            raise ValueError(f"a prompt of up to {longest - 1} tokens (with outputs, after preemption) exceeds "
+                             f"max_num_batched_tokens ({self.max_num_batched_tokens}) and chunked prefill is off")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a request wherever it is; returns it, or None when unknown."""
+        for queue in (self.waiting, self.running):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    self.block_manager.release(request)
+                    request.finish(FinishReason.ABORTED)
+                    return request
+        return None
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        # 1. decodes, then 2. running prompt chunks; a request may be preempted by one before it.
+        for want_decode in (True, False):
+            for request in list(self.running):
+                if budget == 0:
+                    break
+                if request.status is not RequestStatus.RUNNING or id(request) in scheduled:
+                    continue
+                is_decode = request.num_pending_tokens == 1
+                if is_decode != want_decode:
+                    continue
+                num_new = min(request.num_pending_tokens, budget)
+                num_new = self._make_room(request, num_new, scheduled, out)
+                if num_new == 0:
+                    continue
+                budget -= num_new
+                scheduled.add(id(request))
+                out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+        # 3. waiting requests, in order, while the budget, the sequence limit and the free blocks allow.
+        #    Nothing is admitted in a step that had to preempt: the memory is short already.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            num_new = self.block_manager.admit(request, budget, whole=not self.enable_chunked_prefill)
+            if num_new is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            budget -= num_new
+            scheduled.add(id(request))
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+        return out
+
+    def _make_room(self, request: Request, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Blocks for ``num_new`` tokens of a running request. A prompt chunk shrinks to what the free
+        blocks hold; when not even one token fits, the youngest running request not scheduled this step is
+        preempted (or, if there is none, this one). Returns the tokens granted (0: it was preempted)."""
+        bm = self.block_manager
+        while not bm.grow(request, num_new):
+            fits = bm.max_growth(request)
+            if fits > 0:
+                num_new = min(num_new, fits)
+                continue
+            victims = [r for r in self.running if r is not request and id(r) not in scheduled]
+            victim = victims[-1] if victims else request
+            self._preempt(victim, out)
+            if victim is request:
+                return 0
+        return num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.release(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    # ---- after the step ------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
+        """Advance each scheduled request by its tokens, append its sampled token (None for a request
+        mid-prompt), cache its completed full blocks, and retire finished ones. Returns the finished."""
+        finished = []
+        for item, token in zip(out.scheduled, sampled):
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_computed_blocks(request)
+            if token is not None:
+                request.append_token(token)
+            if request.is_finished:
+                self.running.remove(request)
+                self.block_manager.release(request)
+                finished.append(request)
+        return finished

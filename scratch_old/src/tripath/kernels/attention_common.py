@@ -1,0 +1,143 @@
+"""Inner-loop helpers shared by the attention kernels (varlen, paged decode, unified).
+
+Scores live in the log2 domain inside kernels: ``s2 = log2(e) · s``, so the softmax uses ``exp2``.
+``qk_scale = sm_scale · k_scale · log2(e)`` folds the fp8 key scale in; the value scale multiplies the
+output at the end. Positions: a row's query sits at ``q_pos``, a key at ``k_pos``; the mask keeps
+``k_pos < k_limit``, ``k_pos <= q_pos`` (causal) and ``q_pos - k_pos <= window_left`` (window).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # instantiated: compiled kernels may only read constexpr globals
+
+
+@triton.jit
+def score_mods(qk, q_pos, k_pos, k_limit, slope2, qk_scale, softcap, window_left,
+               MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Raw dot products ``qk [M, N]`` → log2-domain scores with softcap, ALiBi and the mask applied.
+
+    ``q_pos [M]``, ``k_pos [N]`` int positions; ``slope2 [M]`` ALiBi slopes times log2(e);
+    ``softcap`` in natural units (with ``qk_scale`` already including log2(e), the cap is applied to
+    ``qk · qk_scale / log2(e)``).
+    """
+    if HAS_SOFTCAP:
+        x = qk * (qk_scale / (softcap * LOG2E))
+        s = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * x) - 1.0)
+    else:
+        s = qk * qk_scale
+    if HAS_ALIBI:
+        s += slope2[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
+    if MASK:
+        visible = k_pos[None, :] < k_limit
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & ((q_pos[:, None] - k_pos[None, :]) <= window_left)
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def softmax_update(s, v, m_i, l_i, acc, MASK: tl.constexpr):
+    """One online-softmax step: scores ``s [M, N]`` (log2 domain), values ``v [N, Dv]``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASK:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_use = m_new
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # accumulate in place (wgmma/MFMA accumulator)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def softmax_update_raw(qk, qk_scale, v, m_i, l_i, acc):
+    """:func:`softmax_update` for an unmasked tile with no score modifications, on the raw products
+    ``qk [M, N]``: the scale is folded into the exponent, ``p = exp2(qk · qk_scale − m)`` (one FMA an
+    element), and the running max is taken on the raw maxima times the (positive) scale."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
+@triton.jit
+def add_sinks(m_i, l_i, acc, sink2):
+    """Count each row's sink (log2 domain, ``[M]``) once in the denominator."""
+    m_new = tl.maximum(m_i, sink2)
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.math.exp2(sink2 - m_new)
+    return m_new, l_i, acc * alpha[:, None]
+
+
+@triton.jit
+def finalize(m_i, l_i, acc, v_scale):
+    """Normalised output (0 where a row saw nothing) and natural-log LSE (−inf there)."""
+    empty = l_i == 0.0
+    out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
+    return out, lse
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines holding ``ptrs`` (a tensor of pointers, any shape): one
+    ``prefetch.global.L2`` per element, NVIDIA only, a hint that returns nothing. Loads issued later then
+    wait on L2 rather than on HBM, which keeps more bytes in flight than registers or shared memory hold."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_head, dims_k, dims_v,
+                  head_size, head_size_v, block_size,
+                  stride_k0, stride_k1, stride_k2, stride_k3,
+                  stride_v0, stride_v1, stride_v2, stride_v3,
+                  SHUFFLED: tl.constexpr, X: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """Load keys transposed ``[Dk, N]`` and values ``[N, Dv]`` of positions ``k_pos [N]`` from the paged
+    cache, converted to the compute dtype (fp8 is dequantised by the caller's scales).
+
+    The shuffled layout is read as 3-D tiles whose last axis is the 16-byte vector ``x`` and whose middle
+    axis walks the memory-contiguous direction (tokens for K, dims for V), so a warp's vector loads are
+    adjacent in memory; the tile is then permuted into the ``[Dk, N]`` / ``[N, Dv]`` operands. This needs
+    ``k_pos`` to start at a multiple of ``x`` (tiles start at multiples of ``BLOCK_N``).
+    """
+    BLOCK_N: tl.constexpr = k_pos.shape[0]
+    if SHUFFLED:
+        BLOCK_DK: tl.constexpr = dims_k.shape[0]
+        BLOCK_DV: tl.constexpr = dims_v.shape[0]
+        # K[b, h, d // x, s, d % x] as [Dk // x, N, x]
+        g = tl.arange(0, BLOCK_DK // X)[:, None, None]
+        j = tl.arange(0, X)[None, None, :]
+        pos_k = k_pos[None, :, None]
+        valid_k = pos_k < k_limit
+        blocks_k = tl.load(block_row_ptr + pos_k // block_size, mask=valid_k, other=0).to(tl.int64)
+        k_off = blocks_k * stride_k0 + kv_head * stride_k1 + g * stride_k2 + (pos_k % block_size) * stride_k3 + j
+        k3 = tl.load(k_cache_ptr + k_off, mask=valid_k & (g * X + j < head_size), other=0.0)
+        k = tl.reshape(tl.permute(k3, (0, 2, 1)), (BLOCK_DK, BLOCK_N))
+        # V[b, h, s // x, d, s % x] as [N // x, Dv, x]
+        pos_v = tl.reshape(k_pos, (BLOCK_N // X, X))[:, None, :]
+        dv = tl.arange(0, BLOCK_DV)[None, :, None]
+        valid_v = pos_v < k_limit
+        blocks_v = tl.load(block_row_ptr + pos_v // block_size, mask=valid_v, other=0).to(tl.int64)
+        v_off = (blocks_v * stride_v0 + kv_head * stride_v1 + ((pos_v % block_size) // X) * stride_v2
+                 + dv * stride_v3 + pos_v % X)
+        v3 = tl.load(v_cache_ptr + v_off, mask=valid_v & (dv < head_size_v), other=0.0)
+        v = tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, BLOCK_DV))
+    else:
+        valid = k_pos < k_limit
+        blocks = tl.load(block_row_ptr + k_pos // block_size, mask=valid, other=0).to(tl.int64)
+        offsets = k_pos % block_size
+        k_off = (blocks[None, :] * stride_k0 + offsets[None, :] * stride_k1 + kv_head * stride_k2
+                 + dims_k[:, None] * stride_k3)
+        v_off = (blocks[:, None] * stride_v0 + offsets[:, None] * stride_v1 + kv_head * stride_v2
+                 + dims_v[None, :] * stride_v3)
+        k = tl.load(k_cache_ptr + k_off, mask=valid[None, :] & (dims_k[:, None] < head_size), other=0.0)
+        v = tl.load(v_cache_ptr + v_off, mask=valid[:, None] & (dims_v[None, :] < head_size_v), other=0.0)
+    return k.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)

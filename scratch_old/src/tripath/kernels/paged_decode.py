@@ -1,0 +1,131 @@
+"""Split-KV paged decode (flash-decoding) with the query heads of one KV head packed into one tile.
+
+Program ``(b, kv_head, split)`` takes the ``G = Hq / Hkv`` query heads that read ``kv_head`` as the rows
+of one ``[BLOCK_G, D]`` tile, and walks its share of request ``b``'s context in tiles of ``BLOCK_N``
+tokens gathered through the block table, so each cache row is read once for all its query heads. With one
+split the program writes the output; otherwise it writes an fp32 partial ``(o_s, lse_s)`` and
+:func:`reduce_splits_kernel` merges ``o = Σ_s e^{lse_s - lse} o_s`` (sinks counted once, there).
+"""
+
+import triton
+import triton.language as tl
+
+from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, load_paged_kv, score_mods,
+                                              softmax_update)
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
+    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
+    alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
+    sm_scale, softcap, window_left,
+    stride_q_b, stride_q_h, stride_bt,
+    stride_k0, stride_k1, stride_k2, stride_k3,
+    stride_v0, stride_v1, stride_v2, stride_v3,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    num_heads, num_queries_per_kv, head_size, head_size_v, block_size,
+    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SHUFFLED: tl.constexpr, X: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_pos_scalar = seq_len - 1
+
+    # This split's share of the context, in whole tiles; a window drops tiles before its start.
+    first = 0
+    if HAS_WINDOW:
+        first = (tl.maximum(q_pos_scalar - window_left, 0) // BLOCK_N) * BLOCK_N
+    num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    lo = first + split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    heads = kv_head * num_queries_per_kv + g
+    row_ok = g < num_queries_per_kv
+    dims_k = tl.arange(0, BLOCK_DK)
+    dims_v = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + dims_k[None, :],
+                mask=row_ok[:, None] & (dims_k[None, :] < head_size), other=0.0)
+    qk_scale = sm_scale * LOG2E
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + q_pos_scalar
+    if HAS_ALIBI:
+        slope2 = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    else:
+        slope2 = tl.zeros([BLOCK_G], tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + offs_n
+        k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, seq_len, kv_head, dims_k, dims_v,
+                             head_size, head_size_v, block_size,
+                             stride_k0, stride_k1, stride_k2, stride_k3,
+                             stride_v0, stride_v1, stride_v2, stride_v3,
+                             SHUFFLED, X, q_ptr.dtype.element_ty)
+        s = score_mods(tl.dot(q, k), q_pos, k_pos, seq_len, slope2, qk_scale, softcap, window_left,
+                       True, False, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, True)
+
+    if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+            m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)
+        out, lse = finalize(m_i, l_i, acc, v_scale)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + dims_v[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_v[None, :] < head_size_v))
+        if RETURN_LSE:
+            tl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=row_ok)
+    else:
+        out, lse = finalize(m_i, l_i, acc, v_scale)
+        # Partials: [B, Hq, NUM_SPLITS, BLOCK_DV] and [B, Hq, NUM_SPLITS], contiguous.
+        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_DV + dims_v[None, :], out, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def reduce_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, sinks_ptr,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    num_heads, head_size_v,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    """Merge the split partials of one (request, head): ``o = Σ e^{lse_s - lse} o_s``."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_DV)
+    base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
+    lse_s = tl.load(part_lse_ptr + base + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    if HAS_SINKS:
+        m = tl.maximum(m, tl.load(sinks_ptr + head).to(tl.float32))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_use)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m_use)
+    o_s = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_DV + dims[None, :],
+                  mask=(splits[:, None] < NUM_SPLITS) & (dims[None, :] < head_size_v), other=0.0)
+    safe = tl.where(denom > 0.0, denom, 1.0)
+    out = tl.sum(o_s * (w / safe)[:, None], 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_b + head * stride_o_h + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_size_v)
+    if RETURN_LSE:
+        lse = tl.where(denom > 0.0, tl.log(safe) + m_use, float("-inf"))
+        tl.store(lse_ptr + seq * stride_lse_b + head * stride_lse_h, lse)

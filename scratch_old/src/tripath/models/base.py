@@ -1,0 +1,89 @@
+"""The causal-LM shell every model shares: ``embed → layers → norm`` and the LM head.
+
+Parameter names follow Hugging Face (``model.embed_tokens``, ``model.layers.{i}...``, ``model.norm``,
+``lm_head``) so checkpoints load by name. Tokens arrive flat in plan order (``[decode | extend | prefill]``)
+with absolute ``positions``; the layers reach the attention backend through the step's
+:class:`~tripath.attention.ForwardContext` and own no scheduling.
+
+Shapes: ``input_ids [T]`` int64, ``positions [T]`` int64 → hidden ``[T, hidden_size]`` (after the final
+norm); ``compute_logits(hidden [N, hidden_size]) → [N, vocab_size]`` float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tripath.attention.spec import AttentionSpec
+from tripath.models.config import ModelConfig
+from tripath.models.layers import RMSNorm
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``x += attn(norm(x))``, ``x += mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class CausalLM(nn.Module):
+    """Base of every model. Subclasses build ``layers`` and may override :meth:`post_load` (derived tensors
+    that must be rebuilt once the weights are in place)."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], dtype: torch.dtype):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.model = Backbone(config, layers, dtype)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False, dtype=dtype)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def post_load(self) -> None:
+        """Called by the loader once every parameter holds its final value."""
+
+    def attention_spec(self, *, block_size: int = 16, kv_cache_dtype: str = "auto", kv_layout: str = "nhd",
+                       dtype: torch.dtype | None = None, **options) -> AttentionSpec:
+        """The :class:`AttentionSpec` of this model's attention layers (``options``: ``decode_threshold``,
+        ``extend_chunk_budget``)."""
+        config = self.config
+        return AttentionSpec(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                             head_size=config.head_size, dtype=dtype or self.dtype, kv_cache_dtype=kv_cache_dtype,
+                             block_size=block_size, kv_layout=kv_layout, sm_scale=config.sm_scale,
+                             window_left=config.window_left, mla=config.mla, **options)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be [T]; got {tuple(input_ids.shape)} and "
+                             f"{tuple(positions.shape)}")
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()

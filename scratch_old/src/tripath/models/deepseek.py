@@ -1,0 +1,94 @@
+"""MLA decoder models: DeepSeek V2/V3/R1 and Kimi K2 (V3 layout), with or without ``q_lora_rank``, yarn RoPE,
+MoE with shared experts after ``first_k_dense_replace`` dense layers, and a NoPE option (Kimi-style, no
+rotary embedding: the backend gets ``rotary=None`` and applies the identity rotation).
+
+Dims: heads ``H``, latent ``L = kv_lora_rank``, rotary ``R``, no-position ``P``, value ``V``. Per layer::
+
+    q            = x·Wqᵀ   or  q_b(norm(q_a(x)))              [T, H, P + R]  → q_nope [T,H,P], q_pe [T,H,R]
+    [kv_c|k_pe]  = x·W_kv_aᵀ                                  [T, L + R];     kv_c ← RMSNorm(kv_c)
+    out          = ctx.attend_mla(layer, q_nope, q_pe, kv_c, k_pe, positions, weights)          [T, H, V]
+    y            = out·Woᵀ
+
+``kv_b_proj`` ``[H·(P+V), L]`` is split once into ``W_UK [H, P, L]`` (``k_nope_h = W_UK[h]·kv_c``) and
+``W_UV [H, L, V]`` (``v_h = kv_c·W_UV[h]``). ``q_pe``/``k_pe`` go to the backend UNROTATED with the rotary
+tables (GPT-J pairs unless ``rope_interleave`` is false); the score is
+``sm_scale · (q_nope·k_nope + rope(q_pe)·rope(k_pe))`` with ``sm_scale = mscale² / sqrt(P + R)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tripath.attention.spec import MLALayerWeights
+from tripath.models.base import CausalLM, DecoderLayer
+from tripath.models.config import DEEPSEEK_ARCHITECTURES, ModelConfig
+from tripath.models.layers import MLP, MoE, RMSNorm, rotary_tables
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype):
+        super().__init__()
+        mla, hidden, heads = config.mla, config.hidden_size, config.num_heads
+        self.layer_idx, self.num_heads, self.mla = layer_idx, heads, mla
+        qk_size = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        if config.q_lora_rank:
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype=dtype)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_size, bias=False, dtype=dtype)
+        else:
+            self.q_proj = nn.Linear(hidden, heads * qk_size, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.cache_width, bias=config.qkv_bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False,
+                                   dtype=dtype)
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.o_bias, dtype=dtype)
+        self.weights: MLALayerWeights | None = None  # built by build_weights() once kv_b_proj is loaded
+
+    def build_weights(self, rotary) -> None:
+        """Split ``kv_b_proj`` into ``W_UK [H, P, L]`` and ``W_UV [H, L, V]``."""
+        mla = self.mla
+        kv_b = self.kv_b_proj.weight.detach().view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim,
+                                                   mla.kv_lora_rank)
+        w_uk = kv_b[:, :mla.qk_nope_head_dim].contiguous()
+        w_uv = kv_b[:, mla.qk_nope_head_dim:].transpose(1, 2).contiguous()
+        self.weights = MLALayerWeights(w_uk=w_uk, w_uv=w_uv, rotary=rotary)
+
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        mla, num_tokens = self.mla, x.shape[0]
+        q = self.project_q(x).view(num_tokens, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)
+        out = ctx.attend_mla(self.layer_idx, q_nope, q_pe, kv_c, k_pe, positions, self.weights)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
+
+
+class DeepseekForCausalLM(CausalLM):
+    """DeepSeek V2 / V3 / R1, Kimi K2 and NoPE-MLA variants (selected by the config)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+        if config.family != "deepseek":
+            raise ValueError(f"DeepseekForCausalLM serves {', '.join(DEEPSEEK_ARCHITECTURES)}, "
+                             f"not {config.architecture}")
+        layers = []
+        for i in range(config.num_layers):
+            if config.moe is not None and config.moe.is_moe_layer(i):
+                mlp = MoE(config.hidden_size, config.moe, bias=config.mlp_bias, dtype=dtype)
+            else:
+                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype)
+            layers.append(DecoderLayer(config, MLAAttention(config, i, dtype), mlp, dtype))
+        super().__init__(config, layers, dtype)
+
+    def post_load(self) -> None:
+        config = self.config
+        tables = None
+        if config.rope is not None:
+            tables = rotary_tables(config.rope, config.mla.qk_rope_head_dim, config.max_position, self.device)
+        for layer in self.model.layers:
+            layer.self_attn.build_weights(tables)

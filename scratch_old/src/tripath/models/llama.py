@@ -1,0 +1,71 @@
+"""GQA decoder models: Llama 2/3 (incl. llama3 rope scaling), Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head
+q/k RMSNorm), Qwen3-MoE (Qwen3 attention, routed experts in the MLP of the layers the config names).
+
+Per layer, for ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads of size ``D``:
+``q = rope(norm_q(x·Wqᵀ))`` ``[T, Hq, D]``, ``k = rope(norm_k(x·Wkᵀ))``, ``v = x·Wvᵀ`` ``[T, Hkv, D]``
+(``norm_*`` only on Qwen3; RoPE with NeoX pairs at the absolute positions), then
+``o = ctx.attend(layer, q, k, v)`` ``[T, Hq, D]`` (writes k/v into the layer's paged cache; causal, with the
+sliding window of the spec, or the layer's own where layers differ) and ``out = o·Woᵀ``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tripath.models.base import CausalLM, DecoderLayer
+from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
+from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables
+
+
+class GQAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
+        hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_size, \
+            config.num_kv_heads * config.head_size
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias, dtype=dtype)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary = None  # RotaryTables, shared by every layer (set by LlamaForCausalLM.post_load)
+        self.window_left = config.layer_window_left(layer_idx)  # None: the spec's window
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_size)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_size)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, positions, self.rotary)
+        k = apply_rotary(k, positions, self.rotary)
+        out = ctx.attend(self.layer_idx, q, k, v, window_left=self.window_left)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE (selected by ``config.architecture``)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+        if config.family != "llama":
+            raise ValueError(f"LlamaForCausalLM serves {', '.join(LLAMA_ARCHITECTURES)}, not {config.architecture}")
+        layers = []
+        for i in range(config.num_layers):
+            if config.moe is not None and config.moe.is_moe_layer(i):
+                mlp = MoE(config.hidden_size, config.moe, dtype=dtype)
+            else:
+                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype)
+            layers.append(DecoderLayer(config, GQAAttention(config, i, dtype), mlp, dtype))
+        super().__init__(config, layers, dtype)
+
+    def post_load(self) -> None:
+        tables = rotary_tables(self.config.rope, self.config.head_size, self.config.max_position, self.device)
+        for layer in self.model.layers:
+            layer.self_attn.rotary = tables

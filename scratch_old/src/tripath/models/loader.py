@@ -1,0 +1,172 @@
+"""Loading models: from a local Hugging Face directory (``config.json``, single or sharded ``*.safetensors``,
+the tokenizer when present; never the network) or from a preset with deterministic random weights.
+
+Checkpoint tensors load by their Hugging Face names; per-expert MoE weights
+``...mlp.experts.{e}.{gate,up,down}_proj.weight`` are stacked into ``[E, ...]`` parameters. Tensors of layers
+past ``num_hidden_layers`` (DeepSeek's multi-token-prediction layer) and ``rotary_emb.inv_freq`` are skipped;
+anything else unknown, missing, or of the wrong shape is an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+from torch import nn
+
+from tripath.models.base import CausalLM
+from tripath.models.config import ModelConfig, config_from_hf
+from tripath.models.deepseek import DeepseekForCausalLM
+from tripath.models.layers import RMSNorm
+from tripath.models.llama import LlamaForCausalLM
+from tripath.models.presets import PRESETS
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "deepseek": DeepseekForCausalLM}
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED = re.compile(r"\.experts\.(gate_proj|up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_config(path: str) -> ModelConfig:
+    """The :class:`ModelConfig` of the Hugging Face model directory ``path``."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"no config.json in {path}: a model directory needs config.json and *.safetensors")
+    generation_path = os.path.join(path, "generation_config.json")
+    generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
+    has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+    return config_from_hf(_read_json(config_path), generation_config=generation,
+                          tokenizer_path=path if has_tokenizer else None, source=config_path)
+
+
+def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device="cpu") -> CausalLM:
+    """The model of ``config`` with uninitialised parameters on ``device`` (load or initialise next)."""
+    if dtype not in MODEL_DTYPES:
+        raise TypeError(f"dtype={dtype} is not supported; supported: float16, bfloat16, float32")
+    with torch.device("meta"):
+        model = MODEL_CLASSES[config.family](config, dtype)
+    model = model.to_empty(device=torch.device(device))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint's weight files: the shards of ``model.safetensors.index.json``, else every
+    ``*.safetensors``."""
+    index_path = os.path.join(path, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        shards = sorted(set(_read_json(index_path).get("weight_map", {}).values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise FileNotFoundError(f"{index_path} lists shards that are missing: {', '.join(missing)}")
+        return [os.path.join(path, s) for s in shards]
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (pytorch_model.bin checkpoints are not "
+                                "supported)")
+    return files
+
+
+def _skipped(name: str, config: ModelConfig) -> bool:
+    layer = _LAYER.match(name)
+    if layer and int(layer.group(1)) >= config.num_layers:
+        return True
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
+
+
+def load_weights(model: CausalLM, path: str) -> None:
+    """Copy the checkpoint in ``path`` into ``model`` (converting dtypes), checking names and shapes."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    expected = set()
+    for name, p in params.items():
+        if _STACKED.search(name):
+            expected.update((name, e) for e in range(p.shape[0]))
+        else:
+            expected.add((name, None))
+    loaded, unexpected = set(), []
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                expert = _EXPERT.match(name)
+                key = (f"{expert.group(1)}.{expert.group(3)}", int(expert.group(2))) if expert else (name, None)
+                if key not in expected:
+                    if not _skipped(name, model.config):
+                        unexpected.append(name)
+                    continue
+                target = params[key[0]] if key[1] is None else params[key[0]][key[1]]
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(target.shape):
+                    raise ValueError(f"{os.path.basename(file)}: tensor {name} has shape {shape}, but the config "
+                                     f"expects {tuple(target.shape)}")
+                target.copy_(f.get_tensor(name))
+                loaded.add(key)
+    if unexpected:
+        raise ValueError(f"{path}: the checkpoint has tensors this {model.config.architecture} config does not "
+                         f"use: {', '.join(sorted(unexpected)[:8])}" + (" ..." if len(unexpected) > 8 else ""))
+    missing = sorted(expected - loaded, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    if missing:
+        names = [n if e is None else "{0}.{2}.{1}.weight".format(*n.rsplit(".", 1), e) for n, e in missing]
+        raise ValueError(f"{path}: the checkpoint lacks {len(names)} tensors the config needs: "
+                         f"{', '.join(names[:8])}" + (" ..." if len(names) > 8 else ""))
+
+
+def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random weights (same ``seed`` and device → same weights): RMSNorm weights 1, every other
+    parameter ``N(0, std²)``."""
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for param in model.parameters():
+        if id(param) in norms:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+
+
+def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0) -> CausalLM:
+    """A model from a local Hugging Face directory or a preset name (random weights from ``seed``)."""
+    path_or_preset = os.fspath(path_or_preset)
+    if os.path.isdir(path_or_preset):
+        config = load_config(path_or_preset)
+        model = build_model(config, dtype=dtype, device=device)
+        load_weights(model, path_or_preset)
+    elif path_or_preset in PRESETS:
+        model = build_model(PRESETS[path_or_preset](), dtype=dtype, device=device)
+        init_random_weights(model, seed)
+    elif os.path.exists(path_or_preset):
+        raise FileNotFoundError(f"{path_or_preset} is a file: pass the model directory (with config.json)")
+    else:
+        raise FileNotFoundError(f"{path_or_preset!r} is neither a local model directory nor a preset; presets: "
+                                f"{', '.join(PRESETS)}")
+    model.post_load()
+    return model
+
+
+def load_tokenizer(model: CausalLM):
+    """The tokenizer saved beside the model (``transformers`` if it can load it, else a ``tokenizers``
+    tokenizer from ``tokenizer.json``), or None when the model has none (presets, weight-only directories)."""
+    path = model.config.tokenizer_path
+    if path is None:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (ImportError, OSError, ValueError, KeyError) as error:
+        tokenizer_json = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(tokenizer_json):
+            raise RuntimeError(f"cannot load the tokenizer in {path}: {error}") from error
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(tokenizer_json)

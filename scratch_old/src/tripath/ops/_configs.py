@@ -1,0 +1,91 @@
+"""Launch configurations per platform: tile sizes, warps, pipeline stages, and AMD's knobs.
+
+Each function returns the constexprs and launch options of one kernel family for a target; the launchers
+call them with :func:`tripath.platform.current_platform`, and the compile check calls them under
+``override_platform`` so it compiles exactly what would run on MI300/MI355/H200. CPU (the interpreter)
+gets small tiles so tests exercise multi-tile loops on small shapes.
+"""
+
+from __future__ import annotations
+
+from tripath.platform import Platform
+
+
+def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
+    return {"num_warps": num_warps, "num_stages": num_stages, "waves_per_eu": waves_per_eu,
+            "matrix_instr_nonkdim": 16}
+
+
+def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqlen_k: int = 8192,
+                  tma: bool = True, causal_tiles: int | None = None, head_size_v: int | None = None) -> dict:
+    """Prefill tiles. H200 sweeps (2026-11-29, 32/8/128 bf16): with tensor-descriptor loads (``TMA``),
+    128×128 tiles, 8 warps, 3 stages when there are many keys per query tile (causal: 554 TF/s at
+    1 × 8192, 413 at 8 × 2048; non-causal 8 × (512 × 4096): 557); 64×64, 4 warps, 3 stages when requests
+    have at most 1024 keys (241 TF/s at 16 × 512), and for causal launches of fewer than 12 waves of
+    128-row tiles (``causal_tiles`` = requests × 128-row query tiles × heads), where the uneven causal
+    programs leave the last waves ragged (2 × 2048: 178 µs against 192). ``tma=False`` gives the
+    pointer-load configuration, used when the keys' strides rule descriptors out (128-wide key tiles spill
+    there; 128×64, 3 stages: 458 TF/s). ``head_size`` is the larger of the query/key and value head sizes,
+    ``head_size_v`` the value's (default: the same). MLA's non-absorbed prefill and extend (keys 192 wide,
+    values 128, 16-bit): 128×64 tiles, 8 warps, 3 stages on Hopper (H200, 2026-11-29, 128 heads, 4 × 512
+    queries on 4608 keys: 1858 µs against 7347 with the 64×32 tiles that 256-wide heads need)."""
+    if platform.backend == "cpu":
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if platform.is_hip:  # one wave per SIMD: the whole register file, so no spills with every feature on
+        if head_size > 128:
+            return {"BLOCK_M": 64, "BLOCK_N": 32, **_amd(4, 2, 1)}
+        return {"BLOCK_M": 128, "BLOCK_N": 64, **_amd(4, 2, 1)}
+    if head_size > 128:
+        if platform.is_hopper and elem_bytes == 2 and head_size <= 256 and (head_size_v or head_size) <= 128:
+            return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    few_causal_tiles = causal_tiles is not None and causal_tiles < 12 * platform.num_sms
+    if max_seqlen_k <= 1024 or head_size <= 64 or (few_causal_tiles and platform.is_hopper):
+        if tma and platform.is_hopper:
+            return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": True}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if tma and platform.is_hopper:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "TMA": True}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+
+
+def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int) -> dict:
+    """Paged decode: tiles of context tokens (H200 sweep, 2026-11-29: 64-token tiles, 4 warps, 2 stages
+    reach 4.0 TB/s at 64 × 4096 and 8 × 32768 on the NHD layout)."""
+    if platform.backend == "cpu":
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if platform.is_hip:
+        return {"BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 1)}
+    if head_size > 128:
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
+    """Unified: ``BLOCK_M = BLOCK_Q · BLOCK_G`` rows of (token, head) pairs."""
+    if platform.backend == "cpu":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if platform.is_hip:
+        return {"BLOCK_M": 64, "BLOCK_N": 32 if head_size <= 128 else 16, **_amd(4, 2, 1)}
+    if head_size > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def elementwise_config(platform: Platform) -> dict:
+    return {"num_warps": 4}
+
+
+def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
+                       block_n: int) -> int:
+    """Split count for paged decode: about four programs per SM, never below ~4 tiles per split. H200
+    (2026-11-29): 8 × 32768 best at 8 splits (16 and 32 slower); 64 × 4096 and 64 × 16384 at 1 (2: 9%
+    slower); 48 × 4096 (384 programs) 220 µs at 1 split, 264 at 2, 213 at 3, 232 at 4, so filling the last
+    wave is no rule to follow here."""
+    if platform.backend == "cpu":
+        return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))
+    programs = max(1, num_seqs * num_kv_heads)
+    target = max(1, (4 * platform.num_sms) // programs)
+    if max_seq_len is not None:
+        target = min(target, max(1, max_seq_len // (4 * block_n)))
+    return int(min(target, 64))

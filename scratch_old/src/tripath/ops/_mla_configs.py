@@ -1,0 +1,142 @@
+"""Launch configurations of the MLA kernels per platform (same style as :mod:`tripath.ops._configs`).
+
+The absorbed decode kernel packs ``BLOCK_H`` query heads into one tile: 16 when a request has few heads
+(memory-bound: reading the cache sets the time), up to 64 with many heads (compute-bound: the
+``[BLOCK_H, 576] x [576, BLOCK_N]`` and ``[BLOCK_H, BLOCK_N] x [BLOCK_N, 512]`` products run on the tensor
+cores / matrix cores). The per-target table below was chosen by compiling for sm_90, gfx942 and gfx950;
+throughput is measured on the GPU, not here. CPU (the interpreter) gets small tiles so tests run
+multi-tile loops.
+"""
+
+from __future__ import annotations
+
+from tripath.platform import Platform
+
+FEW_HEADS = 32  # up to this many heads a request's heads fit in 16-row tiles cheaply
+
+
+def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
+    return {"num_warps": num_warps, "num_stages": num_stages, "waves_per_eu": waves_per_eu,
+            "matrix_instr_nonkdim": 16}
+
+
+# (BLOCK_H, BLOCK_N, num_warps, num_stages[, waves_per_eu]) per target, head count (few / many) and operand
+# kind: "bf16" (16-bit query and cache), "fp8_kv" (16-bit query, fp8 cache: tiles converted in registers),
+# "fp8_q" (fp8 query and cache: fp8 products), for cache tiles read through pointers. Picked from compiles
+# of the check's scenarios (a cache in a > 2 GiB allocation, so AMD has no 32-bit buffer addressing): no
+# spills, within shared memory / LDS, every product on the matrix units. Converting fp8 tiles spills at 64
+# heads on sm_90, so that case packs 32. AMD: 8 waves cap a thread at 256 VGPRs, so wide accumulators take
+# 4 waves with waves_per_eu=1; fp8 MFMA needs K >= 32, so fp8 queries take 32-row tiles. The few-heads rows
+# are also the plain baseline's tiles (``grouped``).
+_DECODE_TABLE = {
+    ("sm90", True): {"bf16": (16, 32, 4, 2), "fp8_kv": (16, 32, 4, 3), "fp8_q": (16, 32, 8, 3)},
+    ("sm90", False): {"bf16": (128, 64, 8, 1), "fp8_kv": (32, 32, 8, 3), "fp8_q": (64, 32, 8, 2)},
+    ("gfx942", True): {"bf16": (16, 32, 4, 1, 1), "fp8_kv": (16, 16, 4, 2, 1), "fp8_q": (16, 32, 4, 1, 1)},
+    ("gfx942", False): {"bf16": (32, 16, 4, 2, 1), "fp8_kv": (32, 16, 4, 2, 1), "fp8_q": (32, 32, 4, 2, 1)},
+    ("gfx950", True): {"bf16": (16, 16, 8, 2, 2), "fp8_kv": (16, 16, 4, 2, 1), "fp8_q": (16, 32, 8, 2, 2)},
+    ("gfx950", False): {"bf16": (32, 16, 4, 2, 1), "fp8_kv": (32, 16, 4, 2, 1), "fp8_q": (64, 32, 8, 2, 1)},
+}
+# (target, few heads, kind) whose pointer-load programs each produce half of the latent output columns.
+_VALUE_SPLIT = {("sm90", False, "bf16")}
+
+# Hopper with pages holding whole tiles (block_size % BLOCK_N == 0): tiles through tensor descriptors.
+# H200 (2026-11-29, bf16, block 64, GPU time from CUDA-graph replays, medians of 3):
+# - 16 heads: 64-row tiles with the products transposed (cache rows as the warpgroup MMA's M, SWAP_AB),
+#   2 buffers (183 KiB of shared memory: one program per SM), each step asking L2 for the tile two steps
+#   ahead (PREFETCH): 3169 / 3565 / 3133 GB/s at 64 × 4096 / 64 × 16384 / 8 × 32768, against 2320 / 2511 /
+#   2273 for the pointer-load row above; without the prefetch 3108 / 3380 / 3067, prefetching 1 or 3-4
+#   steps ahead is slower. Untransposed 32-row tiles get one descriptor buffer from Triton's pipeliner
+#   (2967 / 3310 / 2904).
+# - many heads: 64 heads x 64 rows, 8 warps (two warpgroups, each with half of the 512 value columns, the
+#   row softmax shared through shared memory), 2 buffers, one program per SM: 273 TF/s at 128 heads,
+#   64 × 4096 (1 split), 272 at 8 × 32768 (8 splits), 255 at 16 × 8192 (4 splits), 243 at 64 heads,
+#   64 × 4096 (2 splits). The previous row, 128 heads x 32 rows with the value columns in two programs
+#   (V_PARTS 2, recomputing the scores): 242 / 248 / 233 / 121. 64 x 32 rows: 188; 64 x 64 with one buffer:
+#   185; with an L2 prefetch: slower (158-176).
+# One buffer with transposed products (16 heads, 64 rows, 4 warps) returned wrong results on triton 3.6
+# (sm_90, 2026-11-29); such a configuration is never used (see _packed_tiles).
+# Rows in order of preference; the first whose BLOCK_N divides the page size applies (32-row pages keep
+# the previous many-heads row).
+_TMA_TABLE = {
+    ("sm90", True, "bf16"): (((16, 64, 4, 2), {"SWAP_AB": True, "PREFETCH": 2, "PROGRAMS_PER_SM": 1}),),
+    ("sm90", False, "bf16"): (((64, 64, 8, 2), {"PROGRAMS_PER_SM": 1}),
+                              ((128, 32, 8, 2), {"V_PARTS": 2, "PROGRAMS_PER_SM": 1})),
+}
+
+
+def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_elem_bytes: int,
+                      q_fp8: bool = False, grouped: bool = False, block_size: int | None = None) -> dict:
+    """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step (see the tables).
+    Other NVIDIA GPUs use the H200 rows, other AMD GPUs the gfx942 rows (the smaller LDS). ``grouped``: the
+    plain baseline's choice, the few-heads pointer row (16-head tiles over the whole latent) for every head
+    count, as in SGLang's and vLLM's Triton MLA decode. ``block_size``: the cache's page size; the
+    descriptor rows (``TMA``) apply only when pages hold whole tiles (None: pointer rows)."""
+    if platform.backend == "cpu":
+        return {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    kind = "fp8_q" if q_fp8 else ("fp8_kv" if kv_elem_bytes == 1 else "bf16")
+    arch = ("gfx950" if platform.arch == "gfx950" else "gfx942") if platform.is_hip else "sm90"
+    few = grouped or num_heads <= FEW_HEADS
+    tma_rows = () if grouped or block_size is None else _TMA_TABLE.get((arch, few, kind), ())
+    for (block_h, block_n, warps, stages), extra in tma_rows:
+        if block_size % block_n == 0:
+            return {"BLOCK_H": block_h, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+                    "TMA": True, **extra}
+    block_h, block_n, warps, stages, *wpe = _DECODE_TABLE[(arch, few)][kind]
+    cfg = {"BLOCK_H": block_h, "BLOCK_N": block_n}
+    if (arch, few, kind) in _VALUE_SPLIT:
+        # Half the latent columns per program; one such program fills a multiprocessor's shared memory.
+        cfg.update(V_PARTS=2, PROGRAMS_PER_SM=1)
+    if platform.is_hip:
+        return {**cfg, **_amd(warps, stages, wpe[0])}
+    return {**cfg, "num_warps": warps, "num_stages": stages}
+
+
+def mla_decode_per_head_config(platform: Platform, kv_lora_rank: int) -> dict:
+    """The plain baseline: one head per program, CUDA-core dot products."""
+    if platform.backend == "cpu":
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if platform.is_hip:
+        return {"BLOCK_N": 16, **_amd(4, 1, 2)}
+    return {"BLOCK_N": 16 if kv_lora_rank > 256 else 32, "num_warps": 4, "num_stages": 2}
+
+
+def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: int, block_n: int,
+                          programs_per_sm: int = 2) -> int:
+    """KV splits per (request, head block): about ``programs_per_sm`` programs per SM, rounded down to a
+    power of two, never below ~4 tiles a split. H200 sweeps (2026-11-29, bf16, block 64), 16 heads: 4 splits
+    for 64 requests (2.24 TB/s; the 5 that rounding up gave reached 1.65 TB/s), 64 for 8 requests
+    (2.12 TB/s; 32: 2.03); 128 heads in value halves, one program per SM: 1 split for 64 requests."""
+    if platform.backend == "cpu":
+        return max(1, min(4, -(-max_seq_len // (4 * block_n))))
+    target = max(1, (programs_per_sm * platform.num_sms) // max(1, num_programs))
+    target = 1 << (target.bit_length() - 1)
+    target = min(target, max(1, max_seq_len // (4 * block_n)))
+    return int(max(1, min(target, 64)))
+
+
+def mla_prep_config(platform: Platform, num_heads: int) -> dict:
+    """Fused preparation (and the query concat): ``BLOCK_H`` heads of one token per program. H200
+    (2026-11-29, fp8 outputs, GPU time of graph replays, medians of 3): small head blocks spread a decode
+    step's few tokens over more programs. 2 heads x 2 warps up to 32 heads (T 64 / 256 at 16 heads: 2.85 /
+    4.06 µs, against 4.36 / 6.61 with 16-head blocks), 4 heads x 1 warp beyond (128 heads: 5.63 / 18.31 µs,
+    against 9.62 / 29.58)."""
+    block_h = 16 if num_heads >= 16 else max(1, 1 << (num_heads - 1).bit_length())
+    if platform.backend == "cpu":
+        return {"BLOCK_H": block_h, "num_warps": 4}
+    if platform.is_hip:
+        return {"BLOCK_H": block_h, "num_warps": 4, "waves_per_eu": 2}
+    if num_heads <= FEW_HEADS:
+        return {"BLOCK_H": 2, "num_warps": 2}
+    return {"BLOCK_H": 4, "num_warps": 1}
+
+
+def gather_config(platform: Platform) -> dict:
+    """Latent row gather: ``BLOCK_ROWS`` rows of ``L + R`` values per program."""
+    if platform.backend == "cpu":
+        return {"BLOCK_ROWS": 32, "num_warps": 4}
+    return {"BLOCK_ROWS": 4, "num_warps": 4}
+
+
+def elementwise_config(platform: Platform) -> dict:
+    """Row copies (cache write, gather) and the in-place rotary embedding."""
+    return {"num_warps": 4}

@@ -1,0 +1,348 @@
+"""MHA/GQA attention ops: validate, choose a launch configuration, launch (PyTorch reference on CPU).
+
+Shapes: ``T`` flat tokens, ``B`` requests, ``Hq`` query heads, ``Hkv`` KV heads (``Hq % Hkv == 0``; query
+head ``h`` reads KV head ``h // (Hq / Hkv)``), head sizes ``Dqk``/``Dv`` from 32 to 256. Options shared by
+every op: ``sm_scale`` (default ``1/sqrt(Dqk)``), ``window_left`` (−1 off), ``softcap`` (0 off),
+``alibi_slopes [Hq]``, ``sinks [Hq]`` (counted once per row), ``out`` (preallocated output),
+``return_lse`` (also return the natural-log LSE ``[T, Hq]`` fp32; −inf for rows that see nothing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tripath.kernels.merge_states import merge_states_kernel
+from tripath.kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
+from tripath.kernels.unified_attention import unified_attention_kernel
+from tripath.kernels.varlen_attention import varlen_attention_kernel
+from tripath.ops import _configs, reference
+from tripath.ops._checks import (FLOAT_DTYPES, check_gqa, check_head_size, check_index, check_options,
+                                 check_out, check_per_head, check_scale, check_tensor, next_pow2)
+from tripath.ops._launch import launch, use_triton
+from tripath.ops.kv_cache import cache_geometry, cache_strides, shuffle_width
+from tripath.platform import FP8_DTYPES, current_platform
+
+LOG2E = 1.4426950408889634
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, device: torch.device) -> None:
+    check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), device=device)
+    if cu.shape[0] < 1:
+        raise ValueError(f"{name} must hold num_requests + 1 offsets, got an empty tensor")
+    if cu.device.type == "cpu" and cu.shape[0] > 1 and bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
+
+
+def _lse_out(num_tokens: int, num_heads: int, device, return_lse: bool) -> torch.Tensor:
+    if return_lse:
+        return torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
+    return torch.empty(1, 1, dtype=torch.float32, device=device)
+
+
+def _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks):
+    check_head_size("head_size (q.shape[-1])", head_size)
+    check_head_size("value head size", head_size_v)
+    group = check_gqa(q.shape[1], num_kv_heads)
+    check_options(window_left, softcap)
+    check_per_head("alibi_slopes", alibi_slopes, q.shape[1], q.device)
+    check_per_head("sinks", sinks, q.shape[1], q.device)
+    return group
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = True,
+                     sm_scale: float | None = None, window_left: int = -1, softcap: float = 0.0,
+                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                     q_positions_start: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     return_lse: bool = False, concurrent: bool = False):
+    """Attention of variable-length requests over contiguous keys.
+
+    Parameters
+    ----------
+    q : ``[Tq, Hq, Dqk]``; k : ``[Tk, Hkv, Dqk]``; v : ``[Tk, Hkv, Dv]`` (Dv may differ from Dqk).
+    cu_seqlens_q, cu_seqlens_k : ``[B + 1]`` int32 offsets of each request's queries and keys.
+    max_seqlen_q, max_seqlen_k : host ints, the longest request (they size the grid).
+    causal : bottom-right causal mask (query ``i`` sees keys ``<= q_start + i``).
+    q_positions_start : optional ``[B]`` int32, the position of each request's first query in its key
+        coordinates (default ``seqlen_k - seqlen_q``); chunked context uses it so windows and ALiBi see
+        true distances.
+    concurrent : a scheduling hint: another compute-bound launch runs beside this one (on another stream),
+        so the tiles are chosen for throughput even where this launch alone would leave its last waves
+        ragged (a causal launch of few tiles).
+
+    Returns
+    -------
+    ``out [Tq, Hq, Dv]`` (q's dtype), and ``lse [Tq, Hq]`` fp32 when ``return_lse``.
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device, shape=(None, None, q.shape[2]))
+    check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=device, shape=(k.shape[0], k.shape[1], None))
+    group = _common_checks(q, k.shape[1], q.shape[2], v.shape[2], window_left, softcap, alibi_slopes, sinks)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q ({cu_seqlens_q.shape[0]}) and cu_seqlens_k ({cu_seqlens_k.shape[0]}) "
+                         "must have the same length (num_requests + 1)")
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if q_positions_start is not None:
+        check_tensor("q_positions_start", q_positions_start, ndim=1, dtypes=(torch.int32,), device=device,
+                     shape=(num_seqs,))
+    if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
+        raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+    out_shape = (q.shape[0], q.shape[1], v.shape[2])
+    check_out("out", out, out_shape, q.dtype, device)
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[2])
+    if not use_triton(device):
+        return reference.varlen_attention_ref(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, sm_scale=sm_scale,
+            window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            q_positions_start=q_positions_start, out=out, return_lse=return_lse)
+    out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
+    lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    config_args = (current_platform(device), max(q.shape[2], v.shape[2]), q.element_size(), int(max_seqlen_k))
+    causal_tiles = None if concurrent else _causal_tiles(causal, num_seqs, int(max_seqlen_q), int(max_seqlen_k),
+                                                         q.shape[1])
+    cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles, head_size_v=v.shape[2]))
+    even_d = q.shape[2] == next_pow2(q.shape[2]) and v.shape[2] == next_pow2(v.shape[2])
+    use_tma = cfg.pop("TMA", False)
+    k_desc, v_desc = _kv_descriptors(k, v, cfg["BLOCK_N"]) if use_tma and even_d else (k, v)
+    if use_tma and k_desc is k:  # descriptors ruled out: the pointer-load configuration
+        cfg = dict(_configs.varlen_config(*config_args, tma=False, causal_tiles=causal_tiles,
+                                          head_size_v=v.shape[2]))
+        cfg.pop("TMA", None)
+    block_m = cfg.pop("BLOCK_M")
+    dummy = cu_seqlens_q
+    launch(
+        varlen_attention_kernel, (triton_cdiv(max(int(max_seqlen_q), 1), block_m), q.shape[1], num_seqs),
+        q, k, v, k_desc, v_desc, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q_positions_start if q_positions_start is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
+        sm_scale * LOG2E, float(softcap), int(window_left),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        group, q.shape[2], v.shape[2],
+        BLOCK_M=block_m, BLOCK_DK=next_pow2(q.shape[2]), BLOCK_DV=next_pow2(v.shape[2]),
+        CAUSAL=bool(causal), HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None,
+        HAS_Q_START=q_positions_start is not None, RETURN_LSE=return_lse,
+        EVEN_D=even_d, USE_TMA=k_desc is not k, **cfg,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _causal_tiles(causal: bool, num_seqs: int, max_seqlen_q: int, max_seqlen_k: int, num_heads: int) -> int | None:
+    """128-row query tiles of a causal launch whose keys are mostly the queries' own (fewer than twice as
+    many): there the programs' lengths differ by up to the whole request and the launch's last waves run
+    ragged (:func:`tripath.ops._configs.varlen_config`). None otherwise: with a long cached context before
+    the queries (an extend's last chunk joined with its new tokens) every program walks about the same
+    number of keys."""
+    if not causal or max_seqlen_k >= 2 * max_seqlen_q:
+        return None
+    return num_seqs * triton_cdiv(max_seqlen_q, 128) * num_heads
+
+
+def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, block_n: int):
+    """Tensor descriptors over keys and values as ``[Tk, Hkv · D]`` matrices with ``[block_n, D]`` tiles,
+    or ``(k, v)`` unchanged when their strides do not allow it (heads not contiguous, rows or bases not
+    16-byte aligned): the kernel then reads through pointers."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = []
+    for t in (k, v):
+        rows, heads, dim = t.shape
+        if (t.stride(1) != dim or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16
+                or rows == 0):
+            return k, v
+        descs.append(TensorDescriptor(t, shape=[rows, heads * dim], strides=[t.stride(0), 1],
+                                      block_shape=[block_n, dim]))
+    return tuple(descs)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_paged(q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale):
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    device = q.device
+    check_tensor("k_cache", k_cache, device=device)
+    _, block_size, num_kv_heads, head_size = cache_geometry(k_cache, v_cache, layout)
+    if head_size != q.shape[2]:
+        raise ValueError(f"q's head size {q.shape[2]} does not match the cache's {head_size}")
+    if k_cache.dtype not in FP8_DTYPES and k_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache dtype {k_cache.dtype} must equal q's ({q.dtype}) or be fp8 (e4m3)")
+    check_index("block_table", block_table, device, ndim=2)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
+    check_scale("k_scale", k_scale, k_cache.dtype, device)
+    check_scale("v_scale", v_scale, k_cache.dtype, device)
+    head_size_v = v_cache.shape[3]
+    return device, block_size, num_kv_heads, head_size, head_size_v
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, *, layout: str = "nhd", sm_scale: float | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 window_left: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None, num_splits: int | None = None,
+                 out: torch.Tensor | None = None, return_lse: bool = False):
+    """One new token per request against its paged context (split-KV flash-decoding).
+
+    Parameters
+    ----------
+    q : ``[B, Hq, D]``, the token at position ``seq_lens[b] - 1`` (its K/V already in the cache).
+    k_cache, v_cache : paged cache of ``layout`` (``"nhd"`` or ``"shuffled"``), fp16/bf16 or fp8 e4m3 with
+        ``k_scale``/``v_scale`` one-element fp32 tensors.
+    block_table : ``[B, max_blocks]`` int32; seq_lens : ``[B]`` int32 (context + 1).
+    num_splits : KV splits per request; ``None`` picks one from the batch and the GPU.
+
+    Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``).
+    """
+    device, block_size, num_kv_heads, head_size, head_size_v = _check_paged(
+        q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale)
+    group = _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks)
+    batch = q.shape[0]
+    if block_table.shape[0] < batch or seq_lens.shape[0] != batch:
+        raise ValueError(f"block_table ({block_table.shape[0]} rows) and seq_lens ({seq_lens.shape[0]}) must "
+                         f"have one row per request of q ({batch})")
+    if num_splits is not None and not 1 <= int(num_splits) <= 256:
+        raise ValueError(f"num_splits must be between 1 and 256, got {num_splits}")
+    out_shape = (batch, q.shape[1], head_size_v)
+    check_out("out", out, out_shape, q.dtype, device)
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_size)
+    if not use_triton(device):
+        return reference.paged_decode_ref(
+            q, k_cache, v_cache, block_table, seq_lens, layout=layout, sm_scale=sm_scale, k_scale=k_scale,
+            v_scale=v_scale, window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            out=out, return_lse=return_lse)
+    platform = current_platform(device)
+    cfg = dict(_configs.decode_config(platform, head_size, k_cache.element_size()))
+    if num_splits is None:
+        max_len = block_table.shape[1] * block_size
+        num_splits = _configs.default_num_splits(platform, batch, num_kv_heads, max_len, cfg["BLOCK_N"])
+    num_splits = int(num_splits)
+    out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
+    lse = _lse_out(batch, q.shape[1], device, return_lse)
+    block_dv = next_pow2(head_size_v)
+    if num_splits > 1:
+        part_out = torch.empty(batch, q.shape[1], num_splits, block_dv, dtype=torch.float32, device=device)
+        part_lse = torch.empty(batch, q.shape[1], num_splits, dtype=torch.float32, device=device)
+    else:
+        part_out = part_lse = lse
+    q = q if q.stride(2) == 1 else q.contiguous()
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
+    dummy = seq_lens
+    launch(
+        paged_decode_kernel, (batch, num_kv_heads, num_splits),
+        q, k_cache, v_cache, block_table, seq_lens, out, lse, part_out, part_lse,
+        alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
+        k_scale if kv_fp8 else dummy, v_scale if kv_fp8 else dummy,
+        float(sm_scale), float(softcap), int(window_left),
+        q.stride(0), q.stride(1), block_table.stride(0), *cache_strides(k_cache, v_cache),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        q.shape[1], group, head_size, head_size_v, block_size,
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_DK=next_pow2(head_size),
+        BLOCK_DV=block_dv, SHUFFLED=layout == "shuffled", X=shuffle_width(k_cache.dtype), KV_FP8=kv_fp8,
+        HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
+        HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, **cfg,
+    )
+    if num_splits > 1:
+        launch(
+            reduce_splits_kernel, (batch, q.shape[1]),
+            part_out, part_lse, out, lse, sinks if sinks is not None else dummy,
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), q.shape[1], head_size_v,
+            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_DV=block_dv,
+            HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, num_warps=4,
+        )
+    return (out, lse) if return_lse else out
+
+
+def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_seqlen_q: int, *,
+                      layout: str = "nhd", sm_scale: float | None = None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None, window_left: int = -1, softcap: float = 0.0,
+                      alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None, return_lse: bool = False):
+    """One launch for a mixed batch (decode, extend and prefill alike) whose new K/V are in the cache.
+
+    Parameters
+    ----------
+    q : ``[T, Hq, D]`` new tokens, request by request (``cu_seqlens_q [B + 1]`` int32 offsets).
+    seq_lens : ``[B]`` int32, context + new tokens; new token ``t`` of a request sits at
+        ``seq_len - query_len + t`` and attends causally to the cached keys.
+    max_seqlen_q : host int, the longest request's new tokens (kept for API symmetry; the grid uses ``T``).
+
+    Returns ``out [T, Hq, D]`` (and ``lse [T, Hq]``).
+    """
+    device, block_size, num_kv_heads, head_size, head_size_v = _check_paged(
+        q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale)
+    group = _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if seq_lens.shape[0] != num_seqs or block_table.shape[0] < num_seqs:
+        raise ValueError(f"seq_lens ({seq_lens.shape[0]}) and block_table ({block_table.shape[0]} rows) must "
+                         f"have one entry per request of cu_seqlens_q ({num_seqs})")
+    out_shape = (q.shape[0], q.shape[1], head_size_v)
+    check_out("out", out, out_shape, q.dtype, device)
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_size)
+    if not use_triton(device):
+        return reference.unified_attention_ref(
+            q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q, layout=layout,
+            sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, window_left=window_left, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks, out=out, return_lse=return_lse)
+    out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
+    lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
+    block_g = next_pow2(group)
+    cfg = dict(_configs.unified_config(current_platform(device), head_size, block_g))
+    block_m = max(cfg.pop("BLOCK_M"), 16, block_g)
+    block_q = block_m // block_g
+    q = q if q.stride(2) == 1 else q.contiguous()
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
+    dummy = seq_lens
+    launch(
+        unified_attention_kernel, (q.shape[0] // block_q + num_seqs, num_kv_heads),
+        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, lse,
+        alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
+        k_scale if kv_fp8 else dummy, v_scale if kv_fp8 else dummy,
+        float(sm_scale), float(softcap), int(window_left),
+        q.stride(0), q.stride(1), block_table.stride(0), *cache_strides(k_cache, v_cache),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        num_seqs, group, head_size, head_size_v, block_size,
+        BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_DK=next_pow2(head_size), BLOCK_DV=next_pow2(head_size_v),
+        BINARY_STEPS=max(1, num_seqs.bit_length()), SHUFFLED=layout == "shuffled",
+        X=shuffle_width(k_cache.dtype), KV_FP8=kv_fp8, HAS_WINDOW=window_left >= 0,
+        HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None, HAS_SINKS=sinks is not None,
+        RETURN_LSE=return_lse, **cfg,
+    )
+    return (out, lse) if return_lse else out
+
+
+def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *,
+                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial results over disjoint key sets: ``out_* [T, H, D]``, ``lse_* [T, H]`` fp32.
+
+    Returns ``(out [T, H, D], lse [T, H])``. A side with LSE −inf is empty and contributes nothing (its
+    output is ignored even if it holds NaN); both empty gives 0 and −inf. ``out`` may alias ``out_a``.
+    """
+    check_tensor("out_a", out_a, ndim=3, dtypes=FLOAT_DTYPES)
+    device = out_a.device
+    check_tensor("out_b", out_b, ndim=3, dtypes=FLOAT_DTYPES, device=device, shape=tuple(out_a.shape))
+    check_tensor("lse_a", lse_a, ndim=2, dtypes=(torch.float32,), device=device, shape=tuple(out_a.shape[:2]))
+    check_tensor("lse_b", lse_b, ndim=2, dtypes=(torch.float32,), device=device, shape=tuple(out_a.shape[:2]))
+    check_out("out", out, tuple(out_a.shape), out_a.dtype, device)
+    if not use_triton(device):
+        return reference.merge_states_ref(out_a, lse_a, out_b, lse_b, out=out)
+    out = out if out is not None else torch.empty_like(out_a)
+    lse = torch.empty_like(lse_a)
+    t, h, d = out_a.shape
+    launch(
+        merge_states_kernel, (t,),
+        out_a, lse_a, out_b, lse_b, out, lse,
+        out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1), out.stride(0), out.stride(1),
+        lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1), lse.stride(0), lse.stride(1),
+        h, d, BLOCK_H=next_pow2(h), BLOCK_D=next_pow2(d), num_warps=4,
+    )
+    return out, lse
