@@ -48,7 +48,7 @@ def slots_for(block_table, positions_per_seq, block_size) -> torch.Tensor:
 
 def filled_cache(seq_lens, num_kv_heads, head_size, *, block_size=16, dtype=torch.float16, cache_dtype=None,
                  layout="nhd", device="cpu", head_size_v=None, k_scale=None, v_scale=None):
-    """A paged cache holding random K/V for every position of every request.
+    """A paged cache holding random K/V for every position of every request, NaN everywhere else.
 
     Returns ``(k_cache, v_cache, block_table, keys, values)`` with ``keys[i] [seq_len_i, Hkv, D]`` the
     values written (before any fp8 quantisation).
@@ -58,6 +58,8 @@ def filled_cache(seq_lens, num_kv_heads, head_size, *, block_size=16, dtype=torc
     block_table, num_blocks = random_block_table(seq_lens, block_size, device)
     k_cache, v_cache = allocate_kv_cache(num_blocks, block_size, num_kv_heads, head_size, dtype=cache_dtype,
                                          layout=layout, device=device)
+    k_cache.fill_(float("nan"))  # poison: slots no request wrote must never reach an output
+    v_cache.fill_(float("nan"))
     keys = [torch.randn(s, num_kv_heads, head_size, dtype=dtype, device=device) for s in seq_lens]
     values = [torch.randn(s, num_kv_heads, head_size_v, dtype=dtype, device=device) for s in seq_lens]
     slots = slots_for(block_table, [torch.arange(s) for s in seq_lens], block_size)

@@ -238,38 +238,87 @@ def bench_mla_prep(report: Report) -> None:
         report.rows.append(Row("mla_prep", shape, "unfused (3 launches)", t_unfused, 1.0, "×"))
 
 
+def bench_mla_prefill(report: Report) -> None:
+    """MLA's non-absorbed prefill/extend attention (queries and keys 128 + 64 wide, values 128, one rotary
+    key shared by the heads; keys and values strided as the up-projection leaves them): the rotary part
+    scored separately (``q_rope``/``k_rope``, the backends' path), the same attention on concatenated
+    192-wide heads (the previous path), and PyTorch SDPA on the concatenation. FLOPs count the causal
+    triangle only: ``2 · keys seen · H · (192 + 128)``."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    dev = torch.device("cuda")
+    for heads, nreq, nq, nk in ((128, 2, 2048, 2048), (128, 4, 512, 4608), (16, 8, 2048, 2048)):
+        q = torch.randn(nreq * nq, heads, 192, dtype=torch.bfloat16, device=dev)
+        kv = torch.randn(nreq * nk, heads, 256, dtype=torch.bfloat16, device=dev)  # [k_nope | v] per head
+        k_pe = torch.randn(nreq * nk, 1, 64, dtype=torch.bfloat16, device=dev)
+        q_nope, q_rope, k_nope, v = q[..., :128], q[..., 128:].contiguous(), kv[..., :128], kv[..., 128:]
+        cq = torch.arange(0, (nreq + 1) * nq, nq, dtype=torch.int32, device=dev)
+        ck = torch.arange(0, (nreq + 1) * nk, nk, dtype=torch.int32, device=dev)
+        seen = nreq * (nq * (nk - nq) + nq * (nq + 1) / 2)
+        flops = 2 * seen * heads * (192 + 128)
+        k_cat = torch.cat([k_nope, k_pe.expand(-1, heads, -1)], dim=-1)
+        shape = f"H{heads}, {nreq} × {nq} on {nk} keys"
+        runs = {
+            "tripath varlen_attention (rotary part)": lambda: varlen_attention(
+                q_nope, k_nope, v, cq, ck, nq, nk, causal=True, sm_scale=0.07, q_rope=q_rope, k_rope=k_pe),
+            "tripath varlen_attention (192-wide heads)": lambda: varlen_attention(
+                q, k_cat, v, cq, ck, nq, nk, causal=True, sm_scale=0.07),
+        }
+        qs = q.view(nreq, nq, heads, 192).transpose(1, 2)
+        ks = k_cat.reshape(nreq, nk, heads, 192).transpose(1, 2)
+        vs = v.reshape(nreq, nk, heads, 128).transpose(1, 2)
+        # SDPA's is_causal is top-left aligned; with a context before the queries give it the mask instead
+        mask = None if nq == nk else (torch.arange(nk, device=dev)[None, :]
+                                      <= torch.arange(nk - nq, nk, device=dev)[:, None])
+        runs["PyTorch SDPA (192-wide heads)"] = lambda: sdpa(qs, ks, vs, attn_mask=mask, is_causal=mask is None,
+                                                            scale=0.07)
+        for impl, fn in runs.items():
+            try:
+                us = _bench_graph(fn)
+            except Exception as exc:  # SDPA may have no kernel for 192/128 heads on this build
+                report.errors.append(f"bench_mla_prefill: {impl} at {shape}: {type(exc).__name__}: {exc}")
+                continue
+            report.rows.append(Row("mla_prefill", shape, impl, us, flops / (us * 1e-6) / 1e12, "TF/s"))
+        del q, kv, k_pe, k_cat
+        torch.cuda.empty_cache()
+
+
 def bench_mla_backends(report: Report) -> None:
-    """``mla`` vs ``mla_triton`` on a decode-heavy MLA step: DeepSeek-R1 attention at TP 8 (16 heads) and
-    at TP 1 (128 heads), as GPU time (CUDA-graph replay) and as eager time (Python launches included)."""
+    """``mla`` vs ``mla_triton`` on MLA steps, DeepSeek-R1 attention at TP 8 (16 heads) and at TP 1 (128
+    heads): a decode-heavy step, and one of decodes beside extends of 512 tokens on 4096 cached (chunked
+    context up-projected from the latent cache), as GPU time (CUDA-graph replay) and as eager time (Python
+    launches included)."""
     from tripath.attention import MLASpec
     from tripath.attention.backends.torch_ref import TorchBackend
     from tripath.bench.batches import make_mla_step
     dev = torch.device("cuda")
+    steps = {"64 dec (4096) + 2 pre (512)": [(4096, 1)] * 64 + [(0, 512)] * 2,
+             "32 dec (4096) + 4 ext (4096 + 512)": [(4096, 1)] * 32 + [(4096, 512)] * 4}
     for heads in (16, 128):
         spec = AttentionSpec(heads, 1, 576, dtype=torch.bfloat16, block_size=64, mla=MLASpec())
-        step = make_mla_step(spec, [(4096, 1)] * 64 + [(0, 512)] * 2, TorchBackend(spec, dev), device=dev)
-        args = (step.q_nope, step.q_pe, step.kv_c, step.k_pe, step.positions)
-        times = {}
-        for name in ("mla", "mla_triton"):
-            backend = select_backend(spec, name, dev)
-            meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
-            cache = step.fresh_cache()
-            run_step = lambda: backend.forward_mla(*args, cache, meta, step.weights)  # noqa: E731
-            try:
-                graph_us = _bench_graph(run_step)
-            except Exception as exc:  # a step that cannot be captured still gets its eager time
-                report.errors.append(f"bench_mla_backends: {name} not capturable: {type(exc).__name__}: {exc}")
-                graph_us = float("nan")
-            times[name] = (graph_us, _bench(run_step))
-            del cache
-        shape = f"64 dec (4096) + 2 pre (512), H{heads}"
-        for name, (graph_us, eager_us) in times.items():
-            report.rows.append(Row("mla_backend", shape, f"{name} (CUDA graph: GPU time)", graph_us,
-                                   times["mla_triton"][0] / graph_us, "×"))
-            report.rows.append(Row("mla_backend", shape, f"{name} (eager, Python launches)", eager_us,
-                                   times["mla_triton"][1] / eager_us, "×"))
-        del step
-        torch.cuda.empty_cache()
+        for label, requests in steps.items():
+            step = make_mla_step(spec, requests, TorchBackend(spec, dev), device=dev)
+            args = (step.q_nope, step.q_pe, step.kv_c, step.k_pe, step.positions)
+            times = {}
+            for name in ("mla", "mla_triton"):
+                backend = select_backend(spec, name, dev)
+                meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+                cache = step.fresh_cache()
+                run_step = lambda: backend.forward_mla(*args, cache, meta, step.weights)  # noqa: E731
+                try:
+                    graph_us = _bench_graph(run_step)
+                except Exception as exc:  # a step that cannot be captured still gets its eager time
+                    report.errors.append(f"bench_mla_backends: {name} not capturable: {type(exc).__name__}: {exc}")
+                    graph_us = float("nan")
+                times[name] = (graph_us, _bench(run_step))
+                del cache
+            shape = f"{label}, H{heads}"
+            for name, (graph_us, eager_us) in times.items():
+                report.rows.append(Row("mla_backend", shape, f"{name} (CUDA graph: GPU time)", graph_us,
+                                       times["mla_triton"][0] / graph_us, "×"))
+                report.rows.append(Row("mla_backend", shape, f"{name} (eager, Python launches)", eager_us,
+                                       times["mla_triton"][1] / eager_us, "×"))
+            del step
+            torch.cuda.empty_cache()
 
 
 def check_correctness(report: Report) -> None:
@@ -298,8 +347,9 @@ def format_report(report: Report) -> str:
                          ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
                          ("mixed", "Mixed step (ANCHORS.md), 32/8/128, bf16, one forward incl. KV write"),
                          ("mla", "MLA decode (absorbed, 576-wide rows, 512-wide values), bf16 cache"),
+                         ("mla_prefill", "MLA prefill/extend attention (non-absorbed, 128 + 64 / 128), bf16"),
                          ("mla_prep", "MLA decode preparation, fp8 cache and query (speed-up of fused over unfused)"),
-                         ("mla_backend", "MLA backends on a decode-heavy step (speed-up over mla_triton)")):
+                         ("mla_backend", "MLA backends on whole steps (speed-up over mla_triton)")):
         rows = [r for r in report.rows if r.table == table]
         if not rows:
             continue
@@ -362,7 +412,7 @@ def run(sections=("decode", "prefill", "mixed", "mla"), repeat: int = 1) -> Repo
     check_correctness(report)
     measure_floors(report)
     parts = {"decode": [bench_decode], "prefill": [bench_prefill], "mixed": [bench_mixed],
-             "mla": [bench_mla_decode, bench_mla_prep, bench_mla_backends]}
+             "mla": [bench_mla_decode, bench_mla_prefill, bench_mla_prep, bench_mla_backends]}
     for section in sections:
         for fn in parts[section]:
             try:

@@ -103,41 +103,42 @@ def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_he
     """Load keys transposed ``[Dk, N]`` and values ``[N, Dv]`` of positions ``k_pos [N]`` from the paged
     cache, converted to the compute dtype (fp8 is dequantised by the caller's scales).
 
-    The shuffled layout is read as 3-D tiles whose last axis is the 16-byte vector ``x`` and whose middle
-    axis walks the memory-contiguous direction (tokens for K, dims for V), so a warp's vector loads are
-    adjacent in memory; the tile is then permuted into the ``[Dk, N]`` / ``[N, Dv]`` operands. This needs
-    ``k_pos`` to start at a multiple of ``x`` (tiles start at multiples of ``BLOCK_N``).
+    The shuffled layout is read with the same 2-D tiles as NHD, each element's address computed from the
+    layout: runs of ``x`` elements (16 bytes) are contiguous along the head dims for K and along the tokens
+    for V, so every thread still issues 16-byte loads, and the tiles go to the tensor cores without a
+    permutation. Needs ``k_pos`` to start at a multiple of ``x`` (tiles start at multiples of ``BLOCK_N``).
     """
-    BLOCK_N: tl.constexpr = k_pos.shape[0]
     if SHUFFLED:
-        BLOCK_DK: tl.constexpr = dims_k.shape[0]
-        BLOCK_DV: tl.constexpr = dims_v.shape[0]
-        # K[b, h, d // x, s, d % x] as [Dk // x, N, x]
-        g = tl.arange(0, BLOCK_DK // X)[:, None, None]
-        j = tl.arange(0, X)[None, None, :]
-        pos_k = k_pos[None, :, None]
-        valid_k = pos_k < k_limit
-        blocks_k = tl.load(block_row_ptr + pos_k // block_size, mask=valid_k, other=0).to(tl.int64)
-        k_off = blocks_k * stride_k0 + kv_head * stride_k1 + g * stride_k2 + (pos_k % block_size) * stride_k3 + j
-        k3 = tl.load(k_cache_ptr + k_off, mask=valid_k & (g * X + j < head_size), other=0.0)
-        k = tl.reshape(tl.permute(k3, (0, 2, 1)), (BLOCK_DK, BLOCK_N))
-        # V[b, h, s // x, d, s % x] as [N // x, Dv, x]
-        pos_v = tl.reshape(k_pos, (BLOCK_N // X, X))[:, None, :]
-        dv = tl.arange(0, BLOCK_DV)[None, :, None]
-        valid_v = pos_v < k_limit
-        blocks_v = tl.load(block_row_ptr + pos_v // block_size, mask=valid_v, other=0).to(tl.int64)
-        v_off = (blocks_v * stride_v0 + kv_head * stride_v1 + ((pos_v % block_size) // X) * stride_v2
-                 + dv * stride_v3 + pos_v % X)
-        v3 = tl.load(v_cache_ptr + v_off, mask=valid_v & (dv < head_size_v), other=0.0)
-        v = tl.reshape(tl.permute(v3, (0, 2, 1)), (BLOCK_N, BLOCK_DV))
+        k_pos = tl.multiple_of(k_pos, X)  # runs of x tokens start at multiples of x (see above)
+    valid = k_pos < k_limit
+    # every token of a block that holds a valid one reads that block (uniform addresses within a block)
+    blocks = tl.load(block_row_ptr + k_pos // block_size, mask=(k_pos // block_size) * block_size < k_limit,
+                     other=0).to(tl.int64)
+    offsets = k_pos % block_size
+    if SHUFFLED:
+        # K[b, h, d // x, s, d % x] and V[b, h, s // x, d, s % x]: the innermost strides are x itself
+        # (constexpr, so the compiler sees 16-byte aligned runs; stride_k3 == stride_v3 == x). The block
+        # ids come from memory, so the compiler cannot see that runs of x tokens share one (x divides the
+        # block size): say so. Without these facts every element is read 2 bytes at a time.
+        blocks = tl.max_constancy(blocks, X)
+        k_off = (blocks[None, :] * stride_k0 + kv_head * stride_k1 + (dims_k[:, None] // X) * stride_k2
+                 + offsets[None, :] * X + dims_k[:, None] % X)
+        lane = tl.arange(0, k_pos.shape[0]) % X  # == offsets % X: tiles start at multiples of x
+        run = tl.max_constancy(offsets // X, X)
+        v_off = (blocks[:, None] * stride_v0 + kv_head * stride_v1 + run[:, None] * stride_v2
+                 + dims_v[None, :] * X + lane[:, None])
     else:
-        valid = k_pos < k_limit
-        blocks = tl.load(block_row_ptr + k_pos // block_size, mask=valid, other=0).to(tl.int64)
-        offsets = k_pos % block_size
         k_off = (blocks[None, :] * stride_k0 + offsets[None, :] * stride_k1 + kv_head * stride_k2
                  + dims_k[:, None] * stride_k3)
         v_off = (blocks[:, None] * stride_v0 + offsets[:, None] * stride_v1 + kv_head * stride_v2
                  + dims_v[None, :] * stride_v3)
-        k = tl.load(k_cache_ptr + k_off, mask=valid[None, :] & (dims_k[:, None] < head_size), other=0.0)
+    k = tl.load(k_cache_ptr + k_off, mask=valid[None, :] & (dims_k[:, None] < head_size), other=0.0)
+    if SHUFFLED:
+        # V's 16-byte runs lie along the tokens: mask whole runs (a run whose first token is valid lies in a
+        # valid block) so the loads stay vectorised, then zero the tokens past the limit.
+        run_ok = (k_pos // X) * X < k_limit
+        v = tl.load(v_cache_ptr + v_off, mask=run_ok[:, None] & (dims_v[None, :] < head_size_v), other=0.0)
+        v = tl.where(valid[:, None], v, 0.0)
+    else:
         v = tl.load(v_cache_ptr + v_off, mask=valid[:, None] & (dims_v[None, :] < head_size_v), other=0.0)
     return k.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)

@@ -44,16 +44,26 @@ def rotate_pairs(x1, x2, cos, sin):
 
 
 @triton.jit
-def _rotate_heads_in_place(x_ptr, token, stride_t, stride_h, first_head, num_heads, cos, sin, d1, d2, pair_ok,
-                           BLOCK_H: tl.constexpr):
+def _rotate_heads_in_place(x_ptr, token, stride_t, stride_h, first_head, num_heads, cos, sin, d1, d2, half,
+                           pair_ok, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     heads = first_head + tl.arange(0, BLOCK_H)
-    mask = (heads[:, None] < num_heads) & pair_ok[None, :]
+    head_ok = heads[:, None] < num_heads
     base = x_ptr + token.to(tl.int64) * stride_t + heads[:, None] * stride_h
-    x1 = tl.load(base + d1[None, :], mask=mask, other=0.0)
-    x2 = tl.load(base + d2[None, :], mask=mask, other=0.0)
-    y1, y2 = rotate_pairs(x1.to(tl.float32), x2.to(tl.float32), cos[None, :], sin[None, :])
-    tl.store(base + d1[None, :], y1.to(x1.dtype), mask=mask)
-    tl.store(base + d2[None, :], y2.to(x2.dtype), mask=mask)
+    if IS_NEOX:  # the pair's halves are two contiguous runs
+        mask = head_ok & pair_ok[None, :]
+        x1 = tl.load(base + d1[None, :], mask=mask, other=0.0)
+        x2 = tl.load(base + d2[None, :], mask=mask, other=0.0)
+        y1, y2 = rotate_pairs(x1.to(tl.float32), x2.to(tl.float32), cos[None, :], sin[None, :])
+        tl.store(base + d1[None, :], y1.to(x1.dtype), mask=mask)
+        tl.store(base + d2[None, :], y2.to(x2.dtype), mask=mask)
+    else:  # interleaved pairs: one contiguous run of R values per head, split into pairs in registers
+        dims = tl.arange(0, 2 * BLOCK_HALF)
+        mask = head_ok & (dims[None, :] < 2 * half)
+        x = tl.load(base + dims[None, :], mask=mask, other=0.0)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
+        y1, y2 = rotate_pairs(x1.to(tl.float32), x2.to(tl.float32), cos[None, :], sin[None, :])
+        y = tl.reshape(tl.join(y1, y2), (BLOCK_H, 2 * BLOCK_HALF))
+        tl.store(base + dims[None, :], y.to(x.dtype), mask=mask)
 
 
 @triton.jit
@@ -73,8 +83,8 @@ def rotary_embedding_kernel(
                             pair, pair_ok)
     if first_head < num_q_heads:
         _rotate_heads_in_place(q_ptr, token, stride_q_t, stride_q_h, first_head, num_q_heads, cos, sin, d1, d2,
-                               pair_ok, BLOCK_H)
+                               half, pair_ok, BLOCK_H, BLOCK_HALF, IS_NEOX)
     if HAS_K:
         if first_head < num_k_heads:
             _rotate_heads_in_place(k_ptr, token, stride_k_t, stride_k_h, first_head, num_k_heads, cos, sin, d1,
-                                   d2, pair_ok, BLOCK_H)
+                                   d2, half, pair_ok, BLOCK_H, BLOCK_HALF, IS_NEOX)
