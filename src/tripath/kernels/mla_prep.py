@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tripath.kernels.mla_cache import quantize
-from tripath.kernels.rotary import load_cos_sin, rope_pair_dims, rotate_pairs
+from tripath.kernels.rotary import load_cos_sin, rope_pair_dims, rotate_interleaved, rotate_pairs
 
 
 @triton.jit
@@ -27,9 +27,15 @@ def _store_quantized(ptrs, x, mask, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.
 
 @triton.jit
 def _rope_part(src, dst, row_ok, cos, sin, d1, d2, pair_ok, rope_dim, scale_ptr,
-               BLOCK_R: tl.constexpr, APPLY_ROPE: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+               BLOCK_R: tl.constexpr, APPLY_ROPE: tl.constexpr, IS_NEOX: tl.constexpr, QUANT: tl.constexpr,
+               FP8_MAX: tl.constexpr):
     """Rows ``src [M, 1]`` (pointers to each row's rotary part) → ``dst [M, 1]``, rotated and quantised."""
-    if APPLY_ROPE:
+    if APPLY_ROPE and not IS_NEOX:  # interleaved pairs: one contiguous run per row (BLOCK_R = 2 · BLOCK_HALF)
+        dims = tl.arange(0, BLOCK_R)
+        mask = row_ok & (dims[None, :] < rope_dim)
+        x = tl.load(src + dims[None, :], mask=mask, other=0.0)
+        _store_quantized(dst + dims[None, :], rotate_interleaved(x, cos, sin), mask, scale_ptr, QUANT, FP8_MAX)
+    elif APPLY_ROPE:
         mask = row_ok & pair_ok[None, :]
         x1 = tl.load(src + d1[None, :], mask=mask, other=0.0)
         x2 = tl.load(src + d2[None, :], mask=mask, other=0.0)
@@ -80,7 +86,7 @@ def mla_prep_kernel(
                  mask=nope_mask, other=0.0)
     _store_quantized(q_row + nope_at + dims_l[None, :], ql, nope_mask, q_scale_ptr, QUANT_Q, FP8_MAX_Q)
     _rope_part(q_pe_ptr + token * stride_qp_t + heads[:, None] * stride_qp_h, q_row + rope_at, head_ok,
-               cos, sin, d1, d2, pair_ok, rope_dim, q_scale_ptr, BLOCK_R, APPLY_ROPE, QUANT_Q, FP8_MAX_Q)
+               cos, sin, d1, d2, pair_ok, rope_dim, q_scale_ptr, BLOCK_R, APPLY_ROPE, IS_NEOX, QUANT_Q, FP8_MAX_Q)
 
     # The cache row, once per token.
     if WRITE_CACHE:
@@ -92,5 +98,5 @@ def mla_prep_kernel(
             _store_quantized(row + nope_at + dims_l, kv_c, lat_ok, k_scale_ptr, QUANT_K, FP8_MAX_K)
             one_row = tl.zeros([1, 1], tl.int64)
             _rope_part(k_pe_ptr + token * stride_k_pe_t + one_row, row + rope_at + one_row, one_row == 0,
-                       cos, sin, d1, d2, pair_ok, rope_dim, k_scale_ptr, BLOCK_R, APPLY_ROPE, QUANT_K,
+                       cos, sin, d1, d2, pair_ok, rope_dim, k_scale_ptr, BLOCK_R, APPLY_ROPE, IS_NEOX, QUANT_K,
                        FP8_MAX_K)

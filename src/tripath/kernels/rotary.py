@@ -44,6 +44,18 @@ def rotate_pairs(x1, x2, cos, sin):
 
 
 @triton.jit
+def rotate_interleaved(x, cos, sin):
+    """GPT-J pairs ``(2i, 2i + 1)`` of rows ``x [M, 2 · HALF]`` (each row one contiguous run, loaded with
+    16-byte vectors) rotated by ``cos``/``sin [HALF]`` in fp32 and rounded back to ``x``'s dtype; the pairs
+    are split and rejoined in registers."""
+    M: tl.constexpr = x.shape[0]
+    HALF: tl.constexpr = x.shape[1] // 2
+    x1, x2 = tl.split(tl.reshape(x, (M, HALF, 2)))
+    y1, y2 = rotate_pairs(x1.to(tl.float32), x2.to(tl.float32), cos[None, :], sin[None, :])
+    return tl.reshape(tl.join(y1.to(x.dtype), y2.to(x.dtype)), (M, 2 * HALF))
+
+
+@triton.jit
 def _rotate_heads_in_place(x_ptr, token, stride_t, stride_h, first_head, num_heads, cos, sin, d1, d2, half,
                            pair_ok, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, IS_NEOX: tl.constexpr):
     heads = first_head + tl.arange(0, BLOCK_H)
@@ -60,10 +72,7 @@ def _rotate_heads_in_place(x_ptr, token, stride_t, stride_h, first_head, num_hea
         dims = tl.arange(0, 2 * BLOCK_HALF)
         mask = head_ok & (dims[None, :] < 2 * half)
         x = tl.load(base + dims[None, :], mask=mask, other=0.0)
-        x1, x2 = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_HALF, 2)))
-        y1, y2 = rotate_pairs(x1.to(tl.float32), x2.to(tl.float32), cos[None, :], sin[None, :])
-        y = tl.reshape(tl.join(y1, y2), (BLOCK_H, 2 * BLOCK_HALF))
-        tl.store(base + dims[None, :], y.to(x.dtype), mask=mask)
+        tl.store(base + dims[None, :], rotate_interleaved(x, cos, sin), mask=mask)
 
 
 @triton.jit
