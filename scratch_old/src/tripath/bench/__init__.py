@@ -1,1 +1,0 @@
-"""Benchmarks, the portability check (``tripath check-compile``), tables and plots."""
