@@ -23,6 +23,14 @@ CASES = [
 ]
 
 
+def _options(opts: dict, hq: int) -> dict:
+    """A case's option names → ``varlen_attention`` keyword arguments (fresh random ALiBi slopes/sinks)."""
+    return dict(causal=opts.get("causal", True), window_left=opts.get("window_left", -1),
+                softcap=opts.get("softcap", 0.0),
+                alibi_slopes=torch.rand(hq, device=DEVICE) if opts.get("alibi") else None,
+                sinks=torch.randn(hq, device=DEVICE) if opts.get("sinks") else None)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}/{c[1]}-d{c[2]}-{'-'.join(c[6]) or 'plain'}")
 def test_varlen_attention(case):
     hq, hkv, d, dv, lq, lk, opts = case
@@ -30,10 +38,7 @@ def test_varlen_attention(case):
     q = torch.randn(sum(lq), hq, d, dtype=dtype, device=DEVICE)
     k = torch.randn(sum(lk), hkv, d, dtype=dtype, device=DEVICE)
     v = torch.randn(sum(lk), hkv, dv, dtype=dtype, device=DEVICE)
-    kw = dict(causal=opts.get("causal", True), window_left=opts.get("window_left", -1),
-              softcap=opts.get("softcap", 0.0),
-              alibi_slopes=torch.rand(hq, device=DEVICE) if opts.get("alibi") else None,
-              sinks=torch.randn(hq, device=DEVICE) if opts.get("sinks") else None)
+    kw = _options(opts, hq)
     cq, ck = cu_seqlens(lq, DEVICE), cu_seqlens(lk, DEVICE)
     out = poison((sum(lq), hq, dv), dtype, DEVICE)
     got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), out=out, return_lse=True, **kw)
@@ -181,10 +186,7 @@ def test_rotary_part_scores_as_the_concatenation(monkeypatch, case):
     workspace = torch.randn(tk + 4, 64 + hr * r, dtype=dtype, device=DEVICE)
     workspace[tk:] = float("nan")
     k_rope = workspace[:, 64:].view(-1, hr, r)
-    kw = dict(causal=opts.get("causal", True), window_left=opts.get("window_left", -1),
-              softcap=opts.get("softcap", 0.0),
-              alibi_slopes=torch.rand(hq, device=DEVICE) if opts.get("alibi") else None,
-              sinks=torch.randn(hq, device=DEVICE) if opts.get("sinks") else None)
+    kw = _options(opts, hq)
     cq, ck = cu_seqlens(lq, DEVICE), cu_seqlens(lk, DEVICE)
     out = poison((sum(lq), hq, d), dtype, DEVICE)
     with capture_launches() as records:
