@@ -162,6 +162,7 @@ ROPE_CASES = [
     (4, 2, 32, 16, 2, [9], [9], {"window_left": 3, "alibi": True}, False),  # a rotary key per KV head
     (2, 2, 64, 32, 1, [6, 1], [30, 13], {"causal": False, "softcap": 2.0, "sinks": True}, False),
     (4, 4, 64, 32, 1, [7, 16, 3], [23, 16, 37], {}, True),  # descriptors; k_rope a column slice
+    (4, 2, 32, 16, 2, [6, 9], [10, 9], {"sinks": True}, True),  # descriptors, a rotary key per KV head
 ]
 
 
