@@ -10,6 +10,7 @@ multi-tile loops.
 
 from __future__ import annotations
 
+from tripath.ops._checks import next_pow2
 from tripath.platform import Platform
 
 FEW_HEADS = 32  # up to this many heads a request's heads fit in 16-row tiles cheaply
@@ -120,7 +121,7 @@ def mla_prep_config(platform: Platform, num_heads: int) -> dict:
     step's few tokens over more programs. 2 heads x 2 warps up to 32 heads (T 64 / 256 at 16 heads: 2.85 /
     4.06 µs, against 4.36 / 6.61 with 16-head blocks), 4 heads x 1 warp beyond (128 heads: 5.63 / 18.31 µs,
     against 9.62 / 29.58)."""
-    block_h = 16 if num_heads >= 16 else max(1, 1 << (num_heads - 1).bit_length())
+    block_h = min(16, next_pow2(num_heads))
     if platform.backend == "cpu":
         return {"BLOCK_H": block_h, "num_warps": 4}
     if platform.is_hip:
@@ -148,7 +149,7 @@ def rotary_config(platform: Platform, num_heads: int) -> dict:
     extend) 12.6 µs (4 heads: 41.1; 32: 12.6), 4096 × 32 × 128 (NeoX) 18.6 µs (4 heads: 23.1). The
     previous kernel, one program per token with every head and GPT-J pairs read 2 bytes at a time, took
     289 µs for the first."""
-    block_h = min(16, max(1, 1 << (num_heads - 1).bit_length()))
+    block_h = min(16, next_pow2(num_heads))
     if platform.backend == "cpu" or platform.is_hip:
         return {"BLOCK_H": block_h, "num_warps": 4}
     return {"BLOCK_H": block_h, "num_warps": 2}
