@@ -1,7 +1,7 @@
 """Launch-configuration rules that the H200 measurements set (docs/BENCHMARKS.md): checked on the H200
 platform description without a GPU, so a change to a rule is a deliberate one."""
 
-from tripath.ops._configs import default_num_splits, varlen_config
+from tripath.ops._configs import LONG_TILE, decode_config, default_num_splits, long_tile_splits, varlen_config
 from tripath.ops._mla_configs import mla_decode_config, mla_decode_num_splits, mla_prep_config
 from tripath.platform import CPU, H200, MI300X
 
@@ -16,6 +16,26 @@ def test_decode_splits():
     # Short contexts never split below ~4 tiles per split.
     assert default_num_splits(H200, 1, 8, 512, 64) == 2
     assert default_num_splits(CPU, 1, 8, 512, 16) == 4
+
+
+def test_decode_long_tiles():
+    # 128-token tiles at the smallest split count with >= 2.5 waves of programs that are not a power of two
+    # and >= 2048 tokens a split (H200 sweep in docs/BENCHMARKS.md).
+    assert long_tile_splits(H200, 64, 8, 16384) == 3  # 1536 programs; 512 and 1024 are powers of two
+    assert long_tile_splits(H200, 48, 8, 4096) == 1  # 384 programs
+    assert long_tile_splits(H200, 96, 8, 4096) == 1
+    assert long_tile_splits(H200, 8, 8, 32768) == 6  # 384
+    assert long_tile_splits(H200, 32, 8, 8192) == 3  # 768
+    # Short splits keep the 64-token tiles: 64 × 4096 would need 3 splits of 1365 tokens.
+    assert long_tile_splits(H200, 64, 8, 4096) is None
+    assert long_tile_splits(H200, 1, 8, 4096) is None
+    # A given split count is kept only if it qualifies.
+    assert long_tile_splits(H200, 64, 8, 16384, num_splits=3) == 3
+    assert long_tile_splits(H200, 64, 8, 16384, num_splits=1) is None
+    # Not on the CPU interpreter or AMD.
+    assert long_tile_splits(CPU, 64, 8, 16384) is None and long_tile_splits(MI300X, 64, 8, 16384) is None
+    assert decode_config(H200, 128, 2, long_tiles=True)["BLOCK_N"] == LONG_TILE
+    assert decode_config(H200, 128, 2)["BLOCK_N"] == 64
 
 
 def test_prefill_tiles():

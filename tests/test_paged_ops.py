@@ -70,6 +70,34 @@ def test_paged_decode_default_splits_and_empty_split():
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
+def test_paged_decode_long_tiles_chosen_and_correct(monkeypatch):
+    """The 128-token tiles: chosen for the H200 where the rule says so (launch recorded, a cache of one
+    block standing in for 64 × 16384 tokens), and correct on ragged lengths (run with those tiles here)."""
+    from tripath.ops import _configs
+    from tripath.ops._launch import capture_launches
+    from tripath.platform import H200, override_platform
+    k_cache, v_cache = torch.zeros(2, 1, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+    table = torch.zeros(64, 1024, dtype=torch.int32, device=DEVICE)
+    lens = torch.full((64,), 16384, dtype=torch.int32, device=DEVICE)
+    q = torch.zeros(64, 32, 128, dtype=torch.bfloat16, device=DEVICE)
+    with override_platform(H200), capture_launches() as records:
+        paged_decode(q, k_cache, v_cache, table, lens)
+        paged_decode(q[:, :, :64], k_cache[..., :64], v_cache[..., :64], table, lens)  # 64-dim heads: no
+    assert [(r.kwargs["BLOCK_N"], r.kwargs["NUM_SPLITS"]) for r in records if r.name == "paged_decode_kernel"] \
+        == [(_configs.LONG_TILE, 3), (64, 1)]
+
+    seq_lens = [1, 129, 300, 257, 128]
+    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, 2, 64, block_size=32, device=DEVICE)
+    q = torch.randn(len(seq_lens), 4, 64, dtype=torch.float16, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = R.paged_decode_ref(q, k_cache, v_cache, bt, sl)
+    monkeypatch.setattr(_configs, "decode_config", lambda *a, **k: {"BLOCK_N": _configs.LONG_TILE, "num_warps": 4,
+                                                                    "num_stages": 1})
+    for splits in (1, 2):
+        got = paged_decode(q, k_cache, v_cache, bt, sl, num_splits=splits, out=poison(q.shape, q.dtype, DEVICE))
+        torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+
+
 # (hq, hkv, head_size, block_size, [(context, query)], layout, cache dtype, options)
 UNIFIED_CASES = [
     (4, 4, 64, 16, [(0, 5), (17, 1), (30, 12)], "nhd", None, {}),

@@ -52,16 +52,58 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
     return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
 
 
-def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int) -> dict:
-    """Paged decode: tiles of context tokens (H200 sweep, 2026-11-29: 64-token tiles, 4 warps, 2 stages
-    reach 4.0 TB/s at 64 × 4096 and 8 × 32768 on the NHD layout)."""
+LONG_TILE = 128  # context tokens per paged-decode tile where long_tile_splits applies
+
+
+def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int, long_tiles: bool = False) -> dict:
+    """Paged decode: tiles of context tokens. H200 (2026-11-29, 32/8/128 bf16, NHD): 64-token tiles, 4 warps,
+    2 stages (64 KiB of shared memory a program) by default; ``long_tiles`` (see :func:`long_tile_splits`):
+    128-token tiles, 4 warps, 2 stages (128 KiB, one program per SM)."""
     if platform.backend == "cpu":
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:
         return {"BLOCK_N": 64 if head_size <= 128 else 32, **_amd(4, 2, 1)}
     if head_size > 128:
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    if long_tiles:
+        return {"BLOCK_N": LONG_TILE, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def long_tile_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
+                     num_splits: int | None = None) -> int | None:
+    """The split count for paged decode with 128-token tiles, or None where the 64-token tiles apply.
+
+    Long tiles apply on NVIDIA (16-bit NHD caches, heads of 65-128 dims: the launcher checks those) when
+    each split keeps at least 16 tiles (2048 tokens) and the launch has ``P = num_seqs · num_kv_heads ·
+    splits`` programs with ``P >= 2.5 · SMs`` and ``P`` not a power of two. ``num_splits`` given: that
+    count, if it qualifies; otherwise the smallest that does.
+
+    H200 sweep (2026-11-29, 32/8/128 bf16, block 16, random block order, GPU time of graph replays; 31
+    shapes, batch 2-128 × context 2048-65536, splits 1-32, 64- and 128-token tiles): this rule came within
+    7% of the best of the sweep everywhere, 0.4% on average (the 64-token rule alone: 26% and 6%; at
+    2 × 65536 and 4 × 32768 the rule's 21 and 11 splits were not in the sweep, 24 and 12 were),
+    e.g. 48 × 4096 4305 GB/s (64-token tiles, 1 split: 3901), 96 × 4096 4408 (3298), 64 × 16384 4452 at 3
+    splits (4384 with 64-token tiles). 128-token tiles at power-of-two program counts measured 10-20% below
+    the counts either side (64 × 16384: 1 split 3546 GB/s, 2 splits 4250, 3 splits 4452, 4 splits 4185; the
+    same with the grid's axes reordered); that is an observation of this GPU, not a derived rule. With
+    fewer than 2048 tokens per split the 64-token tiles at :func:`default_num_splits` were as fast or
+    faster (64 × 2048: 4074 against 3757)."""
+    if platform.backend == "cpu" or platform.is_hip or max_seq_len is None:
+        return None
+    programs = num_seqs * num_kv_heads
+
+    def qualifies(splits: int) -> bool:
+        launched = programs * splits
+        return (max_seq_len // splits >= 16 * LONG_TILE and launched >= 2.5 * platform.num_sms
+                and launched & (launched - 1) != 0)
+
+    if num_splits is not None:
+        return num_splits if qualifies(num_splits) else None
+    for splits in range(1, min(256, max_seq_len // (16 * LONG_TILE)) + 1):
+        if qualifies(splits):
+            return splits
+    return None
 
 
 def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
@@ -81,9 +123,9 @@ def elementwise_config(platform: Platform) -> dict:
 
 def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
                        block_n: int) -> int:
-    """Split count for paged decode: about four programs per SM, never below ~4 tiles per split. H200
-    (2026-11-29): 8 × 32768 best at 8 splits (16 and 32 slower); 64 × 4096 and 64 × 16384 at 1 (2: 9%
-    slower); 48 × 4096 (384 programs) 220 µs at 1 split, 264 at 2, 213 at 3, 232 at 4, so filling the last
+    """Split count for paged decode with the 64-token tiles (where :func:`long_tile_splits` gives None):
+    about four programs per SM, never below ~4 tiles per split. H200 (2026-11-29): 8 × 32768 best at 8
+    splits (16 and 32 slower); 64 × 4096 and 64 × 16384 at 1 (2: 9% slower); 48 × 4096 (384 programs) 220 µs at 1 split, 264 at 2, 213 at 3, 232 at 4, so filling the last
     wave is no rule to follow here."""
     if platform.backend == "cpu":
         return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))

@@ -263,10 +263,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             v_scale=v_scale, window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
             out=out, return_lse=return_lse)
     platform = current_platform(device)
-    cfg = dict(_configs.decode_config(platform, head_size, k_cache.element_size()))
+    max_len = block_table.shape[1] * block_size  # an upper bound from the host: no device sync
+    long_splits = None
+    if layout == "nhd" and k_cache.element_size() == 2 and 64 < head_size <= 128:
+        long_splits = _configs.long_tile_splits(platform, batch, num_kv_heads, max_len, num_splits)
+    cfg = dict(_configs.decode_config(platform, head_size, k_cache.element_size(), long_tiles=long_splits is not None))
     if num_splits is None:
-        max_len = block_table.shape[1] * block_size
-        num_splits = _configs.default_num_splits(platform, batch, num_kv_heads, max_len, cfg["BLOCK_N"])
+        num_splits = long_splits or _configs.default_num_splits(platform, batch, num_kv_heads, max_len,
+                                                                cfg["BLOCK_N"])
     num_splits = int(num_splits)
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
     lse = _lse_out(batch, q.shape[1], device, return_lse)
