@@ -67,7 +67,7 @@ def test_paged_decode_long_tiles(batch, ctx):
     from tripath.ops._configs import long_tile_splits
     from tripath.platform import current_platform
     assert long_tile_splits(current_platform(DEV), batch, 8, ctx) is not None
-    seq_lens = [ctx - 97 * i for i in range(batch)]
+    seq_lens = [ctx - (97 * i) % (ctx // 2) for i in range(batch)]
     kc, vc, bt, _, _ = filled_cache(seq_lens, 8, 128, block_size=16, dtype=BF16, device=DEV)
     bt = torch.nn.functional.pad(bt, (0, ctx // 16 - bt.shape[1]))
     q = torch.randn(batch, 32, 128, dtype=BF16, device=DEV)

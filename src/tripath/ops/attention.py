@@ -232,7 +232,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  window_left: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  sinks: torch.Tensor | None = None, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, return_lse: bool = False):
+                 out: torch.Tensor | None = None, return_lse: bool = False, concurrent: bool = False):
     """One new token per request against its paged context (split-KV flash-decoding).
 
     Parameters
@@ -242,6 +242,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         ``k_scale``/``v_scale`` one-element fp32 tensors.
     block_table : ``[B, max_blocks]`` int32; seq_lens : ``[B]`` int32 (context + 1).
     num_splits : KV splits per request; ``None`` picks one from the batch and the GPU.
+    concurrent : a scheduling hint: compute-bound launches run beside this one (on other streams), so the
+        64-token tiles are kept (a 128-token tile program takes 128 KiB of an SM's shared memory; H200,
+        ANCHORS.md mixed step with the decode overlapped: 1001 µs with 64-token tiles, 1011 with 128).
 
     Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``).
     """
@@ -265,7 +268,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     platform = current_platform(device)
     max_len = block_table.shape[1] * block_size  # an upper bound from the host: no device sync
     long_splits = None
-    if layout == "nhd" and k_cache.element_size() == 2 and 64 < head_size <= 128:
+    if layout == "nhd" and k_cache.element_size() == 2 and 64 < head_size <= 128 and not concurrent:
         long_splits = _configs.long_tile_splits(platform, batch, num_kv_heads, max_len, num_splits)
     cfg = dict(_configs.decode_config(platform, head_size, k_cache.element_size(), long_tiles=long_splits is not None))
     if num_splits is None:

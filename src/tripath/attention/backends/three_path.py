@@ -59,7 +59,7 @@ class ThreePathBackend(AttentionBackend):
         prefill_side = self._fork("prefill", q.device, on_gpu and self.overlap_prefill
                                   and meta.prefill is not None and meta.extend is not None)
         if meta.decode is not None and decode_side is None:
-            self._decode(q, cache, meta, out, opts)
+            self._decode(q, cache, meta, out, opts, concurrent=False)
         if meta.extend is not None:
             self._extend(q, k, v, cache, meta.extend, out, opts)
         if meta.prefill is not None:
@@ -71,7 +71,7 @@ class ThreePathBackend(AttentionBackend):
                                  concurrent=prefill_side is not None, **opts)
         if decode_side is not None:  # launched last: its programs fill the extend/prefill kernels' ragged waves
             with torch.cuda.stream(decode_side):
-                self._decode(q, cache, meta, out, opts)
+                self._decode(q, cache, meta, out, opts, concurrent=True)
         for side in (prefill_side, decode_side):
             if side is not None:
                 torch.cuda.current_stream(q.device).wait_stream(side)
@@ -88,13 +88,15 @@ class ThreePathBackend(AttentionBackend):
         side.wait_stream(torch.cuda.current_stream(device))
         return side
 
-    def _decode(self, q, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor, opts: dict) -> None:
+    def _decode(self, q, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor, opts: dict, *,
+                concurrent: bool) -> None:
+        """``concurrent``: the decode runs beside the extend/prefill launches (tile hint to the op)."""
         d = meta.decode
         k_scale, v_scale = self._scales(cache)
         if d.single_token:
             paged_decode(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
                          layout=cache.layout, k_scale=k_scale, v_scale=v_scale, num_splits=d.num_splits,
-                         out=out[:d.num_tokens], **opts)
+                         out=out[:d.num_tokens], concurrent=concurrent, **opts)
         else:
             unified_attention(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
                               d.cu_seqlens_q, d.max_query_len, layout=cache.layout, k_scale=k_scale,
