@@ -147,9 +147,9 @@ def _build_varlen(platform: Platform, *, head_size: int, dtype: torch.dtype, cau
 
 
 def _build_decode(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool,
-                  num_splits: int | None, features: str = "") -> None:
+                  num_splits: int | None, features: str = "", batch: int = 4) -> None:
     k_cache, v_cache, scales = _cache(head_size, _cache_dtype(platform, dtype, fp8), layout)
-    batch, context_blocks = 4, 256  # 4K-token contexts: the default split count is the platform's choice
+    context_blocks = 256  # 4K-token contexts: the default split count is the platform's choice
     q = _rand(batch, NUM_HEADS, head_size, dtype=dtype)
     block_table = torch.zeros(batch, context_blocks, dtype=torch.int32)
     seq_lens = torch.full((batch,), context_blocks * BLOCK_SIZE, dtype=torch.int32)
@@ -317,6 +317,8 @@ def all_scenarios() -> list[Scenario]:
                                    head_size=d, dtype=dt, layout=layout, fp8=fp8, num_splits=None))
         rows.append(_s(f"decode hd{d} bf16 nhd one split", _build_decode, head_size=d, dtype=torch.bfloat16,
                        layout="nhd", fp8=False, num_splits=1))
+    rows.append(_s("decode hd128 bf16 nhd 48 requests (NVIDIA: 128-token tiles)", _build_decode, head_size=128,
+                   dtype=torch.bfloat16, layout="nhd", fp8=False, num_splits=None, batch=48))
     for features in ("window+sinks", "window+softcap", "alibi"):
         rows.append(_s(f"decode hd128 bf16 kv=fp8 shuffled {features}", _build_decode,
                        ci=features == "window+sinks", head_size=128, dtype=torch.bfloat16, layout="shuffled",

@@ -57,8 +57,9 @@ LONG_TILE = 128  # context tokens per paged-decode tile where long_tile_splits a
 
 def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int, long_tiles: bool = False) -> dict:
     """Paged decode: tiles of context tokens. H200 (2026-11-29, 32/8/128 bf16, NHD): 64-token tiles, 4 warps,
-    2 stages (64 KiB of shared memory a program) by default; ``long_tiles`` (see :func:`long_tile_splits`):
-    128-token tiles, 4 warps, 2 stages (128 KiB, one program per SM)."""
+    2 stages by default (sm_90 compile: 39 KiB of shared memory and 84 registers a program, so up to five
+    programs an SM); ``long_tiles`` (see :func:`long_tile_splits`): 128-token tiles, 4 warps, 2 stages
+    (73 KiB and 152 registers: three programs an SM)."""
     if platform.backend == "cpu":
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:
@@ -125,8 +126,8 @@ def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max
                        block_n: int) -> int:
     """Split count for paged decode with the 64-token tiles (where :func:`long_tile_splits` gives None):
     about four programs per SM, never below ~4 tiles per split. H200 (2026-11-29): 8 × 32768 best at 8
-    splits (16 and 32 slower); 64 × 4096 and 64 × 16384 at 1 (2: 9% slower); 48 × 4096 (384 programs) 220 µs at 1 split, 264 at 2, 213 at 3, 232 at 4, so filling the last
-    wave is no rule to follow here."""
+    splits (16 and 32 slower); 64 × 4096 and 64 × 16384 at 1 (2: 9% slower); 48 × 4096 (384 programs)
+    220 µs at 1 split, 264 at 2, 213 at 3, 232 at 4, so filling the last wave is no rule to follow here."""
     if platform.backend == "cpu":
         return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))
     programs = max(1, num_seqs * num_kv_heads)
