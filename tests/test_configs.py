@@ -19,8 +19,8 @@ def test_decode_splits():
 
 
 def test_decode_long_tiles():
-    # 128-token tiles at the smallest split count with >= 2.5 waves of programs that are not a power of two
-    # and >= 2048 tokens a split (H200 sweep in docs/BENCHMARKS.md).
+    # 128-token tiles at the smallest split count with >= 2.5 programs per SM, a program count that is not
+    # a power of two, and >= 2048 tokens a split (H200 sweep in docs/BENCHMARKS.md).
     assert long_tile_splits(H200, 64, 8, 16384) == 3  # 1536 programs; 512 and 1024 are powers of two
     assert long_tile_splits(H200, 48, 8, 4096) == 1  # 384 programs
     assert long_tile_splits(H200, 96, 8, 4096) == 1

@@ -72,10 +72,11 @@ def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int, long_t
 
 
 def long_tile_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
-                     num_splits: int | None = None) -> int | None:
+                     num_splits: int | None = None, *, head_size: int = 128, kv_elem_bytes: int = 2,
+                     layout: str = "nhd") -> int | None:
     """The split count for paged decode with 128-token tiles, or None where the 64-token tiles apply.
 
-    Long tiles apply on NVIDIA (16-bit NHD caches, heads of 65-128 dims: the launcher checks those) when
+    Long tiles apply on NVIDIA to 16-bit NHD caches with heads of 65-128 dims (the measured family) when
     each split keeps at least 16 tiles (2048 tokens) and the launch has ``P = num_seqs · num_kv_heads ·
     splits`` programs with ``P >= 2.5 · SMs`` and ``P`` not a power of two. ``num_splits`` given: that
     count, if it qualifies; otherwise the smallest that does.
@@ -90,7 +91,8 @@ def long_tile_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_s
     same with the grid's axes reordered); that is an observation of this GPU, not a derived rule. With
     fewer than 2048 tokens per split the 64-token tiles at :func:`default_num_splits` were as fast or
     faster (64 × 2048: 4074 against 3757)."""
-    if platform.backend == "cpu" or platform.is_hip or max_seq_len is None:
+    if (platform.backend == "cpu" or platform.is_hip or max_seq_len is None or layout != "nhd"
+            or kv_elem_bytes != 2 or not 64 < head_size <= 128):
         return None
     programs = num_seqs * num_kv_heads
 

@@ -267,9 +267,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             out=out, return_lse=return_lse)
     platform = current_platform(device)
     max_len = block_table.shape[1] * block_size  # an upper bound from the host: no device sync
-    long_splits = None
-    if layout == "nhd" and k_cache.element_size() == 2 and 64 < head_size <= 128 and not concurrent:
-        long_splits = _configs.long_tile_splits(platform, batch, num_kv_heads, max_len, num_splits)
+    long_splits = None if concurrent else _configs.long_tile_splits(
+        platform, batch, num_kv_heads, max_len, num_splits, head_size=head_size,
+        kv_elem_bytes=k_cache.element_size(), layout=layout)
     cfg = dict(_configs.decode_config(platform, head_size, k_cache.element_size(), long_tiles=long_splits is not None))
     if num_splits is None:
         num_splits = long_splits or _configs.default_num_splits(platform, batch, num_kv_heads, max_len,
