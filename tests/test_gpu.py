@@ -33,6 +33,40 @@ def test_varlen_bf16(hq, hkv, d, dv, lens):
         torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (8, 1, 64), (4, 4, 128)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_hopper_gluon_kernel(dtype, hq, hkv, d, causal):
+    """The warp-specialised Gluon kernel (sm_90) against the reference: ragged requests (lengths not
+    multiples of its 128-row / 128-key tiles, an empty request, queries past their keys that see nothing
+    when causal), LSE, per-request query starts, and heads strided inside one packed QKV buffer."""
+    from tripath.ops._varlen_sm90 import sm90_unsupported
+    from tripath.platform import current_platform
+    lq = [1, 5, 129, 0, 300, 64, 1000, 257]
+    lk = [1328, 18, 463, 7, 300, 40, 1000, 2100]
+    tq, tk = sum(lq), sum(lk)
+    q = torch.randn(tq, hq, d, dtype=dtype, device=DEV)
+    k = torch.randn(tk, hkv, d, dtype=dtype, device=DEV)
+    v = torch.randn(tk, hkv, d, dtype=dtype, device=DEV)
+    cq, ck = cu_seqlens(lq, DEV), cu_seqlens(lk, DEV)
+    assert sm90_unsupported(current_platform(DEV), q, k, v, rope_size=0, window_left=-1, softcap=0.0,
+                            alibi_slopes=None, sinks=None) is None
+    starts = torch.tensor([max(b - a, 0) // 2 for a, b in zip(lq, lk)], dtype=torch.int32, device=DEV)
+    for kw in (dict(), dict(q_positions_start=starts)):
+        got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_lse=True,
+                                    out=poison(q.shape, dtype, DEV), **kw)
+        want, want_lse = R.varlen_attention_ref(q, k, v, cq, ck, causal=causal, return_lse=True, **kw)
+        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+        torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=1e-2)
+    n = 1024  # one request of equal lengths, heads inside a packed [q | k | v] buffer
+    qkv = torch.randn(n, hq + 2 * hkv, d, dtype=dtype, device=DEV)
+    qp, kp, vp = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    cn = cu_seqlens([n], DEV)
+    got = varlen_attention(qp, kp, vp, cn, cn, n, n, causal=causal, out=poison(qp.shape, dtype, DEV))
+    want = R.varlen_attention_ref(qp, kp, vp, cn, cn, causal=causal)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
 @pytest.mark.parametrize("layout", ["nhd", "shuffled"])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(32, 8, 128, 16), (8, 1, 64, 32), (16, 2, 256, 16), (5, 1, 80, 16),

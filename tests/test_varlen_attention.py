@@ -218,3 +218,52 @@ def test_rotary_part_errors():
     with pytest.raises(ValueError, match="k_rope"):
         varlen_attention(*args, q_rope=torch.randn(4, 2, 16, dtype=torch.float16, device=DEVICE),
                          k_rope=torch.randn(4, 1, 32, dtype=torch.float16, device=DEVICE))
+
+
+def test_hopper_fast_path_dispatch(monkeypatch):
+    """On an H200 the plain 16-bit prefill (heads 64/128, causal or not, LSE, per-request query starts,
+    strided heads) takes the warp-specialised Gluon kernel; every score modifier, other head sizes, fp32,
+    a rotary second part and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches recorded, and
+    the descriptors and arguments checked)."""
+    from tripath.ops._launch import capture_launches
+    from tripath.ops._varlen_sm90 import BLOCK_N, WG_ROWS
+    from tripath.platform import H200, MI300X, override_platform
+    lengths = [48, 200]
+    cu = cu_seqlens(lengths, DEVICE)
+    bf16 = torch.bfloat16
+
+    def qkv(hq=8, hkv=2, d=128, dtype=bf16):
+        return (torch.zeros(sum(lengths), hq, d, dtype=dtype), torch.zeros(sum(lengths), hkv, d, dtype=dtype),
+                torch.zeros(sum(lengths), hkv, d, dtype=dtype))
+
+    def kernels(**kw):
+        q, k, v = kw.pop("qkv", None) or qkv()
+        with capture_launches() as records:
+            varlen_attention(q, k, v, cu, cu, 200, 200, **kw)
+        return [(r.name, r) for r in records]
+
+    with override_platform(H200):
+        [(name, rec)] = kernels(return_lse=True)
+        assert name == "varlen_attention_sm90_kernel"
+        q_desc, k_desc, v_desc = rec.args[:3]
+        assert q_desc.block_shape == [WG_ROWS, 128] and k_desc.block_shape == [BLOCK_N, 128]
+        assert q_desc.shape == [sum(lengths), 8 * 128] and k_desc.shape == [sum(lengths), 2 * 128]
+        assert rec.grid == (2, 8, 2) and rec.kwargs["RETURN_LSE"] and rec.kwargs["CAUSAL"]
+        assert kernels(causal=False, qkv=qkv(4, 4, 64, torch.float16))[0][0] == "varlen_attention_sm90_kernel"
+        assert kernels(q_positions_start=torch.zeros(2, dtype=torch.int32))[0][1].kwargs["HAS_Q_START"]
+        packed = torch.zeros(sum(lengths), 12, 128, dtype=bf16)  # [q heads | k heads | v heads] of one buffer
+        [(name, rec)] = kernels(qkv=(packed[:, :8], packed[:, 8:10], packed[:, 10:]))
+        assert name == "varlen_attention_sm90_kernel" and rec.args[-3:] == (128, 128, 128)
+        assert rec.args[1].shape == [sum(lengths), 2 * 128]  # KV heads 8, 9 of the 12 packed
+        portable = [dict(window_left=64), dict(softcap=30.0), dict(alibi_slopes=torch.ones(8)),
+                    dict(sinks=torch.ones(8)), dict(qkv=qkv(d=256)), dict(qkv=qkv(d=80)),
+                    dict(qkv=qkv(dtype=torch.float32)),
+                    dict(q_rope=torch.zeros(sum(lengths), 8, 64, dtype=bf16),
+                         k_rope=torch.zeros(sum(lengths), 1, 64, dtype=bf16))]
+        for kw in portable:
+            assert [n for n, _ in kernels(**kw)] == ["varlen_attention_kernel"], kw
+        monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")
+        assert [n for n, _ in kernels()] == ["varlen_attention_kernel"]
+        monkeypatch.delenv("TRIPATH_DISABLE_GLUON")
+    with override_platform(MI300X):
+        assert [n for n, _ in kernels()] == ["varlen_attention_kernel"]

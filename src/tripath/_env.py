@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 
 def attention_backend_override() -> str | None:
@@ -14,3 +16,25 @@ def attention_backend_override() -> str | None:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1``: run Triton kernels on the CPU with Triton's interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+
+
+def gluon_disabled() -> bool:
+    """``TRIPATH_DISABLE_GLUON=1``: never take the Gluon (Hopper-only) kernels; the portable Triton kernels
+    run instead (for comparisons, or if an experimental Gluon API misbehaves on some Triton build)."""
+    return os.environ.get("TRIPATH_DISABLE_GLUON", "0") not in ("", "0", "false", "False")
+
+
+@contextlib.contextmanager
+def setting(name: str, value: str | None) -> Iterator[None]:
+    """Set the environment variable ``name`` to ``value`` for the block (``None``: leave it alone)."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old

@@ -192,6 +192,8 @@ def compile_job(job: CompileJob) -> CompileResult:
         from triton.compiler import ASTSource
 
         kernel = load_kernel(job.kernel, job.kernel_file)
+        if kernel.is_gluon():  # written in Gluon: it starts at TTGIR (layouts given), not TTIR
+            from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
         source = ASTSource(kernel, dict(job.signature),
                            {name: decode_value(v) for name, v in job.constexprs},
                            {(index,): [list(a) for a in attr] for index, attr in job.attrs})
@@ -207,7 +209,7 @@ def compile_job(job: CompileJob) -> CompileResult:
         return result
     asm = compiled.asm
     result.shared_bytes = int(compiled.metadata.shared)
-    result.dots = count_dots(asm.get("ttir", ""))
+    result.dots = count_gluon_dots(asm["ttgir"]) if kernel.is_gluon() else count_dots(asm.get("ttir", ""))
     result.fma_dots = count_fma_dots(asm.get("ttgir", ""))
     if job.gpu.backend == "hip":
         _fill_amd(result, asm["amdgcn"])
@@ -248,6 +250,11 @@ _MATRIX_LAYOUTS = ("amd_mfma", "amd_wmma", "nvidia_mma")
 def count_dots(ttir: str) -> int:
     """``tt.dot`` operations of the kernel before layout assignment."""
     return len(re.findall(r"=\s*tt\.dot(?:_scaled)?\b", ttir))
+
+
+def count_gluon_dots(ttgir: str) -> int:
+    """Matrix products a Gluon kernel spells out (``warpgroup_mma``, ``mma_v2``, ``dot_fma``) in its TTGIR."""
+    return len(re.findall(r"=\s*(?:ttng\.warp_group_dot|ttg\.mma_v2|tt\.dot)\b", ttgir))
 
 
 def count_fma_dots(ttgir: str) -> int:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from tripath import ops
+from tripath import _env, ops
 from tripath.ops import mla, rotary
 from tripath.platform import Platform, fp8_dtype
 
@@ -38,12 +38,18 @@ class KernelRole:
 
     matrix_stage: bool
     why: str
+    targets: tuple[str, ...] | None = None  # check-compile target names it is launched on; None: every target
+
+    def runs_on(self, target: str) -> bool:
+        return self.targets is None or target in self.targets
 
 
 # Every Triton kernel of the project. An undeclared kernel fails the check; a declaration that disagrees
 # with the compiled code (a tt.dot in a kernel declared elementwise, or none in a matrix kernel) fails too.
 KERNEL_ROLES: dict[str, KernelRole] = {
     "varlen_attention_kernel": KernelRole(True, "QK^T and PV tiles"),
+    "varlen_attention_sm90_kernel": KernelRole(True, "QK^T and PV on asynchronous warpgroup MMA (Gluon)",
+                                               targets=("sm90",)),
     "paged_decode_kernel": KernelRole(True, "QK^T and PV over [BLOCK_G query heads x BLOCK_N tokens]"),
     "unified_attention_kernel": KernelRole(True, "QK^T and PV over [(token, head) rows x BLOCK_N tokens]"),
     "reduce_splits_kernel": KernelRole(False, "deliberate: weighted sum of split partials, no matmul"),
@@ -135,15 +141,17 @@ def _cache_dtype(platform: Platform, dtype: torch.dtype, fp8: bool) -> torch.dty
 
 def _build_varlen(platform: Platform, *, head_size: int, dtype: torch.dtype, causal: bool, lse: bool,
                   features: str = "", head_size_v: int | None = None, num_heads: int = NUM_HEADS,
-                  num_kv_heads: int = NUM_KV_HEADS) -> None:
+                  num_kv_heads: int = NUM_KV_HEADS, portable: bool = False) -> None:
+    """``portable``: the Triton kernel even where the Gluon one would run (sm_90 without score modifiers)."""
     head_size_v = head_size_v or head_size
     lengths = [48, 80]
     q = _rand(sum(lengths), num_heads, head_size, dtype=dtype)
     k = _rand(sum(lengths), num_kv_heads, head_size, dtype=dtype)
     v = _rand(sum(lengths), num_kv_heads, head_size_v, dtype=dtype)
     cu = _cu(lengths)
-    ops.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, return_lse=lse,
-                         **_features(num_heads, features))
+    with _env.setting("TRIPATH_DISABLE_GLUON", "1" if portable else None):
+        ops.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, return_lse=lse,
+                             **_features(num_heads, features))
 
 
 def _build_decode(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool,
@@ -303,6 +311,8 @@ def all_scenarios() -> list[Scenario]:
         for features in ("window+sinks", "window+softcap", "alibi"):
             rows.append(_s(f"prefill hd{d} bf16 causal+lse {features}", _build_varlen, head_size=d,
                            dtype=torch.bfloat16, causal=True, lse=True, features=features))
+    rows.append(_s("prefill hd128 bf16 causal, portable kernel (sm_90 runs Gluon otherwise)", _build_varlen,
+                   ci=True, head_size=128, dtype=torch.bfloat16, causal=True, lse=False, portable=True))
     rows.append(_s("prefill hd80 bf16 causal (padded head)", _build_varlen, head_size=80,
                    dtype=torch.bfloat16, causal=True, lse=False))
     rows.append(_s("MLA prefill qk192/v128 bf16 causal+lse", _build_varlen, ci=True, head_size=192,

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tripath import _env
 from tripath.attention import AttentionSpec, select_backend
 from tripath.bench.batches import make_step
 from tripath.ops import paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache
+from tripath.platform import current_platform
 
 
 @dataclass
@@ -118,6 +120,11 @@ def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), head
         us = _bench(lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True, out=out))
         shape = f"{batch} × {seq}"
         report.rows.append(Row("prefill", shape, "tripath varlen_attention", us, flops / (us * 1e-6) / 1e12, "TF/s"))
+        if current_platform(dev).is_hopper:  # the portable Triton kernel the Gluon one replaces on sm_90
+            with _env.setting("TRIPATH_DISABLE_GLUON", "1"):
+                us = _bench(lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True, out=out))
+            report.rows.append(Row("prefill", shape, "tripath varlen_attention (portable Triton kernel)", us,
+                                   flops / (us * 1e-6) / 1e12, "TF/s"))
         qs = q.view(batch, seq, hq, head_size).transpose(1, 2)
         ks = k.view(batch, seq, hkv, head_size).transpose(1, 2)
         vs = v.view(batch, seq, hkv, head_size).transpose(1, 2)

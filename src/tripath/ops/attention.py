@@ -21,6 +21,7 @@ from tripath.ops import _configs, reference
 from tripath.ops._checks import (FLOAT_DTYPES, check_gqa, check_head_size, check_index, check_options,
                                  check_out, check_per_head, check_scale, check_tensor, next_pow2)
 from tripath.ops._launch import launch, use_triton
+from tripath.ops._varlen_sm90 import launch_varlen_sm90, sm90_unsupported
 from tripath.ops.kv_cache import cache_geometry, cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform
 
@@ -116,8 +117,13 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         q_rope, k_rope = (t if t.stride(2) == 1 else t.contiguous() for t in (q_rope, k_rope))
     else:
         q_rope, k_rope = q, k  # unused by the kernel
-    config_args = (current_platform(device), max(q.shape[2] + rope_size, v.shape[2]), q.element_size(),
-                   int(max_seqlen_k))
+    platform = current_platform(device)
+    if sm90_unsupported(platform, q, k, v, rope_size=rope_size, window_left=window_left, softcap=softcap,
+                        alibi_slopes=alibi_slopes, sinks=sinks) is None:
+        launch_varlen_sm90(launch, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start, max_seqlen_q,
+                           sm_scale * LOG2E, causal, return_lse)
+        return (out, lse) if return_lse else out
+    config_args = (platform, max(q.shape[2] + rope_size, v.shape[2]), q.element_size(), int(max_seqlen_k))
     causal_tiles = None if concurrent else _causal_tiles(causal, num_seqs, int(max_seqlen_q), int(max_seqlen_k),
                                                          q.shape[1])
     cfg = dict(_configs.varlen_config(*config_args, causal_tiles=causal_tiles, head_size_v=v.shape[2]))

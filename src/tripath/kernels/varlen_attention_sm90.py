@@ -1,0 +1,226 @@
+"""Warp-specialised varlen flash attention for Hopper (sm_90), written in Gluon.
+
+The portable kernel (:mod:`tripath.kernels.varlen_attention`) runs every warp through the same chain:
+load, ``QKᵀ``, softmax, ``PV``. Triton 3.6 cannot split that chain across warps on sm_90, so the tensor
+cores idle while the softmax runs. This kernel is the FlashAttention-3 arrangement, spelled out in Gluon:
+
+- one program computes ``2 · WG_ROWS`` (128) query rows of one head of one request;
+- a **loader** partition (one warp) streams ``BLOCK_N``-key tiles of K and V through TMA into two rings of
+  ``NUM_STAGES`` shared-memory buffers, each buffer with a *ready* barrier (TMA byte count) and an *empty*
+  barrier (both consumers release it);
+- two **consumer** partitions (one warpgroup each, ``WG_ROWS`` = 64 query rows each) run asynchronous
+  ``wgmma``. Within each, the score product of tile ``j`` and the value product of tile ``j − 1`` are in
+  flight together while the softmax of tile ``j`` runs; across the two, the warp schedulers overlap one
+  warpgroup's softmax with the other's matrix products.
+
+Math (per query row ``i`` of head ``h``, keys ``k`` of the request, log2 domain, ``c = sm_scale · log2 e``)::
+
+    s_ik = c · q_i · k_k              visible: k < seqlen_k and (causal: k <= q_start + i)
+    m_i  = max_k s_ik,  l_i = Σ_k 2^(s_ik − m_i),  o_i = Σ_k 2^(s_ik − m_i) v_k / l_i
+    lse_i = (m_i + log2 l_i) · ln 2   (−inf, and o_i = 0, for a row that sees no key)
+
+Shapes: queries ``[Tq, Hq, D]``, keys and values ``[Tk, Hkv, D]``, read through TMA descriptors over their
+rows as matrices (head ``h`` from column ``h · stride_h``; query head ``h`` reads KV head
+``h // num_queries_per_kv``), output ``[Tq, Hq, D]``, LSE ``[Tq, Hq]``. A tile that reaches past its request
+reads the next request's rows (or TMA's zero fill past the tensor); those scores are masked and those query
+rows are not stored.
+
+Supported: fp16/bf16, ``D`` = 64 or 128, causal (bottom-right, or from ``q_start``) or not. Windows,
+softcap, ALiBi, sinks and a rotary second part stay on the portable kernel (see the launcher).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.constexpr_function
+def _store_layout(head_d, num_warps):
+    """A blocked layout whose threads write 16-byte runs of one output row."""
+    cols = min(head_d // 8, 32)
+    return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+            q_row, q_col, k_row, k_col, v_col, num_tiles, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr):
+    """One warp: the two query halves, then K and V tiles ``0 .. num_tiles − 1`` into their rings."""
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + wg * WG_ROWS, q_col], q_bar.index(wg), q_smem.index(wg))
+    for i in range(num_tiles):
+        stage = i % NUM_STAGES
+        free_phase = ((i // NUM_STAGES) & 1) ^ 1  # a fresh barrier counts as released once
+        row = k_row + i * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), free_phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), free_phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(stage), v_smem.index(stage))
+
+
+@gluon.jit
+def _softmax_tile(qk, m_i, l_i, tile, num_unmasked, q_pos, offs_n, seqlen_k, qk_scale,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online-softmax step on raw scores ``qk [WG_ROWS, BLOCK_N]`` of key tile ``tile``: returns
+    ``(p, m_new, l_new, alpha)`` with ``p = 2^(c·qk − m_new)`` and ``alpha = 2^(m_i − m_new)``."""
+    if tile >= num_unmasked:
+        k_pos = tile * BLOCK_N + offs_n
+        visible = gl.expand_dims(k_pos < seqlen_k, 0)
+        if CAUSAL:
+            visible = visible & (gl.expand_dims(k_pos, 0) <= gl.expand_dims(q_pos, 1))
+        qk = gl.where(visible, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_new = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_new, alpha
+
+
+@gluon.jit
+def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
+              q_begin, row0, seqlen_q, seqlen_k, q_start, head, num_tiles, qk_scale,
+              stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              RETURN_LSE: gl.constexpr):
+    """One warpgroup: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of the request."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+
+    first = row0 + wg * WG_ROWS
+    q_pos = q_start + first + gl.arange(0, WG_ROWS, layout=row_s)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    key_bound = seqlen_k  # keys below it are visible to every row of this warpgroup
+    if CAUSAL:
+        key_bound = gl.minimum(q_start + first + 1, seqlen_k)
+    num_unmasked = gl.maximum(key_bound, 0) // BLOCK_N
+
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([WG_ROWS], gl.float32, row_s)
+    acc = gl.zeros([WG_ROWS, HEAD_D], gl.float32, o_layout)
+    zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
+    q = q_smem.index(wg)
+    mbarrier.wait(q_bar.index(wg), 0)
+
+    if num_tiles > 0:
+        # Tile 0's scores, alone.
+        mbarrier.wait(k_ready.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, 0, num_unmasked, q_pos, offs_n, seqlen_k, qk_scale,
+                                           BLOCK_N, CAUSAL)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(1, num_tiles):
+            stage = j % NUM_STAGES
+            prev = (j - 1) % NUM_STAGES
+            # Scores of tile j and the value product of tile j − 1, both in flight.
+            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+            s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+            qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            # Softmax of tile j while the value product runs.
+            p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, j, num_unmasked, q_pos, offs_n, seqlen_k, qk_scale,
+                                               BLOCK_N, CAUSAL)
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        last = (num_tiles - 1) % NUM_STAGES
+        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # Epilogue: normalise, store the rows that belong to the request.
+    seen = l_i > 0.0
+    inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    out = (acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)).to(dtype)
+    st_layout: gl.constexpr = _store_layout(HEAD_D, 4)
+    out = gl.convert_layout(out, st_layout)
+    rows = first + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, st_layout))
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, st_layout))
+    o_ptrs = (out_ptr + gl.expand_dims((q_begin + rows).to(gl.int64) * stride_o_t, 1) + head * stride_o_h
+              + gl.expand_dims(dims, 0))
+    gl.store(o_ptrs, out, mask=gl.expand_dims(rows < seqlen_q, 1))
+    if RETURN_LSE:
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+        lse_rows = first + gl.arange(0, WG_ROWS, layout=row_s)
+        gl.store(lse_ptr + (q_begin + lse_rows).to(gl.int64) * stride_lse_t + head * stride_lse_h, lse,
+                 mask=lse_rows < seqlen_q)
+
+
+@gluon.jit
+def varlen_attention_sm90_kernel(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, qk_scale,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, num_queries_per_kv, stride_q_h, stride_k_h, stride_v_h,
+    BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    HAS_Q_START: gl.constexpr, RETURN_LSE: gl.constexpr,
+):
+    """Grid ``(cdiv(max_seqlen_q, 128), Hq, B)``, the longest (causal) query blocks first. Launch with
+    ``num_warps=4`` (the first consumer; the second consumer and the loader are extra warps)."""
+    WG_ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = 2 * WG_ROWS
+    block_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.program_id(2)
+    q_begin = gl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    row0 = block_m * BLOCK_M
+    if row0 >= seqlen_q:
+        return
+    k_begin = gl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - k_begin
+    if HAS_Q_START:
+        q_start = gl.load(q_start_ptr + seq)
+    else:
+        q_start = seqlen_k - seqlen_q
+    hi = seqlen_k
+    if CAUSAL:
+        hi = gl.maximum(gl.minimum(hi, q_start + gl.minimum(row0 + BLOCK_M, seqlen_q)), 0)
+    num_tiles = gl.cdiv(hi, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for wg in gl.static_range(2):
+        mbarrier.init(q_bar.index(wg), count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # one arrival from each consumer
+        mbarrier.init(v_empty.index(s), count=2)
+
+    kv_head = head // num_queries_per_kv
+    # (Argument tuples are written out: a tuple built by concatenation turns its constexprs into tensors.)
+    gl.warp_specialize([
+        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
+                     q_begin, row0, seqlen_q, seqlen_k, q_start, head, num_tiles, qk_scale, stride_o_t,
+                     stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                     RETURN_LSE)),
+        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
+                     q_begin, row0, seqlen_q, seqlen_k, q_start, head, num_tiles, qk_scale, stride_o_t,
+                     stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                     RETURN_LSE)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                   q_begin + row0, head * stride_q_h, k_begin, kv_head * stride_k_h, kv_head * stride_v_h,
+                   num_tiles, WG_ROWS, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [240, 24])

@@ -1,0 +1,89 @@
+"""The Hopper fast path of :func:`tripath.ops.varlen_attention`: when it applies, and its launch.
+
+:mod:`tripath.kernels.varlen_attention_sm90` is a warp-specialised Gluon kernel (TMA loader warp, two
+consumer warpgroups on asynchronous ``wgmma``). It covers the common prefill case; every other case keeps
+the portable Triton kernel. :func:`sm90_unsupported` names the first reason the fast path does not apply
+(``None`` when it does), so callers and tests can see which kernel a call takes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tripath import _env
+from tripath.platform import Platform
+
+SM90_HEAD_SIZES = (64, 128)
+WG_ROWS = 64  # query rows per consumer warpgroup; a program holds two
+BLOCK_N = 128  # keys per tile
+NUM_STAGES = 2  # K and V buffers each
+MAXNREG = 168  # 3 warpgroups × 128 threads × 168 = the register file; consumers get 240, the loader 24
+
+
+def _gluon_available() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flat_rows(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """``(rows, columns, row stride)`` of the ``[T, (H − 1) · stride_h + D]`` matrix a descriptor reads, or
+    None when the strides rule a descriptor out (overlapping heads, unaligned rows or base)."""
+    rows, heads, dim = t.shape
+    head_stride = t.stride(1) if heads > 1 else dim
+    cols = (heads - 1) * head_stride + dim
+    if (t.stride(2) != 1 or head_stride < dim or t.stride(0) < cols or (t.stride(0) * t.element_size()) % 16
+            or (head_stride * t.element_size()) % 16 or t.data_ptr() % 16 or rows == 0):
+        return None
+    return rows, cols, t.stride(0)
+
+
+def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, rope_size: int,
+                     window_left: int, softcap: float, alibi_slopes, sinks) -> str | None:
+    """Why the Gluon kernel does not apply to this call, or None when it does."""
+    if not platform.is_hopper:
+        return f"not sm_90 ({platform.backend} {platform.arch})"
+    if _env.gluon_disabled():
+        return "TRIPATH_DISABLE_GLUON is set"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (fp16/bf16 only)"
+    if q.shape[2] != v.shape[2] or q.shape[2] not in SM90_HEAD_SIZES:
+        return f"head sizes {q.shape[2]}/{v.shape[2]} (equal, one of {SM90_HEAD_SIZES})"
+    if rope_size or window_left >= 0 or softcap > 0 or alibi_slopes is not None or sinks is not None:
+        return "rotary part, window, softcap, ALiBi or sinks"
+    if any(_flat_rows(t) is None for t in (q, k, v)):
+        return "strides or alignment rule out TMA descriptors"
+    if not _gluon_available():
+        return "this Triton has no Gluon Hopper API"
+    return None
+
+
+def _descriptor(t: torch.Tensor, block_rows: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    rows, cols, row_stride = _flat_rows(t)
+    dim = t.shape[2]
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], getattr(gl, str(t.dtype).split(".")[1]))
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, dim], layout)
+
+
+def launch_varlen_sm90(launch, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start, max_seqlen_q,
+                       qk_scale: float, causal: bool, return_lse: bool) -> None:
+    """Launch the Gluon kernel (after :func:`sm90_unsupported` returned None). ``qk_scale`` is
+    ``sm_scale · log2 e``; ``launch`` is :func:`tripath.ops._launch.launch`."""
+    from tripath.kernels.varlen_attention_sm90 import varlen_attention_sm90_kernel
+
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    head_strides = [t.stride(1) if t.shape[1] > 1 else t.shape[2] for t in (q, k, v)]
+    launch(
+        varlen_attention_sm90_kernel, (-(-max(int(max_seqlen_q), 1) // (2 * WG_ROWS)), q.shape[1], num_seqs),
+        _descriptor(q, WG_ROWS), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
+        cu_seqlens_q, cu_seqlens_k, q_positions_start if q_positions_start is not None else cu_seqlens_q,
+        qk_scale, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), q.shape[1] // k.shape[1],
+        *head_strides,
+        BLOCK_N=BLOCK_N, HEAD_D=q.shape[2], NUM_STAGES=NUM_STAGES, CAUSAL=bool(causal),
+        HAS_Q_START=q_positions_start is not None, RETURN_LSE=bool(return_lse), num_warps=4, maxnreg=MAXNREG,
+    )
