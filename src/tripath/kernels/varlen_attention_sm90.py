@@ -4,7 +4,8 @@ The portable kernel (:mod:`tripath.kernels.varlen_attention`) runs every warp th
 load, ``QKᵀ``, softmax, ``PV``. Triton 3.6 cannot split that chain across warps on sm_90, so the tensor
 cores idle while the softmax runs. This kernel is the FlashAttention-3 arrangement, spelled out in Gluon:
 
-- one program computes ``2 · WG_ROWS`` (128) query rows of one head of one request;
+- persistent programs (one per SM) take work items of ``2 · WG_ROWS`` (128) query rows of one head of one
+  request;
 - a **loader** partition (one warp) streams ``BLOCK_N``-key tiles of K and V through TMA into two rings of
   ``NUM_STAGES`` shared-memory buffers, each buffer with a *ready* barrier (TMA byte count) and an *empty*
   barrier (both consumers release it);
@@ -44,23 +45,66 @@ def _store_layout(head_d, num_warps):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-            q_row, q_col, k_row, k_col, v_col, num_tiles, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_STAGES: gl.constexpr):
-    """One warp: the two query halves, then K and V tiles ``0 .. num_tiles − 1`` into their rings."""
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + wg * WG_ROWS, q_col], q_bar.index(wg), q_smem.index(wg))
-    for i in range(num_tiles):
-        stage = i % NUM_STAGES
-        free_phase = ((i // NUM_STAGES) & 1) ^ 1  # a fresh barrier counts as released once
-        row = k_row + i * BLOCK_N
-        mbarrier.wait(k_empty.index(stage), free_phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, k_col], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), free_phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, v_col], v_ready.index(stage), v_smem.index(stage))
+def _work_item(t, num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr):
+    """Work item ``t`` (query block, head, request; the last query blocks, which see the most keys when
+    causal, first; the heads of one request next to each other, so GQA groups share K/V in L2). Returns
+    ``(head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles)``; the item is empty when
+    ``row0 >= seqlen_q``."""
+    per_block = num_heads * num_seqs
+    block_m = num_m_blocks - 1 - t // per_block
+    head = (t % per_block) % num_heads
+    seq = (t % per_block) // num_heads
+    q_begin = gl.load(cu_seqlens_q_ptr + seq)
+    seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    k_begin = gl.load(cu_seqlens_k_ptr + seq)
+    seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - k_begin
+    if HAS_Q_START:
+        q_start = gl.load(q_start_ptr + seq)
+    else:
+        q_start = seqlen_k - seqlen_q
+    row0 = block_m * BLOCK_M
+    hi = seqlen_k
+    if CAUSAL:
+        hi = gl.maximum(gl.minimum(hi, q_start + gl.minimum(row0 + BLOCK_M, seqlen_q)), 0)
+    return head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, gl.cdiv(hi, BLOCK_N)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+            cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks, num_queries_per_kv,
+            stride_q_h, stride_k_h, stride_v_h, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr):
+    """One warp: per work item, the two query halves (once the consumers released the previous ones),
+    then its K and V tiles into the rings, running ahead into the next item."""
+    tiles_done = 0
+    items_done = 0
+    for t in range(gl.program_id(0), num_m_blocks * num_heads * num_seqs, gl.num_programs(0)):
+        head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
+            t, num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 2 * WG_ROWS,
+            BLOCK_N, CAUSAL, HAS_Q_START)
+        if row0 < seqlen_q:
+            kv_head = head // num_queries_per_kv
+            for wg in gl.static_range(2):
+                slot = (items_done % 2) * 2 + wg  # two query buffers per warpgroup: the next item's loads early
+                mbarrier.wait(q_empty.index(slot), ((items_done // 2) & 1) ^ 1)  # fresh barriers count as released
+                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_begin + row0 + wg * WG_ROWS, head * stride_q_h],
+                                                q_ready.index(slot), q_smem.index(slot))
+            for i in range(num_tiles):
+                stage = (tiles_done + i) % NUM_STAGES
+                free_phase = (((tiles_done + i) // NUM_STAGES) & 1) ^ 1
+                row = k_begin + i * BLOCK_N
+                mbarrier.wait(k_empty.index(stage), free_phase)
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, kv_head * stride_k_h], k_ready.index(stage),
+                                                k_smem.index(stage))
+                mbarrier.wait(v_empty.index(stage), free_phase)
+                mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, kv_head * stride_v_h], v_ready.index(stage),
+                                                v_smem.index(stage))
+            tiles_done += num_tiles
+            items_done += 1
 
 
 @gluon.jit
@@ -83,12 +127,12 @@ def _softmax_tile(qk, m_i, l_i, tile, num_unmasked, q_pos, offs_n, seqlen_k, qk_
 
 
 @gluon.jit
-def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
-              q_begin, row0, seqlen_q, seqlen_k, q_start, head, num_tiles, qk_scale,
-              stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS: gl.constexpr,
-              BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              RETURN_LSE: gl.constexpr):
-    """One warpgroup: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of the request."""
+def _attend(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
+            items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles, qk_scale,
+            stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """One warpgroup, one work item: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of the request
+    against its key tiles ``0 .. num_tiles − 1`` (ring slots counted on from ``tiles_done``)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -110,25 +154,28 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
     l_i = gl.zeros([WG_ROWS], gl.float32, row_s)
     acc = gl.zeros([WG_ROWS, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
-    q = q_smem.index(wg)
-    mbarrier.wait(q_bar.index(wg), 0)
+    q_slot = (items_done % 2) * 2 + wg
+    q = q_smem.index(q_slot)
+    mbarrier.wait(q_ready.index(q_slot), (items_done // 2) & 1)
 
     if num_tiles > 0:
         # Tile 0's scores, alone.
-        mbarrier.wait(k_ready.index(0), 0)
-        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        stage = tiles_done % NUM_STAGES
+        mbarrier.wait(k_ready.index(stage), (tiles_done // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(stage), count=1)
         p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, 0, num_unmasked, q_pos, offs_n, seqlen_k, qk_scale,
                                            BLOCK_N, CAUSAL)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, num_tiles):
-            stage = j % NUM_STAGES
-            prev = (j - 1) % NUM_STAGES
+            prev = stage
+            prev_phase = ((tiles_done + j - 1) // NUM_STAGES) & 1
+            stage = (tiles_done + j) % NUM_STAGES
             # Scores of tile j and the value product of tile j − 1, both in flight.
-            mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
+            mbarrier.wait(k_ready.index(stage), ((tiles_done + j) // NUM_STAGES) & 1)
             s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_STAGES) & 1)
+            mbarrier.wait(v_ready.index(prev), prev_phase)
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(stage), count=1)
@@ -139,11 +186,13 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        last = (num_tiles - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((num_tiles - 1) // NUM_STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+        mbarrier.arrive(q_empty.index(q_slot), count=1)  # every score product of this item has completed
+        mbarrier.wait(v_ready.index(stage), ((tiles_done + num_tiles - 1) // NUM_STAGES) & 1)
+        o_tok = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
-        mbarrier.arrive(v_empty.index(last), count=1)
+        mbarrier.arrive(v_empty.index(stage), count=1)
+    else:
+        mbarrier.arrive(q_empty.index(q_slot), count=1)
 
     # Epilogue: normalise, store the rows that belong to the request.
     seen = l_i > 0.0
@@ -164,63 +213,78 @@ def _consumer(wg, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_em
 
 
 @gluon.jit
+def _consumer(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
+              cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks, qk_scale,
+              stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
+              RETURN_LSE: gl.constexpr):
+    """One warpgroup (``wg`` 0 or 1): its half of every work item of this program, in the loader's order."""
+    tiles_done = 0
+    items_done = 0
+    num_items = num_m_blocks * num_heads * num_seqs
+    step = gl.num_programs(0)
+    # Each item's bounds are read one item ahead, so the reads' latency is off the warpgroup's path.
+    head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
+        gl.program_id(0), num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+        2 * WG_ROWS, BLOCK_N, CAUSAL, HAS_Q_START)
+    for t in range(gl.program_id(0), num_items, step):
+        n_head, n_q_begin, n_k_begin, n_row0, n_seqlen_q, n_seqlen_k, n_q_start, n_num_tiles = _work_item(
+            gl.minimum(t + step, num_items - 1), num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr,
+            cu_seqlens_k_ptr, q_start_ptr, 2 * WG_ROWS, BLOCK_N, CAUSAL, HAS_Q_START)
+        if row0 < seqlen_q:
+            _attend(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr,
+                    lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles,
+                    qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D,
+                    NUM_STAGES, CAUSAL, RETURN_LSE)
+            tiles_done += num_tiles
+            items_done += 1
+        head, q_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = (n_head, n_q_begin, n_row0, n_seqlen_q,
+                                                                       n_seqlen_k, n_q_start, n_num_tiles)
+
+
+@gluon.jit
 def varlen_attention_sm90_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, qk_scale,
-    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, num_queries_per_kv, stride_q_h, stride_k_h, stride_v_h,
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, num_heads, num_seqs, num_m_blocks, num_queries_per_kv,
+    stride_q_h, stride_k_h, stride_v_h,
     BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_Q_START: gl.constexpr, RETURN_LSE: gl.constexpr,
 ):
-    """Grid ``(cdiv(max_seqlen_q, 128), Hq, B)``, the longest (causal) query blocks first. Launch with
+    """Persistent: program ``p`` of ``P`` takes work items ``p, p + P, …`` of the
+    ``num_m_blocks · num_heads · num_seqs`` (128-row query block, head, request) items (``num_m_blocks`` =
+    ``cdiv(max_seqlen_q, 128)``; items past their request's queries are skipped). Launch with
     ``num_warps=4`` (the first consumer; the second consumer and the loader are extra warps)."""
     WG_ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_M: gl.constexpr = 2 * WG_ROWS
-    block_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    head = gl.program_id(1)
-    seq = gl.program_id(2)
-    q_begin = gl.load(cu_seqlens_q_ptr + seq)
-    seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
-    row0 = block_m * BLOCK_M
-    if row0 >= seqlen_q:
-        return
-    k_begin = gl.load(cu_seqlens_k_ptr + seq)
-    seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - k_begin
-    if HAS_Q_START:
-        q_start = gl.load(q_start_ptr + seq)
-    else:
-        q_start = seqlen_k - seqlen_q
-    hi = seqlen_k
-    if CAUSAL:
-        hi = gl.maximum(gl.minimum(hi, q_start + gl.minimum(row0 + BLOCK_M, seqlen_q)), 0)
-    num_tiles = gl.cdiv(hi, BLOCK_N)
-
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [4, WG_ROWS, HEAD_D], q_desc.layout)  # [item % 2, wg]
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for wg in gl.static_range(2):
-        mbarrier.init(q_bar.index(wg), count=1)
+    for slot in gl.static_range(4):
+        mbarrier.init(q_ready.index(slot), count=1)
+        mbarrier.init(q_empty.index(slot), count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)
         mbarrier.init(k_empty.index(s), count=2)  # one arrival from each consumer
         mbarrier.init(v_empty.index(s), count=2)
 
-    kv_head = head // num_queries_per_kv
     # (Argument tuples are written out: a tuple built by concatenation turns its constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
-                     q_begin, row0, seqlen_q, seqlen_k, q_start, head, num_tiles, qk_scale, stride_o_t,
-                     stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                     RETURN_LSE)),
-        (_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
-                     q_begin, row0, seqlen_q, seqlen_k, q_start, head, num_tiles, qk_scale, stride_o_t,
-                     stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                     RETURN_LSE)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                   q_begin + row0, head * stride_q_h, k_begin, kv_head * stride_k_h, kv_head * stride_v_h,
-                   num_tiles, WG_ROWS, BLOCK_N, NUM_STAGES)),
+        (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr,
+                     lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks,
+                     qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D,
+                     NUM_STAGES, CAUSAL, HAS_Q_START, RETURN_LSE)),
+        (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr,
+                     lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks,
+                     qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D,
+                     NUM_STAGES, CAUSAL, HAS_Q_START, RETURN_LSE)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                   v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks,
+                   num_queries_per_kv, stride_q_h, stride_k_h, stride_v_h, WG_ROWS, BLOCK_N, NUM_STAGES, CAUSAL,
+                   HAS_Q_START)),
     ], [4, 1], [240, 24])

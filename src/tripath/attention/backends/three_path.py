@@ -60,8 +60,8 @@ class ThreePathBackend(AttentionBackend):
                                   and meta.prefill is not None and meta.extend is not None)
         if meta.decode is not None and decode_side is None:
             self._decode(q, cache, meta, out, opts, concurrent=False)
-        if meta.extend is not None:
-            self._extend(q, k, v, cache, meta.extend, out, opts)
+        if meta.extend is not None:  # beside the decode: launches sized so SMs pass to it as programs finish
+            self._extend(q, k, v, cache, meta.extend, out, dict(opts, concurrent=decode_side is not None))
         if meta.prefill is not None:
             p = meta.prefill
             with torch.cuda.stream(prefill_side) if prefill_side is not None else contextlib.nullcontext():
