@@ -140,7 +140,7 @@ def test_amd_knobs_reach_amd_targets_only():
 
 
 def test_specialisation_matches_the_jit():
-    job = _jobs("prefill hd128 bf16 causal, portable kernel (sm_90 runs Gluon otherwise)", "sm90")[0]
+    job = _jobs("prefill hd128 bf16 causal", "sm90")[0]
     sig = dict(job.signature)
     assert sig["q_ptr"] == "*bf16" and sig["cu_seqlens_q_ptr"] == "*i32" and sig["qk_scale"] == "fp32"
     assert sig["BLOCK_M"] == "constexpr" and sig["sinks_ptr"] == "*i32"  # unused pointers get a dummy
@@ -151,7 +151,7 @@ def test_specialisation_matches_the_jit():
     # MHA: one query head per KV head folds num_queries_per_kv = 1 into a constant, as the JIT does.
     mha = cc.collect_jobs([Scenario("mha", lambda p: scen._build_varlen(
         p, head_size=64, dtype=torch.float16, causal=True, lse=False, num_heads=8,
-        num_kv_heads=8, portable=True))], [cc.TARGETS["sm90"]])[0][0]
+        num_kv_heads=8))], [cc.TARGETS["sm90"]])[0][0]
     assert dict(mha.signature)["num_queries_per_kv"] == "constexpr"
     assert dict(mha.constexprs)["num_queries_per_kv"] == 1
 

@@ -49,8 +49,8 @@ def test_varlen_hopper_gluon_kernel(dtype, hq, hkv, d, causal):
     k = torch.randn(tk, hkv, d, dtype=dtype, device=DEV)
     v = torch.randn(tk, hkv, d, dtype=dtype, device=DEV)
     cq, ck = cu_seqlens(lq, DEV), cu_seqlens(lk, DEV)
-    assert sm90_unsupported(current_platform(DEV), q, k, v, rope_size=0, window_left=-1, softcap=0.0,
-                            alibi_slopes=None, sinks=None) is None
+    assert sm90_unsupported(current_platform(DEV), q, k, v, max_seqlen_k=max(lk), rope_size=0, window_left=-1,
+                            softcap=0.0, alibi_slopes=None, sinks=None) is None
     starts = torch.tensor([max(b - a, 0) // 2 for a, b in zip(lq, lk)], dtype=torch.int32, device=DEV)
     for kw in (dict(), dict(q_positions_start=starts)):
         got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_lse=True,
@@ -58,7 +58,7 @@ def test_varlen_hopper_gluon_kernel(dtype, hq, hkv, d, causal):
         want, want_lse = R.varlen_attention_ref(q, k, v, cq, ck, causal=causal, return_lse=True, **kw)
         torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
         torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=1e-2)
-    n = 1024  # one request of equal lengths, heads inside a packed [q | k | v] buffer
+    n = 1536  # one request of equal lengths, heads inside a packed [q | k | v] buffer
     qkv = torch.randn(n, hq + 2 * hkv, d, dtype=dtype, device=DEV)
     qp, kp, vp = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     cn = cu_seqlens([n], DEV)

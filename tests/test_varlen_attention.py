@@ -222,13 +222,13 @@ def test_rotary_part_errors():
 
 def test_hopper_fast_path_dispatch(monkeypatch):
     """On an H200 the plain 16-bit prefill (heads 64/128, causal or not, LSE, per-request query starts,
-    strided heads) takes the warp-specialised Gluon kernel; every score modifier, other head sizes, fp32,
-    a rotary second part and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches recorded, and
-    the descriptors and arguments checked)."""
+    strided heads) takes the warp-specialised Gluon kernel; short requests, every score modifier, other head
+    sizes, fp32, a rotary second part and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches
+    recorded, and the descriptors and arguments checked)."""
     from tripath.ops._launch import capture_launches
-    from tripath.ops._varlen_sm90 import BLOCK_N, WG_ROWS
+    from tripath.ops._varlen_sm90 import BLOCK_N, SHORT_KEYS, WG_ROWS
     from tripath.platform import H200, MI300X, override_platform
-    lengths = [48, 200]
+    lengths = [48, SHORT_KEYS + 76]
     cu = cu_seqlens(lengths, DEVICE)
     bf16 = torch.bfloat16
 
@@ -236,10 +236,10 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         return (torch.zeros(sum(lengths), hq, d, dtype=dtype), torch.zeros(sum(lengths), hkv, d, dtype=dtype),
                 torch.zeros(sum(lengths), hkv, d, dtype=dtype))
 
-    def kernels(**kw):
+    def kernels(max_len=max(lengths), **kw):
         q, k, v = kw.pop("qkv", None) or qkv()
         with capture_launches() as records:
-            varlen_attention(q, k, v, cu, cu, 200, 200, **kw)
+            varlen_attention(q, k, v, cu, cu, max_len, max_len, **kw)
         return [(r.name, r) for r in records]
 
     with override_platform(H200):
@@ -248,16 +248,18 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         q_desc, k_desc, v_desc = rec.args[:3]
         assert q_desc.block_shape == [WG_ROWS, 128] and k_desc.block_shape == [BLOCK_N, 128]
         assert q_desc.shape == [sum(lengths), 8 * 128] and k_desc.shape == [sum(lengths), 2 * 128]
-        assert rec.grid == (2 * 8 * 2,) and rec.kwargs["RETURN_LSE"] and rec.kwargs["CAUSAL"]  # persistent
+        items = 9 * 8 * 2  # 128-row query blocks of the longest request x heads x requests
+        assert rec.grid == (min(items, H200.num_sms),) and rec.kwargs["RETURN_LSE"] and rec.kwargs["CAUSAL"]
+        assert kernels(concurrent=True)[0][1].grid == (items,)  # beside another launch: one program per item
         assert kernels(causal=False, qkv=qkv(4, 4, 64, torch.float16))[0][0] == "varlen_attention_sm90_kernel"
         assert kernels(q_positions_start=torch.zeros(2, dtype=torch.int32))[0][1].kwargs["HAS_Q_START"]
         packed = torch.zeros(sum(lengths), 12, 128, dtype=bf16)  # [q heads | k heads | v heads] of one buffer
         [(name, rec)] = kernels(qkv=(packed[:, :8], packed[:, 8:10], packed[:, 10:]))
         assert name == "varlen_attention_sm90_kernel" and rec.args[-3:] == (128, 128, 128)
         assert rec.args[1].shape == [sum(lengths), 2 * 128]  # KV heads 8, 9 of the 12 packed
-        portable = [dict(window_left=64), dict(softcap=30.0), dict(alibi_slopes=torch.ones(8)),
-                    dict(sinks=torch.ones(8)), dict(qkv=qkv(d=256)), dict(qkv=qkv(d=80)),
-                    dict(qkv=qkv(dtype=torch.float32)),
+        portable = [dict(max_len=SHORT_KEYS), dict(window_left=64), dict(softcap=30.0),
+                    dict(alibi_slopes=torch.ones(8)), dict(sinks=torch.ones(8)), dict(qkv=qkv(d=256)),
+                    dict(qkv=qkv(d=80)), dict(qkv=qkv(dtype=torch.float32)),
                     dict(q_rope=torch.zeros(sum(lengths), 8, 64, dtype=bf16),
                          k_rope=torch.zeros(sum(lengths), 1, 64, dtype=bf16))]
         for kw in portable:

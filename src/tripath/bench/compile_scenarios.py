@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from tripath import _env, ops
+from tripath import ops
 from tripath.ops import mla, rotary
 from tripath.platform import Platform, fp8_dtype
 
@@ -141,17 +141,16 @@ def _cache_dtype(platform: Platform, dtype: torch.dtype, fp8: bool) -> torch.dty
 
 def _build_varlen(platform: Platform, *, head_size: int, dtype: torch.dtype, causal: bool, lse: bool,
                   features: str = "", head_size_v: int | None = None, num_heads: int = NUM_HEADS,
-                  num_kv_heads: int = NUM_KV_HEADS, portable: bool = False) -> None:
-    """``portable``: the Triton kernel even where the Gluon one would run (sm_90 without score modifiers)."""
+                  num_kv_heads: int = NUM_KV_HEADS, lengths: tuple[int, ...] = (48, 80)) -> None:
+    """Two requests of ``lengths`` queries and keys (up to 1024 keys: the portable kernel everywhere; longer:
+    the Gluon kernel on sm_90 where it applies)."""
     head_size_v = head_size_v or head_size
-    lengths = [48, 80]
     q = _rand(sum(lengths), num_heads, head_size, dtype=dtype)
     k = _rand(sum(lengths), num_kv_heads, head_size, dtype=dtype)
     v = _rand(sum(lengths), num_kv_heads, head_size_v, dtype=dtype)
     cu = _cu(lengths)
-    with _env.setting("TRIPATH_DISABLE_GLUON", "1" if portable else None):
-        ops.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, return_lse=lse,
-                             **_features(num_heads, features))
+    ops.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, return_lse=lse,
+                         **_features(num_heads, features))
 
 
 def _build_decode(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool,
@@ -311,8 +310,13 @@ def all_scenarios() -> list[Scenario]:
         for features in ("window+sinks", "window+softcap", "alibi"):
             rows.append(_s(f"prefill hd{d} bf16 causal+lse {features}", _build_varlen, head_size=d,
                            dtype=torch.bfloat16, causal=True, lse=True, features=features))
-    rows.append(_s("prefill hd128 bf16 causal, portable kernel (sm_90 runs Gluon otherwise)", _build_varlen,
-                   ci=True, head_size=128, dtype=torch.bfloat16, causal=True, lse=False, portable=True))
+    for d in (64, 128):
+        for dt in dtypes:
+            rows.append(_s(f"long prefill hd{d} {_tag(dt)} causal (sm_90: Gluon)", _build_varlen,
+                           ci=dt is torch.bfloat16 and d == 128, head_size=d, dtype=dt, causal=True, lse=False,
+                           lengths=(48, 1100)))
+        rows.append(_s(f"long context chunk hd{d} bf16 non-causal+lse (sm_90: Gluon)", _build_varlen, head_size=d,
+                       dtype=torch.bfloat16, causal=False, lse=True, lengths=(48, 1100)))
     rows.append(_s("prefill hd80 bf16 causal (padded head)", _build_varlen, head_size=80,
                    dtype=torch.bfloat16, causal=True, lse=False))
     rows.append(_s("MLA prefill qk192/v128 bf16 causal+lse", _build_varlen, ci=True, head_size=192,

@@ -118,8 +118,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     else:
         q_rope, k_rope = q, k  # unused by the kernel
     platform = current_platform(device)
-    if sm90_unsupported(platform, q, k, v, rope_size=rope_size, window_left=window_left, softcap=softcap,
-                        alibi_slopes=alibi_slopes, sinks=sinks) is None:
+    if sm90_unsupported(platform, q, k, v, max_seqlen_k=int(max_seqlen_k), rope_size=rope_size,
+                        window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks) is None:
         launch_varlen_sm90(launch, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start, max_seqlen_q,
                            sm_scale * LOG2E, causal, return_lse, platform.num_sms, concurrent)
         return (out, lse) if return_lse else out
