@@ -150,6 +150,17 @@ def test_three_path_keeps_the_new_token_pass_for_fp8_caches():
     assert names.count("varlen_attention_kernel") == 2 and names.count("merge_states_kernel") == 1
 
 
+def test_three_path_decode_overlap_default_per_gpu(monkeypatch):
+    """The decode shares the GPU with the extend/prefill launches by default, except on sm_90 where the
+    persistent Gluon prefill kernel leaves nothing to fill (and not when that kernel is disabled)."""
+    from tripath.attention.backends.three_path import overlap_decode_by_default
+    from tripath.platform import H200, MI300X, MI355X
+    assert overlap_decode_by_default(MI300X) and overlap_decode_by_default(MI355X)
+    assert not overlap_decode_by_default(H200)
+    monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")
+    assert overlap_decode_by_default(H200)
+
+
 def test_auto_selection_and_reasons(monkeypatch):
     spec = AttentionSpec(8, 2, 64)
     assert select_backend(spec, "auto", DEVICE).name == "three_path"  # GPU or interpreter

@@ -136,15 +136,18 @@ def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), head
 MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
 
 
-VARIANTS = {"serial": ("overlap_decode", "decode not overlapped"),
-            "prefill-serial": ("overlap_prefill", "prefill not overlapped"),
-            "separate": ("join_extend_tail", "extend's new tokens in a separate pass")}
+VARIANTS = {"serial": ("overlap_decode", False, "decode not overlapped"),
+            "overlapped": ("overlap_decode", True, "decode overlapped"),
+            "prefill-serial": ("overlap_prefill", False, "prefill not overlapped"),
+            "separate": ("join_extend_tail", False, "extend's new tokens in a separate pass")}
 
 
-def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "three_path/prefill-serial",
-                                          "three_path/separate", "unified", "two_path"), layout="nhd") -> None:
+def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "three_path/overlapped",
+                                          "three_path/prefill-serial", "three_path/separate", "unified", "two_path"),
+                layout="nhd") -> None:
     """The ANCHORS.md mixed step per backend, eager and as GPU time of a CUDA-graph replay.
-    ``three_path/serial``: three_path with its decode launch on the main stream (no overlap);
+    ``three_path/serial`` and ``three_path/overlapped``: three_path with its decode launch on the main
+    stream, or on a side stream beside the extend/prefill (the default depends on the GPU);
     ``three_path/prefill-serial``: the prefill launch on the main stream after the extend's;
     ``three_path/separate``: the extends' new tokens in their own causal launch, merged with the context
     (the seed's order) instead of joined with the last context chunk."""
@@ -156,12 +159,12 @@ def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "th
         name, _, variant = label.partition("/")
         backend = select_backend(spec, name, dev)
         if variant:
-            setattr(backend, VARIANTS[variant][0], False)
+            setattr(backend, VARIANTS[variant][0], VARIANTS[variant][1])
         meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
         cache = step.fresh_cache()
         out = torch.empty(step.q.shape[0], 32, 128, dtype=torch.bfloat16, device=dev)
         run_step = lambda: backend.forward(step.q, step.k, step.v, cache, meta, out=out)  # noqa: E731
-        shown = f"{name}{', ' + VARIANTS[variant][1] if variant else ''} ({layout})"
+        shown = f"{name}{', ' + VARIANTS[variant][2] if variant else ''} ({layout})"
         us = _bench(run_step)
         report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, eager", us, us / 1e3, "ms"))
         try:

@@ -13,7 +13,9 @@ On a GPU, when a step has decode rows beside extend or prefill rows, the decode 
 side stream forked after the cache write (``overlap_decode``; it reads that cache and writes rows of the
 output no other launch touches), and the main stream joins it before returning: the memory-bound decode
 programs fill the ragged last waves of the compute-bound prefill kernels and the gaps between the
-extend's dependent launches. H200, ANCHORS.md mixed step: 1086 → 1068 µs GPU time, bit-identical output.
+extend's dependent launches. H200, ANCHORS.md mixed step, portable kernels: 1086 → 1068 µs GPU time,
+bit-identical output. With the persistent Gluon prefill kernel (sm_90) the overlap costs time instead
+(918 µs serial against 944 overlapped), so there the default is off.
 CUDA graphs capture the fork and the join. Likewise, when a step has both extend and prefill rows, the
 prefill launch runs on a second side stream (``overlap_prefill``), so each of the two compute-bound launches
 fills the other's last wave; the prefill then takes the large tiles even when it has few (``concurrent``):
@@ -31,16 +33,18 @@ import contextlib
 
 import torch
 
+from tripath import _env
 from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
 from tripath.attention.spec import KVCache
 from tripath.ops import gather_kv_cache, merge_states, paged_decode, unified_attention, varlen_attention
+from tripath.platform import Platform, current_platform
 
 
 class ThreePathBackend(AttentionBackend):
     name = "three_path"
     capabilities = Capabilities()
-    overlap_decode = True  # decode on a side stream beside extend/prefill (GPU only)
+    overlap_decode: bool | None = None  # decode on a side stream beside extend/prefill (GPU only); None: per GPU
     overlap_prefill = True  # prefill on another side stream beside the extend (GPU only)
     join_extend_tail = True  # last context chunk and new tokens in one causal launch (cache of k's dtype)
 
@@ -54,7 +58,10 @@ class ThreePathBackend(AttentionBackend):
         self._write(k, v, cache, meta)
         out = self._out(q, out)
         on_gpu = q.is_cuda
-        decode_side = self._fork("decode", q.device, on_gpu and self.overlap_decode and meta.decode is not None
+        overlap_decode = self.overlap_decode
+        if overlap_decode is None:
+            overlap_decode = on_gpu and overlap_decode_by_default(current_platform(q.device))
+        decode_side = self._fork("decode", q.device, on_gpu and overlap_decode and meta.decode is not None
                                  and (meta.extend is not None or meta.prefill is not None))
         prefill_side = self._fork("prefill", q.device, on_gpu and self.overlap_prefill
                                   and meta.prefill is not None and meta.extend is not None)
@@ -150,3 +157,11 @@ class ThreePathBackend(AttentionBackend):
         return varlen_attention(q_e, ws_k, ws_v, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
                                 chunk.max_len, causal=causal, q_positions_start=chunk.q_positions_start,
                                 return_lse=out is None, out=out, **opts)
+
+
+def overlap_decode_by_default(platform: Platform) -> bool:
+    """Whether the decode goes on a side stream when the backend does not say: yes, except on sm_90 with the
+    Gluon prefill kernel enabled. Its persistent programs leave no ragged waves to fill, and H200,
+    2026-11-29, ANCHORS.md mixed step, GPU time, two runs of three: 916 / 918 µs with the decode on the main
+    stream against 939 / 944 µs with it beside the extend and prefill."""
+    return not (platform.is_hopper and not _env.gluon_disabled())
