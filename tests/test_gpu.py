@@ -49,8 +49,8 @@ def test_varlen_hopper_gluon_kernel(dtype, hq, hkv, d, causal):
     k = torch.randn(tk, hkv, d, dtype=dtype, device=DEV)
     v = torch.randn(tk, hkv, d, dtype=dtype, device=DEV)
     cq, ck = cu_seqlens(lq, DEV), cu_seqlens(lk, DEV)
-    assert sm90_unsupported(current_platform(DEV), q, k, v, max_seqlen_k=max(lk), rope_size=0, window_left=-1,
-                            softcap=0.0, alibi_slopes=None, sinks=None) is None
+    assert sm90_unsupported(current_platform(DEV), q, k, v, max_seqlen_k=max(lk), q_rope=None, k_rope=None,
+                            window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None) is None
     starts = torch.tensor([max(b - a, 0) // 2 for a, b in zip(lq, lk)], dtype=torch.int32, device=DEV)
     for kw in (dict(), dict(q_positions_start=starts)):
         got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_lse=True,
@@ -65,6 +65,34 @@ def test_varlen_hopper_gluon_kernel(dtype, hq, hkv, d, causal):
     got = varlen_attention(qp, kp, vp, cn, cn, n, n, causal=causal, out=poison(qp.shape, dtype, DEV))
     want = R.varlen_attention_ref(qp, kp, vp, cn, cn, causal=causal)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("heads,rope,shared", [(16, 64, True), (4, 32, False)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_hopper_gluon_kernel_rotary_part(dtype, heads, rope, shared, causal):
+    """The Gluon kernel with MLA's rotary part (scores q·k + q_rope·k_rope; one rotary key shared by all
+    heads, or one per head) against the reference on the concatenated heads: keys and values strided as
+    MLA's up-projection leaves them, ragged requests, a context before the queries, LSE."""
+    from tripath.ops._varlen_sm90 import sm90_unsupported
+    from tripath.platform import current_platform
+    lq, lk = [1, 700, 0, 1100, 129], [1500, 700, 9, 4608, 129]
+    tq, tk = sum(lq), sum(lk)
+    q = torch.randn(tq, heads, 128, dtype=dtype, device=DEV)
+    kv = torch.randn(tk, heads, 256, dtype=dtype, device=DEV)  # [k_nope | v] per head
+    k, v = kv[..., :128], kv[..., 128:]
+    q_rope = torch.randn(tq, heads, rope, dtype=dtype, device=DEV)
+    k_rope = torch.randn(tk, 1 if shared else heads, rope, dtype=dtype, device=DEV)
+    cq, ck = cu_seqlens(lq, DEV), cu_seqlens(lk, DEV)
+    assert sm90_unsupported(current_platform(DEV), q, k, v, max_seqlen_k=max(lk), q_rope=q_rope, k_rope=k_rope,
+                            window_left=-1, softcap=0.0, alibi_slopes=None, sinks=None) is None
+    got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal, q_rope=q_rope, k_rope=k_rope,
+                                return_lse=True, out=poison((tq, heads, 128), dtype, DEV))
+    want, want_lse = R.varlen_attention_ref(torch.cat([q, q_rope], -1),
+                                            torch.cat([k, k_rope.expand(-1, heads, -1)], -1), v, cq, ck,
+                                            causal=causal, return_lse=True)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("layout", ["nhd", "shuffled"])

@@ -222,8 +222,8 @@ def test_rotary_part_errors():
 
 def test_hopper_fast_path_dispatch(monkeypatch):
     """On an H200 the plain 16-bit prefill (heads 64/128, causal or not, LSE, per-request query starts,
-    strided heads) takes the warp-specialised Gluon kernel; short requests, every score modifier, other head
-    sizes, fp32, a rotary second part and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches
+    strided heads, MLA's 64-wide rotary part) takes the warp-specialised Gluon kernel; short requests, every
+    score modifier, other head and rotary sizes, fp32 and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches
     recorded, and the descriptors and arguments checked)."""
     from tripath.ops._launch import capture_launches
     from tripath.ops._varlen_sm90 import BLOCK_N, SHORT_KEYS, WG_ROWS
@@ -257,11 +257,16 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         [(name, rec)] = kernels(qkv=(packed[:, :8], packed[:, 8:10], packed[:, 10:]))
         assert name == "varlen_attention_sm90_kernel" and rec.args[-3:] == (128, 128, 128)
         assert rec.args[1].shape == [sum(lengths), 2 * 128]  # KV heads 8, 9 of the 12 packed
+        [(name, rec)] = kernels(q_rope=torch.zeros(sum(lengths), 8, 64, dtype=bf16),  # MLA's rotary part
+                                k_rope=torch.zeros(sum(lengths), 1, 64, dtype=bf16))
+        assert name == "varlen_attention_sm90_kernel" and rec.kwargs["HAS_ROPE"]
+        assert rec.args[3].block_shape == [WG_ROWS, 64] and rec.args[4].shape == [sum(lengths), 64]
+        assert rec.args[-2:] == (64, 0)  # rotary head strides: per query head, one key shared (column 0)
         portable = [dict(max_len=SHORT_KEYS), dict(window_left=64), dict(softcap=30.0),
                     dict(alibi_slopes=torch.ones(8)), dict(sinks=torch.ones(8)), dict(qkv=qkv(d=256)),
                     dict(qkv=qkv(d=80)), dict(qkv=qkv(dtype=torch.float32)),
-                    dict(q_rope=torch.zeros(sum(lengths), 8, 64, dtype=bf16),
-                         k_rope=torch.zeros(sum(lengths), 1, 64, dtype=bf16))]
+                    dict(q_rope=torch.zeros(sum(lengths), 8, 16, dtype=bf16),
+                         k_rope=torch.zeros(sum(lengths), 1, 16, dtype=bf16))]
         for kw in portable:
             assert [n for n, _ in kernels(**kw)] == ["varlen_attention_kernel"], kw
         monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")

@@ -141,16 +141,22 @@ def _cache_dtype(platform: Platform, dtype: torch.dtype, fp8: bool) -> torch.dty
 
 def _build_varlen(platform: Platform, *, head_size: int, dtype: torch.dtype, causal: bool, lse: bool,
                   features: str = "", head_size_v: int | None = None, num_heads: int = NUM_HEADS,
-                  num_kv_heads: int = NUM_KV_HEADS, lengths: tuple[int, ...] = (48, 80)) -> None:
+                  num_kv_heads: int = NUM_KV_HEADS, lengths: tuple[int, ...] = (48, 80), rope: int = 0) -> None:
     """Two requests of ``lengths`` queries and keys (up to 1024 keys: the portable kernel everywhere; longer:
-    the Gluon kernel on sm_90 where it applies)."""
+    the Gluon kernel on sm_90 where it applies). ``rope``: a rotary part of that width in the scores, with
+    one rotary key shared by the heads (MLA's)."""
     head_size_v = head_size_v or head_size
+    if rope:
+        rope_parts = dict(q_rope=_rand(sum(lengths), num_heads, rope, dtype=dtype),
+                          k_rope=_rand(sum(lengths), 1, rope, dtype=dtype))
+    else:
+        rope_parts = {}
     q = _rand(sum(lengths), num_heads, head_size, dtype=dtype)
     k = _rand(sum(lengths), num_kv_heads, head_size, dtype=dtype)
     v = _rand(sum(lengths), num_kv_heads, head_size_v, dtype=dtype)
     cu = _cu(lengths)
     ops.varlen_attention(q, k, v, cu, cu, max(lengths), max(lengths), causal=causal, return_lse=lse,
-                         **_features(num_heads, features))
+                         **_features(num_heads, features), **rope_parts)
 
 
 def _build_decode(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool,
@@ -319,6 +325,10 @@ def all_scenarios() -> list[Scenario]:
                        dtype=torch.bfloat16, causal=False, lse=True, lengths=(48, 1100)))
     rows.append(_s("prefill hd80 bf16 causal (padded head)", _build_varlen, head_size=80,
                    dtype=torch.bfloat16, causal=True, lse=False))
+    for lengths, where in (((48, 80), ""), ((48, 1100), ", sm_90: Gluon")):
+        rows.append(_s(f"MLA prefill 128+64/128 rotary part bf16 causal+lse{where}", _build_varlen, ci=True,
+                       head_size=128, dtype=torch.bfloat16, causal=True, lse=True, num_heads=16, num_kv_heads=16,
+                       lengths=lengths, rope=64))
     rows.append(_s("MLA prefill qk192/v128 bf16 causal+lse", _build_varlen, ci=True, head_size=192,
                    head_size_v=128, dtype=torch.bfloat16, causal=True, lse=True, num_heads=16, num_kv_heads=16))
 

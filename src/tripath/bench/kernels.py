@@ -57,6 +57,14 @@ def _bench_graph(fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")) * 1e3
 
 
+def _portable(fn):
+    """``fn`` run with the Gluon kernels disabled (on sm_90: the portable Triton kernels they replace)."""
+    def run():
+        with _env.setting("TRIPATH_DISABLE_GLUON", "1"):
+            return fn()
+    return run
+
+
 def measure_floors(report: Report) -> None:
     n = 1 << 29  # 1 GiB of bf16
     src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
@@ -121,8 +129,7 @@ def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), head
         shape = f"{batch} × {seq}"
         report.rows.append(Row("prefill", shape, "tripath varlen_attention", us, flops / (us * 1e-6) / 1e12, "TF/s"))
         if current_platform(dev).is_hopper:  # the portable Triton kernel the Gluon one replaces on sm_90
-            with _env.setting("TRIPATH_DISABLE_GLUON", "1"):
-                us = _bench(lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True, out=out))
+            us = _bench(_portable(lambda: varlen_attention(q, k, v, cu, cu, seq, seq, causal=True, out=out)))
             report.rows.append(Row("prefill", shape, "tripath varlen_attention (portable Triton kernel)", us,
                                    flops / (us * 1e-6) / 1e12, "TF/s"))
         qs = q.view(batch, seq, hq, head_size).transpose(1, 2)
@@ -273,6 +280,9 @@ def bench_mla_prefill(report: Report) -> None:
             "tripath varlen_attention (192-wide heads)": lambda: varlen_attention(
                 q, k_cat, v, cq, ck, nq, nk, causal=True, sm_scale=0.07),
         }
+        if current_platform(dev).is_hopper:  # the portable Triton kernel the Gluon one replaces on sm_90
+            runs["tripath varlen_attention (rotary part, portable Triton kernel)"] = _portable(
+                runs["tripath varlen_attention (rotary part)"])
         qs = q.view(nreq, nq, heads, 192).transpose(1, 2)
         ks = k_cat.reshape(nreq, nk, heads, 192).transpose(1, 2)
         vs = v.reshape(nreq, nk, heads, 128).transpose(1, 2)

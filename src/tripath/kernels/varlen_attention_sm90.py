@@ -16,18 +16,20 @@ cores idle while the softmax runs. This kernel is the FlashAttention-3 arrangeme
 
 Math (per query row ``i`` of head ``h``, keys ``k`` of the request, log2 domain, ``c = sm_scale · log2 e``)::
 
-    s_ik = c · q_i · k_k              visible: k < seqlen_k and (causal: k <= q_start + i)
+    s_ik = c · (q_i · k_k + qr_i · kr_k)   visible: k < seqlen_k and (causal: k <= q_start + i)
     m_i  = max_k s_ik,  l_i = Σ_k 2^(s_ik − m_i),  o_i = Σ_k 2^(s_ik − m_i) v_k / l_i
     lse_i = (m_i + log2 l_i) · ln 2   (−inf, and o_i = 0, for a row that sees no key)
 
 Shapes: queries ``[Tq, Hq, D]``, keys and values ``[Tk, Hkv, D]``, read through TMA descriptors over their
 rows as matrices (head ``h`` from column ``h · stride_h``; query head ``h`` reads KV head
-``h // num_queries_per_kv``), output ``[Tq, Hq, D]``, LSE ``[Tq, Hq]``. A tile that reaches past its request
+``h // num_queries_per_kv``), output ``[Tq, Hq, D]``, LSE ``[Tq, Hq]``. With ``HAS_ROPE`` the scores have a
+second part (MLA's decoupled rotary dims): ``qr [Tq, Hq, R]``, ``kr [Tk, Hr, R]`` with ``Hr`` the KV heads
+or one rotary key shared by all (head stride 0), loaded beside Q and K under the same barriers. A tile that reaches past its request
 reads the next request's rows (or TMA's zero fill past the tensor); those scores are masked and those query
 rows are not stored.
 
-Supported: fp16/bf16, ``D`` = 64 or 128, causal (bottom-right, or from ``q_start``) or not. Windows,
-softcap, ALiBi, sinks and a rotary second part stay on the portable kernel (see the launcher).
+Supported: fp16/bf16, ``D`` = 64 or 128, ``R`` = 32 or 64, causal (bottom-right, or from ``q_start``) or
+not. Windows, softcap, ALiBi and sinks stay on the portable kernel (see the launcher).
 """
 
 from triton.experimental import gluon
@@ -71,12 +73,17 @@ def _work_item(t, num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlen
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
-            cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks, num_queries_per_kv,
-            stride_q_h, stride_k_h, stride_v_h, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr):
+def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks,
+            num_queries_per_kv, head_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr, HAS_ROPE: gl.constexpr):
     """One warp: per work item, the two query halves (once the consumers released the previous ones),
     then its K and V tiles into the rings, running ahead into the next item."""
+    q_desc, k_desc, v_desc, qr_desc, kr_desc = descs
+    q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h = head_strides
+    q_bytes: gl.constexpr = q_desc.block_type.nbytes + (qr_desc.block_type.nbytes if HAS_ROPE else 0)
+    k_bytes: gl.constexpr = k_desc.block_type.nbytes + (kr_desc.block_type.nbytes if HAS_ROPE else 0)
     tiles_done = 0
     items_done = 0
     for t in range(gl.program_id(0), num_m_blocks * num_heads * num_seqs, gl.num_programs(0)):
@@ -86,24 +93,42 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_
         if row0 < seqlen_q:
             kv_head = head // num_queries_per_kv
             for wg in gl.static_range(2):
+                q_row = q_begin + row0 + wg * WG_ROWS
                 mbarrier.wait(q_empty.index(wg), (items_done & 1) ^ 1)  # a fresh barrier counts as released
-                mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_begin + row0 + wg * WG_ROWS, head * stride_q_h],
-                                                q_ready.index(wg), q_smem.index(wg))
+                mbarrier.expect(q_ready.index(wg), q_bytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row, head * stride_q_h], q_ready.index(wg),
+                                                q_smem.index(wg))
+                if HAS_ROPE:
+                    tma.async_copy_global_to_shared(qr_desc, [q_row, head * stride_qr_h], q_ready.index(wg),
+                                                    qr_smem.index(wg))
             for i in range(num_tiles):
                 stage = (tiles_done + i) % NUM_STAGES
                 free_phase = (((tiles_done + i) // NUM_STAGES) & 1) ^ 1
                 row = k_begin + i * BLOCK_N
                 mbarrier.wait(k_empty.index(stage), free_phase)
-                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                mbarrier.expect(k_ready.index(stage), k_bytes)
                 tma.async_copy_global_to_shared(k_desc, [row, kv_head * stride_k_h], k_ready.index(stage),
                                                 k_smem.index(stage))
+                if HAS_ROPE:
+                    tma.async_copy_global_to_shared(kr_desc, [row, kv_head * stride_kr_h], k_ready.index(stage),
+                                                    kr_smem.index(stage))
                 mbarrier.wait(v_empty.index(stage), free_phase)
                 mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(v_desc, [row, kv_head * stride_v_h], v_ready.index(stage),
                                                 v_smem.index(stage))
             tiles_done += num_tiles
             items_done += 1
+
+
+@gluon.jit
+def _scores(wg, stage, smem, zero_s, HAS_ROPE: gl.constexpr):
+    """Issue the (asynchronous) score product of the key tile in ``stage``: ``q kᵀ`` (+ ``qr krᵀ``)."""
+    q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
+    s_tok = warpgroup_mma(q_smem.index(wg), k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    if HAS_ROPE:
+        s_tok = warpgroup_mma(qr_smem.index(wg), kr_smem.index(stage).permute((1, 0)), s_tok, is_async=True)
+    return s_tok
 
 
 @gluon.jit
@@ -126,12 +151,15 @@ def _softmax_tile(qk, m_i, l_i, tile, num_unmasked, q_pos, offs_n, seqlen_k, qk_
 
 
 @gluon.jit
-def _attend(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
-            items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles, qk_scale,
-            stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
+def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k,
+            q_start, num_tiles, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_ROPE: gl.constexpr,
+            RETURN_LSE: gl.constexpr):
     """One warpgroup, one work item: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of the request
     against its key tiles ``0 .. num_tiles − 1`` (ring slots counted on from ``tiles_done``)."""
+    q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h = out_strides
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -153,15 +181,13 @@ def _attend(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_re
     l_i = gl.zeros([WG_ROWS], gl.float32, row_s)
     acc = gl.zeros([WG_ROWS, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
-    q = q_smem.index(wg)
     mbarrier.wait(q_ready.index(wg), items_done & 1)
 
     if num_tiles > 0:
         # Tile 0's scores, alone.
         stage = tiles_done % NUM_STAGES
         mbarrier.wait(k_ready.index(stage), (tiles_done // NUM_STAGES) & 1)
-        s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(wg, stage, smem, zero_s, HAS_ROPE), ))
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, 0, num_unmasked, q_pos, offs_n, seqlen_k, qk_scale,
                                            BLOCK_N, CAUSAL)
@@ -172,7 +198,7 @@ def _attend(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_re
             stage = (tiles_done + j) % NUM_STAGES
             # Scores of tile j and the value product of tile j − 1, both in flight.
             mbarrier.wait(k_ready.index(stage), ((tiles_done + j) // NUM_STAGES) & 1)
-            s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = _scores(wg, stage, smem, zero_s, HAS_ROPE)
             mbarrier.wait(v_ready.index(prev), prev_phase)
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
@@ -211,53 +237,50 @@ def _attend(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_re
 
 
 @gluon.jit
-def _consumer(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr, lse_ptr,
-              cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks, qk_scale,
-              stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer(wg, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
+              num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
-              RETURN_LSE: gl.constexpr):
+              HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr):
     """One warpgroup (``wg`` 0 or 1): its half of every work item of this program, in the loader's order."""
     tiles_done = 0
     items_done = 0
-    num_items = num_m_blocks * num_heads * num_seqs
-    step = gl.num_programs(0)
-    # Each item's bounds are read one item ahead, so the reads' latency is off the warpgroup's path.
-    head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
-        gl.program_id(0), num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
-        2 * WG_ROWS, BLOCK_N, CAUSAL, HAS_Q_START)
-    for t in range(gl.program_id(0), num_items, step):
-        n_head, n_q_begin, n_k_begin, n_row0, n_seqlen_q, n_seqlen_k, n_q_start, n_num_tiles = _work_item(
-            gl.minimum(t + step, num_items - 1), num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr,
-            cu_seqlens_k_ptr, q_start_ptr, 2 * WG_ROWS, BLOCK_N, CAUSAL, HAS_Q_START)
+    for t in range(gl.program_id(0), num_m_blocks * num_heads * num_seqs, gl.num_programs(0)):
+        head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
+            t, num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 2 * WG_ROWS,
+            BLOCK_N, CAUSAL, HAS_Q_START)
         if row0 < seqlen_q:
-            _attend(wg, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr,
-                    lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles,
-                    qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D,
-                    NUM_STAGES, CAUSAL, RETURN_LSE)
+            _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q,
+                    seqlen_k, q_start, num_tiles, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES,
+                    CAUSAL, HAS_ROPE, RETURN_LSE)
             tiles_done += num_tiles
             items_done += 1
-        head, q_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = (n_head, n_q_begin, n_row0, n_seqlen_q,
-                                                                       n_seqlen_k, n_q_start, n_num_tiles)
 
 
 @gluon.jit
 def varlen_attention_sm90_kernel(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, qk_scale,
-    stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, num_heads, num_seqs, num_m_blocks, num_queries_per_kv,
-    stride_q_h, stride_k_h, stride_v_h,
+    q_desc, k_desc, v_desc, qr_desc, kr_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+    qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, num_heads, num_seqs, num_m_blocks,
+    num_queries_per_kv, stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h,
     BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    HAS_Q_START: gl.constexpr, RETURN_LSE: gl.constexpr,
+    HAS_Q_START: gl.constexpr, HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr,
 ):
     """Persistent: program ``p`` of ``P`` takes work items ``p, p + P, …`` of the
     ``num_m_blocks · num_heads · num_seqs`` (128-row query block, head, request) items (``num_m_blocks`` =
-    ``cdiv(max_seqlen_q, 128)``; items past their request's queries are skipped). Launch with
-    ``num_warps=4`` (the first consumer; the second consumer and the loader are extra warps)."""
+    ``cdiv(max_seqlen_q, 128)``; items past their request's queries are skipped). ``qr_desc``/``kr_desc``
+    are read only with ``HAS_ROPE``. Launch with ``num_warps=4`` (the first consumer; the second consumer
+    and the loader are extra warps)."""
     WG_ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    # One query buffer per warpgroup: 177 KiB in all, which leaves room on the SM for a paged-decode program
-    # running beside it (two buffers, 209 KiB: the mixed step's GPU time 970 µs against 931).
+    # One query buffer per warpgroup: 177 KiB in all for 128-wide heads, which leaves room on the SM for a
+    # paged-decode program beside it (two buffers, 209 KiB: the mixed step's GPU time 970 µs against 931).
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    if HAS_ROPE:
+        qr_smem = gl.allocate_shared_memory(qr_desc.dtype, [2] + qr_desc.block_type.shape, qr_desc.layout)
+        kr_smem = gl.allocate_shared_memory(kr_desc.dtype, [NUM_STAGES] + kr_desc.block_type.shape, kr_desc.layout)
+    else:
+        qr_smem = q_smem
+        kr_smem = k_smem
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -273,18 +296,19 @@ def varlen_attention_sm90_kernel(
         mbarrier.init(k_empty.index(s), count=2)  # one arrival from each consumer
         mbarrier.init(v_empty.index(s), count=2)
 
+    smem = (q_smem, k_smem, v_smem, qr_smem, kr_smem)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    out_strides = (stride_o_t, stride_o_h, stride_lse_t, stride_lse_h)
     # (Argument tuples are written out: a tuple built by concatenation turns its constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr,
-                     lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks,
-                     qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D,
-                     NUM_STAGES, CAUSAL, HAS_Q_START, RETURN_LSE)),
-        (_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, out_ptr,
-                     lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks,
-                     qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, WG_ROWS, BLOCK_N, HEAD_D,
-                     NUM_STAGES, CAUSAL, HAS_Q_START, RETURN_LSE)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-                   v_empty, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks,
-                   num_queries_per_kv, stride_q_h, stride_k_h, stride_v_h, WG_ROWS, BLOCK_N, NUM_STAGES, CAUSAL,
-                   HAS_Q_START)),
+        (_consumer, (0, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
+                     num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                     HAS_Q_START, HAS_ROPE, RETURN_LSE)),
+        (_consumer, (1, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
+                     num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
+                     HAS_Q_START, HAS_ROPE, RETURN_LSE)),
+        (_loader, ((q_desc, k_desc, v_desc, qr_desc, kr_desc), smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+                   q_start_ptr, num_heads, num_seqs, num_m_blocks, num_queries_per_kv,
+                   (stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h), WG_ROWS, BLOCK_N, NUM_STAGES,
+                   CAUSAL, HAS_Q_START, HAS_ROPE)),
     ], [4, 1], [240, 24])

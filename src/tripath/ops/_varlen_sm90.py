@@ -14,6 +14,7 @@ from tripath import _env
 from tripath.platform import Platform
 
 SM90_HEAD_SIZES = (64, 128)
+SM90_ROPE_SIZES = (32, 64)  # widths of the scores' rotary part (MLA: 64)
 WG_ROWS = 64  # query rows per consumer warpgroup; a program holds two
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 2  # K and V buffers each
@@ -44,7 +45,8 @@ SHORT_KEYS = 1024  # at most this many keys per request: the portable kernel is 
 
 
 def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, max_seqlen_k: int,
-                     rope_size: int, window_left: int, softcap: float, alibi_slopes, sinks) -> str | None:
+                     q_rope: torch.Tensor | None, k_rope: torch.Tensor | None, window_left: int, softcap: float,
+                     alibi_slopes, sinks) -> str | None:
     """Why the Gluon kernel does not apply to this call, or None when it does. Besides what it cannot do,
     it leaves short requests to the portable kernel's 64×64 tiles: H200, 2026-11-29, causal 16 × 512,
     32/8/128 bf16: 176–217 µs here against 142–173 µs there (per-item set-up and the serial first tile
@@ -59,9 +61,11 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
         return f"dtype {q.dtype} (fp16/bf16 only)"
     if q.shape[2] != v.shape[2] or q.shape[2] not in SM90_HEAD_SIZES:
         return f"head sizes {q.shape[2]}/{v.shape[2]} (equal, one of {SM90_HEAD_SIZES})"
-    if rope_size or window_left >= 0 or softcap > 0 or alibi_slopes is not None or sinks is not None:
-        return "rotary part, window, softcap, ALiBi or sinks"
-    if any(_flat_rows(t) is None for t in (q, k, v)):
+    if q_rope is not None and q_rope.shape[2] not in SM90_ROPE_SIZES:
+        return f"rotary part of {q_rope.shape[2]} dims (one of {SM90_ROPE_SIZES})"
+    if window_left >= 0 or softcap > 0 or alibi_slopes is not None or sinks is not None:
+        return "window, softcap, ALiBi or sinks"
+    if any(_flat_rows(t) is None for t in (q, k, v, q_rope, k_rope) if t is not None):
         return "strides or alignment rule out TMA descriptors"
     if not _gluon_available():
         return "this Triton has no Gluon Hopper API"
@@ -78,25 +82,33 @@ def _descriptor(t: torch.Tensor, block_rows: int):
     return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, dim], layout)
 
 
-def launch_varlen_sm90(launch, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start, max_seqlen_q,
-                       qk_scale: float, causal: bool, return_lse: bool, num_sms: int, concurrent: bool) -> None:
+def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start,
+                       max_seqlen_q, qk_scale: float, causal: bool, return_lse: bool, num_sms: int,
+                       concurrent: bool) -> None:
     """Launch the Gluon kernel (after :func:`sm90_unsupported` returned None): a persistent grid of at most
     one program per SM (``num_sms``), or, when another launch runs ``concurrent`` on another stream, one
     program per work item, so SMs pass to the other launch as programs finish (H200, 2026-11-29: the
     mixed step's GPU time 979 µs with persistent extend/prefill launches, 928 µs with one program per item).
-    ``qk_scale`` is ``sm_scale · log2 e``; ``launch`` is :func:`tripath.ops._launch.launch`."""
+    ``q_rope``/``k_rope``: the scores' rotary part, or None. ``qk_scale`` is ``sm_scale · log2 e``;
+    ``launch`` is :func:`tripath.ops._launch.launch`."""
     from tripath.kernels.varlen_attention_sm90 import varlen_attention_sm90_kernel
 
     num_seqs = cu_seqlens_q.shape[0] - 1
     num_m_blocks = -(-max(int(max_seqlen_q), 1) // (2 * WG_ROWS))
     items = num_m_blocks * q.shape[1] * num_seqs
-    head_strides = [t.stride(1) if t.shape[1] > 1 else t.shape[2] for t in (q, k, v)]
+    has_rope = q_rope is not None
+    q_desc, k_desc = _descriptor(q, WG_ROWS), _descriptor(k, BLOCK_N)
+    qr_desc, kr_desc = (_descriptor(q_rope, WG_ROWS), _descriptor(k_rope, BLOCK_N)) if has_rope else (q_desc, k_desc)
+    # Head strides in elements; one head has none (a single rotary key shared by all heads reads column 0).
+    head_strides = [t.stride(1) if t.shape[1] > 1 else 0 for t in (q, k, v, q_rope if has_rope else q,
+                                                                   k_rope if has_rope else k)]
     launch(
         varlen_attention_sm90_kernel, (items if concurrent else min(items, num_sms),),
-        _descriptor(q, WG_ROWS), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), out, lse,
+        q_desc, k_desc, _descriptor(v, BLOCK_N), qr_desc, kr_desc, out, lse,
         cu_seqlens_q, cu_seqlens_k, q_positions_start if q_positions_start is not None else cu_seqlens_q,
         qk_scale, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), q.shape[1], num_seqs, num_m_blocks,
         q.shape[1] // k.shape[1], *head_strides,
         BLOCK_N=BLOCK_N, HEAD_D=q.shape[2], NUM_STAGES=NUM_STAGES, CAUSAL=bool(causal),
-        HAS_Q_START=q_positions_start is not None, RETURN_LSE=bool(return_lse), num_warps=4, maxnreg=MAXNREG,
+        HAS_Q_START=q_positions_start is not None, HAS_ROPE=has_rope, RETURN_LSE=bool(return_lse), num_warps=4,
+        maxnreg=MAXNREG,
     )
