@@ -120,10 +120,6 @@ def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
-def elementwise_config(platform: Platform) -> dict:
-    return {"num_warps": 4}
-
-
 def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
                        block_n: int) -> int:
     """Split count for paged decode with the 64-token tiles (where :func:`long_tile_splits` gives None):

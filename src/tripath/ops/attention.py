@@ -76,7 +76,12 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         without building them; ``sm_scale`` then defaults to ``1/sqrt(Dqk + R)``. ``R`` from 16 to 256.
     concurrent : a scheduling hint: another compute-bound launch runs beside this one (on another stream),
         so the tiles are chosen for throughput even where this launch alone would leave its last waves
-        ragged (a causal launch of few tiles).
+        ragged (a causal launch of few tiles), and the Hopper kernel launches one program per work item
+        instead of a persistent grid.
+
+    On sm_90 the warp-specialised Gluon kernel (:mod:`tripath.kernels.varlen_attention_sm90`) runs where
+    :func:`tripath.ops._varlen_sm90.sm90_unsupported` allows it (16-bit heads of 64/128, an optional rotary
+    part of 32/64, no window/softcap/ALiBi/sinks, more than 1024 keys); the portable kernel otherwise.
 
     Returns
     -------
