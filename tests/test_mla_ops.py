@@ -562,3 +562,36 @@ def test_one_buffer_transposed_descriptor_tiles_are_refused(monkeypatch):
         _packed_tiles(H200, cache, 16, L, L, R, False, False)
     monkeypatch.setattr(_mla_configs, "mla_decode_config", lambda *a, **kw: {**cfg, "num_stages": 2})
     assert _packed_tiles(H200, cache, 16, L, L, R, False, False).swap_ab
+
+
+def test_mla_decode_gluon_variant_launch_and_errors():
+    """``variant="gluon"`` (sm_90 work in progress): recorded on the H200 description with its grid and
+    descriptors; a clear error elsewhere and for shapes it does not cover."""
+    from tripath.ops._launch import capture_launches
+    from tripath.platform import H200, MI300X, override_platform
+    seq_lens = torch.tensor([100, 64], dtype=torch.int32)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    cache = torch.zeros(8, 64, L + R, dtype=torch.bfloat16)
+    q = torch.zeros(2, 128, L + R, dtype=torch.bfloat16)
+    with override_platform(H200), capture_launches() as records:
+        mla_decode(q, cache, table, seq_lens, sm_scale=0.1, num_splits=3, variant="gluon")
+    assert [r.name for r in records] == ["mla_decode_sm90_kernel", "reduce_splits_kernel"]
+    assert records[0].grid == (2, 2, 3) and records[0].args[2].block_shape == [32, L // 2]
+    with override_platform(H200), capture_launches(), pytest.raises(ValueError, match="multiple of 64 heads"):
+        mla_decode(q[:, :16], cache, table, seq_lens, sm_scale=0.1, variant="gluon")
+    with override_platform(MI300X), capture_launches(), pytest.raises(ValueError, match="needs sm_90"):
+        mla_decode(q, cache, table, seq_lens, sm_scale=0.1, variant="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,block_size,num_splits", [(128, 64, 1), (128, 64, 3), (64, 32, None),
+                                                             (128, 64, None)])
+def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits):
+    """The Gluon kernel against float64: ragged requests (ends inside a tile, one row, a split with no rows)
+    whose pages hold NaN past their ends, several splits."""
+    seq_lens = [3000, 1025, 33, 1, 777]
+    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, torch.bfloat16)
+    poison_unused_rows(cache, block_table, seq_lens)
+    q = torch.randn(len(seq_lens), num_heads, L + R, dtype=torch.bfloat16, device=DEVICE)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.bfloat16], num_splits=num_splits,
+                 variant="gluon")

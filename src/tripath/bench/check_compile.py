@@ -143,6 +143,8 @@ def collect_jobs(scenarios: Sequence[Scenario], targets: Sequence[Target]
     errors: list[ScenarioError] = []
     for target in targets:
         for scenario in scenarios:
+            if scenario.targets is not None and target.name not in scenario.targets:
+                continue
             try:
                 with override_platform(target.platform), capture_launches() as records:
                     scenario.build(target.platform)

@@ -57,6 +57,8 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "write_kv_cache_kernel": KernelRole(False, "deliberate: row copy / fp8 quantising store, no matmul"),
     "gather_kv_cache_kernel": KernelRole(False, "deliberate: row gather / fp8 dequantising copy, no matmul"),
     "mla_decode_kernel": KernelRole(True, "heads packed into tiles: q·c^T (latent and rope parts) and P·c_lat"),
+    "mla_decode_sm90_kernel": KernelRole(True, "scores once per tile, two value warpgroups (Gluon)",
+                                         targets=("sm90",)),
     "mla_decode_per_head_kernel": KernelRole(False, "deliberate: the one-head-per-program variant uses "
                                                     "CUDA-core reductions by design"),
     "concat_and_cache_mla_kernel": KernelRole(False, "deliberate: latent row write / fp8 quantising store"),
@@ -77,6 +79,7 @@ class Scenario:
     name: str
     build: Callable[[Platform], None]
     ci: bool = False
+    targets: tuple[str, ...] | None = None  # check-compile targets it applies to; None: every target
 
 
 # Llama-3-8B-like GQA geometry; the MLA prefill uses one head per KV head in its non-absorbed form.
@@ -283,8 +286,8 @@ def _build_rotary(platform: Platform, *, head_size: int, rotary_dim: int, is_neo
                             is_neox=is_neox)
 
 
-def _s(name: str, build: Callable, ci: bool = False, **kwargs) -> Scenario:
-    return Scenario(name, functools.partial(build, **kwargs), ci)
+def _s(name: str, build: Callable, ci: bool = False, targets: tuple[str, ...] | None = None, **kwargs) -> Scenario:
+    return Scenario(name, functools.partial(build, **kwargs), ci, targets)
 
 
 def _tag(dtype: torch.dtype, layout: str | None = None, fp8: bool = False) -> str:
@@ -382,6 +385,8 @@ def all_scenarios() -> list[Scenario]:
                            num_heads=heads_, fp8_cache=fp8_cache, fp8_query=fp8_query))
         rows.append(_s(f"MLA decode packed H={heads_} bf16 block 16", _build_mla_decode, num_heads=heads_,
                        fp8_cache=False, fp8_query=False, block_size=16))
+    rows.append(_s("MLA decode gluon H=128 bf16 (sm_90, work in progress)", _build_mla_decode, ci=True,
+                   targets=("sm90",), num_heads=128, fp8_cache=False, fp8_query=False, variant="gluon"))
     for fp8 in (False, True):
         tag = "kv=fp8" if fp8 else "bf16"
         rows.append(_s(f"MLA decode per-head baseline H=16 {tag}", _build_mla_decode, ci=not fp8, num_heads=16,

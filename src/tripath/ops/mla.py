@@ -25,11 +25,13 @@ from tripath.kernels.paged_decode import reduce_splits_kernel
 from tripath.ops import _mla_configs, reference_mla
 from tripath.ops._checks import FLOAT_DTYPES, check_index, check_out, check_scale, check_tensor, next_pow2
 from tripath.ops._launch import launch, use_triton
+from tripath.ops._mla_decode_sm90 import BLOCK_N as GLUON_BLOCK_N
+from tripath.ops._mla_decode_sm90 import gluon_unsupported, launch_mla_decode_sm90
 from tripath.ops.rotary import check_rotary_table
 from tripath.platform import FP8_DTYPES, current_platform, fp8_max
 
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
-DECODE_VARIANTS = ("packed", "grouped", "per_head")
+DECODE_VARIANTS = ("packed", "grouped", "per_head", "gluon")
 
 
 def _block(n: int) -> int:
@@ -426,7 +428,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                                   device=device)
     platform = current_platform(device)
     block_l, block_r = _block(kv_lora_rank), _block(width - kv_lora_rank)
-    if variant in ("packed", "grouped"):
+    if variant == "gluon":
+        reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank)
+        if reason is not None:
+            raise ValueError(f"variant='gluon' {reason}")
+        cfg, grid_h, tiles = {"BLOCK_N": GLUON_BLOCK_N}, num_heads // 64, None
+    elif variant in ("packed", "grouped"):
         tiles = _packed_tiles(platform, kv_cache, num_heads, kv_lora_rank, block_l, block_r, q_fp8,
                               variant == "grouped")
         cfg, grid_h = tiles.launch_options, -(-num_heads // tiles.block_h) * tiles.v_parts
@@ -436,6 +443,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if num_splits is None:
         num_splits = _mla_configs.mla_decode_num_splits(platform, batch * grid_h,
                                                         block_table.shape[1] * block_size, cfg["BLOCK_N"],
+                                                        1 if variant == "gluon" else
                                                         tiles.programs_per_sm if tiles else 2)
     num_splits = int(num_splits)
     lse = torch.empty((batch, num_heads) if return_lse else (1, 1), dtype=torch.float32, device=device)
@@ -454,7 +462,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             num_heads, kv_lora_rank, width - kv_lora_rank, block_size)
     flags = dict(NUM_SPLITS=num_splits, BLOCK_L=block_l, BLOCK_R=block_r, KV_FP8=kv_fp8, Q_FP8=q_fp8,
                  RETURN_LSE=return_lse)
-    if tiles is not None:
+    if variant == "gluon":
+        launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse, part_out, part_lse, sm_scale,
+                               num_splits, return_lse, kv_lora_rank)
+    elif tiles is not None:
         lat_desc, pe_desc = tiles.descriptors or (kv_cache, kv_cache)
         launch(mla_decode_kernel, (batch, grid_h, num_splits), q, kv_cache, lat_desc, pe_desc, *args[2:],
                BLOCK_H=tiles.block_h, V_PARTS=tiles.v_parts, USE_TMA=tiles.descriptors is not None,

@@ -1,0 +1,227 @@
+"""Absorbed MLA decode for Hopper (sm_90) with many heads, warp-specialised, in Gluon. WORK IN PROGRESS:
+compiled for sm_90 on the CPU, not yet run on a GPU.
+
+Program ``(b, head block, split)``: 64 query heads of request ``b`` against the split's cache rows. The
+score product is computed once per tile and shared, so no product runs twice (the portable kernel's
+128-head tiles compute the scores once per 256-wide half of the value, 1.5x the FLOPs):
+
+- a **score** warpgroup (the default partition) issues the TMA loads: the 64 query rows once, then
+  ``BLOCK_N``-row cache tiles (``[BLOCK_N, L]`` latent as two ``[BLOCK_N, L/2]`` halves plus
+  ``[BLOCK_N, R]`` rotary) into a ring of ``NUM_STAGES`` buffers, ``NUM_STAGES − 1`` tiles ahead (page of
+  each tile from the block table; ``BLOCK_N`` divides the block size). A separate loader warp would make
+  four warpgroups, and the value warpgroups need more than the 128 registers a thread that leaves. Per tile
+  it computes ``s = q_lat · c_latᵀ + q_pe · c_peᵀ`` on ``wgmma``, the online softmax, and hands ``p``
+  (16-bit) and the row rescale ``alpha`` on through a ring of shared buffers;
+- two **value** warpgroups: each owns half of the ``L`` output columns, ``o_half = o_half · alpha + p ·
+  c_lat[:, half]``, with the next tile's ``p`` awaited while the current product runs.
+
+Math (log2 domain, ``c = sm_scale · log2 e``)::
+
+    s[h, j] = c · (q_lat[h] · c_lat[j] + q_pe[h] · c_pe[j]),   o[h] = Σ_j 2^(s[h, j] − m_h) c_lat[j] / l_h
+
+Cache rows past the request in its last tile may hold anything (NaN included): their scores are masked
+and the score warpgroup zeroes their latent rows in shared memory before the value products read them.
+Output: ``out [B, H, L]`` for one split, else fp32 partials ``[B, H, S, L]`` and ``lse [B, H, S]``
+(natural log) for :func:`tripath.kernels.paged_decode.reduce_splits_kernel`.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+LN2 = gl.constexpr(0.6931471805599453)
+HEADS = gl.constexpr(64)  # query heads per program: one warpgroup's wgmma rows
+
+
+@gluon.jit
+def _split_range(seq_len, split, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This split's share ``[lo, hi)`` of ``seq_len`` rows, in whole tiles."""
+    tiles_per_split = gl.cdiv(gl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = gl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+    return lo, hi
+
+
+@gluon.jit
+def _load_tile(i, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty, block_table_ptr, stride_bt, seq, lo,
+               block_size, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Start the TMA loads of cache tile ``i`` into its ring slot (once the value warpgroups freed it)."""
+    stage = i % NUM_STAGES
+    start = lo + i * BLOCK_N
+    page = gl.load(block_table_ptr + seq.to(gl.int64) * stride_bt + start // block_size)
+    row = page * block_size + start % block_size
+    mbarrier.wait(kv_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)  # fresh barriers count as released
+    mbarrier.expect(kv_ready.index(stage), 2 * c_desc.block_type.nbytes + cpe_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(c_desc, [row, 0], kv_ready.index(stage), c_smem.index(2 * stage))
+    tma.async_copy_global_to_shared(c_desc, [row, L_HALF], kv_ready.index(stage), c_smem.index(2 * stage + 1))
+    tma.async_copy_global_to_shared(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage), cpe_smem.index(stage))
+
+
+@gluon.jit
+def _scorer(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem,
+            q_ready, kv_ready, kv_empty, p_ready, p_empty, done, block_table_ptr, stride_bt, q_row, seq, lo, hi,
+            num_tiles, block_size, qk_scale, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr):
+    """The score warpgroup: it also issues the loads (the query rows, then each cache tile
+    ``NUM_STAGES − 1`` tiles ahead); per tile, the scores, the online softmax, ``p`` and ``alpha`` handed
+    on; at the end the row maxima and sums (``ml_smem [2, HEADS]``)."""
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + qpe_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [q_row, L_HALF], q_ready, q_smem.index(1))
+    tma.async_copy_global_to_shared(qpe_desc, [q_row, 2 * L_HALF], q_ready, qpe_smem)
+    for i in range(gl.minimum(num_tiles, NUM_STAGES - 1)):
+        _load_tile(i, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty, block_table_ptr, stride_bt, seq,
+                   lo, block_size, L_HALF, BLOCK_N, NUM_STAGES)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    zl_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [BLOCK_N, L_HALF] rows
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero_s = gl.zeros([HEADS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([HEADS], gl.float32, row_s)
+    mbarrier.wait(q_ready, 0)
+    for i in range(num_tiles):
+        stage = i % NUM_STAGES
+        mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
+        s_tok = warpgroup_mma(q_smem.index(0), c_smem.index(2 * stage).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        s_tok = warpgroup_mma(q_smem.index(1), c_smem.index(2 * stage + 1).permute((1, 0)), s_tok, is_async=True)
+        s_tok = warpgroup_mma(qpe_smem, cpe_smem.index(stage).permute((1, 0)), s_tok, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        start = lo + i * BLOCK_N
+        n_valid = hi - start
+        if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
+            s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
+            rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl_layout))
+            for half in gl.static_range(2):
+                buf = c_smem.index(2 * stage + half)
+                tile = buf.load(zl_layout)
+                buf.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        slot = i % P_STAGES
+        mbarrier.wait(p_empty.index(slot), ((i // P_STAGES) & 1) ^ 1)
+        p_smem.index(slot).store(p.to(p_smem.dtype))
+        alpha_smem.index(slot).store(alpha)
+        fence_async_shared()  # p and the zeroed rows are read by wgmma (the async proxy)
+        mbarrier.arrive(p_ready.index(slot), count=1)
+        if i + NUM_STAGES - 1 < num_tiles:  # its slot frees when the value products of tile i − 1 complete
+            _load_tile(i + NUM_STAGES - 1, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty, block_table_ptr,
+                       stride_bt, seq, lo, block_size, L_HALF, BLOCK_N, NUM_STAGES)
+    ml_smem.index(0).store(m_i)
+    ml_smem.index(1).store(l_i)
+    mbarrier.arrive(done, count=1)
+
+
+@gluon.jit
+def _valuer(half, c_smem, p_smem, alpha_smem, ml_smem, kv_ready, kv_empty, p_ready, p_empty, done, out_ptr,
+            lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads, num_tiles, stride_o_b, stride_o_h,
+            stride_lse_b, stride_lse_h, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+            P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 heads."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, L_HALF, 16])
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([HEADS, L_HALF], gl.float32, o_layout)
+    for i in range(num_tiles):
+        stage = i % NUM_STAGES
+        slot = i % P_STAGES
+        mbarrier.wait(p_ready.index(slot), (i // P_STAGES) & 1)  # while the previous product runs
+        mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
+        alpha = alpha_smem.index(slot).load(row_o)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # the previous product has completed
+        if i > 0:
+            mbarrier.arrive(p_empty.index((i - 1) % P_STAGES), count=1)
+            mbarrier.arrive(kv_empty.index((i - 1) % NUM_STAGES), count=1)
+        acc = warpgroup_mma(p_smem.index(slot), c_smem.index(2 * stage + half), acc * gl.expand_dims(alpha, 1),
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # a tensor again; the product stays in flight
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    if num_tiles > 0:
+        mbarrier.arrive(p_empty.index((num_tiles - 1) % P_STAGES), count=1)
+        mbarrier.arrive(kv_empty.index((num_tiles - 1) % NUM_STAGES), count=1)
+    mbarrier.wait(done, 0)
+    m_i = ml_smem.index(0).load(row_o)
+    l_i = ml_smem.index(1).load(row_o)
+    seen = l_i > 0.0
+    out = acc * gl.expand_dims(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), 1)
+    lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    heads = head0 + gl.arange(0, HEADS, layout=row_o)
+    cols = half * L_HALF + gl.arange(0, L_HALF, layout=gl.SliceLayout(0, o_layout))
+    row_ok = gl.expand_dims(heads < num_heads, 1)
+    if NUM_SPLITS == 1:
+        ptrs = (out_ptr + seq.to(gl.int64) * stride_o_b + gl.expand_dims(heads * stride_o_h, 1)
+                + gl.expand_dims(cols, 0))
+        gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        if RETURN_LSE and half == 0:
+            gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=heads < num_heads)
+    else:
+        part = (seq.to(gl.int64) * num_heads + heads) * NUM_SPLITS + split
+        gl.store(part_out_ptr + gl.expand_dims(part * (2 * L_HALF), 1) + gl.expand_dims(cols, 0), out, mask=row_ok)
+        if half == 0:
+            gl.store(part_lse_ptr + part, lse, mask=heads < num_heads)
+
+
+@gluon.jit
+def mla_decode_sm90_kernel(
+    q_desc, qpe_desc, c_desc, cpe_desc, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, part_out_ptr,
+    part_lse_ptr, qk_scale, stride_bt, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, block_size,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    RETURN_LSE: gl.constexpr,
+):
+    """Grid ``(B, cdiv(H, 64), NUM_SPLITS)``; ``num_warps=4`` (the score warpgroup; the two value
+    warpgroups are extra warps). ``q_desc``: ``[B·H, L + R]`` with ``[64, L/2]`` boxes,
+    ``qpe_desc`` the same rows with ``[64, R]`` boxes; ``c_desc``/``cpe_desc``: the cache rows
+    ``[blocks · block_size, L + R]`` with ``[BLOCK_N, L/2]`` and ``[BLOCK_N, R]`` boxes."""
+    L_HALF: gl.constexpr = q_desc.block_type.shape[1]
+    seq = gl.program_id(0)
+    head0 = gl.program_id(1) * HEADS
+    split = gl.program_id(2)
+    lo, hi = _split_range(gl.load(seq_lens_ptr + seq), split, NUM_SPLITS, BLOCK_N)
+    num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, HEADS, L_HALF], q_desc.layout)
+    qpe_smem = gl.allocate_shared_memory(dtype, qpe_desc.block_type.shape, qpe_desc.layout)
+    c_smem = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, BLOCK_N, L_HALF], c_desc.layout)
+    cpe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, cpe_desc.block_type.shape[1]],
+                                         cpe_desc.layout)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [P_STAGES, HEADS, BLOCK_N], p_layout)
+    vec_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])  # rows of [slots, HEADS]
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [P_STAGES, HEADS], vec_layout)
+    ml_smem = gl.allocate_shared_memory(gl.float32, [2, HEADS], vec_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(done, count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(kv_ready.index(s), count=1)
+        mbarrier.init(kv_empty.index(s), count=2)  # both value warpgroups
+    for s in gl.static_range(P_STAGES):
+        mbarrier.init(p_ready.index(s), count=1)
+        mbarrier.init(p_empty.index(s), count=2)
+
+    gl.warp_specialize([
+        (_scorer, (q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem,
+                   ml_smem, q_ready, kv_ready, kv_empty, p_ready, p_empty, done, block_table_ptr, stride_bt,
+                   seq * num_heads + head0, seq, lo, hi, num_tiles, block_size, qk_scale, L_HALF, BLOCK_N,
+                   NUM_STAGES, P_STAGES)),
+        (_valuer, (0, c_smem, p_smem, alpha_smem, ml_smem, kv_ready, kv_empty, p_ready, p_empty, done, out_ptr,
+                   lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads, num_tiles, stride_o_b,
+                   stride_o_h, stride_lse_b, stride_lse_h, L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS,
+                   RETURN_LSE)),
+        (_valuer, (1, c_smem, p_smem, alpha_smem, ml_smem, kv_ready, kv_empty, p_ready, p_empty, done, out_ptr,
+                   lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads, num_tiles, stride_o_b,
+                   stride_o_h, stride_lse_b, stride_lse_h, L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS,
+                   RETURN_LSE)),
+    ], [4, 4], [168, 168])

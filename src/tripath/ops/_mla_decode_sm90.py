@@ -1,0 +1,61 @@
+"""Launcher of the warp-specialised Gluon MLA decode kernel (``mla_decode(..., variant="gluon")``, sm_90).
+WORK IN PROGRESS: compiled for sm_90 on the CPU, not yet run on a GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from tripath.platform import Platform
+
+BLOCK_N = 32  # cache rows per tile (a stage: 32 x 576 x 2 B = 36 KiB)
+NUM_STAGES = 3
+P_STAGES = 2
+MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
+
+
+def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """Why ``variant="gluon"`` cannot run this call (None when it can)."""
+    num_heads, width = q.shape[1], q.shape[2]
+    if not platform.is_hopper:
+        return f"needs sm_90, got {platform.backend} {platform.arch}"
+    if q.dtype not in (torch.float16, torch.bfloat16) or kv_cache.dtype != q.dtype:
+        return f"needs a 16-bit query and cache of one dtype, got {q.dtype} / {kv_cache.dtype}"
+    if kv_lora_rank != 512 or width - kv_lora_rank != 64:
+        return f"needs kv_lora_rank 512 and a 64-wide rotary part, got {kv_lora_rank} + {width - kv_lora_rank}"
+    if num_heads % 64:
+        return f"needs a multiple of 64 heads, got {num_heads}"
+    if kv_cache.shape[1] % BLOCK_N:
+        return f"needs a block size that is a multiple of {BLOCK_N}, got {kv_cache.shape[1]}"
+    if q.stride(2) != 1 or q.stride(1) != width or q.stride(0) != num_heads * width:
+        return "needs a contiguous query"
+    if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) != kv_cache.shape[1] * width:
+        return "needs a contiguous cache"
+    return None
+
+
+def _descriptor(t2d: torch.Tensor, block: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(t2d.dtype).split(".")[1]))
+    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block, layout)
+
+
+def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse, part_out, part_lse, sm_scale,
+                           num_splits: int, return_lse: bool, kv_lora_rank: int) -> None:
+    from tripath.kernels.mla_decode_sm90 import mla_decode_sm90_kernel
+
+    batch, num_heads, width = q.shape
+    half = kv_lora_rank // 2
+    q2 = q.reshape(batch * num_heads, width)
+    c2 = kv_cache.reshape(kv_cache.shape[0] * kv_cache.shape[1], width)
+    launch(
+        mla_decode_sm90_kernel, (batch, num_heads // 64, num_splits),
+        _descriptor(q2, [64, half]), _descriptor(q2, [64, width - kv_lora_rank]),
+        _descriptor(c2, [BLOCK_N, half]), _descriptor(c2, [BLOCK_N, width - kv_lora_rank]),
+        block_table, seq_lens, out, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
+        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
+        kv_cache.shape[1],
+        BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, NUM_SPLITS=num_splits,
+        RETURN_LSE=bool(return_lse), num_warps=4, maxnreg=MAXNREG,
+    )
