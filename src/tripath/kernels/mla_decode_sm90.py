@@ -59,6 +59,18 @@ def _load_tile(i, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty, block_
 
 
 @gluon.jit
+def _scores(i, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES: gl.constexpr):
+    """Issue (asynchronously) the scores of cache tile ``i`` once it has landed:
+    ``q_lat · c_latᵀ`` (two halves) ``+ q_pe · c_peᵀ``."""
+    stage = i % NUM_STAGES
+    mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
+    s_tok = warpgroup_mma(q_smem.index(0), c_smem.index(2 * stage).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+    s_tok = warpgroup_mma(q_smem.index(1), c_smem.index(2 * stage + 1).permute((1, 0)), s_tok, is_async=True)
+    return warpgroup_mma(qpe_smem, cpe_smem.index(stage).permute((1, 0)), s_tok, is_async=True)
+
+
+@gluon.jit
 def _scorer(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem,
             q_ready, kv_ready, kv_empty, p_ready, p_empty, done, block_table_ptr, stride_bt, q_row, seq, lo, hi,
             num_tiles, block_size, qk_scale, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -82,14 +94,16 @@ def _scorer(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_sm
     m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HEADS], gl.float32, row_s)
     mbarrier.wait(q_ready, 0)
+    s_next = zero_s
+    if num_tiles > 0:
+        s_tok = _scores(0, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES)
+        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
     for i in range(num_tiles):
         stage = i % NUM_STAGES
-        mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem.index(0), c_smem.index(2 * stage).permute((1, 0)), zero_s, use_acc=False,
-                              is_async=True)
-        s_tok = warpgroup_mma(q_smem.index(1), c_smem.index(2 * stage + 1).permute((1, 0)), s_tok, is_async=True)
-        s_tok = warpgroup_mma(qpe_smem, cpe_smem.index(stage).permute((1, 0)), s_tok, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))  # tile i's scores
+        if i + 1 < num_tiles:  # tile i + 1's scores run on the tensor cores during this tile's softmax
+            s_tok = _scores(i + 1, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES)
+            s_next = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # a tensor again, still in flight
         start = lo + i * BLOCK_N
         n_valid = hi - start
         if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
