@@ -1,4 +1,0 @@
-export PYTHONPATH=src
-timeout 200 python -m pytest -q -x -p no:benchmark tests/test_gpu.py -k "hopper_gluon or test_varlen_bf16" 2>&1 | tail -5
-echo NEW; timeout 200 python -m tripath.bench.kernels --only prefill mixed 2>&1 | grep "tripath varlen\|three_path (nhd)\|SDPA"
-echo OLD; PYTHONPATH=scratch_old/src timeout 200 python -m tripath.bench.kernels --only prefill mixed 2>&1 | grep "tripath varlen\|three_path (nhd)\|SDPA"
