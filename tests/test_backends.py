@@ -105,6 +105,26 @@ def test_long_extend_many_chunks_three_path():
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("join", [True, False])
+def test_attention_launches_get_exactly_their_rows(join):
+    """Every varlen launch of the extend and prefill paths gets keys and values of exactly
+    ``cu_seqlens_k[-1]`` rows: a context chunk smaller than the gather workspace passes the rows it
+    gathered, never the workspace's stale rest (the Hopper kernel's last key tile reads rows past the last
+    request, and stale NaN there would reach the output as 0 · NaN)."""
+    from tripath.ops._launch import capture_launches
+
+    spec = AttentionSpec(4, 1, 64, dtype=torch.float16, extend_chunk_budget=32, block_size=16)
+    backend = select_backend(spec, "three_path", DEVICE)
+    backend.join_extend_tail = join
+    step = make_step(spec, [(300, 7), (45, 3), (0, 9)], backend, device=DEVICE)
+    with capture_launches() as records:
+        _run(backend, step)
+    varlen = [r.args for r in records if r.name == "varlen_attention_kernel"]
+    assert len(varlen) > step.plan.extend_chunks.num_chunks
+    for args in varlen:  # (q, k, v, k_desc, v_desc, q_rope, k_rope, kr_desc, out, lse, cu_seqlens_q, cu_seqlens_k)
+        assert args[1].shape[0] == args[2].shape[0] == int(args[11][-1])
+
+
 JOIN_SPECS = {"window-sinks": dict(window_left=40, use_sinks=True),
               "alibi-softcap-b32": dict(use_alibi=True, softcap=4.0, block_size=32)}
 

@@ -178,6 +178,20 @@ def test_non_absorbed_attention_scores_the_rotary_part_separately():
     assert varlen and all(kw["HAS_ROPE"] and kw["BLOCK_DK"] == 32 and kw["BLOCK_DR"] == 16 for kw in varlen)
 
 
+@pytest.mark.parametrize("budget", [32768, 48], ids=["one-chunk", "several-chunks"])
+def test_chunks_up_project_and_attend_only_their_rows(budget):
+    """Each context chunk up-projects and attends only the latent rows it gathered (``num_tokens``), not the
+    whole workspace: every varlen launch's keys have exactly ``cu_seqlens_k[-1]`` rows."""
+    spec = mla_spec(extend_chunk_budget=budget)
+    step = make_mla_step(spec, [(70, 12), (33, 5), (0, 9)])
+    with capture_launches() as records:
+        run_mla(select_backend(spec, "mla", DEVICE), step)
+    varlen = [r.args for r in records if r.name == "varlen_attention_kernel"]
+    assert varlen
+    for args in varlen:  # (q, k, v, k_desc, v_desc, q_rope, k_rope, kr_desc, out, lse, cu_seqlens_q, cu_seqlens_k)
+        assert args[1].shape[0] == args[2].shape[0] == args[6].shape[0] == int(args[11][-1])
+
+
 def test_layer_weights_share_one_up_projection_matrix():
     """``w_uk`` and ``w_uv`` are views of one ``kv_b [H·(P+V), L]``: no copy from a ``kv_b_proj`` weight, one
     copy from separate tensors, the same values either way; bad shapes are refused."""

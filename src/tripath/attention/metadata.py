@@ -41,12 +41,15 @@ class DecodeMetadata:
 class ContextChunk:
     """One chunk of the extends' cached context: ``cu_seqlens_k [E + 1]`` offsets into the workspace,
     ``seq_starts [E]`` first cached position gathered, ``q_positions_start [E]`` = context_len − start
-    (query 0's position in chunk coordinates), ``max_len`` the longest piece."""
+    (query 0's position in chunk coordinates), ``max_len`` the longest piece, ``num_tokens`` the rows
+    gathered (``cu_seqlens_k[-1]``, on the host): backends hand attention the workspace's first
+    ``num_tokens`` rows only, never rows a previous step left behind."""
 
     cu_seqlens_k: torch.Tensor
     seq_starts: torch.Tensor
     q_positions_start: torch.Tensor
     max_len: int
+    num_tokens: int
 
 
 @dataclass
@@ -188,11 +191,11 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
         chunk_list = []
         for c in range(chunks.num_chunks):
             chunk_list.append(ContextChunk(cu_seqlens_k=next(it), seq_starts=next(it), q_positions_start=next(it),
-                                           max_len=max(chunks.lens[c])))
+                                           max_len=max(chunks.lens[c]), num_tokens=sum(chunks.lens[c])))
         tail = None
         if tail_lens:
             tail = ContextChunk(cu_seqlens_k=next(it), seq_starts=next(it), q_positions_start=next(it),
-                                max_len=max(tail_lens))
+                                max_len=max(tail_lens), num_tokens=sum(tail_lens))
         meta.extend = ExtendMetadata(
             num_reqs=ne, token_start=e0, token_end=e1, block_table=block_table[nd:nd + ne],
             seq_lens=seq_lens[nd:nd + ne], context_lens=context_lens[nd:nd + ne], cu_seqlens_q=cu_q_ext,

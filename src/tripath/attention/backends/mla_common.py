@@ -259,7 +259,8 @@ class MLABackendBase(AttentionBackend):
         lat = self.spec.mla.kv_lora_rank
         gather_mla_cache(cache.kv_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
                          kv_scale=self._kv_scale(cache), out=workspace)
-        keys = self._up_project(workspace[:, :lat], workspace[:, lat:], weights)
+        rows = workspace[:chunk.num_tokens]  # the gathered rows only: the rest holds stale values
+        keys = self._up_project(rows[:, :lat], rows[:, lat:], weights)
         return self._attend(q, keys, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len, chunk.max_len,
                             causal=causal, q_positions_start=chunk.q_positions_start, return_lse=out is None,
                             out=out)

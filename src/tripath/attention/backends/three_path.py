@@ -154,7 +154,8 @@ class ThreePathBackend(AttentionBackend):
         k_scale, v_scale = self._scales(cache)
         gather_kv_cache(cache.k_cache, cache.v_cache, e.block_table, chunk.cu_seqlens_k, chunk.seq_starts,
                         layout=cache.layout, k_scale=k_scale, v_scale=v_scale, out_k=ws_k, out_v=ws_v)
-        return varlen_attention(q_e, ws_k, ws_v, e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
+        rows = chunk.num_tokens  # the gathered rows only: the rest of the workspace holds stale values
+        return varlen_attention(q_e, ws_k[:rows], ws_v[:rows], e.cu_seqlens_q, chunk.cu_seqlens_k, e.max_query_len,
                                 chunk.max_len, causal=causal, q_positions_start=chunk.q_positions_start,
                                 return_lse=out is None, out=out, **opts)
 
