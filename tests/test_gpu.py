@@ -67,6 +67,22 @@ def test_varlen_hopper_gluon_kernel(dtype, hq, hkv, d, causal):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_hopper_gluon_kernel_ignores_rows_past_the_last_request(causal):
+    """Keys and values with NaN in the rows past the last request (a workspace's stale rest): the Gluon
+    kernel's last key tile reads them, masks their scores and zeroes their value rows before the product."""
+    lq, lk = [300, 1500], [1100, 1537]
+    tk = sum(lk)
+    q = torch.randn(sum(lq), 8, 128, dtype=BF16, device=DEV)
+    k = torch.randn(tk + 200, 2, 128, dtype=BF16, device=DEV)
+    v = torch.randn(tk + 200, 2, 128, dtype=BF16, device=DEV)
+    k[tk:], v[tk:] = float("nan"), float("nan")
+    cq, ck = cu_seqlens(lq, DEV), cu_seqlens(lk, DEV)
+    got = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal, out=poison(q.shape, BF16, DEV))
+    want = R.varlen_attention_ref(q, k[:tk], v[:tk], cq, ck, causal=causal)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[BF16])
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("heads,rope,shared", [(16, 64, True), (4, 32, False)])
 @pytest.mark.parametrize("causal", [True, False])

@@ -36,7 +36,8 @@ not. Windows, softcap, ALiBi and sinks stay on the portable kernel (see the laun
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -82,7 +83,7 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
     then its K and V tiles into the rings, running ahead into the next item."""
     q_desc, k_desc, v_desc, qr_desc, kr_desc = descs
     q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean = bars
     stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h = head_strides
     q_bytes: gl.constexpr = q_desc.block_type.nbytes + (qr_desc.block_type.nbytes if HAS_ROPE else 0)
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (kr_desc.block_type.nbytes if HAS_ROPE else 0)
@@ -153,6 +154,27 @@ def _softmax_tile(qk, m_i, l_i, tile, num_unmasked, q_pos, offs_n, seqlen_k, qk_
 
 
 @gluon.jit
+def _clean_last_values(wg, v_buf, v_clean, items_done, valid_rows, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr):
+    """Warpgroup 0 zeroes rows ``valid_rows ..`` of the item's last value tile (when there are any) and
+    signals ``v_clean[0]``; warpgroup 1 waits for it and acknowledges on ``v_clean[1]``, which warpgroup 0
+    awaits before its next signal, so it never runs a phase ahead (once per item: phase ``items_done & 1``)."""
+    if wg == 0:
+        mbarrier.wait(v_clean.index(1), (items_done & 1) ^ 1)  # a fresh barrier counts as acknowledged
+        if valid_rows < BLOCK_N:
+            layout: gl.constexpr = _store_layout(HEAD_D, 4)
+            for c in gl.static_range(BLOCK_N // 16):
+                rows = c * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+                chunk = v_buf.slice(c * 16, 16)
+                values = chunk.load(layout)
+                chunk.store(gl.where(gl.expand_dims(rows < valid_rows, 1), values, gl.zeros_like(values)))
+            fence_async_shared()  # the zeroed rows are read by wgmma (the async proxy)
+        mbarrier.arrive(v_clean.index(0), count=1)
+    else:
+        mbarrier.wait(v_clean.index(0), items_done & 1)
+        mbarrier.arrive(v_clean.index(1), count=1)
+
+
+@gluon.jit
 def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k,
             q_start, num_tiles, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_ROPE: gl.constexpr,
@@ -160,7 +182,7 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
     """One warpgroup, one work item: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of the request
     against its key tiles ``0 .. num_tiles − 1`` (ring slots counted on from ``tiles_done``)."""
     q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean = bars
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h = out_strides
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -214,11 +236,16 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.arrive(q_empty.index(wg), count=1)  # every score product of this item has completed
         mbarrier.wait(v_ready.index(stage), ((tiles_done + num_tiles - 1) // NUM_STAGES) & 1)
+        # Value rows past the request (the next request's, or whatever the caller's tensor holds past the
+        # last one) enter the product with probability 0; warpgroup 0 zeroes them first, as 0 · NaN is NaN.
+        _clean_last_values(wg, v_smem.index(stage), v_clean, items_done, seqlen_k - (num_tiles - 1) * BLOCK_N,
+                           BLOCK_N, HEAD_D)
         o_tok = warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
         mbarrier.arrive(v_empty.index(stage), count=1)
     else:
         mbarrier.arrive(q_empty.index(wg), count=1)
+        _clean_last_values(wg, v_smem.index(0), v_clean, items_done, BLOCK_N, BLOCK_N, HEAD_D)  # phase only
 
     # Epilogue: normalise, store the rows that belong to the request.
     seen = l_i > 0.0
@@ -289,6 +316,9 @@ def varlen_attention_sm90_kernel(
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_clean = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # [signal, acknowledgement]
+    mbarrier.init(v_clean.index(0), count=1)
+    mbarrier.init(v_clean.index(1), count=1)
     for wg in gl.static_range(2):
         mbarrier.init(q_ready.index(wg), count=1)
         mbarrier.init(q_empty.index(wg), count=1)
@@ -299,7 +329,7 @@ def varlen_attention_sm90_kernel(
         mbarrier.init(v_empty.index(s), count=2)
 
     smem = (q_smem, k_smem, v_smem, qr_smem, kr_smem)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean)
     out_strides = (stride_o_t, stride_o_h, stride_lse_t, stride_lse_h)
     # (Argument tuples are written out: a tuple built by concatenation turns its constexprs into tensors.)
     gl.warp_specialize([
