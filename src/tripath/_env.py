@@ -25,16 +25,14 @@ def gluon_disabled() -> bool:
 
 
 @contextlib.contextmanager
-def setting(name: str, value: str | None) -> Iterator[None]:
-    """Set the environment variable ``name`` to ``value`` for the block (``None``: leave it alone)."""
+def setting(name: str, value: str) -> Iterator[None]:
+    """Set the environment variable ``name`` to ``value`` for the block."""
     old = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
+    os.environ[name] = value
     try:
         yield
     finally:
-        if value is not None:
-            if old is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = old
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from tripath import _env
+from tripath.ops._descriptors import row_matrix, row_strides
 from tripath.platform import Platform
 
 SM90_HEAD_SIZES = (64, 128)
@@ -31,16 +32,10 @@ def _gluon_available() -> bool:
     return True
 
 
-def _flat_rows(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(rows, columns, row stride)`` of the ``[T, (H − 1) · stride_h + D]`` matrix a descriptor reads, or
-    None when the strides rule a descriptor out (overlapping heads, unaligned rows or base)."""
-    rows, heads, dim = t.shape
-    head_stride = t.stride(1) if heads > 1 else dim
-    cols = (heads - 1) * head_stride + dim
-    if (t.stride(2) != 1 or head_stride < dim or t.stride(0) < cols or (t.stride(0) * t.element_size()) % 16
-            or (head_stride * t.element_size()) % 16 or t.data_ptr() % 16 or rows == 0):
-        return None
-    return rows, cols, t.stride(0)
+def _descriptor_ready(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be read through a descriptor here: :func:`tripath.ops._descriptors.row_matrix`, and
+    (conservatively: only this has run on the GPU) head strides of whole 16-byte units."""
+    return row_matrix(t) is not None and (row_strides(t)[1] * t.element_size()) % 16 == 0
 
 
 SHORT_KEYS = 1024  # at most this many keys per request: the portable kernel is faster
@@ -67,7 +62,7 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
         return f"rotary part of {q_rope.shape[2]} dims (one of {SM90_ROPE_SIZES})"
     if window_left >= 0 or softcap > 0 or alibi_slopes is not None or sinks is not None:
         return "window, softcap, ALiBi or sinks"
-    if any(_flat_rows(t) is None for t in (q, k, v, q_rope, k_rope) if t is not None):
+    if not all(_descriptor_ready(t) for t in (q, k, v, q_rope, k_rope) if t is not None):
         return "strides or alignment rule out TMA descriptors"
     if not _gluon_available():
         return "this Triton has no Gluon Hopper API"
@@ -78,7 +73,7 @@ def _descriptor(t: torch.Tensor, block_rows: int):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    rows, cols, row_stride = _flat_rows(t)
+    rows, cols, row_stride = row_matrix(t)
     dim = t.shape[2]
     layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], getattr(gl, str(t.dtype).split(".")[1]))
     return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, dim], layout)
@@ -102,8 +97,7 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
     q_desc, k_desc = _descriptor(q, WG_ROWS), _descriptor(k, BLOCK_N)
     qr_desc, kr_desc = (_descriptor(q_rope, WG_ROWS), _descriptor(k_rope, BLOCK_N)) if has_rope else (q_desc, k_desc)
     # Head strides in elements; one head has none (a single rotary key shared by all heads reads column 0).
-    head_strides = [t.stride(1) if t.shape[1] > 1 else 0 for t in (q, k, v, q_rope if has_rope else q,
-                                                                   k_rope if has_rope else k)]
+    head_strides = [row_strides(t)[1] for t in (q, k, v, q_rope if has_rope else q, k_rope if has_rope else k)]
     launch(
         varlen_attention_sm90_kernel, (items if concurrent else min(items, num_sms),),
         q_desc, k_desc, _descriptor(v, BLOCK_N), qr_desc, kr_desc, out, lse,

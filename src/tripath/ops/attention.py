@@ -20,6 +20,7 @@ from tripath.kernels.varlen_attention import varlen_attention_kernel
 from tripath.ops import _configs, reference
 from tripath.ops._checks import (FLOAT_DTYPES, check_gqa, check_head_size, check_index, check_options,
                                  check_out, check_per_head, check_scale, check_tensor, next_pow2)
+from tripath.ops._descriptors import row_matrix, row_strides
 from tripath.ops._launch import launch, use_triton
 from tripath.ops._varlen_sm90 import launch_varlen_sm90, sm90_unsupported
 from tripath.ops.kv_cache import cache_geometry, cache_strides, shuffle_width
@@ -152,8 +153,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         q_positions_start if q_positions_start is not None else dummy,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         sm_scale * LOG2E, float(softcap), int(window_left),
-        q.stride(0), q.stride(1), *_row_strides(k), *_row_strides(v),
-        q_rope.stride(0), q_rope.stride(1), *_row_strides(k_rope),
+        q.stride(0), q.stride(1), *row_strides(k), *row_strides(v),
+        q_rope.stride(0), q_rope.stride(1), *row_strides(k_rope),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         group, q.shape[2], v.shape[2], rope_size,
         BLOCK_M=block_m, BLOCK_DK=next_pow2(q.shape[2]), BLOCK_DV=next_pow2(v.shape[2]),
@@ -179,28 +180,20 @@ def _causal_tiles(causal: bool, num_seqs: int, max_seqlen_q: int, max_seqlen_k: 
 
 def _kv_descriptors(k: torch.Tensor, v: torch.Tensor, k_rope: torch.Tensor | None, block_n: int):
     """Tensor descriptors over the rows of keys, values (and rotary keys) as ``[Tk, (H − 1) · stride_h + D]``
-    matrices with ``[block_n, D]`` tiles (head ``h`` from column ``h · stride_h``: heads may be strided, as
-    in a packed QKV buffer or MLA's up-projection ``[k_nope | v]``), or the tensors unchanged when their
-    strides do not allow it (overlapping heads, rows or bases not 16-byte aligned): the kernel then reads
-    through pointers."""
+    matrices with ``[block_n, D]`` tiles (:func:`tripath.ops._descriptors.row_matrix`), or the tensors
+    unchanged when their strides do not allow it: the kernel then reads through pointers."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     tensors = (k, v, k_rope) if k_rope is not None else (k, v)
     descs = []
     for t in tensors:
-        rows, heads, dim = t.shape
-        row_stride, head_stride = _row_strides(t)
-        cols = (heads - 1) * head_stride + dim
-        if ((heads > 1 and head_stride < dim) or row_stride < cols or (row_stride * t.element_size()) % 16
-                or t.data_ptr() % 16 or rows == 0):
+        matrix = row_matrix(t)
+        if matrix is None:
             return k, v, k_rope if k_rope is not None else k
-        descs.append(TensorDescriptor(t, shape=[rows, cols], strides=[row_stride, 1], block_shape=[block_n, dim]))
+        rows, cols, row_stride = matrix
+        descs.append(TensorDescriptor(t, shape=[rows, cols], strides=[row_stride, 1],
+                                      block_shape=[block_n, t.shape[2]]))
     return descs[0], descs[1], descs[2] if k_rope is not None else k
-
-
-def _row_strides(t: torch.Tensor) -> tuple[int, int]:
-    """``(token stride, head stride)`` of a ``[T, H, D]`` tensor, the head stride 0 for one head (shared)."""
-    return t.stride(0), t.stride(1) if t.shape[1] > 1 else 0
 
 
 def _check_rope(q, k, q_rope, k_rope) -> int:
