@@ -94,39 +94,40 @@ def _scorer(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_sm
     m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HEADS], gl.float32, row_s)
     mbarrier.wait(q_ready, 0)
-    s_next = zero_s
     if num_tiles > 0:
-        s_tok = _scores(0, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES)
-        s_next = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    for i in range(num_tiles):
-        stage = i % NUM_STAGES
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))  # tile i's scores
-        if i + 1 < num_tiles:  # tile i + 1's scores run on the tensor cores during this tile's softmax
-            s_tok = _scores(i + 1, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES)
-            s_next = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))  # a tensor again, still in flight
-        start = lo + i * BLOCK_N
-        n_valid = hi - start
-        if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
-            s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
-            rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl_layout))
-            for half in gl.static_range(2):
-                buf = c_smem.index(2 * stage + half)
-                tile = buf.load(zl_layout)
-                buf.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        slot = i % P_STAGES
-        mbarrier.wait(p_empty.index(slot), ((i // P_STAGES) & 1) ^ 1)
-        p_smem.index(slot).store(p.to(p_smem.dtype))
-        alpha_smem.index(slot).store(alpha)
-        fence_async_shared()  # p and the zeroed rows are read by wgmma (the async proxy)
-        mbarrier.arrive(p_ready.index(slot), count=1)
-        if i + NUM_STAGES - 1 < num_tiles:  # its slot frees when the value products of tile i − 1 complete
-            _load_tile(i + NUM_STAGES - 1, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty, block_table_ptr,
-                       stride_bt, seq, lo, block_size, L_HALF, BLOCK_N, NUM_STAGES)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(0, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready,
+                                                                zero_s, NUM_STAGES), ))
+        for i in range(num_tiles):
+            stage = i % NUM_STAGES
+            # Tile i + 1's scores run on the tensor cores during this tile's softmax and are awaited at the end
+            # of the iteration: an accumulator still in flight across the loop's back edge, or a wgmma issued
+            # under a condition, makes ptxas serialise every wgmma. So the last tile issues its own again.
+            s_tok = _scores(gl.minimum(i + 1, num_tiles - 1), q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s,
+                            NUM_STAGES)
+            start = lo + i * BLOCK_N
+            n_valid = hi - start
+            if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
+                s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
+                rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl_layout))
+                for half in gl.static_range(2):
+                    buf = c_smem.index(2 * stage + half)
+                    tile = buf.load(zl_layout)
+                    buf.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
+            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            m_i = m_new
+            slot = i % P_STAGES
+            mbarrier.wait(p_empty.index(slot), ((i // P_STAGES) & 1) ^ 1)
+            p_smem.index(slot).store(p.to(p_smem.dtype))
+            alpha_smem.index(slot).store(alpha)
+            fence_async_shared()  # p and the zeroed rows are read by wgmma (the async proxy)
+            mbarrier.arrive(p_ready.index(slot), count=1)
+            if i + NUM_STAGES - 1 < num_tiles:  # its slot frees when the value products of tile i − 1 complete
+                _load_tile(i + NUM_STAGES - 1, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty,
+                           block_table_ptr, stride_bt, seq, lo, block_size, L_HALF, BLOCK_N, NUM_STAGES)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))  # tile i + 1's scores
     ml_smem.index(0).store(m_i)
     ml_smem.index(1).store(l_i)
     mbarrier.arrive(done, count=1)
@@ -188,13 +189,13 @@ def mla_decode_sm90_kernel(
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
     RETURN_LSE: gl.constexpr,
 ):
-    """Grid ``(B, cdiv(H, 64), NUM_SPLITS)``; ``num_warps=4`` (the score warpgroup; the two value
+    """Grid ``(H / 64, B, NUM_SPLITS)``; ``num_warps=4`` (the score warpgroup; the two value
     warpgroups are extra warps). ``q_desc``: ``[B·H, L + R]`` with ``[64, L/2]`` boxes,
     ``qpe_desc`` the same rows with ``[64, R]`` boxes; ``c_desc``/``cpe_desc``: the cache rows
     ``[blocks · block_size, L + R]`` with ``[BLOCK_N, L/2]`` and ``[BLOCK_N, R]`` boxes."""
     L_HALF: gl.constexpr = q_desc.block_type.shape[1]
-    seq = gl.program_id(0)
-    head0 = gl.program_id(1) * HEADS
+    head0 = gl.program_id(0) * HEADS  # the head blocks of a request run side by side: the second reads from L2
+    seq = gl.program_id(1)
     split = gl.program_id(2)
     lo, hi = _split_range(gl.load(seq_lens_ptr + seq), split, NUM_SPLITS, BLOCK_N)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
