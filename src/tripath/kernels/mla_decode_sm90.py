@@ -44,18 +44,21 @@ def _split_range(seq_len, split, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _load_tile(i, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty, block_table_ptr, stride_bt, seq, lo,
+def _load_half(i, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, block_table_ptr, stride_bt, seq, lo,
                block_size, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Start the TMA loads of cache tile ``i`` into its ring slot (once the value warpgroups freed it)."""
+    """Value warpgroup ``half``'s share of cache tile ``i``: TMA of its latent half (warpgroup 0 also the
+    rotary part) into the tile's ring slot; ``kv_ready`` completes once both shares have landed."""
     stage = i % NUM_STAGES
     start = lo + i * BLOCK_N
     page = gl.load(block_table_ptr + seq.to(gl.int64) * stride_bt + start // block_size)
     row = page * block_size + start % block_size
-    mbarrier.wait(kv_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)  # fresh barriers count as released
-    mbarrier.expect(kv_ready.index(stage), 2 * c_desc.block_type.nbytes + cpe_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(c_desc, [row, 0], kv_ready.index(stage), c_smem.index(2 * stage))
-    tma.async_copy_global_to_shared(c_desc, [row, L_HALF], kv_ready.index(stage), c_smem.index(2 * stage + 1))
-    tma.async_copy_global_to_shared(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage), cpe_smem.index(stage))
+    if half == 0:
+        mbarrier.expect(kv_ready.index(stage), c_desc.block_type.nbytes + cpe_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage), cpe_smem.index(stage))
+    else:
+        mbarrier.expect(kv_ready.index(stage), c_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(c_desc, [row, half * L_HALF], kv_ready.index(stage),
+                                    c_smem.index(2 * stage + half))
 
 
 @gluon.jit
@@ -71,10 +74,9 @@ def _scores(i, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES:
 
 
 @gluon.jit
-def _scorer(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem,
-            q_ready, kv_ready, kv_empty, p_ready, p_empty, done, block_table_ptr, stride_bt, q_row, seq, lo, hi,
-            num_tiles, block_size, qk_scale, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr):
+def _scorer(q_desc, qpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready, kv_ready,
+            p_ready, p_empty, done, q_row, lo, hi, num_tiles, qk_scale, L_HALF: gl.constexpr,
+            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr):
     """The score warpgroup: it also issues the loads (the query rows, then each cache tile
     ``NUM_STAGES − 1`` tiles ahead); per tile, the scores, the online softmax, ``p`` and ``alpha`` handed
     on; at the end the row maxima and sums (``ml_smem [2, HEADS]``)."""
@@ -82,9 +84,6 @@ def _scorer(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_sm
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row, L_HALF], q_ready, q_smem.index(1))
     tma.async_copy_global_to_shared(qpe_desc, [q_row, 2 * L_HALF], q_ready, qpe_smem)
-    for i in range(gl.minimum(num_tiles, NUM_STAGES - 1)):
-        _load_tile(i, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty, block_table_ptr, stride_bt, seq,
-                   lo, block_size, L_HALF, BLOCK_N, NUM_STAGES)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -124,9 +123,6 @@ def _scorer(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_sm
             alpha_smem.index(slot).store(alpha)
             fence_async_shared()  # p and the zeroed rows are read by wgmma (the async proxy)
             mbarrier.arrive(p_ready.index(slot), count=1)
-            if i + NUM_STAGES - 1 < num_tiles:  # its slot frees when the value products of tile i − 1 complete
-                _load_tile(i + NUM_STAGES - 1, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, kv_empty,
-                           block_table_ptr, stride_bt, seq, lo, block_size, L_HALF, BLOCK_N, NUM_STAGES)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))  # tile i + 1's scores
     ml_smem.index(0).store(m_i)
     ml_smem.index(1).store(l_i)
@@ -134,15 +130,19 @@ def _scorer(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_sm
 
 
 @gluon.jit
-def _valuer(half, c_smem, p_smem, alpha_smem, ml_smem, kv_ready, kv_empty, p_ready, p_empty, done, out_ptr,
-            lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads, num_tiles, stride_o_b, stride_o_h,
-            stride_lse_b, stride_lse_h, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-            P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr):
+def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty, done,
+            block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split,
+            lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr,
+            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+            RETURN_LSE: gl.constexpr):
     """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 heads."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, L_HALF, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([HEADS, L_HALF], gl.float32, o_layout)
+    for i in range(gl.minimum(num_tiles, NUM_STAGES)):
+        _load_half(i, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, block_table_ptr, stride_bt, seq, lo,
+                   block_size, L_HALF, BLOCK_N, NUM_STAGES)
     for i in range(num_tiles):
         stage = i % NUM_STAGES
         slot = i % P_STAGES
@@ -152,14 +152,17 @@ def _valuer(half, c_smem, p_smem, alpha_smem, ml_smem, kv_ready, kv_empty, p_rea
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # the previous product has completed
         if i > 0:
             mbarrier.arrive(p_empty.index((i - 1) % P_STAGES), count=1)
-            mbarrier.arrive(kv_empty.index((i - 1) % NUM_STAGES), count=1)
         acc = warpgroup_mma(p_smem.index(slot), c_smem.index(2 * stage + half), acc * gl.expand_dims(alpha, 1),
                             is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # a tensor again; the product stays in flight
+        # Tile i − 1's slot is free (its scores were read before its p was handed on, this warpgroup's product
+        # has completed, the other warpgroup reads only its own half): refill it with tile i − 1 + NUM_STAGES.
+        if i > 0 and i - 1 + NUM_STAGES < num_tiles:
+            _load_half(i - 1 + NUM_STAGES, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, block_table_ptr,
+                       stride_bt, seq, lo, block_size, L_HALF, BLOCK_N, NUM_STAGES)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if num_tiles > 0:
         mbarrier.arrive(p_empty.index((num_tiles - 1) % P_STAGES), count=1)
-        mbarrier.arrive(kv_empty.index((num_tiles - 1) % NUM_STAGES), count=1)
     mbarrier.wait(done, 0)
     m_i = ml_smem.index(0).load(row_o)
     l_i = ml_smem.index(1).load(row_o)
@@ -214,29 +217,26 @@ def mla_decode_sm90_kernel(
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
     p_empty = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(done, count=1)
     for s in gl.static_range(NUM_STAGES):
-        mbarrier.init(kv_ready.index(s), count=1)
-        mbarrier.init(kv_empty.index(s), count=2)  # both value warpgroups
+        mbarrier.init(kv_ready.index(s), count=2)  # both value warpgroups load a share
     for s in gl.static_range(P_STAGES):
         mbarrier.init(p_ready.index(s), count=1)
         mbarrier.init(p_empty.index(s), count=2)
 
     gl.warp_specialize([
-        (_scorer, (q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem,
-                   ml_smem, q_ready, kv_ready, kv_empty, p_ready, p_empty, done, block_table_ptr, stride_bt,
-                   seq * num_heads + head0, seq, lo, hi, num_tiles, block_size, qk_scale, L_HALF, BLOCK_N,
-                   NUM_STAGES, P_STAGES)),
-        (_valuer, (0, c_smem, p_smem, alpha_smem, ml_smem, kv_ready, kv_empty, p_ready, p_empty, done, out_ptr,
-                   lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads, num_tiles, stride_o_b,
-                   stride_o_h, stride_lse_b, stride_lse_h, L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS,
-                   RETURN_LSE)),
-        (_valuer, (1, c_smem, p_smem, alpha_smem, ml_smem, kv_ready, kv_empty, p_ready, p_empty, done, out_ptr,
-                   lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads, num_tiles, stride_o_b,
-                   stride_o_h, stride_lse_b, stride_lse_h, L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS,
-                   RETURN_LSE)),
+        (_scorer, (q_desc, qpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready,
+                   kv_ready, p_ready, p_empty, done, seq * num_heads + head0, lo, hi, num_tiles, qk_scale, L_HALF,
+                   BLOCK_N, NUM_STAGES, P_STAGES)),
+        (_valuer, (0, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
+                   done, block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq,
+                   head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE)),
+        (_valuer, (1, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
+                   done, block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq,
+                   head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE)),
     ], [4, 4], [168, 168])
