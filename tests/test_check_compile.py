@@ -24,7 +24,8 @@ from tripath import ops
 from tripath.bench import check_compile as cc
 from tripath.bench import compile_scenarios as scen
 from tripath.bench.compile_inspect import (CompileResult, amd_code_stats, count_dots, count_fma_dots,
-                                           cuobjdump_usage, ptx_matrix_instrs, ptxas_spills)
+                                           cuobjdump_usage, ptx_matrix_instrs, ptxas_spills,
+                                           ptxas_wgmma_serialised)
 from tripath.bench.compile_scenarios import KERNEL_ROLES, Scenario
 from tripath.ops._launch import launch
 from tripath.platform import MI300X, fp8_dtype
@@ -238,6 +239,15 @@ def test_nvidia_readers():
     ptx = "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {...};\nmma.sync.aligned.m16n8k16.row.col {...};"
     assert ptx_matrix_instrs(ptx) == (2, "wgmma+mma")
     assert ptx_matrix_instrs("fma.rn.f32 %f1, %f2, %f3, %f4;") == (0, "wgmma/mma")
+    # ptxas -v on the Gluon MLA decode kernel with a score accumulator carried in flight across its loop's
+    # back edge (2026-11-29; that build ran 1.4x slower on the H200)
+    log = ("ptxas info    : (C7514) Potential Performance Loss: wgmma.mma_async instructions are serialized due to "
+           "non wgmma instructions reading accumulator registers of  a wgmma between start and end of the "
+           "pipeline stage in the function 'mla_decode_sm90_kernel'\nptxas info    : Used 168 registers")
+    assert ptxas_wgmma_serialised(log) == ["wgmma.mma_async instructions are serialized due to non wgmma "
+                                           "instructions reading accumulator registers of  a wgmma between "
+                                           "start and end of the pipeline stage"]
+    assert ptxas_wgmma_serialised("ptxas info    : Used 168 registers, used 4 barriers") == []
 
 
 def test_dot_counting_and_fma_detection():
@@ -278,6 +288,9 @@ def test_verdicts():
     assert "declares no matrix stage" in _result("merge_states_kernel", dots=1).failures[0][1]
     assert _result("mystery_kernel", dots=0).failures[0][0] == "undeclared"
     assert _result(error="NameError: x\nmore").failures == [("compile", "NameError: x")]
+    serialised = _result(target="sm90", serialised_wgmma=["wgmma.mma_async instructions are serialized"])
+    assert serialised.failures == [("wgmma", "ptxas serialised the asynchronous wgmma: wgmma.mma_async "
+                                             "instructions are serialized")]
 
 
 def test_deliberate_findings_are_reported_not_failed(monkeypatch):

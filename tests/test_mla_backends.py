@@ -244,8 +244,9 @@ def test_selection():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("name", ["mla", "mla_triton"])
-def test_deepseek_bf16_gpu(name, kv_cache_dtype):
-    spec = mla_spec(DEEPSEEK, heads=16, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, block_size=64,
+@pytest.mark.parametrize("heads", [16, 128])  # 128: the Gluon decode kernel on sm_90 (16-bit cache)
+def test_deepseek_bf16_gpu(name, kv_cache_dtype, heads):
+    spec = mla_spec(DEEPSEEK, heads=heads, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, block_size=64,
                     extend_chunk_budget=2048)
     check_against_torch(name, spec, [(4000, 1), (1500, 1), (3000, 200), (900, 64), (0, 300), (60, 1)],
                         q_scale=torch.tensor([0.05], device=DEVICE) if kv_cache_dtype == "fp8" else None)

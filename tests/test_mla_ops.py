@@ -433,7 +433,7 @@ def test_mla_decode_bad_input():
         mla_decode(q.to(FP8), cache.to(FP8), bt, lens, sm_scale=0.1, kv_scale=scale_tensor(1.0))
     with pytest.raises(TypeError, match="an fp8 q .* needs an fp8 kv_cache of the same dtype"):
         mla_decode(q.to(FP8), cache, bt, lens, sm_scale=0.1, q_scale=scale_tensor(1.0))
-    with pytest.raises(ValueError, match=r"variant='flash' is not supported; supported: packed, grouped, per_head"):
+    with pytest.raises(ValueError, match=r"variant='flash' is not supported; supported: auto, gluon, packed, grouped, per_head"):
         mla_decode(q, cache, bt, lens, sm_scale=0.1, variant="flash")
     with pytest.raises(ValueError, match="num_splits must be between 1 and 256, got 0"):
         mla_decode(q, cache, bt, lens, sm_scale=0.1, num_splits=0)
@@ -564,9 +564,9 @@ def test_one_buffer_transposed_descriptor_tiles_are_refused(monkeypatch):
     assert _packed_tiles(H200, cache, 16, L, L, R, False, False).swap_ab
 
 
-def test_mla_decode_gluon_variant_launch_and_errors():
-    """``variant="gluon"`` (sm_90 work in progress): recorded on the H200 description with its grid and
-    descriptors; a clear error elsewhere and for shapes it does not cover."""
+def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
+    """``variant="gluon"``: recorded on the H200 description with its grid and descriptors; a clear error
+    elsewhere and for shapes it does not cover. ``"auto"`` (the default) takes it exactly where it applies."""
     from tripath.ops._launch import capture_launches
     from tripath.platform import H200, MI300X, override_platform
     seq_lens = torch.tensor([100, 64], dtype=torch.int32)
@@ -580,6 +580,19 @@ def test_mla_decode_gluon_variant_launch_and_errors():
     with override_platform(H200), capture_launches(), pytest.raises(ValueError, match="multiple of 64 heads"):
         mla_decode(q[:, :16], cache, table, seq_lens, sm_scale=0.1, variant="gluon")
     with override_platform(MI300X), capture_launches(), pytest.raises(ValueError, match="needs sm_90"):
+        mla_decode(q, cache, table, seq_lens, sm_scale=0.1, variant="gluon")
+
+    def first_kernel(platform, q, cache):
+        with override_platform(platform), capture_launches() as records:
+            mla_decode(q, cache, table, seq_lens, sm_scale=0.1, num_splits=1)
+        return records[0].name
+    assert first_kernel(H200, q, cache) == "mla_decode_sm90_kernel"
+    assert first_kernel(H200, q[:, :16], cache) == "mla_decode_kernel"  # 16 heads: packed tiles
+    assert first_kernel(H200, q, cache[:, :16]) == "mla_decode_kernel"  # block size 16
+    assert first_kernel(MI300X, q, cache) == "mla_decode_kernel"
+    monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")
+    assert first_kernel(H200, q, cache) == "mla_decode_kernel"
+    with override_platform(H200), capture_launches(), pytest.raises(ValueError, match="TRIPATH_DISABLE_GLUON"):
         mla_decode(q, cache, table, seq_lens, sm_scale=0.1, variant="gluon")
 
 

@@ -243,6 +243,8 @@ def evaluate(result: CompileResult, target: Target, strict_sgpr: bool = False) -
             else:
                 found.append(("spill", f"{result.scratch_bytes} B local memory, "
                                        f"{result.spill_store_bytes} B spill stores"))
+        for note in result.serialised_wgmma:
+            found.append(("wgmma", f"ptxas serialised the asynchronous wgmma: {note}"))
         if (result.shared_bytes or 0) > target.shared_limit:
             found.append(("shared", f"{result.shared_bytes} B shared memory > {target.shared_limit} B on "
                                     f"{target.label}"))

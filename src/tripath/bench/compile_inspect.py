@@ -89,6 +89,7 @@ class CompileResult:
     matrix_instrs: int = 0  # v_mfma / wgmma / mma.sync instructions in the machine code
     matrix_kind: str = ""
     warnings: list[str] = field(default_factory=list)
+    serialised_wgmma: list[str] = field(default_factory=list)  # ptxas "Potential Performance Loss" notes
     failures: list[tuple[str, str]] = field(default_factory=list)
     deliberate: list[tuple[str, str]] = field(default_factory=list)
 
@@ -315,6 +316,14 @@ def ptxas_spills(text: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def ptxas_wgmma_serialised(text: str) -> list[str]:
+    """ptxas's notes (``-v``) that it serialised asynchronous ``wgmma``: a non-wgmma instruction touches an
+    accumulator in flight (C7514/C7515), e.g. one carried across a loop's back edge, and every ``wgmma`` of
+    the kernel then waits for the one before it."""
+    return sorted({re.sub(r"\s+in the function.*", "", m.group(1)).strip()
+                   for m in re.finditer(r"Potential Performance Loss: (wgmma[^\n]*)", text)})
+
+
 def _fill_nvidia(result: CompileResult, ptx: str, cubin: bytes, arch: int) -> None:
     import triton.knobs as knobs
 
@@ -330,11 +339,12 @@ def _fill_nvidia(result: CompileResult, ptx: str, cubin: bytes, arch: int) -> No
         result.scratch_bytes = usage.get("LOCAL", 0) + usage.get("STACK", 0)
         result.shared_bytes = (result.shared_bytes or 0) + usage.get("SHARED", 0)
         result.spill_store_bytes = 0
-        if result.scratch_bytes:
+        if result.scratch_bytes or "wgmma.mma_async" in ptx:
             ptx_path = os.path.join(tmp, "kernel.ptx")
             with open(ptx_path, "w") as f:
                 f.write(ptx)
             suffix = "a" if int(arch) >= 90 else ""
             log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{arch}{suffix}", ptx_path, "-o",
                                   os.path.join(tmp, "kernel.o")], capture_output=True, text=True)
-            result.spill_store_bytes = ptxas_spills(log.stderr + log.stdout)
+            result.spill_store_bytes = ptxas_spills(log.stderr + log.stdout) or 0
+            result.serialised_wgmma = ptxas_wgmma_serialised(log.stderr + log.stdout)

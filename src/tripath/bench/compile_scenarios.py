@@ -385,7 +385,7 @@ def all_scenarios() -> list[Scenario]:
                            num_heads=heads_, fp8_cache=fp8_cache, fp8_query=fp8_query))
         rows.append(_s(f"MLA decode packed H={heads_} bf16 block 16", _build_mla_decode, num_heads=heads_,
                        fp8_cache=False, fp8_query=False, block_size=16))
-    rows.append(_s("MLA decode gluon H=128 bf16 (sm_90, work in progress)", _build_mla_decode, ci=True,
+    rows.append(_s("MLA decode gluon H=128 bf16 (sm_90)", _build_mla_decode, ci=True,
                    targets=("sm90",), num_heads=128, fp8_cache=False, fp8_query=False, variant="gluon"))
     for fp8 in (False, True):
         tag = "kv=fp8" if fp8 else "bf16"

@@ -194,8 +194,9 @@ def _mla_table(batch, ctx, block_size, dev, width=576):
 
 
 def bench_mla_decode(report: Report) -> None:
-    """Absorbed MLA decode: the tuned head-packed configuration (``mla``) vs the plain 16-head grouped one
-    (``mla_triton``; the one-head-per-program variant is far slower and left out)."""
+    """Absorbed MLA decode: the warp-specialised Gluon kernel (``mla`` on sm_90 at 64/128 heads), the tuned
+    head-packed configuration (``mla`` elsewhere) and the plain 16-head grouped one (``mla_triton``; the
+    one-head-per-program variant is far slower and left out)."""
     from tripath.ops import mla_decode
     dev = torch.device("cuda")
     cases = [(16, 64, 4096, 64), (16, 64, 16384, 64), (16, 8, 32768, 64), (16, 64, 4096, 16), (128, 64, 4096, 64)]
@@ -210,7 +211,7 @@ def bench_mla_decode(report: Report) -> None:
             try:
                 us = _bench_graph(lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
                                                      variant=variant))
-            except ValueError as exc:  # "gluon" off sm_90 (work in progress)
+            except ValueError as exc:  # "gluon" off sm_90 or with TRIPATH_DISABLE_GLUON
                 report.errors.append(f"bench_mla_decode: {variant}: {exc}")
                 continue
             compute_bound = heads >= 64

@@ -122,7 +122,7 @@ def tune_mla(top: int = 8) -> list[str]:
                    "TMA": tma, "SWAP_AB": swap, "PREFETCH": prefetch}
             us = _measure("mla_decode_config", cfg,
                           lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
-                                             num_splits=splits),
+                                             num_splits=splits, variant="packed"),
                           f"mla H{heads} {batch}x{ctx} splits={splits}", lines, _mla_configs, timer=_bench_graph)
             if us is not None:
                 results.append((us, cfg, splits))

@@ -1,14 +1,16 @@
-"""Launcher of the warp-specialised Gluon MLA decode kernel (``mla_decode(..., variant="gluon")``, sm_90).
-WORK IN PROGRESS: compiled for sm_90 on the CPU, not yet run on a GPU."""
+"""Launcher of the warp-specialised Gluon MLA decode kernel (``mla_decode(..., variant="gluon")``, sm_90, and
+``variant="auto"`` wherever :func:`gluon_unsupported` finds nothing against it)."""
 
 from __future__ import annotations
 
 import torch
 
+from tripath import _env
+from tripath.ops._varlen_sm90 import gluon_available
 from tripath.platform import Platform
 
 BLOCK_N = 32  # cache rows per tile (a stage: 32 x 576 x 2 B = 36 KiB)
-NUM_STAGES = 4  # 4 x 36 KiB + the query (72 KiB) + p: 226 KiB of the 227
+NUM_STAGES = 4  # 4 x 36 KiB + the query (72 KiB) + p: 226 KiB of the 227. H200: 3 stages 285 us, 4: 189 us
 P_STAGES = 2
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
 
@@ -18,6 +20,10 @@ def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tenso
     num_heads, width = q.shape[1], q.shape[2]
     if not platform.is_hopper:
         return f"needs sm_90, got {platform.backend} {platform.arch}"
+    if _env.gluon_disabled():
+        return "is off: TRIPATH_DISABLE_GLUON is set"
+    if not gluon_available():
+        return "needs triton.experimental.gluon with its Hopper module (Triton 3.6 or newer)"
     if q.dtype not in (torch.float16, torch.bfloat16) or kv_cache.dtype != q.dtype:
         return f"needs a 16-bit query and cache of one dtype, got {q.dtype} / {kv_cache.dtype}"
     if kv_lora_rank != 512 or width - kv_lora_rank != 64:

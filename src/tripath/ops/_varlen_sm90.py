@@ -24,7 +24,8 @@ NUM_STAGES = 2  # K and V buffers each
 MAXNREG = 168
 
 
-def _gluon_available() -> bool:
+def gluon_available() -> bool:
+    """Whether this Triton ships Gluon's Hopper module (``warpgroup_mma``, TMA, mbarriers)."""
     try:
         from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
     except ImportError:
@@ -64,7 +65,7 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
         return "window, softcap, ALiBi or sinks"
     if not all(_descriptor_ready(t) for t in (q, k, v, q_rope, k_rope) if t is not None):
         return "strides or alignment rule out TMA descriptors"
-    if not _gluon_available():
+    if not gluon_available():
         return "this Triton has no Gluon Hopper API"
     return None
 

@@ -31,7 +31,7 @@ from tripath.ops.rotary import check_rotary_table
 from tripath.platform import FP8_DTYPES, current_platform, fp8_max
 
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
-DECODE_VARIANTS = ("packed", "grouped", "per_head", "gluon")
+DECODE_VARIANTS = ("auto", "gluon", "packed", "grouped", "per_head")
 
 
 def _block(n: int) -> int:
@@ -392,7 +392,7 @@ def _build_cache_descriptors(kv_cache, kv_lora_rank, block_l, block_r, block_v, 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                kv_lora_rank: int = 512, sm_scale: float, kv_scale: torch.Tensor | None = None,
-               q_scale: torch.Tensor | None = None, num_splits: int | None = None, variant: str = "packed",
+               q_scale: torch.Tensor | None = None, num_splits: int | None = None, variant: str = "auto",
                out: torch.Tensor | None = None, return_lse: bool = False):
     """Absorbed MLA decode: every query head of a request against its latent cache rows.
 
@@ -404,9 +404,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_table : ``[B, max_blocks]`` int32; seq_lens : ``[B]`` int32, rows to attend (the new one included).
     sm_scale : required; ``1/sqrt(qk_nope + qk_rope)`` (times the yarn mscale²) for DeepSeek.
     num_splits : KV splits per request; None picks one from the batch, the heads and the GPU.
-    variant : ``"packed"`` (heads packed into tensor-core tiles, each row read once per head block; tiles
-        tuned per head count), ``"grouped"`` (the same kernel with the plain 16-head tiles for every head
-        count: the baseline backend's choice) or ``"per_head"`` (one head per program, CUDA-core math).
+    variant : ``"auto"`` (``"gluon"`` where it applies, else ``"packed"``), ``"gluon"`` (sm_90, 16-bit, L 512
+        and R 64, a multiple of 64 heads, block size a multiple of 32: the warp-specialised kernel of
+        :mod:`tripath.kernels.mla_decode_sm90`, which computes each score once), ``"packed"`` (heads packed
+        into tensor-core tiles, each row read once per head block; tiles tuned per head count),
+        ``"grouped"`` (the same kernel with the plain 16-head tiles for every head count: the baseline
+        backend's choice) or ``"per_head"`` (one head per program, CUDA-core math).
 
     Returns ``out [B, H, L]`` (q's dtype; bf16 for an fp8 q unless ``out`` says otherwise), and
     ``lse [B, H]`` fp32 (natural log; −inf for empty requests, whose output is 0) when ``return_lse``.
@@ -428,6 +431,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                                   device=device)
     platform = current_platform(device)
     block_l, block_r = _block(kv_lora_rank), _block(width - kv_lora_rank)
+    if variant == "auto":
+        variant = "packed" if gluon_unsupported(platform, q, kv_cache, kv_lora_rank) else "gluon"
     if variant == "gluon":
         reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank)
         if reason is not None:

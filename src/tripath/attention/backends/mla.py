@@ -2,8 +2,9 @@
 
 Decode tokens take the absorbed path: ``q_nope · W_UK``, then the fused preparation kernel (RoPE, query
 concat / fp8 quantisation and cache write in one launch) whenever :meth:`fused_prep_reasons` finds nothing
-against it — otherwise the unfused ops run, with the same bits — then the head-packed tensor-core decode
-kernel and ``· W_UV``. Prefill and extend run non-absorbed (see :mod:`.mla_common`).
+against it — otherwise the unfused ops run, with the same bits — then ``mla_decode(variant="auto")`` (the
+warp-specialised Gluon kernel on sm_90 with 64 or 128 heads, the head-packed tensor-core kernel elsewhere)
+and ``· W_UV``. Prefill and extend run non-absorbed (see :mod:`.mla_common`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from tripath.attention.backends.mla_common import MLABackendBase
 
 class MLABackend(MLABackendBase):
     name = "mla"
-    decode_variant = "packed"
+    decode_variant = "auto"
     fused_prep = True
 
     def __init__(self, spec, device="cpu", *, fused_prep: bool = True):
