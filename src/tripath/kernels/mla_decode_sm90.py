@@ -7,8 +7,8 @@ score product is computed once per tile and shared, so no product runs twice (th
 
 - a **score** warpgroup (the default partition) loads the 64 query rows once (TMA) and, per
   ``BLOCK_N``-row cache tile, computes ``s = q_lat · c_latᵀ + q_pe · c_peᵀ`` on ``wgmma``, the online
-  softmax, and hands ``p`` (16-bit) and the row rescale ``alpha`` on through a ring of shared buffers. The
-  next tile's scores run on the tensor cores during this tile's softmax;
+  softmax, and hands ``p`` (16-bit) and the row rescale ``alpha`` on through a ring of shared buffers; then
+  it issues the next tile's scores, which run on the tensor cores beside this tile's value products;
 - two **value** warpgroups: each owns half of the ``L`` output columns, ``o_half = o_half · alpha + p ·
   c_lat[:, half]``, and loads its own half of each tile (warpgroup 0 also the rotary part) into a ring of
   ``NUM_STAGES`` slots: as soon as its product of tile ``i − 1`` completes, it refills that slot with
@@ -16,8 +16,9 @@ score product is computed once per tile and shared, so no product runs twice (th
   loader warp would leave the three warpgroups fewer than the 168 registers a thread they need.
 
 Shared memory: the query 72 KiB + 4 stages × 36 KiB + p: 226 KiB. The stage count decides the speed (H200,
-128 heads, 64 × 4096: 3 stages 285 µs, 4 stages 189 µs); the loop must not carry a ``wgmma`` accumulator
-in flight across its back edge (ptxas then serialises every ``wgmma``: 373 µs).
+128 heads, 64 × 4096: 3 stages 285 µs, 4 stages 189 µs). No ``wgmma`` accumulator may stay in flight across
+the loop's back edge: ptxas then serialises every ``wgmma`` (a build that did ran 373 µs; check-compile
+fails such builds).
 
 Math (log2 domain, ``c = sm_scale · log2 e``)::
 
@@ -97,37 +98,38 @@ def _scorer(q_desc, qpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_
     m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HEADS], gl.float32, row_s)
     mbarrier.wait(q_ready, 0)
+    s = zero_s
     if num_tiles > 0:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(0, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready,
                                                                 zero_s, NUM_STAGES), ))
-        for i in range(num_tiles):
-            stage = i % NUM_STAGES
-            # Tile i + 1's scores run on the tensor cores during this tile's softmax and are awaited at the end
-            # of the iteration: an accumulator still in flight across the loop's back edge, or a wgmma issued
-            # under a condition, makes ptxas serialise every wgmma. So the last tile issues its own again.
-            s_tok = _scores(gl.minimum(i + 1, num_tiles - 1), q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s,
-                            NUM_STAGES)
-            start = lo + i * BLOCK_N
-            n_valid = hi - start
-            if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
-                s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
-                rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl_layout))
-                for half in gl.static_range(2):
-                    buf = c_smem.index(2 * stage + half)
-                    tile = buf.load(zl_layout)
-                    buf.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-            alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
-            p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            m_i = m_new
-            slot = i % P_STAGES
-            mbarrier.wait(p_empty.index(slot), ((i // P_STAGES) & 1) ^ 1)
-            p_smem.index(slot).store(p.to(p_smem.dtype))
-            alpha_smem.index(slot).store(alpha)
-            fence_async_shared()  # p and the zeroed rows are read by wgmma (the async proxy)
-            mbarrier.arrive(p_ready.index(slot), count=1)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))  # tile i + 1's scores
+    for i in range(num_tiles):
+        stage = i % NUM_STAGES
+        start = lo + i * BLOCK_N
+        n_valid = hi - start
+        if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
+            s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
+            rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl_layout))
+            for half in gl.static_range(2):
+                buf = c_smem.index(2 * stage + half)
+                tile = buf.load(zl_layout)
+                buf.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        slot = i % P_STAGES
+        mbarrier.wait(p_empty.index(slot), ((i // P_STAGES) & 1) ^ 1)
+        p_smem.index(slot).store(p.to(p_smem.dtype))
+        alpha_smem.index(slot).store(alpha)
+        fence_async_shared()  # p and the zeroed rows are read by wgmma (the async proxy)
+        mbarrier.arrive(p_ready.index(slot), count=1)
+        # The next tile's scores run on the tensor cores beside this tile's value products. Issued only now,
+        # after p is handed on: waiting for the next tile to land before this softmax would hold the value
+        # warpgroups, and with them the refill of the ring, back by a tile.
+        if i + 1 < num_tiles:
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(i + 1, q_smem, qpe_smem, c_smem, cpe_smem,
+                                                                    kv_ready, zero_s, NUM_STAGES), ))
     ml_smem.index(0).store(m_i)
     ml_smem.index(1).store(l_i)
     mbarrier.arrive(done, count=1)
