@@ -506,10 +506,12 @@ def test_mla_decode_descriptor_path_gpu(num_heads, num_splits):
     poison_unused_rows(cache, block_table, seq_lens)
     q = torch.randn(len(seq_lens), num_heads, L + R, dtype=torch.bfloat16, device=DEVICE)
     with capture_launches() as records:
-        mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), sm_scale=0.1)
+        mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), sm_scale=0.1,
+                   variant="packed")
     assert records[0].kwargs["USE_TMA"] is True
     assert records[0].kwargs["PREFETCH"] == (2 if num_heads == 16 else 0)
-    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.bfloat16], num_splits=num_splits)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.bfloat16], num_splits=num_splits,
+                 variant="packed")
 
 
 @pytest.mark.gpu
