@@ -35,17 +35,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
+
 LN2 = gl.constexpr(0.6931471805599453)
 HEADS = gl.constexpr(64)  # query heads per program: one warpgroup's wgmma rows
-
-
-@gluon.jit
-def _split_range(seq_len, split, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """This split's share ``[lo, hi)`` of ``seq_len`` rows, in whole tiles."""
-    tiles_per_split = gl.cdiv(gl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    lo = split * tiles_per_split * BLOCK_N
-    hi = gl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
-    return lo, hi
 
 
 @gluon.jit

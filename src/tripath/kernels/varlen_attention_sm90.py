@@ -26,9 +26,9 @@ num_queries_per_kv``), output ``[Tq, Hq, D]``, LSE ``[Tq, Hq]``. With ``HAS_ROPE
 part (MLA's decoupled rotary dims): ``qr [Tq, Hq, R]``, ``kr [Tk, Hr, R]`` with ``Hr`` the KV heads or one
 rotary key shared by all (head stride 0), loaded beside Q and K under the same barriers. A tile that reaches
 past its request reads the next request's rows (or TMA's zero fill past the tensor); those scores are masked
-and those query rows are not stored. The value rows there still enter the value product, with probability 0,
-so they must be finite: 0 · NaN is NaN. The next request's rows are; rows past the last request are the
-caller's (the backends pass the gathered rows only; the portable kernel zeroes such rows instead).
+and those query rows are not stored. The value rows there would still enter the value product with
+probability 0, and 0 · NaN is NaN, so warpgroup 0 zeroes them in shared memory first (``_clean_last_values``):
+rows outside the requests may hold anything.
 
 Supported: fp16/bf16, ``D`` = 64 or 128, ``R`` = 32 or 64, causal (bottom-right, or from ``q_start``) or
 not. Windows, softcap, ALiBi and sinks stay on the portable kernel (see the launcher).

@@ -83,8 +83,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     On sm_90 the warp-specialised Gluon kernel (:mod:`tripath.kernels.varlen_attention_sm90`) runs where
     :func:`tripath.ops._varlen_sm90.sm90_unsupported` allows it (16-bit heads of 64/128, an optional rotary
     part of 32/64, no window/softcap/ALiBi/sinks, more than 1024 keys); the portable kernel otherwise.
-    There, rows of ``k``/``v`` past ``cu_seqlens_k[-1]`` must hold finite values (the last key tile reads
-    them with probability 0; NaN · 0 is NaN): pass exactly the requests' rows, as the backends do.
+    Both ignore rows of ``k``/``v`` outside the requests, whatever they hold (NaN included).
 
     Returns
     -------
