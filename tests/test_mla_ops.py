@@ -599,14 +599,15 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_heads,block_size,num_splits", [(128, 64, 1), (128, 64, 3), (64, 32, None),
-                                                             (128, 64, None)])
-def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits):
+@pytest.mark.parametrize("num_heads,block_size,num_splits,dtype", [
+    (128, 64, 1, torch.bfloat16), (128, 64, 3, torch.bfloat16), (64, 32, None, torch.bfloat16),
+    (128, 64, None, torch.bfloat16), (64, 128, 2, torch.float16)])
+def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits, dtype):
     """The Gluon kernel against float64: ragged requests (ends inside a tile, one row, a split with no rows)
-    whose pages hold NaN past their ends, several splits."""
+    whose pages hold NaN past their ends, several splits, both 16-bit dtypes."""
     seq_lens = [3000, 1025, 33, 1, 777]
-    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, torch.bfloat16)
+    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, dtype)
     poison_unused_rows(cache, block_table, seq_lens)
-    q = torch.randn(len(seq_lens), num_heads, L + R, dtype=torch.bfloat16, device=DEVICE)
-    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.bfloat16], num_splits=num_splits,
+    q = torch.randn(len(seq_lens), num_heads, L + R, dtype=dtype, device=DEVICE)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[dtype], num_splits=num_splits,
                  variant="gluon")
