@@ -5,7 +5,8 @@ head blocks of a 128-head request run side by side, so the second read of a row 
 score product is computed once per tile and shared, so no product runs twice (the portable kernel's
 128-head tiles compute the scores once per 256-wide half of the value, 1.5x the FLOPs):
 
-- a **score** warpgroup (the default partition) loads the 64 query rows once (TMA) and, per
+- a **score** warpgroup (the default partition) loads the 64 query rows once (the second latent half by TMA
+  into shared memory, the first half and the rotary part into registers as ``wgmma`` A operands) and, per
   ``BLOCK_N``-row cache tile, computes ``s = q_lat · c_latᵀ + q_pe · c_peᵀ`` on ``wgmma``, the online
   softmax, and hands ``p`` (16-bit) and the row rescale ``alpha`` on through a ring of shared buffers; then
   it issues the next tile's scores, which run on the tensor cores beside this tile's value products;
@@ -15,10 +16,11 @@ score product is computed once per tile and shared, so no product runs twice (th
   tile ``i − 1 + NUM_STAGES`` (page from the block table; ``BLOCK_N`` divides the block size). A separate
   loader warp would leave the three warpgroups fewer than the 168 registers a thread they need.
 
-Shared memory: the query 72 KiB + 4 stages × 36 KiB + p: 226 KiB. The stage count decides the speed (H200,
-128 heads, 64 × 4096: 3 stages 285 µs, 4 stages 189 µs). No ``wgmma`` accumulator may stay in flight across
-the loop's back edge: ptxas then serialises every ``wgmma`` (a build that did ran 373 µs; check-compile
-fails such builds).
+Shared memory: 5 stages × 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB. The stage count
+decides much of the speed (H200, 128 heads, 64 × 4096: 3 stages 285 µs, 4 stages 189 µs with the whole
+query in shared memory, 5 stages 182 µs with part of it in registers). No ``wgmma`` accumulator may stay in
+flight across the loop's back edge: ptxas then serialises every ``wgmma`` (a build that did ran 373 µs;
+check-compile fails such builds).
 
 Math (log2 domain, ``c = sm_scale · log2 e``)::
 
@@ -60,32 +62,38 @@ def _load_half(i, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, block_tabl
 
 
 @gluon.jit
-def _scores(i, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES: gl.constexpr):
+def _scores(i, q_reg, q_smem, qpe_reg, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES: gl.constexpr):
     """Issue (asynchronously) the scores of cache tile ``i`` once it has landed:
-    ``q_lat · c_latᵀ`` (two halves) ``+ q_pe · c_peᵀ``."""
+    ``q_lat · c_latᵀ`` (first half from registers, second from shared memory) ``+ q_pe · c_peᵀ`` (``q_pe``
+    from registers)."""
     stage = i % NUM_STAGES
     mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
-    s_tok = warpgroup_mma(q_smem.index(0), c_smem.index(2 * stage).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-    s_tok = warpgroup_mma(q_smem.index(1), c_smem.index(2 * stage + 1).permute((1, 0)), s_tok, is_async=True)
-    return warpgroup_mma(qpe_smem, cpe_smem.index(stage).permute((1, 0)), s_tok, is_async=True)
+    s_tok = warpgroup_mma(q_reg, c_smem.index(2 * stage).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q_smem, c_smem.index(2 * stage + 1).permute((1, 0)), s_tok, is_async=True)
+    return warpgroup_mma(qpe_reg, cpe_smem.index(stage).permute((1, 0)), s_tok, is_async=True)
 
 
 @gluon.jit
-def _scorer(q_desc, qpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready, kv_ready,
-            p_ready, p_empty, done, q_row, lo, hi, num_tiles, qk_scale, L_HALF: gl.constexpr,
-            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr):
-    """The score warpgroup: it also issues the loads (the query rows, then each cache tile
-    ``NUM_STAGES − 1`` tiles ahead); per tile, the scores, the online softmax, ``p`` and ``alpha`` handed
-    on; at the end the row maxima and sums (``ml_smem [2, HEADS]``)."""
-    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + qpe_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row, L_HALF], q_ready, q_smem.index(1))
-    tma.async_copy_global_to_shared(qpe_desc, [q_row, 2 * L_HALF], q_ready, qpe_smem)
+def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready,
+            kv_ready, p_ready, p_empty, done, q_row, lo, hi, num_tiles, qk_scale, L_HALF: gl.constexpr,
+            ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr):
+    """The score warpgroup: the query rows (the second latent half by TMA, the rest into registers), then
+    per tile the scores, the online softmax, ``p`` and ``alpha`` handed on; at the end the row maxima and
+    sums (``ml_smem [2, HEADS]``)."""
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, L_HALF], q_ready, q_smem)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
+    # The first latent half and the rotary part of the query live in registers (A operands of their score
+    # products), so their 40 KiB of shared memory hold a fifth cache stage instead.
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    q_rows = gl.expand_dims((q_row + gl.arange(0, HEADS, layout=gl.SliceLayout(1, a_layout))).to(gl.int64), 1)
+    q_cols = gl.expand_dims(gl.arange(0, L_HALF, layout=gl.SliceLayout(0, a_layout)), 0)
+    pe_cols = gl.expand_dims(gl.arange(0, ROPE, layout=gl.SliceLayout(0, a_layout)), 0)
+    q_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + q_cols)
+    qpe_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + 2 * L_HALF + pe_cols)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    zl_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [BLOCK_N, L_HALF] rows
+    zl_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [8, L_HALF] rows
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HEADS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)
@@ -93,19 +101,20 @@ def _scorer(q_desc, qpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_
     mbarrier.wait(q_ready, 0)
     s = zero_s
     if num_tiles > 0:
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(0, q_smem, qpe_smem, c_smem, cpe_smem, kv_ready,
-                                                                zero_s, NUM_STAGES), ))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(0, q_reg, q_smem, qpe_reg, c_smem, cpe_smem,
+                                                                kv_ready, zero_s, NUM_STAGES), ))
     for i in range(num_tiles):
         stage = i % NUM_STAGES
         start = lo + i * BLOCK_N
         n_valid = hi - start
         if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
             s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
-            rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, zl_layout))
             for half in gl.static_range(2):
-                buf = c_smem.index(2 * stage + half)
-                tile = buf.load(zl_layout)
-                buf.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
+                for c in gl.static_range(BLOCK_N // 8):  # 8 rows at a time: few registers beside the query
+                    rows = c * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, zl_layout))
+                    chunk = c_smem.index(2 * stage + half).slice(c * 8, 8)
+                    tile = chunk.load(zl_layout)
+                    chunk.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
@@ -121,8 +130,8 @@ def _scorer(q_desc, qpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_
         # after p is handed on: waiting for the next tile to land before this softmax would hold the value
         # warpgroups, and with them the refill of the ring, back by a tile.
         if i + 1 < num_tiles:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(i + 1, q_smem, qpe_smem, c_smem, cpe_smem,
-                                                                    kv_ready, zero_s, NUM_STAGES), ))
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(i + 1, q_reg, q_smem, qpe_reg, c_smem,
+                                                                    cpe_smem, kv_ready, zero_s, NUM_STAGES), ))
     ml_smem.index(0).store(m_i)
     ml_smem.index(1).store(l_i)
     mbarrier.arrive(done, count=1)
@@ -186,14 +195,14 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
 
 @gluon.jit
 def mla_decode_sm90_kernel(
-    q_desc, qpe_desc, c_desc, cpe_desc, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, part_out_ptr,
+    q_ptr, q_desc, c_desc, cpe_desc, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, part_out_ptr,
     part_lse_ptr, qk_scale, stride_bt, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, block_size,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
     RETURN_LSE: gl.constexpr,
 ):
     """Grid ``(H / 64, B, NUM_SPLITS)``; ``num_warps=4`` (the score warpgroup; the two value
-    warpgroups are extra warps). ``q_desc``: ``[B·H, L + R]`` with ``[64, L/2]`` boxes,
-    ``qpe_desc`` the same rows with ``[64, R]`` boxes; ``c_desc``/``cpe_desc``: the cache rows
+    warpgroups are extra warps). ``q_ptr``/``q_desc``: ``[B·H, L + R]`` contiguous, with ``[64, L/2]``
+    boxes; ``c_desc``/``cpe_desc``: the cache rows
     ``[blocks · block_size, L + R]`` with ``[BLOCK_N, L/2]`` and ``[BLOCK_N, R]`` boxes."""
     L_HALF: gl.constexpr = q_desc.block_type.shape[1]
     head0 = gl.program_id(0) * HEADS  # the head blocks of a request run side by side: the second reads from L2
@@ -203,8 +212,7 @@ def mla_decode_sm90_kernel(
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, HEADS, L_HALF], q_desc.layout)
-    qpe_smem = gl.allocate_shared_memory(dtype, qpe_desc.block_type.shape, qpe_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [HEADS, L_HALF], q_desc.layout)  # the second latent half
     c_smem = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, BLOCK_N, L_HALF], c_desc.layout)
     cpe_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, cpe_desc.block_type.shape[1]],
                                          cpe_desc.layout)
@@ -227,9 +235,9 @@ def mla_decode_sm90_kernel(
         mbarrier.init(p_empty.index(s), count=2)
 
     gl.warp_specialize([
-        (_scorer, (q_desc, qpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready,
-                   kv_ready, p_ready, p_empty, done, seq * num_heads + head0, lo, hi, num_tiles, qk_scale, L_HALF,
-                   BLOCK_N, NUM_STAGES, P_STAGES)),
+        (_scorer, (q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready, kv_ready,
+                   p_ready, p_empty, done, seq * num_heads + head0, lo, hi, num_tiles, qk_scale, L_HALF,
+                   cpe_desc.block_type.shape[1], BLOCK_N, NUM_STAGES, P_STAGES)),
         (_valuer, (0, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq,
                    head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,

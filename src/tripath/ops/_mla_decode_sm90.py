@@ -10,7 +10,8 @@ from tripath.ops._varlen_sm90 import gluon_available
 from tripath.platform import Platform
 
 BLOCK_N = 32  # cache rows per tile (a stage: 32 x 576 x 2 B = 36 KiB)
-NUM_STAGES = 4  # 4 x 36 KiB + the query (72 KiB) + p: 226 KiB of the 227. H200: 3 stages 285 us, 4: 189 us
+NUM_STAGES = 5  # 5 x 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB of the 227 (H200, 4 stages
+# with the whole query in shared memory: 189 us at H128 64 x 4096; 3 stages: 285 us)
 P_STAGES = 2
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
 
@@ -56,8 +57,8 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
     q2 = q.reshape(batch * num_heads, width)
     c2 = kv_cache.reshape(kv_cache.shape[0] * kv_cache.shape[1], width)
     launch(
-        mla_decode_sm90_kernel, (num_heads // 64, batch, num_splits),
-        _descriptor(q2, [64, half]), _descriptor(q2, [64, width - kv_lora_rank]),
+        mla_decode_sm90_kernel, (num_heads // 64, batch, num_splits), q2,
+        _descriptor(q2, [64, half]),
         _descriptor(c2, [BLOCK_N, half]), _descriptor(c2, [BLOCK_N, width - kv_lora_rank]),
         block_table, seq_lens, out, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
