@@ -62,6 +62,20 @@ def _load_half(i, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, block_tabl
 
 
 @gluon.jit
+def zero_tail_rows(c_smem, stage, n_valid, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
+    """Zero rows ``n_valid ..`` of both latent halves (``c_smem[2 · stage + half]``, ``[BLOCK_N, L/2]``) of a
+    ring slot, ``CHUNK`` rows at a time: the rows past the request in its last tile, which the value
+    product reads with probability 0 (and 0 · NaN is NaN)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    for half in gl.static_range(2):
+        for c in gl.static_range(BLOCK_N // CHUNK):
+            rows = c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            chunk = c_smem.index(2 * stage + half).slice(c * CHUNK, CHUNK)
+            tile = chunk.load(layout)
+            chunk.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
+
+
+@gluon.jit
 def _scores(i, q_reg, q_smem, qpe_reg, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES: gl.constexpr):
     """Issue (asynchronously) the scores of cache tile ``i`` once it has landed:
     ``q_lat · c_latᵀ`` (first half from registers, second from shared memory) ``+ q_pe · c_peᵀ`` (``q_pe``
@@ -93,7 +107,6 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
     q_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + q_cols)
     qpe_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + 2 * L_HALF + pe_cols)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    zl_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [8, L_HALF] rows
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HEADS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)
@@ -109,12 +122,7 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
         n_valid = hi - start
         if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
             s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
-            for half in gl.static_range(2):
-                for c in gl.static_range(BLOCK_N // 8):  # 8 rows at a time: few registers beside the query
-                    rows = c * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, zl_layout))
-                    chunk = c_smem.index(2 * stage + half).slice(c * 8, 8)
-                    tile = chunk.load(zl_layout)
-                    chunk.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
+            zero_tail_rows(c_smem, stage, n_valid, BLOCK_N, 8)  # 8 rows at a time: few registers beside q
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
