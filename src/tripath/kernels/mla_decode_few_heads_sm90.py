@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
+from tripath.kernels.mla_decode_sm90 import zero_tail_rows
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -69,7 +70,6 @@ def _compute(q_smem, qpe_smem, c_smem, cpe_smem, p_smem, q_ready, kv_ready, kv_e
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEADS, 16])
     head_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-    zl_layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # [16, L_HALF] rows
     rows_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
     zero_s = gl.zeros([BLOCK_N, HEADS], gl.float32, s_layout)
     acc0 = gl.zeros([L_HALF, HEADS], gl.float32, o_layout)
@@ -88,12 +88,7 @@ def _compute(q_smem, qpe_smem, c_smem, cpe_smem, p_smem, q_ready, kv_ready, kv_e
         n_valid = hi - (lo + i * BLOCK_N)
         if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
             s = gl.where(gl.expand_dims(rows_n < n_valid, 1), s, float("-inf"))
-            for half in gl.static_range(2):
-                for c in gl.static_range(BLOCK_N // 16):
-                    rows = c * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, zl_layout))
-                    chunk = c_smem.index(2 * stage + half).slice(c * 16, 16)
-                    tile = chunk.load(zl_layout)
-                    chunk.store(gl.where(gl.expand_dims(rows < n_valid, 1), tile, gl.zeros_like(tile)))
+            zero_tail_rows(c_smem, stage, n_valid, BLOCK_N, 16)
         m_new = gl.maximum(m_i, gl.max(s, axis=0) * qk_scale)
         alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 0))
