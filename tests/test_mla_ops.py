@@ -614,9 +614,9 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     (16, 64, 1, torch.bfloat16), (16, 64, None, torch.bfloat16), (32, 64, 3, torch.bfloat16),
     (8, 128, 2, torch.float16)])  # 8-32 heads: the few-heads kernel (work in progress)
 def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits, dtype):
-    """The Gluon kernel against float64: ragged requests (ends inside a tile, one row, a split with no rows)
-    whose pages hold NaN past their ends, several splits, both 16-bit dtypes."""
-    seq_lens = [3000, 1025, 33, 1, 777]
+    """The Gluon kernels against float64: ragged requests (ends inside a tile, one row, no rows, a split with
+    no rows) whose pages hold NaN past their ends, several splits, both 16-bit dtypes."""
+    seq_lens = [3000, 1025, 33, 1, 0, 777]
     cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, dtype)
     poison_unused_rows(cache, block_table, seq_lens)
     q = torch.randn(len(seq_lens), num_heads, L + R, dtype=dtype, device=DEVICE)
