@@ -182,6 +182,19 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
     mbarrier.wait(done, 0)
     m_i = ml_smem.index(0).load(row_o)
     l_i = ml_smem.index(1).load(row_o)
+    store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
+               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, NUM_SPLITS, RETURN_LSE)
+
+
+@gluon.jit
+def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
+               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr, NUM_SPLITS: gl.constexpr,
+               RETURN_LSE: gl.constexpr):
+    """The epilogue of a warpgroup that holds output columns ``half · L/2 + [0, L/2)`` of 64 heads:
+    ``acc [64, L/2]`` normalised by the row sums ``l_i`` into ``out [B, H, L]`` (one split) or the fp32
+    partials, and (warpgroup of half 0) the LSE from the row maxima ``m_i`` (log2 domain)."""
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     seen = l_i > 0.0
     out = acc * gl.expand_dims(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), 1)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
@@ -199,6 +212,8 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
         gl.store(part_out_ptr + gl.expand_dims(part * (2 * L_HALF), 1) + gl.expand_dims(cols, 0), out, mask=row_ok)
         if half == 0:
             gl.store(part_lse_ptr + part, lse, mask=heads < num_heads)
+
+
 
 
 @gluon.jit
