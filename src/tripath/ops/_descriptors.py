@@ -10,6 +10,16 @@ def row_strides(t: torch.Tensor) -> tuple[int, int]:
     return t.stride(0), t.stride(1) if t.shape[1] > 1 else 0
 
 
+def gluon_descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
+    """A Gluon (sm_90) TMA descriptor over ``t`` viewed as the matrix ``shape``/``strides``, reading
+    ``block`` tiles into shared memory in the default NVMMA (swizzled) layout for the kernels' ``wgmma``."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(t.dtype).split(".")[1]))
+    return TensorDescriptor(t, shape, strides, block, layout)
+
+
 def row_matrix(t: torch.Tensor) -> tuple[int, int, int] | None:
     """``(rows, columns, row stride)`` of the ``[T, (H − 1) · stride_h + D]`` matrix a descriptor reads
     (head ``h`` from column ``h · stride_h``: heads may be strided, as in a packed QKV buffer or MLA's

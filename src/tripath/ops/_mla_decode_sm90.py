@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tripath import _env
+from tripath.ops._descriptors import gluon_descriptor
 from tripath.ops._varlen_sm90 import gluon_available
 from tripath.platform import Platform
 
@@ -57,11 +58,7 @@ def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tenso
 
 
 def _descriptor(t2d: torch.Tensor, block: list[int]):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(t2d.dtype).split(".")[1]))
-    return TensorDescriptor(t2d, list(t2d.shape), list(t2d.stride()), block, layout)
+    return gluon_descriptor(t2d, list(t2d.shape), list(t2d.stride()), block)
 
 
 def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse, part_out, part_lse, sm_scale,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tripath import _env
-from tripath.ops._descriptors import row_matrix, row_strides
+from tripath.ops._descriptors import gluon_descriptor, row_matrix, row_strides
 from tripath.platform import Platform
 
 SM90_HEAD_SIZES = (64, 128)
@@ -71,13 +71,8 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
 
 
 def _descriptor(t: torch.Tensor, block_rows: int):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     rows, cols, row_stride = row_matrix(t)
-    dim = t.shape[2]
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], getattr(gl, str(t.dtype).split(".")[1]))
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, dim], layout)
+    return gluon_descriptor(t, [rows, cols], [row_stride, 1], [block_rows, t.shape[2]])
 
 
 def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start,

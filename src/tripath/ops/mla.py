@@ -433,12 +433,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                                   device=device)
     platform = current_platform(device)
     block_l, block_r = _block(kv_lora_rank), _block(width - kv_lora_rank)
-    if variant == "auto":
-        variant = "packed" if gluon_unsupported(platform, q, kv_cache, kv_lora_rank) else "gluon"
-    if variant == "gluon":
-        reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank, few_heads=True)
-        if reason is not None:
+    if variant in ("auto", "gluon"):  # auto leaves 8-32 heads (the work-in-progress kernel) to packed
+        reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank, few_heads=variant == "gluon")
+        if variant == "gluon" and reason is not None:
             raise ValueError(f"variant='gluon' {reason}")
+        variant = "packed" if reason is not None else "gluon"
+    if variant == "gluon":
         cfg, grid_h, tiles = {"BLOCK_N": gluon_block_n(num_heads)}, max(1, num_heads // 64), None
     elif variant in ("packed", "grouped"):
         tiles = _packed_tiles(platform, kv_cache, num_heads, kv_lora_rank, block_l, block_r, q_fp8,
