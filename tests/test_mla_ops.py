@@ -433,7 +433,8 @@ def test_mla_decode_bad_input():
         mla_decode(q.to(FP8), cache.to(FP8), bt, lens, sm_scale=0.1, kv_scale=scale_tensor(1.0))
     with pytest.raises(TypeError, match="an fp8 q .* needs an fp8 kv_cache of the same dtype"):
         mla_decode(q.to(FP8), cache, bt, lens, sm_scale=0.1, q_scale=scale_tensor(1.0))
-    with pytest.raises(ValueError, match=r"variant='flash' is not supported; supported: auto, gluon, packed, grouped, per_head"):
+    with pytest.raises(ValueError,
+                       match=r"variant='flash' is not supported; supported: auto, gluon, packed, grouped, per_head"):
         mla_decode(q, cache, bt, lens, sm_scale=0.1, variant="flash")
     with pytest.raises(ValueError, match="num_splits must be between 1 and 256, got 0"):
         mla_decode(q, cache, bt, lens, sm_scale=0.1, num_splits=0)
@@ -580,7 +581,15 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     assert [r.name for r in records] == ["mla_decode_sm90_kernel", "reduce_splits_kernel"]
     assert records[0].grid == (2, 2, 3) and records[0].args[2].block_shape == [32, L // 2]
     with override_platform(H200), capture_launches(), pytest.raises(ValueError, match="multiple of 64 heads"):
-        mla_decode(q[:, :16], cache, table, seq_lens, sm_scale=0.1, variant="gluon")
+        mla_decode(q[:, :24], cache, table, seq_lens, sm_scale=0.1, variant="gluon")
+    q16 = torch.zeros(2, 16, L + R, dtype=torch.bfloat16)
+    with override_platform(H200), capture_launches() as records:  # few heads (work in progress)
+        mla_decode(q16, cache, table, seq_lens, sm_scale=0.1, num_splits=2, variant="gluon")
+    assert [r.name for r in records] == ["mla_decode_few_heads_sm90_kernel", "reduce_splits_kernel"]
+    assert records[0].grid == (2, 2) and records[0].args[0].block_shape == [16, L // 2]
+    assert records[0].args[2].block_shape == [64, L // 2]
+    with override_platform(H200), capture_launches(), pytest.raises(ValueError, match="multiple of 64, got 32"):
+        mla_decode(q16, cache[:, :32].contiguous(), table, seq_lens, sm_scale=0.1, variant="gluon")
     with override_platform(MI300X), capture_launches(), pytest.raises(ValueError, match="needs sm_90"):
         mla_decode(q, cache, table, seq_lens, sm_scale=0.1, variant="gluon")
 
@@ -601,11 +610,13 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,block_size,num_splits,dtype", [
     (128, 64, 1, torch.bfloat16), (128, 64, 3, torch.bfloat16), (64, 32, None, torch.bfloat16),
-    (128, 64, None, torch.bfloat16), (64, 128, 2, torch.float16)])
+    (128, 64, None, torch.bfloat16), (64, 128, 2, torch.float16),
+    (16, 64, 1, torch.bfloat16), (16, 64, None, torch.bfloat16), (32, 64, 3, torch.bfloat16),
+    (8, 128, 2, torch.float16)])  # 8-32 heads: the few-heads kernel (work in progress)
 def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits, dtype):
-    """The Gluon kernel against float64: ragged requests (ends inside a tile, one row, a split with no rows)
-    whose pages hold NaN past their ends, several splits, both 16-bit dtypes."""
-    seq_lens = [3000, 1025, 33, 1, 777]
+    """The Gluon kernels against float64: ragged requests (ends inside a tile, one row, no rows, a split with
+    no rows) whose pages hold NaN past their ends, several splits, both 16-bit dtypes."""
+    seq_lens = [3000, 1025, 33, 1, 0, 777]
     cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, dtype)
     poison_unused_rows(cache, block_table, seq_lens)
     q = torch.randn(len(seq_lens), num_heads, L + R, dtype=dtype, device=DEVICE)

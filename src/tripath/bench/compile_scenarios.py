@@ -57,6 +57,8 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "write_kv_cache_kernel": KernelRole(False, "deliberate: row copy / fp8 quantising store, no matmul"),
     "gather_kv_cache_kernel": KernelRole(False, "deliberate: row gather / fp8 dequantising copy, no matmul"),
     "mla_decode_kernel": KernelRole(True, "heads packed into tiles: q·c^T (latent and rope parts) and P·c_lat"),
+    "mla_decode_few_heads_sm90_kernel": KernelRole(True, "transposed products, loader warp (Gluon)",
+                                                   targets=("sm90",)),
     "mla_decode_sm90_kernel": KernelRole(True, "scores once per tile, two value warpgroups (Gluon)",
                                          targets=("sm90",)),
     "mla_decode_per_head_kernel": KernelRole(False, "deliberate: the one-head-per-program variant uses "
@@ -387,6 +389,8 @@ def all_scenarios() -> list[Scenario]:
                        fp8_cache=False, fp8_query=False, block_size=16))
     rows.append(_s("MLA decode gluon H=128 bf16 (sm_90)", _build_mla_decode, ci=True,
                    targets=("sm90",), num_heads=128, fp8_cache=False, fp8_query=False, variant="gluon"))
+    rows.append(_s("MLA decode gluon H=16 bf16 (sm_90, few heads, work in progress)", _build_mla_decode,
+                   ci=True, targets=("sm90",), num_heads=16, fp8_cache=False, fp8_query=False, variant="gluon"))
     for fp8 in (False, True):
         tag = "kv=fp8" if fp8 else "bf16"
         rows.append(_s(f"MLA decode per-head baseline H=16 {tag}", _build_mla_decode, ci=not fp8, num_heads=16,

@@ -206,7 +206,8 @@ def bench_mla_decode(report: Report) -> None:
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         nbytes = batch * ctx * 576 * 2
         flops = 2 * batch * heads * ctx * (576 + 512)
-        variants = ("packed", "grouped") + (("gluon",) if heads % 64 == 0 and bs % 32 == 0 else ())
+        gluon = (heads % 64 == 0 and bs % 32 == 0) or (heads in (8, 16, 32) and bs % 64 == 0)
+        variants = ("packed", "grouped") + (("gluon",) if gluon else ())
         for variant in variants:
             try:
                 us = _bench_graph(lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,

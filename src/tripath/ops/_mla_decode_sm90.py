@@ -15,10 +15,26 @@ NUM_STAGES = 5  # 5 x 36 KiB + the query's second latent half (32 KiB) + p: 221 
 # with the whole query in shared memory: 189 us at H128 64 x 4096; 3 stages: 285 us)
 P_STAGES = 2
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
+# Few heads (WORK IN PROGRESS, not yet run on a GPU; only an explicit variant="gluon" takes it): transposed
+# products with 64 cache rows as the wgmma rows, a two-stage ring of 72 KiB tiles and a loader warp.
+FEW_HEADS = (8, 16, 32)
+FEW_BLOCK_N = 64
+FEW_STAGES = 2
 
 
-def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
-    """Why ``variant="gluon"`` cannot run this call (None when it can)."""
+def is_few_heads(num_heads: int) -> bool:
+    return num_heads in FEW_HEADS
+
+
+def block_n(num_heads: int) -> int:
+    """Cache rows per tile of the kernel that serves ``num_heads``."""
+    return FEW_BLOCK_N if is_few_heads(num_heads) else BLOCK_N
+
+
+def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, *,
+                      few_heads: bool = False) -> str | None:
+    """Why ``variant="gluon"`` cannot run this call (None when it can); ``few_heads``: also accept 8/16/32
+    heads (the work-in-progress kernel)."""
     num_heads, width = q.shape[1], q.shape[2]
     if not platform.is_hopper:
         return f"needs sm_90, got {platform.backend} {platform.arch}"
@@ -30,10 +46,10 @@ def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tenso
         return f"needs a 16-bit query and cache of one dtype, got {q.dtype} / {kv_cache.dtype}"
     if kv_lora_rank != 512 or width - kv_lora_rank != 64:
         return f"needs kv_lora_rank 512 and a 64-wide rotary part, got {kv_lora_rank} + {width - kv_lora_rank}"
-    if num_heads % 64:
-        return f"needs a multiple of 64 heads, got {num_heads}"
-    if kv_cache.shape[1] % BLOCK_N:
-        return f"needs a block size that is a multiple of {BLOCK_N}, got {kv_cache.shape[1]}"
+    if num_heads % 64 and not (few_heads and is_few_heads(num_heads)):
+        return f"needs a multiple of 64 heads{' (or 8, 16, 32)' if few_heads else ''}, got {num_heads}"
+    if kv_cache.shape[1] % block_n(num_heads):
+        return f"needs a block size that is a multiple of {block_n(num_heads)}, got {kv_cache.shape[1]}"
     if q.stride(2) != 1 or q.stride(1) != width or q.stride(0) != num_heads * width:
         return "needs a contiguous query"
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) != kv_cache.shape[1] * width:
@@ -53,6 +69,19 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
     half = kv_lora_rank // 2
     q2 = q.reshape(batch * num_heads, width)
     c2 = kv_cache.reshape(kv_cache.shape[0] * kv_cache.shape[1], width)
+    if is_few_heads(num_heads):
+        from tripath.kernels.mla_decode_few_heads_sm90 import mla_decode_few_heads_sm90_kernel
+        launch(
+            mla_decode_few_heads_sm90_kernel, (batch, num_splits),
+            _descriptor(q2, [num_heads, half]), _descriptor(q2, [num_heads, width - kv_lora_rank]),
+            _descriptor(c2, [FEW_BLOCK_N, half]), _descriptor(c2, [FEW_BLOCK_N, width - kv_lora_rank]),
+            block_table, seq_lens, out, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
+            block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
+            kv_cache.shape[1],
+            BLOCK_N=FEW_BLOCK_N, NUM_STAGES=FEW_STAGES, NUM_SPLITS=num_splits, RETURN_LSE=bool(return_lse),
+            num_warps=4,
+        )
+        return
     launch(
         mla_decode_sm90_kernel, (num_heads // 64, batch, num_splits), q2,
         _descriptor(q2, [64, half]),

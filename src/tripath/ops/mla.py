@@ -25,7 +25,7 @@ from tripath.kernels.paged_decode import reduce_splits_kernel
 from tripath.ops import _mla_configs, reference_mla
 from tripath.ops._checks import FLOAT_DTYPES, check_index, check_out, check_scale, check_tensor, next_pow2
 from tripath.ops._launch import launch, use_triton
-from tripath.ops._mla_decode_sm90 import BLOCK_N as GLUON_BLOCK_N
+from tripath.ops._mla_decode_sm90 import block_n as gluon_block_n
 from tripath.ops._mla_decode_sm90 import gluon_unsupported, launch_mla_decode_sm90
 from tripath.ops.rotary import check_rotary_table
 from tripath.platform import FP8_DTYPES, current_platform, fp8_max
@@ -404,9 +404,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_table : ``[B, max_blocks]`` int32; seq_lens : ``[B]`` int32, rows to attend (the new one included).
     sm_scale : required; ``1/sqrt(qk_nope + qk_rope)`` (times the yarn mscale²) for DeepSeek.
     num_splits : KV splits per request; None picks one from the batch, the heads and the GPU.
-    variant : ``"auto"`` (``"gluon"`` where it applies, else ``"packed"``), ``"gluon"`` (sm_90, 16-bit, L 512
-        and R 64, a multiple of 64 heads, block size a multiple of 32: the warp-specialised kernel of
-        :mod:`tripath.kernels.mla_decode_sm90`, which computes each score once), ``"packed"`` (heads packed
+    variant : ``"auto"`` (``"gluon"`` for a multiple of 64 heads where it applies, else ``"packed"``),
+        ``"gluon"`` (sm_90, 16-bit, L 512 and R 64; a multiple of 64 heads and a block size that is a multiple
+        of 32: the warp-specialised kernel of :mod:`tripath.kernels.mla_decode_sm90`, which computes each
+        score once; 8, 16 or 32 heads and a block size that is a multiple of 64: the work-in-progress kernel
+        of :mod:`tripath.kernels.mla_decode_few_heads_sm90`), ``"packed"`` (heads packed
         into tensor-core tiles, each row read once per head block; tiles tuned per head count),
         ``"grouped"`` (the same kernel with the plain 16-head tiles for every head count: the baseline
         backend's choice) or ``"per_head"`` (one head per program, CUDA-core math).
@@ -431,13 +433,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                                   device=device)
     platform = current_platform(device)
     block_l, block_r = _block(kv_lora_rank), _block(width - kv_lora_rank)
-    if variant in ("auto", "gluon"):
-        reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank)
+    if variant in ("auto", "gluon"):  # auto leaves 8-32 heads (the work-in-progress kernel) to packed
+        reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank, few_heads=variant == "gluon")
         if variant == "gluon" and reason is not None:
             raise ValueError(f"variant='gluon' {reason}")
         variant = "packed" if reason is not None else "gluon"
     if variant == "gluon":
-        cfg, grid_h, tiles = {"BLOCK_N": GLUON_BLOCK_N}, num_heads // 64, None
+        cfg, grid_h, tiles = {"BLOCK_N": gluon_block_n(num_heads)}, max(1, num_heads // 64), None
     elif variant in ("packed", "grouped"):
         tiles = _packed_tiles(platform, kv_cache, num_heads, kv_lora_rank, block_l, block_r, q_fp8,
                               variant == "grouped")
