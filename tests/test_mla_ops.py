@@ -583,7 +583,7 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     with override_platform(H200), capture_launches(), pytest.raises(ValueError, match="multiple of 64 heads"):
         mla_decode(q[:, :24], cache, table, seq_lens, sm_scale=0.1, variant="gluon")
     q16 = torch.zeros(2, 16, L + R, dtype=torch.bfloat16)
-    with override_platform(H200), capture_launches() as records:  # few heads (work in progress)
+    with override_platform(H200), capture_launches() as records:  # few heads: transposed products
         mla_decode(q16, cache, table, seq_lens, sm_scale=0.1, num_splits=2, variant="gluon")
     assert [r.name for r in records] == ["mla_decode_few_heads_sm90_kernel", "reduce_splits_kernel"]
     assert records[0].grid == (2, 2) and records[0].args[0].block_shape == [16, L // 2]
@@ -598,7 +598,9 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
             mla_decode(q, cache, table, seq_lens, sm_scale=0.1, num_splits=1)
         return records[0].name
     assert first_kernel(H200, q, cache) == "mla_decode_sm90_kernel"
-    assert first_kernel(H200, q[:, :16], cache) == "mla_decode_kernel"  # 16 heads: packed tiles
+    assert first_kernel(H200, q[:, :16].contiguous(), cache) == "mla_decode_few_heads_sm90_kernel"
+    assert first_kernel(H200, q[:, :24].contiguous(), cache) == "mla_decode_kernel"  # 24 heads: packed tiles
+    assert first_kernel(H200, q[:, :16].contiguous(), cache[:, :32].contiguous()) == "mla_decode_kernel"  # few heads need blocks of 64
     assert first_kernel(H200, q, cache[:, :16]) == "mla_decode_kernel"  # block size 16
     assert first_kernel(MI300X, q, cache) == "mla_decode_kernel"
     monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")
@@ -612,7 +614,7 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     (128, 64, 1, torch.bfloat16), (128, 64, 3, torch.bfloat16), (64, 32, None, torch.bfloat16),
     (128, 64, None, torch.bfloat16), (64, 128, 2, torch.float16),
     (16, 64, 1, torch.bfloat16), (16, 64, None, torch.bfloat16), (32, 64, 3, torch.bfloat16),
-    (8, 128, 2, torch.float16)])  # 8-32 heads: the few-heads kernel (work in progress)
+    (8, 128, 2, torch.float16)])  # 8-32 heads: the few-heads kernel
 def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits, dtype):
     """The Gluon kernels against float64: ragged requests (ends inside a tile, one row, no rows, a split with
     no rows) whose pages hold NaN past their ends, several splits, both 16-bit dtypes."""

@@ -389,7 +389,7 @@ def all_scenarios() -> list[Scenario]:
                        fp8_cache=False, fp8_query=False, block_size=16))
     rows.append(_s("MLA decode gluon H=128 bf16 (sm_90)", _build_mla_decode, ci=True,
                    targets=("sm90",), num_heads=128, fp8_cache=False, fp8_query=False, variant="gluon"))
-    rows.append(_s("MLA decode gluon H=16 bf16 (sm_90, few heads, work in progress)", _build_mla_decode,
+    rows.append(_s("MLA decode gluon H=16 bf16 (sm_90, few heads)", _build_mla_decode,
                    ci=True, targets=("sm90",), num_heads=16, fp8_cache=False, fp8_query=False, variant="gluon"))
     for fp8 in (False, True):
         tag = "kv=fp8" if fp8 else "bf16"

@@ -1,5 +1,6 @@
-"""Absorbed MLA decode for Hopper (sm_90) with few heads (8–32), warp-specialised, in Gluon. WORK IN
-PROGRESS: compiled for sm_90 on the CPU, not yet run on a GPU.
+"""Absorbed MLA decode for Hopper (sm_90) with few heads (8, 16 or 32), warp-specialised, in Gluon: the
+``variant="auto"``/``"gluon"`` choice of :func:`tripath.ops.mla_decode` for those head counts at block sizes
+that are a multiple of 64.
 
 With 16 heads the decode reads 1152 bytes of cache per row and does 16 · 1088 · 2 FLOPs with them: it is
 bound by memory, and the kernel's job is to keep loads in flight. ``wgmma`` takes 64 rows, so the products

@@ -15,8 +15,9 @@ NUM_STAGES = 5  # 5 x 36 KiB + the query's second latent half (32 KiB) + p: 221 
 # with the whole query in shared memory: 189 us at H128 64 x 4096; 3 stages: 285 us)
 P_STAGES = 2
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
-# Few heads (WORK IN PROGRESS, not yet run on a GPU; only an explicit variant="gluon" takes it): transposed
-# products with 64 cache rows as the wgmma rows, a two-stage ring of 72 KiB tiles and a loader warp.
+# Few heads (kernels/mla_decode_few_heads_sm90.py): transposed products with 64 cache rows as the wgmma rows,
+# a two-stage ring of 72 KiB tiles and a loader warp (159 / 169 / 190 KiB of shared memory at 8 / 16 / 32
+# heads; 3853-4355 GB/s at H16 on the H200, where the packed kernel reads 3144-3548).
 FEW_HEADS = (8, 16, 32)
 FEW_BLOCK_N = 64
 FEW_STAGES = 2
@@ -31,10 +32,8 @@ def block_n(num_heads: int) -> int:
     return FEW_BLOCK_N if is_few_heads(num_heads) else BLOCK_N
 
 
-def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int, *,
-                      few_heads: bool = False) -> str | None:
-    """Why ``variant="gluon"`` cannot run this call (None when it can); ``few_heads``: also accept 8/16/32
-    heads (the work-in-progress kernel)."""
+def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """Why ``variant="gluon"`` cannot run this call (None when it can)."""
     num_heads, width = q.shape[1], q.shape[2]
     if not platform.is_hopper:
         return f"needs sm_90, got {platform.backend} {platform.arch}"
@@ -46,8 +45,8 @@ def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tenso
         return f"needs a 16-bit query and cache of one dtype, got {q.dtype} / {kv_cache.dtype}"
     if kv_lora_rank != 512 or width - kv_lora_rank != 64:
         return f"needs kv_lora_rank 512 and a 64-wide rotary part, got {kv_lora_rank} + {width - kv_lora_rank}"
-    if num_heads % 64 and not (few_heads and is_few_heads(num_heads)):
-        return f"needs a multiple of 64 heads{' (or 8, 16, 32)' if few_heads else ''}, got {num_heads}"
+    if num_heads % 64 and not is_few_heads(num_heads):
+        return f"needs 8, 16, 32 or a multiple of 64 heads, got {num_heads}"
     if kv_cache.shape[1] % block_n(num_heads):
         return f"needs a block size that is a multiple of {block_n(num_heads)}, got {kv_cache.shape[1]}"
     if q.stride(2) != 1 or q.stride(1) != width or q.stride(0) != num_heads * width:

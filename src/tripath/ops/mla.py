@@ -404,11 +404,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_table : ``[B, max_blocks]`` int32; seq_lens : ``[B]`` int32, rows to attend (the new one included).
     sm_scale : required; ``1/sqrt(qk_nope + qk_rope)`` (times the yarn mscale²) for DeepSeek.
     num_splits : KV splits per request; None picks one from the batch, the heads and the GPU.
-    variant : ``"auto"`` (``"gluon"`` for a multiple of 64 heads where it applies, else ``"packed"``),
-        ``"gluon"`` (sm_90, 16-bit, L 512 and R 64; a multiple of 64 heads and a block size that is a multiple
-        of 32: the warp-specialised kernel of :mod:`tripath.kernels.mla_decode_sm90`, which computes each
-        score once; 8, 16 or 32 heads and a block size that is a multiple of 64: the work-in-progress kernel
-        of :mod:`tripath.kernels.mla_decode_few_heads_sm90`), ``"packed"`` (heads packed
+    variant : ``"auto"`` (``"gluon"`` where it applies, else ``"packed"``), ``"gluon"`` (sm_90, 16-bit, L 512
+        and R 64; a multiple of 64 heads and a block size that is a multiple of 32: the warp-specialised
+        kernel of :mod:`tripath.kernels.mla_decode_sm90`, which computes each score once; 8, 16 or 32 heads
+        and a block size that is a multiple of 64: the transposed-product kernel of
+        :mod:`tripath.kernels.mla_decode_few_heads_sm90`), ``"packed"`` (heads packed
         into tensor-core tiles, each row read once per head block; tiles tuned per head count),
         ``"grouped"`` (the same kernel with the plain 16-head tiles for every head count: the baseline
         backend's choice) or ``"per_head"`` (one head per program, CUDA-core math).
@@ -433,8 +433,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                                   device=device)
     platform = current_platform(device)
     block_l, block_r = _block(kv_lora_rank), _block(width - kv_lora_rank)
-    if variant in ("auto", "gluon"):  # auto leaves 8-32 heads (the work-in-progress kernel) to packed
-        reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank, few_heads=variant == "gluon")
+    if variant in ("auto", "gluon"):
+        reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank)
         if variant == "gluon" and reason is not None:
             raise ValueError(f"variant='gluon' {reason}")
         variant = "packed" if reason is not None else "gluon"
