@@ -16,6 +16,7 @@ import torch
 from engine_models import CharTokenizer, tiny_model
 from tripath.attention import ForwardContext, plan_batch, select_backend
 from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
+from tripath.engine.config import default_block_size
 from tripath.engine.cli_generate import main_generate
 from tripath.models import load_model
 
@@ -307,6 +308,18 @@ def test_bad_settings_and_requests_are_refused(pure_torch, model):
         llm.generate([[1], [2]], [GREEDY], use_tqdm=False)
     assert not llm.has_unfinished_requests()
     assert LLM(model, backend="torch").runner.num_blocks == 1024  # CPU default
+    assert LLM(model, backend="torch", num_kv_blocks=8).config.block_size == 16
+
+
+def test_default_block_size(pure_torch):
+    """64 rows for MLA models on a GPU (the Gluon MLA decode kernels' block size), else 16."""
+    assert default_block_size(True, torch.device("cuda")) == 64
+    assert default_block_size(True, torch.device("cpu")) == 16
+    assert default_block_size(False, torch.device("cuda")) == 16
+    mla = preset("tiny-deepseek")
+    llm = LLM(mla, backend="torch", num_kv_blocks=8)
+    assert llm.config.block_size == 16 and llm.runner.spec.block_size == 16
+    assert LLM(mla, backend="torch", num_kv_blocks=8, block_size=32).runner.spec.block_size == 32
     assert EngineConfig().cuda_graph_batch_sizes()[:5] == [1, 2, 4, 8, 16]
 
 
@@ -346,7 +359,7 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
         assert sorted(graphs.runner.graphs) == [1, 2, 4, 8, 12]
     expected = greedy_outputs(eager, prompts, params)
     assert_same_or_near_tie(model, prompts, expected, greedy_outputs(graphs, prompts, params))
-    tight = LLM(model, num_kv_blocks=60, **common)
+    tight = LLM(model, num_kv_blocks=960 // eager.config.block_size, **common)  # 960 rows: preemptions
     assert_same_or_near_tie(model, prompts, expected, greedy_outputs(tight, prompts, params))
     assert tight.last_metrics.num_preemptions > 0
     no_prefix = LLM(model, num_kv_blocks=1024, enable_prefix_caching=False, **common)

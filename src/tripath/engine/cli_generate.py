@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float16, ...")
     parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="KV cache rows per block (default: 64 for MLA models on a GPU, else 16)")
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -100,7 +101,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
         print(f"tripath generate: error: {error}", file=sys.stderr)
         return 2
     print(f"model {args.model} | backend {llm.backend_name} | {llm.runner.num_blocks} KV blocks of "
-          f"{args.block_size} | {dtype} on {device}")
+          f"{llm.config.block_size} | {dtype} on {device}")
     for i, out in enumerate(outputs):
         prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
         print(f"\n[{i}] prompt: {prompt!r}")

@@ -11,6 +11,14 @@ DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16
 KV_CACHE_DTYPES = ("auto", "fp8")
 KV_LAYOUTS = ("nhd", "shuffled")
 CPU_DEFAULT_KV_BLOCKS = 1024  # without a GPU to measure, the cache size when num_kv_blocks is not given
+DEFAULT_BLOCK_SIZE = 16
+MLA_GPU_BLOCK_SIZE = 64  # the Gluon MLA decode kernels need blocks of 64 (8-32 heads) or of 32 (64+ heads)
+
+
+def default_block_size(is_mla: bool, device: torch.device) -> int:
+    """The KV block size when the engine is not given one: 64 for MLA models on a GPU (the block size the
+    fast MLA decode kernels take, as FlashMLA's does), else 16."""
+    return MLA_GPU_BLOCK_SIZE if is_mla and device.type == "cuda" else DEFAULT_BLOCK_SIZE
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -54,7 +62,7 @@ class EngineConfig:
     backend: str = "auto"
     dtype: torch.dtype | str | None = None
     device: torch.device | str | None = None
-    block_size: int = 16
+    block_size: int | None = None
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     kv_layout: str = "nhd"
@@ -74,6 +82,8 @@ class EngineConfig:
         self.dtype = resolve_dtype(self.dtype, self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_cuda_graph_batch_size"):
             value = getattr(self, name)
+            if name == "block_size" and value is None:
+                continue  # chosen from the model by the runner (default_block_size)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -86,7 +86,7 @@ class LLM:
     """
 
     def __init__(self, model, *, tokenizer=None, backend: str = "auto", dtype: torch.dtype | str | None = None,
-                 device: torch.device | str | None = None, block_size: int = 16, kv_cache_dtype: str = "auto",
+                 device: torch.device | str | None = None, block_size: int | None = None, kv_cache_dtype: str = "auto",
                  calculate_kv_scales: bool = False, kv_layout: str = "nhd", max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,

@@ -28,7 +28,7 @@ import torch
 
 from tripath.attention import ForwardContext, select_backend
 from tripath.engine.block_manager import blocks_needed
-from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
+from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig, default_block_size
 from tripath.engine.sampler import sample
 from tripath.engine.scheduler import ScheduledRequest
 
@@ -55,6 +55,8 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = config.device
+        if config.block_size is None:
+            config.block_size = default_block_size(getattr(model.config, "mla", None) is not None, self.device)
         self.spec = model.attention_spec(block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
                                          kv_layout=config.kv_layout, dtype=config.dtype)
         self.backend = select_backend(self.spec, name=config.backend, device=self.device)
