@@ -588,8 +588,13 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     assert [r.name for r in records] == ["mla_decode_few_heads_sm90_kernel", "reduce_splits_kernel"]
     assert records[0].grid == (2, 2) and records[0].args[0].block_shape == [16, L // 2]
     assert records[0].args[2].block_shape == [64, L // 2]
-    with override_platform(H200), capture_launches(), pytest.raises(ValueError, match="multiple of 64, got 32"):
-        mla_decode(q16, cache[:, :32].contiguous(), table, seq_lens, sm_scale=0.1, variant="gluon")
+    with override_platform(H200), capture_launches() as records:  # blocks of 16: four pages a 64-row tile
+        mla_decode(q16, cache[:, :16].contiguous(), table, seq_lens, sm_scale=0.1, num_splits=1, variant="gluon")
+    assert [r.name for r in records] == ["mla_decode_few_heads_sm90_kernel"]
+    assert records[0].args[2].block_shape == [16, L // 2] and records[0].kwargs["BLOCK_N"] == 64
+    with override_platform(H200), capture_launches(), pytest.raises(
+            ValueError, match="needs a block size of 16, 32 or a multiple of 64 for 16 heads, got 48"):
+        mla_decode(q16, cache[:, :48].contiguous(), table, seq_lens, sm_scale=0.1, variant="gluon")
     with override_platform(MI300X), capture_launches(), pytest.raises(ValueError, match="needs sm_90"):
         mla_decode(q, cache, table, seq_lens, sm_scale=0.1, variant="gluon")
 
@@ -600,7 +605,8 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     assert first_kernel(H200, q, cache) == "mla_decode_sm90_kernel"
     assert first_kernel(H200, q[:, :16].contiguous(), cache) == "mla_decode_few_heads_sm90_kernel"
     assert first_kernel(H200, q[:, :24].contiguous(), cache) == "mla_decode_kernel"  # 24 heads: packed tiles
-    assert first_kernel(H200, q[:, :16].contiguous(), cache[:, :32].contiguous()) == "mla_decode_kernel"  # few heads need blocks of 64
+    assert first_kernel(H200, q[:, :16].contiguous(), cache[:, :32].contiguous()) == "mla_decode_few_heads_sm90_kernel"
+    assert first_kernel(H200, q[:, :16].contiguous(), cache[:, :48].contiguous()) == "mla_decode_kernel"
     assert first_kernel(H200, q, cache[:, :16]) == "mla_decode_kernel"  # block size 16
     assert first_kernel(MI300X, q, cache) == "mla_decode_kernel"
     monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")
@@ -614,7 +620,8 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     (128, 64, 1, torch.bfloat16), (128, 64, 3, torch.bfloat16), (64, 32, None, torch.bfloat16),
     (128, 64, None, torch.bfloat16), (64, 128, 2, torch.float16),
     (16, 64, 1, torch.bfloat16), (16, 64, None, torch.bfloat16), (32, 64, 3, torch.bfloat16),
-    (8, 128, 2, torch.float16)])  # 8-32 heads: the few-heads kernel
+    (8, 128, 2, torch.float16),  # 8-32 heads: the few-heads kernel
+    (16, 16, None, torch.bfloat16), (32, 32, 2, torch.float16)])  # blocks of 16/32: several pages a tile
 def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits, dtype):
     """The Gluon kernels against float64: ragged requests (ends inside a tile, one row, no rows, a split with
     no rows) whose pages hold NaN past their ends, several splits, both 16-bit dtypes."""

@@ -391,6 +391,9 @@ def all_scenarios() -> list[Scenario]:
                    targets=("sm90",), num_heads=128, fp8_cache=False, fp8_query=False, variant="gluon"))
     rows.append(_s("MLA decode gluon H=16 bf16 (sm_90, few heads)", _build_mla_decode,
                    ci=True, targets=("sm90",), num_heads=16, fp8_cache=False, fp8_query=False, variant="gluon"))
+    rows.append(_s("MLA decode gluon H=16 bf16 block 16 (sm_90, few heads, 4 pages a tile)", _build_mla_decode,
+                   ci=True, targets=("sm90",), num_heads=16, fp8_cache=False, fp8_query=False, variant="gluon",
+                   block_size=16))
     for fp8 in (False, True):
         tag = "kv=fp8" if fp8 else "bf16"
         rows.append(_s(f"MLA decode per-head baseline H=16 {tag}", _build_mla_decode, ci=not fp8, num_heads=16,

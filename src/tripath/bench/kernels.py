@@ -194,8 +194,8 @@ def _mla_table(batch, ctx, block_size, dev, width=576):
 
 
 def bench_mla_decode(report: Report) -> None:
-    """Absorbed MLA decode: the warp-specialised Gluon kernel (``mla`` on sm_90 at 64/128 heads), the tuned
-    head-packed configuration (``mla`` elsewhere) and the plain 16-head grouped one (``mla_triton``; the
+    """Absorbed MLA decode: the warp-specialised Gluon kernels (``mla`` on sm_90: 8/16/32 heads and multiples
+    of 64), the tuned head-packed configuration (``mla`` elsewhere) and the plain 16-head grouped one (``mla_triton``; the
     one-head-per-program variant is far slower and left out)."""
     from tripath.ops import mla_decode
     dev = torch.device("cuda")
@@ -206,7 +206,7 @@ def bench_mla_decode(report: Report) -> None:
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         nbytes = batch * ctx * 576 * 2
         flops = 2 * batch * heads * ctx * (576 + 512)
-        gluon = (heads % 64 == 0 and bs % 32 == 0) or (heads in (8, 16, 32) and bs % 64 == 0)
+        gluon = (heads % 64 == 0 and bs % 32 == 0) or (heads in (8, 16, 32) and (bs % 64 == 0 or bs in (16, 32)))
         variants = ("packed", "grouped") + (("gluon",) if gluon else ())
         for variant in variants:
             try:

@@ -39,23 +39,33 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 @gluon.jit
 def _loader(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, q_ready, kv_ready, kv_empty,
-            block_table_ptr, stride_bt, seq, q_row, lo, num_tiles, block_size, L_HALF: gl.constexpr,
+            block_table_ptr, stride_bt, seq, q_row, lo, hi, num_tiles, block_size, L_HALF: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The query rows once, then every cache tile of the split into the ring as its slot frees."""
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + qpe_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [q_row, L_HALF], q_ready, q_smem.index(1))
     tma.async_copy_global_to_shared(qpe_desc, [q_row, 2 * L_HALF], q_ready, qpe_smem)
+    PAGE_ROWS: gl.constexpr = c_desc.block_type.shape[0]  # rows per TMA copy: the block size, or BLOCK_N
+    PAGES: gl.constexpr = BLOCK_N // PAGE_ROWS
     for i in range(num_tiles):
         stage = i % NUM_STAGES
-        start = lo + i * BLOCK_N
-        page = gl.load(block_table_ptr + seq.to(gl.int64) * stride_bt + start // block_size)
-        row = page * block_size + start % block_size
+        tile_start = lo + i * BLOCK_N
         mbarrier.wait(kv_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)  # fresh barriers count as released
-        mbarrier.expect(kv_ready.index(stage), 2 * c_desc.block_type.nbytes + cpe_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(c_desc, [row, 0], kv_ready.index(stage), c_smem.index(2 * stage))
-        tma.async_copy_global_to_shared(c_desc, [row, L_HALF], kv_ready.index(stage), c_smem.index(2 * stage + 1))
-        tma.async_copy_global_to_shared(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage), cpe_smem.index(stage))
+        mbarrier.expect(kv_ready.index(stage), PAGES * (2 * c_desc.block_type.nbytes + cpe_desc.block_type.nbytes))
+        for j in gl.static_range(PAGES):
+            # A page past the split (a ragged last tile) is read from block 0: the compute warpgroup masks
+            # and zeroes those rows, and the block-table entry past the request is never read.
+            start = tile_start + j * PAGE_ROWS
+            page = gl.load(block_table_ptr + seq.to(gl.int64) * stride_bt + start // block_size, mask=start < hi,
+                           other=0)
+            row = page * block_size + start % block_size
+            tma.async_copy_global_to_shared(c_desc, [row, 0], kv_ready.index(stage),
+                                            c_smem.index(2 * stage).slice(j * PAGE_ROWS, PAGE_ROWS))
+            tma.async_copy_global_to_shared(c_desc, [row, L_HALF], kv_ready.index(stage),
+                                            c_smem.index(2 * stage + 1).slice(j * PAGE_ROWS, PAGE_ROWS))
+            tma.async_copy_global_to_shared(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage),
+                                            cpe_smem.index(stage).slice(j * PAGE_ROWS, PAGE_ROWS))
 
 
 @gluon.jit
@@ -175,6 +185,6 @@ def mla_decode_few_heads_sm90_kernel(
                     stride_o_h, stride_lse_b, stride_lse_h, HEADS, L_HALF, BLOCK_N, NUM_STAGES, NUM_SPLITS,
                     RETURN_LSE)),
         (_loader, (q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, q_ready, kv_ready,
-                   kv_empty, block_table_ptr, stride_bt, seq, seq * num_heads, lo, num_tiles, block_size, L_HALF,
+                   kv_empty, block_table_ptr, stride_bt, seq, seq * num_heads, lo, hi, num_tiles, block_size, L_HALF,
                    BLOCK_N, NUM_STAGES)),
     ], [1], [24])

@@ -20,6 +20,7 @@ MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
 # heads; 3853-4355 GB/s at H16 on the H200, where the packed kernel reads 3144-3548).
 FEW_HEADS = (8, 16, 32)
 FEW_BLOCK_N = 64
+FEW_PAGE_SIZES = (16, 32)  # smaller blocks: a tile gathers 64 / block_size pages, one TMA copy each
 FEW_STAGES = 2
 
 
@@ -47,8 +48,11 @@ def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tenso
         return f"needs kv_lora_rank 512 and a 64-wide rotary part, got {kv_lora_rank} + {width - kv_lora_rank}"
     if num_heads % 64 and not is_few_heads(num_heads):
         return f"needs 8, 16, 32 or a multiple of 64 heads, got {num_heads}"
-    if kv_cache.shape[1] % block_n(num_heads):
-        return f"needs a block size that is a multiple of {block_n(num_heads)}, got {kv_cache.shape[1]}"
+    block_size = kv_cache.shape[1]
+    if is_few_heads(num_heads) and not (block_size % FEW_BLOCK_N == 0 or block_size in FEW_PAGE_SIZES):
+        return f"needs a block size of 16, 32 or a multiple of {FEW_BLOCK_N} for {num_heads} heads, got {block_size}"
+    if not is_few_heads(num_heads) and block_size % BLOCK_N:
+        return f"needs a block size that is a multiple of {BLOCK_N}, got {block_size}"
     if q.stride(2) != 1 or q.stride(1) != width or q.stride(0) != num_heads * width:
         return "needs a contiguous query"
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) != kv_cache.shape[1] * width:
@@ -70,10 +74,11 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
     c2 = kv_cache.reshape(kv_cache.shape[0] * kv_cache.shape[1], width)
     if is_few_heads(num_heads):
         from tripath.kernels.mla_decode_few_heads_sm90 import mla_decode_few_heads_sm90_kernel
+        page_rows = min(kv_cache.shape[1], FEW_BLOCK_N)
         launch(
             mla_decode_few_heads_sm90_kernel, (batch, num_splits),
             _descriptor(q2, [num_heads, half]), _descriptor(q2, [num_heads, width - kv_lora_rank]),
-            _descriptor(c2, [FEW_BLOCK_N, half]), _descriptor(c2, [FEW_BLOCK_N, width - kv_lora_rank]),
+            _descriptor(c2, [page_rows, half]), _descriptor(c2, [page_rows, width - kv_lora_rank]),
             block_table, seq_lens, out, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
             block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
             kv_cache.shape[1],
