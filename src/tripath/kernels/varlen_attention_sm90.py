@@ -50,16 +50,19 @@ def _store_layout(head_d, num_warps):
 
 
 @gluon.jit
-def _work_item(t, num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr):
-    """Work item ``t`` (query block, head, request; the last query blocks, which see the most keys when
-    causal, first; the heads of one request next to each other, so GQA groups share K/V in L2). Returns
-    ``(head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles)``; the item is empty when
-    ``row0 >= seqlen_q``."""
-    per_block = num_heads * num_seqs
+def _work_item(t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
+               PAIR_HEADS: gl.constexpr):
+    """Work item ``t`` (query block, head or head pair, request; the last query blocks, which see the most
+    keys when causal, first; the heads of one request next to each other, so GQA groups share K/V in L2).
+    Returns ``(head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles)`` (``head``: the first
+    of the pair with ``PAIR_HEADS``); the item is empty when ``row0 >= seqlen_q``."""
+    per_block = num_head_items * num_seqs
     block_m = num_m_blocks - 1 - t // per_block
-    head = (t % per_block) % num_heads
-    seq = (t % per_block) // num_heads
+    head = (t % per_block) % num_head_items
+    if PAIR_HEADS:
+        head = 2 * head
+    seq = (t % per_block) // num_head_items
     q_begin = gl.load(cu_seqlens_q_ptr + seq)
     seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
     k_begin = gl.load(cu_seqlens_k_ptr + seq)
@@ -78,9 +81,11 @@ def _work_item(t, num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlen
 @gluon.jit
 def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads, num_seqs, num_m_blocks,
             num_queries_per_kv, head_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr, HAS_ROPE: gl.constexpr):
-    """One warp: per work item, the two query halves (once the consumers released the previous ones),
-    then its K and V tiles into the rings, running ahead into the next item."""
+            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr, HAS_ROPE: gl.constexpr,
+            PAIR_HEADS: gl.constexpr):
+    """One warp: per work item, the two query tiles (the two row halves, or with ``PAIR_HEADS`` the same
+    rows of two heads; once the consumers released the previous ones), then its K and V tiles into the
+    rings, running ahead into the next item."""
     q_desc, k_desc, v_desc, qr_desc, kr_desc = descs
     q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean = bars
@@ -89,20 +94,27 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (kr_desc.block_type.nbytes if HAS_ROPE else 0)
     tiles_done = 0
     items_done = 0
-    for t in range(gl.program_id(0), num_m_blocks * num_heads * num_seqs, gl.num_programs(0)):
+    num_head_items = num_heads // 2 if PAIR_HEADS else num_heads
+    block_m: gl.constexpr = WG_ROWS if PAIR_HEADS else 2 * WG_ROWS
+    for t in range(gl.program_id(0), num_m_blocks * num_head_items * num_seqs, gl.num_programs(0)):
         head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
-            t, num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 2 * WG_ROWS,
-            BLOCK_N, CAUSAL, HAS_Q_START)
+            t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, block_m,
+            BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
         if row0 < seqlen_q:
-            kv_head = head // num_queries_per_kv
+            kv_head = head // num_queries_per_kv  # with PAIR_HEADS both heads' (the group size is even)
             for wg in gl.static_range(2):
-                q_row = q_begin + row0 + wg * WG_ROWS
+                if PAIR_HEADS:
+                    q_row = q_begin + row0
+                    q_head = head + wg
+                else:
+                    q_row = q_begin + row0 + wg * WG_ROWS
+                    q_head = head
                 mbarrier.wait(q_empty.index(wg), (items_done & 1) ^ 1)  # a fresh barrier counts as released
                 mbarrier.expect(q_ready.index(wg), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row, head * stride_q_h], q_ready.index(wg),
+                tma.async_copy_global_to_shared(q_desc, [q_row, q_head * stride_q_h], q_ready.index(wg),
                                                 q_smem.index(wg))
                 if HAS_ROPE:
-                    tma.async_copy_global_to_shared(qr_desc, [q_row, head * stride_qr_h], q_ready.index(wg),
+                    tma.async_copy_global_to_shared(qr_desc, [q_row, q_head * stride_qr_h], q_ready.index(wg),
                                                     qr_smem.index(wg))
             for i in range(num_tiles):
                 stage = (tiles_done + i) % NUM_STAGES
@@ -178,9 +190,10 @@ def _clean_last_values(wg, v_buf, v_clean, items_done, valid_rows, BLOCK_N: gl.c
 def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k,
             q_start, num_tiles, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_ROPE: gl.constexpr,
-            RETURN_LSE: gl.constexpr):
-    """One warpgroup, one work item: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of the request
-    against its key tiles ``0 .. num_tiles − 1`` (ring slots counted on from ``tiles_done``)."""
+            RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr):
+    """One warpgroup, one work item: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of head ``head``
+    (with ``PAIR_HEADS``: rows ``row0 + [0, WG_ROWS)`` of head ``head + wg``) of the request against its key
+    tiles ``0 .. num_tiles − 1`` (ring slots counted on from ``tiles_done``)."""
     q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean = bars
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h = out_strides
@@ -193,7 +206,11 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
 
-    first = row0 + wg * WG_ROWS
+    if PAIR_HEADS:
+        first = row0
+        head = head + wg
+    else:
+        first = row0 + wg * WG_ROWS
     q_pos = q_start + first + gl.arange(0, WG_ROWS, layout=row_s)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     key_bound = seqlen_k  # keys below it are visible to every row of this warpgroup
@@ -269,18 +286,20 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
 def _consumer(wg, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
               num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
-              HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr):
+              HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr):
     """One warpgroup (``wg`` 0 or 1): its half of every work item of this program, in the loader's order."""
     tiles_done = 0
     items_done = 0
-    for t in range(gl.program_id(0), num_m_blocks * num_heads * num_seqs, gl.num_programs(0)):
+    num_head_items = num_heads // 2 if PAIR_HEADS else num_heads
+    block_m: gl.constexpr = WG_ROWS if PAIR_HEADS else 2 * WG_ROWS
+    for t in range(gl.program_id(0), num_m_blocks * num_head_items * num_seqs, gl.num_programs(0)):
         head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
-            t, num_heads, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 2 * WG_ROWS,
-            BLOCK_N, CAUSAL, HAS_Q_START)
+            t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, block_m,
+            BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
         if row0 < seqlen_q:
             _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q,
                     seqlen_k, q_start, num_tiles, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES,
-                    CAUSAL, HAS_ROPE, RETURN_LSE)
+                    CAUSAL, HAS_ROPE, RETURN_LSE, PAIR_HEADS)
             tiles_done += num_tiles
             items_done += 1
 
@@ -291,7 +310,7 @@ def varlen_attention_sm90_kernel(
     qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, num_heads, num_seqs, num_m_blocks,
     num_queries_per_kv, stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h,
     BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    HAS_Q_START: gl.constexpr, HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr,
+    HAS_Q_START: gl.constexpr, HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr,
 ):
     """Persistent: program ``p`` of ``P`` takes work items ``p, p + P, …`` of the
     ``num_m_blocks · num_heads · num_seqs`` (128-row query block, head, request) items (``num_m_blocks`` =
@@ -335,12 +354,12 @@ def varlen_attention_sm90_kernel(
     gl.warp_specialize([
         (_consumer, (0, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
                      num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                     HAS_Q_START, HAS_ROPE, RETURN_LSE)),
+                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS)),
         (_consumer, (1, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
                      num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                     HAS_Q_START, HAS_ROPE, RETURN_LSE)),
+                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS)),
         (_loader, ((q_desc, k_desc, v_desc, qr_desc, kr_desc), smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
                    q_start_ptr, num_heads, num_seqs, num_m_blocks, num_queries_per_kv,
                    (stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h), WG_ROWS, BLOCK_N, NUM_STAGES,
-                   CAUSAL, HAS_Q_START, HAS_ROPE)),
+                   CAUSAL, HAS_Q_START, HAS_ROPE, PAIR_HEADS)),
     ], [4, 1], [240, 24])

@@ -39,7 +39,17 @@ def _descriptor_ready(t: torch.Tensor) -> bool:
     return row_matrix(t) is not None and (row_strides(t)[1] * t.element_size()) % 16 == 0
 
 
-SHORT_KEYS = 1024  # at most this many keys per request: the portable kernel is faster
+SHORT_KEYS = 1024  # at most this many keys per request: head-pair items, or the portable kernel
+# Short requests with an even number of query heads per KV head: items of 64 rows of two heads (one per
+# consumer warpgroup) against 64-key tiles, so both warpgroups see the same keys and a causal item wastes
+# less of its diagonal tile.
+SHORT_BLOCK_N = 64
+SHORT_STAGES = 4
+
+
+def pair_heads(q: torch.Tensor, k: torch.Tensor, max_seqlen_k: int) -> bool:
+    """Whether a launch takes head-pair items (short requests, an even GQA group)."""
+    return max_seqlen_k <= SHORT_KEYS and (q.shape[1] // k.shape[1]) % 2 == 0
 
 
 def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, max_seqlen_k: int,
@@ -53,8 +63,8 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
         return f"not sm_90 ({platform.backend} {platform.arch})"
     if _env.gluon_disabled():
         return "TRIPATH_DISABLE_GLUON is set"
-    if max_seqlen_k <= SHORT_KEYS:
-        return f"short requests (max_seqlen_k <= {SHORT_KEYS})"
+    if max_seqlen_k <= SHORT_KEYS and not pair_heads(q, k, max_seqlen_k):
+        return f"short requests (max_seqlen_k <= {SHORT_KEYS}) with an odd number of query heads per KV head"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (fp16/bf16 only)"
     if q.shape[2] != v.shape[2] or q.shape[2] not in SM90_HEAD_SIZES:
@@ -76,8 +86,8 @@ def _descriptor(t: torch.Tensor, block_rows: int):
 
 
 def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start,
-                       max_seqlen_q, qk_scale: float, causal: bool, return_lse: bool, num_sms: int,
-                       concurrent: bool) -> None:
+                       max_seqlen_q, max_seqlen_k: int, qk_scale: float, causal: bool, return_lse: bool,
+                       num_sms: int, concurrent: bool) -> None:
     """Launch the Gluon kernel (after :func:`sm90_unsupported` returned None): a persistent grid of at most
     one program per SM (``num_sms``), or, when another launch runs ``concurrent`` on another stream, one
     program per work item, so SMs pass to the other launch as programs finish (H200, 2026-11-29: the
@@ -87,20 +97,23 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
     from tripath.kernels.varlen_attention_sm90 import varlen_attention_sm90_kernel
 
     num_seqs = cu_seqlens_q.shape[0] - 1
-    num_m_blocks = -(-max(int(max_seqlen_q), 1) // (2 * WG_ROWS))
-    items = num_m_blocks * q.shape[1] * num_seqs
+    pairs = pair_heads(q, k, int(max_seqlen_k))
+    block_n, num_stages = (SHORT_BLOCK_N, SHORT_STAGES) if pairs else (BLOCK_N, NUM_STAGES)
+    num_m_blocks = -(-max(int(max_seqlen_q), 1) // (WG_ROWS if pairs else 2 * WG_ROWS))
+    items = num_m_blocks * (q.shape[1] // 2 if pairs else q.shape[1]) * num_seqs
     has_rope = q_rope is not None
-    q_desc, k_desc = _descriptor(q, WG_ROWS), _descriptor(k, BLOCK_N)
-    qr_desc, kr_desc = (_descriptor(q_rope, WG_ROWS), _descriptor(k_rope, BLOCK_N)) if has_rope else (q_desc, k_desc)
+    q_desc, k_desc = _descriptor(q, WG_ROWS), _descriptor(k, block_n)
+    qr_desc, kr_desc = (_descriptor(q_rope, WG_ROWS), _descriptor(k_rope, block_n)) if has_rope else (q_desc, k_desc)
     # Head strides in elements; one head has none (a single rotary key shared by all heads reads column 0).
     head_strides = [row_strides(t)[1] for t in (q, k, v, q_rope if has_rope else q, k_rope if has_rope else k)]
     launch(
         varlen_attention_sm90_kernel, (items if concurrent else min(items, num_sms),),
-        q_desc, k_desc, _descriptor(v, BLOCK_N), qr_desc, kr_desc, out, lse,
+        q_desc, k_desc, _descriptor(v, block_n), qr_desc, kr_desc, out, lse,
         cu_seqlens_q, cu_seqlens_k, q_positions_start if q_positions_start is not None else cu_seqlens_q,
         qk_scale, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), q.shape[1], num_seqs, num_m_blocks,
         q.shape[1] // k.shape[1], *head_strides,
-        BLOCK_N=BLOCK_N, HEAD_D=q.shape[2], NUM_STAGES=NUM_STAGES, CAUSAL=bool(causal),
-        HAS_Q_START=q_positions_start is not None, HAS_ROPE=has_rope, RETURN_LSE=bool(return_lse), num_warps=4,
+        BLOCK_N=block_n, HEAD_D=q.shape[2], NUM_STAGES=num_stages, CAUSAL=bool(causal),
+        HAS_Q_START=q_positions_start is not None, HAS_ROPE=has_rope, RETURN_LSE=bool(return_lse),
+        PAIR_HEADS=pairs, num_warps=4,
         maxnreg=MAXNREG,
     )

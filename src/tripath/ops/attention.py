@@ -129,7 +129,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if sm90_unsupported(platform, q, k, v, max_seqlen_k=int(max_seqlen_k), q_rope=rope[0], k_rope=rope[1],
                         window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks) is None:
         launch_varlen_sm90(launch, q, k, v, *rope, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start,
-                           max_seqlen_q, sm_scale * LOG2E, causal, return_lse, platform.num_sms, concurrent)
+                           max_seqlen_q, int(max_seqlen_k), sm_scale * LOG2E, causal, return_lse, platform.num_sms,
+                           concurrent)
         return (out, lse) if return_lse else out
     config_args = (platform, max(q.shape[2] + rope_size, v.shape[2]), q.element_size(), int(max_seqlen_k))
     causal_tiles = None if concurrent else _causal_tiles(causal, num_seqs, int(max_seqlen_q), int(max_seqlen_k),
