@@ -222,11 +222,12 @@ def test_rotary_part_errors():
 
 def test_hopper_fast_path_dispatch(monkeypatch):
     """On an H200 the plain 16-bit prefill (heads 64/128, causal or not, LSE, per-request query starts,
-    strided heads, MLA's 64-wide rotary part) takes the warp-specialised Gluon kernel; short requests, every
-    score modifier, other head and rotary sizes, fp32 and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches
-    recorded, and the descriptors and arguments checked)."""
+    strided heads, MLA's 64-wide rotary part) takes the warp-specialised Gluon kernel, short requests of an
+    even GQA group as head-pair items; short requests of other groups, every score modifier, other head and
+    rotary sizes, fp32 and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches recorded, and the
+    descriptors and arguments checked)."""
     from tripath.ops._launch import capture_launches
-    from tripath.ops._varlen_sm90 import BLOCK_N, SHORT_KEYS, WG_ROWS
+    from tripath.ops._varlen_sm90 import BLOCK_N, SHORT_BLOCK_N, SHORT_KEYS, SHORT_STAGES, WG_ROWS
     from tripath.platform import H200, MI300X, override_platform
     lengths = [48, SHORT_KEYS + 76]
     cu = cu_seqlens(lengths, DEVICE)
@@ -250,6 +251,12 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         assert q_desc.shape == [sum(lengths), 8 * 128] and k_desc.shape == [sum(lengths), 2 * 128]
         items = 9 * 8 * 2  # 128-row query blocks of the longest request x heads x requests
         assert rec.grid == (min(items, H200.num_sms),) and rec.kwargs["RETURN_LSE"] and rec.kwargs["CAUSAL"]
+        assert not rec.kwargs["PAIR_HEADS"] and rec.kwargs["BLOCK_N"] == BLOCK_N
+        [(name, rec)] = kernels(max_len=SHORT_KEYS, concurrent=True)  # short, 4 query heads a KV head: pairs
+        assert name == "varlen_attention_sm90_kernel" and rec.kwargs["PAIR_HEADS"]
+        assert rec.args[1].block_shape == [SHORT_BLOCK_N, 128] and rec.args[0].block_shape == [WG_ROWS, 128]
+        assert rec.kwargs["BLOCK_N"] == SHORT_BLOCK_N and rec.kwargs["NUM_STAGES"] == SHORT_STAGES
+        assert rec.grid == ((SHORT_KEYS // WG_ROWS) * (8 // 2) * 2,)  # 64-row blocks x head pairs x requests
         assert kernels(concurrent=True)[0][1].grid == (items,)  # beside another launch: one program per item
         assert kernels(causal=False, qkv=qkv(4, 4, 64, torch.float16))[0][0] == "varlen_attention_sm90_kernel"
         assert kernels(q_positions_start=torch.zeros(2, dtype=torch.int32))[0][1].kwargs["HAS_Q_START"]
@@ -262,7 +269,8 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         assert name == "varlen_attention_sm90_kernel" and rec.kwargs["HAS_ROPE"]
         assert rec.args[3].block_shape == [WG_ROWS, 64] and rec.args[4].shape == [sum(lengths), 64]
         assert rec.args[-2:] == (64, 0)  # rotary head strides: per query head, one key shared (column 0)
-        portable = [dict(max_len=SHORT_KEYS), dict(window_left=64), dict(softcap=30.0),
+        portable = [dict(max_len=SHORT_KEYS, qkv=qkv(4, 4)), dict(max_len=SHORT_KEYS, qkv=qkv(6, 2)),
+                    dict(window_left=64), dict(softcap=30.0),
                     dict(alibi_slopes=torch.ones(8)), dict(sinks=torch.ones(8)), dict(qkv=qkv(d=256)),
                     dict(qkv=qkv(d=80)), dict(qkv=qkv(dtype=torch.float32)),
                     dict(q_rope=torch.zeros(sum(lengths), 8, 16, dtype=bf16),

@@ -147,8 +147,8 @@ def _cache_dtype(platform: Platform, dtype: torch.dtype, fp8: bool) -> torch.dty
 def _build_varlen(platform: Platform, *, head_size: int, dtype: torch.dtype, causal: bool, lse: bool,
                   features: str = "", head_size_v: int | None = None, num_heads: int = NUM_HEADS,
                   num_kv_heads: int = NUM_KV_HEADS, lengths: tuple[int, ...] = (48, 80), rope: int = 0) -> None:
-    """Two requests of ``lengths`` queries and keys (up to 1024 keys: the portable kernel everywhere; longer:
-    the Gluon kernel on sm_90 where it applies). ``rope``: a rotary part of that width in the scores, with
+    """Two requests of ``lengths`` queries and keys (on sm_90 the Gluon kernel where it applies: as head-pair
+    items for up to 1024 keys and an even GQA group, else the portable kernel; elsewhere the portable one). ``rope``: a rotary part of that width in the scores, with
     one rotary key shared by the heads (MLA's)."""
     head_size_v = head_size_v or head_size
     if rope:

@@ -5,11 +5,14 @@ load, ``QKᵀ``, softmax, ``PV``. Triton 3.6 cannot split that chain across warp
 cores idle while the softmax runs. This kernel is the FlashAttention-3 arrangement, spelled out in Gluon:
 
 - persistent programs (one per SM) take work items of ``2 · WG_ROWS`` (128) query rows of one head of one
-  request;
+  request, or with ``PAIR_HEADS`` (short requests, an even GQA group) ``WG_ROWS`` rows of two query heads
+  that read the same KV head: then both consumers need the same keys, and a causal item's diagonal tile
+  wastes less;
 - a **loader** partition (one warp) streams ``BLOCK_N``-key tiles of K and V through TMA into two rings of
   ``NUM_STAGES`` shared-memory buffers, each buffer with a *ready* barrier (TMA byte count) and an *empty*
   barrier (both consumers release it);
-- two **consumer** partitions (one warpgroup each, ``WG_ROWS`` = 64 query rows each) run asynchronous
+- two **consumer** partitions (one warpgroup each, ``WG_ROWS`` = 64 query rows each: a half of the item's
+  rows, or with ``PAIR_HEADS`` the rows of one of its heads) run asynchronous
   ``wgmma``. Within each, the score product of tile ``j`` and the value product of tile ``j − 1`` are in
   flight together while the softmax of tile ``j`` runs; across the two, the warp schedulers overlap one
   warpgroup's softmax with the other's matrix products.
@@ -314,7 +317,9 @@ def varlen_attention_sm90_kernel(
 ):
     """Persistent: program ``p`` of ``P`` takes work items ``p, p + P, …`` of the
     ``num_m_blocks · num_heads · num_seqs`` (128-row query block, head, request) items (``num_m_blocks`` =
-    ``cdiv(max_seqlen_q, 128)``; items past their request's queries are skipped). ``qr_desc``/``kr_desc``
+    ``cdiv(max_seqlen_q, 128)``; items past their request's queries are skipped); with ``PAIR_HEADS``,
+    ``num_m_blocks · num_heads / 2 · num_seqs`` (64-row query block, head pair, request) items
+    (``num_m_blocks`` = ``cdiv(max_seqlen_q, 64)``; ``num_queries_per_kv`` even). ``qr_desc``/``kr_desc``
     are read only with ``HAS_ROPE``. Launch with ``num_warps=4`` (the first consumer; the second consumer
     and the loader are extra warps)."""
     WG_ROWS: gl.constexpr = q_desc.block_type.shape[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -13,11 +15,18 @@ def row_strides(t: torch.Tensor) -> tuple[int, int]:
 def gluon_descriptor(t: torch.Tensor, shape: list[int], strides: list[int], block: list[int]):
     """A Gluon (sm_90) TMA descriptor over ``t`` viewed as the matrix ``shape``/``strides``, reading
     ``block`` tiles into shared memory in the default NVMMA (swizzled) layout for the kernels' ``wgmma``."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, str(t.dtype).split(".")[1]))
-    return TensorDescriptor(t, shape, strides, block, layout)
+    return TensorDescriptor(t, shape, strides, block, _nvmma_layout(tuple(block), t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
+    """The default NVMMA shared layout of a ``block`` tile (cached: building one costs tens of µs of host
+    time, a third of a short prefill's launch)."""
+    from triton.experimental.gluon import language as gl
+
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, str(dtype).split(".")[1]))
 
 
 def row_matrix(t: torch.Tensor) -> tuple[int, int, int] | None:

@@ -55,10 +55,13 @@ def pair_heads(q: torch.Tensor, k: torch.Tensor, max_seqlen_k: int) -> bool:
 def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, max_seqlen_k: int,
                      q_rope: torch.Tensor | None, k_rope: torch.Tensor | None, window_left: int, softcap: float,
                      alibi_slopes, sinks) -> str | None:
-    """Why the Gluon kernel does not apply to this call, or None when it does. Besides what it cannot do,
-    it leaves short requests to the portable kernel's 64×64 tiles: H200, 2026-11-29, causal 16 × 512,
-    32/8/128 bf16: 176–217 µs here against 142–173 µs there (per-item set-up and the serial first tile
-    dominate when each 128-row item sees 1–4 key tiles)."""
+    """Why the Gluon kernel does not apply to this call, or None when it does. Short requests (at most
+    ``SHORT_KEYS`` keys) take it only as head-pair items (:func:`pair_heads`): with 128-row items against
+    128-key tiles it was slower than the portable kernel's 64×64 tiles (H200, 2026-11-29, causal 16 × 512,
+    32/8/128 bf16: 176–217 µs against 142–173), as each item saw 1–4 key tiles and the two warpgroups'
+    rows needed different keys. Head pairs, GPU time from CUDA-graph replays (H200, 2026-11-30): 104 µs
+    against the portable kernel's 139 (SDPA 99 eager); 32 × 256: 75 against 112; 8 × 1024: 163 against
+    206; non-causal 16 × 512: 159 against 184. Their launch costs about 85 µs more host time."""
     if not platform.is_hopper:
         return f"not sm_90 ({platform.backend} {platform.arch})"
     if _env.gluon_disabled():
