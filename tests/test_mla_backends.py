@@ -244,7 +244,7 @@ def test_selection():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("name", ["mla", "mla_triton"])
-@pytest.mark.parametrize("heads", [16, 128])  # 128: the Gluon decode kernel on sm_90 (16-bit cache)
+@pytest.mark.parametrize("heads", [16, 128])  # the two Gluon decode kernels on sm_90 (16-bit cache)
 def test_deepseek_bf16_gpu(name, kv_cache_dtype, heads):
     spec = mla_spec(DEEPSEEK, heads=heads, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, block_size=64,
                     extend_chunk_budget=2048)

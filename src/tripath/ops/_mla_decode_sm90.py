@@ -16,7 +16,7 @@ NUM_STAGES = 5  # 5 x 36 KiB + the query's second latent half (32 KiB) + p: 221 
 P_STAGES = 2
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
 # Few heads (kernels/mla_decode_few_heads_sm90.py): transposed products with 64 cache rows as the wgmma rows,
-# a two-stage ring of 72 KiB tiles and a loader warp (159 / 169 / 190 KiB of shared memory at 8 / 16 / 32
+# a two-stage ring of 72 KiB tiles and a loader warp (about 155 / 165 / 185 KiB of shared memory at 8 / 16 / 32
 # heads; 3853-4355 GB/s at H16 on the H200, where the packed kernel reads 3144-3548).
 FEW_HEADS = (8, 16, 32)
 FEW_BLOCK_N = 64
