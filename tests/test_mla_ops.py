@@ -602,12 +602,13 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
         with override_platform(platform), capture_launches() as records:
             mla_decode(q, cache, table, seq_lens, sm_scale=0.1, num_splits=1)
         return records[0].name
+    few, q16 = "mla_decode_few_heads_sm90_kernel", q[:, :16].contiguous()
     assert first_kernel(H200, q, cache) == "mla_decode_sm90_kernel"
-    assert first_kernel(H200, q[:, :16].contiguous(), cache) == "mla_decode_few_heads_sm90_kernel"
+    assert first_kernel(H200, q16, cache) == few
     assert first_kernel(H200, q[:, :24].contiguous(), cache) == "mla_decode_kernel"  # 24 heads: packed tiles
-    assert first_kernel(H200, q[:, :16].contiguous(), cache[:, :32].contiguous()) == "mla_decode_few_heads_sm90_kernel"
-    assert first_kernel(H200, q[:, :16].contiguous(), cache[:, :48].contiguous()) == "mla_decode_kernel"
-    assert first_kernel(H200, q, cache[:, :16]) == "mla_decode_kernel"  # block size 16
+    assert first_kernel(H200, q16, cache[:, :32].contiguous()) == few  # two pages a tile
+    assert first_kernel(H200, q16, cache[:, :48].contiguous()) == "mla_decode_kernel"
+    assert first_kernel(H200, q, cache[:, :16].contiguous()) == "mla_decode_kernel"  # 128 heads: blocks of 32+
     assert first_kernel(MI300X, q, cache) == "mla_decode_kernel"
     monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")
     assert first_kernel(H200, q, cache) == "mla_decode_kernel"

@@ -148,8 +148,8 @@ def _build_varlen(platform: Platform, *, head_size: int, dtype: torch.dtype, cau
                   features: str = "", head_size_v: int | None = None, num_heads: int = NUM_HEADS,
                   num_kv_heads: int = NUM_KV_HEADS, lengths: tuple[int, ...] = (48, 80), rope: int = 0) -> None:
     """Two requests of ``lengths`` queries and keys (on sm_90 the Gluon kernel where it applies: as head-pair
-    items for up to 1024 keys and an even GQA group, else the portable kernel; elsewhere the portable one). ``rope``: a rotary part of that width in the scores, with
-    one rotary key shared by the heads (MLA's)."""
+    items for up to 1024 keys and an even GQA group, else the portable kernel; elsewhere the portable one).
+    ``rope``: a rotary part of that width in the scores, with one rotary key shared by the heads (MLA's)."""
     head_size_v = head_size_v or head_size
     if rope:
         rope_parts = dict(q_rope=_rand(sum(lengths), num_heads, rope, dtype=dtype),

@@ -205,8 +205,8 @@ def _mla_table(batch, ctx, block_size, dev, width=576):
 
 def bench_mla_decode(report: Report) -> None:
     """Absorbed MLA decode: the warp-specialised Gluon kernels (``mla`` on sm_90: 8/16/32 heads and multiples
-    of 64), the tuned head-packed configuration (``mla`` elsewhere) and the plain 16-head grouped one (``mla_triton``; the
-    one-head-per-program variant is far slower and left out)."""
+    of 64), the tuned head-packed configuration (``mla`` elsewhere) and the plain 16-head grouped one
+    (``mla_triton``; the one-head-per-program variant is far slower and left out)."""
     from tripath.ops import mla_decode
     dev = torch.device("cuda")
     cases = [(16, 64, 4096, 64), (16, 64, 16384, 64), (16, 8, 32768, 64), (16, 64, 4096, 16), (128, 64, 4096, 64)]
