@@ -61,7 +61,8 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
     32/8/128 bf16: 176–217 µs against 142–173), as each item saw 1–4 key tiles and the two warpgroups'
     rows needed different keys. Head pairs, GPU time from CUDA-graph replays (H200, 2026-11-30): 104 µs
     against the portable kernel's 139 (SDPA 99 eager); 32 × 256: 75 against 112; 8 × 1024: 163 against
-    206; non-causal 16 × 512: 159 against 184. Their launch costs about 85 µs more host time."""
+    206; non-causal 16 × 512: 159 against 184. Host time a launch at 16 × 512 (one run, after the NVMMA layout
+    cache of :mod:`tripath.ops._descriptors`): 176 µs against the portable kernel's 152."""
     if not platform.is_hopper:
         return f"not sm_90 ({platform.backend} {platform.arch})"
     if _env.gluon_disabled():
