@@ -551,6 +551,44 @@ def test_fused_prep_equals_unfused_bf16_gpu(num_tokens, heads, fp8):
     assert torch.equal(q_f.view(torch.uint8), q_u.view(torch.uint8))
 
 
+def fp8_rounding_cases(shape, dtype):
+    """Values whose e4m3 rounding is delicate: ties between normal neighbours (1 + 1/16 rounds to 1, 1 + 3/16
+    to 1.25), ties in the subnormal range (odd multiples of 2^-10) and values past the saturation bound,
+    spread over random inputs."""
+    x = torch.randn(shape, dtype=torch.float32, device=DEVICE) * 4
+    ties = torch.tensor([1.0625, 1.1875, -1.0625, 7.5, 15.0, 3 * 2.0 ** -10, -5 * 2.0 ** -10, 2.0 ** -10,
+                         1000.0, -1000.0, 0.0, 2.0 ** -12], device=DEVICE)
+    flat = x.view(-1)
+    flat[torch.randperm(flat.numel(), device=DEVICE)[:4 * ties.numel()]] = ties.repeat(4)
+    return x.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_rounding_matches_torch_gpu(fused):
+    """On a GPU the kernels leave rounding to the conversion instruction (no emulation): the cache rows and
+    query rows they write must still equal torch's conversion bit for bit, ties and subnormals included."""
+    tokens, heads, block = 40, 16, 16
+    scale = scale_tensor(0.5)
+    ql_nope = fp8_rounding_cases((tokens, heads, L), torch.bfloat16)
+    q_pe = fp8_rounding_cases((tokens, heads, R), torch.bfloat16)
+    kv_c, k_pe = fp8_rounding_cases((tokens, L), torch.bfloat16), fp8_rounding_cases((tokens, R), torch.bfloat16)
+    cache = allocate_mla_cache(tokens // block + 2, block, L, R, dtype=FP8, device=DEVICE)
+    slots = torch.randperm(cache.shape[0] * block, device=DEVICE)[:tokens]
+    q_out = torch.empty(tokens, heads, L + R, dtype=FP8, device=DEVICE)
+    if fused:  # identity rotation: the rows are written unrotated
+        cos, sin = identity_rope_tables(R, device=DEVICE)
+        fused_qk_rope_concat_and_cache_mla(ql_nope, q_pe, kv_c, k_pe, cache, q_out, slots, scale, scale,
+                                           torch.zeros(tokens, dtype=torch.long, device=DEVICE), cos, sin)
+    else:
+        concat_and_cache_mla(kv_c, k_pe, cache, slots, kv_scale=scale)
+        concat_mla_query(ql_nope, q_pe, q_out, q_scale=scale)
+    expected_rows = quantize(torch.cat([kv_c, k_pe], -1), FP8, scale)
+    assert torch.equal(cache.view(-1, L + R)[slots].view(torch.uint8), expected_rows.view(torch.uint8))
+    expected_q = quantize(torch.cat([ql_nope, q_pe], -1), FP8, scale)
+    assert torch.equal(q_out.view(torch.uint8), expected_q.view(torch.uint8))
+
+
 def test_one_buffer_transposed_descriptor_tiles_are_refused(monkeypatch):
     """On an NVIDIA GPU, descriptor tiles with transposed products and a single buffer (``num_stages=1``)
     returned wrong results (triton 3.6, H200): the launcher refuses such a configuration rather than run it."""

@@ -262,7 +262,8 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         assert kernels(q_positions_start=torch.zeros(2, dtype=torch.int32))[0][1].kwargs["HAS_Q_START"]
         packed = torch.zeros(sum(lengths), 12, 128, dtype=bf16)  # [q heads | k heads | v heads] of one buffer
         [(name, rec)] = kernels(qkv=(packed[:, :8], packed[:, 8:10], packed[:, 10:]))
-        assert name == "varlen_attention_sm90_kernel" and rec.args[-3:] == (128, 128, 128)
+        assert name == "varlen_attention_sm90_kernel" and rec.args[-5:] == (128, 128, 128, 0, 0)
+        assert rec.args[3] is None and rec.args[4] is None  # no rotary part: no descriptors for it
         assert rec.args[1].shape == [sum(lengths), 2 * 128]  # KV heads 8, 9 of the 12 packed
         [(name, rec)] = kernels(q_rope=torch.zeros(sum(lengths), 8, 64, dtype=bf16),  # MLA's rotary part
                                 k_rope=torch.zeros(sum(lengths), 1, 64, dtype=bf16))

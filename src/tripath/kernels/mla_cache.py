@@ -9,16 +9,18 @@ import triton
 import triton.language as tl
 
 from tripath.kernels.kv_cache import find_sequence
-from tripath.kernels.quant import round_to_fp8_grid
-
+from tripath.kernels.quant import fp8_round
 
 
 @triton.jit
-def quantize(x, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
-    """``sat(x / scale)`` on the e4m3 grid (fp32) when ``QUANT``, else ``x`` as fp32 (the caller casts)."""
+def quantize(x, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """``sat(x / scale)`` (fp32) when ``QUANT``, else ``x`` as fp32; the caller casts. ``EMULATE_RNE`` (the
+    interpreter only, see :mod:`tripath.kernels.quant`) rounds onto the e4m3 grid first; on GPUs the
+    conversion rounds by itself, and the emulation's ~15 integer operations a value made the fused decode
+    preparation at 128 heads issue-bound."""
     x = x.to(tl.float32)
     if QUANT:
-        x = round_to_fp8_grid(tl.clamp(x / tl.load(scale_ptr), -FP8_MAX, FP8_MAX), FP8_MAX)
+        x = fp8_round(x / tl.load(scale_ptr), FP8_MAX, EMULATE_RNE)
     return x
 
 
@@ -28,6 +30,7 @@ def concat_and_cache_mla_kernel(
     stride_kv_c_t, stride_k_pe_t, stride_c_block, stride_c_slot,
     kv_lora_rank, rope_dim, block_size,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
 ):
     """Program ``t`` writes the row ``[kv_c[t] | k_pe[t]]`` at ``slot_mapping[t]`` (skipped when negative)."""
     token = tl.program_id(0).to(tl.int64)
@@ -40,8 +43,9 @@ def concat_and_cache_mla_kernel(
     kv_c = tl.load(kv_c_ptr + token * stride_kv_c_t + dims_l, mask=dims_l < kv_lora_rank)
     k_pe = tl.load(k_pe_ptr + token * stride_k_pe_t + dims_r, mask=dims_r < rope_dim)
     out_ty = kv_cache_ptr.dtype.element_ty
-    tl.store(row + dims_l, quantize(kv_c, scale_ptr, QUANT, FP8_MAX).to(out_ty), mask=dims_l < kv_lora_rank)
-    tl.store(row + kv_lora_rank + dims_r, quantize(k_pe, scale_ptr, QUANT, FP8_MAX).to(out_ty),
+    tl.store(row + dims_l, quantize(kv_c, scale_ptr, QUANT, FP8_MAX, EMULATE_RNE).to(out_ty),
+             mask=dims_l < kv_lora_rank)
+    tl.store(row + kv_lora_rank + dims_r, quantize(k_pe, scale_ptr, QUANT, FP8_MAX, EMULATE_RNE).to(out_ty),
              mask=dims_r < rope_dim)
 
 

@@ -40,15 +40,16 @@ def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _softmax_step(s, c_lat, m_i, l_i, acc, P_FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+def _softmax_step(s, c_lat, m_i, l_i, acc, P_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+                  EMULATE_RNE: tl.constexpr):
     """Online softmax over one tile: log2-domain scores ``s [M, N]`` (masked entries −inf, each row with at
     least one valid entry), values ``c_lat [N, L]``. With ``P_FP8`` the probabilities enter the product as
-    e4m3 (rounded onto its grid first, so the cast is exact everywhere)."""
+    e4m3 (under the interpreter rounded onto its grid first: :mod:`tripath.kernels.quant`)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if P_FP8:
+    if P_FP8 and EMULATE_RNE:  # p is in [0, 1]: no saturation needed
         p = round_to_fp8_grid(p, FP8_MAX)
     acc = tl.dot(p.to(c_lat.dtype), c_lat, acc * alpha[:, None])
     return m_new, l_i, acc
@@ -132,6 +133,7 @@ def _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_
                stride_c_block, stride_c_slot, kv_lora_rank, block_size,
                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, V_PARTS: tl.constexpr, MASK: tl.constexpr,
                USE_TMA: tl.constexpr, SWAP_AB: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr,
+               EMULATE_RNE: tl.constexpr,
                PREFETCH: tl.constexpr = 0, ROW_LINES: tl.constexpr = 1):
     """Cache rows ``[lo, hi)`` in ``BLOCK_N``-row tiles (``MASK``: the last may run past ``hi``; only
     pointer loads, ``USE_TMA`` False, may be masked).
@@ -166,7 +168,7 @@ def _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_
             alpha = tl.math.exp2(m_i - m_new)
             p = tl.math.exp2(st - m_new[None, :])
             l_i = l_i * alpha + tl.sum(p, 0)
-            if Q_FP8:
+            if Q_FP8 and EMULATE_RNE:
                 p = round_to_fp8_grid(p, FP8_MAX)
             acc = tl.dot(tl.trans(c_mine), p.to(c_mine.dtype), acc * alpha[None, :])
             m_i = m_new
@@ -179,7 +181,7 @@ def _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_
                 s = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
             else:
                 s = qk * qk_scale
-            m_i, l_i, acc = _softmax_step(s, c_mine, m_i, l_i, acc, Q_FP8, FP8_MAX)
+            m_i, l_i, acc = _softmax_step(s, c_mine, m_i, l_i, acc, Q_FP8, FP8_MAX, EMULATE_RNE)
     return m_i, l_i, acc
 
 
@@ -194,7 +196,8 @@ def mla_decode_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, V_PARTS: tl.constexpr, USE_TMA: tl.constexpr,
     SWAP_AB: tl.constexpr, PREFETCH: tl.constexpr, ROW_LINES: tl.constexpr,
-    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, RETURN_LSE: tl.constexpr,
+    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head_block = tl.program_id(1) // V_PARTS
@@ -239,18 +242,20 @@ def mla_decode_kernel(
                                    block_row_ptr, lo, full_hi, qk_scale, mine, other, dims_r, mine_ok,
                                    other_ok, pe_ok, part, stride_c_block, stride_c_slot, kv_lora_rank,
                                    block_size, BLOCK_N, BLOCK_V, V_PARTS, False, True, SWAP_AB, Q_FP8, FP8_MAX,
-                                   PREFETCH, ROW_LINES)
+                                   EMULATE_RNE, PREFETCH, ROW_LINES)
         if SWAP_AB:
             acc = tl.trans(acc)
         m_i, l_i, acc = _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_desc,
                                    block_row_ptr, full_hi, hi, qk_scale, mine, other, dims_r, mine_ok,
                                    other_ok, pe_ok, part, stride_c_block, stride_c_slot, kv_lora_rank,
-                                   block_size, TAIL_N, BLOCK_V, V_PARTS, True, False, False, Q_FP8, FP8_MAX)
+                                   block_size, TAIL_N, BLOCK_V, V_PARTS, True, False, False, Q_FP8, FP8_MAX,
+                                   EMULATE_RNE)
     else:
         m_i, l_i, acc = _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_desc,
                                    block_row_ptr, lo, hi, qk_scale, mine, other, dims_r, mine_ok,
                                    other_ok, pe_ok, part, stride_c_block, stride_c_slot, kv_lora_rank,
-                                   block_size, BLOCK_N, BLOCK_V, V_PARTS, True, False, SWAP_AB, Q_FP8, FP8_MAX)
+                                   block_size, BLOCK_N, BLOCK_V, V_PARTS, True, False, SWAP_AB, Q_FP8, FP8_MAX,
+                                   EMULATE_RNE)
         if SWAP_AB:
             acc = tl.trans(acc)
 

@@ -52,6 +52,13 @@ def _store_layout(head_d, num_warps):
     return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
 
 
+@gluon.constexpr_function
+def _query_buffers(pair_heads, has_rope):
+    """Query buffers per warpgroup: two (double-buffered) for head-pair items without a rotary part, where
+    shared memory has room (4 · 16 KiB of queries beside the 128 KiB key/value ring), else one."""
+    return 2 if pair_heads and not has_rope else 1
+
+
 @gluon.jit
 def _work_item(t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
@@ -95,6 +102,7 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
     stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h = head_strides
     q_bytes: gl.constexpr = q_desc.block_type.nbytes + (qr_desc.block_type.nbytes if HAS_ROPE else 0)
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (kr_desc.block_type.nbytes if HAS_ROPE else 0)
+    q_bufs: gl.constexpr = q_smem.shape[0] // 2
     tiles_done = 0
     items_done = 0
     num_head_items = num_heads // 2 if PAIR_HEADS else num_heads
@@ -105,6 +113,7 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
             BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
         if row0 < seqlen_q:
             kv_head = head // num_queries_per_kv  # with PAIR_HEADS both heads' (the group size is even)
+            q_phase = ((items_done // q_bufs) & 1) ^ 1  # a fresh barrier counts as released
             for wg in gl.static_range(2):
                 if PAIR_HEADS:
                     q_row = q_begin + row0
@@ -112,13 +121,14 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
                 else:
                     q_row = q_begin + row0 + wg * WG_ROWS
                     q_head = head
-                mbarrier.wait(q_empty.index(wg), (items_done & 1) ^ 1)  # a fresh barrier counts as released
-                mbarrier.expect(q_ready.index(wg), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row, q_head * stride_q_h], q_ready.index(wg),
-                                                q_smem.index(wg))
+                qbuf = (items_done % q_bufs) * 2 + wg
+                mbarrier.wait(q_empty.index(qbuf), q_phase)
+                mbarrier.expect(q_ready.index(qbuf), q_bytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row, q_head * stride_q_h], q_ready.index(qbuf),
+                                                q_smem.index(qbuf))
                 if HAS_ROPE:
-                    tma.async_copy_global_to_shared(qr_desc, [q_row, q_head * stride_qr_h], q_ready.index(wg),
-                                                    qr_smem.index(wg))
+                    tma.async_copy_global_to_shared(qr_desc, [q_row, q_head * stride_qr_h], q_ready.index(qbuf),
+                                                    qr_smem.index(qbuf))
             for i in range(num_tiles):
                 stage = (tiles_done + i) % NUM_STAGES
                 free_phase = (((tiles_done + i) // NUM_STAGES) & 1) ^ 1
@@ -139,13 +149,14 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
 
 
 @gluon.jit
-def _scores(wg, stage, smem, zero_s, HAS_ROPE: gl.constexpr):
-    """Issue the (asynchronous) score product of the key tile in ``stage``: ``q kᵀ`` (+ ``qr krᵀ``)."""
+def _scores(qbuf, stage, smem, zero_s, HAS_ROPE: gl.constexpr):
+    """Issue the (asynchronous) score product of the query buffer ``qbuf`` and the key tile in ``stage``:
+    ``q kᵀ`` (+ ``qr krᵀ``)."""
     q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
-    s_tok = warpgroup_mma(q_smem.index(wg), k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
+    s_tok = warpgroup_mma(q_smem.index(qbuf), k_smem.index(stage).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
     if HAS_ROPE:
-        s_tok = warpgroup_mma(qr_smem.index(wg), kr_smem.index(stage).permute((1, 0)), s_tok, is_async=True)
+        s_tok = warpgroup_mma(qr_smem.index(qbuf), kr_smem.index(stage).permute((1, 0)), s_tok, is_async=True)
     return s_tok
 
 
@@ -225,13 +236,15 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
     l_i = gl.zeros([WG_ROWS], gl.float32, row_s)
     acc = gl.zeros([WG_ROWS, HEAD_D], gl.float32, o_layout)
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(q_ready.index(wg), items_done & 1)
+    q_bufs: gl.constexpr = q_smem.shape[0] // 2
+    qbuf = (items_done % q_bufs) * 2 + wg
+    mbarrier.wait(q_ready.index(qbuf), (items_done // q_bufs) & 1)
 
     if num_tiles > 0:
         # Tile 0's scores, alone.
         stage = tiles_done % NUM_STAGES
         mbarrier.wait(k_ready.index(stage), (tiles_done // NUM_STAGES) & 1)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(wg, stage, smem, zero_s, HAS_ROPE), ))
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(qbuf, stage, smem, zero_s, HAS_ROPE), ))
         mbarrier.arrive(k_empty.index(stage), count=1)
         p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, 0, num_unmasked, q_pos, offs_n, seqlen_k, qk_scale,
                                            BLOCK_N, CAUSAL)
@@ -242,7 +255,7 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
             stage = (tiles_done + j) % NUM_STAGES
             # Scores of tile j and the value product of tile j − 1, both in flight.
             mbarrier.wait(k_ready.index(stage), ((tiles_done + j) // NUM_STAGES) & 1)
-            s_tok = _scores(wg, stage, smem, zero_s, HAS_ROPE)
+            s_tok = _scores(qbuf, stage, smem, zero_s, HAS_ROPE)
             mbarrier.wait(v_ready.index(prev), prev_phase)
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
@@ -254,7 +267,7 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.arrive(q_empty.index(wg), count=1)  # every score product of this item has completed
+        mbarrier.arrive(q_empty.index(qbuf), count=1)  # every score product of this item has completed
         mbarrier.wait(v_ready.index(stage), ((tiles_done + num_tiles - 1) // NUM_STAGES) & 1)
         # Value rows past the request (the next request's, or whatever the caller's tensor holds past the
         # last one) enter the product with probability 0; warpgroup 0 zeroes them first, as 0 · NaN is NaN.
@@ -264,7 +277,7 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
         mbarrier.arrive(v_empty.index(stage), count=1)
     else:
-        mbarrier.arrive(q_empty.index(wg), count=1)
+        mbarrier.arrive(q_empty.index(qbuf), count=1)
         _clean_last_values(wg, v_smem.index(0), v_clean, items_done, BLOCK_N, BLOCK_N, HEAD_D)  # phase only
 
     # Epilogue: normalise, store the rows that belong to the request.
@@ -290,15 +303,26 @@ def _consumer(wg, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_p
               num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
               HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr):
-    """One warpgroup (``wg`` 0 or 1): its half of every work item of this program, in the loader's order."""
+    """One warpgroup (``wg`` 0 or 1): its half of every work item of this program, in the loader's order.
+    Without a rotary part the next item's offsets are loaded before this item runs, so their latency hides
+    behind its work (with one, the eight registers they hold would spill at the 168-register cap)."""
     tiles_done = 0
     items_done = 0
     num_head_items = num_heads // 2 if PAIR_HEADS else num_heads
     block_m: gl.constexpr = WG_ROWS if PAIR_HEADS else 2 * WG_ROWS
-    for t in range(gl.program_id(0), num_m_blocks * num_head_items * num_seqs, gl.num_programs(0)):
-        head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
-            t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, block_m,
-            BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
+    step = gl.num_programs(0)
+    nxt = _work_item(gl.program_id(0), num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+                     q_start_ptr, block_m, BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
+    for t in range(gl.program_id(0), num_m_blocks * num_head_items * num_seqs, step):
+        if HAS_ROPE:
+            head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
+                t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+                block_m, BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
+        else:
+            head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = nxt
+            # (Item t + step may lie past the last one: its loads stay in bounds and it is never run.)
+            nxt = _work_item(t + step, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr,
+                             cu_seqlens_k_ptr, q_start_ptr, block_m, BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
         if row0 < seqlen_q:
             _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q,
                     seqlen_k, q_start, num_tiles, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES,
@@ -323,19 +347,21 @@ def varlen_attention_sm90_kernel(
     are read only with ``HAS_ROPE``. Launch with ``num_warps=4`` (the first consumer; the second consumer
     and the loader are extra warps)."""
     WG_ROWS: gl.constexpr = q_desc.block_type.shape[0]
-    # One query buffer per warpgroup: 177 KiB in all for 128-wide heads, which leaves room on the SM for a
-    # paged-decode program beside it (two buffers, 209 KiB: the mixed step's GPU time 970 µs against 931).
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, WG_ROWS, HEAD_D], q_desc.layout)
+    # Query buffers per warpgroup (_query_buffers): one for 128-row items, which leaves room on the SM for a
+    # paged-decode program beside it (two buffers, 209 KiB: the mixed step's GPU time 970 µs against 931);
+    # two for head-pair items, so the next item's queries load while this one finishes.
+    Q_BUFS: gl.constexpr = _query_buffers(PAIR_HEADS, HAS_ROPE)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS, WG_ROWS, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
     if HAS_ROPE:
-        qr_smem = gl.allocate_shared_memory(qr_desc.dtype, [2] + qr_desc.block_type.shape, qr_desc.layout)
+        qr_smem = gl.allocate_shared_memory(qr_desc.dtype, [2 * Q_BUFS] + qr_desc.block_type.shape, qr_desc.layout)
         kr_smem = gl.allocate_shared_memory(kr_desc.dtype, [NUM_STAGES] + kr_desc.block_type.shape, kr_desc.layout)
     else:
         qr_smem = q_smem
         kr_smem = k_smem
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2 * Q_BUFS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -343,9 +369,9 @@ def varlen_attention_sm90_kernel(
     v_clean = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # [signal, acknowledgement]
     mbarrier.init(v_clean.index(0), count=1)
     mbarrier.init(v_clean.index(1), count=1)
-    for wg in gl.static_range(2):
-        mbarrier.init(q_ready.index(wg), count=1)
-        mbarrier.init(q_empty.index(wg), count=1)
+    for b in gl.static_range(2 * Q_BUFS):
+        mbarrier.init(q_ready.index(b), count=1)
+        mbarrier.init(q_empty.index(b), count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(s), count=1)
         mbarrier.init(v_ready.index(s), count=1)

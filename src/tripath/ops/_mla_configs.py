@@ -117,18 +117,16 @@ def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: in
 
 def mla_prep_config(platform: Platform, num_heads: int) -> dict:
     """Fused preparation (and the query concat): ``BLOCK_H`` heads of one token per program. H200
-    (2026-11-29, fp8 outputs, GPU time of graph replays, medians of 3): small head blocks spread a decode
-    step's few tokens over more programs. 2 heads x 2 warps up to 32 heads (T 64 / 256 at 16 heads: 2.85 /
-    4.06 µs, against 4.36 / 6.61 with 16-head blocks), 4 heads x 1 warp beyond (128 heads: 5.63 / 18.31 µs,
-    against 9.62 / 29.58)."""
+    (2026-11-30, fp8 outputs with the conversion's own rounding, GPU time of graph replays; fused / unfused
+    µs at T 64 and 256): 4 heads x 4 warps up to 32 heads (16 heads: 2.53 / 2.99, against 2.65 / 3.15 with
+    2 heads x 2 warps, the earlier choice), 8 heads x 4 warps beyond (128 heads: 3.79 / 16.01, against
+    4.28 / 16.13 with 4 heads x 1 warp; 16 x 8: 3.78 / 16.33)."""
     block_h = min(16, next_pow2(num_heads))
     if platform.backend == "cpu":
         return {"BLOCK_H": block_h, "num_warps": 4}
     if platform.is_hip:
         return {"BLOCK_H": block_h, "num_warps": 4, "waves_per_eu": 2}
-    if num_heads <= FEW_HEADS:
-        return {"BLOCK_H": 2, "num_warps": 2}
-    return {"BLOCK_H": 4, "num_warps": 1}
+    return {"BLOCK_H": 4 if num_heads <= FEW_HEADS else 8, "num_warps": 4}
 
 
 def gather_config(platform: Platform) -> dict:

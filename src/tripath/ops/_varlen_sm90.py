@@ -8,6 +8,8 @@ the portable Triton kernel. :func:`sm90_unsupported` names the first reason the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tripath import _env
@@ -24,6 +26,7 @@ NUM_STAGES = 2  # K and V buffers each
 MAXNREG = 168
 
 
+@functools.lru_cache(maxsize=None)
 def gluon_available() -> bool:
     """Whether this Triton ships Gluon's Hopper module (``warpgroup_mma``, TMA, mbarriers)."""
     try:
@@ -107,9 +110,11 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
     items = num_m_blocks * (q.shape[1] // 2 if pairs else q.shape[1]) * num_seqs
     has_rope = q_rope is not None
     q_desc, k_desc = _descriptor(q, WG_ROWS), _descriptor(k, block_n)
-    qr_desc, kr_desc = (_descriptor(q_rope, WG_ROWS), _descriptor(k_rope, block_n)) if has_rope else (q_desc, k_desc)
+    # Without a rotary part its descriptors are None (constexpr): nothing to specialise, encode or pass.
+    qr_desc, kr_desc = (_descriptor(q_rope, WG_ROWS), _descriptor(k_rope, block_n)) if has_rope else (None, None)
     # Head strides in elements; one head has none (a single rotary key shared by all heads reads column 0).
-    head_strides = [row_strides(t)[1] for t in (q, k, v, q_rope if has_rope else q, k_rope if has_rope else k)]
+    head_strides = [row_strides(t)[1] for t in ((q, k, v, q_rope, k_rope) if has_rope else (q, k, v))]
+    head_strides += [] if has_rope else [0, 0]
     launch(
         varlen_attention_sm90_kernel, (items if concurrent else min(items, num_sms),),
         q_desc, k_desc, _descriptor(v, block_n), qr_desc, kr_desc, out, lse,

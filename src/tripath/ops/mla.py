@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tripath import _env
 from tripath.kernels.mla_cache import concat_and_cache_mla_kernel, gather_mla_cache_kernel
 from tripath.kernels.mla_decode import mla_decode_kernel, mla_decode_per_head_kernel
 from tripath.kernels.mla_prep import mla_prep_kernel
@@ -110,6 +111,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         kv_lora_rank, k_pe.shape[1], block_size,
         BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(k_pe.shape[1]),
         QUANT=quant, FP8_MAX=fp8_max(kv_cache.dtype) if quant else 0.0,
+        EMULATE_RNE=quant and _env.triton_interpret(),
         **_mla_configs.elementwise_config(current_platform(device)),
     )
 
@@ -210,7 +212,8 @@ def _launch_prep(ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_sca
         BLOCK_HALF=next_pow2(max(1, rope_dim // 2)),
         APPLY_ROPE=apply_rope, IS_NEOX=bool(is_neox), NOPE_FIRST=bool(is_nope_first), WRITE_CACHE=write_cache,
         QUANT_Q=quant_q, QUANT_K=quant_k, FP8_MAX_Q=fp8_max(q_out.dtype) if quant_q else 0.0,
-        FP8_MAX_K=fp8_max(kv_cache.dtype) if quant_k else 0.0, **cfg,
+        FP8_MAX_K=fp8_max(kv_cache.dtype) if quant_k else 0.0,
+        EMULATE_RNE=(quant_q or quant_k) and _env.triton_interpret(), **cfg,
     )
 
 
@@ -474,10 +477,11 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                                num_splits, return_lse, kv_lora_rank)
     elif tiles is not None:
         lat_desc, pe_desc = tiles.descriptors or (kv_cache, kv_cache)
+        emulate_rne = q_fp8 and _env.triton_interpret()  # fp8 probabilities: see tripath.kernels.quant
         launch(mla_decode_kernel, (batch, grid_h, num_splits), q, kv_cache, lat_desc, pe_desc, *args[2:],
                BLOCK_H=tiles.block_h, V_PARTS=tiles.v_parts, USE_TMA=tiles.descriptors is not None,
                SWAP_AB=tiles.swap_ab, PREFETCH=tiles.prefetch, ROW_LINES=tiles.row_lines,
-               FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, **flags, **cfg)
+               FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, EMULATE_RNE=emulate_rne, **flags, **cfg)
     else:
         launch(mla_decode_per_head_kernel, (batch, grid_h, num_splits), *args, **flags, **cfg)
     if num_splits > 1:
