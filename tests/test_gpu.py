@@ -67,6 +67,33 @@ def test_varlen_hopper_gluon_kernel(dtype, hq, hkv, d, causal):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 4)])
+@pytest.mark.parametrize("max_len", [512, 1024])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_hopper_gluon_head_pairs(dtype, hq, hkv, max_len, causal):
+    """Short requests as head-pair items (64 rows of two query heads of one KV head, double-buffered
+    queries; 64-key tiles up to 512 keys, 128-key tiles beyond) against the reference: many ragged requests
+    (more items than programs, so each program runs several and the query buffers alternate), lengths
+    around the tile sizes, an empty request, queries that start inside their keys, LSE."""
+    from tripath.ops._varlen_sm90 import pair_heads, sm90_unsupported
+    from tripath.platform import current_platform
+    lk = [max_len, 1, 63, 64, 65, 0, 129, max_len - 1] + torch.randint(1, max_len + 1, (40,)).tolist()
+    lq = [n if i % 3 else n // 2 for i, n in enumerate(lk)]  # every third request: queries on a context
+    q = torch.randn(sum(lq), hq, 128, dtype=dtype, device=DEV)
+    k = torch.randn(sum(lk), hkv, 128, dtype=dtype, device=DEV)
+    v = torch.randn(sum(lk), hkv, 128, dtype=dtype, device=DEV)
+    cq, ck = cu_seqlens(lq, DEV), cu_seqlens(lk, DEV)
+    assert pair_heads(q, k, max(lk)) and sm90_unsupported(
+        current_platform(DEV), q, k, v, max_seqlen_k=max(lk), q_rope=None, k_rope=None, window_left=-1,
+        softcap=0.0, alibi_slopes=None, sinks=None) is None
+    got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_lse=True,
+                                out=poison(q.shape, dtype, DEV))
+    want, want_lse = R.varlen_attention_ref(q, k, v, cq, ck, causal=causal, return_lse=True)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_hopper_gluon_kernel_ignores_rows_past_the_last_request(causal):
     """Keys and values with NaN in the rows past the last request (a workspace's stale rest): the Gluon

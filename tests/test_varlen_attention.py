@@ -227,7 +227,8 @@ def test_hopper_fast_path_dispatch(monkeypatch):
     rotary sizes, fp32 and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches recorded, and the
     descriptors and arguments checked)."""
     from tripath.ops._launch import capture_launches
-    from tripath.ops._varlen_sm90 import BLOCK_N, SHORT_BLOCK_N, SHORT_KEYS, SHORT_STAGES, WG_ROWS
+    from tripath.ops._varlen_sm90 import (BLOCK_N, PAIR_SMALL_KEYS, SHORT_BLOCK_N, SHORT_KEYS, SHORT_LONG_BLOCK_N,
+                                          SHORT_LONG_STAGES, SHORT_STAGES, WG_ROWS)
     from tripath.platform import H200, MI300X, override_platform
     lengths = [48, SHORT_KEYS + 76]
     cu = cu_seqlens(lengths, DEVICE)
@@ -254,9 +255,12 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         assert not rec.kwargs["PAIR_HEADS"] and rec.kwargs["BLOCK_N"] == BLOCK_N
         [(name, rec)] = kernels(max_len=SHORT_KEYS, concurrent=True)  # short, 4 query heads a KV head: pairs
         assert name == "varlen_attention_sm90_kernel" and rec.kwargs["PAIR_HEADS"]
-        assert rec.args[1].block_shape == [SHORT_BLOCK_N, 128] and rec.args[0].block_shape == [WG_ROWS, 128]
-        assert rec.kwargs["BLOCK_N"] == SHORT_BLOCK_N and rec.kwargs["NUM_STAGES"] == SHORT_STAGES
+        assert rec.args[1].block_shape == [SHORT_LONG_BLOCK_N, 128] and rec.args[0].block_shape == [WG_ROWS, 128]
+        assert rec.kwargs["BLOCK_N"] == SHORT_LONG_BLOCK_N and rec.kwargs["NUM_STAGES"] == SHORT_LONG_STAGES
         assert rec.grid == ((SHORT_KEYS // WG_ROWS) * (8 // 2) * 2,)  # 64-row blocks x head pairs x requests
+        [(name, rec)] = kernels(max_len=PAIR_SMALL_KEYS)  # at most 512 keys: 64-key tiles, four stages
+        assert rec.kwargs["PAIR_HEADS"] and rec.args[1].block_shape == [SHORT_BLOCK_N, 128]
+        assert rec.kwargs["BLOCK_N"] == SHORT_BLOCK_N and rec.kwargs["NUM_STAGES"] == SHORT_STAGES
         assert kernels(concurrent=True)[0][1].grid == (items,)  # beside another launch: one program per item
         assert kernels(causal=False, qkv=qkv(4, 4, 64, torch.float16))[0][0] == "varlen_attention_sm90_kernel"
         assert kernels(q_positions_start=torch.zeros(2, dtype=torch.int32))[0][1].kwargs["HAS_Q_START"]

@@ -328,6 +328,9 @@ def all_scenarios() -> list[Scenario]:
                            lengths=(48, 1100)))
         rows.append(_s(f"long context chunk hd{d} bf16 non-causal+lse (sm_90: Gluon)", _build_varlen, head_size=d,
                        dtype=torch.bfloat16, causal=False, lse=True, lengths=(48, 1100)))
+    for d in (64, 128):  # 513 to 1024 keys: head-pair items against 128-key tiles
+        rows.append(_s(f"prefill hd{d} bf16 causal, 1000 keys (sm_90: head pairs, 128-key tiles)", _build_varlen,
+                       ci=d == 128, head_size=d, dtype=torch.bfloat16, causal=True, lse=False, lengths=(48, 1000)))
     rows.append(_s("prefill hd80 bf16 causal (padded head)", _build_varlen, head_size=80,
                    dtype=torch.bfloat16, causal=True, lse=False))
     for lengths, where in (((48, 80), ""), ((48, 1100), ", sm_90: Gluon")):
