@@ -9,15 +9,18 @@ def test_repeats_merge_to_medians_with_ranges():
         runs.append(Report("H200", copy_gbps=4000 + us, matmul_tflops=700,
                            rows=[Row("decode", "64 × 4096", "tripath", us, 4.4e5 / us, "GB/s"),
                                  Row("mixed", "step", "three_path", 10 * us, us / 100, "ms"),
-                                 Row("mla_backend", "step", "mla", us / 10, speedup, "×")]))
+                                 Row("mla_backend", "step", "mla", us / 10, speedup, "×"),
+                                 Row("host", "16 × 512", "tripath", us / 2, us / 2, "µs")]))
     merged = merge_repeats(runs)
-    decode, mixed, backend = merged.rows
+    decode, mixed, backend, host = merged.rows
     assert (decode.us, round(decode.metric), decode.note) == (110.0, 4000, "100.0–120.0")
     assert (mixed.us, mixed.metric) == (1100.0, 1.1)
     assert (backend.us, backend.metric) == (11.0, 2.0)
+    assert (host.us, host.metric, host.note) == (55.0, 55.0, "50.0–60.0")
     assert merged.copy_gbps == 4110
     text = format_report(merged)
     assert "| 64 × 4096 | tripath | 110.0 µs (100.0–120.0) | 4000 | 97% |" in text
+    assert "| 16 × 512 | tripath | 55.0 µs (50.0–60.0) |" in text
 
 
 def test_gpu_benchmark_functions_name_only_defined_globals():

@@ -12,6 +12,7 @@ against its reference once.
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,20 @@ def _bench_graph(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")) * 1e3
+
+
+def _host_us(fn, calls: int = 100) -> float:
+    """Host time of one call of ``fn`` (µs): ``calls`` calls issued while a sleep kernel keeps the GPU busy,
+    so no call waits for the GPU and the wall time is Python, checks and launches alone."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))  # ~0.2 s of GPU clock cycles: longer than the calls take to issue
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
 
 
 def _portable(fn):
@@ -148,6 +163,14 @@ def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), head
         us = _bench_graph(sdpa)
         report.rows.append(Row("prefill", shape, "PyTorch SDPA, GPU time (CUDA graph)", us,
                                flops / (us * 1e-6) / 1e12, "TF/s"))
+        # Host time a call: an eager do_bench row turns host-bound once it nears the GPU time of a call
+        # plus the L2 flush.
+        calls = [("tripath varlen_attention", run), ("PyTorch SDPA", sdpa)]
+        if current_platform(dev).is_hopper:
+            calls.insert(1, ("tripath varlen_attention (portable Triton kernel)", _portable(run)))
+        for name, fn in calls:
+            us = _host_us(fn)
+            report.rows.append(Row("host", shape, name, us, us, "µs"))
 
 
 MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
@@ -382,6 +405,7 @@ def format_report(report: Report) -> str:
              f"(read + write), bf16 8192³ matmul **{report.matmul_tflops:.0f} TFLOP/s**.", ""]
     for table, title in (("decode", "Paged decode, 32/8/128, block 16, bf16, random block order"),
                          ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
+                         ("host", "Host time a call of the causal prefill rows (Python, checks, launch; GPU kept busy)"),
                          ("mixed", "Mixed step (ANCHORS.md), 32/8/128, bf16, one forward incl. KV write"),
                          ("mla", "MLA decode (absorbed, 576-wide rows, 512-wide values), bf16 cache"),
                          ("mla_prefill", "MLA prefill/extend attention (non-absorbed, 128 + 64 / 128), bf16"),
@@ -391,7 +415,10 @@ def format_report(report: Report) -> str:
         if not rows:
             continue
         lines += [f"### {title}", ""]
-        if table == "mixed":
+        if table == "host":
+            lines += ["| shape | implementation | host time a call |", "|---|---|---|"]
+            lines += [f"| {r.shape} | {r.impl} | {r.us:.1f} µs{_spread(r)} |" for r in rows]
+        elif table == "mixed":
             lines += ["| backend | time |", "|---|---|"]
             lines += [f"| {r.impl} | {r.us:.0f} µs{_spread(r)} |" for r in rows]
         elif table in ("mla_prep", "mla_backend"):
@@ -428,6 +455,8 @@ def merge_repeats(reports: list[Report]) -> Report:
             metric = statistics.median(r.metric for r in same)
         elif row.unit == "ms":
             metric = us / 1e3
+        elif row.unit == "µs":
+            metric = us
         else:
             metric = row.metric * row.us / us
         merged.rows.append(Row(row.table, row.shape, row.impl, us, metric, row.unit,
