@@ -93,7 +93,8 @@ def test_mla_descriptor_rows_need_pages_of_whole_tiles():
 
 
 def test_mla_prep_small_head_blocks_on_hopper():
-    """The decode preparation spreads a step's few tokens over small head blocks on the H200."""
-    assert mla_prep_config(H200, 16) == {"BLOCK_H": 2, "num_warps": 2}
-    assert mla_prep_config(H200, 128) == {"BLOCK_H": 4, "num_warps": 1}
+    """The decode preparation spreads a step's few tokens over small head blocks on the H200 (4 heads up to
+    32, 8 beyond; 4 warps)."""
+    assert mla_prep_config(H200, 16) == {"BLOCK_H": 4, "num_warps": 4}
+    assert mla_prep_config(H200, 128) == {"BLOCK_H": 8, "num_warps": 4}
     assert mla_prep_config(MI300X, 128)["BLOCK_H"] == 16
