@@ -287,3 +287,25 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         monkeypatch.delenv("TRIPATH_DISABLE_GLUON")
     with override_platform(MI300X):
         assert [n for n, _ in kernels()] == ["varlen_attention_kernel"]
+
+
+def test_gluon_descriptors_are_cached_and_hold_no_tensor():
+    """Gluon TMA descriptors are cached by what they encode (the same object for the same address, dtype,
+    geometry and block) and keep only the address: dropping the tensor frees it."""
+    import gc
+    import weakref
+
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from tripath.ops._descriptors import gluon_descriptor
+
+    t = torch.zeros(64, 4, 128, dtype=torch.float16)
+    flat = t.view(64, 512)
+    first = gluon_descriptor(flat, [64, 512], [512, 1], [64, 128])
+    assert gluon_descriptor(flat, [64, 512], [512, 1], [64, 128]) is first
+    assert gluon_descriptor(flat, [64, 512], [512, 1], [32, 128]) is not first  # another block: another one
+    assert first.base.data_ptr() == t.data_ptr() and first.base.dtype == torch.float16
+    assert first.block_shape == [64, 128] and first.shape == [64, 512] and first.strides == [512, 1]
+    alive = weakref.ref(t)
+    del t, flat
+    gc.collect()
+    assert alive() is None
