@@ -6,7 +6,7 @@ from tripath.bench.kernels import Report, Row, format_report, merge_repeats
 def test_repeats_merge_to_medians_with_ranges():
     runs = []
     for us, speedup in ((100.0, 2.0), (120.0, 1.8), (110.0, 2.2)):
-        runs.append(Report("H200", copy_gbps=4000 + us, matmul_tflops=700,
+        runs.append(Report("H200", copy_gbps=4000 + us, matmul_tflops=700, power_capped_s=us / 100,
                            rows=[Row("decode", "64 × 4096", "tripath", us, 4.4e5 / us, "GB/s"),
                                  Row("mixed", "step", "three_path", 10 * us, us / 100, "ms"),
                                  Row("mla_backend", "step", "mla", us / 10, speedup, "×"),
@@ -18,9 +18,33 @@ def test_repeats_merge_to_medians_with_ranges():
     assert (backend.us, backend.metric) == (11.0, 2.0)
     assert (host.us, host.metric, host.note) == (55.0, 55.0, "50.0–60.0")
     assert merged.copy_gbps == 4110
+    assert abs(merged.power_capped_s - 3.3) < 1e-9  # the runs' capping adds up
     text = format_report(merged)
     assert "| 64 × 4096 | tripath | 110.0 µs (100.0–120.0) | 4000 | 97% |" in text
     assert "| 16 × 512 | tripath | 55.0 µs (50.0–60.0) |" in text
+    assert "capped the GPU's clocks for power for 3.3 s" in text
+
+
+SMI_PERFORMANCE = """
+==============NVSMI LOG==============
+Attached GPUs                                          : 1
+GPU 00000000:00:06.0
+    Performance State                                  : P0
+    Clocks Event Reasons
+        Idle                                           : Active
+        SW Power Cap                                   : Not Active
+    Clocks Event Reasons Counters
+        SW Power Capping                               : 26143061 us
+        Sync Boost                                     : 0 us
+"""
+
+
+def test_power_capping_counter_is_parsed():
+    from tripath.bench.kernels import parse_power_capping_us
+    assert parse_power_capping_us(SMI_PERFORMANCE) == 26143061.0
+    assert parse_power_capping_us("no counters here") is None
+    two_gpus = SMI_PERFORMANCE + SMI_PERFORMANCE.split("Attached GPUs")[1]
+    assert parse_power_capping_us(two_gpus) is None
 
 
 def test_gpu_benchmark_functions_name_only_defined_globals():

@@ -43,6 +43,37 @@ class Report:
     matmul_tflops: float = 0.0
     rows: list[Row] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    power_capped_s: float | None = None  # seconds the driver capped the clocks for power during the run
+
+
+def parse_power_capping_us(performance_text: str) -> float | None:
+    """The "SW Power Capping" counter (µs) of ``nvidia-smi -q -d PERFORMANCE`` output for one GPU, or None
+    when the output has no such counter or describes several GPUs."""
+    blocks = performance_text.split("Clocks Event Reasons Counters")
+    if len(blocks) != 2:
+        return None
+    for line in blocks[1].splitlines():
+        if "SW Power Capping" in line:
+            try:
+                return float(line.split(":", 1)[1].split()[0])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+def _power_capping_us() -> float | None:
+    """The driver's counter of time spent capping this machine's GPU clocks for power (µs), where
+    ``nvidia-smi`` reports it for exactly one GPU. H200 instances differ here: sustained prefill load capped
+    one for 26 s within a minute (2026-11-30), which moves compute-bound rows by a few percent."""
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "-q", "-d", "PERFORMANCE"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_power_capping_us(out.stdout)
 
 
 def _bench(fn, reps_ms: int = 200) -> float:
@@ -403,6 +434,9 @@ def _spread(row: Row) -> str:
 def format_report(report: Report) -> str:
     lines = [f"GPU: {report.device}. Floors measured in this run: copy **{report.copy_gbps:.0f} GB/s** "
              f"(read + write), bf16 8192³ matmul **{report.matmul_tflops:.0f} TFLOP/s**.", ""]
+    if report.power_capped_s is not None:
+        lines[0] += (f" The driver capped the GPU's clocks for power for {report.power_capped_s:.1f} s during the"
+                     " run (nvidia-smi's SW Power Capping counter): compute-bound rows read low while it does.")
     for table, title in (("decode", "Paged decode, 32/8/128, block 16, bf16, random block order"),
                          ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
                          ("host", "Host time a call of the causal prefill rows (Python, checks, launch; GPU kept busy)"),
@@ -444,8 +478,10 @@ def format_report(report: Report) -> str:
 def merge_repeats(reports: list[Report]) -> Report:
     """One report from ``len(reports)`` runs of the same sections: each row's median time over the runs
     (rates scaled to it; speed-ups the median of the runs' speed-ups), with the runs' range in ``note``."""
+    capped = [r.power_capped_s for r in reports]
     merged = Report(device=reports[0].device, copy_gbps=statistics.median(r.copy_gbps for r in reports),
-                    matmul_tflops=statistics.median(r.matmul_tflops for r in reports))
+                    matmul_tflops=statistics.median(r.matmul_tflops for r in reports),
+                    power_capped_s=None if None in capped else sum(capped))
     for row in reports[0].rows:
         same = [r for rep in reports for r in rep.rows
                 if (r.table, r.shape, r.impl) == (row.table, row.shape, row.impl)]
@@ -474,6 +510,7 @@ def run(sections=("decode", "prefill", "mixed", "mla"), repeat: int = 1) -> Repo
     if not torch.cuda.is_available():
         raise SystemExit("tripath bench kernels needs a GPU (use `tripath bench` on a CPU)")
     report = Report(device=torch.cuda.get_device_name())
+    capped_before = _power_capping_us()
     torch.manual_seed(0)
     check_correctness(report)
     measure_floors(report)
@@ -486,6 +523,9 @@ def run(sections=("decode", "prefill", "mixed", "mla"), repeat: int = 1) -> Repo
             except Exception as exc:  # one broken section must not hide the others' numbers
                 report.errors.append(f"{fn.__name__}: {type(exc).__name__}: {exc}")
             torch.cuda.empty_cache()
+    capped_after = _power_capping_us()
+    if capped_before is not None and capped_after is not None:
+        report.power_capped_s = (capped_after - capped_before) / 1e6
     return report
 
 
