@@ -227,8 +227,8 @@ def test_hopper_fast_path_dispatch(monkeypatch):
     rotary sizes, fp32 and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches recorded, and the
     descriptors and arguments checked)."""
     from tripath.ops._launch import capture_launches
-    from tripath.ops._varlen_sm90 import (BLOCK_N, PAIR_SMALL_KEYS, SHORT_BLOCK_N, SHORT_KEYS, SHORT_LONG_BLOCK_N,
-                                          SHORT_LONG_STAGES, SHORT_STAGES, WG_ROWS)
+    from tripath.ops._varlen_sm90 import (BLOCK_N, PAIR_LAG_TILES, PAIR_SMALL_KEYS, SHORT_BLOCK_N, SHORT_KEYS,
+                                          SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES, SHORT_STAGES, WG_ROWS)
     from tripath.platform import H200, MI300X, override_platform
     lengths = [48, SHORT_KEYS + 76]
     cu = cu_seqlens(lengths, DEVICE)
@@ -252,11 +252,12 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         assert q_desc.shape == [sum(lengths), 8 * 128] and k_desc.shape == [sum(lengths), 2 * 128]
         items = 9 * 8 * 2  # 128-row query blocks of the longest request x heads x requests
         assert rec.grid == (min(items, H200.num_sms),) and rec.kwargs["RETURN_LSE"] and rec.kwargs["CAUSAL"]
-        assert not rec.kwargs["PAIR_HEADS"] and rec.kwargs["BLOCK_N"] == BLOCK_N
+        assert not rec.kwargs["PAIR_HEADS"] and rec.kwargs["BLOCK_N"] == BLOCK_N and rec.kwargs["LAG_TILES"] == 0
         [(name, rec)] = kernels(max_len=SHORT_KEYS, concurrent=True)  # short, 4 query heads a KV head: pairs
         assert name == "varlen_attention_sm90_kernel" and rec.kwargs["PAIR_HEADS"]
         assert rec.args[1].block_shape == [SHORT_LONG_BLOCK_N, 128] and rec.args[0].block_shape == [WG_ROWS, 128]
         assert rec.kwargs["BLOCK_N"] == SHORT_LONG_BLOCK_N and rec.kwargs["NUM_STAGES"] == SHORT_LONG_STAGES
+        assert 0 < rec.kwargs["LAG_TILES"] == PAIR_LAG_TILES <= rec.kwargs["NUM_STAGES"]  # warpgroups offset
         assert rec.grid == ((SHORT_KEYS // WG_ROWS) * (8 // 2) * 2,)  # 64-row blocks x head pairs x requests
         [(name, rec)] = kernels(max_len=PAIR_SMALL_KEYS)  # at most 512 keys: 64-key tiles, four stages
         assert rec.kwargs["PAIR_HEADS"] and rec.args[1].block_shape == [SHORT_BLOCK_N, 128]

@@ -15,7 +15,10 @@ cores idle while the softmax runs. This kernel is the FlashAttention-3 arrangeme
   rows, or with ``PAIR_HEADS`` the rows of one of its heads) run asynchronous
   ``wgmma``. Within each, the score product of tile ``j`` and the value product of tile ``j − 1`` are in
   flight together while the softmax of tile ``j`` runs; across the two, the warp schedulers overlap one
-  warpgroup's softmax with the other's matrix products.
+  warpgroup's softmax with the other's matrix products. With ``LAG_TILES`` > 0, warpgroup 1 starts each
+  item only once warpgroup 0 has the scores of its first ``LAG_TILES`` key tiles (:func:`_lag_signal`), so
+  the two stay that far apart and one's work outside the key loop (first scores, last value product,
+  epilogue) overlaps the other's loop instead of leaving the tensor cores idle for both at once.
 
 Math (per query row ``i`` of head ``h``, keys ``k`` of the request, log2 domain, ``c = sm_scale · log2 e``)::
 
@@ -112,7 +115,7 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
     rings, running ahead into the next item."""
     q_desc, k_desc, v_desc, qr_desc, kr_desc = descs
     q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean, lag = bars
     stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h = head_strides
     q_bytes: gl.constexpr = q_desc.block_type.nbytes + (qr_desc.block_type.nbytes if HAS_ROPE else 0)
     k_bytes: gl.constexpr = k_desc.block_type.nbytes + (kr_desc.block_type.nbytes if HAS_ROPE else 0)
@@ -217,15 +220,32 @@ def _clean_last_values(wg, v_buf, v_clean, items_done, valid_rows, BLOCK_N: gl.c
 
 
 @gluon.jit
+def _lag_signal(lag, items_done):
+    """Warpgroup 0: warpgroup 1 may start item ``items_done`` (after it acknowledged the previous signal,
+    so the barrier never runs a phase ahead)."""
+    mbarrier.wait(lag.index(1), (items_done & 1) ^ 1)  # a fresh barrier counts as acknowledged
+    mbarrier.arrive(lag.index(0), count=1)
+
+
+@gluon.jit
+def _lag_wait(lag, items_done):
+    """Warpgroup 1: wait for :func:`_lag_signal` of item ``items_done``, acknowledge it."""
+    mbarrier.wait(lag.index(0), items_done & 1)
+    mbarrier.arrive(lag.index(1), count=1)
+
+
+@gluon.jit
 def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k,
             q_start, num_tiles, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
             HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_ROPE: gl.constexpr,
-            RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr):
+            RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr, LAG_TILES: gl.constexpr):
     """One warpgroup, one work item: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of head ``head``
     (with ``PAIR_HEADS``: rows ``row0 + [0, WG_ROWS)`` of head ``head + wg``) of the request against its key
-    tiles ``0 .. num_tiles − 1`` (ring slots counted on from ``tiles_done``)."""
+    tiles ``0 .. num_tiles − 1`` (ring slots counted on from ``tiles_done``). With ``LAG_TILES``, warpgroup 1
+    waits at the start for warpgroup 0's signal, which warpgroup 0 gives once it has the scores of tile
+    ``min(num_tiles, LAG_TILES) − 1`` (at once for an item without tiles)."""
     q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
-    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean = bars
+    q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean, lag = bars
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h = out_strides
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -254,6 +274,9 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     q_bufs: gl.constexpr = q_smem.shape[0] // 2
     qbuf = (items_done % q_bufs) * 2 + wg
+    if LAG_TILES > 0:
+        if wg == 1:
+            _lag_wait(lag, items_done)
     mbarrier.wait(q_ready.index(qbuf), (items_done // q_bufs) & 1)
 
     if num_tiles > 0:
@@ -262,6 +285,10 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
         mbarrier.wait(k_ready.index(stage), (tiles_done // NUM_STAGES) & 1)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(qbuf, stage, smem, zero_s, HAS_ROPE), ))
         mbarrier.arrive(k_empty.index(stage), count=1)
+        if LAG_TILES > 0:
+            if wg == 0:
+                if gl.minimum(num_tiles, LAG_TILES) == 1:
+                    _lag_signal(lag, items_done)
         p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, 0, num_unmasked, q_pos, offs_n, seqlen_k, qk_scale,
                                            BLOCK_N, CAUSAL)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
@@ -276,6 +303,10 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
             o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
             mbarrier.arrive(k_empty.index(stage), count=1)
+            if LAG_TILES > 1:
+                if wg == 0:
+                    if j == gl.minimum(num_tiles, LAG_TILES) - 1:
+                        _lag_signal(lag, items_done)
             # Softmax of tile j while the value product runs.
             p, m_i, l_i, alpha = _softmax_tile(qk, m_i, l_i, j, num_unmasked, q_pos, offs_n, seqlen_k, qk_scale,
                                                BLOCK_N, CAUSAL)
@@ -295,6 +326,9 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
     else:
         mbarrier.arrive(q_empty.index(qbuf), count=1)
         _clean_last_values(wg, v_smem.index(0), v_clean, items_done, BLOCK_N, BLOCK_N, HEAD_D)  # phase only
+        if LAG_TILES > 0:
+            if wg == 0:
+                _lag_signal(lag, items_done)
 
     # Epilogue: normalise, store the rows that belong to the request.
     seen = l_i > 0.0
@@ -318,7 +352,7 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
 def _consumer(wg, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
               num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
-              HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr):
+              HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr, LAG_TILES: gl.constexpr):
     """One warpgroup (``wg`` 0 or 1): its half of every work item of this program, in the loader's order.
     Without a rotary part the next item's offsets are loaded before this item runs, so their latency hides
     behind its work (with one, the eight registers they hold would spill at the 168-register cap)."""
@@ -346,7 +380,7 @@ def _consumer(wg, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_p
         if (t < num_items) & (row0 < seqlen_q):
             _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q,
                     seqlen_k, q_start, num_tiles, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES,
-                    CAUSAL, HAS_ROPE, RETURN_LSE, PAIR_HEADS)
+                    CAUSAL, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES)
             tiles_done += num_tiles
             items_done += 1
 
@@ -358,6 +392,7 @@ def varlen_attention_sm90_kernel(
     num_queries_per_kv, stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h,
     BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_Q_START: gl.constexpr, HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr,
+    LAG_TILES: gl.constexpr = 0,
 ):
     """Persistent: program ``p`` of ``P`` takes one work item a round (:func:`_round_item`: ``p``, then
     ``2P − 1 − p``, ``2P + p``, …) of the
@@ -365,9 +400,13 @@ def varlen_attention_sm90_kernel(
     ``cdiv(max_seqlen_q, 128)``; items past their request's queries are skipped); with ``PAIR_HEADS``,
     ``num_m_blocks · num_heads / 2 · num_seqs`` (64-row query block, head pair, request) items
     (``num_m_blocks`` = ``cdiv(max_seqlen_q, 64)``; ``num_queries_per_kv`` even). ``qr_desc``/``kr_desc``
-    are read only with ``HAS_ROPE``. Launch with ``num_warps=4`` (the first consumer; the second consumer
-    and the loader are extra warps)."""
+    are read only with ``HAS_ROPE``. ``LAG_TILES`` (at most ``NUM_STAGES``): how many key tiles of an item
+    warpgroup 0 scores before warpgroup 1 starts it (0: none). Launch with ``num_warps=4`` (the first
+    consumer; the second consumer and the loader are extra warps)."""
     WG_ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    # Warpgroup 0 runs LAG_TILES key tiles ahead of warpgroup 1; a tile frees its ring slot only once both
+    # have used it, so more than the ring holds would deadlock.
+    gl.static_assert(LAG_TILES <= NUM_STAGES)
     # Query buffers per warpgroup (_query_buffers): one for 128-row items, which leaves room on the SM for a
     # paged-decode program beside it (two buffers, 209 KiB: the mixed step's GPU time 970 µs against 931);
     # two for head-pair items, so the next item's queries load while this one finishes.
@@ -390,6 +429,9 @@ def varlen_attention_sm90_kernel(
     v_clean = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # [signal, acknowledgement]
     mbarrier.init(v_clean.index(0), count=1)
     mbarrier.init(v_clean.index(1), count=1)
+    lag = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # [signal, acknowledgement]
+    mbarrier.init(lag.index(0), count=1)
+    mbarrier.init(lag.index(1), count=1)
     for b in gl.static_range(2 * Q_BUFS):
         mbarrier.init(q_ready.index(b), count=1)
         mbarrier.init(q_empty.index(b), count=1)
@@ -400,16 +442,16 @@ def varlen_attention_sm90_kernel(
         mbarrier.init(v_empty.index(s), count=2)
 
     smem = (q_smem, k_smem, v_smem, qr_smem, kr_smem)
-    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean)
+    bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean, lag)
     out_strides = (stride_o_t, stride_o_h, stride_lse_t, stride_lse_h)
     # (Argument tuples are written out: a tuple built by concatenation turns its constexprs into tensors.)
     gl.warp_specialize([
         (_consumer, (0, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
                      num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS)),
+                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES)),
         (_consumer, (1, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
                      num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS)),
+                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES)),
         (_loader, ((q_desc, k_desc, v_desc, qr_desc, kr_desc), smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
                    q_start_ptr, num_heads, num_seqs, num_m_blocks, num_queries_per_kv,
                    (stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h), WG_ROWS, BLOCK_N, NUM_STAGES,

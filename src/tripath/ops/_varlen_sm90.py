@@ -53,6 +53,16 @@ SHORT_BLOCK_N, SHORT_STAGES = 64, 4
 SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES = 128, 2
 
 
+# Warpgroup 1 starts each item once warpgroup 0 has the scores of this many of its key tiles (the kernel's
+# LAG_TILES), so one warpgroup's per-item work outside its key loop (first scores, last value product,
+# epilogue, next item's set-up: 35% of a warpgroup's time at 16 x 512, clock64 probes) overlaps the other's
+# matrix products. H200 (2026-11-30, causal 32/8/128 bf16, µs after an L2 flush, lag 0 -> 1): head pairs
+# 16 x 512 104.0 -> 100.4, 32 x 256 75.0 -> 72.3, 64 x 128 61.4 -> 59.3, 8 x 1024 156.2 -> 154.1 (lag 2:
+# 102.4, 72.8, 58.2; lag 3 at 16 x 512: 104.9); 128-row items 1 x 8192 891 -> 880, 2 x 4096 469 -> 465,
+# 8 x 2048 527 -> 549 (runs 515-556), so those keep none.
+PAIR_LAG_TILES = 1
+
+
 def pair_heads(q: torch.Tensor, k: torch.Tensor, max_seqlen_k: int) -> bool:
     """Whether a launch takes head-pair items (short requests, an even GQA group)."""
     return max_seqlen_k <= SHORT_KEYS and (q.shape[1] // k.shape[1]) % 2 == 0
@@ -129,6 +139,6 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
         q.shape[1] // k.shape[1], *head_strides,
         BLOCK_N=block_n, HEAD_D=q.shape[2], NUM_STAGES=num_stages, CAUSAL=bool(causal),
         HAS_Q_START=q_positions_start is not None, HAS_ROPE=has_rope, RETURN_LSE=bool(return_lse),
-        PAIR_HEADS=pairs, num_warps=4,
+        PAIR_HEADS=pairs, LAG_TILES=PAIR_LAG_TILES if pairs else 0, num_warps=4,
         maxnreg=MAXNREG,
     )
