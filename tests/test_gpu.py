@@ -9,6 +9,7 @@ from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import make_step
 from tripath.ops import paged_decode, unified_attention, varlen_attention
 from tripath.ops import reference as R
+from tripath.ops._launch import capture_launches
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")
@@ -92,6 +93,26 @@ def test_varlen_hopper_gluon_head_pairs(dtype, hq, hkv, max_len, causal):
     want, want_lse = R.varlen_attention_ref(q, k, v, cq, ck, causal=causal, return_lse=True)
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
     torch.testing.assert_close(lse, want_lse, atol=2e-2, rtol=1e-2)
+
+
+def test_varlen_hopper_gluon_head_pairs_store_only_their_rows():
+    """Head-pair items on 64-key tiles store whole output tiles through TMA: into an output that is a view
+    of a wider buffer (row stride past its heads), requests of 64-row multiples beside ragged ones; every
+    element outside the view keeps its poison and every row inside matches the reference."""
+    lk = [128, 64, 65, 512, 1, 191, 256, 320] * 3
+    q = torch.randn(sum(lk), 8, 128, dtype=BF16, device=DEV)
+    k = torch.randn(sum(lk), 2, 128, dtype=BF16, device=DEV)
+    v = torch.randn(sum(lk), 2, 128, dtype=BF16, device=DEV)
+    cq = cu_seqlens(lk, DEV)
+    wide = torch.full((sum(lk), 11, 128), float("nan"), dtype=BF16, device=DEV)
+    out = wide[:, 2:10]  # heads 2..9 of 11
+    with capture_launches() as launches:
+        varlen_attention(q, k, v, cq, cq, max(lk), max(lk), causal=True, out=out)
+    assert launches[0].kwargs["PAIR_HEADS"] and launches[0].kwargs["TMA_STORE"]
+    varlen_attention(q, k, v, cq, cq, max(lk), max(lk), causal=True, out=out)
+    want = R.varlen_attention_ref(q, k, v, cq, cq, causal=True)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[BF16])
+    assert wide[:, :2].isnan().all() and wide[:, 10:].isnan().all()
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -253,6 +253,7 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         items = 9 * 8 * 2  # 128-row query blocks of the longest request x heads x requests
         assert rec.grid == (min(items, H200.num_sms),) and rec.kwargs["RETURN_LSE"] and rec.kwargs["CAUSAL"]
         assert not rec.kwargs["PAIR_HEADS"] and rec.kwargs["BLOCK_N"] == BLOCK_N and rec.kwargs["LAG_TILES"] == 0
+        assert not rec.kwargs["TMA_STORE"] and rec.args[5] is None
         [(name, rec)] = kernels(max_len=SHORT_KEYS, concurrent=True)  # short, 4 query heads a KV head: pairs
         assert name == "varlen_attention_sm90_kernel" and rec.kwargs["PAIR_HEADS"]
         assert rec.args[1].block_shape == [SHORT_LONG_BLOCK_N, 128] and rec.args[0].block_shape == [WG_ROWS, 128]
@@ -262,6 +263,7 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         [(name, rec)] = kernels(max_len=PAIR_SMALL_KEYS)  # at most 512 keys: 64-key tiles, four stages
         assert rec.kwargs["PAIR_HEADS"] and rec.args[1].block_shape == [SHORT_BLOCK_N, 128]
         assert rec.kwargs["BLOCK_N"] == SHORT_BLOCK_N and rec.kwargs["NUM_STAGES"] == SHORT_STAGES
+        assert rec.kwargs["TMA_STORE"] and rec.args[5].block_shape == [WG_ROWS, 128]  # output tiles by TMA
         assert kernels(concurrent=True)[0][1].grid == (items,)  # beside another launch: one program per item
         assert kernels(causal=False, qkv=qkv(4, 4, 64, torch.float16))[0][0] == "varlen_attention_sm90_kernel"
         assert kernels(q_positions_start=torch.zeros(2, dtype=torch.int32))[0][1].kwargs["HAS_Q_START"]

@@ -77,26 +77,39 @@ def _round_item(r, pid, num_programs, SNAKE: gl.constexpr):
 
 
 @gluon.jit
-def _work_item(t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
-               PAIR_HEADS: gl.constexpr):
+def _item_bounds(t, num_head_items, num_seqs, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+                 HAS_Q_START: gl.constexpr):
+    """The loads work item ``t`` needs (:func:`_work_item`): its request's ``(q_begin, q_end, k_begin, k_end,
+    q_start)`` (``q_start`` 0 without ``HAS_Q_START``), nothing computed from them, so a caller can issue
+    them an item ahead and use them only then (their latency hidden behind the current item)."""
+    seq = (t % (num_head_items * num_seqs)) // num_head_items
+    q_begin = gl.load(cu_seqlens_q_ptr + seq)
+    q_end = gl.load(cu_seqlens_q_ptr + seq + 1)
+    k_begin = gl.load(cu_seqlens_k_ptr + seq)
+    k_end = gl.load(cu_seqlens_k_ptr + seq + 1)
+    q_start = 0
+    if HAS_Q_START:
+        q_start = gl.load(q_start_ptr + seq)
+    return q_begin, q_end, k_begin, k_end, q_start
+
+
+@gluon.jit
+def _work_item(t, bounds, num_head_items, num_seqs, num_m_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr, PAIR_HEADS: gl.constexpr):
     """Work item ``t`` (query block, head or head pair, request; the last query blocks, which see the most
-    keys when causal, first; the heads of one request next to each other, so GQA groups share K/V in L2).
+    keys when causal, first; the heads of one request next to each other, so GQA groups share K/V in L2)
+    from its request's ``bounds`` (:func:`_item_bounds`).
     Returns ``(head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles)`` (``head``: the first
     of the pair with ``PAIR_HEADS``); the item is empty when ``row0 >= seqlen_q``."""
+    q_begin, q_end, k_begin, k_end, q_start = bounds
     per_block = num_head_items * num_seqs
     block_m = num_m_blocks - 1 - t // per_block
     head = (t % per_block) % num_head_items
     if PAIR_HEADS:
         head = 2 * head
-    seq = (t % per_block) // num_head_items
-    q_begin = gl.load(cu_seqlens_q_ptr + seq)
-    seqlen_q = gl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
-    k_begin = gl.load(cu_seqlens_k_ptr + seq)
-    seqlen_k = gl.load(cu_seqlens_k_ptr + seq + 1) - k_begin
-    if HAS_Q_START:
-        q_start = gl.load(q_start_ptr + seq)
-    else:
+    seqlen_q = q_end - q_begin
+    seqlen_k = k_end - k_begin
+    if not HAS_Q_START:
         q_start = seqlen_k - seqlen_q
     row0 = block_m * BLOCK_M
     hi = seqlen_k
@@ -127,9 +140,10 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
     num_items = num_m_blocks * num_head_items * num_seqs
     for r in range(gl.cdiv(num_items, gl.num_programs(0))):
         t = _round_item(r, gl.program_id(0), gl.num_programs(0), not PAIR_HEADS)
+        bounds = _item_bounds(t, num_head_items, num_seqs, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+                              HAS_Q_START)
         head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
-            t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, block_m,
-            BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
+            t, bounds, num_head_items, num_seqs, num_m_blocks, block_m, BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
         if (t < num_items) & (row0 < seqlen_q):
             kv_head = head // num_queries_per_kv  # with PAIR_HEADS both heads' (the group size is even)
             q_phase = ((items_done // q_bufs) & 1) ^ 1  # a fresh barrier counts as released
@@ -220,6 +234,30 @@ def _clean_last_values(wg, v_buf, v_clean, items_done, valid_rows, BLOCK_N: gl.c
 
 
 @gluon.jit
+def _release_query(q_empty_bar, defer, TMA_STORE: gl.constexpr):
+    """Give an item's query buffer back to the loader, unless its output tile is staged there (TMA store)."""
+    if TMA_STORE:
+        if not defer:
+            mbarrier.arrive(q_empty_bar, count=1)
+    else:
+        mbarrier.arrive(q_empty_bar, count=1)
+
+
+@gluon.jit
+def _store_rows(out, out_ptr, q_begin, first, seqlen_q, head, stride_o_t, stride_o_h, WG_ROWS: gl.constexpr,
+                HEAD_D: gl.constexpr):
+    """Store output rows ``first + [0, WG_ROWS)`` of a request (those below ``seqlen_q``) of head ``head``,
+    through a layout whose threads write 16-byte runs."""
+    st_layout: gl.constexpr = _store_layout(HEAD_D, 4)
+    out = gl.convert_layout(out, st_layout)
+    rows = first + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, st_layout))
+    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, st_layout))
+    o_ptrs = (out_ptr + gl.expand_dims((q_begin + rows).to(gl.int64) * stride_o_t, 1) + head * stride_o_h
+              + gl.expand_dims(dims, 0))
+    gl.store(o_ptrs, out, mask=gl.expand_dims(rows < seqlen_q, 1))
+
+
+@gluon.jit
 def _lag_signal(lag, items_done):
     """Warpgroup 0: warpgroup 1 may start item ``items_done`` (after it acknowledged the previous signal,
     so the barrier never runs a phase ahead)."""
@@ -235,15 +273,21 @@ def _lag_wait(lag, items_done):
 
 
 @gluon.jit
-def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q, seqlen_k,
-            q_start, num_tiles, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-            HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_ROPE: gl.constexpr,
-            RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr, LAG_TILES: gl.constexpr):
+def _attend(wg, smem, bars, o_desc, out_ptr, lse_ptr, items_done, tiles_done, prev_deferred, head, q_begin, row0,
+            seqlen_q, seqlen_k, q_start, num_tiles, qk_scale, out_strides, WG_ROWS: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+            HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr, LAG_TILES: gl.constexpr,
+            TMA_STORE: gl.constexpr):
     """One warpgroup, one work item: query rows ``row0 + wg · WG_ROWS + [0, WG_ROWS)`` of head ``head``
     (with ``PAIR_HEADS``: rows ``row0 + [0, WG_ROWS)`` of head ``head + wg``) of the request against its key
     tiles ``0 .. num_tiles − 1`` (ring slots counted on from ``tiles_done``). With ``LAG_TILES``, warpgroup 1
     waits at the start for warpgroup 0's signal, which warpgroup 0 gives once it has the scores of tile
-    ``min(num_tiles, LAG_TILES) − 1`` (at once for an item without tiles)."""
+    ``min(num_tiles, LAG_TILES) − 1`` (at once for an item without tiles).
+
+    With ``TMA_STORE`` (two query buffers a warpgroup), an item whose rows all lie inside its request writes
+    its output tile into its own query buffer and stores it through TMA (``o_desc``), asynchronously; the
+    buffer goes back to the loader at the start of the next item, once TMA has read it
+    (``prev_deferred``). Returns whether this item deferred its buffer so."""
     q_smem, k_smem, v_smem, qr_smem, kr_smem = smem
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, v_clean, lag = bars
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h = out_strides
@@ -274,6 +318,11 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
     zero_s = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, s_layout)
     q_bufs: gl.constexpr = q_smem.shape[0] // 2
     qbuf = (items_done % q_bufs) * 2 + wg
+    if TMA_STORE:
+        if prev_deferred:
+            tma.store_wait(0)  # the previous item's output tile has been read out of its query buffer
+            mbarrier.arrive(q_empty.index(((items_done + 1) % q_bufs) * 2 + wg), count=1)
+    defer = first + WG_ROWS <= seqlen_q  # (read only with TMA_STORE)
     if LAG_TILES > 0:
         if wg == 1:
             _lag_wait(lag, items_done)
@@ -314,7 +363,7 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.arrive(q_empty.index(qbuf), count=1)  # every score product of this item has completed
+        _release_query(q_empty.index(qbuf), defer, TMA_STORE)  # every score product of this item has completed
         mbarrier.wait(v_ready.index(stage), ((tiles_done + num_tiles - 1) // NUM_STAGES) & 1)
         # Value rows past the request (the next request's, or whatever the caller's tensor holds past the
         # last one) enter the product with probability 0; warpgroup 0 zeroes them first, as 0 · NaN is NaN.
@@ -324,7 +373,7 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
         mbarrier.arrive(v_empty.index(stage), count=1)
     else:
-        mbarrier.arrive(q_empty.index(qbuf), count=1)
+        _release_query(q_empty.index(qbuf), defer, TMA_STORE)
         _clean_last_values(wg, v_smem.index(0), v_clean, items_done, BLOCK_N, BLOCK_N, HEAD_D)  # phase only
         if LAG_TILES > 0:
             if wg == 0:
@@ -334,65 +383,80 @@ def _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_be
     seen = l_i > 0.0
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     out = (acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)).to(dtype)
-    st_layout: gl.constexpr = _store_layout(HEAD_D, 4)
-    out = gl.convert_layout(out, st_layout)
-    rows = first + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, st_layout))
-    dims = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, st_layout))
-    o_ptrs = (out_ptr + gl.expand_dims((q_begin + rows).to(gl.int64) * stride_o_t, 1) + head * stride_o_h
-              + gl.expand_dims(dims, 0))
-    gl.store(o_ptrs, out, mask=gl.expand_dims(rows < seqlen_q, 1))
+    if TMA_STORE:
+        if defer:
+            o_buf = q_smem.index(qbuf)  # its scores are done; the loader waits for it (q_empty)
+            o_buf.store(out)
+            fence_async_shared()  # the tile is read by TMA (the async proxy)
+            tma.async_copy_shared_to_global(o_desc, [q_begin + first, head * stride_o_h], o_buf)
+        else:
+            _store_rows(out, out_ptr, q_begin, first, seqlen_q, head, stride_o_t, stride_o_h, WG_ROWS, HEAD_D)
+    else:
+        _store_rows(out, out_ptr, q_begin, first, seqlen_q, head, stride_o_t, stride_o_h, WG_ROWS, HEAD_D)
     if RETURN_LSE:
         lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
         lse_rows = first + gl.arange(0, WG_ROWS, layout=row_s)
         gl.store(lse_ptr + (q_begin + lse_rows).to(gl.int64) * stride_lse_t + head * stride_lse_h, lse,
                  mask=lse_rows < seqlen_q)
+    if TMA_STORE:
+        return defer
+    else:
+        return False
 
 
 @gluon.jit
-def _consumer(wg, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
+def _consumer(wg, smem, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
               num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_Q_START: gl.constexpr,
-              HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr, LAG_TILES: gl.constexpr):
+              HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr, LAG_TILES: gl.constexpr,
+              TMA_STORE: gl.constexpr):
     """One warpgroup (``wg`` 0 or 1): its half of every work item of this program, in the loader's order.
-    Without a rotary part the next item's offsets are loaded before this item runs, so their latency hides
-    behind its work (with one, the eight registers they hold would spill at the 168-register cap)."""
+    Without a rotary part the loads of the next item's bounds (:func:`_item_bounds`) are issued before this
+    item runs and nothing reads them until it is done, so their latency hides behind its work (the SASS
+    reads them at the loop's back edge; when the item was computed from them right after the loads, ptxas
+    placed those reads right there and every item waited for its loads). With a rotary part the five
+    registers they hold spill at the 168-register cap, so those loads wait."""
     tiles_done = 0
     items_done = 0
+    deferred = False
     num_head_items = num_heads // 2 if PAIR_HEADS else num_heads
     block_m: gl.constexpr = WG_ROWS if PAIR_HEADS else 2 * WG_ROWS
     num_items = num_m_blocks * num_head_items * num_seqs
     pid = gl.program_id(0)
     num_programs = gl.num_programs(0)
-    nxt = _work_item(pid, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
-                     q_start_ptr, block_m, BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)  # round 0's item
+    nxt = _item_bounds(pid, num_head_items, num_seqs, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+                       HAS_Q_START)  # round 0's item
     for r in range(gl.cdiv(num_items, num_programs)):
         t = _round_item(r, pid, num_programs, not PAIR_HEADS)
         if HAS_ROPE:
-            head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
-                t, num_head_items, num_seqs, num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
-                block_m, BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
+            bounds = _item_bounds(t, num_head_items, num_seqs, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+                                  HAS_Q_START)
         else:
-            head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = nxt
+            bounds = nxt
             # (The next round's item may lie past the last one: its loads stay in bounds, it is never run.)
-            nxt = _work_item(_round_item(r + 1, pid, num_programs, not PAIR_HEADS), num_head_items, num_seqs,
-                             num_m_blocks, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, block_m, BLOCK_N,
-                             CAUSAL, HAS_Q_START, PAIR_HEADS)
+            nxt = _item_bounds(_round_item(r + 1, pid, num_programs, not PAIR_HEADS), num_head_items, num_seqs,
+                               cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, HAS_Q_START)
+        head, q_begin, k_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles = _work_item(
+            t, bounds, num_head_items, num_seqs, num_m_blocks, block_m, BLOCK_N, CAUSAL, HAS_Q_START, PAIR_HEADS)
         if (t < num_items) & (row0 < seqlen_q):
-            _attend(wg, smem, bars, out_ptr, lse_ptr, items_done, tiles_done, head, q_begin, row0, seqlen_q,
-                    seqlen_k, q_start, num_tiles, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES,
-                    CAUSAL, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES)
+            deferred = _attend(wg, smem, bars, o_desc, out_ptr, lse_ptr, items_done, tiles_done, deferred, head,
+                               q_begin, row0, seqlen_q, seqlen_k, q_start, num_tiles, qk_scale, out_strides, WG_ROWS,
+                               BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES,
+                               TMA_STORE)
             tiles_done += num_tiles
             items_done += 1
+    if TMA_STORE:
+        tma.store_wait(0)  # the last output tiles have been read out of shared memory
 
 
 @gluon.jit
 def varlen_attention_sm90_kernel(
-    q_desc, k_desc, v_desc, qr_desc, kr_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
+    q_desc, k_desc, v_desc, qr_desc, kr_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
     qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, num_heads, num_seqs, num_m_blocks,
     num_queries_per_kv, stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h,
     BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_Q_START: gl.constexpr, HAS_ROPE: gl.constexpr, RETURN_LSE: gl.constexpr, PAIR_HEADS: gl.constexpr,
-    LAG_TILES: gl.constexpr = 0,
+    LAG_TILES: gl.constexpr = 0, TMA_STORE: gl.constexpr = False,
 ):
     """Persistent: program ``p`` of ``P`` takes one work item a round (:func:`_round_item`: ``p``, then
     ``2P − 1 − p``, ``2P + p``, …) of the
@@ -411,6 +475,8 @@ def varlen_attention_sm90_kernel(
     # paged-decode program beside it (two buffers, 209 KiB: the mixed step's GPU time 970 µs against 931);
     # two for head-pair items, so the next item's queries load while this one finishes.
     Q_BUFS: gl.constexpr = _query_buffers(PAIR_HEADS, HAS_ROPE)
+    # Output tiles are staged in their item's query buffer, released an item later: two buffers needed.
+    gl.static_assert(not TMA_STORE or Q_BUFS == 2)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * Q_BUFS, WG_ROWS, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
@@ -446,12 +512,12 @@ def varlen_attention_sm90_kernel(
     out_strides = (stride_o_t, stride_o_h, stride_lse_t, stride_lse_h)
     # (Argument tuples are written out: a tuple built by concatenation turns its constexprs into tensors.)
     gl.warp_specialize([
-        (_consumer, (0, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
+        (_consumer, (0, smem, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
                      num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES)),
-        (_consumer, (1, smem, bars, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
+                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES, TMA_STORE)),
+        (_consumer, (1, smem, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, num_heads,
                      num_seqs, num_m_blocks, qk_scale, out_strides, WG_ROWS, BLOCK_N, HEAD_D, NUM_STAGES, CAUSAL,
-                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES)),
+                     HAS_Q_START, HAS_ROPE, RETURN_LSE, PAIR_HEADS, LAG_TILES, TMA_STORE)),
         (_loader, ((q_desc, k_desc, v_desc, qr_desc, kr_desc), smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
                    q_start_ptr, num_heads, num_seqs, num_m_blocks, num_queries_per_kv,
                    (stride_q_h, stride_k_h, stride_v_h, stride_qr_h, stride_kr_h), WG_ROWS, BLOCK_N, NUM_STAGES,

@@ -131,14 +131,18 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
     # Head strides in elements; one head has none (a single rotary key shared by all heads reads column 0).
     head_strides = [row_strides(t)[1] for t in ((q, k, v, q_rope, k_rope) if has_rope else (q, k, v))]
     head_strides += [] if has_rope else [0, 0]
+    # Head-pair items without a rotary part (two query buffers a warpgroup) on 64-key tiles store whole
+    # output tiles by TMA (with 128-key tiles the consumers spill 8 bytes at the 168-register cap).
+    tma_store = pairs and block_n == SHORT_BLOCK_N and not has_rope and _descriptor_ready(out)
+    o_desc = _descriptor(out, WG_ROWS) if tma_store else None
     launch(
         varlen_attention_sm90_kernel, (items if concurrent else min(items, num_sms),),
-        q_desc, k_desc, _descriptor(v, block_n), qr_desc, kr_desc, out, lse,
+        q_desc, k_desc, _descriptor(v, block_n), qr_desc, kr_desc, o_desc, out, lse,
         cu_seqlens_q, cu_seqlens_k, q_positions_start if q_positions_start is not None else cu_seqlens_q,
         qk_scale, out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), q.shape[1], num_seqs, num_m_blocks,
         q.shape[1] // k.shape[1], *head_strides,
         BLOCK_N=block_n, HEAD_D=q.shape[2], NUM_STAGES=num_stages, CAUSAL=bool(causal),
         HAS_Q_START=q_positions_start is not None, HAS_ROPE=has_rope, RETURN_LSE=bool(return_lse),
-        PAIR_HEADS=pairs, LAG_TILES=PAIR_LAG_TILES if pairs else 0, num_warps=4,
+        PAIR_HEADS=pairs, LAG_TILES=PAIR_LAG_TILES if pairs else 0, TMA_STORE=tma_store, num_warps=4,
         maxnreg=MAXNREG,
     )
