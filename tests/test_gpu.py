@@ -69,14 +69,15 @@ def test_varlen_hopper_gluon_kernel(dtype, hq, hkv, d, causal):
 
 
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
-@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 4)])
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 4), (32, 32), (24, 8)])
 @pytest.mark.parametrize("max_len", [512, 1024])
 @pytest.mark.parametrize("causal", [True, False])
-def test_varlen_hopper_gluon_head_pairs(dtype, hq, hkv, max_len, causal):
-    """Short requests as head-pair items (64 rows of two query heads of one KV head, double-buffered
-    queries; 64-key tiles up to 512 keys, 128-key tiles beyond) against the reference: many ragged requests
-    (more items than programs, so each program runs several and the query buffers alternate), lengths
-    around the tile sizes, an empty request, queries that start inside their keys, LSE."""
+def test_varlen_hopper_gluon_short_requests(dtype, hq, hkv, max_len, causal):
+    """Short requests on the Gluon kernel against the reference: head-pair items for an even GQA group (64
+    rows of two query heads of one KV head, double-buffered queries; 64-key tiles up to 512 keys, 128-key
+    tiles beyond), 128-row items on 64-key tiles for MHA and odd groups. Many ragged requests (more items
+    than programs, so each program runs several and the query buffers alternate), lengths around the tile
+    sizes, an empty request, queries that start inside their keys, LSE."""
     from tripath.ops._varlen_sm90 import pair_heads, sm90_unsupported
     from tripath.platform import current_platform
     lk = [max_len, 1, 63, 64, 65, 0, 129, max_len - 1] + torch.randint(1, max_len + 1, (40,)).tolist()
@@ -85,7 +86,7 @@ def test_varlen_hopper_gluon_head_pairs(dtype, hq, hkv, max_len, causal):
     k = torch.randn(sum(lk), hkv, 128, dtype=dtype, device=DEV)
     v = torch.randn(sum(lk), hkv, 128, dtype=dtype, device=DEV)
     cq, ck = cu_seqlens(lq, DEV), cu_seqlens(lk, DEV)
-    assert pair_heads(q, k, max(lk)) and sm90_unsupported(
+    assert pair_heads(q, k, max(lk)) == ((hq // hkv) % 2 == 0) and sm90_unsupported(
         current_platform(DEV), q, k, v, max_seqlen_k=max(lk), q_rope=None, k_rope=None, window_left=-1,
         softcap=0.0, alibi_slopes=None, sinks=None) is None
     got, lse = varlen_attention(q, k, v, cq, ck, max(lq), max(lk), causal=causal, return_lse=True,
@@ -134,13 +135,16 @@ def test_varlen_hopper_gluon_kernel_ignores_rows_past_the_last_request(causal):
 @pytest.mark.parametrize("dtype", [BF16, torch.float16])
 @pytest.mark.parametrize("heads,rope,shared", [(16, 64, True), (4, 32, False)])
 @pytest.mark.parametrize("causal", [True, False])
-def test_varlen_hopper_gluon_kernel_rotary_part(dtype, heads, rope, shared, causal):
+@pytest.mark.parametrize("short", [False, True])
+def test_varlen_hopper_gluon_kernel_rotary_part(dtype, heads, rope, shared, causal, short):
     """The Gluon kernel with MLA's rotary part (scores q·k + q_rope·k_rope; one rotary key shared by all
     heads, or one per head) against the reference on the concatenated heads: keys and values strided as
-    MLA's up-projection leaves them, ragged requests, a context before the queries, LSE."""
+    MLA's up-projection leaves them, ragged requests, a context before the queries, LSE; long requests
+    (128-key tiles) and short ones (at most 1024 keys: 64-key tiles)."""
     from tripath.ops._varlen_sm90 import sm90_unsupported
     from tripath.platform import current_platform
-    lq, lk = [1, 700, 0, 1100, 129], [1500, 700, 9, 4608, 129]
+    lq, lk = ([1, 700, 0, 300, 129], [1000, 700, 9, 1024, 129]) if short else \
+        ([1, 700, 0, 1100, 129], [1500, 700, 9, 4608, 129])
     tq, tk = sum(lq), sum(lk)
     q = torch.randn(tq, heads, 128, dtype=dtype, device=DEV)
     kv = torch.randn(tk, heads, 256, dtype=dtype, device=DEV)  # [k_nope | v] per head

@@ -223,12 +223,13 @@ def test_rotary_part_errors():
 def test_hopper_fast_path_dispatch(monkeypatch):
     """On an H200 the plain 16-bit prefill (heads 64/128, causal or not, LSE, per-request query starts,
     strided heads, MLA's 64-wide rotary part) takes the warp-specialised Gluon kernel, short requests of an
-    even GQA group as head-pair items; short requests of other groups, every score modifier, other head and
-    rotary sizes, fp32 and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel (launches recorded, and the
-    descriptors and arguments checked)."""
+    even GQA group as head-pair items and those of other groups as 128-row items on 64-key tiles; every
+    score modifier, other head and rotary sizes, fp32 and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel
+    (launches recorded, and the descriptors and arguments checked)."""
     from tripath.ops._launch import capture_launches
     from tripath.ops._varlen_sm90 import (BLOCK_N, PAIR_LAG_TILES, PAIR_SMALL_KEYS, SHORT_BLOCK_N, SHORT_KEYS,
-                                          SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES, SHORT_STAGES, WG_ROWS)
+                                          SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES, SHORT_STAGES,
+                                          SINGLE_SHORT_BLOCK_N, SINGLE_SHORT_STAGES, WG_ROWS)
     from tripath.platform import H200, MI300X, override_platform
     lengths = [48, SHORT_KEYS + 76]
     cu = cu_seqlens(lengths, DEVICE)
@@ -277,8 +278,13 @@ def test_hopper_fast_path_dispatch(monkeypatch):
         assert name == "varlen_attention_sm90_kernel" and rec.kwargs["HAS_ROPE"]
         assert rec.args[3].block_shape == [WG_ROWS, 64] and rec.args[4].shape == [sum(lengths), 64]
         assert rec.args[-2:] == (64, 0)  # rotary head strides: per query head, one key shared (column 0)
-        portable = [dict(max_len=SHORT_KEYS, qkv=qkv(4, 4)), dict(max_len=SHORT_KEYS, qkv=qkv(6, 2)),
-                    dict(window_left=64), dict(softcap=30.0),
+        for hq, hkv in ((4, 4), (6, 2)):  # short requests of MHA / an odd group: 128-row items, 64-key tiles
+            [(name, rec)] = kernels(max_len=SHORT_KEYS, qkv=qkv(hq, hkv))
+            assert name == "varlen_attention_sm90_kernel" and not rec.kwargs["PAIR_HEADS"]
+            assert rec.kwargs["BLOCK_N"] == SINGLE_SHORT_BLOCK_N and rec.kwargs["NUM_STAGES"] == SINGLE_SHORT_STAGES
+            assert rec.args[1].block_shape == [SINGLE_SHORT_BLOCK_N, 128] and rec.kwargs["LAG_TILES"] == 0
+            assert not rec.kwargs["TMA_STORE"] and rec.grid == (min((SHORT_KEYS // 128) * hq * 2, H200.num_sms),)
+        portable = [dict(window_left=64), dict(softcap=30.0),
                     dict(alibi_slopes=torch.ones(8)), dict(sinks=torch.ones(8)), dict(qkv=qkv(d=256)),
                     dict(qkv=qkv(d=80)), dict(qkv=qkv(dtype=torch.float32)),
                     dict(q_rope=torch.zeros(sum(lengths), 8, 16, dtype=bf16),

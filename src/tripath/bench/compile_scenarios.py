@@ -147,8 +147,9 @@ def _cache_dtype(platform: Platform, dtype: torch.dtype, fp8: bool) -> torch.dty
 def _build_varlen(platform: Platform, *, head_size: int, dtype: torch.dtype, causal: bool, lse: bool,
                   features: str = "", head_size_v: int | None = None, num_heads: int = NUM_HEADS,
                   num_kv_heads: int = NUM_KV_HEADS, lengths: tuple[int, ...] = (48, 80), rope: int = 0) -> None:
-    """Two requests of ``lengths`` queries and keys (on sm_90 the Gluon kernel where it applies: as head-pair
-    items for up to 1024 keys and an even GQA group, else the portable kernel; elsewhere the portable one).
+    """Two requests of ``lengths`` queries and keys (on sm_90 the Gluon kernel where it applies: for up to
+    1024 keys as head-pair items for an even GQA group, else as 128-row items on 64-key tiles; elsewhere the
+    portable one).
     ``rope``: a rotary part of that width in the scores, with one rotary key shared by the heads (MLA's)."""
     head_size_v = head_size_v or head_size
     if rope:
@@ -331,9 +332,13 @@ def all_scenarios() -> list[Scenario]:
     for d in (64, 128):  # 513 to 1024 keys: head-pair items against 128-key tiles
         rows.append(_s(f"prefill hd{d} bf16 causal, 1000 keys (sm_90: head pairs, 128-key tiles)", _build_varlen,
                        ci=d == 128, head_size=d, dtype=torch.bfloat16, causal=True, lse=False, lengths=(48, 1000)))
+    for d in (64, 128):  # MHA, short requests: 128-row items against 64-key tiles
+        rows.append(_s(f"prefill hd{d} bf16 causal, MHA (sm_90: 128-row items, 64-key tiles)", _build_varlen,
+                       ci=d == 128, head_size=d, dtype=torch.bfloat16, causal=True, lse=False, num_heads=8,
+                       num_kv_heads=8))
     rows.append(_s("prefill hd80 bf16 causal (padded head)", _build_varlen, head_size=80,
                    dtype=torch.bfloat16, causal=True, lse=False))
-    for lengths, where in (((48, 80), ""), ((48, 1100), ", sm_90: Gluon")):
+    for lengths, where in (((48, 80), ", sm_90: Gluon, 64-key tiles"), ((48, 1100), ", sm_90: Gluon")):
         rows.append(_s(f"MLA prefill 128+64/128 rotary part bf16 causal+lse{where}", _build_varlen, ci=True,
                        head_size=128, dtype=torch.bfloat16, causal=True, lse=True, num_heads=16, num_kv_heads=16,
                        lengths=lengths, rope=64))

@@ -42,7 +42,7 @@ def _descriptor_ready(t: torch.Tensor) -> bool:
     return row_matrix(t) is not None and (row_strides(t)[1] * t.element_size()) % 16 == 0
 
 
-SHORT_KEYS = 1024  # at most this many keys per request: head-pair items, or the portable kernel
+SHORT_KEYS = 1024  # at most this many keys per request: head-pair items, or 128-row items on 64-key tiles
 # Short requests with an even number of query heads per KV head: items of 64 rows of two heads (one per
 # consumer warpgroup), so both warpgroups see the same keys. Up to PAIR_SMALL_KEYS keys, 64-key tiles in a
 # four-stage ring (a causal item wastes less of its diagonal tile); beyond, 128-key tiles in two stages.
@@ -62,6 +62,14 @@ SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES = 128, 2
 # 8 x 2048 527 -> 549 (runs 515-556), so those keep none.
 PAIR_LAG_TILES = 1
 
+# Short requests of other GQA groups (MHA, odd groups): 128-row items on 64-key tiles in four stages (one
+# query buffer a warpgroup: 160 KiB of shared memory at head size 128). H200 (2026-11-30, 32/32/128 bf16,
+# µs after an L2 flush, portable kernel -> these): causal 16 x 512 149.6 -> 130.5, 32 x 256 121.9 -> 101.3,
+# 64 x 128 110.2 -> 81.2, 8 x 1024 208.3 -> 198.8, non-causal 16 x 512 186.8 -> 179.6; 24/8 heads causal
+# 16 x 512 111.2 -> 86.1. 128-key tiles in two stages: 139.5, 98.9, 78.5, 199.8, 175.6, 86.6; two stages of
+# 64 keys: 133.7, 102.0, 80.9, 205.0, 188.4, 87.3; a one-tile warpgroup lag: no gain (131.5, 103.9, 83.6).
+SINGLE_SHORT_BLOCK_N, SINGLE_SHORT_STAGES = 64, 4
+
 
 def pair_heads(q: torch.Tensor, k: torch.Tensor, max_seqlen_k: int) -> bool:
     """Whether a launch takes head-pair items (short requests, an even GQA group)."""
@@ -72,19 +80,13 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
                      q_rope: torch.Tensor | None, k_rope: torch.Tensor | None, window_left: int, softcap: float,
                      alibi_slopes, sinks) -> str | None:
     """Why the Gluon kernel does not apply to this call, or None when it does. Short requests (at most
-    ``SHORT_KEYS`` keys) take it only as head-pair items (:func:`pair_heads`): with 128-row items against
-    128-key tiles it was slower than the portable kernel's 64×64 tiles (H200, 2026-11-29, causal 16 × 512,
-    32/8/128 bf16: 176–217 µs against 142–173), as each item saw 1–4 key tiles and the two warpgroups'
-    rows needed different keys. Head pairs, GPU time from CUDA-graph replays (H200, 2026-11-30): 104 µs
-    against the portable kernel's 139 (SDPA 99 eager); 32 × 256: 75 against 112; 8 × 1024: 163 against
-    206; non-causal 16 × 512: 159 against 184. Host time a launch at 16 × 512 (one run, after the NVMMA layout
-    cache of :mod:`tripath.ops._descriptors`): 176 µs against the portable kernel's 152."""
+    ``SHORT_KEYS`` keys) run as head-pair items where the GQA group is even (:func:`pair_heads`), else as
+    128-row items on 64-key tiles (measured against the portable kernel at ``SINGLE_SHORT_BLOCK_N``; in the
+    seventh session, 128-row items on 128-key tiles had been slower than it there)."""
     if not platform.is_hopper:
         return f"not sm_90 ({platform.backend} {platform.arch})"
     if _env.gluon_disabled():
         return "TRIPATH_DISABLE_GLUON is set"
-    if max_seqlen_k <= SHORT_KEYS and not pair_heads(q, k, max_seqlen_k):
-        return f"short requests (max_seqlen_k <= {SHORT_KEYS}) with an odd number of query heads per KV head"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {q.dtype} (fp16/bf16 only)"
     if q.shape[2] != v.shape[2] or q.shape[2] not in SM90_HEAD_SIZES:
@@ -122,6 +124,8 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
     if pairs:
         block_n, num_stages = ((SHORT_BLOCK_N, SHORT_STAGES) if max_seqlen_k <= PAIR_SMALL_KEYS
                                else (SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES))
+    elif max_seqlen_k <= SHORT_KEYS:
+        block_n, num_stages = SINGLE_SHORT_BLOCK_N, SINGLE_SHORT_STAGES
     num_m_blocks = -(-max(int(max_seqlen_q), 1) // (WG_ROWS if pairs else 2 * WG_ROWS))
     items = num_m_blocks * (q.shape[1] // 2 if pairs else q.shape[1]) * num_seqs
     has_rope = q_rope is not None

@@ -82,8 +82,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 
     On sm_90 the warp-specialised Gluon kernel (:mod:`tripath.kernels.varlen_attention_sm90`) runs where
     :func:`tripath.ops._varlen_sm90.sm90_unsupported` allows it (16-bit heads of 64/128, an optional rotary
-    part of 32/64, no window/softcap/ALiBi/sinks; requests of at most 1024 keys only with an even number of
-    query heads per KV head, as head-pair items); the portable kernel otherwise.
+    part of 32/64, no window/softcap/ALiBi/sinks; requests of at most 1024 keys as head-pair items for an
+    even number of query heads per KV head, as 128-row items on 64-key tiles otherwise); the portable kernel
+    otherwise.
     Both ignore rows of ``k``/``v`` outside the requests, whatever they hold (NaN included).
 
     Returns
