@@ -36,10 +36,13 @@ def gluon_available() -> bool:
     return True
 
 
-def _descriptor_ready(t: torch.Tensor) -> bool:
-    """Whether ``t`` can be read through a descriptor here: :func:`tripath.ops._descriptors.row_matrix`, and
-    (conservatively: only this has run on the GPU) head strides of whole 16-byte units."""
-    return row_matrix(t) is not None and (row_strides(t)[1] * t.element_size()) % 16 == 0
+def _descriptor_matrix(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """:func:`tripath.ops._descriptors.row_matrix` of ``t`` where ``t`` can be read through a descriptor here,
+    else None: (conservatively: only this has run on the GPU) head strides of whole 16-byte units."""
+    matrix = row_matrix(t)
+    if matrix is None or (t.shape[1] > 1 and (t.stride(1) * t.element_size()) % 16):
+        return None
+    return matrix
 
 
 SHORT_KEYS = 1024  # at most this many keys per request: head-pair items, or 128-row items on 64-key tiles
@@ -95,16 +98,19 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
         return f"rotary part of {q_rope.shape[2]} dims (one of {SM90_ROPE_SIZES})"
     if window_left >= 0 or softcap > 0 or alibi_slopes is not None or sinks is not None:
         return "window, softcap, ALiBi or sinks"
-    if not all(_descriptor_ready(t) for t in (q, k, v, q_rope, k_rope) if t is not None):
-        return "strides or alignment rule out TMA descriptors"
+    for t in (q, k, v, q_rope, k_rope):
+        if t is not None and _descriptor_matrix(t) is None:
+            return "strides or alignment rule out TMA descriptors"
     if not gluon_available():
         return "this Triton has no Gluon Hopper API"
     return None
 
 
-def _descriptor(t: torch.Tensor, block_rows: int):
-    rows, cols, row_stride = row_matrix(t)
-    return gluon_descriptor(t, [rows, cols], [row_stride, 1], [block_rows, t.shape[2]])
+def _descriptor(t: torch.Tensor, block_rows: int, matrix: tuple[int, int, int] | None = None):
+    """The descriptor over ``t``'s row matrix (``matrix``: its :func:`row_matrix`, when already known) in
+    ``[block_rows, D]`` tiles."""
+    rows, cols, row_stride = matrix or row_matrix(t)
+    return gluon_descriptor(t, (rows, cols), (row_stride, 1), (block_rows, t.shape[2]))
 
 
 def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, cu_seqlens_k, q_positions_start,
@@ -137,8 +143,9 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
     head_strides += [] if has_rope else [0, 0]
     # Head-pair items without a rotary part (two query buffers a warpgroup) on 64-key tiles store whole
     # output tiles by TMA (with 128-key tiles the consumers spill 8 bytes at the 168-register cap).
-    tma_store = pairs and block_n == SHORT_BLOCK_N and not has_rope and _descriptor_ready(out)
-    o_desc = _descriptor(out, WG_ROWS) if tma_store else None
+    out_matrix = _descriptor_matrix(out) if pairs and block_n == SHORT_BLOCK_N and not has_rope else None
+    tma_store = out_matrix is not None
+    o_desc = _descriptor(out, WG_ROWS, out_matrix) if tma_store else None
     launch(
         varlen_attention_sm90_kernel, (items if concurrent else min(items, num_sms),),
         q_desc, k_desc, _descriptor(v, block_n), qr_desc, kr_desc, o_desc, out, lse,
