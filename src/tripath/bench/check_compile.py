@@ -245,6 +245,9 @@ def evaluate(result: CompileResult, target: Target, strict_sgpr: bool = False) -
                                        f"{result.spill_store_bytes} B spill stores"))
         for note in result.serialised_wgmma:
             found.append(("wgmma", f"ptxas serialised the asynchronous wgmma: {note}"))
+        if result.injected_wgmma_waits:
+            found.append(("wgmma", f"ptxas injected {result.injected_wgmma_waits} warpgroup.wait (C7517): code "
+                                   "reads a wgmma result while the product is in flight, so they do not overlap"))
         if (result.shared_bytes or 0) > target.shared_limit:
             found.append(("shared", f"{result.shared_bytes} B shared memory > {target.shared_limit} B on "
                                     f"{target.label}"))

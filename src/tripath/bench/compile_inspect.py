@@ -90,6 +90,7 @@ class CompileResult:
     matrix_kind: str = ""
     warnings: list[str] = field(default_factory=list)
     serialised_wgmma: list[str] = field(default_factory=list)  # ptxas "Potential Performance Loss" notes
+    injected_wgmma_waits: int = 0  # ptxas C7517 notes: warpgroup.wait it added before a read of a wgmma result
     failures: list[tuple[str, str]] = field(default_factory=list)
     deliberate: list[tuple[str, str]] = field(default_factory=list)
 
@@ -324,6 +325,13 @@ def ptxas_wgmma_serialised(text: str) -> list[str]:
                    for m in re.finditer(r"Potential Performance Loss: (wgmma[^\n]*)", text)})
 
 
+def ptxas_injected_waits(text: str) -> int:
+    """How many ``warpgroup.wait`` ptxas injected (``-v`` note C7517) because an instruction reads registers
+    that an asynchronous ``wgmma`` still in flight defines: the code after that point no longer overlaps
+    the product (the source asked for overlap that the machine code does not have)."""
+    return len(re.findall(r"\(C7517\)", text))
+
+
 def _fill_nvidia(result: CompileResult, ptx: str, cubin: bytes, arch: int) -> None:
     import triton.knobs as knobs
 
@@ -348,3 +356,4 @@ def _fill_nvidia(result: CompileResult, ptx: str, cubin: bytes, arch: int) -> No
                                   os.path.join(tmp, "kernel.o")], capture_output=True, text=True)
             result.spill_store_bytes = ptxas_spills(log.stderr + log.stdout) or 0
             result.serialised_wgmma = ptxas_wgmma_serialised(log.stderr + log.stdout)
+            result.injected_wgmma_waits = ptxas_injected_waits(log.stderr + log.stdout)
