@@ -61,11 +61,9 @@ def row_matrix(t: torch.Tensor) -> tuple[int, int, int] | None:
     up-projection ``[k_nope | v]``), or None when the strides rule a descriptor out (a strided last dim,
     overlapping heads, rows or base not 16-byte aligned, no rows)."""
     rows, heads, dim = t.shape
-    row_stride, head_stride, dim_stride = t.stride()  # (one call: this runs several times a launch)
-    if heads == 1:
-        head_stride = 0
+    row_stride, head_stride = row_strides(t)
     cols = (heads - 1) * head_stride + dim
-    if (dim_stride != 1 or (heads > 1 and head_stride < dim) or row_stride < cols
+    if (t.stride(2) != 1 or (heads > 1 and head_stride < dim) or row_stride < cols
             or (row_stride * t.element_size()) % 16 or t.data_ptr() % 16 or rows == 0):
         return None
     return rows, cols, row_stride

@@ -40,7 +40,7 @@ def _descriptor_matrix(t: torch.Tensor) -> tuple[int, int, int] | None:
     """:func:`tripath.ops._descriptors.row_matrix` of ``t`` where ``t`` can be read through a descriptor here,
     else None: (conservatively: only this has run on the GPU) head strides of whole 16-byte units."""
     matrix = row_matrix(t)
-    if matrix is None or (t.shape[1] > 1 and (t.stride(1) * t.element_size()) % 16):
+    if matrix is None or (row_strides(t)[1] * t.element_size()) % 16:
         return None
     return matrix
 
