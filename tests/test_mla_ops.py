@@ -670,3 +670,24 @@ def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits, dtype):
     q = torch.randn(len(seq_lens), num_heads, L + R, dtype=dtype, device=DEVICE)
     check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[dtype], num_splits=num_splits,
                  variant="gluon")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mla_decode_gluon_rising_scores_gpu(num_splits):
+    """Scores that rise along the context (a ramp in one rotary dim, a slope per head from flat to about 5 log2
+    units a 32-row tile): the 128-head kernel's lazy rescaling moves the steep heads' running maxima every few
+    tiles (and skips the rescale in between) and the flat heads' never after the first tile; against float64.
+    A build that skips a needed rescale fails here (checked on the H200, 2026-11-30)."""
+    seq_lens, block_size = [3000, 700, 33], 64
+    cache, block_table, _ = filled_mla_cache(seq_lens, block_size, L + R, torch.bfloat16)
+    rows = []
+    for b, n in enumerate(seq_lens):
+        pos = torch.arange(n, device=DEVICE)
+        page, slot = block_table[b, pos // block_size].long(), pos % block_size
+        cache[page, slot, L] = (pos * 0.25).to(cache.dtype)
+        rows.append(cache[page, slot].double())
+    q = torch.randn(len(seq_lens), 128, L + R, dtype=torch.bfloat16, device=DEVICE)
+    q[:, :, L] = torch.linspace(0.0, 6.0, 128, device=DEVICE).to(q.dtype)
+    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.bfloat16], num_splits=num_splits,
+                 variant="gluon")

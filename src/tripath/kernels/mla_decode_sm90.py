@@ -8,23 +8,32 @@ score product is computed once per tile and shared, so no product runs twice (th
 - a **score** warpgroup (the default partition) loads the 64 query rows once (the second latent half by TMA
   into shared memory, the first half and the rotary part into registers as ``wgmma`` A operands) and, per
   ``BLOCK_N``-row cache tile, computes ``s = q_lat · c_latᵀ + q_pe · c_peᵀ`` on ``wgmma``, the online
-  softmax, and hands ``p`` (16-bit) and the row rescale ``alpha`` on through a ring of shared buffers; then
-  it issues the next tile's scores, which run on the tensor cores beside this tile's value products;
+  softmax, and hands ``p`` (16-bit) and the row rescale ``alpha`` on through a ring of shared buffers. The
+  next tile's scores are issued before this tile's softmax, so they run beside it and beside the value
+  products. The softmax rescales lazily: a row's running maximum moves only when a tile's exceeds it by
+  ``RESCALE_SLACK`` (log2 units; ``p`` then stays below ``2^RESCALE_SLACK``), so ``alpha`` is exactly 1 for
+  nearly every tile after the first;
 - two **value** warpgroups: each owns half of the ``L`` output columns, ``o_half = o_half · alpha + p ·
-  c_lat[:, half]``, and loads its own half of each tile (warpgroup 0 also the rotary part) into a ring of
+  c_lat[:, half]``, where the multiply by ``alpha`` (and the wait for the previous product it needs) is
+  skipped when every ``alpha`` of the tile is 1, so the products queue back to back on the tensor cores;
+  each loads its own half of each tile (warpgroup 0 also the rotary part) into a ring of
   ``NUM_STAGES`` slots: as soon as its product of tile ``i − 1`` completes, it refills that slot with
   tile ``i − 1 + NUM_STAGES`` (page from the block table; ``BLOCK_N`` divides the block size). A separate
   loader warp would leave the three warpgroups fewer than the 168 registers a thread they need.
 
 Shared memory: 5 stages × 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB. The stage count
 decides much of the speed (H200, 128 heads, 64 × 4096: 3 stages 285 µs, 4 stages 189 µs with the whole
-query in shared memory, 5 stages 182 µs with part of it in registers). No ``wgmma`` accumulator may stay in
-flight across the loop's back edge: ptxas then serialises every ``wgmma`` (a build that did ran 373 µs;
-check-compile fails such builds).
+query in shared memory, 5 stages 182 µs with part of it in registers; then lazy rescaling 165 µs, the
+next scores beside the softmax 156 µs). The score accumulator must not stay in flight across the loop's
+back edge: ptxas then serialises every ``wgmma`` (a build that did ran 373 µs; check-compile fails such
+builds).
 
 Math (log2 domain, ``c = sm_scale · log2 e``)::
 
     s[h, j] = c · (q_lat[h] · c_lat[j] + q_pe[h] · c_pe[j]),   o[h] = Σ_j 2^(s[h, j] − m_h) c_lat[j] / l_h
+
+with ``m_h`` any value within ``RESCALE_SLACK`` below the running maximum (exactly that maximum when
+``RESCALE_SLACK`` is 0), ``l_h = Σ_j 2^(s[h, j] − m_h)``, and the LSE ``(m_h + log2 l_h) · ln 2``.
 
 Cache rows past the request in its last tile may hold anything (NaN included): their scores are masked
 and the score warpgroup zeroes their latent rows in shared memory before the value products read them.
@@ -90,7 +99,8 @@ def _scores(i, q_reg, q_smem, qpe_reg, c_smem, cpe_smem, kv_ready, zero_s, NUM_S
 @gluon.jit
 def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready,
             kv_ready, p_ready, p_empty, done, q_row, lo, hi, num_tiles, qk_scale, L_HALF: gl.constexpr,
-            ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr):
+            ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr,
+            RESCALE_SLACK: gl.constexpr):
     """The score warpgroup: the query rows (the second latent half by TMA, the rest into registers), then
     per tile the scores, the online softmax, ``p`` and ``alpha`` handed on; at the end the row maxima and
     sums (``ml_smem [2, HEADS]``)."""
@@ -118,12 +128,19 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
                                                                 kv_ready, zero_s, NUM_STAGES), ))
     for i in range(num_tiles):
         stage = i % NUM_STAGES
+        # The next tile's scores run on the tensor cores beside this softmax and this tile's value products (the
+        # last iteration computes its own tile's again and discards them: no branch around an in-flight wgmma).
+        s_next = _scores(gl.minimum(i + 1, num_tiles - 1), q_reg, q_smem, qpe_reg, c_smem, cpe_smem, kv_ready,
+                         zero_s, NUM_STAGES)
         start = lo + i * BLOCK_N
         n_valid = hi - start
         if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
             s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
             zero_tail_rows(c_smem, stage, n_valid, BLOCK_N, 8)  # 8 rows at a time: few registers beside q
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        # Lazy rescaling: a row keeps its stale maximum until the tile's exceeds it by RESCALE_SLACK (log2 units),
+        # so p ≤ 2^RESCALE_SLACK and alpha is exactly 1 for most tiles, which the value warpgroups then skip.
+        m_tile = gl.max(s, axis=1) * qk_scale
+        m_new = gl.where(m_tile > m_i + RESCALE_SLACK, m_tile, m_i)
         alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
         p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
@@ -134,12 +151,7 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
         alpha_smem.index(slot).store(alpha)
         fence_async_shared()  # p and the zeroed rows are read by wgmma (the async proxy)
         mbarrier.arrive(p_ready.index(slot), count=1)
-        # The next tile's scores run on the tensor cores beside this tile's value products. Issued only now,
-        # after p is handed on: waiting for the next tile to land before this softmax would hold the value
-        # warpgroups, and with them the refill of the ring, back by a tile.
-        if i + 1 < num_tiles:
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(_scores(i + 1, q_reg, q_smem, qpe_reg, c_smem,
-                                                                    cpe_smem, kv_ready, zero_s, NUM_STAGES), ))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, ))  # nothing in flight across the back edge
     ml_smem.index(0).store(m_i)
     ml_smem.index(1).store(l_i)
     mbarrier.arrive(done, count=1)
@@ -150,7 +162,7 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
             block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split,
             lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-            RETURN_LSE: gl.constexpr):
+            RETURN_LSE: gl.constexpr, RESCALE_SLACK: gl.constexpr):
     """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 heads."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, L_HALF, 16])
@@ -165,12 +177,14 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
         mbarrier.wait(p_ready.index(slot), (i // P_STAGES) & 1)  # while the previous product runs
         mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
         alpha = alpha_smem.index(slot).load(row_o)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))  # the previous product has completed
+        if gl.min(alpha, axis=0) < 1.0:  # some row's maximum moved: rescale once the previous product completes
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            acc = acc * gl.expand_dims(alpha, 1)
+        # Otherwise this product queues behind the previous one on the same accumulator, without a wait.
+        acc = warpgroup_mma(p_smem.index(slot), c_smem.index(2 * stage + half), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # the previous product has completed
         if i > 0:
             mbarrier.arrive(p_empty.index((i - 1) % P_STAGES), count=1)
-        acc = warpgroup_mma(p_smem.index(slot), c_smem.index(2 * stage + half), acc * gl.expand_dims(alpha, 1),
-                            is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # a tensor again; the product stays in flight
         # Tile i − 1's slot is free (its scores were read before its p was handed on, this warpgroup's product
         # has completed, the other warpgroup reads only its own half): refill it with tile i − 1 + NUM_STAGES.
         if i > 0 and i - 1 + NUM_STAGES < num_tiles:
@@ -221,7 +235,7 @@ def mla_decode_sm90_kernel(
     q_ptr, q_desc, c_desc, cpe_desc, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, part_out_ptr,
     part_lse_ptr, qk_scale, stride_bt, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, block_size,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    RETURN_LSE: gl.constexpr,
+    RETURN_LSE: gl.constexpr, RESCALE_SLACK: gl.constexpr,
 ):
     """Grid ``(H / 64, B, NUM_SPLITS)``; ``num_warps=4`` (the score warpgroup; the two value
     warpgroups are extra warps). ``q_ptr``/``q_desc``: ``[B·H, L + R]`` contiguous, with ``[64, L/2]``
@@ -260,13 +274,13 @@ def mla_decode_sm90_kernel(
     gl.warp_specialize([
         (_scorer, (q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready, kv_ready,
                    p_ready, p_empty, done, seq * num_heads + head0, lo, hi, num_tiles, qk_scale, L_HALF,
-                   cpe_desc.block_type.shape[1], BLOCK_N, NUM_STAGES, P_STAGES)),
+                   cpe_desc.block_type.shape[1], BLOCK_N, NUM_STAGES, P_STAGES, RESCALE_SLACK)),
         (_valuer, (0, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq,
                    head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE, RESCALE_SLACK)),
         (_valuer, (1, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq,
                    head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE, RESCALE_SLACK)),
     ], [4, 4], [168, 168])

@@ -14,6 +14,7 @@ BLOCK_N = 32  # cache rows per tile (a stage: 32 x 576 x 2 B = 36 KiB)
 NUM_STAGES = 5  # 5 x 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB of the 227 (H200, 4 stages
 # with the whole query in shared memory: 189 us at H128 64 x 4096; 3 stages: 285 us)
 P_STAGES = 2
+RESCALE_SLACK = 8.0  # log2 units a row's maximum may grow before the value warpgroups rescale (p ≤ 2^8 in bf16)
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
 # Few heads (kernels/mla_decode_few_heads_sm90.py): transposed products with 64 cache rows as the wgmma rows,
 # a two-stage ring of 72 KiB tiles and a loader warp (about 155 / 165 / 185 KiB of shared memory at 8 / 16 / 32
@@ -94,5 +95,5 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
         kv_cache.shape[1],
         BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, NUM_SPLITS=num_splits,
-        RETURN_LSE=bool(return_lse), num_warps=4, maxnreg=MAXNREG,
+        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, num_warps=4, maxnreg=MAXNREG,
     )
