@@ -53,14 +53,18 @@ HEADS = gl.constexpr(64)  # query heads per program: one warpgroup's wgmma rows
 
 
 @gluon.jit
-def _load_half(i, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, block_table_ptr, stride_bt, seq, lo,
-               block_size, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Value warpgroup ``half``'s share of cache tile ``i``: TMA of its latent half (warpgroup 0 also the
-    rotary part) into the tile's ring slot; ``kv_ready`` completes once both shares have landed."""
-    stage = i % NUM_STAGES
+def _tile_row(i, block_table_ptr, stride_bt, seq, lo, block_size, BLOCK_N: gl.constexpr):
+    """The cache row where tile ``i`` of the split starts (its page from the block table; ``BLOCK_N``
+    divides the block size)."""
     start = lo + i * BLOCK_N
     page = gl.load(block_table_ptr + seq.to(gl.int64) * stride_bt + start // block_size)
-    row = page * block_size + start % block_size
+    return page * block_size + start % block_size
+
+
+@gluon.jit
+def _load_half(row, stage, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, L_HALF: gl.constexpr):
+    """Value warpgroup ``half``'s share of the cache tile at ``row``: TMA of its latent half (warpgroup 0 also
+    the rotary part) into ring slot ``stage``; ``kv_ready`` completes once both shares have landed."""
     if half == 0:
         mbarrier.expect(kv_ready.index(stage), c_desc.block_type.nbytes + cpe_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage), cpe_smem.index(stage))
@@ -169,11 +173,15 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([HEADS, L_HALF], gl.float32, o_layout)
     for i in range(gl.minimum(num_tiles, NUM_STAGES)):
-        _load_half(i, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, block_table_ptr, stride_bt, seq, lo,
-                   block_size, L_HALF, BLOCK_N, NUM_STAGES)
+        _load_half(_tile_row(i, block_table_ptr, stride_bt, seq, lo, block_size, BLOCK_N), i, half, c_desc,
+                   cpe_desc, c_smem, cpe_smem, kv_ready, L_HALF)
     for i in range(num_tiles):
         stage = i % NUM_STAGES
         slot = i % P_STAGES
+        # The block-table entry of the tile this iteration refills, read before the waits below so that its
+        # latency passes behind them (clamped into the split; unused past its end).
+        refill_row = _tile_row(gl.minimum(i - 1 + NUM_STAGES, num_tiles - 1), block_table_ptr, stride_bt, seq, lo,
+                               block_size, BLOCK_N)
         mbarrier.wait(p_ready.index(slot), (i // P_STAGES) & 1)  # while the previous product runs
         mbarrier.wait(kv_ready.index(stage), (i // NUM_STAGES) & 1)
         alpha = alpha_smem.index(slot).load(row_o)
@@ -188,8 +196,7 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
         # Tile i − 1's slot is free (its scores were read before its p was handed on, this warpgroup's product
         # has completed, the other warpgroup reads only its own half): refill it with tile i − 1 + NUM_STAGES.
         if i > 0 and i - 1 + NUM_STAGES < num_tiles:
-            _load_half(i - 1 + NUM_STAGES, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, block_table_ptr,
-                       stride_bt, seq, lo, block_size, L_HALF, BLOCK_N, NUM_STAGES)
+            _load_half(refill_row, (i - 1) % NUM_STAGES, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, L_HALF)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if num_tiles > 0:
         mbarrier.arrive(p_empty.index((num_tiles - 1) % P_STAGES), count=1)
