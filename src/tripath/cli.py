@@ -1,7 +1,8 @@
 """The ``tripath`` command.
 
 ``tripath bench`` (backends on mixed steps), ``tripath bench kernels`` (ops vs floors and SDPA, GPU),
-``tripath bench tune`` (launch-config sweep, GPU), ``tripath check-compile`` (portability: every kernel for
+``tripath bench tune`` (launch-config sweep, GPU), ``tripath bench wgmma`` (Hopper wgmma rates and the MLA
+decode's instruction floor), ``tripath check-compile`` (portability: every kernel for
 gfx942 / gfx950 / sm_90), ``tripath generate`` (the serving engine on a model or preset).
 """
 
@@ -16,6 +17,7 @@ commands:
   bench [--device D]      every backend on mixed steps, checked against torch, time per step (default job)
   bench kernels [--out F] ops on the ANCHORS.md shapes vs measured floors and PyTorch SDPA (GPU)
   bench tune              sweep decode/prefill launch configurations (GPU)
+  bench wgmma [--out F]   chained wgmma rates per shape and the MLA decode's instruction floor (sm_90 GPU)
   check-compile           compile every Triton kernel for gfx942, gfx950 and sm_90 and judge the code
   generate --model M ...  generate text with the serving engine (a Hugging Face directory or a preset)
 """
@@ -43,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         if sub == "tune":
             from tripath.bench.tune import main_tune
             return main_tune(rest[1:])
+        if sub == "wgmma":
+            from tripath.bench.wgmma import main_wgmma
+            return main_wgmma(rest[1:])
         if sub not in (None, "backends"):
             print(f"unknown bench {sub!r}\n\n{USAGE}", file=sys.stderr)
             return 2
