@@ -19,6 +19,12 @@ def test_help_and_unknown_command(capsys):
     assert "unknown bench 'nothing'" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a Hopper GPU")
+def test_bench_wgmma_needs_a_hopper_gpu(capsys):
+    assert main(["bench", "wgmma"]) == 2
+    assert "needs an sm_90 GPU" in capsys.readouterr().out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback to Triton's interpreter")
 def test_generate_with_a_triton_backend_on_cpu_uses_the_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
