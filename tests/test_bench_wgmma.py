@@ -13,7 +13,8 @@ def _chain_job(n: int, a_from_smem: bool) -> CompileJob:
     import tripath.bench.wgmma as wg
 
     constexprs = [("ITERS", 64), ("N", n), ("K", wg.K), ("A_FROM_SMEM", a_from_smem)]
-    signature = [("a_ptr", "*bf16"), ("b_ptr", "*bf16"), ("out_ptr", "*fp32")] + [(k, "constexpr") for k, _ in constexprs]
+    signature = [("a_ptr", "*bf16"), ("b_ptr", "*bf16"), ("out_ptr", "*fp32")]
+    signature += [(name, "constexpr") for name, _ in constexprs]
     return CompileJob("tripath.bench.wgmma:wgmma_chain_kernel", wg.__file__, "sm90", cc.TARGETS["sm90"].gpu,
                       signature, constexprs, [], [("num_warps", 4)], scenarios=[f"wgmma chain N={n}"])
 

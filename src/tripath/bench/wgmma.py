@@ -22,6 +22,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from tripath.bench import emit_report
+
 ROWS = gl.constexpr(64)  # wgmma M: one warpgroup's rows
 
 
@@ -121,11 +123,7 @@ def main_wgmma(argv=None) -> int:
         print("tripath bench wgmma needs an sm_90 GPU (Hopper wgmma)")
         return 2
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    text = format_report(measure(), sms, torch.cuda.get_device_name())
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_report(format_report(measure(), sms, torch.cuda.get_device_name()), args.out)
     return 0
 
 

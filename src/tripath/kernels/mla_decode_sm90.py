@@ -10,7 +10,8 @@ score product is computed once per tile and shared, so no product runs twice (th
   ``BLOCK_N``-row cache tile, computes ``s = q_lat · c_latᵀ + q_pe · c_peᵀ`` on ``wgmma``, the online
   softmax, and hands ``p`` (16-bit) and the row rescale ``alpha`` on through a ring of shared buffers. The
   next tile's scores are issued beside this tile's softmax (the register-operand products before it, the
-  shared-memory half interleaved with it), so they run beside it and beside the value products. The softmax rescales lazily: a row's running maximum moves only when a tile's exceeds it by
+  shared-memory half interleaved with it), so they run beside it and beside the value products. The
+  softmax rescales lazily: a row's running maximum moves only when a tile's exceeds it by
   ``RESCALE_SLACK`` (log2 units; ``p`` then stays below ``2^RESCALE_SLACK``), so ``alpha`` is exactly 1 for
   nearly every tile after the first;
 - two **value** warpgroups: each owns half of the ``L`` output columns, ``o_half = o_half · alpha + p ·
@@ -24,9 +25,9 @@ score product is computed once per tile and shared, so no product runs twice (th
 Shared memory: 5 stages × 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB. The stage count
 decides much of the speed (H200, 128 heads, 64 × 4096: 3 stages 285 µs, 4 stages 189 µs with the whole
 query in shared memory, 5 stages 182 µs with part of it in registers; then lazy rescaling 165 µs, the
-next scores beside the softmax 156 µs, their shared-memory half interleaved with it 149 µs). The score accumulator must not stay in flight across the loop's
-back edge: ptxas then serialises every ``wgmma`` (a build that did ran 373 µs; check-compile fails such
-builds).
+next scores beside the softmax 156 µs, their shared-memory half interleaved with it 149 µs). The score
+accumulator must not stay in flight across the loop's back edge: ptxas then serialises every ``wgmma`` (a
+build that did ran 373 µs; check-compile fails such builds).
 
 Math (log2 domain, ``c = sm_scale · log2 e``)::
 
