@@ -66,7 +66,7 @@ ITERS = 4000
 
 def measure(cases=CASES, iters: int = ITERS) -> list[dict]:
     """Kernel time and, per case, ``ns`` an instruction occupies an SM, TF/s over the whole GPU."""
-    import triton
+    from tripath.bench.kernels import _bench
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -82,10 +82,10 @@ def measure(cases=CASES, iters: int = ITERS) -> list[dict]:
 
         launch()
         torch.cuda.synchronize()
-        ms = triton.testing.do_bench(launch, warmup=5, rep=50)
+        us = _bench(launch, reps_ms=50)
         instructions_per_sm = per_sm * iters * K // 16
-        rows.append(dict(n=n, src=src, per_sm=per_sm, us=ms * 1e3, ns=ms * 1e6 / instructions_per_sm,
-                         tflops=grid * iters * 2 * 64 * n * K / (ms * 1e-3) / 1e12))
+        rows.append(dict(n=n, src=src, per_sm=per_sm, us=us, ns=us * 1e3 / instructions_per_sm,
+                         tflops=grid * iters * 2 * 64 * n * K / (us * 1e-6) / 1e12))
     return rows
 
 
