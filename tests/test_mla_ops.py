@@ -663,8 +663,9 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     (16, 16, None, torch.bfloat16), (32, 32, 2, torch.float16)])  # blocks of 16/32: several pages a tile
 def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits, dtype):
     """The Gluon kernels against float64: ragged requests (ends inside a tile, one row, no rows, a split with
-    no rows) whose pages hold NaN past their ends, several splits, both 16-bit dtypes."""
-    seq_lens = [3000, 1025, 33, 1, 0, 777]
+    no rows, an end on a tile boundary) whose pages hold NaN past their ends, several splits, both 16-bit
+    dtypes."""
+    seq_lens = [3000, 1025, 33, 1, 0, 777, 64]
     cache, block_table, rows = filled_mla_cache(seq_lens, block_size, L + R, dtype)
     poison_unused_rows(cache, block_table, seq_lens)
     q = torch.randn(len(seq_lens), num_heads, L + R, dtype=dtype, device=DEVICE)

@@ -20,7 +20,8 @@ score product is computed once per tile and shared, so no product runs twice (th
   each loads its own half of each tile (warpgroup 0 also the rotary part) into a ring of
   ``NUM_STAGES`` slots: as soon as its product of tile ``i − 1`` completes, it refills that slot with
   tile ``i − 1 + NUM_STAGES`` (page from the block table; ``BLOCK_N`` divides the block size). A separate
-  loader warp would leave the three warpgroups fewer than the 168 registers a thread they need.
+  loader warp would leave the three warpgroups fewer registers than they need (the value warpgroups 160
+  a thread, the score warpgroup the 184 left).
 
 Shared memory: 5 stages × 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB. The stage count
 decides much of the speed (H200, 128 heads, 64 × 4096: 3 stages 285 µs, 4 stages 189 µs with the whole
@@ -51,6 +52,7 @@ from tripath.kernels.mla_decode import _split_range  # scalar math, shared with 
 
 LN2 = gl.constexpr(0.6931471805599453)
 HEADS = gl.constexpr(64)  # query heads per program: one warpgroup's wgmma rows
+VALUE_REGS = gl.constexpr(160)  # registers a thread of each value warpgroup; the score warpgroup gets the rest
 
 
 @gluon.jit
@@ -302,4 +304,8 @@ def mla_decode_sm90_kernel(
                    done, block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq,
                    head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
                    L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE)),
-    ], [4, 4], [168, 168])
+    # Registers: the value warpgroups keep 160 a thread (a 128-register accumulator and the loop; at 152 ptxas
+    # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left
+    # (H200, H128 64 x 4096, same-instance A/B in three device calls: 168 each 150.9-152.1 us, this
+    # 149.5-150.7).
+    ], [4, 4], [VALUE_REGS, VALUE_REGS])
