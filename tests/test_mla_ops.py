@@ -674,6 +674,28 @@ def test_mla_decode_gluon_gpu(num_heads, block_size, num_splits, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_kind", ["contiguous", "strided", "float32"])
+def test_mla_decode_gluon_out_layouts_gpu(out_kind):
+    """The 128-head kernel's two epilogues: a contiguous ``out`` of q's dtype is written by TMA from shared
+    memory, a strided one (a view into wider rows) or one of another dtype by pointer stores; each against
+    float64 with NaN in every element of the wide rows the view skips, which must stay NaN."""
+    seq_lens = [3000, 1025, 33, 0]
+    cache, block_table, rows = filled_mla_cache(seq_lens, 64, L + R, torch.bfloat16)
+    poison_unused_rows(cache, block_table, seq_lens)
+    q = torch.randn(len(seq_lens), 128, L + R, dtype=torch.bfloat16, device=DEVICE)
+    wide = poison((len(seq_lens), 128, L + 64), torch.bfloat16, DEVICE)
+    out = {"contiguous": poison((len(seq_lens), 128, L), torch.bfloat16, DEVICE), "strided": wide[..., :L],
+           "float32": poison((len(seq_lens), 128, L), torch.float32, DEVICE)}[out_kind]
+    got = mla_decode(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                     kv_lora_rank=L, sm_scale=1.0 / math.sqrt(192), num_splits=1, out=out, variant="gluon")
+    assert got is out
+    for b in range(len(seq_lens)):
+        want, _ = absorbed_f64(q[b].double().cpu(), rows[b].cpu(), L, 1.0 / math.sqrt(192))
+        torch.testing.assert_close(got[b].double().cpu(), want, **TOL[torch.bfloat16])
+    assert wide[..., L:].isnan().all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_mla_decode_gluon_rising_scores_gpu(num_splits):
     """Scores that rise along the context (a ramp in one rotary dim, a slope per head from flat to about 5 log2

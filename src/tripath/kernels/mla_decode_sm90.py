@@ -177,10 +177,10 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
 
 @gluon.jit
 def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty, done,
-            block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split,
-            lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr,
+            block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0,
+            split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-            RETURN_LSE: gl.constexpr):
+            RETURN_LSE: gl.constexpr, TMA_OUT: gl.constexpr):
     """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 heads."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, L_HALF, 16])
@@ -214,17 +214,26 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     if num_tiles > 0:
         mbarrier.arrive(p_empty.index((num_tiles - 1) % P_STAGES), count=1)
+    # done completes once the score warpgroup has stored the row maxima and sums and both value warpgroups'
+    # products have completed (the ring is then free for the output tiles).
+    mbarrier.arrive(done, count=1)
     mbarrier.wait(done, 0)
     m_i = ml_smem.index(0).load(row_o)
     l_i = ml_smem.index(1).load(row_o)
-    store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
-               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, NUM_SPLITS, RETURN_LSE)
+    if TMA_OUT:  # one TMA store of this warpgroup's [64, L/2] output tile, staged in the (now free) ring
+        out_smem = c_smem._reinterpret(out_desc.dtype, [NUM_STAGES, HEADS, L_HALF], out_desc.layout).index(half)
+        store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
+                   stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, NUM_SPLITS, RETURN_LSE, out_desc,
+                   out_smem)
+    else:
+        store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
+                   stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, NUM_SPLITS, RETURN_LSE)
 
 
 @gluon.jit
 def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
                stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr, NUM_SPLITS: gl.constexpr,
-               RETURN_LSE: gl.constexpr):
+               RETURN_LSE: gl.constexpr, out_desc=None, out_smem=None):
     """The epilogue of a warpgroup that holds output columns ``half · L/2 + [0, L/2)`` of 64 heads:
     ``acc [64, L/2]`` normalised by the row sums ``l_i`` into ``out [B, H, L]`` (one split) or the fp32
     partials, and (warpgroup of half 0) the LSE from the row maxima ``m_i`` (log2 domain)."""
@@ -236,7 +245,14 @@ def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr
     heads = head0 + gl.arange(0, HEADS, layout=row_o)
     cols = half * L_HALF + gl.arange(0, L_HALF, layout=gl.SliceLayout(0, o_layout))
     row_ok = gl.expand_dims(heads < num_heads, 1)
-    if NUM_SPLITS == 1:
+    if NUM_SPLITS == 1 and out_smem is not None:  # out [B·H, L] by TMA from out_smem [64, L/2]
+        out_smem.store(out.to(out_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [seq * num_heads + head0, half * L_HALF], out_smem)
+        if RETURN_LSE and half == 0:
+            gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=heads < num_heads)
+        tma.store_wait(0)
+    elif NUM_SPLITS == 1:
         ptrs = (out_ptr + seq.to(gl.int64) * stride_o_b + gl.expand_dims(heads * stride_o_h, 1)
                 + gl.expand_dims(cols, 0))
         gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -253,10 +269,10 @@ def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr
 
 @gluon.jit
 def mla_decode_sm90_kernel(
-    q_ptr, q_desc, c_desc, cpe_desc, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, part_out_ptr,
+    q_ptr, q_desc, c_desc, cpe_desc, block_table_ptr, seq_lens_ptr, out_ptr, out_desc, lse_ptr, part_out_ptr,
     part_lse_ptr, qk_scale, stride_bt, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, block_size,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-    RETURN_LSE: gl.constexpr, RESCALE_SLACK: gl.constexpr,
+    RETURN_LSE: gl.constexpr, RESCALE_SLACK: gl.constexpr, TMA_OUT: gl.constexpr,
 ):
     """Grid ``(H / 64, B, NUM_SPLITS)``; ``num_warps=4`` (the score warpgroup; the two value
     warpgroups are extra warps). ``q_ptr``/``q_desc``: ``[B·H, L + R]`` contiguous, with ``[64, L/2]``
@@ -285,7 +301,7 @@ def mla_decode_sm90_kernel(
     p_ready = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
     p_empty = gl.allocate_shared_memory(gl.int64, [P_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(done, count=1)
+    mbarrier.init(done, count=3)  # the score warpgroup and both value warpgroups
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(kv_ready.index(s), count=2)  # both value warpgroups load a share
     for s in gl.static_range(P_STAGES):
@@ -297,13 +313,15 @@ def mla_decode_sm90_kernel(
                    p_ready, p_empty, done, seq * num_heads + head0, lo, hi, num_tiles, qk_scale, L_HALF,
                    cpe_desc.block_type.shape[1], BLOCK_N, NUM_STAGES, P_STAGES, RESCALE_SLACK)),
         (_valuer, (0, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
-                   done, block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq,
+                   done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
+                   seq,
                    head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE, TMA_OUT)),
         (_valuer, (1, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
-                   done, block_table_ptr, stride_bt, block_size, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq,
+                   done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
+                   seq,
                    head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE, TMA_OUT)),
     # Registers: the value warpgroups keep 160 a thread (a 128-register accumulator and the loop; at 152 ptxas
     # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left
     # (H200, H128 64 x 4096, same-instance A/B in three device calls: 168 each 150.9-152.1 us, this

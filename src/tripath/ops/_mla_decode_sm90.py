@@ -87,13 +87,16 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
             num_warps=4,
         )
         return
+    q_desc = _descriptor(q2, [64, half])
+    # One split writing a contiguous out [B, H, L]: each value warpgroup stores its output tile by TMA.
+    tma_out = num_splits == 1 and out.is_contiguous() and out.dtype == q.dtype
+    out_desc = _descriptor(out.view(batch * num_heads, kv_lora_rank), [64, half]) if tma_out else q_desc
     launch(
-        mla_decode_sm90_kernel, (num_heads // 64, batch, num_splits), q2,
-        _descriptor(q2, [64, half]),
+        mla_decode_sm90_kernel, (num_heads // 64, batch, num_splits), q2, q_desc,
         _descriptor(c2, [BLOCK_N, half]), _descriptor(c2, [BLOCK_N, width - kv_lora_rank]),
-        block_table, seq_lens, out, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
+        block_table, seq_lens, out, out_desc, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
         kv_cache.shape[1],
         BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, NUM_SPLITS=num_splits,
-        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, num_warps=4, maxnreg=MAXNREG,
+        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, TMA_OUT=tma_out, num_warps=4, maxnreg=MAXNREG,
     )
