@@ -192,7 +192,16 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
                                                        instr_shape=[16, L_HALF, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([HEADS, L_HALF], gl.float32, o_layout)
-    for i in range(gl.minimum(num_tiles, NUM_STAGES)):
+    # The ring fill: the first two tiles (the score warpgroup's first two score products), then, once the
+    # first has landed, the rest. Every program starts at once, so the fill is one burst over the whole GPU;
+    # the tiles needed first then do not wait behind the others (H200, H128 64 x 4096: 142.3-142.7 ->
+    # 142.0-142.2 us, every shape 0.1-0.9 us faster in three rounds).
+    for i in range(gl.minimum(num_tiles, 2)):
+        _load_half(_tile_row(i, block_table_ptr, stride_bt, seq, lo, block_size, BLOCK_N), i, half, c_desc,
+                   cpe_desc, c_smem, cpe_smem, kv_ready, L_HALF)
+    if num_tiles > 2:
+        mbarrier.wait(kv_ready.index(0), 0)
+    for i in range(2, gl.minimum(num_tiles, NUM_STAGES)):
         _load_half(_tile_row(i, block_table_ptr, stride_bt, seq, lo, block_size, BLOCK_N), i, half, c_desc,
                    cpe_desc, c_smem, cpe_smem, kv_ready, L_HALF)
     for i in range(num_tiles):
