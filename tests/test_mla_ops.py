@@ -618,6 +618,16 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
         mla_decode(q, cache, table, seq_lens, sm_scale=0.1, num_splits=3, variant="gluon")
     assert [r.name for r in records] == ["mla_decode_sm90_kernel", "reduce_splits_kernel"]
     assert records[0].grid == (2, 2, 3) and records[0].args[2].block_shape == [32, L // 2]
+    assert not records[0].kwargs["TMA_OUT"]  # several splits: fp32 partials by pointer stores
+
+    def tma_out(out):  # the one-split epilogue: TMA for a contiguous, aligned out of q's dtype
+        with override_platform(H200), capture_launches() as records:
+            mla_decode(q, cache, table, seq_lens, sm_scale=0.1, num_splits=1, variant="gluon", out=out)
+        return records[0].kwargs["TMA_OUT"]
+    assert tma_out(torch.empty(2, 128, L, dtype=torch.bfloat16))
+    assert not tma_out(torch.empty(2, 128, L + 8, dtype=torch.bfloat16)[..., :L])  # strided rows
+    assert not tma_out(torch.empty(2, 128, L, dtype=torch.float32))  # another dtype
+    assert not tma_out(torch.empty(2 * 128 * L + 1, dtype=torch.bfloat16)[1:].view(2, 128, L))  # misaligned
     with override_platform(H200), capture_launches(), pytest.raises(ValueError, match="multiple of 64 heads"):
         mla_decode(q[:, :24], cache, table, seq_lens, sm_scale=0.1, variant="gluon")
     q16 = torch.zeros(2, 16, L + R, dtype=torch.bfloat16)

@@ -88,8 +88,9 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
         )
         return
     q_desc = _descriptor(q2, [64, half])
-    # One split writing a contiguous out [B, H, L]: each value warpgroup stores its output tile by TMA.
-    tma_out = num_splits == 1 and out.is_contiguous() and out.dtype == q.dtype
+    # One split writing a contiguous, 16-byte aligned out [B, H, L] of q's dtype: each value warpgroup stores
+    # its output tile by TMA; otherwise by pointer stores.
+    tma_out = num_splits == 1 and out.is_contiguous() and out.dtype == q.dtype and out.data_ptr() % 16 == 0
     out_desc = _descriptor(out.view(batch * num_heads, kv_lora_rank), [64, half]) if tma_out else q_desc
     launch(
         mla_decode_sm90_kernel, (num_heads // 64, batch, num_splits), q2, q_desc,
