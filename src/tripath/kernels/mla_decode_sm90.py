@@ -235,14 +235,11 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
     mbarrier.wait(done, 0)
     m_i = ml_smem.index(0).load(row_o)
     l_i = ml_smem.index(1).load(row_o)
+    out_smem = None
     if TMA_OUT:  # one TMA store of this warpgroup's [64, L/2] output tile, staged in the (now free) ring
         out_smem = c_smem._reinterpret(out_desc.dtype, [NUM_STAGES, HEADS, L_HALF], out_desc.layout).index(half)
-        store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
-                   stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, NUM_SPLITS, RETURN_LSE, out_desc,
-                   out_smem)
-    else:
-        store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
-                   stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, NUM_SPLITS, RETURN_LSE)
+    store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
+               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, NUM_SPLITS, RETURN_LSE, out_desc, out_smem)
 
 
 @gluon.jit
