@@ -84,7 +84,7 @@ def test_paged_decode_long_tiles_chosen_and_correct(monkeypatch):
         paged_decode(q, k_cache, v_cache, table, lens)
         paged_decode(q[:, :, :64], k_cache[..., :64], v_cache[..., :64], table, lens)  # 64-dim heads: no
         paged_decode(q, k_cache, v_cache, table, lens, concurrent=True)  # beside other launches: no
-    assert [(r.kwargs["BLOCK_N"], r.kwargs["NUM_SPLITS"]) for r in records if r.name == "paged_decode_kernel"] \
+    assert [(r.kwargs["BLOCK_N"], r.kwargs["num_splits"]) for r in records if r.name == "paged_decode_kernel"] \
         == [(_configs.LONG_TILE, 3), (64, 1), (64, 1)]
 
     seq_lens = [1, 129, 300, 257, 128]

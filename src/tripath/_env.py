@@ -24,6 +24,12 @@ def gluon_disabled() -> bool:
     return os.environ.get("TRIPATH_DISABLE_GLUON", "0") not in ("", "0", "false", "False")
 
 
+def triton_cache_dir() -> str:
+    """``TRITON_CACHE_DIR`` (default ``~/.triton/cache``): Triton's compiled kernels; the engine's warm-up
+    keeps the list of steps that compile them beside them, so both are cold or warm together."""
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
 @contextlib.contextmanager
 def setting(name: str, value: str) -> Iterator[None]:
     """Set the environment variable ``name`` to ``value`` for the block."""

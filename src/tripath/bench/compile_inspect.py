@@ -166,7 +166,7 @@ def describe_config(signature: list[tuple[str, str]], constexprs: dict, options:
         if ty.startswith("*") and ty[1:] not in ("i32", "i64", "fp32", "i8", "u8") and ty[1:] not in dtypes:
             dtypes.append(ty[1:])
     tiles = [f"{k.replace('BLOCK_', '')}={v}" for k, v in constexprs.items()
-             if k.startswith("BLOCK_") or k == "NUM_SPLITS"]
+             if k.startswith("BLOCK_") or k == "SPLIT"]
     flags = [k.lower().replace("has_", "") for k, v in constexprs.items()
              if v is True and k.startswith(("HAS_", "SHUFFLED", "CAUSAL", "RETURN_LSE", "QUANT", "DEQUANT", "KV_FP8"))]
     opts = [f"w{options.get('num_warps', 4)}"]

@@ -56,7 +56,9 @@ class EngineConfig:
     ``CPU_DEFAULT_KV_BLOCKS``). ``enforce_eager`` turns CUDA graphs for decode-only steps off; graphs are
     captured for padded batch sizes up to ``max_cuda_graph_batch_size``. ``calculate_kv_scales`` (fp8 KV
     cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
-    of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped.
+    of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped. ``warmup`` (GPU): compile
+    every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.warmup`), so no
+    request waits for a compilation.
     """
 
     backend: str = "auto"
@@ -75,6 +77,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     max_cuda_graph_batch_size: int = 128
+    warmup: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -102,6 +105,8 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved) or None, "
                              f"got {self.num_kv_blocks!r}")
+        if not isinstance(self.warmup, bool):
+            raise TypeError(f"warmup must be a bool, got {type(self.warmup).__name__}")
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
 

@@ -30,6 +30,7 @@ from tripath.engine.config import EngineConfig
 from tripath.engine.model_runner import ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams
 from tripath.engine.sampler import make_generator
+from tripath.ops._launch import compiled_variants
 from tripath.engine.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
@@ -82,27 +83,26 @@ class LLM:
     ``model``: a path or preset name (loaded with :func:`tripath.models.load_model`, tokenizer with
     ``load_tokenizer``) or an already built model object (``attention_spec``, ``num_attention_layers``,
     ``config.eos_token_ids``/``max_position``, ``forward(input_ids, positions, ctx)``, ``compute_logits``).
-    The other arguments are :class:`EngineConfig`'s.
+    The engine's settings are an :class:`EngineConfig` (``config=``) or its fields as keyword arguments
+    (``LLM("tiny-llama", backend="unified", max_num_seqs=64)``); ``dtype`` defaults to a built model's own.
+    On a GPU the constructor returns once every kernel variant is compiled (:mod:`tripath.engine.warmup`);
+    ``start_seconds`` is how long it took and :attr:`num_compiled_since_start` counts what compiled later.
     """
 
-    def __init__(self, model, *, tokenizer=None, backend: str = "auto", dtype: torch.dtype | str | None = None,
-                 device: torch.device | str | None = None, block_size: int | None = None, kv_cache_dtype: str = "auto",
-                 calculate_kv_scales: bool = False, kv_layout: str = "nhd", max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192,
-                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                 num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, enforce_eager: bool = False,
-                 max_cuda_graph_batch_size: int = 128, seed: int = 0):
-        if dtype is None and not isinstance(model, str):
-            dtype = next(model.parameters()).dtype
-        self.config = EngineConfig(
-            backend=backend, dtype=dtype, device=device, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
-            calculate_kv_scales=calculate_kv_scales, kv_layout=kv_layout, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
-            max_cuda_graph_batch_size=max_cuda_graph_batch_size, seed=seed)
+    def __init__(self, model, *, tokenizer=None, config: EngineConfig | None = None, **engine_options):
+        if config is not None and engine_options:
+            raise TypeError(f"pass either config= or engine options ({', '.join(engine_options)}), not both")
+        if config is None:
+            if engine_options.get("dtype") is None and not isinstance(model, str):
+                engine_options["dtype"] = next(model.parameters()).dtype
+            known = set(EngineConfig.__dataclass_fields__)
+            unknown = sorted(set(engine_options) - known)
+            if unknown:
+                raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; EngineConfig has: "
+                                f"{', '.join(sorted(known))}")
+            config = EngineConfig(**engine_options)
+        self.config = config
+        start = time.perf_counter()
         if isinstance(model, str):
             from tripath.models import load_model, load_tokenizer
             model = load_model(model, dtype=self.config.dtype, device=self.config.device)
@@ -120,6 +120,13 @@ class LLM:
         self.num_requests_added = 0
         self.num_steps = 0
         self.last_metrics: RunMetrics | None = None
+        self.start_seconds = time.perf_counter() - start
+        self._compiled_at_start = compiled_variants()
+
+    @property
+    def num_compiled_since_start(self) -> int:
+        """Kernel variants compiled after the engine was built (0 when the warm-up covered every step)."""
+        return compiled_variants() - self._compiled_at_start
 
     @property
     def backend_name(self) -> str:

@@ -11,7 +11,8 @@ Per step (host work once, shared by every layer):
   each request whose step reaches the end of its tokens (a decode, or the last chunk of a prompt); the
   sampled tokens go back to the scheduler's order.
 
-Decode-only steps on a GPU replay a CUDA graph captured for the next padded batch size (padding rows:
+On a GPU the runner warms up before it serves (:mod:`tripath.engine.warmup`: every kernel variant the
+limits allow is compiled), then captures the decode graphs. Decode-only steps on a GPU replay a CUDA graph captured for the next padded batch size (padding rows:
 one query token at position 1 reading block 0, slot −1 so nothing is written); the step's metadata is
 copied into the captured one with ``meta.copy_``. The KV cache (one per attention layer) has
 ``num_kv_blocks`` blocks, or as many as fit in ``gpu_memory_utilization`` of the GPU after the weights and a
@@ -31,6 +32,7 @@ from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig, default_block_size
 from tripath.engine.sampler import sample
 from tripath.engine.scheduler import ScheduledRequest
+from tripath.engine.warmup import WarmupReport, warm_up
 
 
 @dataclass
@@ -67,6 +69,9 @@ class ModelRunner:
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
         self.caches = [self.backend.allocate_cache(self.num_blocks, self.device) for _ in range(self.num_layers)]
         self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
+        self.warmup_report: WarmupReport | None = None
+        if config.warmup and self.device.type == "cuda" and self.backend.capabilities.needs_triton:
+            self.warmup_report = warm_up(self)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         if config.use_cuda_graphs and self.graph_safe_backend:
             self.capture_cuda_graphs()

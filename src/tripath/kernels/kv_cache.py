@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from tripath.kernels.quant import fp8_round
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
 @triton.jit
@@ -40,7 +41,7 @@ def kv_offsets(
     return k_off, v_off
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def write_kv_cache_kernel(
     key_ptr, value_ptr,  # [T, H, D]
     k_cache_ptr, v_cache_ptr,
@@ -89,7 +90,7 @@ def find_sequence(cu_seqlens_ptr, num_seqs, row, BINARY_STEPS: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def gather_kv_cache_kernel(
     k_cache_ptr, v_cache_ptr,
     block_table_ptr, cu_seqlens_ptr, seq_starts_ptr,

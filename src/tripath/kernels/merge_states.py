@@ -2,9 +2,10 @@
 
 import triton
 import triton.language as tl
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def merge_states_kernel(
     out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr,
     stride_a_t, stride_a_h, stride_b_t, stride_b_h, stride_o_t, stride_o_h,

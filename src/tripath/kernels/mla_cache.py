@@ -10,6 +10,7 @@ import triton.language as tl
 
 from tripath.kernels.kv_cache import find_sequence
 from tripath.kernels.quant import fp8_round
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
 @triton.jit
@@ -24,7 +25,7 @@ def quantize(x, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_R
     return x
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def concat_and_cache_mla_kernel(
     kv_c_ptr, k_pe_ptr, kv_cache_ptr, slot_mapping_ptr, scale_ptr,
     stride_kv_c_t, stride_k_pe_t, stride_c_block, stride_c_slot,
@@ -49,7 +50,7 @@ def concat_and_cache_mla_kernel(
              mask=dims_r < rope_dim)
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def gather_mla_cache_kernel(
     kv_cache_ptr, block_table_ptr, cu_seqlens_ptr, seq_starts_ptr, out_ptr, scale_ptr,
     stride_bt, stride_c_block, stride_c_slot, stride_out_t,

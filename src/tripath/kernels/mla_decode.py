@@ -28,12 +28,13 @@ import triton.language as tl
 
 from tripath.kernels.attention_common import LOG2E, finalize, prefetch_l2
 from tripath.kernels.quant import round_to_fp8_grid
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
 @triton.jit
-def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
     """This split's share ``[lo, hi)`` of ``seq_len`` rows, in whole tiles."""
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
     return lo, hi
@@ -71,16 +72,16 @@ def _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8: tl.constexpr, Q_FP
 def _store_result(out, lse, seq, heads, split, row_ok, lse_ok, dims_l, kv_lora_rank,
                   out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
                   stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
-                  NUM_SPLITS: tl.constexpr, BLOCK_L: tl.constexpr, RETURN_LSE: tl.constexpr):
+                  num_splits, SPLIT: tl.constexpr, BLOCK_L: tl.constexpr, RETURN_LSE: tl.constexpr):
     """The final output (one split) or this split's fp32 partial, for rows ``heads [M]`` and output columns
     ``dims_l``; the LSE only where ``lse_ok``."""
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + seq.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + dims_l[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_l[None, :] < kv_lora_rank))
         if RETURN_LSE:
             tl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=lse_ok)
     else:
-        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * BLOCK_L + dims_l[None, :], out, mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, lse, mask=lse_ok)
 
@@ -185,7 +186,7 @@ def _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def mla_decode_kernel(
     q_ptr, kv_cache_ptr, lat_desc, pe_desc, block_table_ptr, seq_lens_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, q_scale_ptr, kv_scale_ptr,
@@ -193,7 +194,7 @@ def mla_decode_kernel(
     stride_q_b, stride_q_h, stride_bt, stride_c_block, stride_c_slot,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     num_heads, kv_lora_rank, rope_dim, block_size,
-    NUM_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_splits, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, V_PARTS: tl.constexpr, USE_TMA: tl.constexpr,
     SWAP_AB: tl.constexpr, PREFETCH: tl.constexpr, ROW_LINES: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
@@ -204,7 +205,7 @@ def mla_decode_kernel(
     part = tl.program_id(1) % V_PARTS
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo, hi = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N)
 
     # The latent splits into V_PARTS column parts: this program's output columns ("mine") and, with two
     # parts, the other half, which enters only the scores. The two programs of a head block sum the
@@ -262,10 +263,10 @@ def mla_decode_kernel(
     out, lse = finalize(m_i, l_i, acc, v_scale)
     _store_result(out, lse, seq, heads, split, row_ok, row_ok & (part == 0), mine, kv_lora_rank,
                   out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b,
-                  stride_lse_h, num_heads, NUM_SPLITS, BLOCK_L, RETURN_LSE)
+                  stride_lse_h, num_heads, num_splits, SPLIT, BLOCK_L, RETURN_LSE)
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def mla_decode_per_head_kernel(
     q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, q_scale_ptr, kv_scale_ptr,
@@ -273,14 +274,14 @@ def mla_decode_per_head_kernel(
     stride_q_b, stride_q_h, stride_bt, stride_c_block, stride_c_slot,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     num_heads, kv_lora_rank, rope_dim, block_size,
-    NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    num_splits, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo, hi = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N)
 
     dims_l = tl.arange(0, BLOCK_L)
     dims_r = tl.arange(0, BLOCK_R)
@@ -319,4 +320,4 @@ def mla_decode_per_head_kernel(
     row_ok = heads < num_heads
     _store_result(out, lse, seq, heads, split, row_ok, row_ok, dims_l, kv_lora_rank, out_ptr, lse_ptr,
                   part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
-                  NUM_SPLITS, BLOCK_L, RETURN_LSE)
+                  num_splits, SPLIT, BLOCK_L, RETURN_LSE)

@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
 from tripath.kernels.mla_decode_sm90 import zero_tail_rows
+from tripath.kernels.specialize import STEP_INVARIANT
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -72,7 +73,7 @@ def _loader(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_sm
 def _compute(q_smem, qpe_smem, c_smem, cpe_smem, p_smem, q_ready, kv_ready, kv_empty, out_ptr, lse_ptr,
              part_out_ptr, part_lse_ptr, seq, split, lo, hi, num_tiles, num_heads, qk_scale, stride_o_b, stride_o_h,
              stride_lse_b, stride_lse_h, HEADS: gl.constexpr, L_HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-             NUM_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr):
+             NUM_STAGES: gl.constexpr, num_splits, SPLIT: gl.constexpr, RETURN_LSE: gl.constexpr):
     """The compute warpgroup: per tile, ``sᵀ``, the softmax per head over the tile's rows, ``pᵀ`` and the two
     value halves ``oᵀ[half]`` (``[L/2, H]`` each); then the epilogue."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -117,42 +118,42 @@ def _compute(q_smem, qpe_smem, c_smem, cpe_smem, p_smem, q_ready, kv_ready, kv_e
     inv_l = gl.convert_layout(gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0), head_o)
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     _store_half(acc0, 0, inv_l, out_ptr, part_out_ptr, seq, split, num_heads, stride_o_b, stride_o_h, HEADS,
-                L_HALF, NUM_SPLITS)
+                L_HALF, num_splits, SPLIT)
     _store_half(acc1, 1, inv_l, out_ptr, part_out_ptr, seq, split, num_heads, stride_o_b, stride_o_h, HEADS,
-                L_HALF, NUM_SPLITS)
+                L_HALF, num_splits, SPLIT)
     heads = gl.arange(0, HEADS, layout=head_s)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         if RETURN_LSE:
             gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=heads < num_heads)
     else:
-        gl.store(part_lse_ptr + (seq.to(gl.int64) * num_heads + heads) * NUM_SPLITS + split, lse,
+        gl.store(part_lse_ptr + (seq.to(gl.int64) * num_heads + heads) * num_splits + split, lse,
                  mask=heads < num_heads)
 
 
 @gluon.jit
 def _store_half(acc, half, inv_l, out_ptr, part_out_ptr, seq, split, num_heads, stride_o_b, stride_o_h,
-                HEADS: gl.constexpr, L_HALF: gl.constexpr, NUM_SPLITS: gl.constexpr):
+                HEADS: gl.constexpr, L_HALF: gl.constexpr, num_splits, SPLIT: gl.constexpr):
     """``oᵀ[half] [L/2, H]`` normalised into ``out [B, H, L]`` (or the split's fp32 partials)."""
     o_layout: gl.constexpr = acc.type.layout
     heads = gl.arange(0, HEADS, layout=gl.SliceLayout(0, o_layout))
     cols = half * L_HALF + gl.expand_dims(gl.arange(0, L_HALF, layout=gl.SliceLayout(1, o_layout)), 1)
     head_ok = gl.expand_dims(heads < num_heads, 0)
     out = acc * gl.expand_dims(inv_l, 0)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         ptrs = out_ptr + seq.to(gl.int64) * stride_o_b + gl.expand_dims(heads * stride_o_h, 0) + cols
         gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok)
     else:
-        part = (seq.to(gl.int64) * num_heads + heads) * NUM_SPLITS + split
+        part = (seq.to(gl.int64) * num_heads + heads) * num_splits + split
         gl.store(part_out_ptr + gl.expand_dims(part * (2 * L_HALF), 0) + cols, out, mask=head_ok)
 
 
-@gluon.jit
+@gluon.jit(**STEP_INVARIANT)
 def mla_decode_few_heads_sm90_kernel(
     q_desc, qpe_desc, c_desc, cpe_desc, block_table_ptr, seq_lens_ptr, out_ptr, lse_ptr, part_out_ptr,
     part_lse_ptr, qk_scale, stride_bt, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, block_size,
-    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, RETURN_LSE: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_splits, SPLIT: gl.constexpr, RETURN_LSE: gl.constexpr,
 ):
-    """Grid ``(B, NUM_SPLITS)``; ``num_warps=4`` (the compute warpgroup; the loader is one extra warp).
+    """Grid ``(B, num_splits)``; ``num_warps=4`` (the compute warpgroup; the loader is one extra warp).
     ``q_desc``: ``[B·H, L + R]`` with ``[H, L/2]`` boxes (``H`` = the heads, a power of two 8–32),
     ``qpe_desc`` the same rows with ``[H, R]`` boxes; ``c_desc``/``cpe_desc``: the cache rows
     ``[blocks · block_size, L + R]`` with ``[BLOCK_N, L/2]`` and ``[BLOCK_N, R]`` boxes."""
@@ -160,7 +161,7 @@ def mla_decode_few_heads_sm90_kernel(
     L_HALF: gl.constexpr = q_desc.block_type.shape[1]
     seq = gl.program_id(0)
     split = gl.program_id(1)
-    lo, hi = _split_range(gl.load(seq_lens_ptr + seq), split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_range(gl.load(seq_lens_ptr + seq), split, num_splits, BLOCK_N)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     dtype: gl.constexpr = q_desc.dtype
@@ -182,7 +183,7 @@ def mla_decode_few_heads_sm90_kernel(
     gl.warp_specialize([
         (_compute, (q_smem, qpe_smem, c_smem, cpe_smem, p_smem, q_ready, kv_ready, kv_empty, out_ptr, lse_ptr,
                     part_out_ptr, part_lse_ptr, seq, split, lo, hi, num_tiles, num_heads, qk_scale, stride_o_b,
-                    stride_o_h, stride_lse_b, stride_lse_h, HEADS, L_HALF, BLOCK_N, NUM_STAGES, NUM_SPLITS,
+                    stride_o_h, stride_lse_b, stride_lse_h, HEADS, L_HALF, BLOCK_N, NUM_STAGES, num_splits, SPLIT,
                     RETURN_LSE)),
         (_loader, (q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_smem, q_ready, kv_ready,
                    kv_empty, block_table_ptr, stride_bt, seq, seq * num_heads, lo, hi, num_tiles, block_size, L_HALF,

@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
+from tripath.kernels.specialize import STEP_INVARIANT
 
 LN2 = gl.constexpr(0.6931471805599453)
 HEADS = gl.constexpr(64)  # query heads per program: one warpgroup's wgmma rows
@@ -185,7 +186,7 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
 def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty, done,
             block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0,
             split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr,
-            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, num_splits, SPLIT: gl.constexpr,
             RETURN_LSE: gl.constexpr, TMA_OUT: gl.constexpr):
     """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 heads."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -239,12 +240,12 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
     if TMA_OUT:  # one TMA store of this warpgroup's [64, L/2] output tile, staged in the (now free) ring
         out_smem = c_smem._reinterpret(out_desc.dtype, [NUM_STAGES, HEADS, L_HALF], out_desc.layout).index(half)
     store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
-               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, NUM_SPLITS, RETURN_LSE, out_desc, out_smem)
+               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, num_splits, SPLIT, RETURN_LSE, out_desc, out_smem)
 
 
 @gluon.jit
 def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
-               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr, NUM_SPLITS: gl.constexpr,
+               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr, num_splits, SPLIT: gl.constexpr,
                RETURN_LSE: gl.constexpr, out_desc=None, out_smem=None):
     """The epilogue of a warpgroup that holds output columns ``half · L/2 + [0, L/2)`` of 64 heads:
     ``acc [64, L/2]`` normalised by the row sums ``l_i`` into ``out [B, H, L]`` (one split) or the fp32
@@ -259,21 +260,21 @@ def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr
     heads = head0 + gl.arange(0, HEADS, layout=row_o)
     cols = half * L_HALF + gl.arange(0, L_HALF, layout=gl.SliceLayout(0, o_layout))
     row_ok = gl.expand_dims(heads < num_heads, 1)
-    if NUM_SPLITS == 1 and out_smem is not None:  # out [B·H, L] by TMA from out_smem [64, L/2]
+    if not SPLIT and out_smem is not None:  # out [B·H, L] by TMA from out_smem [64, L/2]
         out_smem.store(out.to(out_desc.dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(out_desc, [seq * num_heads + head0, half * L_HALF], out_smem)
         if RETURN_LSE and half == 0:
             gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=heads < num_heads)
         tma.store_wait(0)
-    elif NUM_SPLITS == 1:
+    elif not SPLIT:
         ptrs = (out_ptr + seq.to(gl.int64) * stride_o_b + gl.expand_dims(heads * stride_o_h, 1)
                 + gl.expand_dims(cols, 0))
         gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok)
         if RETURN_LSE and half == 0:
             gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=heads < num_heads)
     else:
-        part = (seq.to(gl.int64) * num_heads + heads) * NUM_SPLITS + split
+        part = (seq.to(gl.int64) * num_heads + heads) * num_splits + split
         gl.store(part_out_ptr + gl.expand_dims(part * (2 * L_HALF), 1) + gl.expand_dims(cols, 0), out, mask=row_ok)
         if half == 0:
             gl.store(part_lse_ptr + part, lse, mask=heads < num_heads)
@@ -281,14 +282,14 @@ def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr
 
 
 
-@gluon.jit
+@gluon.jit(**STEP_INVARIANT)
 def mla_decode_sm90_kernel(
     q_ptr, q_desc, c_desc, cpe_desc, block_table_ptr, seq_lens_ptr, out_ptr, out_desc, lse_ptr, part_out_ptr,
     part_lse_ptr, qk_scale, stride_bt, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, block_size,
-    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, num_splits, SPLIT: gl.constexpr,
     RETURN_LSE: gl.constexpr, RESCALE_SLACK: gl.constexpr, TMA_OUT: gl.constexpr,
 ):
-    """Grid ``(H / 64, B, NUM_SPLITS)``; ``num_warps=4`` (the score warpgroup; the two value
+    """Grid ``(H / 64, B, num_splits)``; ``num_warps=4`` (the score warpgroup; the two value
     warpgroups are extra warps). ``q_ptr``/``q_desc``: ``[B·H, L + R]`` contiguous, with ``[64, L/2]``
     boxes; ``c_desc``/``cpe_desc``: the cache rows
     ``[blocks · block_size, L + R]`` with ``[BLOCK_N, L/2]`` and ``[BLOCK_N, R]`` boxes."""
@@ -296,7 +297,7 @@ def mla_decode_sm90_kernel(
     head0 = gl.program_id(0) * HEADS  # the head blocks of a request run side by side: the second reads from L2
     seq = gl.program_id(1)
     split = gl.program_id(2)
-    lo, hi = _split_range(gl.load(seq_lens_ptr + seq), split, NUM_SPLITS, BLOCK_N)
+    lo, hi = _split_range(gl.load(seq_lens_ptr + seq), split, num_splits, BLOCK_N)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     dtype: gl.constexpr = q_desc.dtype
@@ -329,11 +330,11 @@ def mla_decode_sm90_kernel(
         (_valuer, (0, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE, TMA_OUT)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT)),
         (_valuer, (1, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, NUM_SPLITS, RETURN_LSE, TMA_OUT)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT)),
     # Registers: the value warpgroups keep 160 a thread (a 128-register accumulator and the loop; at 152 ptxas
     # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left
     # (H200, H128 64 x 4096, same-instance A/B in three device calls: 168 each 150.9-152.1 us, this

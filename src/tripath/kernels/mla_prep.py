@@ -18,6 +18,7 @@ import triton.language as tl
 
 from tripath.kernels.mla_cache import quantize
 from tripath.kernels.rotary import load_cos_sin, rope_pair_dims, rotate_interleaved, rotate_pairs
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
 @triton.jit
@@ -51,7 +52,7 @@ def _rope_part(src, dst, row_ok, cos, sin, d1, d2, pair_ok, rope_dim, scale_ptr,
         _store_quantized(dst + dims[None, :], x, mask, scale_ptr, QUANT, FP8_MAX, EMULATE_RNE)
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def mla_prep_kernel(
     ql_nope_ptr, q_pe_ptr, kv_c_ptr, k_pe_ptr, kv_cache_ptr, q_out_ptr, slot_mapping_ptr,
     k_scale_ptr, q_scale_ptr, positions_ptr, cos_ptr, sin_ptr,

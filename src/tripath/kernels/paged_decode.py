@@ -12,9 +12,10 @@ import triton.language as tl
 
 from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, load_paged_kv, score_mods,
                                               softmax_update)
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
@@ -25,7 +26,7 @@ def paged_decode_kernel(
     stride_v0, stride_v1, stride_v2, stride_v3,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     num_heads, num_queries_per_kv, head_size, head_size_v, block_size,
-    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_splits, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     SHUFFLED: tl.constexpr, X: tl.constexpr, KV_FP8: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -42,7 +43,7 @@ def paged_decode_kernel(
     if HAS_WINDOW:
         first = (tl.maximum(q_pos_scalar - window_left, 0) // BLOCK_N) * BLOCK_N
     num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
     lo = first + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
@@ -80,7 +81,7 @@ def paged_decode_kernel(
                        True, False, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, True)
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         if HAS_SINKS:
             sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
             m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)
@@ -91,18 +92,18 @@ def paged_decode_kernel(
             tl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=row_ok)
     else:
         out, lse = finalize(m_i, l_i, acc, v_scale)
-        # Partials: [B, Hq, NUM_SPLITS, BLOCK_DV] and [B, Hq, NUM_SPLITS], contiguous.
-        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split
+        # Partials: [B, Hq, num_splits, BLOCK_DV] and [B, Hq, num_splits], contiguous.
+        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * BLOCK_DV + dims_v[None, :], out, mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def reduce_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, sinks_ptr,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     num_heads, head_size_v,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    num_splits, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     """Merge the split partials of one (request, head): ``o = Σ e^{lse_s - lse} o_s``."""
@@ -110,8 +111,8 @@ def reduce_splits_kernel(
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_DV)
-    base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
-    lse_s = tl.load(part_lse_ptr + base + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
+    base = (seq.to(tl.int64) * num_heads + head) * num_splits
+    lse_s = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     if HAS_SINKS:
         m = tl.maximum(m, tl.load(sinks_ptr + head).to(tl.float32))
@@ -121,7 +122,7 @@ def reduce_splits_kernel(
     if HAS_SINKS:
         denom += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m_use)
     o_s = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_DV + dims[None, :],
-                  mask=(splits[:, None] < NUM_SPLITS) & (dims[None, :] < head_size_v), other=0.0)
+                  mask=(splits[:, None] < num_splits) & (dims[None, :] < head_size_v), other=0.0)
     safe = tl.where(denom > 0.0, denom, 1.0)
     out = tl.sum(o_s * (w / safe)[:, None], 0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_o_b + head * stride_o_h + dims,

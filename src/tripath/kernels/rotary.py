@@ -9,6 +9,7 @@ table (cos 1, sin 0) serves NoPE models for every position.
 
 import triton
 import triton.language as tl
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
 @triton.jit
@@ -75,7 +76,7 @@ def _rotate_heads_in_place(x_ptr, token, stride_t, stride_h, first_head, num_hea
         tl.store(base + dims[None, :], rotate_interleaved(x, cos, sin), mask=mask)
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def rotary_embedding_kernel(
     positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cos, stride_sin,

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, load_paged_kv, score_mods,
                                               softmax_update)
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
 @triton.jit
@@ -26,7 +27,7 @@ def _find_request(cu_seqlens_q_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr, BI
     return lo
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
     out_ptr, lse_ptr, alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, score_mods, softmax_update,
                                               softmax_update_raw)
+from tripath.kernels.specialize import STEP_INVARIANT
 
 
 @triton.jit
@@ -84,7 +85,7 @@ def _key_loop(acc, m_i, l_i, q, q_r, k_base, v_base, kr_base, k_desc, v_desc, kr
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(**STEP_INVARIANT)
 def varlen_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, qr_ptr, kr_ptr, kr_desc, out_ptr, lse_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, alibi_ptr, sinks_ptr,

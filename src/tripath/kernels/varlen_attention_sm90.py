@@ -44,6 +44,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from tripath.kernels.specialize import STEP_INVARIANT
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -449,7 +450,7 @@ def _consumer(wg, smem, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seq
         tma.store_wait(0)  # the last output tiles have been read out of shared memory
 
 
-@gluon.jit
+@gluon.jit(**STEP_INVARIANT)
 def varlen_attention_sm90_kernel(
     q_desc, k_desc, v_desc, qr_desc, kr_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr,
     qk_scale, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h, num_heads, num_seqs, num_m_blocks,

@@ -13,6 +13,7 @@ tiny-qwen3-moe            Qwen3-MoE           Qwen3 attention, top-2 of 8 expert
 tiny-deepseek             DeepSeek V3         MLA 64+32 with q_lora, yarn, MoE (sigmoid, groups)
 tiny-deepseek-v2          DeepSeek V2         MLA without q_lora, softmax group-limited MoE
 tiny-kimi-nope            DeepSeek V3 (Kimi)  NoPE MLA (identity rotation), MoE
+llama-3.1-8b              Llama 3.1           Llama-3.1-8B's full shape: 32 layers, GQA 32/8, head 128
 qwen3-235b-attn-tp8       Qwen3               Qwen3-235B-A22B attention at TP 8: 8 q / 1 kv heads
 deepseek-r1-attn-tp8      DeepSeek V3         DeepSeek-R1 MLA at TP 8: 16 heads, 512+64, yarn 40
 kimi-nope-attn-tp8        DeepSeek V3 (Kimi)  Kimi K2 MLA shapes at TP 8 (8 heads), NoPE
@@ -85,6 +86,14 @@ def tiny_kimi_nope() -> ModelConfig:
                        mla=mla, rope=None, q_lora_rank=64, moe=moe, **{**_TINY, "num_layers": 3})
 
 
+def llama_31_8b() -> ModelConfig:
+    rope = RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position=8192)
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, num_layers=32,
+                       num_heads=32, num_kv_heads=8, head_size=128, max_position=131072, intermediate_size=14336,
+                       rope=rope, rms_norm_eps=1e-5, eos_token_ids=[128001, 128008, 128009], bos_token_id=128000)
+
+
 def qwen3_235b_attn_tp8() -> ModelConfig:
     return ModelConfig(architecture="Qwen3ForCausalLM", vocab_size=151936, hidden_size=4096, num_layers=4,
                        num_heads=8, num_kv_heads=1, head_size=128, max_position=40960, intermediate_size=1536,
@@ -110,6 +119,6 @@ PRESETS = {
     "tiny-llama": tiny_llama, "tiny-mistral": tiny_mistral, "tiny-qwen2": tiny_qwen2, "tiny-qwen3": tiny_qwen3,
     "tiny-qwen3-moe": tiny_qwen3_moe,
     "tiny-deepseek": tiny_deepseek, "tiny-deepseek-v2": tiny_deepseek_v2, "tiny-kimi-nope": tiny_kimi_nope,
-    "qwen3-235b-attn-tp8": qwen3_235b_attn_tp8, "deepseek-r1-attn-tp8": deepseek_r1_attn_tp8,
+    "llama-3.1-8b": llama_31_8b, "qwen3-235b-attn-tp8": qwen3_235b_attn_tp8, "deepseek-r1-attn-tp8": deepseek_r1_attn_tp8,
     "kimi-nope-attn-tp8": kimi_nope_attn_tp8,
 }

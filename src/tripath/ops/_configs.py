@@ -133,3 +133,10 @@ def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max
     if max_seq_len is not None:
         target = min(target, max(1, max_seq_len // (4 * block_n)))
     return int(min(target, 64))
+
+
+def binary_steps(num_seqs: int) -> int:
+    """Iterations of the kernels' binary search over ``num_seqs + 1`` offsets, rounded up to a multiple of 4
+    (a search converged early stays put), so the constexpr changes only at 16, 256 and 4096 requests
+    instead of at every power of two: fewer kernel variants to compile before serving."""
+    return 4 * -(-max(1, int(num_seqs).bit_length()) // 4)

@@ -2,12 +2,15 @@
 
 Every launcher calls :func:`launch` instead of ``kernel[grid](...)``. Inside :func:`capture_launches` the
 call is recorded rather than run, which lets the portability check compile exactly the kernels, argument
-types, constexprs and launch options that the launchers choose, for any target, without a GPU.
+types, constexprs and launch options that the launchers choose, for any target, without a GPU, and lets
+the engine's warm-up find which kernel variants a step needs (:func:`launch_key`).
+:func:`compiled_variants` counts the variants this process has compiled so far.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -61,3 +64,53 @@ def use_triton(device: torch.device) -> bool:
     """Whether ops on ``device`` run their Triton kernel: on a GPU, on the CPU under ``TRITON_INTERPRET=1``,
     and always while launches are being captured (the compile check)."""
     return device.type == "cuda" or _env.triton_interpret() or bool(_captures)
+
+
+_rebuilt: dict[int, Any] = {}
+
+
+def _jit_function(kernel):
+    """The ``JITFunction`` behind ``kernel`` (under the interpreter, rebuilt from the decorator's arguments)."""
+    if hasattr(kernel, "params"):
+        return kernel
+    if id(kernel) not in _rebuilt:
+        from triton.runtime.jit import JITFunction
+        options = getattr(kernel, "kwargs", {})
+        _rebuilt[id(kernel)] = (kernel, JITFunction(kernel.fn, **{
+            k: v for k, v in options.items() if k in ("do_not_specialize", "do_not_specialize_on_alignment")}))
+    return _rebuilt[id(kernel)][1]
+
+
+def launch_key(record: LaunchRecord) -> tuple:
+    """The variant a launch compiles to: the kernel, every argument's Triton specialisation (constexpr
+    values; dtype, 16-divisibility and 1-ness of integers, 16-byte alignment of pointers, unless the kernel
+    declares the argument step-varying) and the launch options. Two launches with equal keys share one
+    compiled kernel; computed on the host, so it also works for recorded launches without a GPU."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    fn = _jit_function(record.kernel)
+    names = list(fn.signature.parameters)
+    bound = fn.signature.bind_partial(*record.args, **{k: v for k, v in record.kwargs.items() if k in names})
+    values = {**{p.name: p.default for p in fn.params if p.has_default}, **bound.arguments}
+    spec = []
+    for param in fn.params:
+        value = values.get(param.name)
+        if param.is_constexpr:
+            spec.append(repr(value))
+        else:
+            spec.append(native_specialize_impl(BaseBackend, value, param.is_const, not param.do_not_specialize,
+                                               not param.do_not_specialize_on_alignment))
+    options = tuple(sorted((k, repr(v)) for k, v in record.kwargs.items() if k not in names))
+    return (record.name, tuple(spec), options)
+
+
+def compiled_variants() -> int:
+    """Kernel variants compiled (or loaded from Triton's disk cache) in this process so far, over every
+    tripath kernel; 0 under the interpreter, which compiles nothing."""
+    from triton.runtime.jit import JITFunction
+
+    kernels = {id(obj): obj for name, module in list(sys.modules.items())
+               if name.startswith("tripath.kernels.") and module is not None
+               for obj in vars(module).values() if isinstance(obj, JITFunction)}
+    return sum(len(caches[0]) for fn in kernels.values() for caches in fn.device_caches.values())

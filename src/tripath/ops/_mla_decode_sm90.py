@@ -83,7 +83,7 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
             block_table, seq_lens, out, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
             block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
             kv_cache.shape[1],
-            BLOCK_N=FEW_BLOCK_N, NUM_STAGES=FEW_STAGES, NUM_SPLITS=num_splits, RETURN_LSE=bool(return_lse),
+            BLOCK_N=FEW_BLOCK_N, NUM_STAGES=FEW_STAGES, num_splits=num_splits, SPLIT=num_splits > 1, RETURN_LSE=bool(return_lse),
             num_warps=4,
         )
         return
@@ -98,6 +98,6 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
         block_table, seq_lens, out, out_desc, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
         kv_cache.shape[1],
-        BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, NUM_SPLITS=num_splits,
+        BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, num_splits=num_splits, SPLIT=num_splits > 1,
         RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, TMA_OUT=tma_out, num_warps=4, maxnreg=MAXNREG,
     )

@@ -17,6 +17,7 @@ import torch
 
 from tripath import _env
 from tripath.kernels.kv_cache import gather_kv_cache_kernel, write_kv_cache_kernel
+from tripath.ops import _configs
 from tripath.ops._checks import FLOAT_DTYPES, check_index, check_scale, check_tensor, next_pow2
 from tripath.ops._launch import launch, use_triton
 from tripath.platform import FP8_DTYPES, fp8_max
@@ -233,7 +234,7 @@ def gather_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
         out_k.stride(0), out_k.stride(1), out_v.stride(0), out_v.stride(1),
         num_seqs, num_kv_heads, head_size, block_size,
         BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(max(head_size, head_size_v)),
-        BINARY_STEPS=max(1, num_seqs.bit_length()),
+        BINARY_STEPS=_configs.binary_steps(num_seqs),
         SHUFFLED=layout == "shuffled", X=shuffle_width(k_cache.dtype), DEQUANT=quant,
         num_warps=4,
     )

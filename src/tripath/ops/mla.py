@@ -23,7 +23,7 @@ from tripath.kernels.mla_cache import concat_and_cache_mla_kernel, gather_mla_ca
 from tripath.kernels.mla_decode import mla_decode_kernel, mla_decode_per_head_kernel
 from tripath.kernels.mla_prep import mla_prep_kernel
 from tripath.kernels.paged_decode import reduce_splits_kernel
-from tripath.ops import _mla_configs, reference_mla
+from tripath.ops import _configs, _mla_configs, reference_mla
 from tripath.ops._checks import FLOAT_DTYPES, check_index, check_out, check_scale, check_tensor, next_pow2
 from tripath.ops._launch import launch, use_triton
 from tripath.ops._mla_decode_sm90 import block_n as gluon_block_n
@@ -167,7 +167,7 @@ def gather_mla_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqle
         block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1), out.stride(0),
         num_seqs, first, width - first, block_size,
         BLOCK_ROWS=block_rows, BLOCK_L=next_pow2(first), BLOCK_R=next_pow2(width - first),
-        BINARY_STEPS=max(1, num_seqs.bit_length()), DEQUANT=fp8, **cfg,
+        BINARY_STEPS=_configs.binary_steps(num_seqs), DEQUANT=fp8, **cfg,
     )
     return out
 
@@ -470,7 +470,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             q.stride(0), q.stride(1), block_table.stride(0), kv_cache.stride(0), kv_cache.stride(1),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             num_heads, kv_lora_rank, width - kv_lora_rank, block_size)
-    flags = dict(NUM_SPLITS=num_splits, BLOCK_L=block_l, BLOCK_R=block_r, KV_FP8=kv_fp8, Q_FP8=q_fp8,
+    flags = dict(num_splits=num_splits, SPLIT=num_splits > 1, BLOCK_L=block_l, BLOCK_R=block_r, KV_FP8=kv_fp8, Q_FP8=q_fp8,
                  RETURN_LSE=return_lse)
     if variant == "gluon":
         launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse, part_out, part_lse, sm_scale,
@@ -489,7 +489,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             reduce_splits_kernel, (batch, num_heads),
             part_out, part_lse, out, lse, dummy,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads, kv_lora_rank,
-            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_DV=block_l,
+            num_splits=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_DV=block_l,
             HAS_SINKS=False, RETURN_LSE=return_lse, num_warps=4,
         )
     return (out, lse) if return_lse else out

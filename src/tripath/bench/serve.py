@@ -1,0 +1,432 @@
+"""``tripath bench serve``: whole requests through the engine, per backend, against the roofline floor.
+
+Offline mode (default): each backend runs in its own process, with an empty Triton cache unless
+``--warm-cache``; the process builds the engine (timed: *engine start*, warm-up included), then runs the
+workload twice on fresh prompts of the same shapes (*first pass*, *warm pass*), keeping at most
+``--max-concurrency`` requests in flight. A second process then times the engine start again on the now
+warm cache. Reported per backend: both starts, both passes' wall time, output and total tok/s, TTFT / TPOT
+/ ITL / end-to-end latency (mean, p50, p90, p99, :mod:`tripath.bench.serve_report`), kernel variants
+compiled after the engine started, and the warm pass's fraction of the roofline floor::
+
+    floor = prefill FLOPs / matmul rate + Σ over decode steps (weight bytes + KV bytes read) / copy bandwidth
+
+Prefill FLOPs are 2 × active parameters (embedding table excluded) per prompt token plus causal attention
+(``2 · heads · (d_qk + d_v)`` per query-key pair and layer); a decode step reads every weight but the
+embedding table (the LM head included) and the KV cache of each decoding request. The matmul rate and copy
+bandwidth are measured in the same process (an 8192³ bf16 matmul, a 1 GiB device-to-device copy).
+
+``--url`` switches to the online mode against a running ``tripath serve`` (:mod:`tripath.bench.serve_online`).
+Built-in workloads (``--workload``): see :data:`WORKLOADS`; explicit options override their fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from tripath.bench.serve_report import RequestRecord, format_table, summarize, write_csv, write_json
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests of random tokens (``ignore_eos``): ``input_len`` ± ``input_len_spread`` (a fraction, uniform),
+    ``output_len`` outputs, at most ``max_concurrency`` in flight; ``prefix_share`` of every prompt is one
+    prefix common to all requests (prefix-cache hits turn their prefills into extends)."""
+
+    model: str
+    backends: tuple[str, ...]
+    num_requests: int
+    input_len: int
+    input_len_spread: float
+    output_len: int
+    max_concurrency: int
+    prefix_share: float = 0.0
+    max_num_batched_tokens: int = 8192
+    description: str = ""
+
+    def __post_init__(self):
+        if self.num_requests < 1 or self.input_len < 1 or self.output_len < 1 or self.max_concurrency < 1:
+            raise ValueError("num_requests, input_len, output_len and max_concurrency must be >= 1")
+        if not 0 <= self.input_len_spread < 1:
+            raise ValueError(f"input_len_spread must be in [0, 1), got {self.input_len_spread}")
+        if not 0 <= self.prefix_share < 1:
+            raise ValueError(f"prefix_share must be in [0, 1), got {self.prefix_share}")
+
+    @property
+    def max_input_len(self) -> int:
+        return int(self.input_len * (1 + self.input_len_spread))
+
+    @property
+    def max_model_len(self) -> int:
+        return self.max_input_len + self.output_len
+
+
+MHA = ("three_path", "unified", "two_path")
+MLA = ("mla", "mla_triton")
+WORKLOADS = {
+    "mha-tp8": Workload("qwen3-235b-attn-tp8", MHA, 256, 2048, 0.5, 512, 64,
+                        description="Qwen3-235B attention at TP 8, 64 concurrent, 1-3K in, 512 out"),
+    "mla-tp8": Workload("deepseek-r1-attn-tp8", MLA, 256, 2048, 0.5, 512, 64,
+                        description="DeepSeek-R1 MLA at TP 8, 64 concurrent, 1-3K in, 512 out"),
+    "llama-8b": Workload("llama-3.1-8b", MHA, 128, 1024, 0.5, 256, 128,
+                         description="Llama-3.1-8B, 128 requests, 0.5-1.5K in, 256 out"),
+    "long": Workload("llama-3.1-8b", MHA, 16, 32768, 0.1, 128, 16,
+                     description="Llama-3.1-8B, 16 requests of about 32K (chunked prefill: extends on long contexts)"),
+    "tiny": Workload("tiny-llama", ("three_path", "torch"), 8, 48, 0.5, 8, 4, prefix_share=0.25,
+                     max_num_batched_tokens=64, description="a CPU-sized check that the benchmark runs"),
+}
+
+
+def make_prompts(workload: Workload, vocab_size: int, seed: int) -> list[list[int]]:
+    """``num_requests`` prompts of random token ids in ``[2, vocab_size)``, reproducible from ``seed``."""
+    rng = random.Random(seed)
+    low = max(1, int(workload.input_len * (1 - workload.input_len_spread)))
+    high = max(low, workload.max_input_len)
+    prefix = [rng.randrange(2, vocab_size) for _ in range(int(workload.input_len * workload.prefix_share))]
+    prompts = []
+    for _ in range(workload.num_requests):
+        n = rng.randint(low, high)
+        head = prefix[:max(0, n - 1)]
+        prompts.append(head + [rng.randrange(2, vocab_size) for _ in range(n - len(head))])
+    return prompts
+
+
+@dataclass
+class PassResult:
+    records: list[RequestRecord]
+    elapsed_s: float
+    num_steps: int
+    decode_steps: list[tuple[int, int]]  # per step with decodes: (decoding requests, KV tokens they read)
+    compiled: int
+
+
+def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurrency: int,
+             progress: bool = True) -> PassResult:
+    """Feed ``prompts`` through ``llm``'s step API with at most ``max_concurrency`` in flight; one
+    :class:`RequestRecord` per prompt (TTFT and end-to-end from when it was added)."""
+    from tqdm.auto import tqdm
+
+    from tripath.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    compiled0, steps0 = llm.num_compiled_since_start, llm.num_steps
+    pending = list(enumerate(prompts))[::-1]
+    added: dict[str, tuple[int, float]] = {}
+    token_times: dict[str, list[float]] = {}
+    records: list[RequestRecord | None] = [None] * len(prompts)
+    decode_steps: list[tuple[int, int]] = []
+    start = time.perf_counter()
+    with tqdm(total=len(prompts), desc="requests", disable=not progress, dynamic_ncols=True, leave=False) as bar:
+        while pending or llm.has_unfinished_requests():
+            while pending and len(added) < max_concurrency:
+                index, prompt = pending.pop()
+                rid = llm.add_request(list(prompt), params)
+                added[rid] = (index, time.perf_counter())
+                token_times[rid] = []
+            outputs = llm.step()
+            now = time.perf_counter()
+            decodes = kv_tokens = 0
+            for out in outputs:
+                if len(out.output_token_ids) > len(out.new_token_ids):  # it had tokens before: a decode
+                    decodes += 1
+                    kv_tokens += len(out.prompt_token_ids) + len(out.output_token_ids) - 1
+                token_times[out.request_id].extend([now] * len(out.new_token_ids))
+                if out.finished:
+                    index, t0 = added.pop(out.request_id)
+                    times = token_times.pop(out.request_id)
+                    records[index] = RequestRecord(len(out.prompt_token_ids), len(out.output_token_ids),
+                                                   times[0] - t0 if times else None, now - t0,
+                                                   [b - a for a, b in zip(times, times[1:])])
+                    bar.update(1)
+            if decodes:
+                decode_steps.append((decodes, kv_tokens))
+    elapsed = time.perf_counter() - start
+    return PassResult([r for r in records if r is not None], elapsed, llm.num_steps - steps0, decode_steps,
+                      llm.num_compiled_since_start - compiled0)
+
+
+# ---- the roofline floor ---------------------------------------------------------------------------------
+def model_costs(model, backend) -> dict:
+    """Active parameters without the embedding table, weight bytes a decode step reads, KV bytes per token,
+    and the attention FLOPs per causal query-key pair (all layers)."""
+    config = model.config
+    embed = model.model.embed_tokens.weight
+    total = active = weight_bytes = 0
+    tied_head = getattr(config, "tie_word_embeddings", False)
+    moe = getattr(config, "moe", None)
+    for name, param in model.named_parameters():
+        n = param.numel()
+        if embed is not None and param is embed:
+            if tied_head:  # the tied LM head is read by every step and multiplies every sampled token
+                weight_bytes += n * param.element_size()
+            continue
+        share = 1.0
+        if moe is not None and ".experts." in f".{name}." and "shared_experts" not in name:
+            share = moe.top_k / moe.num_experts
+        total += n
+        active += n * share
+        weight_bytes += n * param.element_size()
+    spec = backend.spec
+    if spec.is_mla:
+        mla = spec.mla
+        head_dims = mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim
+    else:
+        head_dims = spec.head_size + spec.v_size
+    layers = model.num_attention_layers
+    return {"active_params": active, "params": total, "weight_bytes": weight_bytes,
+            "kv_bytes_per_token": backend.cache_bytes_per_block() // spec.block_size * layers,
+            "attention_flops_per_pair": 2 * spec.num_heads * head_dims * layers}
+
+
+def roofline_floor_s(costs: dict, prompts: Sequence[Sequence[int]], decode_steps: Sequence[tuple[int, int]],
+                     matmul_flops: float, copy_bytes_per_s: float) -> float:
+    """Seconds the hardware needs at least for one pass (see the module doc)."""
+    prefill_flops = sum(2 * costs["active_params"] * len(p) + costs["attention_flops_per_pair"] * len(p) *
+                        (len(p) + 1) / 2 for p in prompts)
+    decode_bytes = sum(costs["weight_bytes"] + costs["kv_bytes_per_token"] * kv for _, kv in decode_steps)
+    return prefill_flops / matmul_flops + decode_bytes / copy_bytes_per_s
+
+
+def measure_ceilings(device) -> tuple[float, float]:
+    """(bf16 matmul FLOP/s of an 8192³ product, device-to-device copy bytes/s counting read + write), medians."""
+    import torch
+    import triton.testing
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    flops = 2 * 8192 ** 3 / (ms * 1e-3)
+    src = torch.empty(2 ** 30 // 2, device=device, dtype=torch.bfloat16).normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=20, rep=200, return_mode="median")
+    return flops, 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+# ---- one backend, in its own process ----------------------------------------------------------------------
+def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: str | None, seed: int,
+                passes: int, progress: bool, start_only: bool = False) -> dict:
+    """Build the engine and run the passes (or only time the start); the result as a JSON-able dict."""
+    import torch
+
+    from tripath.engine import LLM
+
+    start = time.perf_counter()
+    llm = LLM(workload.model, backend=backend, device=device, dtype=dtype, max_num_seqs=workload.max_concurrency,
+              max_num_batched_tokens=workload.max_num_batched_tokens, max_model_len=workload.max_model_len,
+              seed=seed)
+    start_s = time.perf_counter() - start
+    result = {"backend": llm.backend_name, "start_s": start_s}
+    warmup = llm.runner.warmup_report
+    result["warmup"] = None if warmup is None else {"seconds": warmup.seconds, "steps_probed": warmup.steps_probed,
+                                                    "steps_run": warmup.steps_run,
+                                                    "variants": len(warmup.variants)}
+    if start_only:
+        return result
+    on_gpu = llm.config.device.type == "cuda"
+    vocab = llm.model.config.vocab_size
+    costs = model_costs(llm.model, llm.runner.backend)
+    ceilings = measure_ceilings(llm.config.device) if on_gpu else None
+    result["ceilings"] = None if ceilings is None else {"matmul_tflops": ceilings[0] / 1e12,
+                                                        "copy_gbps": ceilings[1] / 1e9}
+    result["passes"] = []
+    for index in range(passes):
+        prompts = make_prompts(workload, vocab, seed + index)
+        outcome = run_pass(llm, prompts, workload.output_len, workload.max_concurrency, progress)
+        report = summarize(outcome.records, outcome.elapsed_s)
+        report.update(num_steps=outcome.num_steps, compiled_after_start=outcome.compiled,
+                      num_decode_steps=len(outcome.decode_steps))
+        if ceilings is not None:
+            floor = roofline_floor_s(costs, prompts, outcome.decode_steps, *ceilings)
+            report.update(floor_s=floor, floor_fraction=floor / outcome.elapsed_s)
+        result["passes"].append(report)
+    if on_gpu:
+        torch.cuda.synchronize()
+    return result
+
+
+def _worker(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tripath bench serve (worker)")
+    parser.add_argument("--workload-json", required=True)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--device")
+    parser.add_argument("--dtype")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--start-only", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    workload = Workload(**{**json.loads(args.workload_json), "backends": (args.backend,)})
+    result = run_backend(workload, args.backend, device=args.device, dtype=args.dtype, seed=args.seed,
+                         passes=args.passes, progress=not args.no_progress, start_only=args.start_only)
+    with open(args.result, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: bool) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        result_path = tmp.name
+    fields = {k: v for k, v in dataclasses.asdict(workload).items() if k != "backends"}
+    cmd = [sys.executable, "-m", "tripath.bench.serve", "--worker", "--workload-json", json.dumps(fields),
+           "--backend", backend, "--result", result_path, "--seed", str(args.seed), "--passes", str(args.passes)]
+    for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
+        if value:
+            cmd += [flag, value]
+    if start_only:
+        cmd.append("--start-only")
+    if args.no_progress:
+        cmd.append("--no-progress")
+    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
+    try:
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode != 0:
+            return {"backend": backend, "error": f"the benchmark process exited with {proc.returncode}"}
+        with open(result_path) as f:
+            return json.load(f)
+    finally:
+        os.unlink(result_path)
+
+
+def rows_of(results: list[dict], workload_name: str) -> list[dict]:
+    """One table row per backend: starts, first and warm pass, the warm pass's throughputs and latencies."""
+    rows = []
+    for r in results:
+        row = {"workload": workload_name, "backend": r["backend"]}
+        if "error" in r:
+            rows.append({**row, "error": r["error"]})
+            continue
+        passes = r.get("passes", [])
+        row.update(start_s=r.get("start_s"), warm_start_s=r.get("warm_start_s"))
+        if passes:
+            first, warm = passes[0], passes[-1]
+            row.update(first_pass_s=first["elapsed_s"], warm_pass_s=warm["elapsed_s"],
+                       output_throughput=warm["output_throughput"], total_throughput=warm["total_throughput"],
+                       ttft_s=warm["ttft_s"], tpot_s=warm["tpot_s"], itl_s=warm["itl_s"], e2e_s=warm["e2e_s"],
+                       compiled_after_start=sum(p["compiled_after_start"] for p in passes),
+                       floor_s=warm.get("floor_s"), floor_fraction=warm.get("floor_fraction"))
+        rows.append(row)
+    return rows
+
+
+TABLE = [("backend", "backend"), ("start_s", "start s"), ("warm_start_s", "warm start s"),
+         ("first_pass_s", "1st pass s"), ("warm_pass_s", "warm pass s"), ("output_throughput", "out tok/s"),
+         ("total_throughput", "total tok/s"), ("ttft_s.mean", "TTFT mean"), ("ttft_s.p50", "p50"),
+         ("ttft_s.p99", "p99"), ("tpot_s.mean", "TPOT mean"), ("tpot_s.p50", "p50"), ("tpot_s.p99", "p99"),
+         ("compiled_after_start", "compiled"), ("floor_fraction", "of floor")]
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """A bar chart of the warm pass's output tok/s per backend (and workload)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    good = [r for r in rows if "output_throughput" in r]
+    labels = [f"{r['workload']}\n{r['backend']}" for r in good]
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(good)), 3.5))
+    bars = ax.bar(labels, [r["output_throughput"] for r in good], color="#4c72b0")
+    for bar, r in zip(bars, good):
+        if r.get("floor_fraction"):
+            ax.annotate(f"{r['floor_fraction']:.0%} of floor", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("output tok/s (warm pass)")
+    ax.set_title("tripath bench serve")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tripath bench serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="mha-tp8", help=f"built-in workload: {', '.join(WORKLOADS)}")
+    parser.add_argument("--model", help="preset name or Hugging Face directory (overrides the workload's)")
+    parser.add_argument("--backends", help="comma-separated backends (default: the workload's)")
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--input-len", type=int)
+    parser.add_argument("--input-len-spread", type=float, help="± fraction of --input-len, uniform")
+    parser.add_argument("--output-len", type=int)
+    parser.add_argument("--max-concurrency", type=int)
+    parser.add_argument("--prefix-share", type=float, help="fraction of each prompt shared by all requests")
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--passes", type=int, default=2, help="passes per backend (first, then warm)")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="use the current Triton cache instead of an empty one per backend")
+    parser.add_argument("--device")
+    parser.add_argument("--dtype")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the results as JSON")
+    parser.add_argument("--csv", help="write one CSV row per backend")
+    parser.add_argument("--plot", help="write a PNG of output tok/s per backend")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def workload_from_args(args) -> Workload:
+    if args.workload not in WORKLOADS:
+        raise SystemExit(f"tripath bench serve: unknown --workload {args.workload!r}; built in: {', '.join(WORKLOADS)}")
+    base = WORKLOADS[args.workload]
+    overrides = {name: getattr(args, name) for name in ("model", "num_requests", "input_len", "input_len_spread",
+                                                         "output_len", "max_concurrency", "prefix_share",
+                                                         "max_num_batched_tokens") if getattr(args, name) is not None}
+    if args.backends:
+        overrides["backends"] = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    try:
+        return dataclasses.replace(base, **overrides)
+    except ValueError as err:
+        raise SystemExit(f"tripath bench serve: {err}") from None
+
+
+def main_serve(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return _worker(argv[1:])
+    if any(a == "--url" or a.startswith("--url=") for a in argv):
+        from tripath.bench.serve_online import main_online
+        return main_online(argv)
+    args = build_parser().parse_args(argv)
+    if args.passes < 1:
+        raise SystemExit("tripath bench serve: --passes must be >= 1")
+    workload = workload_from_args(args)
+    results = []
+    for backend in workload.backends:
+        with tempfile.TemporaryDirectory(prefix="tripath-triton-") as fresh:
+            cache = os.environ.get("TRITON_CACHE_DIR", "") if args.warm_cache else fresh
+            cache = cache or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+            print(f"== {args.workload}: {backend} ({'warm' if args.warm_cache else 'empty'} Triton cache)",
+                  file=sys.stderr, flush=True)
+            result = _spawn(workload, backend, args, cache, start_only=False)
+            if "error" not in result:
+                again = _spawn(workload, backend, args, cache, start_only=True)
+                result["warm_start_s"] = again.get("start_s")
+            results.append(result)
+    rows = rows_of(results, args.workload)
+    print(f"\n{workload.description or args.workload} ({workload.model})")
+    print(format_table(rows, TABLE))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['backend']}: {r['error']}")
+    if args.json:
+        write_json(args.json, {"workload": {"name": args.workload, **dataclasses.asdict(workload)},
+                               "results": results, "rows": rows})
+    if args.csv:
+        write_csv(args.csv, rows)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_serve())
