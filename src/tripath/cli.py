@@ -17,6 +17,7 @@ commands:
   bench [--device D]      every backend on mixed steps, checked against torch, time per step (default job)
   bench kernels [--out F] ops on the ANCHORS.md shapes vs measured floors and PyTorch SDPA (GPU)
   bench tune              sweep decode/prefill launch configurations (GPU)
+  bench serve [options]   whole requests through the engine per backend: start, passes, TTFT/TPOT, floor
   bench wgmma [--out F]   chained wgmma rates per shape and the MLA decode's instruction floor (sm_90 GPU)
   check-compile           compile every Triton kernel for gfx942, gfx950 and sm_90 and judge the code
   generate --model M ...  generate text with the serving engine (a Hugging Face directory or a preset)
@@ -45,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         if sub == "tune":
             from tripath.bench.tune import main_tune
             return main_tune(rest[1:])
+        if sub == "serve":
+            from tripath.bench.serve import main_serve
+            return main_serve(rest[1:])
         if sub == "wgmma":
             from tripath.bench.wgmma import main_wgmma
             return main_wgmma(rest[1:])

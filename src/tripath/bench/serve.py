@@ -214,8 +214,9 @@ def measure_ceilings(device) -> tuple[float, float]:
 
 # ---- one backend, in its own process ----------------------------------------------------------------------
 def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: str | None, seed: int,
-                passes: int, progress: bool, start_only: bool = False) -> dict:
-    """Build the engine and run the passes (or only time the start); the result as a JSON-able dict."""
+                passes: int, progress: bool, start_only: bool = False, profile: str | None = None) -> dict:
+    """Build the engine and run the passes (or only time the start); the result as a JSON-able dict.
+    ``profile``: write the host profile (cProfile, top functions) of the last pass to this file."""
     import torch
 
     from tripath.engine import LLM
@@ -241,7 +242,16 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     result["passes"] = []
     for index in range(passes):
         prompts = make_prompts(workload, vocab, seed + index)
+        profiler = None
+        if profile and index == passes - 1:
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
         outcome = run_pass(llm, prompts, workload.output_len, workload.max_concurrency, progress)
+        if profiler is not None:
+            profiler.disable()
+            _write_profile(profiler, profile, f"{workload.model} {llm.backend_name}: last pass, "
+                                              f"{outcome.elapsed_s:.2f} s, {outcome.num_steps} steps")
         report = summarize(outcome.records, outcome.elapsed_s)
         report.update(num_steps=outcome.num_steps, compiled_after_start=outcome.compiled,
                       num_decode_steps=len(outcome.decode_steps))
@@ -252,6 +262,18 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     if on_gpu:
         torch.cuda.synchronize()
     return result
+
+
+def _write_profile(profiler, path: str, title: str) -> None:
+    import io
+    import pstats
+
+    text = io.StringIO()
+    text.write(f"# {title}\n")
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(40)
+    with open(path, "a") as f:
+        f.write(text.getvalue())
 
 
 def _worker(argv: list[str]) -> int:
@@ -265,10 +287,12 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--start-only", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--profile")
     args = parser.parse_args(argv)
     workload = Workload(**{**json.loads(args.workload_json), "backends": (args.backend,)})
     result = run_backend(workload, args.backend, device=args.device, dtype=args.dtype, seed=args.seed,
-                         passes=args.passes, progress=not args.no_progress, start_only=args.start_only)
+                         passes=args.passes, progress=not args.no_progress, start_only=args.start_only,
+                         profile=args.profile)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -285,9 +309,13 @@ def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: b
             cmd += [flag, value]
     if start_only:
         cmd.append("--start-only")
+    elif args.profile:
+        cmd += ["--profile", args.profile]
     if args.no_progress:
         cmd.append("--no-progress")
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
+    if not args.device_is_gpu:
+        env.setdefault("TRITON_INTERPRET", "1")  # Triton backends on a CPU-only machine run in the interpreter
     try:
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:
@@ -371,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--csv", help="write one CSV row per backend")
     parser.add_argument("--plot", help="write a PNG of output tok/s per backend")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--profile", help="append each backend's host profile (cProfile) of its last pass here")
     return parser
 
 
@@ -400,6 +429,9 @@ def main_serve(argv: list[str] | None = None) -> int:
     if args.passes < 1:
         raise SystemExit("tripath bench serve: --passes must be >= 1")
     workload = workload_from_args(args)
+    import torch
+
+    args.device_is_gpu = args.device != "cpu" and torch.cuda.is_available()
     results = []
     for backend in workload.backends:
         with tempfile.TemporaryDirectory(prefix="tripath-triton-") as fresh:

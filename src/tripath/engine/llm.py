@@ -17,6 +17,7 @@ or finished.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -120,8 +121,10 @@ class LLM:
         self.num_requests_added = 0
         self.num_steps = 0
         self.last_metrics: RunMetrics | None = None
-        self.start_seconds = time.perf_counter() - start
         self._compiled_at_start = compiled_variants()
+        gc.collect()
+        gc.freeze()  # the model and caches live as long as the engine: keep them out of every later collection
+        self.start_seconds = time.perf_counter() - start
 
     @property
     def num_compiled_since_start(self) -> int:

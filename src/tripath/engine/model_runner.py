@@ -22,7 +22,6 @@ warm-up prefill of ``max_num_batched_tokens`` tokens.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,22 +31,8 @@ from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig, default_block_size
 from tripath.engine.sampler import sample
 from tripath.engine.scheduler import ScheduledRequest
+from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.warmup import WarmupReport, warm_up
-
-
-@dataclass
-class StepInputs:
-    """One step's device inputs and where each sampled token goes (``sample_rows[k]``: index into the
-    scheduled list of the request whose logits are row ``k``)."""
-
-    plan: object
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    logit_indices: torch.Tensor
-    sample_rows: list[int]
-    num_padding: int = 0
 
 
 class ModelRunner:
@@ -67,6 +52,8 @@ class ModelRunner:
         self.max_model_len = config.max_model_len or int(model.config.max_position)
         self.max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
+        self.inputs = StepInputBuilder(self.device, self.block_size, config.max_num_batched_tokens,
+                                       config.max_num_seqs, self.max_blocks_per_seq)
         self.caches = [self.backend.allocate_cache(self.num_blocks, self.device) for _ in range(self.num_layers)]
         self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
         self.warmup_report: WarmupReport | None = None
@@ -84,55 +71,16 @@ class ModelRunner:
 
     # ---- inputs -------------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepInputs:
-        """Build the step's inputs in plan order (see the module doc). ``pad_to``: decode-only steps padded to
-        a captured batch size. The block table is as wide as the step's longest row; a graph replay copies
-        just those columns into its captured ``max_blocks_per_seq``-wide table."""
+        """Build the step's inputs in plan order (:mod:`tripath.engine.step_inputs`). ``pad_to``: decode-only
+        steps padded to a captured batch size. The block table is as wide as the step's longest row; a
+        graph replay copies just those columns into its captured ``max_blocks_per_seq``-wide table."""
         query_lens = [s.num_new_tokens for s in scheduled]
         context_lens = [s.num_computed_tokens for s in scheduled]
         num_padding = 0 if pad_to is None else pad_to - len(scheduled)
         query_lens += [1] * num_padding
         context_lens += [1] * num_padding
         plan = self.backend.plan(query_lens, context_lens)
-        bs = self.block_size
-        width = max((len(s.request.block_ids) for s in scheduled), default=1)
-        block_table = np.zeros((plan.num_requests, max(width, 1)), dtype=np.int32)
-        input_ids, positions, slots = [], [], []
-        logit_indices, sample_rows = [], []
-        at = 0
-        for row, i in enumerate(plan.order):
-            if i >= len(scheduled):  # padding: position 1, nothing written
-                input_ids.append(0)
-                positions.append(1)
-                slots.append(np.array([-1], dtype=np.int64))
-                at += 1
-                continue
-            item = scheduled[i]
-            request = item.request
-            start, stop = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
-            blocks = np.asarray(request.block_ids, dtype=np.int64)
-            block_table[row, :len(blocks)] = blocks
-            pos = np.arange(start, stop, dtype=np.int64)
-            input_ids.extend(request.token_ids(start, stop))
-            positions.extend(range(start, stop))
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            at += item.num_new_tokens
-            if item.samples:
-                logit_indices.append(at - 1)
-                sample_rows.append(i)
-        to_device = self._to_device
-        return StepInputs(
-            plan=plan,
-            input_ids=to_device(torch.tensor(input_ids, dtype=torch.int64)),
-            positions=to_device(torch.tensor(positions, dtype=torch.int64)),
-            block_table=to_device(torch.from_numpy(block_table)),
-            slot_mapping=to_device(torch.from_numpy(np.concatenate(slots))),
-            logit_indices=to_device(torch.tensor(logit_indices, dtype=torch.int64)),
-            sample_rows=sample_rows, num_padding=num_padding)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return self.inputs.build(plan, scheduled, num_padding)
 
     # ---- one step -----------------------------------------------------------------------------------
     @torch.inference_mode()

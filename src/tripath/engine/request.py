@@ -174,6 +174,8 @@ class RequestOutput:
 
     ``output_token_ids`` are all outputs so far and ``new_token_ids`` the ones this step added (streaming).
     ``text`` is the decoded output once the request has finished (None without a tokenizer).
+    ``prompt_token_ids`` is the request's own list (not a copy: streaming steps report thousands of
+    requests a second); treat it as read-only.
     """
 
     request_id: str
@@ -190,6 +192,6 @@ class RequestOutput:
 
     @classmethod
     def of(cls, request: Request, new_token_ids: Sequence[int] = (), text: str | None = None) -> "RequestOutput":
-        return cls(request.request_id, request.prompt, list(request.prompt_token_ids),
+        return cls(request.request_id, request.prompt, request.prompt_token_ids,
                    list(request.output_token_ids), list(new_token_ids), request.is_finished,
                    request.finish_reason, text, request.ttft, request.tpot, request.num_preemptions)

@@ -10,10 +10,13 @@ does not have are ignored.
 - :data:`STEP_INTS`: integers that vary per step. Left unspecialised they cost nothing measurable (they
   enter address arithmetic once per program).
 - :data:`STEP_INDEX_POINTERS`: int32/int64 index tensors that the engine hands over as slices of packed
-  per-step buffers. They are read one element at a time, so 16-byte alignment buys no wider loads.
+  per-step buffers, and the scalar or per-head operands (scales, ALiBi slopes, sinks) for which a launcher
+  passes one of those slices as a placeholder when the feature is off. All are read one element at a time,
+  so 16-byte alignment buys no wider loads.
 """
 
 STEP_INTS = ("stride_bt", "num_seqs", "num_m_blocks", "num_splits", "num_tokens", "batch")
 STEP_INDEX_POINTERS = ("block_table_ptr", "seq_lens_ptr", "cu_seqlens_ptr", "cu_seqlens_q_ptr", "cu_seqlens_k_ptr",
-                       "q_start_ptr", "seq_starts_ptr", "slot_mapping_ptr", "positions_ptr")
+                       "q_start_ptr", "seq_starts_ptr", "slot_mapping_ptr", "positions_ptr", "k_scale_ptr",
+                       "v_scale_ptr", "kv_scale_ptr", "q_scale_ptr", "scale_ptr", "alibi_ptr", "sinks_ptr")
 STEP_INVARIANT = dict(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_INDEX_POINTERS)

@@ -1,0 +1,135 @@
+"""A step's device inputs, built on the host with little Python per request and sent in two copies.
+
+For a step whose requests are in plan order (``plan.order``), with request ``r`` contributing tokens
+``[start_r, start_r + n_r)``:
+
+- ``input_ids [T]`` / ``positions [T]`` int64: the new tokens and their positions, request by request;
+- ``slot_mapping [T]`` int64: ``block_ids[p // block_size] * block_size + p % block_size`` of position ``p``
+  (−1 for padding rows, which write nothing);
+- ``block_table [B, width]`` int32: each request's block ids (unused entries 0: block 0 is reserved),
+  ``width`` the longest row of the step;
+- ``logit_indices [S]`` int64: the last token of each request whose step reaches the end of its tokens.
+
+The int64 arrays are written into one pinned host buffer and the block table into another, each sent to
+the device with one asynchronous copy; an event guards the buffers, so a step never overwrites host memory a
+previous step's copy still reads. Each request's block ids are mirrored in a NumPy array that only grows
+while the request keeps its block list (the block manager replaces the list when it frees the blocks), so a
+row costs one array copy, not a conversion of Python ints.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs and where each sampled token goes (``sample_rows[k]``: index into the
+    scheduled list of the request whose logits are row ``k``)."""
+
+    plan: object
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    logit_indices: torch.Tensor
+    sample_rows: list[int]
+    num_padding: int = 0
+
+
+class _BlockArray:
+    """A request's block ids as an int32 NumPy array, extended in place as its block list grows."""
+
+    __slots__ = ("source", "array", "count")
+
+    def __init__(self, source: list[int]):
+        self.source = source  # the request's list object: a new one means the blocks were freed
+        self.array = np.zeros(max(16, len(source)), dtype=np.int32)
+        self.count = 0
+
+    def sync(self) -> np.ndarray:
+        n = len(self.source)
+        if n > self.count:
+            if n > self.array.shape[0]:
+                grown = np.zeros(max(n, 2 * self.array.shape[0]), dtype=np.int32)
+                grown[:self.count] = self.array[:self.count]
+                self.array = grown
+            self.array[self.count:n] = self.source[self.count:n]
+            self.count = n
+        return self.array[:n]
+
+
+class StepInputBuilder:
+    """Builds :class:`StepInputs` for one engine (``block_size``, limits sizing the staging buffers)."""
+
+    def __init__(self, device: torch.device, block_size: int, max_tokens: int, max_requests: int,
+                 max_blocks_per_seq: int):
+        self.device = device
+        self.block_size = block_size
+        self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        pin = device.type == "cuda"
+        self._int64 = torch.zeros(3 * max_tokens + max_requests, dtype=torch.int64, pin_memory=pin)
+        self._table = torch.zeros(max_requests * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None
+
+    def block_ids(self, request) -> np.ndarray:
+        mirror = self._blocks.get(request)
+        if mirror is None or mirror.source is not request.block_ids:
+            mirror = self._blocks[request] = _BlockArray(request.block_ids)
+        return mirror.sync()
+
+    def build(self, plan, scheduled, num_padding: int) -> StepInputs:
+        """Inputs for ``scheduled`` (the caller's order) laid out in ``plan``'s order; rows past
+        ``len(scheduled)`` are ``num_padding`` decode rows at position 1 reading block 0, writing nothing."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the staging buffers
+        bs = self.block_size
+        num_tokens, num_rows = plan.num_tokens, plan.num_requests
+        rows = [self.block_ids(s.request) for s in scheduled]
+        width = max(1, max((len(r) for r in rows), default=1))
+        flat = self._int64.numpy()
+        ids, positions, slots = flat[:num_tokens], flat[num_tokens:2 * num_tokens], flat[2 * num_tokens:3 * num_tokens]
+        table = self._table.numpy()[:num_rows * width].reshape(num_rows, width)
+        table.fill(0)
+        logit_rows, sample_rows = [], []
+        at = 0
+        for row, i in enumerate(plan.order):
+            if i >= len(scheduled):  # padding
+                ids[at], positions[at], slots[at] = 0, 1, -1
+                at += 1
+                continue
+            item = scheduled[i]
+            blocks = rows[i]
+            table[row, :len(blocks)] = blocks
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            if n == 1:
+                ids[at] = item.request.token_ids(start, start + 1)[0]
+                positions[at] = start
+                slots[at] = int(blocks[start // bs]) * bs + start % bs
+            else:
+                pos = np.arange(start, start + n, dtype=np.int64)
+                ids[at:at + n] = item.request.token_ids(start, start + n)
+                positions[at:at + n] = pos
+                slots[at:at + n] = blocks[pos // bs].astype(np.int64) * bs + pos % bs
+            at += n
+            if item.samples:
+                logit_rows.append(at - 1)
+                sample_rows.append(i)
+        num_logits = len(logit_rows)
+        flat[3 * num_tokens:3 * num_tokens + num_logits] = logit_rows
+        int64 = self._to_device(self._int64[:3 * num_tokens + num_logits])
+        block_table = self._to_device(self._table[:num_rows * width]).view(num_rows, width)
+        if self._copied is not None:
+            self._copied.record()
+        return StepInputs(plan=plan, input_ids=int64[:num_tokens], positions=int64[num_tokens:2 * num_tokens],
+                          block_table=block_table, slot_mapping=int64[2 * num_tokens:3 * num_tokens],
+                          logit_indices=int64[3 * num_tokens:], sample_rows=sample_rows, num_padding=num_padding)
+
+    def _to_device(self, staged: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return staged.clone()  # the staging buffer is reused by the next step
+        return staged.to(self.device, non_blocking=True)
