@@ -117,12 +117,15 @@ def format_results(results: list[Result], device: torch.device) -> str:
 
 def main_bench(argv=None) -> int:
     import argparse
-    parser = argparse.ArgumentParser(prog="tripath bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+    from tripath.bench import device_argument
+    parser = argparse.ArgumentParser(prog="tripath bench backends", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("on a CPU, run `tripath bench` through the CLI (it enables TRITON_INTERPRET=1 before "
-                         "Triton loads) or set TRITON_INTERPRET=1")
+        parser.error("on a CPU, run `tripath bench` through the CLI (it enables TRITON_INTERPRET=1 before "
+                     "Triton loads) or set TRITON_INTERPRET=1")
     print(format_results(run(device), device))
     return 0

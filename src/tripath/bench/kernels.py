@@ -19,7 +19,7 @@ import torch
 
 from tripath import _env
 from tripath.attention import AttentionSpec, select_backend
-from tripath.bench import emit_report
+from tripath.bench import emit_report, require_gpu
 from tripath.bench.batches import make_step
 from tripath.ops import paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache
@@ -539,6 +539,7 @@ def main_kernels(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run everything this many times; report medians and the range (default 1)")
     args = parser.parse_args(argv)
+    require_gpu(parser)
     emit_report(format_report(run(tuple(args.only), repeat=max(1, args.repeat))), args.out)
     return 0
 
