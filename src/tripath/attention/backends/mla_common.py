@@ -12,7 +12,7 @@ Dims: ``H`` heads, latent ``L``, rotary ``R``, no-position ``P``, value ``V`` (D
     extend                  per chunk of cached context: gather latent rows, dequantise, up-project as
                             above, non-causal attention with LSE, merge_states; the new tokens causal:
                             with a cache of the model's dtype, their rows are gathered with the last
-                            chunk and attended in one causal launch (``join_extend_tail``), otherwise in
+                            chunk and attended in one causal launch, otherwise (fp8 caches) in
                             their own pass (with LSE) merged with the context
 
 Scores are ``sm_scale · (q_nope·k_nope + rope(q_pe)·rope(k_pe))`` in both forms, ``sm_scale`` the spec's
@@ -56,7 +56,6 @@ class MLABackendBase(AttentionBackend):
     capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}))
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
-    join_extend_tail: bool = True  # last context chunk and new tokens in one causal launch (cache of kv_c's dtype)
 
     @classmethod
     def unsupported_reasons(cls, spec, device) -> list[str]:
@@ -165,7 +164,7 @@ class MLABackendBase(AttentionBackend):
     def _joins_tail(self, e: ExtendMetadata, cache: MLACache, kv_c: torch.Tensor) -> bool:
         """Whether the extends' new tokens are read back from the cache with the last chunk: the cache holds
         the model's dtype, so its rows are the step's ``[kv_c | rope(k_pe)]`` bit for bit."""
-        return self.join_extend_tail and e.tail is not None and cache.kv_cache.dtype == kv_c.dtype
+        return e.tail is not None and cache.kv_cache.dtype == kv_c.dtype
 
     # -- pieces ----------------------------------------------------------------------------------------
     def _kv_scale(self, cache: MLACache):
