@@ -61,8 +61,6 @@ KERNEL_ROLES: dict[str, KernelRole] = {
                                                    targets=("sm90",)),
     "mla_decode_sm90_kernel": KernelRole(True, "scores once per tile, two value warpgroups (Gluon)",
                                          targets=("sm90",)),
-    "mla_decode_per_head_kernel": KernelRole(False, "deliberate: the one-head-per-program variant uses "
-                                                    "CUDA-core reductions by design"),
     "concat_and_cache_mla_kernel": KernelRole(False, "deliberate: latent row write / fp8 quantising store"),
     "gather_mla_cache_kernel": KernelRole(False, "deliberate: latent row gather / fp8 dequantising copy"),
     "mla_prep_kernel": KernelRole(False, "deliberate: fused RoPE + concat + fp8 quantisation + cache write"),
@@ -404,8 +402,6 @@ def all_scenarios() -> list[Scenario]:
                    block_size=16))
     for fp8 in (False, True):
         tag = "kv=fp8" if fp8 else "bf16"
-        rows.append(_s(f"MLA decode per-head baseline H=16 {tag}", _build_mla_decode, ci=not fp8, num_heads=16,
-                       fp8_cache=fp8, fp8_query=False, variant="per_head"))
         rows.append(_s(f"MLA cache write {tag}", _build_mla_cache_write, ci=fp8, fp8=fp8))
         rows.append(_s(f"MLA cache gather {tag}", _build_mla_gather, ci=fp8, fp8=fp8))
         rows.append(_s(f"MLA query concat {tag}", _build_mla_query_concat, fp8=fp8))

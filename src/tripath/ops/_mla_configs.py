@@ -92,15 +92,6 @@ def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_
     return {**cfg, "num_warps": warps, "num_stages": stages}
 
 
-def mla_decode_per_head_config(platform: Platform, kv_lora_rank: int) -> dict:
-    """The plain baseline: one head per program, CUDA-core dot products."""
-    if platform.backend == "cpu":
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    if platform.is_hip:
-        return {"BLOCK_N": 16, **_amd(4, 1, 2)}
-    return {"BLOCK_N": 16 if kv_lora_rank > 256 else 32, "num_warps": 4, "num_stages": 2}
-
-
 def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: int, block_n: int,
                           programs_per_sm: int = 2) -> int:
     """KV splits per (request, head block): about ``programs_per_sm`` programs per SM, rounded down to a
