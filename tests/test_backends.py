@@ -1,5 +1,8 @@
 """Every backend against ``torch`` on named batches; ``torch`` against float64 math; selection."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -219,3 +222,14 @@ def test_forward_requires_declared_per_head_tensors():
     meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
     with pytest.raises(ValueError, match="pass sinks"):
         backend.forward(step.q, step.k, step.v, step.fresh_cache(), meta)
+
+
+def test_importing_the_attention_layer_loads_no_kernels():
+    """Specs, planning and the backend registry load without Triton: a backend's module (and its kernels)
+    is imported when that backend is selected, not before."""
+    code = ("import sys; import tripath.attention, tripath.attention.backends, tripath.attention.spec; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton' or "
+            "m.startswith(('tripath.ops', 'tripath.kernels', 'tripath.attention.backends.'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -9,7 +9,9 @@ import torch
 
 from conftest import DEVICE, HAS_GPU
 from helpers import FP8_TOL, TOL
-from tripath.attention import AttentionSpec, MLALayerWeights, MLASpec, RotaryTables, explain, select_backend
+from tripath.attention import (AttentionSpec, ForwardContext, MLALayerWeights, MLASpec, RotaryTables, explain,
+                               select_backend)
+from tripath.attention.backends.base import MHAAttentionBackend, MLAAttentionBackend
 from tripath.attention.backends.mla import MLABackend
 from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import MLAStep
@@ -234,8 +236,13 @@ def test_selection():
     assert explain(tiny, DEVICE)["mla"] == [
         "qk_nope_head_dim + qk_rope_head_dim = 16 outside 32..256 (the prefill kernel)",
         "v_head_dim = 16 outside 32..256 (the prefill kernel)"]
-    with pytest.raises(TypeError, match="backend 'mla' does not implement MHA forward"):
-        select_backend(spec, "mla", DEVICE).forward(None, None, None, None, None)
+    backend = select_backend(spec, "mla", DEVICE)
+    assert isinstance(backend, MLAAttentionBackend) and not isinstance(backend, MHAAttentionBackend)
+    with pytest.raises(TypeError, match="backend 'mla' serves MLA models only: MLA layers call attend_mla"):
+        ForwardContext(backend, None, [None]).attend(0, None, None, None)
+    mha = select_backend(AttentionSpec(4, 1, 64), "three_path", DEVICE)
+    with pytest.raises(TypeError, match="backend 'three_path' serves MHA/GQA models only"):
+        ForwardContext(mha, None, [None]).attend_mla(0, None, None, None, None, None, None)
 
 
 @pytest.mark.gpu

@@ -30,12 +30,12 @@ from typing import ClassVar
 
 import torch
 
-from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
+from tripath.attention.backends.base import Capabilities, MLAAttentionBackend, attend_joined_chunks
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
 from tripath.attention.spec import MLACache, MLALayerWeights
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
                          gather_mla_cache, merge_states, mla_decode, rotary_embedding, varlen_attention)
-from tripath.ops._checks import MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.platform import FP8_DTYPES
 
 FLOAT_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -50,7 +50,7 @@ class MLADecodeRows:
     seq_lens: torch.Tensor  # [Td] int32
 
 
-class MLABackendBase(AttentionBackend):
+class MLABackendBase(MLAAttentionBackend):
     """The MLA phase routing; subclasses choose the decode kernel and whether the fused preparation runs."""
 
     capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}))
@@ -67,18 +67,6 @@ class MLABackendBase(AttentionBackend):
                 if not MIN_HEAD_SIZE <= size <= MAX_HEAD_SIZE:
                     reasons.append(f"{name} = {size} outside {MIN_HEAD_SIZE}..{MAX_HEAD_SIZE} (the prefill kernel)")
         return reasons
-
-    # -- cache -----------------------------------------------------------------------------------------
-    def cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.cache_dtype).element_size()
-        return self.spec.block_size * self.spec.mla.cache_width * elem
-
-    def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None) -> MLACache:
-        """One layer's latent cache (scale 1.0; set ``kv_scale`` after calibration for fp8)."""
-        device = torch.device(device) if device is not None else self.device
-        cache = torch.zeros(num_blocks, self.spec.block_size, self.spec.mla.cache_width, dtype=self.cache_dtype,
-                            device=device)
-        return MLACache(cache, torch.ones(1, dtype=torch.float32, device=device))
 
     # -- metadata --------------------------------------------------------------------------------------
     def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> AttentionMetadata:

@@ -33,14 +33,14 @@ import contextlib
 import torch
 
 from tripath import _env
-from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
+from tripath.attention.backends.base import MHAAttentionBackend, Capabilities, attend_joined_chunks
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
 from tripath.attention.spec import KVCache
 from tripath.ops import gather_kv_cache, merge_states, paged_decode, unified_attention, varlen_attention
 from tripath.platform import Platform, current_platform
 
 
-class ThreePathBackend(AttentionBackend):
+class ThreePathBackend(MHAAttentionBackend):
     name = "three_path"
     capabilities = Capabilities()
 

@@ -4,11 +4,11 @@ after the write), and :func:`paged_decode` for the single-token decodes."""
 
 from __future__ import annotations
 
-from tripath.attention.backends.base import AttentionBackend, Capabilities
+from tripath.attention.backends.base import MHAAttentionBackend, Capabilities
 from tripath.ops import paged_decode, unified_attention
 
 
-class TwoPathBackend(AttentionBackend):
+class TwoPathBackend(MHAAttentionBackend):
     name = "two_path"
     capabilities = Capabilities(max_decode_threshold=1)
 
