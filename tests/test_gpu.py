@@ -1,4 +1,4 @@
-"""GPU suite (bf16, fp8, large shapes, 100K+ contexts): run through the device tool with ``-m gpu``."""
+"""GPU suite (bf16, fp8, large shapes, 100K+ contexts): run on a GPU machine with ``-m gpu``."""
 
 import pytest
 import torch
