@@ -253,7 +253,7 @@ def _build_mla_gather(platform: Platform, *, fp8: bool) -> None:
 
 
 def _build_mla_prep(platform: Platform, *, fp8: bool, rope: str, num_heads: int = 16) -> None:
-    """The seed's fused preparation: rotate, concat, fp8-quantise the query, write the cache row."""
+    """The fused decode preparation: rotate, concat, fp8-quantise the query, write the cache row."""
     kv_cache, scale = _mla_cache(platform, fp8)
     tokens = 8
     out_dtype = fp8_dtype(platform) if fp8 else torch.bfloat16

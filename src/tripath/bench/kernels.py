@@ -1,11 +1,11 @@
-"""``tripath bench kernels``: every MHA op on the ANCHORS.md shapes beside its floor and PyTorch SDPA.
+"""``tripath bench kernels``: every op on Llama-3-8B and DeepSeek-R1 shapes beside its floor and PyTorch SDPA.
 
 Floors are measured in the same run: device-to-device copy bandwidth (bytes read + written) for the
 memory-bound decode, an 8192³ bf16 matmul for the compute-bound prefill. Bytes of a decode: K + V of
 every context token, read once. FLOPs of a causal prefill: ``4 · S² · H · D / 2`` per sequence.
 Times are medians of ``triton.testing.do_bench``; decode ops (paged and MLA, ~100-1000 µs) are timed as
 GPU time of CUDA-graph replays, since an eager launch of a 100 µs kernel also measures Python on the host
-(H200, 2026-11-29: the same MLA decode read 95 µs as GPU time and 117-252 µs eagerly). Each op is checked
+(an MLA decode of 95 µs GPU time reads 117-252 µs eagerly on an H200's host). Each op is checked
 against its reference once.
 """
 
@@ -64,8 +64,8 @@ def parse_power_capping_us(performance_text: str) -> float | None:
 
 def _power_capping_us() -> float | None:
     """The driver's counter of time spent capping this machine's GPU clocks for power (µs), where
-    ``nvidia-smi`` reports it for exactly one GPU. H200 instances differ here: sustained prefill load capped
-    one for 26 s within a minute (2026-11-30), which moves compute-bound rows by a few percent."""
+    ``nvidia-smi`` reports it for exactly one GPU. Sustained prefill load can cap an H200 for tens of
+    seconds a minute, which moves compute-bound rows by a few percent, so the report states it."""
     import shutil
     import subprocess
     if shutil.which("nvidia-smi") is None:
@@ -424,7 +424,7 @@ def format_report(report: Report) -> str:
     for table, title in (("decode", "Paged decode, 32/8/128, block 16, bf16, random block order"),
                          ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
                          ("host", "Host time a call of the causal prefill rows (Python, checks, launch; GPU kept busy)"),
-                         ("mixed", "Mixed step (ANCHORS.md), 32/8/128, bf16, one forward incl. KV write"),
+                         ("mixed", "Mixed step (48 dec + 8 ext + 2 pre), 32/8/128, bf16, one forward incl. KV write"),
                          ("mla", "MLA decode (absorbed, 576-wide rows, 512-wide values), bf16 cache"),
                          ("mla_prefill", "MLA prefill/extend attention (non-absorbed, 128 + 64 / 128), bf16"),
                          ("mla_prep", "MLA decode preparation, fp8 cache and query (speed-up of fused over unfused)"),

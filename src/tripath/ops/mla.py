@@ -238,7 +238,7 @@ def fused_qk_rope_concat_and_cache_mla(
     positions: torch.Tensor | None, cos_cache: torch.Tensor | None, sin_cache: torch.Tensor | None, *,
     is_neox: bool = True, is_nope_first: bool = True,
 ) -> None:
-    """One launch: rotate ``q_pe``/``k_pe``, write ``q_out`` and the cache rows (the seed's fused kernel).
+    """One launch: rotate ``q_pe``/``k_pe``, write ``q_out`` and the cache rows (the fused decode preparation of vLLM's ROCm MLA backend).
 
     ``q_out[t, h] = quant([ql_nope | rope(q_pe)] / q_scale)`` and, for ``slot_mapping[t] >= 0``,
     ``kv_cache[slot] = quant([kv_c | rope(k_pe)] / k_scale)``; with ``is_nope_first=False`` both the query

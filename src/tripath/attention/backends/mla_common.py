@@ -89,8 +89,8 @@ class MLABackendBase(MLAAttentionBackend):
         return self.spec.sm_scale or 1.0 / math.sqrt(mla.qk_nope_head_dim + mla.qk_rope_head_dim)
 
     def fused_prep_reasons(self, meta: AttentionMetadata, weights: MLALayerWeights) -> list[str]:
-        """Why the fused preparation cannot run for this step (empty: it runs). The seed's guard idea: take
-        the fused path only when its preconditions are checked; the unfused path gives the same bits."""
+        """Why the fused preparation cannot run for this step (empty: it runs). As in vLLM's ROCm attention
+        backends, the fused path runs only when its preconditions are checked; the unfused path gives the same bits."""
         if not self.fused_prep:
             return [f"backend {self.name!r} prepares unfused"]
         reasons = []
@@ -160,7 +160,7 @@ class MLABackendBase(MLAAttentionBackend):
 
     def _query_format(self, cache: MLACache, weights: MLALayerWeights, dtype):
         """The absorbed query's dtype and scale: fp8 with ``weights.q_scale`` when the cache is fp8 and the
-        model gives a query scale (the seed's fp8 ``q_out``), else the model dtype unscaled."""
+        model gives a query scale (the fp8 ``q_out`` of vLLM's ROCm MLA backend), else the model dtype unscaled."""
         if cache.kv_cache.dtype in FP8_DTYPES and weights.q_scale is not None:
             return cache.kv_cache.dtype, weights.q_scale
         return dtype, None
