@@ -198,6 +198,9 @@ def mla_decode_kernel(
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
+    """Program ``(b, head block · V_PARTS + part, split)``: ``BLOCK_H`` heads of request ``b`` against the
+    split's cache rows, written to ``out [B, H, L]`` (one split) or to the fp32 partials; see the module
+    docstring for the math and the ``USE_TMA`` / ``SWAP_AB`` / ``V_PARTS`` tile layouts."""
     seq = tl.program_id(0)
     head_block = tl.program_id(1) // V_PARTS
     part = tl.program_id(1) % V_PARTS
