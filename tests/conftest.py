@@ -15,7 +15,7 @@ DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return
-    skip_gpu = pytest.mark.skip(reason="needs a GPU (run the gpu suite through the device tool)")
+    skip_gpu = pytest.mark.skip(reason="needs a GPU (the GPU suite: python -m pytest -m gpu on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -1,4 +1,4 @@
-"""GPU suite (bf16, fp8, large shapes, 100K+ contexts): run through the device tool with ``-m gpu``."""
+"""GPU suite (bf16, fp8, large shapes, 100K+ contexts): run on a GPU machine with ``-m gpu``."""
 
 import pytest
 import torch
@@ -239,21 +239,21 @@ def test_backends_bf16_features_fp8(name):
         torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
-def test_three_path_decode_overlap_is_exact_and_captures():
+def test_three_path_decode_overlap_is_exact_and_captures(monkeypatch):
     """Decode and prefill on side streams beside the extend: the same bits as the serial order (the
     900-token prefill takes the short-request tiles either way), eager and replayed from a CUDA graph (forks
     and joins captured), and close to the torch reference."""
     spec = AttentionSpec(32, 8, 128, dtype=BF16, extend_chunk_budget=2048)
+    from tripath.attention.backends import three_path
+    monkeypatch.setattr(three_path, "overlap_decode_by_default", lambda platform: True)  # off on sm_90 by default
     backend = select_backend(spec, "three_path", DEV)
-    backend.overlap_decode = True  # the default is off on sm_90 (the Gluon prefill kernel)
     step = make_step(spec, [(4096, 1)] * 12 + [(3000, 200)] * 2 + [(0, 900)], backend, device=DEV)
     meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
     serial = select_backend(spec, "three_path", DEV)
-    serial.overlap_decode = serial.overlap_prefill = False
+    serial._fork = lambda name, device, wanted: None  # no side streams: decode, extend, prefill in order
     want = serial.forward(step.q, step.k, step.v, step.fresh_cache(), meta)
     cache = step.fresh_cache()
     out = poison(want.shape, want.dtype, DEV)
-    from tripath.attention.backends import three_path
     streams, launch = [], three_path.varlen_attention
     three_path.varlen_attention = lambda *a, **kw: (streams.append(torch.cuda.current_stream()), launch(*a, **kw))[1]
     try:

@@ -9,7 +9,9 @@ import torch
 
 from conftest import DEVICE, HAS_GPU
 from helpers import FP8_TOL, TOL
-from tripath.attention import AttentionSpec, MLALayerWeights, MLASpec, RotaryTables, explain, select_backend
+from tripath.attention import (AttentionSpec, ForwardContext, MLALayerWeights, MLASpec, RotaryTables, explain,
+                               select_backend)
+from tripath.attention.backends.base import MHAAttentionBackend, MLAAttentionBackend
 from tripath.attention.backends.mla import MLABackend
 from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import MLAStep
@@ -88,18 +90,15 @@ def test_chunked_context_with_many_chunks(name):
 def test_extend_tail_joined_with_the_new_tokens(budget, requests):
     """With a cache of the model's dtype, the extends' new tokens are read back from the cache with the last
     context chunk, up-projected with it and attended in one causal launch (one chunk: no merge); the
-    result matches ``torch`` and the separate new-token pass (``join_extend_tail=False``)."""
+    result matches ``torch``."""
     spec = mla_spec(extend_chunk_budget=budget)
-    step, joined = check_against_torch("mla", spec, requests)
+    step, _ = check_against_torch("mla", spec, requests)
     backend = select_backend(spec, "mla", DEVICE)
     with capture_launches() as records:
         run_mla(backend, step)
     names = [r.name for r in records]
     if budget == 32768:
         assert "merge_states_kernel" not in names and names.count("gather_mla_cache_kernel") == 1
-    backend.join_extend_tail = False
-    separate, _ = run_mla(backend, step)
-    torch.testing.assert_close(joined.float(), separate.float(), **TOL[spec.dtype])
 
 
 @pytest.mark.parametrize("rope", ["neox", None])
@@ -237,8 +236,13 @@ def test_selection():
     assert explain(tiny, DEVICE)["mla"] == [
         "qk_nope_head_dim + qk_rope_head_dim = 16 outside 32..256 (the prefill kernel)",
         "v_head_dim = 16 outside 32..256 (the prefill kernel)"]
-    with pytest.raises(TypeError, match="backend 'mla' does not implement MHA forward"):
-        select_backend(spec, "mla", DEVICE).forward(None, None, None, None, None)
+    backend = select_backend(spec, "mla", DEVICE)
+    assert isinstance(backend, MLAAttentionBackend) and not isinstance(backend, MHAAttentionBackend)
+    with pytest.raises(TypeError, match="backend 'mla' serves MLA models only: MLA layers call attend_mla"):
+        ForwardContext(backend, None, [None]).attend(0, None, None, None)
+    mha = select_backend(AttentionSpec(4, 1, 64), "three_path", DEVICE)
+    with pytest.raises(TypeError, match="backend 'three_path' serves MHA/GQA models only"):
+        ForwardContext(mha, None, [None]).attend_mla(0, None, None, None, None, None, None)
 
 
 @pytest.mark.gpu

@@ -99,7 +99,7 @@ def test_mla_decode_empty_request_gives_zero_and_minus_inf():
 
 
 @pytest.mark.parametrize("q_fp8", [False, True])
-@pytest.mark.parametrize("variant", ["packed", "grouped", "per_head"])
+@pytest.mark.parametrize("variant", ["packed", "grouped"])
 def test_mla_decode_fp8_cache(q_fp8, variant):
     """fp8 cache with a scale != 1 (and an fp8 query with its own scale): the scales fold into the scores
     and the output."""
@@ -113,15 +113,6 @@ def test_mla_decode_fp8_cache(q_fp8, variant):
         q = quantize(q, FP8, q_scale)
     check_decode(q, cache, block_table, seq_lens, rows, kv_scale=kv_scale, q_scale=q_scale, tol=FP8_TOL,
                  variant=variant)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_mla_decode_per_head_variant(num_splits):
-    seq_lens = [1, 130]
-    cache, block_table, rows = filled_mla_cache(seq_lens, 16, L + R, torch.float16)
-    q = torch.randn(2, 8, L + R, dtype=torch.float16, device=DEVICE)
-    check_decode(q, cache, block_table, seq_lens, rows, tol=TOL[torch.float16], variant="per_head",
-                 num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits,fp8,lora,rope", [(1, False, L, R), (3, False, L, R), (2, True, L, R),
@@ -434,7 +425,7 @@ def test_mla_decode_bad_input():
     with pytest.raises(TypeError, match="an fp8 q .* needs an fp8 kv_cache of the same dtype"):
         mla_decode(q.to(FP8), cache, bt, lens, sm_scale=0.1, q_scale=scale_tensor(1.0))
     with pytest.raises(ValueError,
-                       match=r"variant='flash' is not supported; supported: auto, gluon, packed, grouped, per_head"):
+                       match=r"variant='flash' is not supported; supported: auto, gluon, packed, grouped$"):
         mla_decode(q, cache, bt, lens, sm_scale=0.1, variant="flash")
     with pytest.raises(ValueError, match="num_splits must be between 1 and 256, got 0"):
         mla_decode(q, cache, bt, lens, sm_scale=0.1, num_splits=0)

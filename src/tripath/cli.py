@@ -1,27 +1,50 @@
 """The ``tripath`` command.
 
-``tripath bench`` (backends on mixed steps), ``tripath bench kernels`` (ops vs floors and SDPA, GPU),
-``tripath bench tune`` (launch-config sweep, GPU), ``tripath bench wgmma`` (Hopper wgmma rates and the MLA
-decode's instruction floor), ``tripath check-compile`` (portability: every kernel for
-gfx942 / gfx950 / sm_90), ``tripath generate`` (the serving engine on a model or preset).
+Every command is an entry of :data:`COMMANDS` (``tripath <name>``) or :data:`BENCH_COMMANDS`
+(``tripath bench <name>``): a help line and the ``"module:function"`` that runs it. The function takes the
+rest of the command line (a list of strings, parsed by its own ``argparse`` parser) and returns the exit
+status; it is imported only when its command runs, so ``tripath --version`` loads neither torch nor triton.
+Adding a command is one entry in one of the two tables.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import logging
 import os
 import sys
+from typing import Callable, Sequence
 
-USAGE = """usage: tripath <command> [options]
+from tripath import __version__
 
-commands:
-  bench [--device D]      every backend on mixed steps, checked against torch, time per step (default job)
-  bench kernels [--out F] ops on the ANCHORS.md shapes vs measured floors and PyTorch SDPA (GPU)
-  bench tune              sweep decode/prefill launch configurations (GPU)
-  bench serve [options]   whole requests through the engine per backend: start, passes, TTFT/TPOT, floor
-  bench wgmma [--out F]   chained wgmma rates per shape and the MLA decode's instruction floor (sm_90 GPU)
-  check-compile           compile every Triton kernel for gfx942, gfx950 and sm_90 and judge the code
-  generate --model M ...  generate text with the serving engine (a Hugging Face directory or a preset)
-"""
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": ("benchmarks: every backend on mixed steps (default), or one of `tripath bench -h`",
+              "tripath.cli:main_bench"),
+    "check-compile": ("compile every Triton kernel for gfx942, gfx950 and sm_90 and judge the code",
+                      "tripath.bench.check_compile:main_check_compile"),
+    "generate": ("generate text with the serving engine (a Hugging Face directory or a preset)",
+                 "tripath.engine.cli_generate:main_generate"),
+}
+
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "backends": ("every MHA and MLA backend on mixed steps, checked against torch, time per step (default)",
+                 "tripath.bench.backends:main_bench"),
+    "kernels": ("every op vs the measured copy bandwidth / matmul rate and PyTorch SDPA (GPU)",
+                "tripath.bench.kernels:main_kernels"),
+    "tune": ("sweep the decode / prefill / MLA decode launch configurations (GPU)",
+             "tripath.bench.tune:main_tune"),
+    "serve": ("whole requests through the engine per backend: start, passes, TTFT/TPOT, the roofline floor",
+              "tripath.bench.serve:main_serve"),
+}
+DEFAULT_BENCH = "backends"
+# Commands whose Triton kernels run in Triton's interpreter when the machine has no GPU.
+INTERPRET_ON_CPU = {"bench backends"}
+
+
+def _load(target: str) -> Callable[[list[str]], int]:
+    module, function = target.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def _interpret_on_cpu() -> None:
@@ -32,44 +55,68 @@ def _interpret_on_cpu() -> None:
             os.environ["TRITON_INTERPRET"] = "1"
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    command, rest = argv[0], argv[1:]
-    if command == "bench":
-        sub = rest[0] if rest and not rest[0].startswith("-") else None
-        if sub == "kernels":
-            from tripath.bench.kernels import main_kernels
-            return main_kernels(rest[1:])
-        if sub == "tune":
-            from tripath.bench.tune import main_tune
-            return main_tune(rest[1:])
-        if sub == "serve":
-            from tripath.bench.serve import main_serve
-            return main_serve(rest[1:])
-        if sub == "wgmma":
-            from tripath.bench.wgmma import main_wgmma
-            return main_wgmma(rest[1:])
-        if sub not in (None, "backends"):
-            print(f"unknown bench {sub!r}\n\n{USAGE}", file=sys.stderr)
-            return 2
+def _parser(prog: str, commands: dict[str, tuple[str, str]], description: str,
+            epilog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog)
+    if prog == "tripath":
+        parser.add_argument("--version", action="version", version=f"tripath {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for name, (help_text, _) in commands.items():
+        # add_help=False: `-h` after the command goes to the command's own parser.
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def _dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str], description: str,
+              epilog: str, default: str | None = None) -> int:
+    parser = _parser(prog, commands, description, epilog)
+    if not argv and default is None:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: give a command (one of {', '.join(commands)}); `{prog} -h` for help",
+              file=sys.stderr)
+        return 2
+    if default is not None and (not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help"))):
+        argv = [default] + argv
+    if not argv[0].startswith("-") and argv[0] not in commands:
+        kind = "command" if default is None else prog.split()[-1]
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: unknown {kind} {argv[0]!r} (one of {', '.join(commands)})", file=sys.stderr)
+        return 2
+    try:
+        args, rest = parser.parse_known_args(argv[:1])
+    except SystemExit as exit_:  # -h, --version, an unknown command: argparse has printed the message
+        return int(exit_.code or 0)
+    name = f"{prog.removeprefix('tripath').strip()} {args.command}".strip()
+    if name in INTERPRET_ON_CPU:
         _interpret_on_cpu()
-        from tripath.bench.backends import main_bench
-        return main_bench(rest[1:] if sub else rest)
-    if command == "check-compile":
-        from tripath.bench.check_compile import main_check_compile
-        return main_check_compile(rest)
-    if command == "generate":
-        backend = next((rest[i + 1] for i, a in enumerate(rest[:-1]) if a == "--backend"), None)
-        backend = backend or next((a.split("=", 1)[1] for a in rest if a.startswith("--backend=")), None)
+    try:
+        return int(_load(commands[args.command][1])(rest + argv[1:]) or 0)
+    except SystemExit as exit_:  # a command's argparse error or refusal (exit 2 with its message)
+        if isinstance(exit_.code, str):
+            print(exit_.code, file=sys.stderr)
+            return 2
+        return int(exit_.code or 0)
+
+
+def main_bench(argv: Sequence[str]) -> int:
+    """``tripath bench [<command>] ...``: the benchmark commands; without one, ``bench backends``."""
+    return _dispatch("tripath bench", BENCH_COMMANDS, list(argv), "tripath's benchmarks.",
+                     "`tripath bench <command> -h` describes a command's options.", DEFAULT_BENCH)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tripath``; returns the exit status (2 for a usage error)."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "generate":
+        backend = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--backend"), None)
+        backend = backend or next((a.split("=", 1)[1] for a in argv if a.startswith("--backend=")), None)
         if backend not in (None, "auto", "torch"):
             _interpret_on_cpu()  # a Triton backend asked for on a CPU-only machine runs in the interpreter
-        from tripath.engine.cli_generate import main_generate
-        return main_generate(rest)
-    print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    bench = ", ".join(f"`tripath bench {name}`" for name in BENCH_COMMANDS)
+    return _dispatch("tripath", COMMANDS, argv, "Phase-routed attention for LLM serving: benchmarks, the "
+                     "portability check and the serving engine.",
+                     f"Benchmarks: {bench}. `tripath <command> -h` describes a command's options.")
 
 
 if __name__ == "__main__":

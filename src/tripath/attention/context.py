@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from tripath.attention.backends.base import AttentionBackend
 from tripath.attention.calibration import calibrate_kv_scales, calibrate_mla_scale
 from tripath.attention.metadata import AttentionMetadata
 from tripath.attention.spec import MLALayerWeights
+
+if TYPE_CHECKING:  # the backends (and their kernels) load only when a backend is selected
+    from tripath.attention.backends.base import AttentionBackend
 
 
 @dataclass
@@ -20,7 +23,7 @@ class ForwardContext:
     (:mod:`tripath.attention.calibration`); the engine does this on its first step when asked to.
     """
 
-    backend: AttentionBackend
+    backend: "AttentionBackend"
     metadata: AttentionMetadata
     caches: list
     calibrate_kv_scales: bool = False
@@ -30,6 +33,8 @@ class ForwardContext:
                window_left: int | None = None) -> torch.Tensor:
         """``q [T, Hq, D]``, ``k [T, Hkv, D]``, ``v [T, Hkv, Dv]`` → ``[T, Hq, Dv]`` (k/v written to the cache).
         ``window_left``: this layer's window where layers differ (−1: full attention; None: the spec's)."""
+        if not self.backend.capabilities.mha:
+            raise TypeError(f"backend {self.backend.name!r} serves MLA models only: MLA layers call attend_mla")
         if self.calibrate_kv_scales:
             calibrate_kv_scales(self.caches[layer_idx], k, v)
         return self.backend.forward(q, k, v, self.caches[layer_idx], self.metadata, alibi_slopes=alibi_slopes,
@@ -39,6 +44,8 @@ class ForwardContext:
                    k_pe: torch.Tensor, positions: torch.Tensor, weights: MLALayerWeights) -> torch.Tensor:
         """MLA: ``q_nope [T,H,P]``, unrotated ``q_pe [T,H,R]``, ``kv_c [T,L]``, unrotated ``k_pe [T,R]`` →
         ``[T, H, V]``."""
+        if not self.backend.capabilities.mla:
+            raise TypeError(f"backend {self.backend.name!r} serves MHA/GQA models only: their layers call attend")
         if self.calibrate_kv_scales:
             calibrate_mla_scale(self.caches[layer_idx], kv_c, k_pe)
         return self.backend.forward_mla(q_nope, q_pe, kv_c, k_pe, positions, self.caches[layer_idx],

@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tripath.ops._checks import MAX_HEAD_SIZE, MIN_HEAD_SIZE
-from tripath.ops.kv_cache import LAYOUTS
+from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS, MAX_HEAD_SIZE, MIN_HEAD_SIZE
 
-KV_CACHE_DTYPES = ("auto", "fp8")
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -85,8 +83,8 @@ class AttentionSpec:
             raise TypeError(f"dtype={self.dtype} is not supported; supported: float16, bfloat16, float32")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}; supported: {', '.join(KV_CACHE_DTYPES)}")
-        if self.kv_layout not in LAYOUTS:
-            raise ValueError(f"kv_layout={self.kv_layout!r}; supported: {', '.join(LAYOUTS)}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r}; supported: {', '.join(KV_LAYOUTS)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.decode_threshold < 1:

@@ -1,6 +1,7 @@
 """``tripath bench``: every available backend on mixed steps, checked against ``torch``, timed.
 
-On a GPU the steps have the ANCHORS.md shapes (32/8/128 bf16); on a CPU-only machine they are small
+On a GPU the steps have Llama-3-8B-like shapes (32/8/128 bf16; the mixed step: 48 decodes on 4096 cached
+tokens, 8 extends of 512 on 4096, 2 prefills of 2048); on a CPU-only machine they are small
 (4/2/64 fp16) and the Triton backends run under Triton's interpreter, so the CPU times show that the
 whole path works, not how fast it is.
 """
@@ -18,7 +19,7 @@ from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import make_mla_step, make_step
 
 GPU_STEPS = {
-    "mixed (ANCHORS)": [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2,
+    "mixed (48 dec + 8 ext + 2 pre)": [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2,
     "decode 64 × 4096": [(4096, 1)] * 64,
     "extend 4 × (8192 + 1024)": [(8192, 1024)] * 4,
     "prefill 4 × 2048": [(0, 2048)] * 4,
@@ -117,12 +118,15 @@ def format_results(results: list[Result], device: torch.device) -> str:
 
 def main_bench(argv=None) -> int:
     import argparse
-    parser = argparse.ArgumentParser(prog="tripath bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+    from tripath.bench import device_argument
+    parser = argparse.ArgumentParser(prog="tripath bench backends", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", type=device_argument, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SystemExit("on a CPU, run `tripath bench` through the CLI (it enables TRITON_INTERPRET=1 before "
-                         "Triton loads) or set TRITON_INTERPRET=1")
+        parser.error("on a CPU, run `tripath bench` through the CLI (it enables TRITON_INTERPRET=1 before "
+                     "Triton loads) or set TRITON_INTERPRET=1")
     print(format_results(run(device), device))
     return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -41,6 +42,8 @@ from tripath.bench.compile_inspect import (CompileJob, CompileResult, TargetSpec
 from tripath.bench.compile_scenarios import DELIBERATE, KERNEL_ROLES, Scenario, all_scenarios
 from tripath.ops._launch import LaunchRecord, capture_launches
 from tripath.platform import H200, MI300X, MI355X, Platform, override_platform
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ def compile_jobs(jobs: Sequence[CompileJob], workers: int = 1, verbose: bool = F
         for i, job in enumerate(jobs):
             results.append(compile_job(job))
             if verbose:
-                print(f"[{i + 1}/{len(jobs)}] {job.name} {job.target} {results[-1].seconds:.1f}s", file=sys.stderr)
+                logger.info("[%d/%d] %s %s %.1fs", i + 1, len(jobs), job.name, job.target, results[-1].seconds)
         return results
     workers = max(1, min(workers, len(jobs)))
     chunks = [list(range(i, len(jobs), workers)) for i in range(workers)]
@@ -467,4 +470,5 @@ def main_check_compile(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.exit(main_check_compile(sys.argv[1:]))

@@ -61,8 +61,6 @@ KERNEL_ROLES: dict[str, KernelRole] = {
                                                    targets=("sm90",)),
     "mla_decode_sm90_kernel": KernelRole(True, "scores once per tile, two value warpgroups (Gluon)",
                                          targets=("sm90",)),
-    "mla_decode_per_head_kernel": KernelRole(False, "deliberate: the one-head-per-program variant uses "
-                                                    "CUDA-core reductions by design"),
     "concat_and_cache_mla_kernel": KernelRole(False, "deliberate: latent row write / fp8 quantising store"),
     "gather_mla_cache_kernel": KernelRole(False, "deliberate: latent row gather / fp8 dequantising copy"),
     "mla_prep_kernel": KernelRole(False, "deliberate: fused RoPE + concat + fp8 quantisation + cache write"),
@@ -255,7 +253,7 @@ def _build_mla_gather(platform: Platform, *, fp8: bool) -> None:
 
 
 def _build_mla_prep(platform: Platform, *, fp8: bool, rope: str, num_heads: int = 16) -> None:
-    """The seed's fused preparation: rotate, concat, fp8-quantise the query, write the cache row."""
+    """The fused decode preparation: rotate, concat, fp8-quantise the query, write the cache row."""
     kv_cache, scale = _mla_cache(platform, fp8)
     tokens = 8
     out_dtype = fp8_dtype(platform) if fp8 else torch.bfloat16
@@ -404,8 +402,6 @@ def all_scenarios() -> list[Scenario]:
                    block_size=16))
     for fp8 in (False, True):
         tag = "kv=fp8" if fp8 else "bf16"
-        rows.append(_s(f"MLA decode per-head baseline H=16 {tag}", _build_mla_decode, ci=not fp8, num_heads=16,
-                       fp8_cache=fp8, fp8_query=False, variant="per_head"))
         rows.append(_s(f"MLA cache write {tag}", _build_mla_cache_write, ci=fp8, fp8=fp8))
         rows.append(_s(f"MLA cache gather {tag}", _build_mla_gather, ci=fp8, fp8=fp8))
         rows.append(_s(f"MLA query concat {tag}", _build_mla_query_concat, fp8=fp8))

@@ -1,11 +1,11 @@
-"""``tripath bench kernels``: every MHA op on the ANCHORS.md shapes beside its floor and PyTorch SDPA.
+"""``tripath bench kernels``: every op on Llama-3-8B and DeepSeek-R1 shapes beside its floor and PyTorch SDPA.
 
 Floors are measured in the same run: device-to-device copy bandwidth (bytes read + written) for the
 memory-bound decode, an 8192³ bf16 matmul for the compute-bound prefill. Bytes of a decode: K + V of
 every context token, read once. FLOPs of a causal prefill: ``4 · S² · H · D / 2`` per sequence.
 Times are medians of ``triton.testing.do_bench``; decode ops (paged and MLA, ~100-1000 µs) are timed as
 GPU time of CUDA-graph replays, since an eager launch of a 100 µs kernel also measures Python on the host
-(H200, 2026-11-29: the same MLA decode read 95 µs as GPU time and 117-252 µs eagerly). Each op is checked
+(an MLA decode of 95 µs GPU time reads 117-252 µs eagerly on an H200's host). Each op is checked
 against its reference once.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from tripath import _env
 from tripath.attention import AttentionSpec, select_backend
-from tripath.bench import emit_report
+from tripath.bench import emit_report, require_gpu
 from tripath.bench.batches import make_step
 from tripath.ops import paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache
@@ -64,8 +64,8 @@ def parse_power_capping_us(performance_text: str) -> float | None:
 
 def _power_capping_us() -> float | None:
     """The driver's counter of time spent capping this machine's GPU clocks for power (µs), where
-    ``nvidia-smi`` reports it for exactly one GPU. H200 instances differ here: sustained prefill load capped
-    one for 26 s within a minute (2026-11-30), which moves compute-bound rows by a few percent."""
+    ``nvidia-smi`` reports it for exactly one GPU. Sustained prefill load can cap an H200 for tens of
+    seconds a minute, which moves compute-bound rows by a few percent, so the report states it."""
     import shutil
     import subprocess
     if shutil.which("nvidia-smi") is None:
@@ -208,41 +208,26 @@ def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), head
 MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
 
 
-VARIANTS = {"serial": ("overlap_decode", False, "decode not overlapped"),
-            "overlapped": ("overlap_decode", True, "decode overlapped"),
-            "prefill-serial": ("overlap_prefill", False, "prefill not overlapped"),
-            "separate": ("join_extend_tail", False, "extend's new tokens in a separate pass")}
-
-
-def bench_mixed(report: Report, backends=("three_path", "three_path/serial", "three_path/overlapped",
-                                          "three_path/prefill-serial", "three_path/separate", "unified", "two_path"),
-                layout="nhd") -> None:
-    """The ANCHORS.md mixed step per backend, eager and as GPU time of a CUDA-graph replay.
-    ``three_path/serial`` and ``three_path/overlapped``: three_path with its decode launch on the main
-    stream, or on a side stream beside the extend/prefill (the default depends on the GPU);
-    ``three_path/prefill-serial``: the prefill launch on the main stream after the extend's;
-    ``three_path/separate``: the extends' new tokens in their own causal launch, merged with the context
-    (the seed's order) instead of joined with the last context chunk."""
+def bench_mixed(report: Report, backends=("three_path", "unified", "two_path"), layout="nhd") -> None:
+    """The mixed step (48 decodes on 4096 cached tokens, 8 extends of 512 on 4096, 2 prefills of 2048;
+    32/8/128 bf16) per backend, eager and as GPU time of a CUDA-graph replay."""
     spec = AttentionSpec(32, 8, 128, dtype=torch.bfloat16, kv_layout=layout)
     dev = torch.device("cuda")
     ref = select_backend(spec, "three_path", dev)
     step = make_step(spec, MIXED_STEP, ref, device=dev)
-    for label in backends:
-        name, _, variant = label.partition("/")
+    for name in backends:
         backend = select_backend(spec, name, dev)
-        if variant:
-            setattr(backend, VARIANTS[variant][0], VARIANTS[variant][1])
         meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
         cache = step.fresh_cache()
         out = torch.empty(step.q.shape[0], 32, 128, dtype=torch.bfloat16, device=dev)
         run_step = lambda: backend.forward(step.q, step.k, step.v, cache, meta, out=out)  # noqa: E731
-        shown = f"{name}{', ' + VARIANTS[variant][2] if variant else ''} ({layout})"
+        shown = f"{name} ({layout})"
         us = _bench(run_step)
         report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, eager", us, us / 1e3, "ms"))
         try:
             us = _bench_graph(run_step)
         except Exception as exc:  # the eager time stands alone
-            report.errors.append(f"bench_mixed: {label} not capturable: {type(exc).__name__}: {exc}")
+            report.errors.append(f"bench_mixed: {name} not capturable: {type(exc).__name__}: {exc}")
             continue
         report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, CUDA graph (GPU time)", us,
                                us / 1e3, "ms"))
@@ -330,8 +315,8 @@ def bench_mla_prep(report: Report) -> None:
 def bench_mla_prefill(report: Report) -> None:
     """MLA's non-absorbed prefill/extend attention (queries and keys 128 + 64 wide, values 128, one rotary
     key shared by the heads; keys and values strided as the up-projection leaves them): the rotary part
-    scored separately (``q_rope``/``k_rope``, the backends' path), the same attention on concatenated
-    192-wide heads (the previous path), and PyTorch SDPA on the concatenation. FLOPs count the causal
+    scored separately (``q_rope``/``k_rope``, the backends' path), and PyTorch SDPA on the concatenated
+    192-wide heads. FLOPs count the causal
     triangle only: ``2 · keys seen · H · (192 + 128)``."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     dev = torch.device("cuda")
@@ -349,8 +334,6 @@ def bench_mla_prefill(report: Report) -> None:
         runs = {
             "tripath varlen_attention (rotary part)": lambda: varlen_attention(
                 q_nope, k_nope, v, cq, ck, nq, nk, causal=True, sm_scale=0.07, q_rope=q_rope, k_rope=k_pe),
-            "tripath varlen_attention (192-wide heads)": lambda: varlen_attention(
-                q, k_cat, v, cq, ck, nq, nk, causal=True, sm_scale=0.07),
         }
         if current_platform(dev).is_hopper:  # the portable Triton kernel the Gluon one replaces on sm_90
             runs["tripath varlen_attention (rotary part, portable Triton kernel)"] = _portable(
@@ -441,7 +424,7 @@ def format_report(report: Report) -> str:
     for table, title in (("decode", "Paged decode, 32/8/128, block 16, bf16, random block order"),
                          ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
                          ("host", "Host time a call of the causal prefill rows (Python, checks, launch; GPU kept busy)"),
-                         ("mixed", "Mixed step (ANCHORS.md), 32/8/128, bf16, one forward incl. KV write"),
+                         ("mixed", "Mixed step (48 dec + 8 ext + 2 pre), 32/8/128, bf16, one forward incl. KV write"),
                          ("mla", "MLA decode (absorbed, 576-wide rows, 512-wide values), bf16 cache"),
                          ("mla_prefill", "MLA prefill/extend attention (non-absorbed, 128 + 64 / 128), bf16"),
                          ("mla_prep", "MLA decode preparation, fp8 cache and query (speed-up of fused over unfused)"),
@@ -539,6 +522,7 @@ def main_kernels(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run everything this many times; report medians and the range (default 1)")
     args = parser.parse_args(argv)
+    require_gpu(parser)
     emit_report(format_report(run(tuple(args.only), repeat=max(1, args.repeat))), args.out)
     return 0
 

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
+from tripath.bench import require_gpu
 from tripath.bench.kernels import _bench, _bench_graph, _random_table
 from tripath.ops import _configs, _mla_configs, mla_decode, paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache
@@ -141,6 +142,7 @@ def main_tune(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=["decode", "prefill", "mla"],
                         choices=["decode", "prefill", "mla"])
     args = parser.parse_args(argv)
+    require_gpu(parser)
     if "decode" in args.only:
         print("\n".join(tune_decode()), flush=True)
     if "prefill" in args.only:

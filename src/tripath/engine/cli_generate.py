@@ -3,16 +3,21 @@
     tripath generate --model tiny-llama --prompt "Hello" --prompt "The sky is" --max-tokens 32
     tripath generate --model /models/Qwen3-8B --backend three_path --kv-cache-dtype fp8 --temperature 0.7
 
-A model directory brings its tokenizer. Presets (random weights) have none: text is then encoded as UTF-8
-bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the same way; ``--prompt-ids``
-passes token ids directly.
+A model directory brings its tokenizer; text prompts to a directory without one are refused (exit 2):
+give ``--prompt-ids`` instead. Presets (random weights) have no tokenizer: their text prompts are encoded
+as UTF-8 bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the same way.
+``--prompt-ids`` passes token ids directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from typing import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class ByteTokenizer:
@@ -78,6 +83,17 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
     from tripath.engine import LLM, SamplingParams
     from tripath.engine.config import resolve_device, resolve_dtype
     from tripath.models import load_model, load_tokenizer
+    from tripath.models.loader import TOKENIZER_FILES, load_config
+
+    if args.prompt and os.path.isdir(args.model):
+        try:
+            has_tokenizer = load_config(args.model).tokenizer_path is not None
+        except (ValueError, TypeError, FileNotFoundError) as error:
+            print(f"tripath generate: error: {error}", file=sys.stderr)
+            return 2
+        if not has_tokenizer:
+            parser.error(f"--prompt: {args.model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         "give the prompts as token ids with --prompt-ids")
 
     try:
         device = resolve_device(args.device)
@@ -88,7 +104,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
         tokenizer = load_tokenizer(model)
         if tokenizer is None and model.config.vocab_size >= 256:
             tokenizer = ByteTokenizer()
-            print(f"{args.model} has no tokenizer: text is encoded as UTF-8 bytes", file=sys.stderr)
+            logger.info("%s is a preset without a tokenizer: text is encoded as UTF-8 bytes", args.model)
         llm = LLM(model, tokenizer=tokenizer, backend=args.backend, dtype=dtype, device=device,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                   calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,

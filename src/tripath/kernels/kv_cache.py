@@ -55,6 +55,8 @@ def write_kv_cache_kernel(
     SHUFFLED: tl.constexpr, X: tl.constexpr,
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
 ):
+    """Program ``t``: token ``t``'s K and V rows into their cache slot (skipped for a negative slot);
+    fp8 caches store ``sat(x / scale)``. Layout (NHD or shuffled) as in the module docstring."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -104,6 +106,8 @@ def gather_kv_cache_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BINARY_STEPS: tl.constexpr,
     SHUFFLED: tl.constexpr, X: tl.constexpr, DEQUANT: tl.constexpr,
 ):
+    """Program ``r``: one gathered row of the contiguous output, i.e. context token ``seq_starts[b] + i`` of
+    request ``b`` read through its block-table row (fp8 caches dequantised by ``x * scale``)."""
     row = tl.program_id(0)
     if row >= tl.load(cu_seqlens_ptr + num_seqs):
         return

@@ -13,6 +13,8 @@ def merge_states_kernel(
     num_heads, head_size,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Program ``t``: every head of token ``t``, ``o = (e^a o_a + e^b o_b) / (e^a + e^b)`` and
+    ``lse = log(e^a + e^b)``; an empty side (LSE −inf) is ignored, whatever its output holds."""
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)

@@ -16,8 +16,7 @@ With ``USE_TMA`` (Hopper, block sizes a multiple of ``BLOCK_N``) whole cache til
 descriptors instead of per-row pointer loads, and a request's ragged end through 16-row pointer tiles.
 ``SWAP_AB`` transposes the products (cache rows as the MMA's M dimension), so that 16 heads still run on
 Hopper's 64-row warpgroup MMA reading its operands straight from shared memory.
-``mla_decode_per_head_kernel`` (program ``(b, h, split)``) is the plain baseline: one head, CUDA-core dot
-products, each head re-reading the rows. fp8: ``kv_scale`` (and ``q_scale`` for an fp8 query,
+fp8: ``kv_scale`` (and ``q_scale`` for an fp8 query,
 which then multiplies fp8 tiles directly) folds into the score scale; ``kv_scale`` multiplies the output.
 With several splits each writes an fp32 partial ``(o_s, lse_s)`` ``[B, H, S, BLOCK_L]`` that
 :func:`tripath.kernels.paged_decode.reduce_splits_kernel` merges.
@@ -200,6 +199,9 @@ def mla_decode_kernel(
     KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
+    """Program ``(b, head block · V_PARTS + part, split)``: ``BLOCK_H`` heads of request ``b`` against the
+    split's cache rows, written to ``out [B, H, L]`` (one split) or to the fp32 partials; see the module
+    docstring for the math and the ``USE_TMA`` / ``SWAP_AB`` / ``V_PARTS`` tile layouts."""
     seq = tl.program_id(0)
     head_block = tl.program_id(1) // V_PARTS
     part = tl.program_id(1) % V_PARTS
@@ -264,60 +266,3 @@ def mla_decode_kernel(
     _store_result(out, lse, seq, heads, split, row_ok, row_ok & (part == 0), mine, kv_lora_rank,
                   out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b,
                   stride_lse_h, num_heads, num_splits, SPLIT, BLOCK_L, RETURN_LSE)
-
-
-@triton.jit(**STEP_INVARIANT)
-def mla_decode_per_head_kernel(
-    q_ptr, kv_cache_ptr, block_table_ptr, seq_lens_ptr,
-    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, q_scale_ptr, kv_scale_ptr,
-    sm_scale,
-    stride_q_b, stride_q_h, stride_bt, stride_c_block, stride_c_slot,
-    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-    num_heads, kv_lora_rank, rope_dim, block_size,
-    num_splits, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    KV_FP8: tl.constexpr, Q_FP8: tl.constexpr, RETURN_LSE: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N)
-
-    dims_l = tl.arange(0, BLOCK_L)
-    dims_r = tl.arange(0, BLOCK_R)
-    lat_ok = dims_l < kv_lora_rank
-    pe_ok = dims_r < rope_dim
-    q_row = q_ptr + seq.to(tl.int64) * stride_q_b + head * stride_q_h
-    q_lat = tl.load(q_row + dims_l, mask=lat_ok, other=0.0).to(tl.float32)
-    q_pe = tl.load(q_row + kv_lora_rank + dims_r, mask=pe_ok, other=0.0).to(tl.float32)
-    qk_scale, v_scale = _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8, Q_FP8)
-
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_L], tl.float32)
-    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n
-        valid = pos < hi
-        blocks = tl.load(block_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
-        rows = kv_cache_ptr + blocks * stride_c_block + (pos % block_size) * stride_c_slot
-        c_lat = tl.load(rows[:, None] + dims_l[None, :], mask=valid[:, None] & lat_ok[None, :],
-                        other=0.0).to(tl.float32)
-        c_pe = tl.load(rows[:, None] + kv_lora_rank + dims_r[None, :], mask=valid[:, None] & pe_ok[None, :],
-                       other=0.0).to(tl.float32)
-        qk = tl.sum(c_lat * q_lat[None, :], 1) + tl.sum(c_pe * q_pe[None, :], 1)
-        s = tl.where(valid, qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * c_lat, 0)
-        m_i = m_new
-
-    out, lse = finalize(m_i, l_i, acc[None, :], v_scale)  # one-row tiles for the shared helpers
-    heads = tl.full([1], head, tl.int32)
-    row_ok = heads < num_heads
-    _store_result(out, lse, seq, heads, split, row_ok, row_ok, dims_l, kv_lora_rank, out_ptr, lse_ptr,
-                  part_out_ptr, part_lse_ptr, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads,
-                  num_splits, SPLIT, BLOCK_L, RETURN_LSE)

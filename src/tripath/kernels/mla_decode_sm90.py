@@ -24,12 +24,9 @@ score product is computed once per tile and shared, so no product runs twice (th
   a thread, the score warpgroup the 184 left).
 
 Shared memory: 5 stages × 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB. The stage count
-decides much of the speed (H200, 128 heads, 64 × 4096: 3 stages 285 µs, 4 stages 189 µs with the whole
-query in shared memory, 5 stages 182 µs with part of it in registers; then lazy rescaling 165 µs, the
-next scores beside the softmax 156 µs, their shared-memory half interleaved with it 149 µs, the score
-warpgroup at 184 registers 150 -> 149, the TMA epilogue 147 µs). The score
-accumulator must not stay in flight across the loop's back edge: ptxas then serialises every ``wgmma`` (a
-build that did ran 373 µs; check-compile fails such builds).
+decides much of the speed (3 stages take about 1.5x the time of 5), which is why half of the query lives
+in registers. The score accumulator must not stay in flight across the loop's back edge: ptxas then
+serialises every ``wgmma`` (2.5x slower; ``tripath check-compile`` fails such builds).
 
 Math (log2 domain, ``c = sm_scale · log2 e``)::
 
@@ -44,9 +41,8 @@ Output: ``out [B, H, L]`` for one split, else fp32 partials ``[B, H, S, L]`` and
 (natural log) for :func:`tripath.kernels.paged_decode.reduce_splits_kernel`. With ``TMA_OUT`` (one split,
 ``out`` contiguous and of the query's dtype) each value warpgroup stages its ``[64, L/2]`` output tile in
 the ring, free once all three warpgroups have passed ``done``, and stores it with one TMA copy: every
-program finishes at about the same time, and the pointer stores of that burst took about 4.5 µs of a
-program's 150 (H200, 128 heads, 64 × 4096: 149.1–149.5 -> 146.9–147.6 µs; 132 × 2048, two waves of
-programs, 165.5–166.2 -> 158.5).
+program finishes at about the same time, and pointer stores of that burst cost about 3% of a program's
+time.
 """
 
 from triton.experimental import gluon
@@ -152,7 +148,7 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
         # last iteration computes its own tile's again and discards them: no branch around an in-flight wgmma).
         # Their register-operand products are issued before the softmax, the shared-memory half after its
         # arithmetic in the source: ptxas then spreads that half's issue through the softmax, which no longer
-        # starts only once all 36 products are queued (H200, H128 64 x 4096: 153.2 -> 148.9 us).
+        # starts only once all 36 products are queued (about 3% faster).
         nxt = gl.minimum(i + 1, num_tiles - 1)
         s_next = _register_scores(nxt, q_reg, qpe_reg, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES)
         start = lo + i * BLOCK_N
@@ -195,8 +191,7 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
     acc = gl.zeros([HEADS, L_HALF], gl.float32, o_layout)
     # The ring fill: the first two tiles (the score warpgroup's first two score products), then, once the
     # first has landed, the rest. Every program starts at once, so the fill is one burst over the whole GPU;
-    # the tiles needed first then do not wait behind the others (H200, H128 64 x 4096: 142.3-142.7 ->
-    # 142.0-142.2 us, every shape 0.1-0.9 us faster in three rounds).
+    # the tiles needed first then do not wait behind the others.
     for i in range(gl.minimum(num_tiles, 2)):
         _load_half(_tile_row(i, block_table_ptr, stride_bt, seq, lo, block_size, BLOCK_N), i, half, c_desc,
                    cpe_desc, c_smem, cpe_smem, kv_ready, L_HALF)
@@ -336,7 +331,6 @@ def mla_decode_sm90_kernel(
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
                    L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT)),
     # Registers: the value warpgroups keep 160 a thread (a 128-register accumulator and the loop; at 152 ptxas
-    # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left
-    # (H200, H128 64 x 4096, same-instance A/B in three device calls: 168 each 150.9-152.1 us, this
-    # 149.5-150.7).
+    # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left,
+    # which loosens ptxas's schedule of the softmax (about 1% faster than 168 each).
     ], [4, 4], [VALUE_REGS, VALUE_REGS])

@@ -64,6 +64,8 @@ def mla_prep_kernel(
     QUANT_Q: tl.constexpr, QUANT_K: tl.constexpr, FP8_MAX_Q: tl.constexpr, FP8_MAX_K: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
+    """Program ``(t, head block)``: rotate token ``t``'s ``q_pe`` for ``BLOCK_H`` heads and write their
+    ``q_out`` rows; the first head block also rotates ``k_pe`` and writes the cache row (module docstring)."""
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     if NOPE_FIRST:

@@ -32,6 +32,9 @@ def paged_decode_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
+    """Program ``(b, kv_head, split)``: the GQA group of ``kv_head`` (one ``[BLOCK_G, D]`` query tile) against
+    the split's share of request ``b``'s paged context; ``out`` for one split, else fp32 partials for
+    :func:`reduce_splits_kernel`."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

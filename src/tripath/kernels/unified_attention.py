@@ -43,6 +43,8 @@ def unified_attention_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
+    """Program ``(q block, kv_head)``: ``BLOCK_Q`` new tokens of one request x the ``G`` heads of ``kv_head``
+    against the request's paged keys (context and new tokens, all in the cache), causal bottom-right."""
     BLOCK_M: tl.constexpr = BLOCK_Q * BLOCK_G
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)

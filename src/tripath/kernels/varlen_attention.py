@@ -100,6 +100,8 @@ def varlen_attention_kernel(
     HAS_SINKS: tl.constexpr, HAS_Q_START: tl.constexpr, RETURN_LSE: tl.constexpr, EVEN_D: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
+    """Program ``(m, h, b)``: ``BLOCK_M`` queries of head ``h`` of request ``b`` against its contiguous keys
+    (optionally with a rotary part scored separately); writes ``out`` and, with ``RETURN_LSE``, the LSE."""
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest (causal) blocks first
     head = tl.program_id(1)
     seq = tl.program_id(2)

@@ -68,9 +68,8 @@ def _round_item(r, pid, num_programs, SNAKE: gl.constexpr):
     """The work item of program ``pid`` in round ``r``. With ``SNAKE`` the rounds alternate direction over
     the heaviest-first order, so no program takes the heaviest item of every round: causal 1 × 8192 (2048
     items of 1–64 tiles on 132 programs) puts 536 tiles on the busiest program in rounds of one direction,
-    505 with the snake, against a mean of 504 (H200, 2026-11-30: 939 → 898 µs after an L2 flush; 2 × 4096
-    490 → 477; 8 × 2048 544 → 538). Head-pair items, whose blocks fill whole rounds evenly either way, keep
-    one direction (8 × 1024 measured 3% slower with the snake)."""
+    505 with the snake, against a mean of 504 (1-4% faster on long causal requests). Head-pair items, whose
+    blocks fill whole rounds evenly either way, keep one direction (3% slower with the snake)."""
     if SNAKE:
         return r * num_programs + pid + (r % 2) * (num_programs - 1 - 2 * pid)
     else:
@@ -473,7 +472,7 @@ def varlen_attention_sm90_kernel(
     # have used it, so more than the ring holds would deadlock.
     gl.static_assert(LAG_TILES <= NUM_STAGES)
     # Query buffers per warpgroup (_query_buffers): one for 128-row items, which leaves room on the SM for a
-    # paged-decode program beside it (two buffers, 209 KiB: the mixed step's GPU time 970 µs against 931);
+    # paged-decode program beside it (two buffers, 209 KiB, made the mixed step about 4% slower);
     # two for head-pair items, so the next item's queries load while this one finishes.
     Q_BUFS: gl.constexpr = _query_buffers(PAIR_HEADS, HAS_ROPE)
     # Output tiles are staged in their item's query buffer, released an item later: two buffers needed.

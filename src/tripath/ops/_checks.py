@@ -6,10 +6,10 @@ from typing import Iterable, Sequence
 
 import torch
 
+from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.platform import FP8_DTYPES
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MIN_HEAD_SIZE, MAX_HEAD_SIZE = 32, 256
 
 
 def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:

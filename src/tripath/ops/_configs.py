@@ -18,20 +18,21 @@ def _amd(num_warps: int, num_stages: int = 2, waves_per_eu: int = 2) -> dict:
 
 def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqlen_k: int = 8192,
                   tma: bool = True, causal_tiles: int | None = None, head_size_v: int | None = None) -> dict:
-    """Prefill tiles. H200 sweeps (2026-11-29, 32/8/128 bf16): with tensor-descriptor loads (``TMA``),
-    128×128 tiles, 8 warps, 3 stages when there are many keys per query tile (causal: 554 TF/s at
-    1 × 8192, 413 at 8 × 2048; non-causal 8 × (512 × 4096): 557); 64×64, 4 warps, 3 stages when requests
-    have at most 1024 keys (241 TF/s at 16 × 512), and for causal launches of fewer than 12 waves of
-    128-row tiles (``causal_tiles`` = requests × 128-row query tiles × heads), where the uneven causal
-    programs leave the last waves ragged (2 × 2048: 178 µs against 192). ``tma=False`` gives the
-    pointer-load configuration, used when the keys' strides rule descriptors out (128-wide key tiles spill
-    there; 128×64, 3 stages: 458 TF/s). ``head_size`` is the larger of the query/key and value head sizes,
-    ``head_size_v`` the value's (default: the same). MLA's non-absorbed prefill and extend (keys 192 wide,
-    values 128, 16-bit): 128×64 tiles, 8 warps, 3 stages on Hopper (H200, 2026-11-29, 128 heads, 4 × 512
-    queries on 4608 keys: 1858 µs against 7347 with the 64×32 tiles that 256-wide heads need); with the
-    rotary part scored separately (128 + 64, power-of-two pieces) through descriptors: 1646 µs, against 1706
-    with pointer loads and 1946 for the concatenated 192-wide heads in the same run (2 stages: 1998; 128×128
-    tiles: 1701; 64×64: 1956)."""
+    """Tiles of the portable varlen (prefill / extend) kernel: ``BLOCK_M`` query rows x ``BLOCK_N`` keys.
+
+    ``head_size`` is the larger of the query/key and value head sizes, ``head_size_v`` the value's
+    (default: the same); ``causal_tiles`` = requests x 128-row query tiles x heads of a causal launch.
+    ``tma=False`` gives the pointer-load configuration (the keys' strides rule descriptors out). Why:
+
+    - 128x128, 8 warps, 3 stages with descriptor loads on Hopper: the fastest where each query tile sees
+      many keys (128-wide key tiles spill with pointer loads, hence 128x64 there);
+    - 64x64 (Hopper) / 64x32, 4 warps: requests of at most 1024 keys, and causal launches of fewer than 12
+      waves of 128-row tiles, whose uneven programs would leave the last waves ragged;
+    - heads over 128 (MLA's non-absorbed 192 / 128): 128x64, 8 warps, 3 stages on Hopper for 16-bit inputs
+      (about 4x faster than the 64x32 tiles that 256-wide heads need); 64x32 elsewhere;
+    - AMD: 128x64 (64x32 over 128 dims), 4 warps, one wave per SIMD, so every feature fits the register
+      file without spills (``tripath check-compile``).
+    Measured choices: ``docs/BENCHMARKS.md``, "Launch configurations"."""
     if platform.backend == "cpu":
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:  # one wave per SIMD: the whole register file, so no spills with every feature on
@@ -56,10 +57,12 @@ LONG_TILE = 128  # context tokens per paged-decode tile where long_tile_splits a
 
 
 def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int, long_tiles: bool = False) -> dict:
-    """Paged decode: tiles of context tokens. H200 (2026-11-29, 32/8/128 bf16, NHD): 64-token tiles, 4 warps,
-    2 stages by default (sm_90 compile: 39 KiB of shared memory and 84 registers a program, so up to five
-    programs an SM); ``long_tiles`` (see :func:`long_tile_splits`): 128-token tiles, 4 warps, 2 stages
-    (73 KiB and 152 registers: three programs an SM)."""
+    """Tiles of the paged-decode kernel: ``BLOCK_N`` context tokens a tile.
+
+    64-token tiles, 4 warps, 2 stages by default (on sm_90 39 KiB of shared memory and 84 registers a
+    program: up to five programs an SM hide the scattered row loads); ``long_tiles`` (where
+    :func:`long_tile_splits` applies): 128-token tiles (73 KiB, 152 registers: three programs an SM, fewer
+    split partials); heads over 128 dims: 16-token tiles (registers); AMD: 64 (32 over 128 dims)."""
     if platform.backend == "cpu":
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:
@@ -81,16 +84,10 @@ def long_tile_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_s
     splits`` programs with ``P >= 2.5 · SMs`` and ``P`` not a power of two. ``num_splits`` given: that
     count, if it qualifies; otherwise the smallest that does.
 
-    H200 sweep (2026-11-29, 32/8/128 bf16, block 16, random block order, GPU time of graph replays; 31
-    shapes, batch 2-128 × context 2048-65536, splits 1-32, 64- and 128-token tiles): this rule came within
-    7% of the best of the sweep everywhere, 0.4% on average (the 64-token rule alone: 26% and 6%; at
-    2 × 65536 and 4 × 32768 the rule's 21 and 11 splits were not in the sweep, 24 and 12 were),
-    e.g. 48 × 4096 4305 GB/s (64-token tiles, 1 split: 3901), 96 × 4096 4408 (3298), 64 × 16384 4452 at 3
-    splits (4384 with 64-token tiles). 128-token tiles at power-of-two program counts measured 10-20% below
-    the counts either side (64 × 16384: 1 split 3546 GB/s, 2 splits 4250, 3 splits 4452, 4 splits 4185; the
-    same with the grid's axes reordered); that is an observation of this GPU, not a derived rule. With
-    fewer than 2048 tokens per split the 64-token tiles at :func:`default_num_splits` were as fast or
-    faster (64 × 2048: 4074 against 3757)."""
+    Why: on an H200 this rule came within 7% of the best split count and tile size of a sweep over batch
+    2-128 x context 2048-65536 (0.4% on average, against 26% / 6% for the 64-token tiles alone); 128-token
+    tiles at power-of-two program counts measured 10-20% below the counts either side (an observation of
+    that GPU, not a derived rule); below 2048 tokens a split, the 64-token tiles were as fast or faster."""
     if (platform.backend == "cpu" or platform.is_hip or max_seq_len is None or layout != "nhd"
             or kv_elem_bytes != 2 or not 64 < head_size <= 128):
         return None
@@ -123,9 +120,9 @@ def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
 def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
                        block_n: int) -> int:
     """Split count for paged decode with the 64-token tiles (where :func:`long_tile_splits` gives None):
-    about four programs per SM, never below ~4 tiles per split. H200 (2026-11-29): 8 × 32768 best at 8
-    splits (16 and 32 slower); 64 × 4096 and 64 × 16384 at 1 (2: 9% slower); 48 × 4096 (384 programs)
-    220 µs at 1 split, 264 at 2, 213 at 3, 232 at 4, so filling the last wave is no rule to follow here."""
+    about four programs per SM, never below ~4 tiles per split, at most 64. Why: on an H200, 8 x 32768
+    was fastest at 8 splits and 64 x 4096 / 64 x 16384 at 1 (2 splits: 9% slower); filling the last wave
+    exactly did not pay."""
     if platform.backend == "cpu":
         return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))
     programs = max(1, num_seqs * num_kv_heads)

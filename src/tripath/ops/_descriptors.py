@@ -18,8 +18,8 @@ def gluon_descriptor(t: torch.Tensor, shape: list[int], strides: list[int], bloc
     ``block`` tiles into shared memory in the default NVMMA (swizzled) layout for the kernels' ``wgmma``.
 
     Descriptors are cached by what they encode (address, dtype, shape, strides, block), so repeated
-    launches on the same buffers skip the construction and its checks (about 5 µs of host time each on the
-    H200's host, several per launch). A cached descriptor holds only ``t``'s address (:class:`_Address`), not
+    launches on the same buffers skip the construction and its checks (about 5 µs of host time each,
+    several per launch). A cached descriptor holds only ``t``'s address (:class:`_Address`), not
     ``t``: it keeps no memory alive, and a later tensor at the same address with the same geometry gets an
     identical descriptor, as the launcher reads nothing else from it."""
     return _cached_descriptor(t.data_ptr(), t.dtype, tuple(shape), tuple(strides), tuple(block))

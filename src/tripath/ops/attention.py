@@ -252,8 +252,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     block_table : ``[B, max_blocks]`` int32; seq_lens : ``[B]`` int32 (context + 1).
     num_splits : KV splits per request; ``None`` picks one from the batch and the GPU.
     concurrent : a scheduling hint: compute-bound launches run beside this one (on other streams), so the
-        64-token tiles are kept (a 128-token tile program takes 73 KiB of shared memory against 39; H200,
-        ANCHORS.md mixed step with the decode overlapped: 1001 µs with 64-token tiles, 1011 with 128).
+        64-token tiles are kept (a 128-token tile program takes 73 KiB of shared memory against 39 and
+        leaves less room for the other launch's programs).
 
     Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``).
     """

@@ -17,12 +17,13 @@ import torch
 
 from tripath import _env
 from tripath.kernels.kv_cache import gather_kv_cache_kernel, write_kv_cache_kernel
+from tripath.constants import KV_LAYOUTS
 from tripath.ops import _configs
 from tripath.ops._checks import FLOAT_DTYPES, check_index, check_scale, check_tensor, next_pow2
 from tripath.ops._launch import launch, use_triton
 from tripath.platform import FP8_DTYPES, fp8_max
 
-LAYOUTS = ("nhd", "shuffled")
+LAYOUTS = KV_LAYOUTS
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 

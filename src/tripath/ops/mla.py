@@ -20,7 +20,7 @@ import torch
 
 from tripath import _env
 from tripath.kernels.mla_cache import concat_and_cache_mla_kernel, gather_mla_cache_kernel
-from tripath.kernels.mla_decode import mla_decode_kernel, mla_decode_per_head_kernel
+from tripath.kernels.mla_decode import mla_decode_kernel
 from tripath.kernels.mla_prep import mla_prep_kernel
 from tripath.kernels.paged_decode import reduce_splits_kernel
 from tripath.ops import _configs, _mla_configs, reference_mla
@@ -32,7 +32,7 @@ from tripath.ops.rotary import check_rotary_table
 from tripath.platform import FP8_DTYPES, current_platform, fp8_max
 
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
-DECODE_VARIANTS = ("auto", "gluon", "packed", "grouped", "per_head")
+DECODE_VARIANTS = ("auto", "gluon", "packed", "grouped")
 
 
 def _block(n: int) -> int:
@@ -238,7 +238,7 @@ def fused_qk_rope_concat_and_cache_mla(
     positions: torch.Tensor | None, cos_cache: torch.Tensor | None, sin_cache: torch.Tensor | None, *,
     is_neox: bool = True, is_nope_first: bool = True,
 ) -> None:
-    """One launch: rotate ``q_pe``/``k_pe``, write ``q_out`` and the cache rows (the seed's fused kernel).
+    """One launch: rotate ``q_pe``/``k_pe``, write ``q_out`` and the cache rows (the fused decode preparation of vLLM's ROCm MLA backend).
 
     ``q_out[t, h] = quant([ql_nope | rope(q_pe)] / q_scale)`` and, for ``slot_mapping[t] >= 0``,
     ``kv_cache[slot] = quant([kv_c | rope(k_pe)] / k_scale)``; with ``is_nope_first=False`` both the query
@@ -413,8 +413,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         and a block size that is a multiple of 64: the transposed-product kernel of
         :mod:`tripath.kernels.mla_decode_few_heads_sm90`), ``"packed"`` (heads packed
         into tensor-core tiles, each row read once per head block; tiles tuned per head count),
-        ``"grouped"`` (the same kernel with the plain 16-head tiles for every head count: the baseline
-        backend's choice) or ``"per_head"`` (one head per program, CUDA-core math).
+        or ``"grouped"`` (the same kernel with the plain 16-head tiles for every head count: the baseline
+        backend's choice).
 
     Returns ``out [B, H, L]`` (q's dtype; bf16 for an fp8 q unless ``out`` says otherwise), and
     ``lse [B, H]`` fp32 (natural log; −inf for empty requests, whose output is 0) when ``return_lse``.
@@ -443,18 +443,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         variant = "packed" if reason is not None else "gluon"
     if variant == "gluon":
         cfg, grid_h, tiles = {"BLOCK_N": gluon_block_n(num_heads)}, max(1, num_heads // 64), None
-    elif variant in ("packed", "grouped"):
+    else:
         tiles = _packed_tiles(platform, kv_cache, num_heads, kv_lora_rank, block_l, block_r, q_fp8,
                               variant == "grouped")
         cfg, grid_h = tiles.launch_options, -(-num_heads // tiles.block_h) * tiles.v_parts
-    else:
-        tiles = None
-        cfg, grid_h = dict(_mla_configs.mla_decode_per_head_config(platform, kv_lora_rank)), num_heads
     if num_splits is None:
         num_splits = _mla_configs.mla_decode_num_splits(platform, batch * grid_h,
                                                         block_table.shape[1] * block_size, cfg["BLOCK_N"],
-                                                        1 if variant == "gluon" else
-                                                        tiles.programs_per_sm if tiles else 2)
+                                                        1 if variant == "gluon" else tiles.programs_per_sm)
     num_splits = int(num_splits)
     lse = torch.empty((batch, num_heads) if return_lse else (1, 1), dtype=torch.float32, device=device)
     if num_splits > 1:
@@ -475,15 +471,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if variant == "gluon":
         launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse, part_out, part_lse, sm_scale,
                                num_splits, return_lse, kv_lora_rank)
-    elif tiles is not None:
+    else:
         lat_desc, pe_desc = tiles.descriptors or (kv_cache, kv_cache)
         emulate_rne = q_fp8 and _env.triton_interpret()  # fp8 probabilities: see tripath.kernels.quant
         launch(mla_decode_kernel, (batch, grid_h, num_splits), q, kv_cache, lat_desc, pe_desc, *args[2:],
                BLOCK_H=tiles.block_h, V_PARTS=tiles.v_parts, USE_TMA=tiles.descriptors is not None,
                SWAP_AB=tiles.swap_ab, PREFETCH=tiles.prefetch, ROW_LINES=tiles.row_lines,
                FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, EMULATE_RNE=emulate_rne, **flags, **cfg)
-    else:
-        launch(mla_decode_per_head_kernel, (batch, grid_h, num_splits), *args, **flags, **cfg)
     if num_splits > 1:
         launch(
             reduce_splits_kernel, (batch, num_heads),

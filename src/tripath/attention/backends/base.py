@@ -1,5 +1,13 @@
 """A backend = a capability declaration, a metadata builder and a forward.
 
+:class:`AttentionBackend` holds what every backend shares: the capability check, the cache dtype, the
+step's plan and metadata. A backend then implements one interface or both:
+
+- :class:`MHAAttentionBackend` (MHA/GQA models): a paged K/V cache (:class:`KVCache`) and
+  ``forward(q, k, v, cache, meta)``;
+- :class:`MLAAttentionBackend` (MLA models): a latent cache (:class:`MLACache`) and
+  ``forward_mla(q_nope, q_pe, kv_c, k_pe, positions, cache, meta, weights)``.
+
 :meth:`AttentionBackend.unsupported_reasons` checks a spec and a device against the declaration and
 returns why the backend cannot serve them (empty = it can); selection keeps those reasons so ``auto``
 can explain itself.
@@ -7,6 +15,7 @@ can explain itself.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -15,8 +24,8 @@ import torch
 from tripath import _env
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, build_metadata
 from tripath.attention.planner import BatchPlan, plan_batch
-from tripath.attention.spec import AttentionSpec, KVCache
-from tripath.ops._checks import MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from tripath.attention.spec import AttentionSpec, KVCache, MLACache, MLALayerWeights
+from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.ops import merge_states
 from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache
 from tripath.platform import fp8_dtype, current_platform
@@ -58,8 +67,8 @@ class Capabilities:
     max_decode_threshold: int = 64
 
 
-class AttentionBackend:
-    """Base class: cache allocation, metadata building, and the KV write shared by the MHA backends."""
+class AttentionBackend(ABC):
+    """What every backend shares: the capability check, the cache dtype, planning and metadata."""
 
     name: ClassVar[str] = "base"
     capabilities: ClassVar[Capabilities] = Capabilities()
@@ -107,6 +116,33 @@ class AttentionBackend:
             return fp8_dtype(current_platform(self.device))
         return self.spec.dtype
 
+    @abstractmethod
+    def cache_bytes_per_block(self) -> int:
+        """Bytes of one block of one layer's cache."""
+
+    @abstractmethod
+    def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None):
+        """One layer's cache of ``num_blocks`` blocks (on ``device``, default the backend's)."""
+
+    # -- per step --------------------------------------------------------------------------------------
+    def plan(self, query_lens, context_lens) -> BatchPlan:
+        """:func:`plan_batch` with this spec's decode threshold, chunk budget and block size."""
+        spec = self.spec
+        return plan_batch(query_lens, context_lens, decode_threshold=spec.decode_threshold,
+                          chunk_budget=spec.extend_chunk_budget, block_size=spec.block_size)
+
+    def build_metadata(self, plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
+                       decode_num_splits: int | None = None) -> AttentionMetadata:
+        """Once per step; every layer's forward reuses the result."""
+        if plan.decode_threshold != self.spec.decode_threshold:
+            raise ValueError(f"the plan's decode_threshold ({plan.decode_threshold}) differs from the spec's "
+                             f"({self.spec.decode_threshold})")
+        return build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
+
+
+class MHAAttentionBackend(AttentionBackend):
+    """MHA/GQA backends: a paged K/V cache per layer, the K/V write, and ``forward``."""
+
     def cache_bytes_per_block(self) -> int:
         """Bytes of one block of one layer's K and V."""
         elem = torch.empty((), dtype=self.cache_dtype).element_size()
@@ -126,21 +162,6 @@ class AttentionBackend:
                                      dtype=self.cache_dtype, layout=spec.kv_layout, device=device)
         ones = torch.ones(1, dtype=torch.float32, device=device)
         return KVCache(k, v, spec.kv_layout, ones, ones.clone())
-
-    # -- per step --------------------------------------------------------------------------------------
-    def plan(self, query_lens, context_lens) -> BatchPlan:
-        """:func:`plan_batch` with this spec's decode threshold, chunk budget and block size."""
-        spec = self.spec
-        return plan_batch(query_lens, context_lens, decode_threshold=spec.decode_threshold,
-                          chunk_budget=spec.extend_chunk_budget, block_size=spec.block_size)
-
-    def build_metadata(self, plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
-                       decode_num_splits: int | None = None) -> AttentionMetadata:
-        """Once per step; every layer's forward reuses the result."""
-        if plan.decode_threshold != self.spec.decode_threshold:
-            raise ValueError(f"the plan's decode_threshold ({plan.decode_threshold}) differs from the spec's "
-                             f"({self.spec.decode_threshold})")
-        return build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
 
     def _scales(self, cache: KVCache):
         if self.spec.kv_cache_dtype == "fp8":
@@ -180,6 +201,7 @@ class AttentionBackend:
             raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
         return out
 
+    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, *, alibi_slopes: torch.Tensor | None = None,
                 sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -187,8 +209,28 @@ class AttentionBackend:
         """Write the step's ``k [T, Hkv, D]``/``v [T, Hkv, Dv]`` into ``cache`` and return the attention
         output ``[T, Hq, Dv]`` of ``q [T, Hq, D]`` (tokens in plan order). ``window_left``: this layer's
         sliding window if it differs from the spec's (see :meth:`_options`)."""
-        raise TypeError(f"backend {self.name!r} does not implement MHA forward")
 
-    def forward_mla(self, q_nope, q_pe, kv_c, k_pe, positions, cache, meta, weights, *, out=None):
-        """MLA forward (MLA backends and ``torch``): see :mod:`tripath.attention.backends.mla_common`."""
-        raise TypeError(f"backend {self.name!r} does not serve MLA models")
+
+class MLAAttentionBackend(AttentionBackend):
+    """MLA backends: one latent cache ``[num_blocks, block_size, L + R]`` per layer and ``forward_mla``
+    (the math: :mod:`tripath.attention.backends.mla_common`)."""
+
+    def cache_bytes_per_block(self) -> int:
+        """Bytes of one block of one layer's latent cache."""
+        elem = torch.empty((), dtype=self.cache_dtype).element_size()
+        return self.spec.block_size * self.spec.mla.cache_width * elem
+
+    def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None) -> MLACache:
+        """One layer's latent cache (scale 1.0; set ``kv_scale`` after calibration for fp8)."""
+        device = torch.device(device) if device is not None else self.device
+        cache = torch.zeros(num_blocks, self.spec.block_size, self.spec.mla.cache_width, dtype=self.cache_dtype,
+                            device=device)
+        return MLACache(cache, torch.ones(1, dtype=torch.float32, device=device))
+
+    @abstractmethod
+    def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                    positions: torch.Tensor, cache: MLACache, meta: AttentionMetadata, weights: MLALayerWeights,
+                    *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the step's rows ``[kv_c | rope(k_pe)]`` into ``cache`` and return the attention output
+        ``[T, H, V]`` of ``q_nope [T, H, P]`` and unrotated ``q_pe [T, H, R]`` (``kv_c [T, L]``, unrotated
+        ``k_pe [T, R]``, tokens in plan order)."""

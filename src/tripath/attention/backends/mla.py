@@ -1,4 +1,4 @@
-"""``mla``: the fast MLA backend (the seed's ROCM_AITER_MLA role).
+"""``mla``: the fast MLA backend (the role of ROCM_AITER_MLA among vLLM's ROCm attention backends).
 
 Decode tokens take the absorbed path: ``q_nope · W_UK``, then the fused preparation kernel (RoPE, query
 concat / fp8 quantisation and cache write in one launch) whenever :meth:`fused_prep_reasons` finds nothing

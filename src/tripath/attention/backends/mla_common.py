@@ -12,7 +12,7 @@ Dims: ``H`` heads, latent ``L``, rotary ``R``, no-position ``P``, value ``V`` (D
     extend                  per chunk of cached context: gather latent rows, dequantise, up-project as
                             above, non-causal attention with LSE, merge_states; the new tokens causal:
                             with a cache of the model's dtype, their rows are gathered with the last
-                            chunk and attended in one causal launch (``join_extend_tail``), otherwise in
+                            chunk and attended in one causal launch, otherwise (fp8 caches) in
                             their own pass (with LSE) merged with the context
 
 Scores are ``sm_scale · (q_nope·k_nope + rope(q_pe)·rope(k_pe))`` in both forms, ``sm_scale`` the spec's
@@ -30,12 +30,12 @@ from typing import ClassVar
 
 import torch
 
-from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
+from tripath.attention.backends.base import Capabilities, MLAAttentionBackend, attend_joined_chunks
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
 from tripath.attention.spec import MLACache, MLALayerWeights
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
                          gather_mla_cache, merge_states, mla_decode, rotary_embedding, varlen_attention)
-from tripath.ops._checks import MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.platform import FP8_DTYPES
 
 FLOAT_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -50,13 +50,12 @@ class MLADecodeRows:
     seq_lens: torch.Tensor  # [Td] int32
 
 
-class MLABackendBase(AttentionBackend):
+class MLABackendBase(MLAAttentionBackend):
     """The MLA phase routing; subclasses choose the decode kernel and whether the fused preparation runs."""
 
     capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}))
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
-    join_extend_tail: bool = True  # last context chunk and new tokens in one causal launch (cache of kv_c's dtype)
 
     @classmethod
     def unsupported_reasons(cls, spec, device) -> list[str]:
@@ -68,18 +67,6 @@ class MLABackendBase(AttentionBackend):
                 if not MIN_HEAD_SIZE <= size <= MAX_HEAD_SIZE:
                     reasons.append(f"{name} = {size} outside {MIN_HEAD_SIZE}..{MAX_HEAD_SIZE} (the prefill kernel)")
         return reasons
-
-    # -- cache -----------------------------------------------------------------------------------------
-    def cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.cache_dtype).element_size()
-        return self.spec.block_size * self.spec.mla.cache_width * elem
-
-    def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None) -> MLACache:
-        """One layer's latent cache (scale 1.0; set ``kv_scale`` after calibration for fp8)."""
-        device = torch.device(device) if device is not None else self.device
-        cache = torch.zeros(num_blocks, self.spec.block_size, self.spec.mla.cache_width, dtype=self.cache_dtype,
-                            device=device)
-        return MLACache(cache, torch.ones(1, dtype=torch.float32, device=device))
 
     # -- metadata --------------------------------------------------------------------------------------
     def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> AttentionMetadata:
@@ -102,8 +89,8 @@ class MLABackendBase(AttentionBackend):
         return self.spec.sm_scale or 1.0 / math.sqrt(mla.qk_nope_head_dim + mla.qk_rope_head_dim)
 
     def fused_prep_reasons(self, meta: AttentionMetadata, weights: MLALayerWeights) -> list[str]:
-        """Why the fused preparation cannot run for this step (empty: it runs). The seed's guard idea: take
-        the fused path only when its preconditions are checked; the unfused path gives the same bits."""
+        """Why the fused preparation cannot run for this step (empty: it runs). As in vLLM's ROCm attention
+        backends, the fused path runs only when its preconditions are checked; the unfused path gives the same bits."""
         if not self.fused_prep:
             return [f"backend {self.name!r} prepares unfused"]
         reasons = []
@@ -165,7 +152,7 @@ class MLABackendBase(AttentionBackend):
     def _joins_tail(self, e: ExtendMetadata, cache: MLACache, kv_c: torch.Tensor) -> bool:
         """Whether the extends' new tokens are read back from the cache with the last chunk: the cache holds
         the model's dtype, so its rows are the step's ``[kv_c | rope(k_pe)]`` bit for bit."""
-        return self.join_extend_tail and e.tail is not None and cache.kv_cache.dtype == kv_c.dtype
+        return e.tail is not None and cache.kv_cache.dtype == kv_c.dtype
 
     # -- pieces ----------------------------------------------------------------------------------------
     def _kv_scale(self, cache: MLACache):
@@ -173,7 +160,7 @@ class MLABackendBase(AttentionBackend):
 
     def _query_format(self, cache: MLACache, weights: MLALayerWeights, dtype):
         """The absorbed query's dtype and scale: fp8 with ``weights.q_scale`` when the cache is fp8 and the
-        model gives a query scale (the seed's fp8 ``q_out``), else the model dtype unscaled."""
+        model gives a query scale (the fp8 ``q_out`` of vLLM's ROCm MLA backend), else the model dtype unscaled."""
         if cache.kv_cache.dtype in FP8_DTYPES and weights.q_scale is not None:
             return cache.kv_cache.dtype, weights.q_scale
         return dtype, None

@@ -1,4 +1,4 @@
-"""``mla_triton``: the baseline MLA backend (the seed's TRITON_MLA role).
+"""``mla_triton``: the baseline MLA backend (the role of TRITON_MLA among vLLM's attention backends).
 
 The same math as ``mla`` with the plain choices: the decode preparation runs unfused (in-place RoPE,
 cache write and query concat / quantisation as separate launches) and the decode kernel runs the plain

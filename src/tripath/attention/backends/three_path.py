@@ -1,30 +1,29 @@
-"""``three_path``: decode, extend and prefill routed to specialised kernels (the seed's ROCM_AITER_FA).
+"""``three_path``: decode, extend and prefill routed to specialised kernels (the arrangement of vLLM's ROCm
+attention backends).
 
 - decode rows → :func:`paged_decode` (split-KV, GQA-packed; the cache may be NHD or shuffled); decodes
   with several query tokens (speculative) → :func:`unified_attention` on the decode slice;
 - extend rows → for each chunk of cached context: gather into the workspace, non-causal
   :func:`varlen_attention` with LSE, and :func:`merge_states` into the running result; the new tokens
-  by causal :func:`varlen_attention`, either joined with the last chunk (below) or in their own pass over
-  the step's keys, merged with the context;
+  by causal :func:`varlen_attention`, joined with the last chunk (below) or, for fp8 caches, in their own
+  pass over the step's keys, merged with the context;
 - prefill rows → causal :func:`varlen_attention` over the new tokens.
 Sinks go to the pass that holds the new tokens only, so each row counts them once.
 
 On a GPU, when a step has decode rows beside extend or prefill rows, the decode launch goes last, on a
-side stream forked after the cache write (``overlap_decode``; it reads that cache and writes rows of the
-output no other launch touches), and the main stream joins it before returning: the memory-bound decode
-programs fill the ragged last waves of the compute-bound prefill kernels and the gaps between the
-extend's dependent launches. H200, ANCHORS.md mixed step, portable kernels: 1086 → 1068 µs GPU time,
-bit-identical output. With the persistent Gluon prefill kernel (sm_90) the overlap costs time instead
-(918 µs serial against 944 overlapped), so there the default is off.
-CUDA graphs capture the fork and the join. Likewise, when a step has both extend and prefill rows, the
-prefill launch runs on a second side stream (``overlap_prefill``), so each of the two compute-bound launches
-fills the other's last wave; the prefill then takes the large tiles even when it has few (``concurrent``):
-mixed step 1003 → 992 µs GPU time.
+side stream forked after the cache write (it reads that cache and writes rows of the output no other
+launch touches), and the main stream joins it before returning: the memory-bound decode programs fill the
+ragged last waves of the compute-bound prefill kernels and the gaps between the extend's dependent
+launches. :func:`overlap_decode_by_default` decides per GPU (off on sm_90, where the persistent Gluon
+prefill kernel leaves no ragged waves). Likewise, when a step has both extend and prefill rows, the
+prefill launch runs on a second side stream, so each of the two compute-bound launches fills the other's
+last wave; the prefill then takes the large tiles even when it has few (``concurrent``). CUDA graphs
+capture the forks and joins; the output is bit-identical to the serial order.
 
 The extends' last context chunk is gathered together with their new tokens (already in the cache) and
-attended in one causal launch (``join_extend_tail``), when the cache holds the keys' own dtype (so the
-gathered new rows are exactly the step's keys; an fp8 cache keeps the separate new-token pass, which uses
-the unquantised keys). With one chunk, the usual case, that is one gather and one launch, with no merge.
+attended in one causal launch, when the cache holds the keys' own dtype (so the gathered new rows are
+exactly the step's keys; an fp8 cache keeps the separate new-token pass, which uses the unquantised keys).
+With one chunk, the usual case, that is one gather and one launch, with no merge.
 """
 
 from __future__ import annotations
@@ -34,19 +33,16 @@ import contextlib
 import torch
 
 from tripath import _env
-from tripath.attention.backends.base import AttentionBackend, Capabilities, attend_joined_chunks
+from tripath.attention.backends.base import MHAAttentionBackend, Capabilities, attend_joined_chunks
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
 from tripath.attention.spec import KVCache
 from tripath.ops import gather_kv_cache, merge_states, paged_decode, unified_attention, varlen_attention
 from tripath.platform import Platform, current_platform
 
 
-class ThreePathBackend(AttentionBackend):
+class ThreePathBackend(MHAAttentionBackend):
     name = "three_path"
     capabilities = Capabilities()
-    overlap_decode: bool | None = None  # decode on a side stream beside extend/prefill (GPU only); None: per GPU
-    overlap_prefill = True  # prefill on another side stream beside the extend (GPU only)
-    join_extend_tail = True  # last context chunk and new tokens in one causal launch (cache of k's dtype)
 
     def __init__(self, spec, device="cpu"):
         super().__init__(spec, device)
@@ -58,13 +54,11 @@ class ThreePathBackend(AttentionBackend):
         self._write(k, v, cache, meta)
         out = self._out(q, out)
         on_gpu = q.is_cuda
-        overlap_decode = self.overlap_decode
-        if overlap_decode is None:
-            overlap_decode = on_gpu and overlap_decode_by_default(current_platform(q.device))
-        decode_side = self._fork("decode", q.device, on_gpu and overlap_decode and meta.decode is not None
+        overlap_decode = on_gpu and overlap_decode_by_default(current_platform(q.device))
+        decode_side = self._fork("decode", q.device, overlap_decode and meta.decode is not None
                                  and (meta.extend is not None or meta.prefill is not None))
-        prefill_side = self._fork("prefill", q.device, on_gpu and self.overlap_prefill
-                                  and meta.prefill is not None and meta.extend is not None)
+        prefill_side = self._fork("prefill", q.device, on_gpu and meta.prefill is not None
+                                  and meta.extend is not None)
         if meta.decode is not None and decode_side is None:
             self._decode(q, cache, meta, out, opts, concurrent=False)
         if meta.extend is not None:  # beside the decode: launches sized so SMs pass to it as programs finish
@@ -110,7 +104,7 @@ class ThreePathBackend(AttentionBackend):
                               v_scale=v_scale, out=out[:d.num_tokens], **opts)
 
     def _extend(self, q, k, v, cache: KVCache, e: ExtendMetadata, out: torch.Tensor, opts: dict) -> None:
-        if self.join_extend_tail and e.tail is not None and cache.k_cache.dtype == k.dtype:
+        if e.tail is not None and cache.k_cache.dtype == k.dtype:
             self._extend_joined(q, cache, e, out, opts)
             return
         q_e = q[e.token_start:e.token_end]
@@ -161,8 +155,7 @@ class ThreePathBackend(AttentionBackend):
 
 
 def overlap_decode_by_default(platform: Platform) -> bool:
-    """Whether the decode goes on a side stream when the backend does not say: yes, except on sm_90 with the
-    Gluon prefill kernel enabled. Its persistent programs leave no ragged waves to fill, and H200,
-    2026-11-29, ANCHORS.md mixed step, GPU time, two runs of three: 916 / 918 µs with the decode on the main
-    stream against 939 / 944 µs with it beside the extend and prefill."""
+    """Whether the decode goes on a side stream beside the extend and prefill launches: yes, except on sm_90
+    with the Gluon prefill kernel enabled, whose persistent programs leave no ragged waves to fill (there
+    the overlap measured slower than the serial order; docs/BENCHMARKS.md, mixed step)."""
     return not (platform.is_hopper and not _env.gluon_disabled())

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from tripath.attention.backends.base import AttentionBackend, Capabilities
+from tripath.attention.backends.base import Capabilities, MHAAttentionBackend, MLAAttentionBackend
 from tripath.attention.spec import KVCache, MLACache, MLALayerWeights, RotaryTables
 from tripath.ops.kv_cache import as_nhd, dequantize
 from tripath.ops.reference import attend
@@ -38,7 +38,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: RotaryTables | None
     return out.to(x.dtype)
 
 
-class TorchBackend(AttentionBackend):
+class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
     """Where the step's new keys/values come from matters only for fp8 caches (rounding): by default
     decode rows read them back from the cache (as paged decode does) and extend/prefill rows use them as
     given (as ``three_path``'s varlen paths do); ``new_kv_from_cache=True`` reads them from the cache for
@@ -52,19 +52,14 @@ class TorchBackend(AttentionBackend):
         self.new_kv_from_cache = new_kv_from_cache
 
     # -- caches ----------------------------------------------------------------------------------------
+    def _interface(self):
+        return MLAAttentionBackend if self.spec.is_mla else MHAAttentionBackend
+
     def cache_bytes_per_block(self) -> int:
-        if not self.spec.is_mla:
-            return super().cache_bytes_per_block()
-        elem = torch.empty((), dtype=self.cache_dtype).element_size()
-        return self.spec.block_size * self.spec.mla.cache_width * elem
+        return self._interface().cache_bytes_per_block(self)
 
     def allocate_cache(self, num_blocks, device=None):
-        if not self.spec.is_mla:
-            return super().allocate_cache(num_blocks, device)
-        device = torch.device(device) if device is not None else self.device
-        cache = torch.zeros(num_blocks, self.spec.block_size, self.spec.mla.cache_width, dtype=self.cache_dtype,
-                            device=device)
-        return MLACache(cache, torch.ones(1, dtype=torch.float32, device=device))
+        return self._interface().allocate_cache(self, num_blocks, device)
 
     # -- MHA -------------------------------------------------------------------------------------------
     def forward(self, q, k, v, cache: KVCache, meta, *, alibi_slopes=None, sinks=None, out=None,

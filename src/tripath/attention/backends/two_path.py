@@ -1,14 +1,14 @@
-"""``two_path`` (the seed's legacy ROCM_ATTN): one context-attention launch for every request with more
+"""``two_path`` (the arrangement of the legacy ROCM_ATTN backend among vLLM's ROCm attention backends): one context-attention launch for every request with more
 than one new token (its queries against its cached context plus its new tokens, read from the paged cache
 after the write), and :func:`paged_decode` for the single-token decodes."""
 
 from __future__ import annotations
 
-from tripath.attention.backends.base import AttentionBackend, Capabilities
+from tripath.attention.backends.base import MHAAttentionBackend, Capabilities
 from tripath.ops import paged_decode, unified_attention
 
 
-class TwoPathBackend(AttentionBackend):
+class TwoPathBackend(MHAAttentionBackend):
     name = "two_path"
     capabilities = Capabilities(max_decode_threshold=1)
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from tripath.attention.backends.base import AttentionBackend, Capabilities
+from tripath.attention.backends.base import MHAAttentionBackend, Capabilities
 from tripath.ops import unified_attention
 
 
-class UnifiedBackend(AttentionBackend):
+class UnifiedBackend(MHAAttentionBackend):
     name = "unified"
     capabilities = Capabilities()
 

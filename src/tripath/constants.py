@@ -1,0 +1,12 @@
+"""The values that more than one layer checks against, defined once (this module imports nothing, so a
+config class can use them without loading torch's kernels or Triton)."""
+
+# Head sizes every attention op serves (padded to a power of two inside the kernels).
+MIN_HEAD_SIZE, MAX_HEAD_SIZE = 32, 256
+
+# KV cache element types: "auto" = the model's dtype; "fp8" = the platform's e4m3 with per-tensor scales.
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+# MHA KV cache layouts: "nhd" [num_blocks, block_size, num_kv_heads, head_size] and "shuffled" (16-byte
+# vectors along head_size for K and along block_size for V; see tripath.ops.kv_cache).
+KV_LAYOUTS = ("nhd", "shuffled")
