@@ -58,7 +58,7 @@ BAD_PROMPTS = [
     ([[-1, 2]], ValueError, r"prompts\[0\]\[0\] = -1 is outside the vocabulary"),
     ([1, 5.7], TypeError, r"prompts\[0\]\[1\] must be an integer token id, got float 5.7"),
     ([[1, True]], TypeError, r"prompts\[0\]\[1\] must be an integer token id, got bool"),
-    ([[1, 2], "text"], TypeError, r"prompts\[1\] is text, which needs a tokenizer"),
+    ([[1, 2], "text"], TypeError, r"prompts\[1\] is text: a text prompt needs a tokenizer"),
     ([[1, 2], None], TypeError, r"prompts\[1\] must be a sequence of integer token ids .* got NoneType"),
     ([torch.tensor([1.0, 2.0])], TypeError, r"prompts\[0\] as a tensor must be 1-D with an integer dtype"),
     ([np.array([[1, 2]])], TypeError, r"prompts\[0\] as a array must be 1-D with an integer dtype"),
@@ -141,7 +141,7 @@ def test_max_model_len_beyond_the_positions_is_refused(model):
 
 def test_sampling_parameters_at_the_edges():
     for bad in (math.nan, math.inf, -1.0):
-        with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0"):
+        with pytest.raises(ValueError, match=r"temperature must be >= 0 and finite"):
             SamplingParams(temperature=bad)
     with pytest.raises(TypeError, match=r"temperature must be a number, got str"):
         SamplingParams(temperature="0.5")

@@ -148,7 +148,8 @@ class LLM:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise TypeError(f"{name} is text, which needs a tokenizer; this model has none, pass token ids")
+                raise TypeError(f"{name} is text: a text prompt needs a tokenizer; this model has none, pass "
+                                "token ids")
             encoded = self.tokenizer.encode(prompt)
             text, token_ids = prompt, list(getattr(encoded, "ids", encoded))  # `tokenizers` returns an Encoding
         else:

@@ -78,7 +78,7 @@ class SamplingParams:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real):
             raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not _is_int(self.top_k) or self.top_k < -1:
