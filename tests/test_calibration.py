@@ -14,6 +14,14 @@ from tripath.models import load_model
 from tripath.ops import reference as R
 from tripath.platform import fp8_dtype, fp8_max
 
+
+@pytest.fixture(autouse=True)
+def _validate_every_step(monkeypatch):
+    """TRIPATH_VALIDATE=1: every step's metadata goes through tripath.attention.validate (and the ops check
+    their index values), so each engine step here also proves the engine builds valid indices."""
+    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+
+
 FP8 = fp8_dtype()
 
 

@@ -21,6 +21,14 @@ from tripath.engine.config import default_block_size
 from tripath.engine.cli_generate import main_generate
 from tripath.models import load_model
 
+
+@pytest.fixture(autouse=True)
+def _validate_every_step(monkeypatch):
+    """TRIPATH_VALIDATE=1: every step's metadata goes through tripath.attention.validate (and the ops check
+    their index values), so each engine step here also proves the engine builds valid indices."""
+    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+
+
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 

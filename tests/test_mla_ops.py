@@ -602,7 +602,7 @@ def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     from tripath.ops._launch import capture_launches
     from tripath.platform import H200, MI300X, override_platform
     seq_lens = torch.tensor([100, 64], dtype=torch.int32)
-    table = torch.zeros(2, 4, dtype=torch.int32)
+    table = torch.zeros(2, 8, dtype=torch.int32)  # 100 rows fit in blocks of 16 too
     cache = torch.zeros(8, 64, L + R, dtype=torch.bfloat16)
     q = torch.zeros(2, 128, L + R, dtype=torch.bfloat16)
     with override_platform(H200), capture_launches() as records:

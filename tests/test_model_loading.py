@@ -14,6 +14,14 @@ from tripath.models import PRESETS, ModelConfig, config_from_hf, load_model, loa
 from tripath.models.config import MoEConfig, RopeConfig
 from tripath.models.layers import MoE
 
+
+@pytest.fixture(autouse=True)
+def _validate_every_step(monkeypatch):
+    """TRIPATH_VALIDATE=1: every step's metadata goes through tripath.attention.validate (and the ops check
+    their index values), so each engine step here also proves the engine builds valid indices."""
+    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+
+
 transformers = pytest.importorskip("transformers")
 
 SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,

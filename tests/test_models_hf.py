@@ -11,6 +11,14 @@ import torch
 from model_steps import PagedRunner, hf_logits, randomize_hf_weights
 from tripath.models import load_model
 
+
+@pytest.fixture(autouse=True)
+def _validate_every_step(monkeypatch):
+    """TRIPATH_VALIDATE=1: every step's metadata goes through tripath.attention.validate (and the ops check
+    their index values), so each engine step here also proves the engine builds valid indices."""
+    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+
+
 transformers = pytest.importorskip("transformers")
 
 TOL = dict(atol=2e-4, rtol=1e-4)

@@ -42,3 +42,11 @@ def setting(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+def validate() -> bool:
+    """``TRIPATH_VALIDATE=1``: the ops also check the values of their index tensors on the device (slots,
+    block ids, ``seq_lens``, ``cu_seqlens``, fp8 scales; each check syncs with the host), and
+    :class:`tripath.attention.ForwardContext` checks each step's metadata against its caches. Off by default:
+    the engine builds those indices itself; the test suites turn it on."""
+    return os.environ.get("TRIPATH_VALIDATE", "0") not in ("", "0", "false", "False")

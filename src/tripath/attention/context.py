@@ -7,9 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tripath import _env
 from tripath.attention.calibration import calibrate_kv_scales, calibrate_mla_scale
 from tripath.attention.metadata import AttentionMetadata
 from tripath.attention.spec import MLALayerWeights
+from tripath.attention.validate import MetadataError, cache_geometry, validate_metadata
 
 if TYPE_CHECKING:  # the backends (and their kernels) load only when a backend is selected
     from tripath.attention.backends.base import AttentionBackend
@@ -21,12 +23,27 @@ class ForwardContext:
 
     ``calibrate_kv_scales``: before writing, set each fp8 cache's scales from this step's keys and values
     (:mod:`tripath.attention.calibration`); the engine does this on its first step when asked to.
+
+    ``validate`` (None: ``TRIPATH_VALIDATE=1``): on construction, check the metadata against the caches
+    (:func:`tripath.attention.validate.validate_metadata`; host syncs) and raise
+    :class:`~tripath.attention.validate.MetadataError` before any kernel could read or write out of bounds.
     """
 
     backend: "AttentionBackend"
     metadata: AttentionMetadata
     caches: list
     calibrate_kv_scales: bool = False
+    validate: bool | None = None
+
+    def __post_init__(self):
+        if self.validate is False or (self.validate is None and not _env.validate()):
+            return
+        if not self.caches:
+            raise MetadataError("caches is empty: a ForwardContext needs one cache per attention layer")
+        geometry = {cache_geometry(c) for c in self.caches}
+        if len(geometry) != 1:
+            raise MetadataError(f"the layers' caches differ in (num_blocks, block_size): {sorted(geometry)}")
+        validate_metadata(self.metadata, *geometry.pop())
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,

@@ -23,13 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
 from tripath.engine.model_runner import ModelRunner
-from tripath.engine.request import Request, RequestOutput, SamplingParams
+from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
 from tripath.ops._launch import compiled_variants
 from tripath.engine.scheduler import Scheduler
@@ -138,25 +139,48 @@ class LLM:
     # ---- step API -----------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a prompt (text, with the model's tokenizer, or token ids); returns its request id.
-        Raises ``ValueError`` when it could never be served (see :class:`Scheduler`)."""
-        params = sampling_params or SamplingParams()
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise TypeError("a text prompt needs a tokenizer; this model has none, pass token ids")
-            encoded = self.tokenizer.encode(prompt)
-            text, token_ids = prompt, list(getattr(encoded, "ids", encoded))  # `tokenizers` returns an Encoding
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
-        number = self.num_requests_added
-        request = Request(token_ids, params, request_id=request_id or f"req-{number}", prompt=text,
-                          eos_token_ids=self.eos_token_ids)
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else hash((self.config.seed, number))
-            request.generator = make_generator(seed, self.config.device)
+        """Queue a prompt (text, with the model's tokenizer, or token ids: a sequence of ints or a 1-D integer
+        tensor/array); returns its request id. Nothing is queued when it raises: ``TypeError`` for a prompt
+        that is not text or integer ids, ``ValueError`` for an empty prompt, ids outside the vocabulary, a
+        request id already queued or running, or a request that could never be served (see
+        :class:`Scheduler`)."""
+        request = self._make_request(prompt, sampling_params, request_id, "prompt", self.num_requests_added)
         self.scheduler.add(request)
         self.num_requests_added += 1
         return request.request_id
+
+    def _make_request(self, prompt: Prompt, sampling_params: SamplingParams | None, request_id: str | None,
+                      name: str, number: int, taken: set[str] = frozenset()) -> Request:
+        """A validated request (``name`` names the prompt in errors) that :meth:`Scheduler.add` will accept;
+        ``taken``: request ids claimed by requests about to be queued with it."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError(f"{name} is text: a text prompt needs a tokenizer; this model has none, pass "
+                                "token ids")
+            encoded = self.tokenizer.encode(prompt)
+            text, token_ids = prompt, list(getattr(encoded, "ids", encoded))  # `tokenizers` returns an Encoding
+        else:
+            text, token_ids = None, prompt
+        token_ids = token_ids_of(token_ids, name, getattr(self.model.config, "vocab_size", None))
+        live = {r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)} | set(taken)
+        if request_id is None:
+            request_id, n = f"req-{number}", 0
+            while request_id in live:
+                n += 1
+                request_id = f"req-{number}-{n}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        elif request_id in live:
+            raise ValueError(f"request_id {request_id!r} is already queued or running")
+        request = Request(token_ids, params, request_id=request_id, prompt=text, eos_token_ids=self.eos_token_ids)
+        self.scheduler.check(request)
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else hash((self.config.seed, number))
+            request.generator = make_generator(seed, self.config.device)
+        return request
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when no such request is queued or running."""
@@ -188,8 +212,9 @@ class LLM:
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
         """Add ``prompts`` and yield each step's outputs until all of them finish."""
-        for prompt, params in zip(*self._normalise(prompts, sampling_params)):
-            self.add_request(prompt, params)
+        for request in self._make_requests(*self._normalise(prompts, sampling_params)):
+            self.scheduler.add(request)
+            self.num_requests_added += 1
         while self.has_unfinished_requests():
             yield from self.step()
 
@@ -204,28 +229,40 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt; outputs in the prompts' order. Metrics of the run go to ``last_metrics``.
 
-        ``prompts``: one prompt or a list; a prompt is text or a list of token ids. ``sampling_params``: one for
-        all, or one per prompt (default: ``SamplingParams()``).
+        ``prompts``: one prompt or a list; a prompt is text or token ids (a sequence of ints, or a 1-D integer
+        tensor/array). ``sampling_params``: one for all, or one per prompt (default: ``SamplingParams()``).
+
+        Every prompt is checked before any is queued (see :meth:`add_request`), so a bad one raises alone and
+        touches nothing. If a step raises, this run's requests are aborted first: the engine is left idle,
+        every block back in the free pool.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("generate() needs an idle engine: finish or abort the requests added with "
                                "add_request() first")
-        prompts, params = self._normalise(prompts, sampling_params)
+        batch = self._make_requests(*self._normalise(prompts, sampling_params))
         start = time.perf_counter()
         steps0, preempt0 = self.num_steps, self.scheduler.num_preemptions
         hits0, queried0 = self.block_manager.num_hit_tokens, self.block_manager.num_queried_tokens
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        requests = {r.request_id: r for r in self.scheduler.waiting}
+        requests = {r.request_id: r for r in batch}
+        ids = list(requests)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            while self.has_unfinished_requests():
-                for out in self.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
-                elapsed = time.perf_counter() - start
-                produced = sum(r.num_output_tokens for r in requests.values())
-                bar.set_postfix_str(f"{produced / max(elapsed, 1e-9):.1f} output tok/s", refresh=False)
+        try:
+            for request in batch:
+                self.scheduler.add(request)
+                self.num_requests_added += 1
+            with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
+                while self.has_unfinished_requests():
+                    for out in self.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+                    elapsed = time.perf_counter() - start
+                    produced = sum(r.num_output_tokens for r in requests.values())
+                    bar.set_postfix_str(f"{produced / max(elapsed, 1e-9):.1f} output tok/s", refresh=False)
+        except BaseException:
+            for request_id in ids:
+                self.scheduler.abort(request_id)
+            raise
         elapsed = time.perf_counter() - start
         queried = self.block_manager.num_queried_tokens - queried0
         hit_rate = (self.block_manager.num_hit_tokens - hits0) / queried if queried else 0.0
@@ -233,11 +270,25 @@ class LLM:
                                           self.scheduler.num_preemptions - preempt0, hit_rate)
         return [finished[i] for i in ids]
 
+    def _make_requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Request]:
+        """Validated requests for ``prompts`` (the first bad one raises, naming ``prompts[i]``), nothing queued."""
+        batch: list[Request] = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            batch.append(self._make_request(prompt, sp, None, f"prompts[{i}]", self.num_requests_added + i,
+                                            {r.request_id for r in batch}))
+        return batch
+
     @staticmethod
     def _normalise(prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and
-                                        all(isinstance(t, int) for t in prompts)):
+        """``(prompts, params)`` as equal-length lists: one prompt (text, a flat sequence of numbers, a 1-D
+        tensor/array) becomes a list of one; ``sampling_params`` one for all or one per prompt."""
+        if isinstance(prompts, (torch.Tensor, np.ndarray)):
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        elif isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and not any(
+                isinstance(t, (str, bytes, Sequence, torch.Tensor, np.ndarray)) for t in prompts)):
             prompts = [prompts]
+        elif not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
         prompts = list(prompts)
         if not prompts:
             raise ValueError("prompts is empty")

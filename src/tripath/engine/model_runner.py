@@ -49,7 +49,11 @@ class ModelRunner:
         self.backend = select_backend(self.spec, name=config.backend, device=self.device)
         self.num_layers = model.num_attention_layers
         self.block_size = config.block_size
-        self.max_model_len = config.max_model_len or int(model.config.max_position)
+        max_position = int(model.config.max_position)  # the rotary tables' rows (rope scaling included)
+        self.max_model_len = config.max_model_len or max_position
+        if self.max_model_len > max_position:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position ({max_position}): "
+                             "its positions (with any rope scaling, which max_position already includes) end there")
         self.max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
         self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
         self.inputs = StepInputBuilder(self.device, self.block_size, config.max_num_batched_tokens,

@@ -12,11 +12,45 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
+
+
+def token_ids_of(prompt, name: str = "prompt", vocab_size: int | None = None) -> list[int]:
+    """``prompt`` as a list of Python ints: a sequence of integers (``int``, numpy integers; not ``bool``,
+    not floats), or a 1-D integer ``torch.Tensor`` / ``numpy.ndarray``. Raises ``TypeError`` for other types
+    and ``ValueError`` for an empty prompt or (with ``vocab_size``) ids outside ``[0, vocab_size)``; the
+    message names ``name``."""
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        kind = "tensor" if isinstance(prompt, torch.Tensor) else "array"
+        integer = (not prompt.dtype.is_floating_point and not prompt.dtype.is_complex
+                   and prompt.dtype != torch.bool) if kind == "tensor" else np.issubdtype(prompt.dtype, np.integer)
+        if prompt.ndim != 1 or not integer:
+            raise TypeError(f"{name} as a {kind} must be 1-D with an integer dtype, got shape "
+                            f"{tuple(prompt.shape)} and dtype {prompt.dtype}")
+        ids = [int(t) for t in prompt.tolist()]
+    elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{name} must be a sequence of integer token ids (or a 1-D integer tensor/array), got "
+                        f"{type(prompt).__name__}")
+    else:
+        ids = []
+        for i, t in enumerate(prompt):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, numbers.Integral):
+                raise TypeError(f"{name}[{i}] must be an integer token id, got {type(t).__name__} {t!r}")
+            ids.append(int(t))
+    if not ids:
+        raise ValueError(f"{name} is empty: a prompt needs at least one token")
+    if vocab_size is not None:
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 @dataclass(frozen=True)
@@ -39,21 +73,29 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real):
+            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise ValueError(f"top_k must be an int >= 1, or -1 / 0 for no limit, got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = self.stop_token_ids
+        stop = [stop] if _is_int(stop) else stop
+        object.__setattr__(self, "stop_token_ids", tuple(token_ids_of(stop, "stop_token_ids")) if stop else ())
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 class RequestStatus(enum.Enum):
@@ -94,9 +136,7 @@ class Request:
     index: int = field(default_factory=lambda: next(_request_counter))
 
     def __post_init__(self):
-        if not self.prompt_token_ids:
-            raise ValueError("prompt_token_ids must hold at least one token")
-        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.prompt_token_ids = token_ids_of(self.prompt_token_ids, "prompt_token_ids")
         if not self.request_id:
             self.request_id = str(self.index)
 

@@ -5,7 +5,8 @@ most likely tokens (ties at the k-th value kept) and then to the smallest most-l
 reaches ``top_p`` (the most likely token always stays), renormalised. The token is drawn with the
 exponential race ``argmax_i p_i / e_i``, ``e_i ~ Exp(1)`` from the request's own generator — the same law as
 a categorical draw, and it makes each request's tokens independent of the rest of the batch (a preempted,
-recomputed request continues with exactly the tokens it would have had). ``t = 0`` is ``argmax z``.
+recomputed request continues with exactly the tokens it would have had). ``t = 0`` is ``argmax z``; a tiny
+positive ``t`` samples among the tokens tied at the max (``z - max z`` is divided, so nothing overflows).
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     """``[N, V]`` probabilities after temperature, top-k and top-p (rows of ``logits [N, V]`` fp32;
     ``temperature [N] > 0``, ``top_k [N]`` int64 with values < 1 meaning no limit, ``top_p [N]`` in (0, 1])."""
     vocab = logits.shape[-1]
-    scaled = logits.float() / temperature[:, None]
+    # Shifted by the row's max before the division, so a tiny temperature sends every other logit to -inf
+    # (or a very negative number) rather than overflowing the max to inf: it stays finite, ``0 / t = 0``,
+    # and the sampling tends to greedy. The clamp keeps a temperature that underflows in fp32 from giving
+    # ``0 / 0`` on the max.
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    scaled = shifted / temperature.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     k = torch.where(top_k < 1, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
     kth = sorted_logits.gather(1, (k - 1)[:, None])

@@ -71,7 +71,14 @@ class Scheduler:
 
     # ---- queue ---------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Accept a request, or raise ``ValueError`` if it could never be served."""
+        """Accept a request, or raise ``ValueError`` if it could never be served (:meth:`check`)."""
+        self.check(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Raise ``ValueError`` if ``request`` could never be served: longer than ``max_model_len``, more
+        blocks than the cache holds, or (chunked prefill off) a prompt over the token budget."""
         longest = request.num_prompt_tokens + request.sampling_params.max_tokens
         if longest > self.max_model_len:
             raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
@@ -84,8 +91,6 @@ class Scheduler:
         if not self.enable_chunked_prefill and longest - 1 > self.max_num_batched_tokens:
             raise ValueError(f"a prompt of up to {longest - 1} tokens (with outputs, after preemption) exceeds "
                              f"max_num_batched_tokens ({self.max_num_batched_tokens}) and chunked prefill is off")
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request wherever it is; returns it, or None when unknown."""

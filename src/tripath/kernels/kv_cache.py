@@ -41,16 +41,26 @@ def kv_offsets(
     return k_off, v_off
 
 
+@triton.jit
+def quantize_keep_nan(x, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """:func:`fp8_round` of fp32 ``x`` with NaN kept NaN, as the reference stores it (the saturating clamp
+    alone may make it finite). The NaN is re-made as ``0x7FF00000`` (with its sign), so that a conversion that
+    converts bit by bit (Triton's interpreter: the top three mantissa bits, rounded by the next) still lands
+    on e4m3's NaN (all exponent and mantissa bits set)."""
+    nan = ((x.to(tl.int32, bitcast=True) & -2147483648) | 0x7FF00000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, fp8_round(x, FP8_MAX, EMULATE_RNE), nan)
+
+
 @triton.jit(**STEP_INVARIANT)
 def write_kv_cache_kernel(
     key_ptr, value_ptr,  # [T, H, D]
     k_cache_ptr, v_cache_ptr,
-    slot_mapping_ptr,  # [T] int64, negative = skip
+    slot_mapping_ptr,  # [T] int64, negative or >= num_slots = skip
     k_scale_ptr, v_scale_ptr,
     stride_key_t, stride_key_h, stride_value_t, stride_value_h,
     stride_k0, stride_k1, stride_k2, stride_k3,
     stride_v0, stride_v1, stride_v2, stride_v3,
-    num_kv_heads, head_size, block_size,
+    num_kv_heads, head_size, block_size, num_slots,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     SHUFFLED: tl.constexpr, X: tl.constexpr,
     QUANT: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_RNE: tl.constexpr,
@@ -59,7 +69,7 @@ def write_kv_cache_kernel(
     fp8 caches store ``sat(x / scale)``. Layout (NHD or shuffled) as in the module docstring."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):
         return
     block = slot // block_size
     offset = slot % block_size
@@ -69,8 +79,8 @@ def write_kv_cache_kernel(
     k = tl.load(key_ptr + token * stride_key_t + heads * stride_key_h + dims, mask=mask).to(tl.float32)
     v = tl.load(value_ptr + token * stride_value_t + heads * stride_value_h + dims, mask=mask).to(tl.float32)
     if QUANT:
-        k = fp8_round(k / tl.load(k_scale_ptr), FP8_MAX, EMULATE_RNE)
-        v = fp8_round(v / tl.load(v_scale_ptr), FP8_MAX, EMULATE_RNE)
+        k = quantize_keep_nan(k / tl.load(k_scale_ptr), FP8_MAX, EMULATE_RNE)
+        v = quantize_keep_nan(v / tl.load(v_scale_ptr), FP8_MAX, EMULATE_RNE)
     k_off, v_off = kv_offsets(block, offset, heads, dims,
                               stride_k0, stride_k1, stride_k2, stride_k3,
                               stride_v0, stride_v1, stride_v2, stride_v3, SHUFFLED, X)

@@ -8,8 +8,7 @@ read ``x * scale`` with one per-tensor scale.
 import triton
 import triton.language as tl
 
-from tripath.kernels.kv_cache import find_sequence
-from tripath.kernels.quant import fp8_round
+from tripath.kernels.kv_cache import find_sequence, quantize_keep_nan
 from tripath.kernels.specialize import STEP_INVARIANT
 
 
@@ -18,10 +17,10 @@ def quantize(x, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_R
     """``sat(x / scale)`` (fp32) when ``QUANT``, else ``x`` as fp32; the caller casts. ``EMULATE_RNE`` (the
     interpreter only, see :mod:`tripath.kernels.quant`) rounds onto the e4m3 grid first; on GPUs the
     conversion rounds by itself, and the emulation's ~15 integer operations a value made the fused decode
-    preparation at 128 heads issue-bound."""
+    preparation at 128 heads issue-bound. NaN stays NaN."""
     x = x.to(tl.float32)
     if QUANT:
-        x = fp8_round(x / tl.load(scale_ptr), FP8_MAX, EMULATE_RNE)
+        x = quantize_keep_nan(x / tl.load(scale_ptr), FP8_MAX, EMULATE_RNE)
     return x
 
 
@@ -29,14 +28,15 @@ def quantize(x, scale_ptr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE_R
 def concat_and_cache_mla_kernel(
     kv_c_ptr, k_pe_ptr, kv_cache_ptr, slot_mapping_ptr, scale_ptr,
     stride_kv_c_t, stride_k_pe_t, stride_c_block, stride_c_slot,
-    kv_lora_rank, rope_dim, block_size,
+    kv_lora_rank, rope_dim, block_size, num_slots,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
-    """Program ``t`` writes the row ``[kv_c[t] | k_pe[t]]`` at ``slot_mapping[t]`` (skipped when negative)."""
+    """Program ``t`` writes the row ``[kv_c[t] | k_pe[t]]`` at ``slot_mapping[t]`` (skipped when negative or
+    past the cache's ``num_slots``)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:
+    if (slot < 0) | (slot >= num_slots):
         return
     row = kv_cache_ptr + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot
     dims_l = tl.arange(0, BLOCK_L)

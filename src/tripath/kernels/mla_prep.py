@@ -4,7 +4,7 @@ One launch replaces the cache write (``concat_and_cache_mla``) and the query pre
 MLA decode step. For token ``t`` and head ``h`` (``L`` latent, ``R`` rotary dims):
 
     q_out[t, h]   = quant([ql_nope[t, h] | rope(q_pe[t, h])] / q_scale)     ([rope | nope] if not NOPE_FIRST)
-    cache[slot_t] = quant([kv_c[t]       | rope(k_pe[t])]    / k_scale)     (skipped when slot_t < 0)
+    cache[slot_t] = quant([kv_c[t]       | rope(k_pe[t])]    / k_scale)     (skipped unless 0 <= slot_t < num_slots)
 
 ``quant`` is ``sat(·)`` cast to e4m3 when the destination is fp8, a plain cast otherwise (then the scale is
 not applied). Rotated values are rounded to the input dtype before quantisation, exactly as the unfused
@@ -58,7 +58,7 @@ def mla_prep_kernel(
     k_scale_ptr, q_scale_ptr, positions_ptr, cos_ptr, sin_ptr,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv_c_t, stride_k_pe_t,
     stride_c_block, stride_c_slot, stride_qo_t, stride_qo_h, stride_cos, stride_sin,
-    num_heads, kv_lora_rank, rope_dim, block_size, max_position,
+    num_heads, kv_lora_rank, rope_dim, block_size, max_position, num_slots,
     BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
     APPLY_ROPE: tl.constexpr, IS_NEOX: tl.constexpr, NOPE_FIRST: tl.constexpr, WRITE_CACHE: tl.constexpr,
     QUANT_Q: tl.constexpr, QUANT_K: tl.constexpr, FP8_MAX_Q: tl.constexpr, FP8_MAX_K: tl.constexpr,
@@ -104,7 +104,7 @@ def mla_prep_kernel(
 
     # The cache row, once per token (head block 0).
     if WRITE_CACHE:
-        if (head_block == 0) & (slot >= 0):
+        if (head_block == 0) & (slot >= 0) & (slot < num_slots):
             row = kv_cache_ptr + (slot // block_size) * stride_c_block + (slot % block_size) * stride_c_slot
             _store_quantized(row + nope_at + dims_l, kv_c, lat_ok, k_scale_ptr, QUANT_K, FP8_MAX_K,
                              EMULATE_RNE)

@@ -309,7 +309,21 @@ def _qwen3_moe_from_hf(raw: dict, num_layers: int) -> MoEConfig:
 
 def config_from_hf(raw: dict, *, generation_config: dict | None = None, tokenizer_path: str | None = None,
                    source: str = "config.json") -> ModelConfig:
-    """A :class:`ModelConfig` from a parsed Hugging Face ``config.json`` (``source`` names it in errors)."""
+    """A :class:`ModelConfig` from a parsed Hugging Face ``config.json`` (``source`` names it in errors:
+    every ``ValueError`` it raises starts with ``source``, wrong-typed values included)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a JSON object, got a {type(raw).__name__}")
+    try:
+        return _config_from_hf(raw, generation_config, tokenizer_path, source)
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as error:
+        message = str(error)
+        if message.startswith(f"{source}: "):
+            raise
+        raise ValueError(f"{source}: {message}") from error
+
+
+def _config_from_hf(raw: dict, generation_config: dict | None, tokenizer_path: str | None,
+                    source: str) -> ModelConfig:
     architectures = raw.get("architectures") or []
     known = [a for a in architectures if a in ARCHITECTURES]
     if not known:
@@ -343,6 +357,8 @@ def config_from_hf(raw: dict, *, generation_config: dict | None = None, tokenize
                                rope=None if nope else rope_from_hf(raw, is_neox=is_neox), qkv_bias=bias,
                                o_bias=bias, q_lora_rank=raw.get("q_lora_rank"), moe=_moe_from_hf(raw, architecture))
         num_heads = common["num_heads"]
+        if num_heads <= 0:
+            raise ValueError(f"{source}: num_attention_heads must be positive, got {num_heads}")
         qwen2 = architecture == "Qwen2ForCausalLM"
         bias = bool(_get(raw, "attention_bias", False))
         window, window_layers = _sliding_window(raw, architecture, num_layers)

@@ -33,8 +33,15 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _read_json(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+    """The JSON object in ``path``; ``ValueError`` naming the file when it is not valid UTF-8 JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path}: not a valid JSON file ({error})") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+    return data
 
 
 def load_config(path: str) -> ModelConfig:
@@ -77,6 +84,16 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
+def _open_safetensors(file: str):
+    """``safe_open(file)``; ``ValueError`` naming the file when it is not a readable safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file}: not a readable safetensors file ({error})") from error
+
+
 def _skipped(name: str, config: ModelConfig) -> bool:
     layer = _LAYER.match(name)
     if layer and int(layer.group(1)) >= config.num_layers:
@@ -86,7 +103,7 @@ def _skipped(name: str, config: ModelConfig) -> bool:
 
 def load_weights(model: CausalLM, path: str) -> None:
     """Copy the checkpoint in ``path`` into ``model`` (converting dtypes), checking names and shapes."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     params = dict(model.named_parameters())
     expected = set()
@@ -97,7 +114,7 @@ def load_weights(model: CausalLM, path: str) -> None:
             expected.add((name, None))
     loaded, unexpected = set(), []
     for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open_safetensors(file) as f:
             for name in f.keys():
                 expert = _EXPERT.match(name)
                 key = (f"{expert.group(1)}.{expert.group(3)}", int(expert.group(2))) if expert else (name, None)
@@ -108,9 +125,12 @@ def load_weights(model: CausalLM, path: str) -> None:
                 target = params[key[0]] if key[1] is None else params[key[0]][key[1]]
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != tuple(target.shape):
-                    raise ValueError(f"{os.path.basename(file)}: tensor {name} has shape {shape}, but the config "
+                    raise ValueError(f"{file}: tensor {name} has shape {shape}, but the config "
                                      f"expects {tuple(target.shape)}")
-                target.copy_(f.get_tensor(name))
+                try:
+                    target.copy_(f.get_tensor(name))
+                except SafetensorError as error:
+                    raise ValueError(f"{file}: cannot read tensor {name}: {error}") from error
                 loaded.add(key)
     if unexpected:
         raise ValueError(f"{path}: the checkpoint has tensors this {model.config.architecture} config does not "

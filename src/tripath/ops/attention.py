@@ -18,8 +18,9 @@ from tripath.kernels.paged_decode import paged_decode_kernel, reduce_splits_kern
 from tripath.kernels.unified_attention import unified_attention_kernel
 from tripath.kernels.varlen_attention import varlen_attention_kernel
 from tripath.ops import _configs, reference
-from tripath.ops._checks import (FLOAT_DTYPES, check_gqa, check_head_size, check_index, check_options,
-                                 check_out, check_per_head, check_scale, check_tensor, next_pow2)
+from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_cu_seqlens_values, check_gqa,
+                                 check_head_size, check_options, check_out, check_per_head, check_scale,
+                                 check_seq_lens_values, check_tensor, next_pow2, values_checked)
 from tripath.ops._descriptors import row_matrix, row_strides
 from tripath.ops._launch import launch, use_triton
 from tripath.ops._varlen_sm90 import launch_varlen_sm90, sm90_unsupported
@@ -37,17 +38,22 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, device: torch.device) -> None
         raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
 
 
+def _num_blocks(k_cache: torch.Tensor) -> int:
+    return k_cache.shape[0]
+
+
 def _lse_out(num_tokens: int, num_heads: int, device, return_lse: bool) -> torch.Tensor:
     if return_lse:
         return torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
     return torch.empty(1, 1, dtype=torch.float32, device=device)
 
 
-def _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks):
+def _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,
+                   sm_scale=None):
     check_head_size("head_size (q.shape[-1])", head_size)
     check_head_size("value head size", head_size_v)
     group = check_gqa(q.shape[1], num_kv_heads)
-    check_options(window_left, softcap)
+    check_options(window_left, softcap, sm_scale)
     check_per_head("alibi_slopes", alibi_slopes, q.shape[1], q.device)
     check_per_head("sinks", sinks, q.shape[1], q.device)
     return group
@@ -59,7 +65,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                      q_positions_start: torch.Tensor | None = None, q_rope: torch.Tensor | None = None,
                      k_rope: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     return_lse: bool = False, concurrent: bool = False):
+                     return_lse: bool = False, concurrent: bool = False, validate: bool | None = None):
     """Attention of variable-length requests over contiguous keys.
 
     Parameters
@@ -79,6 +85,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         so the tiles are chosen for throughput even where this launch alone would leave its last waves
         ragged (a causal launch of few tiles), and the Hopper kernel launches one program per work item
         instead of a persistent grid.
+    validate : check the offsets' values (start at 0, non-decreasing, within ``q``/``k``, no request longer
+        than ``max_seqlen_q``/``max_seqlen_k``): always for host tensors; for device tensors when True or,
+        with None, under ``TRIPATH_VALIDATE=1`` (a host sync).
 
     On sm_90 the warp-specialised Gluon kernel (:mod:`tripath.kernels.varlen_attention_sm90`) runs where
     :func:`tripath.ops._varlen_sm90.sm90_unsupported` allows it (16-bit heads of 64/128, an optional rotary
@@ -95,7 +104,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     device = q.device
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device, shape=(None, None, q.shape[2]))
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=device, shape=(k.shape[0], k.shape[1], None))
-    group = _common_checks(q, k.shape[1], q.shape[2], v.shape[2], window_left, softcap, alibi_slopes, sinks)
+    group = _common_checks(q, k.shape[1], q.shape[2], v.shape[2], window_left, softcap, alibi_slopes, sinks,
+                           sm_scale)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
@@ -107,6 +117,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      shape=(num_seqs,))
     if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
         raise ValueError("max_seqlen_q and max_seqlen_k must be >= 0")
+    if values_checked(validate, cu_seqlens_q, cu_seqlens_k):
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+        check_cu_seqlens_values("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
     rope_size = _check_rope(q, k, q_rope, k_rope)
     out_shape = (q.shape[0], q.shape[1], v.shape[2])
     check_out("out", out, out_shape, q.dtype, device)
@@ -228,7 +241,7 @@ def _check_paged(q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_
         raise ValueError(f"q's head size {q.shape[2]} does not match the cache's {head_size}")
     if k_cache.dtype not in FP8_DTYPES and k_cache.dtype != q.dtype:
         raise TypeError(f"k_cache dtype {k_cache.dtype} must equal q's ({q.dtype}) or be fp8 (e4m3)")
-    check_index("block_table", block_table, device, ndim=2)
+    check_block_table(block_table, device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
     check_scale("k_scale", k_scale, k_cache.dtype, device)
     check_scale("v_scale", v_scale, k_cache.dtype, device)
@@ -241,7 +254,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  window_left: int = -1, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  sinks: torch.Tensor | None = None, num_splits: int | None = None,
-                 out: torch.Tensor | None = None, return_lse: bool = False, concurrent: bool = False):
+                 out: torch.Tensor | None = None, return_lse: bool = False, concurrent: bool = False,
+                 validate: bool | None = None):
     """One new token per request against its paged context (split-KV flash-decoding).
 
     Parameters
@@ -254,16 +268,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     concurrent : a scheduling hint: compute-bound launches run beside this one (on other streams), so the
         64-token tiles are kept (a 128-token tile program takes 73 KiB of shared memory against 39 and
         leaves less room for the other launch's programs).
+    validate : check ``seq_lens`` (>= 0, within the block table) and the block ids each request reads
+        (``[0, num_blocks)``): always for host tensors; for device tensors when True or, with None, under
+        ``TRIPATH_VALIDATE=1`` (a host sync).
 
     Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``).
     """
     device, block_size, num_kv_heads, head_size, head_size_v = _check_paged(
         q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale)
-    group = _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks)
+    group = _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,
+                           sm_scale)
     batch = q.shape[0]
     if block_table.shape[0] < batch or seq_lens.shape[0] != batch:
         raise ValueError(f"block_table ({block_table.shape[0]} rows) and seq_lens ({seq_lens.shape[0]}) must "
                          f"have one row per request of q ({batch})")
+    if values_checked(validate, block_table, seq_lens):
+        check_seq_lens_values(seq_lens, block_table, block_size, _num_blocks(k_cache))
     if num_splits is not None and not 1 <= int(num_splits) <= 256:
         raise ValueError(f"num_splits must be between 1 and 256, got {num_splits}")
     out_shape = (batch, q.shape[1], head_size_v)
@@ -325,7 +345,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       layout: str = "nhd", sm_scale: float | None = None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, window_left: int = -1, softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None, return_lse: bool = False):
+                      out: torch.Tensor | None = None, return_lse: bool = False, validate: bool | None = None):
     """One launch for a mixed batch (decode, extend and prefill alike) whose new K/V are in the cache.
 
     Parameters
@@ -334,17 +354,25 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     seq_lens : ``[B]`` int32, context + new tokens; new token ``t`` of a request sits at
         ``seq_len - query_len + t`` and attends causally to the cached keys.
     max_seqlen_q : host int, the longest request's new tokens (kept for API symmetry; the grid uses ``T``).
+    validate : check ``cu_seqlens_q`` (from 0, non-decreasing, within ``q``), ``seq_lens`` (each covering its
+        request's new tokens, within the block table) and the block ids read (``[0, num_blocks)``): always
+        for host tensors; for device tensors when True or, with None, under ``TRIPATH_VALIDATE=1``.
 
     Returns ``out [T, Hq, D]`` (and ``lse [T, Hq]``).
     """
     device, block_size, num_kv_heads, head_size, head_size_v = _check_paged(
         q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale)
-    group = _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks)
+    group = _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,
+                           sm_scale)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if seq_lens.shape[0] != num_seqs or block_table.shape[0] < num_seqs:
         raise ValueError(f"seq_lens ({seq_lens.shape[0]}) and block_table ({block_table.shape[0]} rows) must "
                          f"have one entry per request of cu_seqlens_q ({num_seqs})")
+    if values_checked(validate, cu_seqlens_q, block_table, seq_lens):
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        check_seq_lens_values(seq_lens, block_table, block_size, _num_blocks(k_cache),
+                              min_lens=cu_seqlens_q[1:] - cu_seqlens_q[:-1])
     out_shape = (q.shape[0], q.shape[1], head_size_v)
     check_out("out", out, out_shape, q.dtype, device)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_size)

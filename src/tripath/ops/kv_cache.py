@@ -19,7 +19,8 @@ from tripath import _env
 from tripath.kernels.kv_cache import gather_kv_cache_kernel, write_kv_cache_kernel
 from tripath.constants import KV_LAYOUTS
 from tripath.ops import _configs
-from tripath.ops._checks import FLOAT_DTYPES, check_index, check_scale, check_tensor, next_pow2
+from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_gather_values, check_index, check_scale,
+                                 check_slot_values, check_tensor, next_pow2, values_checked)
 from tripath.ops._launch import launch, use_triton
 from tripath.platform import FP8_DTYPES, fp8_max
 
@@ -62,8 +63,10 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     """Allocate ``(k_cache, v_cache)`` of ``layout`` (zero-filled, so block 0 holds harmless values)."""
     if dtype not in CACHE_DTYPES:
         raise TypeError(f"dtype={dtype} is not a supported KV cache dtype; supported: {CACHE_DTYPES}")
-    if block_size < 1 or num_blocks < 1:
-        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+    for name, n in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                    ("head_size", head_size)):
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
     k_shape, v_shape = kv_cache_shapes(num_blocks, block_size, num_kv_heads, head_size, dtype, layout)
     return (torch.zeros(k_shape, dtype=dtype, device=device),
             torch.zeros(v_shape, dtype=dtype, device=device))
@@ -89,6 +92,12 @@ def cache_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) ->
         check_layout(layout, 16, k_cache.dtype)
         raise AssertionError
     check_layout(layout, block_size, k_cache.dtype)
+    head_size_v = v_cache.shape[3]
+    for name, n in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                    ("head_size", head_size), ("value head_size", head_size_v)):
+        if n < 1:
+            raise ValueError(f"k_cache/v_cache: {name} must be positive, got a cache of shape "
+                             f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
     return num_blocks, block_size, num_kv_heads, head_size
 
 
@@ -115,10 +124,13 @@ def dequantize(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, *, layout: str = "nhd", k_scale: torch.Tensor | None = None,
-                   v_scale: torch.Tensor | None = None) -> None:
+                   v_scale: torch.Tensor | None = None, validate: bool | None = None) -> None:
     """Write the step's keys/values ``[T, H, D]`` into the paged cache at ``slot_mapping [T]``.
 
-    Negative slots are skipped (padding). fp8 caches store ``sat(x / scale)``.
+    Negative slots are skipped (padding), and so are slots past the cache's ``num_blocks * block_size`` (the
+    kernel masks them). ``validate``: raise on such slots instead — always for a host ``slot_mapping``; on a
+    device when True or, with None, under ``TRIPATH_VALIDATE=1`` (a host sync). fp8 caches store
+    ``sat(x / scale)`` (NaN stays NaN).
     """
     num_blocks, block_size, num_kv_heads, head_size = cache_geometry(k_cache, v_cache, layout)
     device = k_cache.device
@@ -133,6 +145,9 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
     quant = k_cache.dtype in FP8_DTYPES
     check_scale("k_scale", k_scale, k_cache.dtype, device)
     check_scale("v_scale", v_scale, k_cache.dtype, device)
+    num_slots = num_blocks * block_size
+    if values_checked(validate, slot_mapping):
+        check_slot_values(slot_mapping, num_slots)
     if not use_triton(device):
         return write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping, layout=layout,
                                   k_scale=k_scale, v_scale=v_scale)
@@ -145,7 +160,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
         k_scale if quant else dummy, v_scale if quant else dummy,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *cache_strides(k_cache, v_cache),
-        num_kv_heads, head_size, block_size,
+        num_kv_heads, head_size, block_size, num_slots,
         BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_size),
         SHUFFLED=layout == "shuffled", X=shuffle_width(k_cache.dtype),
         QUANT=quant, **fp8_store_constexprs(k_cache.dtype),
@@ -164,7 +179,7 @@ def write_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping, *, layout="nh
                        v_scale=None) -> None:
     """PyTorch reference of :func:`write_kv_cache` (also the CPU path)."""
     block_size = k_cache.shape[1] if layout == "nhd" else k_cache.shape[3]
-    keep = slot_mapping >= 0
+    keep = (slot_mapping >= 0) & (slot_mapping < k_cache.shape[0] * block_size)
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
     k, v = key[keep].float(), value[keep].float()
@@ -194,17 +209,21 @@ def gather_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
                     cu_seqlens_k: torch.Tensor, seq_starts: torch.Tensor, *, layout: str = "nhd",
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                     out_k: torch.Tensor | None = None, out_v: torch.Tensor | None = None,
-                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    dtype: torch.dtype | None = None,
+                    validate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy paged rows to contiguous ``[T, H, D]`` tensors, dequantising fp8.
 
     Request ``i`` contributes its cached tokens ``seq_starts[i] .. seq_starts[i] + n_i`` with
     ``n_i = cu_seqlens_k[i+1] - cu_seqlens_k[i]``, written to rows ``cu_seqlens_k[i] ..``. Rows of ``out_k``
     past ``cu_seqlens_k[-1]`` are left untouched (workspaces may be larger than the chunk). Without
-    ``out_k``/``out_v`` the total is read from the device (one host sync).
+    ``out_k``/``out_v`` the total is read from the device (one host sync). ``validate``: check the offsets
+    (from 0, non-decreasing, within ``out_k``), the positions (inside each row of the block table) and the
+    block ids read (``[0, num_blocks)``) — always for host tensors; on a device when True or, with None,
+    under ``TRIPATH_VALIDATE=1`` (a host sync).
     """
     num_blocks, block_size, num_kv_heads, head_size = cache_geometry(k_cache, v_cache, layout)
     device = k_cache.device
-    check_index("block_table", block_table, device, ndim=2)
+    check_block_table(block_table, device)
     check_index("cu_seqlens_k", cu_seqlens_k, device)
     check_index("seq_starts", seq_starts, device)
     num_seqs = cu_seqlens_k.shape[0] - 1
@@ -223,6 +242,9 @@ def gather_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: t
     check_tensor("out_k", out_k, ndim=3, dtypes=FLOAT_DTYPES, device=device, shape=(None, num_kv_heads, head_size))
     check_tensor("out_v", out_v, ndim=3, dtypes=FLOAT_DTYPES, device=device,
                  shape=(out_k.shape[0], num_kv_heads, head_size_v))
+    if values_checked(validate, block_table, cu_seqlens_k, seq_starts):
+        check_gather_values(block_table, cu_seqlens_k, seq_starts, block_size, num_blocks, out_k.shape[0],
+                            "cu_seqlens_k")
     if not use_triton(device):
         return gather_kv_cache_ref(k_cache, v_cache, block_table, cu_seqlens_k, seq_starts, layout=layout,
                                    k_scale=k_scale, v_scale=v_scale, out_k=out_k, out_v=out_v)

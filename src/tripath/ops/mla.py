@@ -24,7 +24,9 @@ from tripath.kernels.mla_decode import mla_decode_kernel
 from tripath.kernels.mla_prep import mla_prep_kernel
 from tripath.kernels.paged_decode import reduce_splits_kernel
 from tripath.ops import _configs, _mla_configs, reference_mla
-from tripath.ops._checks import FLOAT_DTYPES, check_index, check_out, check_scale, check_tensor, next_pow2
+from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_gather_values, check_index, check_out,
+                                 check_scale, check_seq_lens_values, check_slot_values, check_sm_scale, check_tensor,
+                                 next_pow2, values_checked)
 from tripath.ops._launch import launch, use_triton
 from tripath.ops._mla_decode_sm90 import block_n as gluon_block_n
 from tripath.ops._mla_decode_sm90 import gluon_unsupported, launch_mla_decode_sm90
@@ -57,6 +59,9 @@ def check_mla_cache(kv_cache: torch.Tensor, device: torch.device | None = None,
         raise ValueError(f"kv_cache rows have {kv_cache.shape[2]} values; expected {width} (kv_lora_rank + rope)")
     if kv_cache.stride(2) != 1:
         raise ValueError("kv_cache must be contiguous in its last dimension")
+    if min(kv_cache.shape) < 1:
+        raise ValueError(f"kv_cache must have positive num_blocks, block_size and row width, got shape "
+                         f"{tuple(kv_cache.shape)}")
     return tuple(kv_cache.shape)
 
 
@@ -82,24 +87,30 @@ def _rope_2d(name: str, k_pe: torch.Tensor, num_tokens: int, device) -> torch.Te
 
 
 def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, *, kv_scale: torch.Tensor | None = None) -> None:
+                         slot_mapping: torch.Tensor, *, kv_scale: torch.Tensor | None = None,
+                         validate: bool | None = None) -> None:
     """Write the rows ``[kv_c | k_pe]`` of the step's tokens into the MLA cache.
 
     Parameters
     ----------
     kv_c : ``[T, L]`` normalised latent; k_pe : ``[T, R]`` (already rotated); fp16/bf16/fp32.
     kv_cache : ``[num_blocks, block_size, L + R]``; fp8 needs ``kv_scale`` (one-element fp32 tensor).
-    slot_mapping : ``[T]`` int32/int64, ``block * block_size + offset``; negative slots are skipped.
+    slot_mapping : ``[T]`` int32/int64, ``block * block_size + offset``; negative slots are skipped, and so
+        are slots past the cache (masked).
+    validate : raise on slots past the cache instead: always for a host ``slot_mapping``; on a device when
+        True or, with None, under ``TRIPATH_VALIDATE=1`` (a host sync).
     """
     check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES)
     device = kv_c.device
     num_tokens, kv_lora_rank = kv_c.shape
     k_pe = _rope_2d("k_pe", k_pe, num_tokens, device)
-    _, block_size, _ = check_mla_cache(kv_cache, device, kv_lora_rank + k_pe.shape[1])
+    num_blocks, block_size, _ = check_mla_cache(kv_cache, device, kv_lora_rank + k_pe.shape[1])
     check_index("slot_mapping", slot_mapping, device)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
     check_scale("kv_scale", kv_scale, kv_cache.dtype, device)
+    if values_checked(validate, slot_mapping):
+        check_slot_values(slot_mapping, num_blocks * block_size)
     if not use_triton(device):
         return reference_mla.concat_and_cache_mla_ref(kv_c, k_pe, kv_cache, slot_mapping, kv_scale=kv_scale)
     kv_c = _contiguous_last(kv_c)
@@ -108,7 +119,7 @@ def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch
         concat_and_cache_mla_kernel, (num_tokens,),
         kv_c, k_pe, kv_cache, slot_mapping, kv_scale if quant else slot_mapping,
         kv_c.stride(0), k_pe.stride(0), kv_cache.stride(0), kv_cache.stride(1),
-        kv_lora_rank, k_pe.shape[1], block_size,
+        kv_lora_rank, k_pe.shape[1], block_size, kv_cache.shape[0] * block_size,
         BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(k_pe.shape[1]),
         QUANT=quant, FP8_MAX=fp8_max(kv_cache.dtype) if quant else 0.0,
         EMULATE_RNE=quant and _env.triton_interpret(),
@@ -125,20 +136,23 @@ def _row_split(width: int) -> int:
 def gather_mla_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqlens: torch.Tensor,
                      seq_starts: torch.Tensor, *, kv_scale: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                     kv_lora_rank: int | None = None) -> torch.Tensor:
+                     kv_lora_rank: int | None = None, validate: bool | None = None) -> torch.Tensor:
     """Copy cached latent rows to a contiguous ``[T, L + R]`` tensor, dequantising fp8.
 
     Request ``i`` contributes its cached positions ``seq_starts[i] .. seq_starts[i] + n_i`` with
     ``n_i = cu_seqlens[i+1] - cu_seqlens[i]``, written to rows ``cu_seqlens[i] ..``. Rows of ``out`` past
     ``cu_seqlens[-1]`` are left untouched (workspaces may be larger than the chunk). Without ``out`` the
     total is read from the device (one host sync); its dtype is ``dtype`` or bf16 (fp8 cache) / the cache's.
-    ``kv_lora_rank`` (optional) only says where the kernel cuts a row into its two tiles.
+    ``kv_lora_rank`` (optional) only says where the kernel cuts a row into its two tiles. ``validate``: check
+    the offsets (from 0, non-decreasing, within ``out``), the positions (inside each row of the block table)
+    and the block ids read — always for host tensors; on a device when True or, with None, under
+    ``TRIPATH_VALIDATE=1`` (a host sync).
     """
     device = kv_cache.device
-    _, block_size, width = check_mla_cache(kv_cache, device)
+    num_blocks, block_size, width = check_mla_cache(kv_cache, device)
     if kv_lora_rank is not None and not 0 < kv_lora_rank < width:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be between 1 and the row width - 1 ({width - 1})")
-    check_index("block_table", block_table, device, ndim=2)
+    check_block_table(block_table, device)
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32,), device=device)
     check_index("seq_starts", seq_starts, device)
     num_seqs = cu_seqlens.shape[0] - 1
@@ -155,6 +169,8 @@ def gather_mla_cache(kv_cache: torch.Tensor, block_table: torch.Tensor, cu_seqle
         out = torch.empty(int(cu_seqlens[-1].item()), width, dtype=dtype, device=device)
     check_tensor("out", out, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape=(None, width))
     _check_written("out", out)
+    if values_checked(validate, block_table, cu_seqlens, seq_starts):
+        check_gather_values(block_table, cu_seqlens, seq_starts, block_size, num_blocks, out.shape[0], "cu_seqlens")
     if not use_triton(device):
         return reference_mla.gather_mla_cache_ref(kv_cache, block_table, cu_seqlens, seq_starts,
                                                   kv_scale=kv_scale, out=out)
@@ -208,6 +224,7 @@ def _launch_prep(ql_nope, q_pe, kv_c, k_pe, kv_cache, q_out, slot_mapping, k_sca
         cache.stride(0), cache.stride(1), q_out.stride(0), q_out.stride(1),
         cos.stride(0) if apply_rope else 0, sin.stride(0) if apply_rope else 0,
         num_heads, kv_lora_rank, rope_dim, cache.shape[1], cos.shape[0] if apply_rope else 1,
+        cache.shape[0] * cache.shape[1],
         BLOCK_H=block_h, BLOCK_L=next_pow2(kv_lora_rank), BLOCK_R=next_pow2(rope_dim),
         BLOCK_HALF=next_pow2(max(1, rope_dim // 2)),
         APPLY_ROPE=apply_rope, IS_NEOX=bool(is_neox), NOPE_FIRST=bool(is_nope_first), WRITE_CACHE=write_cache,
@@ -236,7 +253,7 @@ def fused_qk_rope_concat_and_cache_mla(
     ql_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
     q_out: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None, q_scale: torch.Tensor | None,
     positions: torch.Tensor | None, cos_cache: torch.Tensor | None, sin_cache: torch.Tensor | None, *,
-    is_neox: bool = True, is_nope_first: bool = True,
+    is_neox: bool = True, is_nope_first: bool = True, validate: bool | None = None,
 ) -> None:
     """One launch: rotate ``q_pe``/``k_pe``, write ``q_out`` and the cache rows (the fused decode preparation of vLLM's ROCm MLA backend).
 
@@ -254,18 +271,22 @@ def fused_qk_rope_concat_and_cache_mla(
     positions : ``[T]`` int; cos_cache, sin_cache : ``[max_position, R / 2]``, positions clamped into them
         (a one-row identity table serves NoPE models). All three None: no rotation at all (a constexpr path).
     is_neox : NeoX pairs ``(i, i + R/2)``; False: GPT-J interleaved pairs ``(2i, 2i + 1)``.
+    validate : raise on slots past the cache (otherwise masked): always for a host ``slot_mapping``; on a
+        device when True or, with None, under ``TRIPATH_VALIDATE=1`` (a host sync).
     """
     device, num_tokens, num_heads, kv_lora_rank, rope_dim = _check_prep_query(ql_nope, q_pe, q_out)
     check_tensor("kv_c", kv_c, ndim=2, dtypes=FLOAT_DTYPES, device=device, shape=(num_tokens, kv_lora_rank))
     k_pe = _rope_2d("k_pe", k_pe, num_tokens, device)
     if k_pe.shape[1] != rope_dim:
         raise ValueError(f"k_pe has {k_pe.shape[1]} rotary dims but q_pe has {rope_dim}")
-    check_mla_cache(kv_cache, device, kv_lora_rank + rope_dim)
+    num_blocks, block_size, _ = check_mla_cache(kv_cache, device, kv_lora_rank + rope_dim)
     check_index("slot_mapping", slot_mapping, device)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
     check_scale("k_scale", k_scale, kv_cache.dtype, device)
     check_scale("q_scale", q_scale, q_out.dtype, device)
+    if values_checked(validate, slot_mapping):
+        check_slot_values(slot_mapping, num_blocks * block_size)
     given = [x is not None for x in (positions, cos_cache, sin_cache)]
     if any(given) and not all(given):
         raise ValueError("positions, cos_cache and sin_cache must be given together (or all None: no rotation)")
@@ -290,11 +311,12 @@ def fused_qk_rope_concat_and_cache_mla(
                  cos_cache, sin_cache, is_neox=is_neox, is_nope_first=is_nope_first, write_cache=True)
 
 
-def _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_scale, variant, num_splits):
+def _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_scale, variant, num_splits,
+                  sm_scale, validate):
     check_tensor("q", q, ndim=3, dtypes=CACHE_DTYPES)
     device = q.device
     batch, _, width = q.shape
-    _, block_size, _ = check_mla_cache(kv_cache, device, width)
+    num_blocks, block_size, _ = check_mla_cache(kv_cache, device, width)
     q_fp8 = q.dtype in FP8_DTYPES
     if q_fp8 and kv_cache.dtype != q.dtype:
         raise TypeError(f"an fp8 q ({q.dtype}) needs an fp8 kv_cache of the same dtype, got {kv_cache.dtype}")
@@ -302,11 +324,14 @@ def _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_
         raise TypeError(f"kv_cache dtype {kv_cache.dtype} must equal q's ({q.dtype}) or be fp8 (e4m3)")
     if not 0 < kv_lora_rank < width:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be between 1 and q.shape[-1] - 1 ({width - 1})")
-    check_index("block_table", block_table, device, ndim=2)
+    check_block_table(block_table, device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
     if block_table.shape[0] < batch or seq_lens.shape[0] != batch:
         raise ValueError(f"block_table ({block_table.shape[0]} rows) and seq_lens ({seq_lens.shape[0]}) must "
                          f"have one row per request of q ({batch})")
+    check_sm_scale(sm_scale)
+    if values_checked(validate, block_table, seq_lens):
+        check_seq_lens_values(seq_lens, block_table, block_size, num_blocks)
     check_scale("kv_scale", kv_scale, kv_cache.dtype, device)
     if q_fp8 and q_scale is None:
         raise ValueError("q_scale is required for an fp8 q (a one-element float32 tensor)")
@@ -396,7 +421,7 @@ def _build_cache_descriptors(kv_cache, kv_lora_rank, block_l, block_r, block_v, 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *,
                kv_lora_rank: int = 512, sm_scale: float, kv_scale: torch.Tensor | None = None,
                q_scale: torch.Tensor | None = None, num_splits: int | None = None, variant: str = "auto",
-               out: torch.Tensor | None = None, return_lse: bool = False):
+               out: torch.Tensor | None = None, return_lse: bool = False, validate: bool | None = None):
     """Absorbed MLA decode: every query head of a request against its latent cache rows.
 
     Parameters
@@ -415,12 +440,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         into tensor-core tiles, each row read once per head block; tiles tuned per head count),
         or ``"grouped"`` (the same kernel with the plain 16-head tiles for every head count: the baseline
         backend's choice).
+    validate : check ``seq_lens`` (>= 0, within the block table) and the block ids read (``[0, num_blocks)``):
+        always for host tensors; for device tensors when True or, with None, under ``TRIPATH_VALIDATE=1``.
 
     Returns ``out [B, H, L]`` (q's dtype; bf16 for an fp8 q unless ``out`` says otherwise), and
     ``lse [B, H]`` fp32 (natural log; −inf for empty requests, whose output is 0) when ``return_lse``.
     """
     device, block_size = _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_scale,
-                                       variant, num_splits)
+                                       variant, num_splits, sm_scale, validate)
     batch, num_heads, width = q.shape
     q_fp8 = q.dtype in FP8_DTYPES
     out_shape = (batch, num_heads, kv_lora_rank)

@@ -42,7 +42,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_start: int, c
     if window_left >= 0:
         visible &= (qpos - kpos) <= window_left
     s = s.masked_fill(~visible[None], float("-inf"))
-    m = s.amax(dim=-1, keepdim=True)  # [H, Sq, 1]
+    # [H, Sq, 1]; no keys at all (a request of length 0): -inf, so the output is 0 and the LSE -inf
+    m = s.amax(dim=-1, keepdim=True) if sk else torch.full((hq, sq, 1), float("-inf"), device=q.device)
     if sinks is not None:
         m = torch.maximum(m, sinks.float()[:, None, None])
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

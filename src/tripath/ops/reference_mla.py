@@ -56,15 +56,15 @@ def rotary_embedding_ref(positions, q, k, cos, sin, *, is_neox):
     return q, k
 
 
-def _slots(slot_mapping: torch.Tensor, block_size: int):
-    keep = slot_mapping >= 0
+def _slots(slot_mapping: torch.Tensor, block_size: int, num_blocks: int):
+    keep = (slot_mapping >= 0) & (slot_mapping < num_blocks * block_size)
     slots = slot_mapping[keep].long()
     return keep, slots // block_size, slots % block_size
 
 
 def concat_and_cache_mla_ref(kv_c, k_pe, kv_cache, slot_mapping, *, kv_scale=None) -> None:
     """Reference of :func:`tripath.ops.concat_and_cache_mla`: row ``[kv_c | k_pe]`` at each slot >= 0."""
-    keep, blocks, offsets = _slots(slot_mapping, kv_cache.shape[1])
+    keep, blocks, offsets = _slots(slot_mapping, kv_cache.shape[1], kv_cache.shape[0])
     rows = torch.cat([kv_c[keep].float(), k_pe.reshape(k_pe.shape[0], -1)[keep].float()], dim=-1)
     kv_cache[blocks, offsets] = quantize_to(rows, kv_cache.dtype, kv_scale)
 
@@ -129,7 +129,7 @@ def fused_qk_rope_concat_and_cache_mla_ref(ql_nope, q_pe, kv_c, k_pe, kv_cache, 
         q_pe = rope_rotate(q_pe, positions, cos_cache, sin_cache, is_neox)
         k_pe = rope_rotate(k_pe, positions, cos_cache, sin_cache, is_neox)
     concat_mla_query_ref(ql_nope, q_pe, q_out, q_scale=q_scale, is_nope_first=is_nope_first)
-    keep, blocks, offsets = _slots(slot_mapping, kv_cache.shape[1])
+    keep, blocks, offsets = _slots(slot_mapping, kv_cache.shape[1], kv_cache.shape[0])
     parts = [kv_c[keep].float(), k_pe[keep].float()]
     rows = torch.cat(parts if is_nope_first else parts[::-1], dim=-1)
     kv_cache[blocks, offsets] = quantize_to(rows, kv_cache.dtype, k_scale)

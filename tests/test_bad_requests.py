@@ -1,0 +1,200 @@
+"""Bad requests at the engine's door, failed runs, sampling at the edges, and loader errors.
+
+Every bad prompt raises alone (the exception type and a message naming it) and touches nothing: the engine
+stays idle with every KV block free, and a good request afterwards gives the tokens of a fresh engine. The
+engine runs the stand-in model on the torch backend (no interpreter), with the metadata validator on.
+"""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from engine_models import tiny_model
+from tripath.engine import LLM, SamplingParams
+from tripath.engine.sampler import filtered_probs, sample
+from tripath.models import load_model
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+GOOD = [[3, 14, 15, 9, 26], [5, 35, 8]]
+
+
+@pytest.fixture(autouse=True)
+def _torch_paths_and_validation(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()  # vocab 61, max_position 512
+
+
+def engine(model, **kw):
+    return LLM(model, backend="torch", num_kv_blocks=24, block_size=8, max_num_batched_tokens=32, **kw)
+
+
+def tokens(llm, prompts, params=GREEDY):
+    return [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def fresh_tokens(model):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        return tokens(engine(model), GOOD)
+
+
+def assert_idle_and_whole(llm):
+    assert not llm.has_unfinished_requests()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks
+
+
+BAD_PROMPTS = [
+    ([[1, 2], []], ValueError, r"prompts\[1\] is empty"),
+    ([[1, 2], [3, 61]], ValueError, r"prompts\[1\]\[1\] = 61 is outside the vocabulary \[0, 61\)"),
+    ([[-1, 2]], ValueError, r"prompts\[0\]\[0\] = -1 is outside the vocabulary"),
+    ([1, 5.7], TypeError, r"prompts\[0\]\[1\] must be an integer token id, got float 5.7"),
+    ([[1, True]], TypeError, r"prompts\[0\]\[1\] must be an integer token id, got bool"),
+    ([[1, 2], "text"], TypeError, r"prompts\[1\] is text: a text prompt needs a tokenizer"),
+    ([[1, 2], None], TypeError, r"prompts\[1\] must be a sequence of integer token ids .* got NoneType"),
+    ([torch.tensor([1.0, 2.0])], TypeError, r"prompts\[0\] as a tensor must be 1-D with an integer dtype"),
+    ([np.array([[1, 2]])], TypeError, r"prompts\[0\] as a array must be 1-D with an integer dtype"),
+    ([np.array([1.5, 2.0])], TypeError, r"prompts\[0\] as a array must be 1-D with an integer dtype"),
+    ([[1] * 500], ValueError, r"prompt \(500 tokens\) \+ max_tokens \(6\) exceeds max_model_len \(505\)"),
+    (3, TypeError, r"prompts must be a prompt or a list of prompts, got int"),
+]
+
+
+@pytest.mark.parametrize("prompts,error,message", BAD_PROMPTS)
+def test_a_bad_prompt_fails_alone(model, fresh_tokens, prompts, error, message):
+    llm = engine(model, max_model_len=505)
+    with pytest.raises(error, match=message):
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_idle_and_whole(llm)
+    assert tokens(llm, GOOD) == fresh_tokens
+
+
+def test_the_step_api_refuses_bad_prompts_and_duplicate_ids(model, fresh_tokens):
+    llm = engine(model)
+    first = llm.add_request(GOOD[0], GREEDY, request_id="a")
+    with pytest.raises(ValueError, match=r"prompt\[2\] = 99 is outside the vocabulary"):
+        llm.add_request([1, 2, 99], GREEDY)
+    with pytest.raises(ValueError, match=r"request_id 'a' is already queued or running"):
+        llm.add_request(GOOD[1], GREEDY, request_id="a")
+    with pytest.raises(TypeError, match=r"request_id must be a non-empty str"):
+        llm.add_request(GOOD[1], GREEDY, request_id=7)
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams, got dict"):
+        llm.add_request(GOOD[1], {"max_tokens": 3})
+    taken = llm.add_request(GOOD[1], GREEDY, request_id="req-2")  # the id an automatic one would get next
+    auto = llm.add_request(GOOD[1], GREEDY)
+    assert len({first, taken, auto}) == 3 and len(llm.scheduler.waiting) == 3
+    done = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                done[out.request_id] = out.output_token_ids
+    assert done == {"a": fresh_tokens[0], "req-2": fresh_tokens[1], auto: fresh_tokens[1]}
+    assert_idle_and_whole(llm)
+
+
+def test_integer_tensors_and_arrays_are_prompts(model, fresh_tokens):
+    llm = engine(model)
+    assert tokens(llm, [torch.tensor(GOOD[0]), np.array(GOOD[1], dtype=np.int32)]) == fresh_tokens
+    assert tokens(llm, [[np.int64(t) for t in GOOD[0]], tuple(GOOD[1])]) == fresh_tokens
+    assert tokens(llm, torch.tensor(GOOD[0])) == fresh_tokens[:1]  # one 1-D tensor: one prompt
+    assert tokens(llm, torch.tensor([GOOD[1], GOOD[1]])) == [fresh_tokens[1]] * 2  # 2-D: its rows
+    assert tokens(llm, GOOD[0]) == fresh_tokens[:1]
+
+
+def test_a_failed_generate_leaves_the_engine_idle_and_its_blocks_free(model, fresh_tokens, monkeypatch):
+    llm = engine(model)
+    real = llm.runner.execute
+    calls = []
+
+    def failing(scheduled):
+        calls.append(len(scheduled))
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return real(scheduled)
+
+    monkeypatch.setattr(llm.runner, "execute", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(GOOD + [[7] * 40], GREEDY, use_tqdm=False)
+    assert len(calls) == 3
+    assert_idle_and_whole(llm)
+    monkeypatch.setattr(llm.runner, "execute", real)
+    assert tokens(llm, GOOD) == fresh_tokens
+    assert_idle_and_whole(llm)
+
+
+def test_max_model_len_beyond_the_positions_is_refused(model):
+    with pytest.raises(ValueError, match=r"max_model_len=513 exceeds the model's max_position \(512\)"):
+        engine(model, max_model_len=513)
+    assert engine(model, max_model_len=512).runner.max_model_len == 512
+    llama = load_model("tiny-llama", dtype=torch.float32)  # 2048 positions (llama3 rope scaling included)
+    with pytest.raises(ValueError, match=r"max_model_len=4096 exceeds the model's max_position \(2048\)"):
+        LLM(llama, backend="torch", num_kv_blocks=8, max_model_len=4096)
+
+
+def test_sampling_parameters_at_the_edges():
+    for bad in (math.nan, math.inf, -1.0):
+        with pytest.raises(ValueError, match=r"temperature must be >= 0 and finite"):
+            SamplingParams(temperature=bad)
+    with pytest.raises(TypeError, match=r"temperature must be a number, got str"):
+        SamplingParams(temperature="0.5")
+    with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1, got True"):
+        SamplingParams(max_tokens=True)
+    with pytest.raises(TypeError, match=r"stop_token_ids\[1\] must be an integer token id, got float"):
+        SamplingParams(stop_token_ids=[2, 3.5])
+    assert SamplingParams(stop_token_ids=4).stop_token_ids == (4,)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-38, 1e-30, 1e-6])
+def test_tiny_temperatures_sample_the_argmax(temperature):
+    logits = torch.randn(8, 61, generator=torch.Generator().manual_seed(2)) * 5
+    t = torch.full((8,), temperature)
+    probs = filtered_probs(logits, t, torch.full((8,), -1), torch.ones(8))
+    assert torch.isfinite(probs).all()
+    if temperature < 1e-20:
+        assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 61).float())
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(8)]
+    gens = [torch.Generator().manual_seed(i) for i in range(8)]
+    assert torch.equal(sample(logits, params, gens), logits.argmax(-1))
+
+
+def test_tiny_temperature_generates_the_greedy_tokens(model, fresh_tokens):
+    tiny = SamplingParams(max_tokens=6, temperature=1e-40, ignore_eos=True, seed=3)
+    assert tokens(engine(model), GOOD, tiny) == fresh_tokens
+
+
+# -- loader errors name the file ------------------------------------------------------------------------------
+
+LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=96,
+             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", r"not a valid JSON file"),
+    ("[1, 2]", r"expected a JSON object, got a list"),
+    (json.dumps({**LLAMA, "num_hidden_layers": "two"}), r"invalid literal for int"),
+    (json.dumps({**LLAMA, "hidden_size": None}), r"int\(\) argument must be"),
+    (json.dumps({**LLAMA, "num_attention_heads": 0}), r"num_attention_heads must be positive, got 0"),
+    (json.dumps({**LLAMA, "num_key_value_heads": 0}), r"num_kv_heads must be positive, got 0"),
+])
+def test_a_corrupt_config_json_is_named(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message) as caught:
+        load_model(str(tmp_path), dtype=torch.float32)
+    assert str(tmp_path / "config.json") in str(caught.value)
+
+
+def test_a_corrupt_safetensors_file_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{bad}")
+    with pytest.raises(ValueError, match=r"not a readable safetensors file") as caught:
+        load_model(str(tmp_path), dtype=torch.float32)
+    assert str(weights) in str(caught.value)
