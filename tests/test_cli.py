@@ -19,6 +19,8 @@ def test_help_and_unknown_command(capsys):
     assert "unknown command 'serve-everything'" in capsys.readouterr().err
     assert main(["bench", "nothing"]) == 2
     assert "unknown bench 'nothing'" in capsys.readouterr().err
+    assert main(["--bogus"]) == 2
+    assert "unknown option '--bogus'" in capsys.readouterr().err
 
 
 def test_version_and_no_arguments(capsys):

@@ -86,6 +86,10 @@ def _dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str], 
         args, rest = parser.parse_known_args(argv[:1])
     except SystemExit as exit_:  # -h, --version, an unknown command: argparse has printed the message
         return int(exit_.code or 0)
+    if args.command is None:  # an option where the command belongs
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: unknown option {argv[0]!r}; give a command first", file=sys.stderr)
+        return 2
     name = f"{prog.removeprefix('tripath').strip()} {args.command}".strip()
     if name in INTERPRET_ON_CPU:
         _interpret_on_cpu()

@@ -492,7 +492,8 @@ def run(sections=("decode", "prefill", "mixed", "mla"), repeat: int = 1) -> Repo
     if repeat > 1:
         return merge_repeats([run(sections) for _ in range(repeat)])
     if not torch.cuda.is_available():
-        raise SystemExit("tripath bench kernels needs a GPU (use `tripath bench` on a CPU)")
+        raise RuntimeError("the kernel benchmarks need a GPU (CUDA or ROCm); on a CPU, `tripath bench` runs "
+                           "every backend in Triton's interpreter")
     report = Report(device=torch.cuda.get_device_name())
     capped_before = _power_capping_us()
     torch.manual_seed(0)

@@ -106,7 +106,7 @@ def grouped_bars(groups: dict[str, dict[str, float]], title: str, ylabel: str, p
     try:
         import matplotlib
     except ImportError as error:
-        raise SystemExit("the figures need matplotlib: pip install matplotlib") from error
+        raise ImportError("the figures need matplotlib: pip install 'tripath[plots]'") from error
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -19,8 +19,8 @@ from tripath.platform import Platform
 SM90_HEAD_SIZES = (64, 128)
 SM90_ROPE_SIZES = (32, 64)  # widths of the scores' rotary part (MLA: 64)
 WG_ROWS = 64  # query rows per consumer warpgroup; a program holds two
-BLOCK_N = 128  # keys per tile
-NUM_STAGES = 2  # K and V buffers each
+BLOCK_N = 128  # keys per tile (short requests take 64, see below)
+NUM_STAGES = 2  # K and V buffers each (128 KiB at head size 128), leaving room for the queries
 # 3 warpgroups × 128 threads × 168 = the register file. The kernel asks setmaxnreg for 240 per consumer and 24
 # for the loader, but ptxas compiles every partition within this launch cap, so the consumers have 168.
 MAXNREG = 168
