@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS
+
 DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
-KV_CACHE_DTYPES = ("auto", "fp8")
-KV_LAYOUTS = ("nhd", "shuffled")
 CPU_DEFAULT_KV_BLOCKS = 1024  # without a GPU to measure, the cache size when num_kv_blocks is not given
 DEFAULT_BLOCK_SIZE = 16
 MLA_GPU_BLOCK_SIZE = 64  # the Gluon MLA decode kernels need blocks of 64 (8-32 heads) or of 32 (64+ heads)
