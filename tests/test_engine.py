@@ -317,7 +317,7 @@ def test_bad_settings_and_requests_are_refused(pure_torch, model):
         llm.generate([[1], [2]], [GREEDY], use_tqdm=False)
     assert not llm.has_unfinished_requests()
     assert LLM(model, backend="torch").runner.num_blocks == 1024  # CPU default
-    assert LLM(model, backend="torch", num_kv_blocks=8).config.block_size == 16
+    assert LLM(model, backend="torch", num_kv_blocks=8).runner.block_size == 16
 
 
 def test_default_block_size(pure_torch):
@@ -327,7 +327,8 @@ def test_default_block_size(pure_torch):
     assert default_block_size(False, torch.device("cuda")) == 16
     mla = preset("tiny-deepseek")
     llm = LLM(mla, backend="torch", num_kv_blocks=8)
-    assert llm.config.block_size == 16 and llm.runner.spec.block_size == 16
+    assert llm.runner.block_size == 16 and llm.runner.spec.block_size == 16
+    assert llm.config.block_size is None  # the runner chose it; the config the caller gave is left as it was
     assert LLM(mla, backend="torch", num_kv_blocks=8, block_size=32).runner.spec.block_size == 32
     assert EngineConfig().cuda_graph_batch_sizes()[:5] == [1, 2, 4, 8, 16]
 
@@ -367,7 +368,7 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
     common = dict(backend=backend, max_num_batched_tokens=512, max_num_seqs=12, device="cuda")
     eager = LLM(model, enforce_eager=True, num_kv_blocks=blocks, **common)
     graphs = LLM(model, num_kv_blocks=blocks, **common)
-    assert eager.config.block_size == block_size == (64 if model.config.mla is not None else 16)
+    assert eager.runner.block_size == block_size == (64 if model.config.mla is not None else 16)
     assert eager.runner.graphs == {}
     if graphs.runner.graph_safe_backend:
         assert sorted(graphs.runner.graphs) == [1, 2, 4, 8, 12]
@@ -379,7 +380,7 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
     no_prefix = LLM(model, num_kv_blocks=blocks, enable_prefix_caching=False, **common)
     assert_same_or_near_tie(model, prompts, expected, greedy_outputs(no_prefix, prompts, params))
     measured = LLM(model, gpu_memory_utilization=0.3, **common)
-    assert measured.runner.num_blocks * measured.config.block_size > 16000  # rows, whatever the block size
+    assert measured.runner.num_blocks * measured.runner.block_size > 16000  # rows, whatever the block size
     fp8 = LLM(model, kv_cache_dtype="fp8", num_kv_blocks=blocks, **common)
     assert all(len(o) == params.max_tokens for o in greedy_outputs(fp8, prompts, params))
     # Calibrated scales are set in place after the graphs were captured: replays must read them.

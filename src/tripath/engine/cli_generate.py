@@ -117,7 +117,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
         print(f"tripath generate: error: {error}", file=sys.stderr)
         return 2
     print(f"model {args.model} | backend {llm.backend_name} | {llm.runner.num_blocks} KV blocks of "
-          f"{llm.config.block_size} | {dtype} on {device}")
+          f"{llm.runner.block_size} | {dtype} on {device}")
     for i, out in enumerate(outputs):
         prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
         print(f"\n[{i}] prompt: {prompt!r}")

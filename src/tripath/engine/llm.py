@@ -113,7 +113,7 @@ class LLM:
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(int(t) for t in getattr(model.config, "eos_token_ids", ()) or ())
         self.runner = ModelRunner(model, self.config)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,

@@ -42,13 +42,12 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = config.device
-        if config.block_size is None:
-            config.block_size = default_block_size(getattr(model.config, "mla", None) is not None, self.device)
-        self.spec = model.attention_spec(block_size=config.block_size, kv_cache_dtype=config.kv_cache_dtype,
+        is_mla = getattr(model.config, "mla", None) is not None
+        self.block_size = config.block_size or default_block_size(is_mla, self.device)
+        self.spec = model.attention_spec(block_size=self.block_size, kv_cache_dtype=config.kv_cache_dtype,
                                          kv_layout=config.kv_layout, dtype=config.dtype)
         self.backend = select_backend(self.spec, name=config.backend, device=self.device)
         self.num_layers = model.num_attention_layers
-        self.block_size = config.block_size
         max_position = int(model.config.max_position)  # the rotary tables' rows (rope scaling included)
         self.max_model_len = config.max_model_len or max_position
         if self.max_model_len > max_position:
