@@ -3,7 +3,8 @@
 ``tripath bench`` (backends on mixed steps), ``tripath bench kernels`` (ops vs floors and SDPA, GPU),
 ``tripath bench tune`` (launch-config sweep, GPU), ``tripath bench wgmma`` (Hopper wgmma rates and the MLA
 decode's instruction floor), ``tripath check-compile`` (portability: every kernel for
-gfx942 / gfx950 / sm_90), ``tripath generate`` (the serving engine on a model or preset).
+gfx942 / gfx950 / sm_90), ``tripath generate`` (the serving engine on a model or preset), ``tripath serve``
+(an OpenAI-compatible server on it) and ``tripath bench serve --url`` (the online serving benchmark).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ commands:
   bench wgmma [--out F]   chained wgmma rates per shape and the MLA decode's instruction floor (sm_90 GPU)
   check-compile           compile every Triton kernel for gfx942, gfx950 and sm_90 and judge the code
   generate --model M ...  generate text with the serving engine (a Hugging Face directory or a preset)
+  serve --model M ...     an OpenAI-compatible HTTP server on the engine (needs tripath[serve])
+  bench serve --url U     the online serving benchmark against a running server
 """
 
 
@@ -29,6 +32,11 @@ def _interpret_on_cpu() -> None:
         import torch
         if not torch.cuda.is_available():
             os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _backend_arg(args: list[str]) -> str | None:
+    backend = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--backend"), None)
+    return backend or next((a.split("=", 1)[1] for a in args if a.startswith("--backend=")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         if sub == "wgmma":
             from tripath.bench.wgmma import main_wgmma
             return main_wgmma(rest[1:])
+        if sub == "serve":
+            if any(a == "--url" or a.startswith("--url=") for a in rest[1:]):
+                from tripath.bench.serve_online import main_online
+                return main_online(rest[1:])
+            print("tripath bench serve: error: only the online mode (--url http://HOST:PORT) is in this build",
+                  file=sys.stderr)
+            return 2
         if sub not in (None, "backends"):
             print(f"unknown bench {sub!r}\n\n{USAGE}", file=sys.stderr)
             return 2
@@ -64,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
             _interpret_on_cpu()  # a Triton backend asked for on a CPU-only machine runs in the interpreter
         from tripath.engine.cli_generate import main_generate
         return main_generate(rest)
+    if command == "serve":
+        if _backend_arg(rest) not in (None, "auto", "torch"):
+            _interpret_on_cpu()
+        from tripath.server.cli import main_serve
+        return main_serve(rest)
     print(f"unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
