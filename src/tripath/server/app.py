@@ -109,13 +109,18 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
     @app.get("/v1/models")
     async def models():
         _check_ready(state)
-        return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=engine.max_model_len)]).model_dump()
+        return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=engine.max_model_len,
+                                                vocab_size=engine.vocab_size)]).model_dump()
 
     @app.post("/v1/completions")
     async def completions(body: P.CompletionRequest, request: Request):
         _check_ready(state)
         _check_model(state, body.model)
-        prompts = [_prompt_ids(state, p, i) for i, p in enumerate(body.prompts())]
+        try:
+            raw_prompts = body.prompts()
+        except ValueError as error:
+            raise APIError(400, str(error), param="prompt") from None
+        prompts = [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)]
         gen = _generation(state, body, prompts, body.max_tokens)
         return await _respond(state, gen, body, request, chat=False)
 

@@ -191,6 +191,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tripath"
     max_model_len: int
+    vocab_size: int
 
 
 class ModelList(BaseModel):
