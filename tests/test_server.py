@@ -333,3 +333,22 @@ def test_overload_gets_503_and_graceful_shutdown(tmp_path_factory):
         assert "engine stopped" in server.log()
     finally:
         server.close()
+
+
+def test_bench_serve_online_against_the_server(preset_server, tmp_path, capsys):
+    from tripath.cli import main
+
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--url", preset_server.url, "--num-requests", "24", "--input-len", "8",
+                 "--input-len-spread", "0.5", "--output-len", "5", "--request-rate", "100,inf",
+                 "--max-concurrency", "8", "--json", str(out), "--csv", str(tmp_path / "serve.csv")]) == 0
+    reports = json.loads(out.read_text())
+    assert [r["request_rate"] for r in reports] == [100.0, "inf"]
+    for r in reports:
+        assert r["num_requests"] == 24 and r["num_failed"] == 0 and r["total_output_tokens"] == 24 * 5
+        assert r["model"] == PRESET and 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p50"] <= r["e2e_s"]["p99"]
+        assert r["itl_s"]["mean"] > 0 and r["tpot_s"]["mean"] > 0 and r["output_throughput"] > 0
+    table = capsys.readouterr().out
+    assert "TTFT mean (s)" in table and len(table.strip().splitlines()) == 4
+    assert (tmp_path / "serve.csv").read_text().splitlines()[0].count("ttft_s.p99") == 1
+    assert _idle(preset_server) == (0, 0, 0, 0)

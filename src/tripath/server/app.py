@@ -220,8 +220,16 @@ async def _respond(state: ServerState, gen: Generation, body, request: Request, 
         state.outstanding -= n
         raise
     if body.stream:
-        return StreamingResponse(_stream(state, gen, body, chat, n), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                gen.abort()
+                state.outstanding -= n
+
+        return _EventStream(_stream(gen, body, chat, n, release), release)
     try:
         collect = asyncio.ensure_future(_collect(gen))
         while not collect.done():
@@ -251,7 +259,22 @@ async def _collect(gen: Generation) -> None:
         pass
 
 
-async def _stream(state: ServerState, gen: Generation, body, chat: bool, n: int):
+class _EventStream(StreamingResponse):
+    """Server-sent events that release their request however the response ends, even when the client left
+    before the first event."""
+
+    def __init__(self, events, release: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+async def _stream(gen: Generation, body, chat: bool, n: int, release: Callable[[], None]):
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = body.model
     try:
@@ -282,5 +305,4 @@ async def _stream(state: ServerState, gen: Generation, body, chat: bool, n: int)
             yield _sse(cls(id=rid, model=model, choices=[], usage=usage).model_dump())
         yield _sse("[DONE]")
     finally:
-        gen.abort()
-        state.outstanding -= n
+        release()
