@@ -24,6 +24,14 @@ from server_models import save_tiny_hf_llama  # noqa: E402  (needs transformers)
 from tripath.engine import LLM, SamplingParams  # noqa: E402
 
 PRESET = "tiny-llama"
+# On a GPU the same suite runs the servers and their references on a Triton backend (eager, so the steps'
+# rounding does not depend on the batch's CUDA graph size); on the CPU on the torch backend.
+if torch.cuda.is_available():
+    ENGINE_ARGS = ["--backend", "three_path", "--device", "cuda", "--dtype", "float16", "--enforce-eager"]
+    ENGINE = dict(backend="three_path", device="cuda", dtype="float16", enforce_eager=True)
+else:
+    ENGINE_ARGS = ["--backend", "torch"]
+    ENGINE = dict(backend="torch")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,7 +60,7 @@ def _serve(args, tmp_path_factory, log_level="warning"):
 
 @pytest.fixture(scope="module")
 def hf_server(hf_dir, tmp_path_factory):
-    server = _serve(["--model", hf_dir, "--served-model-name", "tiny-hf", "--backend", "torch",
+    server = _serve(["--model", hf_dir, "--served-model-name", "tiny-hf", *ENGINE_ARGS,
                      "--num-kv-blocks", "64", "--max-model-len", "256"], tmp_path_factory)
     yield server
     server.close()
@@ -60,12 +68,12 @@ def hf_server(hf_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_llm(hf_dir):
-    return LLM(hf_dir, backend="torch", num_kv_blocks=64, max_model_len=256)
+    return LLM(hf_dir, num_kv_blocks=64, max_model_len=256, **ENGINE)
 
 
 @pytest.fixture(scope="module")
 def preset_server(tmp_path_factory):
-    server = _serve(["--model", PRESET, "--backend", "torch", "--num-kv-blocks", "10", "--max-num-seqs", "32",
+    server = _serve(["--model", PRESET, *ENGINE_ARGS, "--num-kv-blocks", "10", "--max-num-seqs", "32",
                      "--max-model-len", "128"], tmp_path_factory)
     yield server
     server.close()
@@ -263,7 +271,7 @@ def test_200_concurrent_streams_with_preemption(preset_server):
     start = time.perf_counter()
     results = asyncio.run(run())
     print(f"200 streams in {time.perf_counter() - start:.1f} s")
-    llm = LLM(PRESET, backend="torch", num_kv_blocks=64)
+    llm = LLM(PRESET, num_kv_blocks=64, **ENGINE)
     expected = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths],
                             use_tqdm=False)
     for (ids, usage, finish), n, want in zip(results, lengths, expected):
@@ -300,7 +308,7 @@ def test_disconnect_mid_stream_frees_blocks(preset_server):
 
 
 def test_overload_gets_503_and_graceful_shutdown(tmp_path_factory):
-    server = _serve(["--model", PRESET, "--backend", "torch", "--num-kv-blocks", "32", "--max-num-seqs", "1",
+    server = _serve(["--model", PRESET, *ENGINE_ARGS, "--num-kv-blocks", "32", "--max-num-seqs", "1",
                      "--max-queue-depth", "2", "--max-model-len", "256"], tmp_path_factory, log_level="info")
     try:
         async def burst():

@@ -91,7 +91,10 @@ def main_serve(argv: Sequence[str] | None = None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run()   # after a graceful shutdown uvicorn re-raises the signal that asked for it
+    except KeyboardInterrupt:
+        pass
     engine = app.state.server.engine
     if engine.startup_error is not None:
         print(f"tripath serve: error: the engine could not be built: {engine.startup_error}", file=sys.stderr)
