@@ -135,6 +135,14 @@ def _app(slow_s=0.0, **kw):
             return execute(scheduled)
 
         llm.runner.execute = faulty
+        add = llm.add_request
+
+        def faulty_add(prompt, params=None, request_id=None):
+            if list(prompt) == POISON[:2]:
+                raise RuntimeError("injected add fault")
+            return add(prompt, params, request_id)
+
+        llm.add_request = faulty_add
         return llm
 
     app = build_app(make, model_name="tiny", **kw)
@@ -166,6 +174,8 @@ def test_a_failing_step_fails_its_requests_with_500_and_the_loop_goes_on(monkeyp
         assert r.json()["error"]["type"] == "server_error" and "injected fault" in r.json()["error"]["message"]
         r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON, "max_tokens": 4, "stream": True}))
         assert r.status_code == 200 and "injected fault" in r.text and r.text.rstrip().endswith("data: [DONE]")
+        r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON[:2], "max_tokens": 4}))
+        assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
         good = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 5, "ignore_eos": True}))
         assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 5
         assert engine.metrics.step_failures._value.get() == 2

@@ -97,6 +97,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
     async def health():
         if engine.startup_error is not None:
             return JSONResponse({"status": "failed", "error": str(engine.startup_error)}, status_code=500)
+        if engine.ready and not engine.alive:
+            return JSONResponse({"status": "failed", "error": "the engine thread has stopped"}, status_code=500)
         if not engine.ready:
             return JSONResponse({"status": "starting" if engine.llm is None else "stopping"}, status_code=503)
         return {"status": "ok"}

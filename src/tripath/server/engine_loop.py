@@ -97,8 +97,9 @@ class EngineLoop:
     def submit(self, sub: Submission) -> None:
         self._inbox.put(("add", sub))
 
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+    def abort(self, request_id: str, outcome: str = "aborted") -> None:
+        """Abort a request (``outcome`` labels it in the metrics: ``aborted``, or ``stop`` for a stop string)."""
+        self._inbox.put(("abort", (request_id, outcome)))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything in flight, release the engine and end the thread (waits up to ``timeout``)."""
@@ -126,11 +127,24 @@ class EngineLoop:
         log.info("engine ready")
         try:
             while not self._stopping:
-                self._drain(block=not self.llm.has_unfinished_requests())
-                if not self._stopping and self.llm.has_unfinished_requests():
-                    self._step()
+                try:
+                    self._drain(block=not self.llm.has_unfinished_requests())
+                    if not self._stopping and self.llm.has_unfinished_requests():
+                        self._step()
+                except Exception as error:  # noqa: BLE001 - never leave requests hanging on a dead loop
+                    log.error("the engine loop failed:\n%s", traceback.format_exc())
+                    self._fail_all(Failure(500, f"the engine failed: {type(error).__name__}: {error}",
+                                           "server_error"))
         finally:
             self._shutdown()
+
+    def _fail_all(self, failure: Failure) -> None:
+        for request_id, sub in list(self._subs.items()):
+            try:
+                self.llm.abort_request(request_id)
+            finally:
+                sub.deliver(failure)
+        self._subs.clear()
 
     def _drain(self, block: bool) -> None:
         try:
@@ -155,12 +169,18 @@ class EngineLoop:
             except (ValueError, TypeError) as error:
                 sub.deliver(Failure(400, str(error)))
                 return
+            except Exception as error:  # noqa: BLE001 - the request fails, the engine goes on
+                log.error("adding a request failed:\n%s", traceback.format_exc())
+                sub.deliver(Failure(500, f"adding the request failed: {type(error).__name__}: {error}",
+                                    "server_error"))
+                return
             self._subs[sub.request_id] = sub
             sub.deliver(ACCEPTED)
         elif kind == "abort":
-            if self._subs.pop(arg, None) is not None:
-                llm.abort_request(arg)
-                self.metrics.requests.labels("aborted").inc()
+            request_id, outcome = arg
+            if self._subs.pop(request_id, None) is not None:
+                llm.abort_request(request_id)
+                self.metrics.requests.labels(outcome).inc()
                 self._publish()
         elif kind == "stop":
             self._stopping = True
@@ -202,10 +222,7 @@ class EngineLoop:
         self.metrics.observe_engine(self.llm, num_new_tokens)
 
     def _shutdown(self) -> None:
-        for request_id, sub in list(self._subs.items()):
-            self.llm.abort_request(request_id)
-            sub.deliver(Failure(503, "the server is shutting down", "server_error"))
-        self._subs.clear()
+        self._fail_all(Failure(503, "the server is shutting down", "server_error"))
         self._publish()
         device = getattr(getattr(self.llm, "config", None), "device", None)
         self.llm = None

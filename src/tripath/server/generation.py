@@ -146,7 +146,7 @@ class Generation:
                     raise APIError(item.status, item.message, item.type)
                 delta = choice.consume(item)
                 if choice.finish_reason is not None and not item.finished:
-                    self.engine.abort(choice.sub.request_id)  # a stop string ended it
+                    self.engine.abort(choice.sub.request_id, "stop")  # a stop string ended it
                 if delta.text or delta.token_ids or delta.finish_reason:
                     yield delta
         finally:
