@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             from tripath.bench.wgmma import main_wgmma
             return main_wgmma(rest[1:])
         if sub == "serve":
-            if any(a == "--url" or a.startswith("--url=") for a in rest[1:]):
+            if any(a in ("--url", "-h", "--help") or a.startswith("--url=") for a in rest[1:]):
                 from tripath.bench.serve_online import main_online
                 return main_online(rest[1:])
             print("tripath bench serve: error: only the online mode (--url http://HOST:PORT) is in this build",
