@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tripath.engine.chat import ChatTemplateError, chat_token_ids, encode_text
+from tripath.engine.chat import chat_token_ids, encode_text
 from tripath.engine.request import SamplingParams
 from tripath.server import protocol as P
 from tripath.server.engine_loop import EngineLoop
@@ -133,10 +133,10 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             prompt = chat_token_ids(engine.tokenizer, messages, body.add_generation_prompt)
-        except ChatTemplateError as error:
+        except (ValueError, TypeError) as error:   # ChatTemplateError included
             raise APIError(400, str(error), param="messages") from None
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), param="messages") from None
+        except Exception as error:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
+            raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
         _check_ids(state, prompt, "messages")
         gen = _generation(state, body, [prompt], body.output_limit)
         return await _respond(state, gen, body, request, chat=True)
