@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                       "tripath.bench.check_compile:main_check_compile"),
     "generate": ("generate text with the serving engine (a Hugging Face directory or a preset)",
                  "tripath.engine.cli_generate:main_generate"),
+    "serve": ("an OpenAI-compatible HTTP server on the engine (needs tripath[serve])",
+              "tripath.server.cli:main_serve"),
 }
 
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
@@ -112,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tripath``; returns the exit status (2 for a usage error)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "generate":
+    if argv and argv[0] in ("generate", "serve"):
         backend = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--backend"), None)
         backend = backend or next((a.split("=", 1)[1] for a in argv if a.startswith("--backend=")), None)
         if backend not in (None, "auto", "torch"):

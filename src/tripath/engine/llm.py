@@ -278,6 +278,21 @@ class LLM:
                                             {r.request_id for r in batch}))
         return batch
 
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete chat conversations through the tokenizer's chat template (see :mod:`tripath.engine.chat`).
+
+        ``messages``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them; outputs in
+        their order, as :meth:`generate`. Raises :class:`~tripath.engine.chat.ChatTemplateError` (a
+        ``ValueError``) when the model has no tokenizer or no chat template.
+        """
+        from tripath.engine.chat import chat_token_ids
+
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
+            messages = [messages]
+        prompts = [chat_token_ids(self.tokenizer, conversation, add_generation_prompt) for conversation in messages]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     @staticmethod
     def _normalise(prompts, sampling_params) -> tuple[list[Prompt], list[SamplingParams]]:
         """``(prompts, params)`` as equal-length lists: one prompt (text, a flat sequence of numbers, a 1-D

@@ -1,0 +1,83 @@
+"""Chat conversations to prompt token ids through the tokenizer's chat template (``LLM.chat`` and the server).
+
+A conversation is a list of messages ``{"role": ..., "content": ...}``; ``content`` is text or a list of
+OpenAI content parts of which only ``{"type": "text", "text": ...}`` is supported. The template (Jinja, from
+the model's ``tokenizer_config.json``) renders the conversation with the assistant's turn opened, and the
+text is encoded without adding special tokens again (templates write their own BOS).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatTemplateError(ValueError):
+    """The model cannot render chat conversations (no tokenizer, or a tokenizer without a chat template)."""
+
+
+def message_text(content: Any, where: str) -> str:
+    """The text of a message's ``content``: a string, or a list of ``{"type": "text", "text": str}`` parts."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if isinstance(content, Sequence):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}.content[{j}] must be {{'type': 'text', 'text': str}}; other content "
+                                 "parts (images, audio, files) are not supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise TypeError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """Check a conversation and flatten content parts to text; raises ``ValueError``/``TypeError`` naming the
+    bad message."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("messages is empty; a conversation needs at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise TypeError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
+        out.append({"role": role, "content": message_text(message.get("content"), where)})
+    return out
+
+
+def has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and hasattr(tokenizer, "apply_chat_template") and \
+        bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The conversation as the model's prompt text."""
+    if tokenizer is None:
+        raise ChatTemplateError("chat needs a tokenizer with a chat template; this model has no tokenizer "
+                                "(send token ids to the completions API instead)")
+    if not has_chat_template(tokenizer):
+        raise ChatTemplateError("chat needs a chat template; this model's tokenizer has none (set "
+                                "'chat_template' in its tokenizer_config.json, or use the completions API)")
+    return tokenizer.apply_chat_template(normalise_messages(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """The conversation's prompt token ids (the rendered template encoded without extra special tokens)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt)
+    encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(t) for t in encoded]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids, as ``LLM.add_request`` encodes it (the tokenizer's own special tokens)."""
+    encoded = tokenizer.encode(text)
+    return [int(t) for t in getattr(encoded, "ids", encoded)]  # `tokenizers` returns an Encoding

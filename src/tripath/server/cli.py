@@ -1,0 +1,106 @@
+"""``tripath serve``: the OpenAI-compatible HTTP server on the engine.
+
+    tripath serve --model /models/Qwen3-8B --backend three_path --port 8000
+    tripath serve --model tiny-llama --backend torch --num-kv-blocks 64     # a preset: token-id prompts only
+
+The port answers at once; ``GET /health`` is 200 once the engine is built (and warmed up). SIGINT / SIGTERM
+stop accepting connections, let in-flight requests finish for up to ``--shutdown-timeout`` seconds, abort the
+rest and release the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tripath serve", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory or preset name")
+    parser.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' "
+                        "(default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--backend", default="auto",
+                        help="attention backend: auto, three_path, unified, two_path, torch, mla, mla_triton")
+    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float16, ...")
+    parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-queue-depth", type=int, default=1024,
+                        help="engine requests allowed to wait beyond the running ones; more get 503 at once")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may take (504 and aborted after); default: no limit")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests may still run after SIGINT / SIGTERM")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    return parser
+
+
+def main_serve(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``tripath serve``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from tripath.server.app import build_app
+    except ImportError as error:
+        print(f"tripath serve: error: {error}; install the server's packages with pip install 'tripath[serve]'",
+              file=sys.stderr)
+        return 2
+    for name, value, low in (("--port", args.port, 0), ("--max-queue-depth", args.max_queue_depth, 0)):
+        if value < low:
+            print(f"tripath serve: error: {name} must be >= {low}, got {value}", file=sys.stderr)
+            return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def make_llm():
+        from tripath.engine import LLM
+
+        return LLM(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
+                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
+                   enforce_eager=args.enforce_eager, seed=args.seed)
+
+    server: uvicorn.Server | None = None
+
+    def on_fatal(error: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    try:
+        app = build_app(make_llm, model_name=args.served_model_name or args.model,
+                        max_queue_depth=args.max_queue_depth, request_timeout_s=args.request_timeout,
+                        on_fatal=on_fatal, shutdown_timeout_s=args.shutdown_timeout)
+    except ValueError as error:
+        print(f"tripath serve: error: {error}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    try:
+        server.run()   # after a graceful shutdown uvicorn re-raises the signal that asked for it
+    except KeyboardInterrupt:
+        pass
+    engine = app.state.server.engine
+    if engine.startup_error is not None:
+        print(f"tripath serve: error: the engine could not be built: {engine.startup_error}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main_serve())

@@ -1,0 +1,94 @@
+"""Output tokens to text as they stream: incremental detokenisation and ``stop`` strings.
+
+:class:`IncrementalDetokenizer` turns one token at a time into the text it adds. It decodes a short window of
+recent tokens twice (with and without the new one) and emits the difference, so tokenizers whose pieces
+depend on their neighbours (leading-space markers, byte-level pieces) come out right; while the window ends
+in an incomplete UTF-8 sequence (U+FFFD) it emits nothing and waits for the next bytes. :class:`StopMatcher`
+holds back text that could be the start of a stop string and cuts the output before the first complete one
+(the stop string itself is not returned, as in the OpenAI API).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """The text of a growing token sequence, piece by piece (``push`` a token, get the text it completes)."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0   # window start: tokens before it are emitted and final
+        self.read_offset = 0     # tokens before it are emitted
+        self.text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the new text (``""`` while a character is incomplete)."""
+        self.token_ids.append(int(token_id))
+        if self.tokenizer is None:
+            return ""
+        before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset:])
+        if after.endswith(REPLACEMENT) or len(after) <= len(before):
+            return ""
+        new = after[len(before):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += new
+        return new
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever is still held back (an incomplete character decodes as
+        U+FFFD)."""
+        if self.tokenizer is None or self.read_offset == len(self.token_ids):
+            return ""
+        before = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset:])
+        new = after[len(before):] if after.startswith(before) else after
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += new
+        return new
+
+
+class StopMatcher:
+    """Cuts streamed text at the first of ``stops``; ``feed`` returns the text safe to emit now."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str, final: bool = False) -> str:
+        """Add text; returns what may be emitted. After a stop string (``stopped``) nothing more comes out.
+        ``final``: no more text will come, release the held-back tail."""
+        if self.stopped:
+            return ""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out
+        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self.pending = self.pending[:cut], ""
+            return out
+        keep = 0 if final else self._partial_stop_length()
+        out = self.pending[:len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep:]
+        return out
+
+    def _partial_stop_length(self) -> int:
+        """Length of the longest tail of the pending text that begins a stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:k]):
+                    best = k
+                    break
+        return best

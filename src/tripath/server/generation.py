@@ -1,0 +1,163 @@
+"""One HTTP generation request on the handler side: its engine submissions (one per prompt and choice), and
+the events they bring back turned into text deltas, finish reasons and usage.
+
+:class:`Generation` submits, waits for the engine to accept every submission (a refusal is the request's
+error), then yields :class:`Delta` values until every choice has finished; a timeout, a disconnect (the
+consumer closing the iterator) or a stop string aborts the submissions still running in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from tripath.engine.request import FinishReason, RequestOutput, SamplingParams
+from tripath.server.detokenize import IncrementalDetokenizer, StopMatcher
+from tripath.server.engine_loop import ACCEPTED, EngineLoop, Failure, Submission
+
+_ids = itertools.count()
+
+
+class APIError(Exception):
+    """An error answered with the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+@dataclass
+class Delta:
+    """New output of one choice: text, token ids, and the finish reason on its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class ChoiceState:
+    sub: Submission
+    detokenizer: IncrementalDetokenizer
+    stops: StopMatcher
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    def consume(self, out: RequestOutput) -> Delta:
+        """The delta of one step's output (tokens after a stop string are dropped)."""
+        text, ids = [], []
+        for token in out.new_token_ids:
+            if self.finish_reason is not None:
+                break
+            ids.append(token)
+            self.token_ids.append(token)
+            text.append(self.stops.feed(self.detokenizer.push(token)))
+            if self.stops.stopped:
+                self.finish_reason = "stop"
+        if out.finished and self.finish_reason is None:
+            text.append(self.stops.feed(self.detokenizer.flush(), final=True))
+            self.finish_reason = "stop" if self.stops.stopped or out.finish_reason is FinishReason.STOP else "length"
+        piece = "".join(text)
+        self.text += piece
+        return Delta(self.sub.index, piece, ids, self.finish_reason)
+
+
+class Generation:
+    """The engine side of one completions / chat request (``prompts`` x ``n`` choices)."""
+
+    def __init__(self, engine: EngineLoop, prompts: list[list[int]], params: list[SamplingParams],
+                 stops: list[str], timeout_s: float | None):
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.arrival = time.perf_counter()
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        number = next(_ids)
+        self.choices: list[ChoiceState] = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            sub = Submission(f"srv-{number}-{i}", i, prompt, sp, self.loop, self.events)
+            self.choices.append(ChoiceState(sub, IncrementalDetokenizer(engine.tokenizer), StopMatcher(stops),
+                                            len(prompt)))
+        self._submitted = False
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def _next(self):
+        remaining = None if self.deadline is None else self.deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise asyncio.TimeoutError
+        return await asyncio.wait_for(self.events.get(), remaining)
+
+    async def start(self) -> None:
+        """Submit every choice and wait until the engine has accepted all of them (else raise APIError)."""
+        self._submitted = True
+        for c in self.choices:
+            self.engine.submit(c.sub)
+        pending = len(self.choices)
+        error = None
+        early: list = []
+        try:
+            while pending:
+                index, item = await self._next()
+                if item is ACCEPTED:
+                    pending -= 1
+                elif isinstance(item, Failure):
+                    pending -= 1
+                    self.choices[index].finish_reason = "error"
+                    error = error or item
+                else:
+                    early.append((index, item))
+        except asyncio.TimeoutError:
+            self.abort()
+            raise APIError(504, "the request timed out before the engine accepted it", "timeout") from None
+        if error is not None:
+            self.abort()
+            raise APIError(error.status, error.message, error.type)
+        for event in early:
+            self.events.put_nowait(event)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Each step's output per choice, until all have finished. Raises APIError on a timeout or a failed
+        step; aborts what is still running when it stops early (closed by a disconnecting client)."""
+        try:
+            while not self.finished:
+                try:
+                    index, item = await self._next()
+                except asyncio.TimeoutError:
+                    raise APIError(504, "the request timed out", "timeout") from None
+                choice = self.choices[index]
+                if choice.finish_reason is not None or item is ACCEPTED:
+                    continue  # output queued before this choice's stop string was seen
+                if isinstance(item, Failure):
+                    raise APIError(item.status, item.message, item.type)
+                delta = choice.consume(item)
+                if choice.finish_reason is not None and not item.finished:
+                    self.engine.abort(choice.sub.request_id, "stop")  # a stop string ended it
+                if delta.text or delta.token_ids or delta.finish_reason:
+                    yield delta
+        finally:
+            self.abort()
+            self.engine.metrics.e2e.observe(time.perf_counter() - self.arrival)
+
+    def abort(self) -> None:
+        """Abort every choice that has not finished (a no-op for the engine once it has)."""
+        if not self._submitted:
+            return
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+                self.engine.abort(c.sub.request_id)

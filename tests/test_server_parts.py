@@ -1,0 +1,205 @@
+"""The server's parts without a server process: streamed detokenisation across multi-byte characters, stop
+strings, the chat template helper and ``LLM.chat``, the online benchmark's workload, and (in process, through
+ASGI) a failing engine step (500, the loop goes on) and a request timeout (504)."""
+
+import asyncio
+import math
+import statistics
+
+import pytest
+import torch
+
+from tripath.bench.serve_online import arrival_offsets, make_workload
+from tripath.cli import main
+from tripath.engine import LLM, SamplingParams
+from tripath.engine.chat import ChatTemplateError, chat_token_ids, normalise_messages, render_chat
+from tripath.server.detokenize import IncrementalDetokenizer, StopMatcher
+
+MULTIBYTE = "naïve café — 日本語 ✓ 🙂 done"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    pytest.importorskip("transformers")
+    from server_models import build_tokenizer
+    return build_tokenizer()
+
+
+def test_streamed_text_is_whole_characters_and_equals_the_decode(tokenizer):
+    ids = tokenizer.encode(MULTIBYTE)
+    assert any(tokenizer.decode(ids[:k]).endswith("\ufffd") for k in range(len(ids)))  # characters span tokens
+    d = IncrementalDetokenizer(tokenizer)
+    pieces = [d.push(t) for t in ids]
+    assert "" in pieces                                   # held back inside a character
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + d.flush() == MULTIBYTE == d.text
+
+
+def test_an_unfinished_character_at_the_end_is_flushed_as_the_decode_shows_it(tokenizer):
+    ids = tokenizer.encode("ok 🙂")[:-1]                  # cut inside the emoji's bytes
+    d = IncrementalDetokenizer(tokenizer)
+    streamed = "".join(d.push(t) for t in ids)
+    assert streamed == "ok "
+    assert streamed + d.flush() == tokenizer.decode(ids)
+
+
+def test_stop_strings_cut_before_the_first_match_across_pieces():
+    m = StopMatcher(["o w", "zz"])
+    out = [m.feed(p) for p in ["Hel", "lo", " wo", "rld"]]
+    assert "".join(out) == "Hell" and m.stopped and out[-1] == ""
+    m = StopMatcher(["bc"])
+    assert m.feed("ab") == "a"          # "b" may start "bc": held back
+    assert m.feed("d") == "bd"          # it did not
+    assert m.feed("xb") == "x" and m.feed("", final=True) == "b"
+    assert StopMatcher([]).feed("anything") == "anything"
+
+
+def test_chat_helper_checks_messages_and_templates(tokenizer):
+    assert normalise_messages([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                            {"type": "text", "text": "b"}]}]) == \
+        [{"role": "user", "content": "ab"}]
+    with pytest.raises(ValueError, match=r"messages\[0\].role"):
+        normalise_messages([{"role": "robot", "content": "x"}])
+    with pytest.raises(ValueError, match="image"):
+        normalise_messages([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    with pytest.raises(ValueError, match="empty"):
+        normalise_messages([])
+    with pytest.raises(ChatTemplateError, match="no tokenizer"):
+        render_chat(None, [{"role": "user", "content": "x"}])
+    from server_models import build_tokenizer
+    with pytest.raises(ChatTemplateError, match="no chat template|has none"):
+        render_chat(build_tokenizer(chat_template=None), [{"role": "user", "content": "x"}])
+    text = render_chat(tokenizer, [{"role": "user", "content": "Hi"}])
+    assert text == "<|user|>Hi\n<|assistant|>"
+    assert tokenizer.decode(chat_token_ids(tokenizer, [{"role": "user", "content": "Hi"}])) == text
+
+
+def test_llm_chat_goes_through_the_template(tokenizer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from server_models import save_tiny_hf_llama
+    save_tiny_hf_llama(tmp_path)
+    llm = LLM(str(tmp_path), backend="torch", num_kv_blocks=32)
+    conversations = [[{"role": "user", "content": "Hello"}],
+                     [{"role": "system", "content": "Brief."}, {"role": "user", "content": "The fox"}]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    chats = llm.chat(conversations, params, use_tqdm=False)
+    prompts = [chat_token_ids(llm.tokenizer, c) for c in conversations]
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    for chat, ref, prompt in zip(chats, plain, prompts):
+        assert chat.prompt_token_ids == prompt and chat.output_token_ids == ref.output_token_ids
+    one = llm.chat(conversations[0], params, use_tqdm=False)   # a single conversation
+    assert len(one) == 1 and one[0].output_token_ids == chats[0].output_token_ids
+    with pytest.raises(ChatTemplateError):
+        LLM("tiny-llama", backend="torch", num_kv_blocks=8).chat(conversations[0], params)
+
+
+def test_benchmark_workload_and_arrivals_are_seeded():
+    w = make_workload(50, 20, 0.5, 8, vocab_size=100, seed=3)
+    assert w == make_workload(50, 20, 0.5, 8, vocab_size=100, seed=3)
+    lengths = [len(p) for p in w.prompts]
+    assert min(lengths) >= 10 and max(lengths) <= 30 and len(set(lengths)) > 5
+    assert all(0 <= t < 100 for p in w.prompts for t in p)
+    offsets = arrival_offsets(4000, 10.0, seed=1)
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert offsets[0] == 0 and statistics.fmean(gaps) == pytest.approx(0.1, rel=0.08)
+    assert statistics.stdev(gaps) == pytest.approx(0.1, rel=0.1)         # exponential: sd == mean
+    assert arrival_offsets(3, math.inf, 0) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="input_len_spread"):
+        make_workload(1, 4, 1.5, 1, 10, 0)
+
+
+def test_bench_serve_without_url_says_so(capsys):
+    assert main(["bench", "serve", "--num-requests", "3"]) == 2
+    assert "--url" in capsys.readouterr().err
+
+
+# ---- in process, through ASGI ------------------------------------------------------------------------
+POISON = [13, 13, 13]
+
+
+def _app(slow_s=0.0, **kw):
+    pytest.importorskip("fastapi")
+    from tripath.server.app import build_app
+
+    def make():
+        torch.set_num_threads(1)
+        llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
+        execute = llm.runner.execute
+
+        def faulty(scheduled):
+            if any(item.request.prompt_token_ids[:3] == POISON for item in scheduled):
+                raise RuntimeError("injected fault")
+            if slow_s:
+                import time
+                time.sleep(slow_s)
+            return execute(scheduled)
+
+        llm.runner.execute = faulty
+        add = llm.add_request
+
+        def faulty_add(prompt, params=None, request_id=None):
+            if list(prompt) == POISON[:2]:
+                raise RuntimeError("injected add fault")
+            return add(prompt, params, request_id)
+
+        llm.add_request = faulty_add
+        return llm
+
+    app = build_app(make, model_name="tiny", **kw)
+    engine = app.state.server.engine
+    engine.start()
+    assert engine.wait_ready(120)
+    return app, engine
+
+
+async def _post(app, body):
+    import httpx
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as h:
+        return await h.post("/v1/completions", json=body)
+
+
+def _idle(engine):
+    llm = engine.llm
+    return (len(llm.scheduler.running), len(llm.scheduler.waiting),
+            llm.block_manager.num_usable_blocks - llm.block_manager.num_free_blocks)
+
+
+def test_a_failing_step_fails_its_requests_with_500_and_the_loop_goes_on(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    threads = torch.get_num_threads()
+    app, engine = _app()
+    try:
+        r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON + [4], "max_tokens": 4}))
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["type"] == "server_error" and "injected fault" in r.json()["error"]["message"]
+        r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON, "max_tokens": 4, "stream": True}))
+        assert r.status_code == 200 and "injected fault" in r.text and r.text.rstrip().endswith("data: [DONE]")
+        r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON[:2], "max_tokens": 4}))
+        assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
+        good = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 5, "ignore_eos": True}))
+        assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 5
+        assert engine.metrics.step_failures._value.get() == 2
+        assert _idle(engine) == (0, 0, 0)
+    finally:
+        engine.stop()
+        torch.set_num_threads(threads)
+    assert engine.llm is None and not engine.alive   # released
+
+
+def test_a_request_past_its_timeout_gets_504_and_is_aborted(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    threads = torch.get_num_threads()
+    app, engine = _app(slow_s=0.02, request_timeout_s=0.3)
+    try:
+        r = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5], "max_tokens": 200, "ignore_eos": True}))
+        assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
+        for _ in range(100):
+            if _idle(engine) == (0, 0, 0):
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert _idle(engine) == (0, 0, 0)
+        quick = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5], "max_tokens": 3, "ignore_eos": True}))
+        assert quick.status_code == 200
+    finally:
+        engine.stop()
+        torch.set_num_threads(threads)
