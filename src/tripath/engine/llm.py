@@ -10,6 +10,9 @@
     while llm.has_unfinished_requests():
         for out in llm.step(): ...   # out.new_token_ids, out.finished
 
+    with LLM("/models/Qwen3-32B", tensor_parallel_size=2) as llm:   # ranks 1.. in spawned workers
+        outs = llm.generate(prompts)
+
 Each ``step`` schedules (decodes, then prompt chunks, then new requests, under the token budget), runs the
 model once on the step's batch and returns a :class:`RequestOutput` for every request that produced a token
 or finished.
@@ -82,6 +85,9 @@ class LLM:
     ``model``: a path or preset name (loaded with :func:`tripath.models.load_model`, tokenizer with
     ``load_tokenizer``) or an already built model object (``attention_spec``, ``num_attention_layers``,
     ``config.eos_token_ids``/``max_position``, ``forward(input_ids, positions, ctx)``, ``compute_logits``).
+    ``tensor_parallel_size`` > 1 shards the model over that many ranks (``model`` must then be a path or a
+    preset; see :mod:`tripath.engine.parallel_executor`); close such an engine with :meth:`close` or a
+    ``with`` block to stop its worker processes (garbage collection and interpreter exit also do).
     The other arguments are :class:`EngineConfig`'s.
     """
 
@@ -92,7 +98,7 @@ class LLM:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_kv_blocks: int | None = None, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False,
-                 max_cuda_graph_batch_size: int = 128, seed: int = 0):
+                 max_cuda_graph_batch_size: int = 128, seed: int = 0, tensor_parallel_size: int = 1):
         if dtype is None and not isinstance(model, str):
             dtype = next(model.parameters()).dtype
         self.config = EngineConfig(
@@ -103,14 +109,24 @@ class LLM:
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill, enforce_eager=enforce_eager,
             max_cuda_graph_batch_size=max_cuda_graph_batch_size, seed=seed)
-        if isinstance(model, str):
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        self.runner = None
+        if tensor_parallel_size > 1:
+            from tripath.engine.parallel_executor import ParallelExecutor
+            from tripath.models import load_tokenizer
+            self.runner = ParallelExecutor(model, self.config, tensor_parallel_size)
+            model = self.runner.model
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        elif isinstance(model, str):
             from tripath.models import load_model, load_tokenizer
             model = load_model(model, dtype=self.config.dtype, device=self.config.device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(int(t) for t in getattr(model.config, "eos_token_ids", ()) or ())
-        self.runner = ModelRunner(model, self.config)
+        if self.runner is None:
+            self.runner = ModelRunner(model, self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
@@ -124,6 +140,21 @@ class LLM:
     @property
     def backend_name(self) -> str:
         return self.runner.backend.name
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do for one rank); idempotent."""
+        close = getattr(self.__dict__.get("runner"), "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
 
     # ---- step API -----------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
