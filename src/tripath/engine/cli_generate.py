@@ -2,6 +2,7 @@
 
     tripath generate --model tiny-llama --prompt "Hello" --prompt "The sky is" --max-tokens 32
     tripath generate --model /models/Qwen3-8B --backend three_path --kv-cache-dtype fp8 --temperature 0.7
+    tripath generate --model /models/Qwen3-32B --tensor-parallel-size 2 --prompt "Hello"
 
 A model directory brings its tokenizer. Presets (random weights) have none: text is then encoded as UTF-8
 bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the same way; ``--prompt-ids``
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
     return parser
 
 
@@ -77,31 +80,30 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
 
     from tripath.engine import LLM, SamplingParams
     from tripath.engine.config import resolve_device, resolve_dtype
-    from tripath.models import load_model, load_tokenizer
 
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, ignore_eos=args.ignore_eos)
-        model = load_model(args.model, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(model)
-        if tokenizer is None and model.config.vocab_size >= 256:
-            tokenizer = ByteTokenizer()
-            print(f"{args.model} has no tokenizer: text is encoded as UTF-8 bytes", file=sys.stderr)
-        llm = LLM(model, tokenizer=tokenizer, backend=args.backend, dtype=dtype, device=device,
+        llm = LLM(args.model, backend=args.backend, dtype=dtype, device=device,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                   calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                  enforce_eager=args.enforce_eager, seed=args.seed)
-        outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+                  enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+        with llm:
+            if llm.tokenizer is None and llm.model.config.vocab_size >= 256:
+                llm.tokenizer = ByteTokenizer()
+                print(f"{args.model} has no tokenizer: text is encoded as UTF-8 bytes", file=sys.stderr)
+            outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
         print(f"tripath generate: error: {error}", file=sys.stderr)
         return 2
+    parallel = f" | tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     print(f"model {args.model} | backend {llm.backend_name} | {llm.runner.num_blocks} KV blocks of "
-          f"{llm.config.block_size} | {dtype} on {device}")
+          f"{llm.config.block_size} | {dtype} on {device}{parallel}")
     for i, out in enumerate(outputs):
         prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
         print(f"\n[{i}] prompt: {prompt!r}")
