@@ -7,6 +7,7 @@ backends with CUDA graphs."""
 import gc
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -265,18 +266,44 @@ def test_workers_exit_when_rank_0_dies(tmp_path):
     assert _state(pid) in (None, "Z")
 
 
+TORCHRUN_SCRIPT = """
+import os
+from tripath.engine import LLM, SamplingParams
+llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16, tensor_parallel_size=2)
+assert os.environ["RANK"] == "0", "ranks other than 0 leave the constructor with SystemExit(0)"
+out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+print("tokens", *out[0].output_token_ids, flush=True)
+llm.close()
+"""
+
+
+def test_llm_under_torchrun_uses_its_process_group(tmp_path):
+    script = tmp_path / "tp.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(port), str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [s for s in done.stdout.splitlines() if s.startswith("tokens")]
+    want = LLM("tiny-llama", backend="torch", num_kv_blocks=16).generate(
+        [[5, 6, 7, 8]], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0].output_token_ids
+    assert line == ["tokens " + " ".join(map(str, want))]
+
+
 def test_generate_cli_with_tensor_parallel_size(capsys):
     from tripath.engine.cli_generate import main_generate
 
     args = ["--model", "tiny-llama", "--prompt-ids", "5,6,7,8", "--max-tokens", "4", "--backend", "torch",
-            "--device", "cpu", "--num-kv-blocks", "16"]
+            "--device", "cpu", "--num-kv-blocks", "16", "--num-random-prompts", "2", "--random-prompt-len", "6"]
     assert main_generate(args) == 0
     single = capsys.readouterr().out
     assert main_generate(args + ["--tensor-parallel-size", "2"]) == 0
     parallel = capsys.readouterr().out
     line = [s for s in single.splitlines() if "tokens:" in s]
     assert line and line == [s for s in parallel.splitlines() if "tokens:" in s]
-    assert "tensor parallel 2" in parallel
+    assert "tensor parallel 2" in parallel and "3 requests, 16 prompt + 12 output tokens" in parallel
 
 
 # -- GPU (2 GPUs, NCCL) ---------------------------------------------------------------------------------------

@@ -6,12 +6,14 @@
 
 A model directory brings its tokenizer. Presets (random weights) have none: text is then encoded as UTF-8
 bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the same way; ``--prompt-ids``
-passes token ids directly.
+passes token ids directly, ``--num-random-prompts N`` adds a fixed random workload (only its metrics are
+printed), e.g. to compare ``--tensor-parallel-size`` 1 and 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from typing import Sequence
 
@@ -33,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument("--prompt-ids", action="append", default=[],
                         help="a prompt as comma-separated token ids (repeatable)")
+    parser.add_argument("--num-random-prompts", type=int, default=0,
+                        help="add N prompts of random token ids (3..255, from --seed): a fixed workload to time")
+    parser.add_argument("--random-prompt-len", type=int, default=128, help="tokens per random prompt")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -75,8 +80,13 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     prompts: list = list(args.prompt) + [_parse_ids(p, parser) for p in args.prompt_ids]
+    if args.num_random_prompts < 0 or args.random_prompt_len < 1:
+        parser.error("--num-random-prompts must be >= 0 and --random-prompt-len >= 1")
+    generator = random.Random(args.seed)
+    prompts += [[generator.randrange(3, 256) for _ in range(args.random_prompt_len)]
+                for _ in range(args.num_random_prompts)]
     if not prompts:
-        parser.error("give at least one --prompt or --prompt-ids")
+        parser.error("give at least one --prompt, --prompt-ids or --num-random-prompts")
 
     from tripath.engine import LLM, SamplingParams
     from tripath.engine.config import resolve_device, resolve_dtype
@@ -104,7 +114,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
     parallel = f" | tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     print(f"model {args.model} | backend {llm.backend_name} | {llm.runner.num_blocks} KV blocks of "
           f"{llm.config.block_size} | {dtype} on {device}{parallel}")
-    for i, out in enumerate(outputs):
+    for i, out in enumerate(outputs[:len(outputs) - args.num_random_prompts]):
         prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
         print(f"\n[{i}] prompt: {prompt!r}")
         if out.text is not None:
