@@ -192,6 +192,15 @@ def test_shapes_that_do_not_split_are_refused():
         LLM("tiny-llama", backend="torch", tensor_parallel_size=0)
 
 
+def test_llm_refuses_unshardable_or_unknown_models_before_spawning(monkeypatch):
+    monkeypatch.setattr("torch.multiprocessing.get_context", None)  # spawning would fail with a TypeError
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=8 must divide num_attention_heads \(4\)"):
+        LLM("tiny-qwen3-moe", backend="torch", tensor_parallel_size=8)
+    with pytest.raises(FileNotFoundError, match="neither a local model directory nor a preset"):
+        LLM("no-such-model", backend="torch", tensor_parallel_size=2)
+    assert not torch.distributed.is_initialized()
+
+
 # -- engine -----------------------------------------------------------------------------------------------------
 
 PROMPTS = [[5, 17, 33, 9, 2, 70, 12], [40, 41, 42] * 6, [7]]
@@ -317,6 +326,17 @@ def test_gpu_tp2_logits_match_tp1():
     """The default backends (three_path / mla) in fp16 over NCCL."""
     cases = ("tiny-llama", "tiny-mistral", "tiny-qwen3-moe", "tiny-deepseek")
     got = run_ranks(model_steps_cases, 2, cases, torch.float16, "auto", backend="nccl")
+    want = reference_steps(cases, torch.float16, "auto", device="cuda")
+    for preset in cases:
+        torch.testing.assert_close(got[preset]["logits"], want[preset]["logits"], atol=2e-2, rtol=1e-2,
+                                   msg=lambda m: f"{preset}: {m}")
+
+
+@pytest.mark.gpu
+def test_gpu_tp2_on_one_gpu_over_gloo_matches_tp1():
+    """Both ranks on one GPU, the collectives through gloo: the GPU backends on the sharded specs (eager)."""
+    cases = ("tiny-mistral", "tiny-qwen3-moe", "tiny-deepseek")
+    got = run_ranks(model_steps_cases, 2, cases, torch.float16, "auto", backend="gloo", device="cuda:0")
     want = reference_steps(cases, torch.float16, "auto", device="cuda")
     for preset in cases:
         torch.testing.assert_close(got[preset]["logits"], want[preset]["logits"], atol=2e-2, rtol=1e-2,

@@ -17,11 +17,14 @@ from tripath.models import load_model
 from tripath.models.parallel import SINGLE, ParallelState
 
 
-def _rank_entry(rank: int, world: int, port: int, backend: str, out: str, fn, args) -> None:
+def _rank_entry(rank: int, world: int, port: int, backend: str, device: str | None, out: str, fn, args) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        if device is not None:
+            device = torch.device(device)
+        else:
+            device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         result = fn(ParallelState(rank=rank, world_size=world), device, *args)
@@ -31,14 +34,15 @@ def _rank_entry(rank: int, world: int, port: int, backend: str, out: str, fn, ar
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world: int, *args, backend: str = "gloo"):
-    """``fn(parallel, device, *args)`` on ``world`` spawned ranks; returns rank 0's result."""
+def run_ranks(fn, world: int, *args, backend: str = "gloo", device: str | None = None):
+    """``fn(parallel, device, *args)`` on ``world`` spawned ranks; returns rank 0's result. ``device``: every
+    rank's (default: ``cuda:rank`` with NCCL, else the CPU; gloo also moves CUDA tensors, through the host)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
-        torch.multiprocessing.start_processes(_rank_entry, args=(world, port, backend, out, fn, args), nprocs=world,
+        torch.multiprocessing.start_processes(_rank_entry, args=(world, port, backend, device, out, fn, args), nprocs=world,
                                               start_method="spawn")
         return torch.load(out)
 

@@ -40,6 +40,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_shardable(model: str, world: int) -> None:
+    """Raise what loading would (unknown model, bad config) or the first shape ``world`` ranks cannot split,
+    before any process starts: the model is built for rank 0 on the meta device (no memory)."""
+    from tripath.models import load_config, load_model
+    from tripath.models.loader import MODEL_CLASSES
+    from tripath.models.parallel import ParallelState
+    from tripath.models.presets import PRESETS
+
+    if os.path.isdir(model):
+        config = load_config(model)
+    elif model in PRESETS:
+        config = PRESETS[model]()
+    else:
+        load_model(model)  # raises its FileNotFoundError
+    with torch.device("meta"):
+        MODEL_CLASSES[config.family](config, torch.float32, ParallelState(0, world))
+
+
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -78,6 +96,7 @@ class ParallelExecutor:
             raise TypeError(f"tensor_parallel_size={tensor_parallel_size} needs the model as a path or preset name "
                             f"(each rank loads its own shard), not a {type(model).__name__}")
         world = tensor_parallel_size
+        check_shardable(os.fspath(model), world)
         self.processes = []
         if under_torchrun():
             rank, init_method = int(os.environ["RANK"]), None
@@ -100,7 +119,12 @@ class ParallelExecutor:
                                           name=f"tripath-tp-rank{index + 1}")
                 process.start()
                 self.processes.append(process)
-        self.parallel, self.control, created = join_groups(setup, 0)
+        try:
+            self.parallel, self.control, created = join_groups(setup, 0)
+        except BaseException:
+            for process in self.processes:
+                process.terminate()
+            raise
         self._shutdown = _Shutdown(self.processes, self.control, created)
         self._finalizer = weakref.finalize(self, self._shutdown)
         try:

@@ -178,6 +178,8 @@ def run_worker(rank: int, setup: RankSetup, *, local_rank: int | None = None, pa
     if parent is not None:
         threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     device = rank_device(setup.config.device, rank if local_rank is None else local_rank, setup.world_size)
+    if device.type == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, torch.get_num_threads() // setup.world_size))
     config = replace(setup.config, device=device)
     parallel, control, created = join_groups(setup, rank)
     try:

@@ -9,6 +9,10 @@
 - MoE: router logits ``x·Wᵀ`` (fp32) → scores (softmax or sigmoid) → top-k experts per token (optionally
   group-limited) → weights (renormalised if configured, times ``routed_scaling_factor``) →
   ``Σ_k w_k · expert_k(x) + shared(x)``.
+
+Under tensor parallelism (:mod:`tripath.models.parallel`) the MLP's gate/up are column-parallel and its down
+row-parallel; an MoE layer keeps the rank's share of the routed experts (:class:`LocalExperts`) and sums its
+partial output with the shared experts' in one all-reduce.
 """
 
 from __future__ import annotations
