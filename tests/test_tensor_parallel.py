@@ -203,6 +203,40 @@ def test_llm_refuses_unshardable_or_unknown_models_before_spawning(monkeypatch):
 
 # -- engine -----------------------------------------------------------------------------------------------------
 
+def test_step_messages_rebuild_what_the_runner_reads():
+    """Through a real scheduler with too few blocks (preemptions, prefix hits, chunked prefill): each decoded
+    step has the scheduled requests' block ids, new tokens and counts, and block ids travel once each."""
+    from tripath.engine.block_manager import BlockManager
+    from tripath.engine.request import Request
+    from tripath.engine.scheduler import Scheduler
+    from tripath.engine.worker import StepDecoder, StepEncoder
+
+    scheduler = Scheduler(BlockManager(12, 4), max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(2, 50, (8,), generator=g).tolist()
+    for i in range(5):
+        prompt = shared + torch.randint(2, 50, (3 + 4 * i,), generator=g).tolist()
+        scheduler.add(Request(prompt, SamplingParams(max_tokens=6, ignore_eos=True)))
+    encoder, decoder = StepEncoder(), StepDecoder()
+    sent = total = 0
+    while scheduler.has_unfinished:
+        out = scheduler.schedule()
+        message = encoder.encode(out.scheduled)
+        decoded = decoder.decode(message)
+        assert len(decoded) == len(out.scheduled)
+        for want, got in zip(out.scheduled, decoded):
+            start, stop = want.num_computed_tokens, want.num_computed_tokens + want.num_new_tokens
+            assert (got.num_new_tokens, got.num_computed_tokens, got.samples) == \
+                (want.num_new_tokens, want.num_computed_tokens, want.samples)
+            assert got.request.block_ids == want.request.block_ids
+            assert got.request.token_ids(start, stop) == want.request.token_ids(start, stop)
+        sent += sum(len(item[5]) for item in message[1])
+        total += sum(len(s.request.block_ids) for s in out.scheduled)
+        scheduler.update(out, [7 if s.samples else None for s in out.scheduled])
+    assert scheduler.num_preemptions > 0 and sent < total / 2
+    assert set(decoder.blocks) <= {r.index for r, _, _ in encoder.known.values()}
+
+
 PROMPTS = [[5, 17, 33, 9, 2, 70, 12], [40, 41, 42] * 6, [7]]
 PARAMS = [SamplingParams(max_tokens=6, temperature=0), SamplingParams(max_tokens=5, temperature=0),
           SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3)]

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tripath.engine.config import EngineConfig
-from tripath.engine.worker import (RankSetup, encode_step, join_groups, leave_groups, rank_device, run_worker,
+from tripath.engine.worker import (RankSetup, StepEncoder, join_groups, leave_groups, rank_device, run_worker,
                                    spawned_worker, start_rank)
 
 JOIN_TIMEOUT_S = 30.0
@@ -133,6 +133,7 @@ class ParallelExecutor:
             self.close()
             raise
         self._shutdown.serving = True
+        self.encoder = StepEncoder()
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -147,7 +148,7 @@ class ParallelExecutor:
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.processes) if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker ranks exited: {dead} (rank, exit code)")
-        dist.broadcast_object_list([encode_step(scheduled)], src=0, group=self.control)
+        dist.broadcast_object_list([self.encoder.encode(scheduled)], src=0, group=self.control)
         return self.runner.execute(scheduled)
 
     def close(self) -> None:

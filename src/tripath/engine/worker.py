@@ -11,9 +11,11 @@ through the same phases, so their collectives line up:
    exchange the number of KV blocks (the engine uses the smallest);
 4. workers: run every step rank 0 broadcasts over the control group until it broadcasts ``None``.
 
-A step message is a list with one tuple per scheduled request, ``(num_new_tokens, num_computed_tokens,
-num_tokens, block_ids, new_token_ids)``: what a ModelRunner reads of the request. Workers sample greedily
-and discard the result; rank 0's samples are the engine's.
+A step message is ``(forget, items)``: ``items`` has one tuple per scheduled request, ``(key,
+num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids)`` — what a
+ModelRunner reads of the request, with only the KV block ids the workers have not seen (its block list is
+``known[:first_block] + new_blocks``); ``forget`` lists the keys of requests that finished or were
+preempted. Workers sample greedily and discard the result; rank 0's samples are the engine's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from tripath.engine.config import EngineConfig
-from tripath.engine.request import SamplingParams
+from tripath.engine.request import RequestStatus, SamplingParams
 from tripath.engine.scheduler import ScheduledRequest
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -64,18 +66,49 @@ class StepRequest:
         return self.new_token_ids[start - self.start:stop - self.start]
 
 
-def encode_step(scheduled: list[ScheduledRequest]) -> list[tuple]:
-    out = []
-    for item in scheduled:
-        request, start = item.request, item.num_computed_tokens
-        out.append((item.num_new_tokens, start, request.num_tokens, list(request.block_ids),
-                    request.token_ids(start, start + item.num_new_tokens)))
-    return out
+class StepEncoder:
+    """Rank 0's side of the step messages. A running request's block list only grows (by appending) and is
+    replaced when the request is admitted again, so the workers get each block id once: all of them when the
+    list is new to them (or was replaced), else the ones appended since the last step."""
+
+    def __init__(self):
+        self.known: dict[int, tuple] = {}  # request index -> (request, its block list object, blocks sent)
+
+    def encode(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], list[tuple]]:
+        forget = [key for key, (request, _, _) in self.known.items() if request.status is not RequestStatus.RUNNING]
+        for key in forget:
+            del self.known[key]
+        items = []
+        for item in scheduled:
+            request, start = item.request, item.num_computed_tokens
+            blocks = request.block_ids
+            _, sent_list, sent = self.known.get(request.index, (None, None, 0))
+            if sent_list is not blocks or sent > len(blocks):
+                sent = 0
+            self.known[request.index] = (request, blocks, len(blocks))
+            items.append((request.index, item.num_new_tokens, start, request.num_tokens, sent, blocks[sent:],
+                          request.token_ids(start, start + item.num_new_tokens)))
+        return forget, items
 
 
-def decode_step(message: list[tuple]) -> list[ScheduledRequest]:
-    return [ScheduledRequest(StepRequest(num_tokens, block_ids, computed, token_ids), num_new, computed)
-            for num_new, computed, num_tokens, block_ids, token_ids in message]
+class StepDecoder:
+    """A worker's side: rebuilds the scheduled requests from the step messages."""
+
+    def __init__(self):
+        self.blocks: dict[int, list[int]] = {}
+
+    def decode(self, message: tuple[list[int], list[tuple]]) -> list[ScheduledRequest]:
+        forget, items = message
+        for key in forget:
+            self.blocks.pop(key, None)
+        scheduled = []
+        for key, num_new, computed, num_tokens, first_block, new_blocks, token_ids in items:
+            blocks = self.blocks.get(key)
+            if blocks is None or len(blocks) != first_block:
+                blocks = self.blocks[key] = (blocks or [])[:first_block]
+            blocks.extend(new_blocks)
+            scheduled.append(ScheduledRequest(StepRequest(num_tokens, blocks, computed, token_ids), num_new, computed))
+        return scheduled
 
 
 def rank_device(device: torch.device, local_rank: int, world_size: int) -> torch.device:
@@ -148,12 +181,12 @@ def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, cont
 
 def serve(runner, control) -> None:
     """A worker's loop: run each broadcast step until the stop message."""
-    box = [None]
+    box, decoder = [None], StepDecoder()
     while True:
         dist.broadcast_object_list(box, src=0, group=control)
         if box[0] is None:
             return
-        runner.execute(decode_step(box[0]))
+        runner.execute(decoder.decode(box[0]))
 
 
 def _exit_when_orphaned(parent: int) -> None:
