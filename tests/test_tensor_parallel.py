@@ -72,8 +72,8 @@ def save_hf(path, kind):
             **SMALL, num_key_value_heads=2, tie_word_embeddings=True))
     else:
         model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            **{**SMALL, "num_hidden_layers": 2}, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
-            qk_nope_head_dim=16, v_head_dim=16, q_lora_rank=24, n_routed_experts=4, num_experts_per_tok=2,
+            **{**SMALL, "num_hidden_layers": 2}, num_key_value_heads=4, kv_lora_rank=64, qk_rope_head_dim=32,
+            qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=24, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1, n_group=1, topk_group=1))
     randomize_hf_weights(model)
     model.save_pretrained(path, max_shard_size="60KB")

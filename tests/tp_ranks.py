@@ -42,8 +42,8 @@ def run_ranks(fn, world: int, *args, backend: str = "gloo", device: str | None =
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.pt")
-        torch.multiprocessing.start_processes(_rank_entry, args=(world, port, backend, device, out, fn, args), nprocs=world,
-                                              start_method="spawn")
+        torch.multiprocessing.start_processes(_rank_entry, args=(world, port, backend, device, out, fn, args),
+                                              nprocs=world, start_method="spawn")
         return torch.load(out)
 
 

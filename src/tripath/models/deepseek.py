@@ -12,9 +12,11 @@ Dims: heads ``H``, latent ``L = kv_lora_rank``, rotary ``R``, no-position ``P``,
 ``kv_b_proj`` ``[H·(P+V), L]`` is split once into ``W_UK [H, P, L]`` (``k_nope_h = W_UK[h]·kv_c``) and
 ``W_UV [H, L, V]`` (``v_h = kv_c·W_UV[h]``). ``q_pe``/``k_pe`` go to the backend UNROTATED with the rotary
 tables (GPT-J pairs unless ``rope_interleave`` is false); the score is
-``sm_scale · (q_nope·k_nope + rope(q_pe)·rope(k_pe))`` with ``sm_scale = mscale² / sqrt(P + R)``. Under tensor parallelism (:mod:`tripath.models.parallel`) ``H`` is the
-rank's share of the heads (``q``/``q_b_proj``, ``kv_b_proj`` split by head, ``o_proj`` all-reduces); the
-latent projections are replicated, so every rank caches the full latent rows.
+``sm_scale · (q_nope·k_nope + rope(q_pe)·rope(k_pe))`` with ``sm_scale = mscale² / sqrt(P + R)``.
+
+Under tensor parallelism (:mod:`tripath.models.parallel`) ``H`` is the rank's share of the heads
+(``q_proj``/``q_b_proj`` and ``kv_b_proj`` split by head, ``o_proj`` all-reduces); the latent projections are
+replicated, so every rank caches the full latent rows.
 """
 
 from __future__ import annotations
