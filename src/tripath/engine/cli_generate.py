@@ -2,11 +2,13 @@
 
     tripath generate --model tiny-llama --prompt "Hello" --prompt "The sky is" --max-tokens 32
     tripath generate --model /models/Qwen3-8B --backend three_path --kv-cache-dtype fp8 --temperature 0.7
+    tripath generate --model /models/Qwen3-32B --tensor-parallel-size 2 --prompt "Hello"
 
 A model directory brings its tokenizer; text prompts to a directory without one are refused (exit 2):
 give ``--prompt-ids`` instead. Presets (random weights) have no tokenizer: their text prompts are encoded
 as UTF-8 bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the same way.
-``--prompt-ids`` passes token ids directly.
+``--prompt-ids`` passes token ids directly, ``--num-random-prompts N`` adds a fixed random workload (only
+its metrics are printed), e.g. to compare ``--tensor-parallel-size`` 1 and 2.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import sys
 from typing import Sequence
 
@@ -37,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument("--prompt-ids", action="append", default=[],
                         help="a prompt as comma-separated token ids (repeatable)")
+    parser.add_argument("--num-random-prompts", type=int, default=0,
+                        help="add N prompts of random token ids (3..255, from --seed): a fixed workload to time")
+    parser.add_argument("--random-prompt-len", type=int, default=128, help="tokens per random prompt")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -59,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
     return parser
 
 
@@ -77,12 +85,16 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     prompts: list = list(args.prompt) + [_parse_ids(p, parser) for p in args.prompt_ids]
+    if args.num_random_prompts < 0 or args.random_prompt_len < 1:
+        parser.error("--num-random-prompts must be >= 0 and --random-prompt-len >= 1")
+    generator = random.Random(args.seed)
+    prompts += [[generator.randrange(3, 256) for _ in range(args.random_prompt_len)]
+                for _ in range(args.num_random_prompts)]
     if not prompts:
-        parser.error("give at least one --prompt or --prompt-ids")
+        parser.error("give at least one --prompt, --prompt-ids or --num-random-prompts")
 
     from tripath.engine import LLM, SamplingParams
     from tripath.engine.config import resolve_device, resolve_dtype
-    from tripath.models import load_model, load_tokenizer
     from tripath.models.loader import TOKENIZER_FILES, load_config
 
     if args.prompt and os.path.isdir(args.model):
@@ -100,25 +112,25 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, ignore_eos=args.ignore_eos)
-        model = load_model(args.model, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(model)
-        if tokenizer is None and model.config.vocab_size >= 256:
-            tokenizer = ByteTokenizer()
-            logger.info("%s is a preset without a tokenizer: text is encoded as UTF-8 bytes", args.model)
-        llm = LLM(model, tokenizer=tokenizer, backend=args.backend, dtype=dtype, device=device,
+        llm = LLM(args.model, backend=args.backend, dtype=dtype, device=device,
                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                   calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                  enforce_eager=args.enforce_eager, seed=args.seed)
-        outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+                  enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+        with llm:
+            if llm.tokenizer is None and llm.model.config.vocab_size >= 256:
+                llm.tokenizer = ByteTokenizer()
+                logger.info("%s is a preset without a tokenizer: text is encoded as UTF-8 bytes", args.model)
+            outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as error:
         print(f"tripath generate: error: {error}", file=sys.stderr)
         return 2
+    parallel = f" | tensor parallel {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     print(f"model {args.model} | backend {llm.backend_name} | {llm.runner.num_blocks} KV blocks of "
-          f"{llm.runner.block_size} | {dtype} on {device}")
-    for i, out in enumerate(outputs):
+          f"{llm.runner.block_size} | {dtype} on {device}{parallel}")
+    for i, out in enumerate(outputs[:len(outputs) - args.num_random_prompts]):
         prompt = out.prompt if out.prompt is not None else out.prompt_token_ids
         print(f"\n[{i}] prompt: {prompt!r}")
         if out.text is not None:

@@ -10,6 +10,9 @@
     while llm.has_unfinished_requests():
         for out in llm.step(): ...   # out.new_token_ids, out.finished
 
+    with LLM("/models/Qwen3-32B", tensor_parallel_size=2) as llm:   # ranks 1.. in spawned workers
+        outs = llm.generate(prompts)
+
 Each ``step`` schedules (decodes, then prompt chunks, then new requests, under the token budget), runs the
 model once on the step's batch and returns a :class:`RequestOutput` for every request that produced a token
 or finished.
@@ -85,13 +88,17 @@ class LLM:
     ``model``: a path or preset name (loaded with :func:`tripath.models.load_model`, tokenizer with
     ``load_tokenizer``) or an already built model object (``attention_spec``, ``num_attention_layers``,
     ``config.eos_token_ids``/``max_position``, ``forward(input_ids, positions, ctx)``, ``compute_logits``).
+    ``tensor_parallel_size`` > 1 shards the model over that many ranks (``model`` must then be a path or a
+    preset; see :mod:`tripath.engine.parallel_executor`); close such an engine with :meth:`close` or a
+    ``with`` block to stop its worker processes (garbage collection and interpreter exit also do).
     The engine's settings are an :class:`EngineConfig` (``config=``) or its fields as keyword arguments
     (``LLM("tiny-llama", backend="unified", max_num_seqs=64)``); ``dtype`` defaults to a built model's own.
     On a GPU the constructor returns once every kernel variant is compiled (:mod:`tripath.engine.warmup`);
     ``start_seconds`` is how long it took and :attr:`num_compiled_since_start` counts what compiled later.
     """
 
-    def __init__(self, model, *, tokenizer=None, config: EngineConfig | None = None, **engine_options):
+    def __init__(self, model, *, tokenizer=None, config: EngineConfig | None = None,
+                 tensor_parallel_size: int = 1, **engine_options):
         if config is not None and engine_options:
             raise TypeError(f"pass either config= or engine options ({', '.join(engine_options)}), not both")
         if config is None:
@@ -105,14 +112,24 @@ class LLM:
             config = EngineConfig(**engine_options)
         self.config = config
         start = time.perf_counter()
-        if isinstance(model, str):
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        self.runner = None
+        if tensor_parallel_size > 1:
+            from tripath.engine.parallel_executor import ParallelExecutor
+            from tripath.models import load_tokenizer
+            self.runner = ParallelExecutor(model, self.config, tensor_parallel_size)
+            model = self.runner.model
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        elif isinstance(model, str):
             from tripath.models import load_model, load_tokenizer
             model = load_model(model, dtype=self.config.dtype, device=self.config.device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(int(t) for t in getattr(model.config, "eos_token_ids", ()) or ())
-        self.runner = ModelRunner(model, self.config)
+        if self.runner is None:
+            self.runner = ModelRunner(model, self.config)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
@@ -135,6 +152,21 @@ class LLM:
     @property
     def backend_name(self) -> str:
         return self.runner.backend.name
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do for one rank); idempotent."""
+        close = getattr(self.__dict__.get("runner"), "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
 
     # ---- step API -----------------------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,

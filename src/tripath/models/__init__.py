@@ -5,6 +5,7 @@
 >>> spec = model.attention_spec(block_size=16)
 >>> hidden = model(input_ids, positions, ctx)          # ctx: tripath.attention.ForwardContext
 >>> logits = model.compute_logits(hidden[last_token_rows])
+>>> shard = load_model(path, parallel=ParallelState(rank, world_size, group))   # tensor parallelism
 """
 
 from tripath.models.base import CausalLM
@@ -13,10 +14,11 @@ from tripath.models.deepseek import DeepseekForCausalLM
 from tripath.models.llama import LlamaForCausalLM
 from tripath.models.loader import (build_model, init_random_weights, load_config, load_model, load_tokenizer,
                                    load_weights)
+from tripath.models.parallel import ParallelState
 from tripath.models.presets import PRESETS
 
 __all__ = [
     "CausalLM", "LlamaForCausalLM", "DeepseekForCausalLM", "ModelConfig", "MoEConfig", "RopeConfig",
     "ARCHITECTURES", "PRESETS", "config_from_hf", "load_config", "build_model", "load_weights",
-    "init_random_weights", "load_model", "load_tokenizer",
+    "init_random_weights", "load_model", "load_tokenizer", "ParallelState",
 ]

@@ -6,7 +6,10 @@ with absolute ``positions``; the layers reach the attention backend through the 
 :class:`~tripath.attention.ForwardContext` and own no scheduling.
 
 Shapes: ``input_ids [T]`` int64, ``positions [T]`` int64 → hidden ``[T, hidden_size]`` (after the final
-norm); ``compute_logits(hidden [N, hidden_size]) → [N, vocab_size]`` float32.
+norm); ``compute_logits(hidden [N, hidden_size]) → [N, vocab_size]`` float32. A model built with a
+:class:`~tripath.models.parallel.ParallelState` of several ranks holds one rank's shard (vocabulary-parallel
+embedding and LM head, heads split; see :mod:`tripath.models.parallel`); its attention spec has the rank's
+heads and ``compute_logits`` gathers the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch import nn
 from tripath.attention.spec import AttentionSpec
 from tripath.models.config import ModelConfig
 from tripath.models.layers import RMSNorm
+from tripath.models.parallel import SINGLE, HeadSplit, ParallelState, VocabParallelEmbedding, gather_logits, lm_head
 
 
 class DecoderLayer(nn.Module):
@@ -35,9 +39,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig, layers: list[nn.Module], dtype):
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], dtype, parallel: ParallelState = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                                   parallel=parallel)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -46,13 +51,16 @@ class CausalLM(nn.Module):
     """Base of every model. Subclasses build ``layers`` and may override :meth:`post_load` (derived tensors
     that must be rebuilt once the weights are in place)."""
 
-    def __init__(self, config: ModelConfig, layers: list[nn.Module], dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], dtype: torch.dtype,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = Backbone(config, layers, dtype)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False, dtype=dtype)
+        self.parallel = parallel
+        self.heads = HeadSplit.of(parallel, config.num_heads, config.num_kv_heads)
+        self.model = Backbone(config, layers, dtype, parallel)
+        self.lm_head = None if config.tie_word_embeddings else lm_head(config.hidden_size, config.vocab_size,
+                                                                       dtype=dtype, parallel=parallel)
 
     @property
     def num_attention_layers(self) -> int:
@@ -68,9 +76,9 @@ class CausalLM(nn.Module):
     def attention_spec(self, *, block_size: int = 16, kv_cache_dtype: str = "auto", kv_layout: str = "nhd",
                        dtype: torch.dtype | None = None, **options) -> AttentionSpec:
         """The :class:`AttentionSpec` of this model's attention layers (``options``: ``decode_threshold``,
-        ``extend_chunk_budget``)."""
+        ``extend_chunk_budget``); under tensor parallelism, the rank's heads."""
         config = self.config
-        return AttentionSpec(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+        return AttentionSpec(num_heads=self.heads.num_heads, num_kv_heads=self.heads.num_kv_heads,
                              head_size=config.head_size, dtype=dtype or self.dtype, kv_cache_dtype=kv_cache_dtype,
                              block_size=block_size, kv_layout=kv_layout, sm_scale=config.sm_scale,
                              window_left=config.window_left, mla=config.mla, **options)
@@ -86,4 +94,5 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        logits = torch.nn.functional.linear(hidden, weight).float()
+        return gather_logits(logits, self.parallel, self.config.vocab_size)

@@ -13,6 +13,10 @@ Dims: heads ``H``, latent ``L = kv_lora_rank``, rotary ``R``, no-position ``P``,
 ``W_UV [H, L, V]`` (``v_h = kv_c·W_UV[h]``). ``q_pe``/``k_pe`` go to the backend UNROTATED with the rotary
 tables (GPT-J pairs unless ``rope_interleave`` is false); the score is
 ``sm_scale · (q_nope·k_nope + rope(q_pe)·rope(k_pe))`` with ``sm_scale = mscale² / sqrt(P + R)``.
+
+Under tensor parallelism (:mod:`tripath.models.parallel`) ``H`` is the rank's share of the heads
+(``q_proj``/``q_b_proj`` and ``kv_b_proj`` split by head, ``o_proj`` all-reduces); the latent projections are
+replicated, so every rank caches the full latent rows.
 """
 
 from __future__ import annotations
@@ -24,25 +28,30 @@ from tripath.attention.spec import MLALayerWeights
 from tripath.models.base import CausalLM, DecoderLayer
 from tripath.models.config import DEEPSEEK_ARCHITECTURES, ModelConfig
 from tripath.models.layers import MLP, MoE, RMSNorm, rotary_tables
+from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, parallel: ParallelState = SINGLE):
         super().__init__()
         mla, hidden, heads = config.mla, config.hidden_size, config.num_heads
-        self.layer_idx, self.num_heads, self.mla = layer_idx, heads, mla
-        qk_size = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        split = HeadSplit.of(parallel, heads, 1)
+        self.layer_idx, self.num_heads, self.mla = layer_idx, split.num_heads, mla
+        qk_size, kv_b_size = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
         if config.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype=dtype)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, heads * qk_size, bias=False, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * qk_size, bias=False, dtype=dtype,
+                                                 rows=split.q_rows(qk_size))
         else:
-            self.q_proj = nn.Linear(hidden, heads * qk_size, bias=False, dtype=dtype)
+            self.q_proj = ColumnParallelLinear(hidden, heads * qk_size, bias=False, dtype=dtype,
+                                               rows=split.q_rows(qk_size))
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.cache_width, bias=config.qkv_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps, dtype=dtype)
-        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False,
-                                   dtype=dtype)
-        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.o_bias, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * kv_b_size, bias=False, dtype=dtype,
+                                              rows=split.q_rows(kv_b_size))
+        self.o_proj = RowParallelLinear(heads * mla.v_head_dim, hidden, bias=config.o_bias, dtype=dtype,
+                                        parallel=parallel, what="num_attention_heads * v_head_dim")
         self.weights: MLALayerWeights | None = None  # built by build_weights() once kv_b_proj is loaded
 
     def build_weights(self, rotary) -> None:
@@ -68,18 +77,19 @@ class MLAAttention(nn.Module):
 class DeepseekForCausalLM(CausalLM):
     """DeepSeek V2 / V3 / R1, Kimi K2 and NoPE-MLA variants (selected by the config)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, parallel: ParallelState = SINGLE):
         if config.family != "deepseek":
             raise ValueError(f"DeepseekForCausalLM serves {', '.join(DEEPSEEK_ARCHITECTURES)}, "
                              f"not {config.architecture}")
         layers = []
         for i in range(config.num_layers):
             if config.moe is not None and config.moe.is_moe_layer(i):
-                mlp = MoE(config.hidden_size, config.moe, bias=config.mlp_bias, dtype=dtype)
+                mlp = MoE(config.hidden_size, config.moe, bias=config.mlp_bias, dtype=dtype, parallel=parallel)
             else:
-                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype)
-            layers.append(DecoderLayer(config, MLAAttention(config, i, dtype), mlp, dtype))
-        super().__init__(config, layers, dtype)
+                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype,
+                          parallel=parallel)
+            layers.append(DecoderLayer(config, MLAAttention(config, i, dtype, parallel), mlp, dtype))
+        super().__init__(config, layers, dtype, parallel)
 
     def post_load(self) -> None:
         config = self.config

@@ -9,6 +9,10 @@
 - MoE: router logits ``x·Wᵀ`` (fp32) → scores (softmax or sigmoid) → top-k experts per token (optionally
   group-limited) → weights (renormalised if configured, times ``routed_scaling_factor``) →
   ``Σ_k w_k · expert_k(x) + shared(x)``.
+
+Under tensor parallelism (:mod:`tripath.models.parallel`) the MLP's gate/up are column-parallel and its down
+row-parallel; an MoE layer keeps the rank's share of the routed experts (:class:`LocalExperts`) and sums its
+partial output with the shared experts' in one all-reduce.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from torch import nn
 
 from tripath.attention.spec import RotaryTables
 from tripath.models.config import MoEConfig, RopeConfig, yarn_mscale
+from tripath.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, Shard, equal_rows
 
 
 class RMSNorm(nn.Module):
@@ -103,11 +108,17 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, tables: RotaryTables)
 # -- feed-forward ---------------------------------------------------------------------------------------------
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, dtype=None):
+    """Gated MLP; in parallel, gate/up column-parallel and down row-parallel over the intermediate size
+    (``reduce=False``: the caller all-reduces the partial output)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, dtype=None,
+                 parallel: ParallelState = SINGLE, reduce: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        rows = equal_rows(parallel, intermediate_size, "intermediate_size")
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, dtype=dtype, rows=rows)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, dtype=dtype, rows=rows)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype, parallel=parallel,
+                                           reduce=reduce, what="intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -152,11 +163,12 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``num_experts`` gated MLPs stored stacked: ``gate_proj``/``up_proj [E, I, H]``, ``down_proj [E, H, I]``."""
+    """``num_experts`` gated MLPs stored stacked: ``gate_proj``/``up_proj [E, I, H]``, ``down_proj [E, H, I]``
+    (``num_experts``: how many this module stores, default ``moe.num_experts``)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, dtype=None):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype=None, num_experts: int | None = None):
         super().__init__()
-        e, i = moe.num_experts, moe.intermediate_size
+        e, i = num_experts or moe.num_experts, moe.intermediate_size
         self.gate_proj = nn.Parameter(torch.empty(e, i, hidden_size, dtype=dtype))
         self.up_proj = nn.Parameter(torch.empty(e, i, hidden_size, dtype=dtype))
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype))
@@ -185,7 +197,7 @@ class Experts(nn.Module):
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.gate_proj.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.gate_proj.shape[0]).tolist()[:self.gate_proj.shape[0]]
         top_k, start = ids.shape[1], 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -197,19 +209,45 @@ class Experts(nn.Module):
         return out
 
 
-class MoE(nn.Module):
-    """DeepSeek MoE layer: ``gate`` (router), ``experts`` (routed) and ``shared_experts`` (dense)."""
+class LocalExperts(Experts):
+    """Experts ``first .. first + count - 1`` of ``moe.num_experts`` (a tensor-parallel rank's share): the sum
+    over the chosen experts that live here (the others contribute 0)."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, *, bias: bool = False, dtype=None):
+    def __init__(self, hidden_size: int, moe: MoEConfig, first: int, count: int, dtype=None):
+        super().__init__(hidden_size, moe, dtype=dtype, num_experts=count)
+        self.first = first
+        self.tp_shards = {name: Shard(0, first, first + count, moe.num_experts)
+                          for name in ("gate_proj", "up_proj", "down_proj")}
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        count = self.gate_proj.shape[0]
+        local = ids - self.first
+        local = local.masked_fill((local < 0) | (local >= count), count)  # id `count`: not here, skipped
+        return super().forward(x, weights, local)
+
+
+class MoE(nn.Module):
+    """DeepSeek MoE layer: ``gate`` (router), ``experts`` (routed) and ``shared_experts`` (dense). In parallel
+    the router is replicated, the routed experts split across the ranks and the shared experts sharded as an
+    MLP; one all-reduce sums both partial outputs."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, *, bias: bool = False, dtype=None,
+                 parallel: ParallelState = SINGLE):
         super().__init__()
+        self.parallel = parallel
         self.gate = Router(hidden_size, moe)
-        self.experts = Experts(hidden_size, moe, dtype=dtype)
+        if parallel.is_parallel:
+            first, stop = parallel.split(moe.num_experts, "the number of routed experts")
+            self.experts = LocalExperts(hidden_size, moe, first, stop - first, dtype=dtype)
+        else:
+            self.experts = Experts(hidden_size, moe, dtype=dtype)
         self.shared_experts = (MLP(hidden_size, moe.intermediate_size * moe.num_shared_experts, bias=bias,
-                                   dtype=dtype) if moe.num_shared_experts else None)
+                                   dtype=dtype, parallel=parallel, reduce=False) if moe.num_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        return self.parallel.all_reduce(out) if self.parallel.is_parallel else out

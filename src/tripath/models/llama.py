@@ -5,7 +5,8 @@ Per layer, for ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads of size ``D``:
 ``q = rope(norm_q(x·Wqᵀ))`` ``[T, Hq, D]``, ``k = rope(norm_k(x·Wkᵀ))``, ``v = x·Wvᵀ`` ``[T, Hkv, D]``
 (``norm_*`` only on Qwen3; RoPE with NeoX pairs at the absolute positions), then
 ``o = ctx.attend(layer, q, k, v)`` ``[T, Hq, D]`` (writes k/v into the layer's paged cache; causal, with the
-sliding window of the spec, or the layer's own where layers differ) and ``out = o·Woᵀ``.
+sliding window of the spec, or the layer's own where layers differ) and ``out = o·Woᵀ``. Under tensor
+parallelism (:mod:`tripath.models.parallel`) ``Hq``/``Hkv`` are the rank's heads and ``o_proj`` all-reduces.
 """
 
 from __future__ import annotations
@@ -16,19 +17,23 @@ from torch import nn
 from tripath.models.base import CausalLM, DecoderLayer
 from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
 from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables
+from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
 
 
 class GQAAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, parallel: ParallelState = SINGLE):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_size = config.num_heads, config.num_kv_heads, config.head_size
+        heads = HeadSplit.of(parallel, config.num_heads, config.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_size = heads.num_heads, heads.num_kv_heads, config.head_size
         hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_size, \
             config.num_kv_heads * config.head_size
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias, dtype=dtype)
+        bias, d = config.qkv_bias, config.head_size
+        self.q_proj = ColumnParallelLinear(hidden, q_size, bias=bias, dtype=dtype, rows=heads.q_rows(d))
+        self.k_proj = ColumnParallelLinear(hidden, kv_size, bias=bias, dtype=dtype, rows=heads.kv_rows(d))
+        self.v_proj = ColumnParallelLinear(hidden, kv_size, bias=bias, dtype=dtype, rows=heads.kv_rows(d))
+        self.o_proj = RowParallelLinear(q_size, hidden, bias=config.o_bias, dtype=dtype, parallel=parallel,
+                                        what="num_attention_heads * head_dim")
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(config.head_size, config.rms_norm_eps, dtype=dtype)
@@ -53,17 +58,18 @@ class GQAAttention(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE (selected by ``config.architecture``)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, parallel: ParallelState = SINGLE):
         if config.family != "llama":
             raise ValueError(f"LlamaForCausalLM serves {', '.join(LLAMA_ARCHITECTURES)}, not {config.architecture}")
         layers = []
         for i in range(config.num_layers):
             if config.moe is not None and config.moe.is_moe_layer(i):
-                mlp = MoE(config.hidden_size, config.moe, dtype=dtype)
+                mlp = MoE(config.hidden_size, config.moe, dtype=dtype, parallel=parallel)
             else:
-                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype)
-            layers.append(DecoderLayer(config, GQAAttention(config, i, dtype), mlp, dtype))
-        super().__init__(config, layers, dtype)
+                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype,
+                          parallel=parallel)
+            layers.append(DecoderLayer(config, GQAAttention(config, i, dtype, parallel), mlp, dtype))
+        super().__init__(config, layers, dtype, parallel)
 
     def post_load(self) -> None:
         tables = rotary_tables(self.config.rope, self.config.head_size, self.config.max_position, self.device)

@@ -5,6 +5,10 @@ Checkpoint tensors load by their Hugging Face names; per-expert MoE weights
 ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` are stacked into ``[E, ...]`` parameters. Tensors of layers
 past ``num_hidden_layers`` (DeepSeek's multi-token-prediction layer) and ``rotary_emb.inv_freq`` are skipped;
 anything else unknown, missing, or of the wrong shape is an error that names the tensor.
+
+A tensor-parallel model (built with a :class:`~tripath.models.parallel.ParallelState` of several ranks) reads
+only its rank's slices (``safe_open(...).get_slice(name)[...]``) and only its own experts; presets give each
+rank the slices of the same random weights as the unsharded model.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from tripath.models.config import ModelConfig, config_from_hf
 from tripath.models.deepseek import DeepseekForCausalLM
 from tripath.models.layers import RMSNorm
 from tripath.models.llama import LlamaForCausalLM
+from tripath.models.parallel import SINGLE, ParallelState, model_shards
 from tripath.models.presets import PRESETS
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "deepseek": DeepseekForCausalLM}
@@ -56,12 +61,14 @@ def load_config(path: str) -> ModelConfig:
                           tokenizer_path=path if has_tokenizer else None, source=config_path)
 
 
-def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device="cpu") -> CausalLM:
-    """The model of ``config`` with uninitialised parameters on ``device`` (load or initialise next)."""
+def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                parallel: ParallelState = SINGLE) -> CausalLM:
+    """The model of ``config`` (the rank's shard under ``parallel``) with uninitialised parameters on
+    ``device`` (load or initialise next)."""
     if dtype not in MODEL_DTYPES:
         raise TypeError(f"dtype={dtype} is not supported; supported: float16, bfloat16, float32")
     with torch.device("meta"):
-        model = MODEL_CLASSES[config.family](config, dtype)
+        model = MODEL_CLASSES[config.family](config, dtype, parallel)
     model = model.to_empty(device=torch.device(device))
     model.requires_grad_(False)
     return model.eval()
@@ -106,10 +113,14 @@ def load_weights(model: CausalLM, path: str) -> None:
     from safetensors import SafetensorError
 
     params = dict(model.named_parameters())
-    expected = set()
+    shards = model_shards(model)
+    expected, elsewhere = set(), set()  # elsewhere: other ranks' experts
     for name, p in params.items():
         if _STACKED.search(name):
-            expected.update((name, e) for e in range(p.shape[0]))
+            shard = shards.get(name)
+            first, stop, total = (0, p.shape[0], p.shape[0]) if shard is None else (shard.start, shard.stop, shard.full)
+            expected.update((name, e) for e in range(first, stop))
+            elsewhere.update((name, e) for e in range(total) if not first <= e < stop)
         else:
             expected.add((name, None))
     loaded, unexpected = set(), []
@@ -119,16 +130,25 @@ def load_weights(model: CausalLM, path: str) -> None:
                 expert = _EXPERT.match(name)
                 key = (f"{expert.group(1)}.{expert.group(3)}", int(expert.group(2))) if expert else (name, None)
                 if key not in expected:
-                    if not _skipped(name, model.config):
+                    if key not in elsewhere and not _skipped(name, model.config):
                         unexpected.append(name)
                     continue
-                target = params[key[0]] if key[1] is None else params[key[0]][key[1]]
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != tuple(target.shape):
-                    raise ValueError(f"{file}: tensor {name} has shape {shape}, but the config "
-                                     f"expects {tuple(target.shape)}")
+                shard = shards.get(name) if key[1] is None else None
+                if key[1] is None:
+                    target = params[name]
+                else:
+                    stacked = shards.get(key[0])
+                    target = params[key[0]][key[1] - (0 if stacked is None else stacked.start)]
+                shape, want = tuple(f.get_slice(name).get_shape()), tuple(target.shape)
+                if shard is not None:
+                    want = shard.full_shape(want)
+                if shape != want:
+                    raise ValueError(f"{file}: tensor {name} has shape {shape}, but the config expects {want}")
                 try:
-                    target.copy_(f.get_tensor(name))
+                    if shard is None:
+                        target.copy_(f.get_tensor(name))
+                    else:
+                        shard.copy_into(target, f.get_slice(name)[shard.index(len(shape))])
                 except SafetensorError as error:
                     raise ValueError(f"{file}: cannot read tensor {name}: {error}") from error
                 loaded.add(key)
@@ -144,25 +164,33 @@ def load_weights(model: CausalLM, path: str) -> None:
 
 def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Deterministic random weights (same ``seed`` and device → same weights): RMSNorm weights 1, every other
-    parameter ``N(0, std²)``."""
+    parameter ``N(0, std²)``. A sharded parameter draws its whole tensor and keeps its slice, so every rank
+    holds the slices of the unsharded model's weights."""
     generator = torch.Generator(device=model.device).manual_seed(seed)
     norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
-    for param in model.parameters():
+    shards = model_shards(model)
+    for name, param in model.named_parameters():
         if id(param) in norms:
             param.fill_(1.0)
+        elif name in shards:
+            shard = shards[name]
+            full = torch.empty(shard.full_shape(param.shape), dtype=param.dtype, device=param.device)
+            shard.copy_into(param, full.normal_(0.0, std, generator=generator)[shard.index(full.dim())])
         else:
             param.normal_(0.0, std, generator=generator)
 
 
-def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0) -> CausalLM:
-    """A model from a local Hugging Face directory or a preset name (random weights from ``seed``)."""
+def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0,
+               parallel: ParallelState = SINGLE) -> CausalLM:
+    """A model from a local Hugging Face directory or a preset name (random weights from ``seed``); under
+    ``parallel``, the rank's shard."""
     path_or_preset = os.fspath(path_or_preset)
     if os.path.isdir(path_or_preset):
         config = load_config(path_or_preset)
-        model = build_model(config, dtype=dtype, device=device)
+        model = build_model(config, dtype=dtype, device=device, parallel=parallel)
         load_weights(model, path_or_preset)
     elif path_or_preset in PRESETS:
-        model = build_model(PRESETS[path_or_preset](), dtype=dtype, device=device)
+        model = build_model(PRESETS[path_or_preset](), dtype=dtype, device=device, parallel=parallel)
         init_random_weights(model, seed)
     elif os.path.exists(path_or_preset):
         raise FileNotFoundError(f"{path_or_preset} is a file: pass the model directory (with config.json)")

@@ -1,0 +1,162 @@
+"""Rank 0 of a tensor-parallel engine: starts the other ranks and broadcasts every step to them.
+
+``LLM(model, tensor_parallel_size=W)`` builds a :class:`ParallelExecutor` in place of its ModelRunner. The
+LLM's process is rank 0: it owns the only scheduler and block manager, broadcasts each step's plan over a
+gloo control group (:mod:`tripath.engine.worker` says what a step message holds), runs its own shard of the
+model through an ordinary ModelRunner, and samples. Ranks ``1 .. W-1`` run the same steps on their shards,
+on the same attention backend (and CUDA graphs), meeting rank 0 in each layer's all-reduce.
+
+Launching: without ``torchrun`` the executor spawns ``W - 1`` worker processes (``torch.multiprocessing``,
+spawn start method, rendezvous on a free port of 127.0.0.1), rank ``r`` on ``cuda:r`` or the CPU; a script
+that builds the LLM at import time needs the usual ``if __name__ == "__main__":`` guard. Under ``torchrun``
+(``RANK``/``WORLD_SIZE`` set, ``WORLD_SIZE == W``) every process builds the LLM: rank 0's returns, and on
+the other ranks the constructor serves rank 0's steps and ends the process (``SystemExit(0)``) when rank
+0's LLM closes.
+
+Shutdown: :meth:`close` (``LLM.close()``, the ``with`` block's end, garbage collection or interpreter exit)
+broadcasts the stop message, joins the workers (terminating any that linger) and leaves the process groups.
+Spawned workers also exit on their own when rank 0's process dies.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from tripath.engine.config import EngineConfig
+from tripath.engine.worker import (RankSetup, StepEncoder, join_groups, leave_groups, rank_device, run_worker,
+                                   spawned_worker, start_rank)
+
+JOIN_TIMEOUT_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_shardable(model: str, world: int) -> None:
+    """Raise what loading would (unknown model, bad config) or the first shape ``world`` ranks cannot split,
+    before any process starts: the model is built for rank 0 on the meta device (no memory)."""
+    from tripath.models import load_config, load_model
+    from tripath.models.loader import MODEL_CLASSES
+    from tripath.models.parallel import ParallelState
+    from tripath.models.presets import PRESETS
+
+    if os.path.isdir(model):
+        config = load_config(model)
+    elif model in PRESETS:
+        config = PRESETS[model]()
+    else:
+        load_model(model)  # raises its FileNotFoundError
+    with torch.device("meta"):
+        MODEL_CLASSES[config.family](config, torch.float32, ParallelState(0, world))
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class _Shutdown:
+    """The executor's teardown, kept apart from it so that garbage collection can run it."""
+
+    def __init__(self, processes, control, created: bool):
+        self.processes, self.control, self.created = processes, control, created
+        self.serving = False
+
+    def __call__(self) -> None:
+        if self.serving:
+            self.serving = False
+            try:
+                dist.broadcast_object_list([None], src=0, group=self.control)
+            except Exception:  # noqa: BLE001 - workers already gone (interpreter exit): nothing to stop
+                pass
+        for process in self.processes:
+            process.join(JOIN_TIMEOUT_S)
+            if process.is_alive():
+                process.terminate()
+                process.join(JOIN_TIMEOUT_S)
+        leave_groups(self.control, self.created)
+
+
+class ParallelExecutor:
+    """Rank 0's side of tensor parallelism, with the interface of a
+    :class:`~tripath.engine.model_runner.ModelRunner` (``execute``, ``num_blocks``, ``max_model_len``,
+    ``backend``, ...; everything but ``execute``/``num_blocks`` is rank 0's runner's). ``model``: a local
+    Hugging Face directory or a preset name (each rank loads its own shard). ``num_blocks`` is the smallest
+    KV cache of all ranks."""
+
+    def __init__(self, model, config: EngineConfig, tensor_parallel_size: int, *, rendezvous_timeout_s: float = 300.0):
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"tensor_parallel_size={tensor_parallel_size} needs the model as a path or preset name "
+                            f"(each rank loads its own shard), not a {type(model).__name__}")
+        world = tensor_parallel_size
+        check_shardable(os.fspath(model), world)
+        self.processes = []
+        if under_torchrun():
+            rank, init_method = int(os.environ["RANK"]), None
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        else:
+            if dist.is_initialized():
+                raise RuntimeError("a torch.distributed process group exists in this process already: close the "
+                                   "other tensor-parallel LLM first, or launch every rank with torchrun")
+            rank = local_rank = 0
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+        config.device = rank_device(config.device, local_rank, world)
+        setup = RankSetup(os.fspath(model), config, world, init_method, rendezvous_timeout_s)
+        if rank != 0:
+            run_worker(rank, setup, local_rank=local_rank)
+            raise SystemExit(0)
+        if init_method is not None:
+            context = torch.multiprocessing.get_context("spawn")
+            for index in range(world - 1):
+                process = context.Process(target=spawned_worker, args=(index, setup, os.getpid()), daemon=True,
+                                          name=f"tripath-tp-rank{index + 1}")
+                process.start()
+                self.processes.append(process)
+        try:
+            self.parallel, self.control, created = join_groups(setup, 0)
+        except BaseException:
+            for process in self.processes:
+                process.terminate()
+            raise
+        self._shutdown = _Shutdown(self.processes, self.control, created)
+        self._finalizer = weakref.finalize(self, self._shutdown)
+        try:
+            self.model, self.runner, self.num_blocks = start_rank(setup, 0, config, self.parallel, self.control)
+        except BaseException:
+            self.close()
+            raise
+        self._shutdown.serving = True
+        self.encoder = StepEncoder()
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.parallel.world_size
+
+    def execute(self, scheduled) -> list[int | None]:
+        """Broadcast the step to the workers, run rank 0's shard, return rank 0's samples."""
+        if not scheduled:
+            return []
+        if not self._finalizer.alive:
+            raise RuntimeError("this tensor-parallel engine is closed")
+        dead = [(i + 1, p.exitcode) for i, p in enumerate(self.processes) if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel worker ranks exited: {dead} (rank, exit code)")
+        dist.broadcast_object_list([self.encoder.encode(scheduled)], src=0, group=self.control)
+        return self.runner.execute(scheduled)
+
+    def close(self) -> None:
+        """Stop the workers and leave the process groups (idempotent)."""
+        self._finalizer()
+
+    def __getattr__(self, name):
+        runner = self.__dict__.get("runner")
+        if runner is None:
+            raise AttributeError(name)
+        return getattr(runner, name)
