@@ -12,14 +12,14 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
 
 The int64 arrays are written into one pinned host buffer and the block table into another, each sent to
 the device with one asynchronous copy; an event guards the buffers, so a step never overwrites host memory a
-previous step's copy still reads. Each request's block ids are mirrored in a NumPy array that only grows
-while the request keeps its block list (the block manager replaces the list when it frees the blocks), so a
-row costs one array copy, not a conversion of Python ints.
+previous step's copy still reads. Each scheduled request's block list is mirrored in a NumPy array that
+only grows while the request keeps that list (the block manager replaces the list when it frees the
+blocks), so a row costs one array copy, not a conversion of Python ints; mirrors of lists no step
+scheduled last time are dropped.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,17 +70,24 @@ class StepInputBuilder:
                  max_blocks_per_seq: int):
         self.device = device
         self.block_size = block_size
-        self._blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._mirrors: dict[int, _BlockArray] = {}  # id of a block list -> its mirror (which keeps it alive)
         pin = device.type == "cuda"
         self._int64 = torch.zeros(3 * max_tokens + max_requests, dtype=torch.int64, pin_memory=pin)
         self._table = torch.zeros(max_requests * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
 
-    def block_ids(self, request) -> np.ndarray:
-        mirror = self._blocks.get(request)
-        if mirror is None or mirror.source is not request.block_ids:
-            mirror = self._blocks[request] = _BlockArray(request.block_ids)
-        return mirror.sync()
+    def block_rows(self, scheduled) -> list[np.ndarray]:
+        """The block ids of each scheduled request, from the mirrors of its block list."""
+        mirrors, rows = {}, []
+        for item in scheduled:
+            source = item.request.block_ids
+            mirror = self._mirrors.get(id(source))
+            if mirror is None or mirror.source is not source:
+                mirror = _BlockArray(source)
+            mirrors[id(source)] = mirror
+            rows.append(mirror.sync())
+        self._mirrors = mirrors
+        return rows
 
     def build(self, plan, scheduled, num_padding: int) -> StepInputs:
         """Inputs for ``scheduled`` (the caller's order) laid out in ``plan``'s order; rows past
@@ -89,7 +96,7 @@ class StepInputBuilder:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
         bs = self.block_size
         num_tokens, num_rows = plan.num_tokens, plan.num_requests
-        rows = [self.block_ids(s.request) for s in scheduled]
+        rows = self.block_rows(scheduled)
         width = max(1, max((len(r) for r in rows), default=1))
         flat = self._int64.numpy()
         ids, positions, slots = flat[:num_tokens], flat[num_tokens:2 * num_tokens], flat[2 * num_tokens:3 * num_tokens]
