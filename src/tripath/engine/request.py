@@ -38,6 +38,8 @@ def token_ids_of(prompt, name: str = "prompt", vocab_size: int | None = None) ->
     elif isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
         raise TypeError(f"{name} must be a sequence of integer token ids (or a 1-D integer tensor/array), got "
                         f"{type(prompt).__name__}")
+    elif all(type(t) is int for t in prompt):  # the common case, checked at C speed
+        ids = list(prompt)
     else:
         ids = []
         for i, t in enumerate(prompt):
@@ -46,10 +48,9 @@ def token_ids_of(prompt, name: str = "prompt", vocab_size: int | None = None) ->
             ids.append(int(t))
     if not ids:
         raise ValueError(f"{name} is empty: a prompt needs at least one token")
-    if vocab_size is not None:
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{name}[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
+    if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise ValueError(f"{name}[{bad}] = {ids[bad]} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 

@@ -113,22 +113,21 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         # 1. decodes, then 2. running prompt chunks; a request may be preempted by one before it.
-        for want_decode in (True, False):
-            for request in list(self.running):
-                if budget == 0:
-                    break
-                if request.status is not RequestStatus.RUNNING or id(request) in scheduled:
-                    continue
-                is_decode = request.num_pending_tokens == 1
-                if is_decode != want_decode:
-                    continue
-                num_new = min(request.num_pending_tokens, budget)
-                num_new = self._make_room(request, num_new, scheduled, out)
-                if num_new == 0:
-                    continue
-                budget -= num_new
-                scheduled.add(id(request))
-                out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+        decodes, chunks = [], []
+        for request in self.running:
+            pending = request.num_pending_tokens
+            (decodes if pending == 1 else chunks).append((request, pending))
+        for request, pending in decodes + chunks:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted by a request before it
+                continue
+            num_new = self._make_room(request, min(pending, budget), scheduled, out)
+            if num_new == 0:
+                continue
+            budget -= num_new
+            scheduled.add(id(request))
+            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
         # 3. waiting requests, in order, while the budget, the sequence limit and the free blocks allow.
         #    Nothing is admitted in a step that had to preempt: the memory is short already.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
