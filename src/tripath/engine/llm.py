@@ -20,7 +20,6 @@ or finished.
 
 from __future__ import annotations
 
-import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -140,8 +139,6 @@ class LLM:
         self.num_steps = 0
         self.last_metrics: RunMetrics | None = None
         self._compiled_at_start = compiled_variants()
-        gc.collect()
-        gc.freeze()  # the model and caches live as long as the engine: keep them out of every later collection
         self.start_seconds = time.perf_counter() - start
 
     @property
