@@ -36,7 +36,7 @@ FIGURES = {
     "bench_decode.png": Figure("### Paged decode", "Paged decode, 32/8/128 bf16, H200", "floor"),
     "bench_prefill.png": Figure("### Causal prefill", "Causal prefill, 32/8/128 bf16, H200", "floor"),
     "bench_mla_decode.png": Figure("### MLA decode (", "MLA decode, DeepSeek latent, bf16, H200", "floor"),
-    "bench_end_to_end.png": Figure("## End to end", "End to end (warm pass), H200", "end_to_end"),
+    "bench_end_to_end.png": Figure("## End to end", "End to end, H200", "end_to_end"),
 }
 
 

@@ -214,7 +214,8 @@ def measure_ceilings(device) -> tuple[float, float]:
 
 # ---- one backend, in its own process ----------------------------------------------------------------------
 def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: str | None, seed: int,
-                passes: int, progress: bool, start_only: bool = False, profile: str | None = None) -> dict:
+                passes: int, progress: bool, start_only: bool = False, profile: str | None = None,
+                tensor_parallel_size: int = 1) -> dict:
     """Build the engine and run the passes (or only time the start); the result as a JSON-able dict.
     ``profile``: after the reported passes, run one more under cProfile and append its top functions here."""
     import torch
@@ -224,7 +225,7 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     start = time.perf_counter()
     llm = LLM(workload.model, backend=backend, device=device, dtype=dtype, max_num_seqs=workload.max_concurrency,
               max_num_batched_tokens=workload.max_num_batched_tokens, max_model_len=workload.max_model_len,
-              seed=seed)
+              seed=seed, tensor_parallel_size=tensor_parallel_size)
     start_s = time.perf_counter() - start
     result = {"backend": llm.backend_name, "start_s": start_s}
     warmup = llm.runner.warmup_report
@@ -288,11 +289,12 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--start-only", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--profile")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
     workload = Workload(**{**json.loads(args.workload_json), "backends": (args.backend,)})
     result = run_backend(workload, args.backend, device=args.device, dtype=args.dtype, seed=args.seed,
                          passes=args.passes, progress=not args.no_progress, start_only=args.start_only,
-                         profile=args.profile)
+                         profile=args.profile, tensor_parallel_size=args.tensor_parallel_size)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -303,7 +305,8 @@ def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: b
         result_path = tmp.name
     fields = {k: v for k, v in dataclasses.asdict(workload).items() if k != "backends"}
     cmd = [sys.executable, "-m", "tripath.bench.serve", "--worker", "--workload-json", json.dumps(fields),
-           "--backend", backend, "--result", result_path, "--seed", str(args.seed), "--passes", str(args.passes)]
+           "--backend", backend, "--result", result_path, "--seed", str(args.seed), "--passes", str(args.passes),
+           "--tensor-parallel-size", str(args.tensor_parallel_size)]
     for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
         if value:
             cmd += [flag, value]
@@ -395,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device")
     parser.add_argument("--dtype")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="shard the model over N GPUs (compare TP 1 and TP 2 on the same workload)")
     parser.add_argument("--json", help="write the results as JSON")
     parser.add_argument("--csv", help="write one CSV row per backend")
     parser.add_argument("--plot", help="write a PNG of output tok/s per backend")

@@ -20,6 +20,8 @@ import random
 import sys
 from typing import Sequence
 
+from tripath.engine.cli_options import add_engine_arguments, engine_options
+
 logger = logging.getLogger(__name__)
 
 
@@ -48,25 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--backend", default="auto",
-                        help="attention backend: auto, three_path, unified, two_path, torch, mla, mla_triton")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
-    parser.add_argument("--calculate-kv-scales", action="store_true",
-                        help="fp8 KV cache: set each layer's scales from the first step (default: 1.0)")
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float16, ...")
-    parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=None,
-                        help="KV cache rows per block (default: 64 for MLA models on a GPU, else 16)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
+    add_engine_arguments(parser)
     return parser
 
 
@@ -112,13 +96,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, backend=args.backend, dtype=dtype, device=device,
-                  block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-                  calculate_kv_scales=args.calculate_kv_scales, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                  num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                  enforce_eager=args.enforce_eager, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+        llm = LLM(args.model, **{**engine_options(args), "dtype": dtype, "device": device})
         with llm:
             if llm.tokenizer is None and llm.model.config.vocab_size >= 256:
                 llm.tokenizer = ByteTokenizer()

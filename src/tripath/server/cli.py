@@ -15,6 +15,8 @@ import logging
 import sys
 from typing import Sequence
 
+from tripath.engine.cli_options import add_engine_arguments, engine_options
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tripath serve", description=__doc__.split("\n\n")[0],
@@ -24,20 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: --model)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--backend", default="auto",
-                        help="attention backend: auto, three_path, unified, two_path, torch, mla, mla_triton")
-    parser.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float16, ...")
-    parser.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-queue-depth", type=int, default=1024,
                         help="engine requests allowed to wait beyond the running ones; more get 503 at once")
     parser.add_argument("--request-timeout", type=float, default=None,
@@ -45,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may still run after SIGINT / SIGTERM")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_engine_arguments(parser)
     return parser
 
 
@@ -68,12 +57,7 @@ def main_serve(argv: Sequence[str] | None = None) -> int:
     def make_llm():
         from tripath.engine import LLM
 
-        return LLM(args.model, backend=args.backend, dtype=args.dtype, device=args.device,
-                   block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
-                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_model_len=args.max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=not args.no_prefix_caching,
-                   enforce_eager=args.enforce_eager, seed=args.seed)
+        return LLM(args.model, **engine_options(args))
 
     server: uvicorn.Server | None = None
 

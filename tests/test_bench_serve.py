@@ -1,0 +1,81 @@
+"""`tripath bench serve` (offline): the workload generator, the per-request records of a pass, the
+roofline floor, and the command's JSON / CSV / plot output."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from tripath.bench import serve
+from tripath.bench.serve import WORKLOADS, Workload, make_prompts, model_costs, roofline_floor_s, run_pass
+from tripath.engine import LLM
+
+
+def test_workload_prompts_are_seeded_spread_and_share_their_prefix():
+    workload = Workload("tiny-llama", ("torch",), 50, 40, 0.5, 4, 8, prefix_share=0.25)
+    prompts = make_prompts(workload, 256, seed=3)
+    assert prompts == make_prompts(workload, 256, seed=3) and prompts != make_prompts(workload, 256, seed=4)
+    assert len(prompts) == 50 and all(20 <= len(p) <= 60 for p in prompts)
+    assert len({len(p) for p in prompts}) > 5  # lengths spread
+    assert len({tuple(p[:10]) for p in prompts}) == 1 and len({tuple(p[10:]) for p in prompts}) == 50
+    assert all(2 <= t < 256 for p in prompts for t in p)
+    with pytest.raises(ValueError, match="input_len_spread"):
+        Workload("tiny-llama", ("torch",), 1, 8, 1.5, 1, 1)
+    assert WORKLOADS["mha-tp8"].max_model_len == 3072 + 512
+
+
+def test_a_pass_records_every_request():
+    llm = LLM("tiny-llama", backend="torch", max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=64)
+    prompts = make_prompts(Workload("tiny-llama", ("torch",), 7, 24, 0.5, 5, 3), 256, seed=0)
+    outcome = run_pass(llm, prompts, output_len=5, max_concurrency=3, progress=False)
+    assert len(outcome.records) == 7 and outcome.compiled == 0 and outcome.num_steps > 0
+    for record, prompt in zip(outcome.records, prompts):
+        assert record.prompt_tokens == len(prompt) and record.output_tokens == 5
+        assert 0 < record.ttft_s <= record.e2e_s and len(record.itl_s) == 4
+    assert all(0 < n <= 3 for n, _ in outcome.decode_steps)  # never more than max_concurrency in flight
+    # decodes read their whole context: prompt + outputs so far, summed over the step's requests
+    assert sum(kv for _, kv in outcome.decode_steps) == sum(len(p) * 4 + 1 + 2 + 3 + 4 for p in prompts)
+
+
+def test_roofline_floor_counts_prefill_flops_and_decode_bytes():
+    costs = {"active_params": 1000, "weight_bytes": 4000, "kv_bytes_per_token": 8, "attention_flops_per_pair": 3}
+    prompts = [[1] * 4, [1] * 2]
+    flops = 2 * 1000 * 6 + 3 * (4 * 5 / 2 + 2 * 3 / 2)
+    decode_bytes = (4000 + 8 * 10) + (4000 + 8 * 6)
+    floor = roofline_floor_s(costs, prompts, [(2, 10), (1, 6)], matmul_flops=1e6, copy_bytes_per_s=1e5)
+    assert floor == pytest.approx(flops / 1e6 + decode_bytes / 1e5)
+
+
+def test_model_costs_leave_out_the_embedding_and_count_active_experts():
+    llm = LLM("tiny-qwen3-moe", backend="torch", num_kv_blocks=16)
+    model, config = llm.model, llm.model.config
+    costs = model_costs(model, llm.runner.backend)
+    embed = model.model.embed_tokens.weight.numel()
+    params = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts > 0 and costs["params"] == params - embed
+    assert costs["active_params"] == pytest.approx(params - embed - experts * (1 - config.moe.top_k / config.moe.num_experts))
+    assert costs["weight_bytes"] == (params - embed) * 4  # float32 on the CPU; the untied LM head included
+    spec = llm.runner.spec
+    assert costs["kv_bytes_per_token"] == config.num_layers * spec.num_kv_heads * 2 * spec.head_size * 4
+    assert costs["attention_flops_per_pair"] == 2 * spec.num_heads * 2 * spec.head_size * config.num_layers
+
+
+def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "r.json"
+    code = serve.main_serve(["--workload", "tiny", "--backends", "torch", "--num-requests", "2", "--output-len",
+                             "3", "--no-progress", "--json", str(out), "--csv", str(tmp_path / "r.csv"),
+                             "--plot", str(tmp_path / "r.png")])
+    assert code == 0
+    report = json.loads(out.read_text())
+    (result,) = report["results"]
+    assert result["backend"] == "torch" and len(result["passes"]) == 2 and result["warm_start_s"] > 0
+    for p in result["passes"]:
+        assert p["num_requests"] == 2 and p["total_output_tokens"] == 6 and p["compiled_after_start"] == 0
+        assert set(p["ttft_s"]) == {"mean", "p50", "p90", "p99"} and p["ttft_s"]["p50"] > 0
+    assert "ttft_s.p99" in (tmp_path / "r.csv").read_text().splitlines()[0]
+    assert (tmp_path / "r.png").stat().st_size > 1000
+    assert "torch" in capsys.readouterr().out
