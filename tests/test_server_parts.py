@@ -108,9 +108,9 @@ def test_benchmark_workload_and_arrivals_are_seeded():
         make_workload(1, 4, 1.5, 1, 10, 0)
 
 
-def test_bench_serve_without_url_says_so(capsys):
-    assert main(["bench", "serve", "--num-requests", "3"]) == 2
-    assert "--url" in capsys.readouterr().err
+def test_bench_serve_refuses_an_unknown_workload(capsys):
+    assert main(["bench", "serve", "--workload", "bogus", "--num-requests", "3"]) == 2
+    assert "--workload" in capsys.readouterr().err
 
 
 # ---- in process, through ASGI ------------------------------------------------------------------------

@@ -75,7 +75,8 @@ def test_launch_key_ignores_step_varying_arguments():
 
     def key(num_seqs, width, offset, head_size=64, num_kv_heads=2):
         cache = torch.randn(8, 16, num_kv_heads, head_size, dtype=torch.float16)
-        packed = torch.arange(64, dtype=torch.int32)  # cu_seqlens and seq_starts sliced out of one buffer
+        packed = torch.zeros(64, dtype=torch.int32)  # cu_seqlens and seq_starts sliced out of one buffer
+        packed[offset:offset + num_seqs + 1] = torch.arange(num_seqs + 1)  # one token each, from position 0
         table = torch.ones(num_seqs, width, dtype=torch.int32)
         out = torch.empty(64, num_kv_heads, head_size, dtype=torch.float16)
         with capture_launches() as records:

@@ -158,12 +158,12 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
     for n in levels(min(n_max, l_max)):
         for p in levels(min(b_max, n_max // n)):
             steps.append(([n] * p, [0] * p))
-    extend_q = [q for q in powers_of_two(min(n_max, l_max - 1)) if q > dq] or []
+    extend_q = [q for q in powers_of_two(min(n_max, l_max - 1)) if q > dq]
     for q in extend_q:
         for ctx in powers_of_two(l_max - q):
             for e in powers_of_two(min(b_max, n_max // q)):
                 steps.append(([q] * e, [ctx] * e))
-    decodes = [[], [(1, 64)], [(1, max(1, l_max - dq))] * min(b_max, 64)]
+    decodes = [[], [(1, max(1, min(64, l_max - dq)))], [(1, max(1, l_max - dq))] * min(b_max, 64)]
     extends = [[]] + [[(q, c)] for q, c in ((dq + 1, 16), (min(512, n_max // 4), max(1, l_max // 2)))
                       if q > dq and q + c <= l_max]
     prefills = [[]] + [[(n, 0)] for n in sorted({min(16, n_max), max(1, min(n_max // 4, l_max))})]
