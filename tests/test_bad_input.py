@@ -39,15 +39,20 @@ def _strided(table: torch.Tensor) -> torch.Tensor:
 
 # -- the block table's inner stride ---------------------------------------------------------------------------
 
+def _paged_ops_refuse(q, kc, vc, table, seq_lens, match):
+    """paged_decode, unified_attention and gather_kv_cache each raise ValueError matching ``match``."""
+    with pytest.raises(ValueError, match=match):
+        paged_decode(q, kc, vc, table, seq_lens)
+    with pytest.raises(ValueError, match=match):
+        unified_attention(q, kc, vc, table, seq_lens, cu_seqlens([1, 1], "cpu"), 1)
+    with pytest.raises(ValueError, match=match):
+        gather_kv_cache(kc, vc, table, cu_seqlens([5, 20], "cpu"), torch.zeros(2, dtype=torch.int32))
+
+
 def test_block_table_rows_must_be_contiguous():
     q, kc, vc, table, sl = _paged()
     bad = _strided(table)
-    with pytest.raises(ValueError, match=r"block_table must be contiguous along its rows"):
-        paged_decode(q, kc, vc, bad, sl)
-    with pytest.raises(ValueError, match=r"block_table must be contiguous along its rows"):
-        unified_attention(q, kc, vc, bad, sl, cu_seqlens([1, 1], "cpu"), 1)
-    with pytest.raises(ValueError, match=r"block_table must be contiguous along its rows"):
-        gather_kv_cache(kc, vc, bad, cu_seqlens([5, 20], "cpu"), torch.zeros(2, dtype=torch.int32))
+    _paged_ops_refuse(q, kc, vc, bad, sl, r"block_table must be contiguous along its rows")
     cache = allocate_mla_cache(8, 16, L, RD, dtype=F16)
     with pytest.raises(ValueError, match=r"block_table must be contiguous along its rows"):
         mla_decode(torch.randn(2, 4, L + RD, dtype=F16), cache, bad, sl, kv_lora_rank=L, sm_scale=0.1)
@@ -146,10 +151,7 @@ def test_seq_lens_and_block_ids_are_checked():
         bad[1, 1] = bad_id
         with pytest.raises(ValueError, match=rf"block_table: block ids must be in \[0, num_blocks={num_blocks}\)"):
             paged_decode(q, kc, vc, bad, sl)
-        with pytest.raises(ValueError, match=r"block_table: block ids must be in"):
-            unified_attention(q, kc, vc, bad, sl, cu_seqlens([1, 1], "cpu"), 1)
-        with pytest.raises(ValueError, match=r"block_table: block ids must be in"):
-            gather_kv_cache(kc, vc, bad, cu_seqlens([5, 20], "cpu"), torch.zeros(2, dtype=torch.int32))
+        _paged_ops_refuse(q, kc, vc, bad, sl, r"block_table: block ids must be in")
     bad = table.clone()
     bad[0, 1] = num_blocks  # past request 0's 5 tokens: never read, so allowed
     torch.testing.assert_close(paged_decode(q, kc, vc, bad, sl).float(), R.paged_decode_ref(q, kc, vc, table, sl).float(),
