@@ -111,21 +111,21 @@ def test_integer_tensors_and_arrays_are_prompts(model, fresh_tokens):
 
 def test_a_failed_generate_leaves_the_engine_idle_and_its_blocks_free(model, fresh_tokens, monkeypatch):
     llm = engine(model)
-    real = llm.runner.execute
+    real = llm.runner.launch
     calls = []
 
-    def failing(scheduled):
+    def failing(scheduled, previous=None):
         calls.append(len(scheduled))
         if len(calls) == 3:
             raise RuntimeError("device lost")
-        return real(scheduled)
+        return real(scheduled, previous)
 
-    monkeypatch.setattr(llm.runner, "execute", failing)
+    monkeypatch.setattr(llm.runner, "launch", failing)
     with pytest.raises(RuntimeError, match="device lost"):
         llm.generate(GOOD + [[7] * 40], GREEDY, use_tqdm=False)
     assert len(calls) == 3
     assert_idle_and_whole(llm)
-    monkeypatch.setattr(llm.runner, "execute", real)
+    monkeypatch.setattr(llm.runner, "launch", real)
     assert tokens(llm, GOOD) == fresh_tokens
     assert_idle_and_whole(llm)
 

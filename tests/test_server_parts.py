@@ -124,17 +124,17 @@ def _app(slow_s=0.0, **kw):
     def make():
         torch.set_num_threads(1)
         llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
-        execute = llm.runner.execute
+        launch = llm.runner.launch
 
-        def faulty(scheduled):
+        def faulty(scheduled, previous=None):
             if any(item.request.prompt_token_ids[:3] == POISON for item in scheduled):
                 raise RuntimeError("injected fault")
             if slow_s:
                 import time
                 time.sleep(slow_s)
-            return execute(scheduled)
+            return launch(scheduled, previous)
 
-        llm.runner.execute = faulty
+        llm.runner.launch = faulty
         add = llm.add_request
 
         def faulty_add(prompt, params=None, request_id=None):

@@ -1,10 +1,12 @@
 """The step's inputs built from the staging buffers and block-list mirrors match the definition (token
 ids, positions, slots, block table, logit rows in plan order), step after step, also when a request's block
-list grows in place or is replaced (preemption)."""
+list grows in place or is replaced (preemption), and when a decode's input token is still in flight (the
+deferred rows name where it comes from in the launched step's tokens)."""
 
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from tripath.attention.planner import plan_batch
@@ -15,8 +17,9 @@ from tripath.engine.step_inputs import StepInputBuilder
 BS = 4
 
 
-def expected(plan, scheduled, num_padding):
-    """The inputs from their definition (module doc of tripath.engine.step_inputs), with plain Python."""
+def expected(plan, scheduled, num_padding, inflight):
+    """The inputs from their definition (module doc of tripath.engine.step_inputs), with plain Python;
+    ``inflight``: request id -> the value of its in-flight token."""
     ids, positions, slots, rows, logits, sample_rows = [], [], [], [], [], []
     for i in plan.order:
         if i >= len(scheduled):
@@ -24,8 +27,10 @@ def expected(plan, scheduled, num_padding):
             continue
         item = scheduled[i]
         blocks = item.request.block_ids
+        tokens = item.request.all_token_ids + ([inflight[item.request.request_id]]
+                                                if item.request.request_id in inflight else [])
         for p in range(item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens):
-            ids.append(item.request.all_token_ids[p])
+            ids.append(tokens[p])
             positions.append(p)
             slots.append(blocks[p // BS] * BS + p % BS)
         rows.append(list(blocks))
@@ -45,30 +50,62 @@ def test_inputs_match_their_definition_across_steps():
     requests = [Request([rng.randrange(2, 100) for _ in range(rng.randrange(1, 30))], SamplingParams(max_tokens=50),
                         request_id=str(i)) for i in range(5)]
     next_block = iter(range(1, 10_000))
-    for step in range(12):
+    inflight: dict[str, int] = {}                  # request id -> its in-flight token's value
+    launched_rows: dict[int, int] = {}             # id(request) -> row of the launched step's tokens
+    launched_tokens: list[int] = []
+    num_deferred = 0
+    for step in range(16):
         scheduled = []
         for request in requests:
             if rng.random() < 0.2:
                 continue  # not scheduled this step
-            if step == 6 and request.request_id in ("1", "3"):  # preempted: its list replaced, recomputed
-                request.block_ids, request.num_computed_tokens = [], 0
-            pending = request.num_tokens - request.num_computed_tokens
+            if step == 6 and request.request_id in ("1", "3") and not request.num_inflight_tokens:
+                request.block_ids, request.num_computed_tokens = [], 0  # preempted: list replaced, recomputed
+            pending = request.num_pending_tokens
             new = min(pending, rng.randrange(1, 9)) if pending > 1 else 1
             total = request.num_computed_tokens + new
             while len(request.block_ids) * BS < total:
                 request.block_ids.append(next(next_block))  # grows in place, as the block manager does
-            scheduled.append(ScheduledRequest(request, new, request.num_computed_tokens))
+            scheduled.append(ScheduledRequest(request, new, request.num_computed_tokens,
+                                              total == request.num_tokens + request.num_inflight_tokens))
         if not scheduled:
             continue
         padding = 2 if all(s.num_new_tokens == 1 and s.num_computed_tokens for s in scheduled) else 0
         plan = plan_batch([s.num_new_tokens for s in scheduled] + [1] * padding,
                           [s.num_computed_tokens for s in scheduled] + [1] * padding, block_size=BS)
-        got = builder.build(plan, scheduled, padding)
-        ids, positions, slots, table, logits, sample_rows = expected(plan, scheduled, padding)
-        assert got.input_ids.tolist() == ids and got.positions.tolist() == positions
+        got = builder.build(plan, scheduled, padding, launched_rows)
+        ids, positions, slots, table, logits, sample_rows = expected(plan, scheduled, padding, inflight)
+        got_ids = got.input_ids.clone()
+        if got.deferred is not None:
+            rows, sources = got.deferred
+            got_ids[rows] = torch.tensor(launched_tokens)[sources]
+            num_deferred += rows.numel()
+        assert got_ids.tolist() == ids and got.positions.tolist() == positions
         assert got.slot_mapping.tolist() == slots and got.logit_indices.tolist() == logits
         assert np.array_equal(got.block_table.numpy(), table) and got.sample_rows == sample_rows
-        for item in scheduled:  # advance as the scheduler's update does
+        for request in requests:  # the launched step's tokens are read
+            if request.num_inflight_tokens:
+                request.output_token_ids.append(inflight.pop(request.request_id))
+                request.num_inflight_tokens = 0
+        launched_rows, launched_tokens = {}, []
+        for item in scheduled:  # advance as the scheduler does; half the new tokens stay in flight
             item.request.num_computed_tokens += item.num_new_tokens
             if item.samples:
-                item.request.output_token_ids.append(rng.randrange(2, 100))
+                token = rng.randrange(2, 100)
+                if rng.random() < 0.5:
+                    inflight[item.request.request_id] = token
+                    item.request.num_inflight_tokens = 1
+                    launched_rows[id(item.request)] = len(launched_tokens)
+                    launched_tokens.append(token)
+                else:
+                    item.request.output_token_ids.append(token)
+    assert num_deferred > 5
+
+
+def test_a_decode_of_a_token_no_launched_step_samples_is_refused():
+    builder = StepInputBuilder(torch.device("cpu"), BS, max_tokens=8, max_requests=2, max_blocks_per_seq=4)
+    request = Request([5, 6, 7], SamplingParams(), request_id="r", block_ids=[1], num_computed_tokens=3,
+                      num_inflight_tokens=1)
+    plan = plan_batch([1], [3], block_size=BS)
+    with pytest.raises(RuntimeError, match="no launched step is sampling"):
+        builder.build(plan, [ScheduledRequest(request, 1, 3, True)], 0, {})

@@ -182,11 +182,12 @@ class BlockManager:
         return max(0, slots - request.num_computed_tokens)
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's newly completed full blocks (after a step computed their tokens)."""
+        """Register the request's newly completed full blocks (after the step computing their tokens was
+        launched); an in-flight token's block waits until the token is known."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = request.num_computed_tokens // bs
+        num_full = min(request.num_computed_tokens, request.num_tokens) // bs
         for i in range(len(request.block_hashes), num_full):
             tokens = request.token_ids(i * bs, (i + 1) * bs)
             parent = request.block_hashes[-1] if request.block_hashes else None

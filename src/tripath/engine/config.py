@@ -58,7 +58,10 @@ class EngineConfig:
     cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
     of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped. ``warmup`` (GPU): compile
     every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.warmup`), so no
-    request waits for a compilation.
+    request waits for a compilation. ``async_scheduling``: schedule and launch each step before reading the
+    previous step's tokens, so the host's work overlaps the device's (one rank; a tensor-parallel engine
+    runs its steps one after the other). Outputs are the same either way; a request that stops on a stop
+    token costs one extra step of compute.
     """
 
     backend: str = "auto"
@@ -78,6 +81,7 @@ class EngineConfig:
     enforce_eager: bool = False
     max_cuda_graph_batch_size: int = 128
     warmup: bool = True
+    async_scheduling: bool = True
     seed: int = 0
 
     def __post_init__(self):
@@ -105,8 +109,9 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved) or None, "
                              f"got {self.num_kv_blocks!r}")
-        if not isinstance(self.warmup, bool):
-            raise TypeError(f"warmup must be a bool, got {type(self.warmup).__name__}")
+        for name in ("warmup", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
 

@@ -15,7 +15,9 @@
 
 Each ``step`` schedules (decodes, then prompt chunks, then new requests, under the token budget), runs the
 model once on the step's batch and returns a :class:`RequestOutput` for every request that produced a token
-or finished.
+or finished. With ``async_scheduling`` (the default; one rank) the steps overlap: ``step`` schedules and
+launches step N + 1 on the device, then reads step N's tokens and returns step N's outputs, so the host's
+work for a step runs while the device computes the one before (see :mod:`tripath.engine.scheduler`).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ from tqdm.auto import tqdm
 
 from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
-from tripath.engine.model_runner import ModelRunner
+from tripath.engine.model_runner import LaunchedStep, ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
 from tripath.ops._launch import compiled_variants
-from tripath.engine.scheduler import Scheduler
+from tripath.engine.scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | Sequence[int]
 
@@ -135,6 +137,8 @@ class LLM:
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                    max_model_len=self.runner.max_model_len,
                                    enable_chunked_prefill=self.config.enable_chunked_prefill)
+        self.overlap = self.config.async_scheduling and self.runner.supports_overlap
+        self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
         self.num_requests_added = 0
         self.num_steps = 0
         self.last_metrics: RunMetrics | None = None
@@ -219,24 +223,62 @@ class LLM:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and one model run; outputs of the requests that gained a token or finished."""
+        """One scheduling step and one model run; outputs of the requests that gained a token or finished
+        (with overlapped scheduling, in the step launched by the call before this one).
+
+        If the step raises, the requests it scheduled are aborted (their blocks freed) before the exception
+        propagates; a launched step before it is completed first, its tokens kept."""
         out = self.scheduler.schedule()
+        previous, self._inflight = self._inflight, None
         if out.is_empty:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError("the scheduler could not schedule any unfinished request")
-            return []
-        before = [item.request.num_output_tokens for item in out.scheduled]
-        sampled = self.runner.execute(out.scheduled)
-        self.scheduler.update(out, sampled)
+            if previous is None:
+                if self.scheduler.has_unfinished:
+                    raise RuntimeError("the scheduler could not schedule any unfinished request")
+                return []
+            return self._complete(previous[0], previous[1].sampled())
+        try:
+            if self.overlap:
+                self._inflight = (out, self.runner.launch(out.scheduled, None if previous is None else previous[1]))
+            else:
+                sampled = self.runner.execute(out.scheduled)
+        except BaseException:
+            try:
+                if previous is not None:
+                    self._complete(previous[0], previous[1].sampled())
+            finally:
+                self._abort_scheduled(out)
+            raise
         self.num_steps += 1
+        if not self.overlap:
+            return self._complete(out, sampled)
+        if previous is None:
+            return []
+        try:
+            return self._complete(previous[0], previous[1].sampled())
+        except BaseException:
+            self._inflight = None
+            self._abort_scheduled(previous[0], out)
+            raise
+
+    def _complete(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
+        """Hand a finished step's tokens to the scheduler; the outputs of the requests that gained one or
+        finished."""
+        before = [item.request.num_output_tokens for item in out.scheduled]
+        finished = {id(r) for r in self.scheduler.update(out, sampled)}
         outputs = []
         for item, count in zip(out.scheduled, before):
             request = item.request
             new = request.output_token_ids[count:]
-            if new or request.is_finished:
+            if new or id(request) in finished:
                 text = self.decode(request.output_token_ids) if request.is_finished else None
                 outputs.append(RequestOutput.of(request, new, text))
         return outputs
+
+    def _abort_scheduled(self, *outs: SchedulerOutput) -> None:
+        for out in outs:
+            for item in out.scheduled:
+                if not item.request.is_finished:
+                    self.scheduler.abort(item.request.request_id)
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:

@@ -11,6 +11,12 @@ Per step (host work once, shared by every layer):
   each request whose step reaches the end of its tokens (a decode, or the last chunk of a prompt); the
   sampled tokens go back to the scheduler's order.
 
+:meth:`ModelRunner.launch` only queues that work on the device and returns a :class:`LaunchedStep`, whose
+``sampled()`` waits for the tokens (copied to pinned host memory behind an event); :meth:`execute` does
+both. With overlapped scheduling the engine schedules and launches step N + 1 before it reads step N's
+tokens: a decode whose input token is step N's passes ``previous=`` step N, and its ``input_ids`` row is
+filled from step N's tokens on the device.
+
 On a GPU the runner warms up before it serves (:mod:`tripath.engine.warmup`: every kernel variant the
 limits allow is compiled), then captures the decode graphs. Decode-only steps on a GPU replay a CUDA graph captured for the next padded batch size (padding rows:
 one query token at position 1 reading block 0, slot −1 so nothing is written); the step's metadata is
@@ -33,6 +39,36 @@ from tripath.engine.sampler import sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.warmup import WarmupReport, warm_up
+
+
+class LaunchedStep:
+    """A step whose work is queued on the device. ``tokens [S]`` int64 (device): the sampled token of
+    ``scheduled[sample_rows[k]]`` in row ``k``; ``rows``: ``id(request) -> k``. The tokens' copy to the host
+    is under way; :meth:`sampled` waits for it."""
+
+    def __init__(self, scheduled: list[ScheduledRequest], sample_rows: list[int], tokens: torch.Tensor | None):
+        self.num_scheduled = len(scheduled)
+        self.sample_rows = sample_rows
+        self.tokens = tokens
+        self.requests = [scheduled[i].request for i in sample_rows]  # keeps the ids in ``rows`` unique
+        self.rows = {id(r): k for k, r in enumerate(self.requests)}
+        self._host, self._ready = tokens, None
+        if tokens is not None and tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def sampled(self) -> list[int | None]:
+        """The sampled token of each scheduled request (None where it is mid-prompt); waits for the device."""
+        out: list[int | None] = [None] * self.num_scheduled
+        if self.tokens is None:
+            return out
+        if self._ready is not None:
+            self._ready.synchronize()
+        for i, token in zip(self.sample_rows, self._host.tolist()):
+            out[i] = token
+        return out
 
 
 class ModelRunner:
@@ -66,6 +102,8 @@ class ModelRunner:
         if config.use_cuda_graphs and self.graph_safe_backend:
             self.capture_cuda_graphs()
 
+    supports_overlap = True  # launch() may take the previous step's in-flight tokens
+
     @property
     def graph_safe_backend(self) -> bool:
         """Whether the backend's forward reads only device tensors of the metadata (graph replay can change
@@ -73,26 +111,35 @@ class ModelRunner:
         return self.backend.capabilities.cuda_graphs
 
     # ---- inputs -------------------------------------------------------------------------------------
-    def prepare(self, scheduled: list[ScheduledRequest], pad_to: int | None = None) -> StepInputs:
+    def prepare(self, scheduled: list[ScheduledRequest], pad_to: int | None = None,
+                previous: LaunchedStep | None = None) -> StepInputs:
         """Build the step's inputs in plan order (:mod:`tripath.engine.step_inputs`). ``pad_to``: decode-only
         steps padded to a captured batch size. The block table is as wide as the step's longest row; a
-        graph replay copies just those columns into its captured ``max_blocks_per_seq``-wide table."""
+        graph replay copies just those columns into its captured ``max_blocks_per_seq``-wide table.
+        ``previous``: the launched step whose tokens are the in-flight input tokens of this one."""
         query_lens = [s.num_new_tokens for s in scheduled]
         context_lens = [s.num_computed_tokens for s in scheduled]
         num_padding = 0 if pad_to is None else pad_to - len(scheduled)
         query_lens += [1] * num_padding
         context_lens += [1] * num_padding
         plan = self.backend.plan(query_lens, context_lens)
-        return self.inputs.build(plan, scheduled, num_padding)
+        inputs = self.inputs.build(plan, scheduled, num_padding, None if previous is None else previous.rows)
+        if inputs.deferred is not None:
+            rows, sources = inputs.deferred
+            inputs.input_ids.index_copy_(0, rows, previous.tokens.index_select(0, sources))
+        return inputs
 
     # ---- one step -----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[int | None]:
         """Run the step; the sampled token of each scheduled request (None where it is mid-prompt)."""
-        if not scheduled:
-            return []
+        return self.launch(scheduled).sampled() if scheduled else []
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step on the device (inputs, forward, logits, sampling) without waiting for it.
+        ``previous``: the step launched before, whose tokens some of these decodes take as input."""
         graph_bs = self._graph_batch_size(scheduled)
-        inputs = self.prepare(scheduled, pad_to=graph_bs)
+        inputs = self.prepare(scheduled, pad_to=graph_bs, previous=previous)
         if graph_bs is not None:
             hidden = self._replay(graph_bs, inputs)
         else:
@@ -100,15 +147,12 @@ class ModelRunner:
             ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             self.kv_scales_pending = False
-        sampled: list[int | None] = [None] * len(scheduled)
         if not inputs.sample_rows:
-            return sampled
+            return LaunchedStep(scheduled, [], None)
         logits = self.model.compute_logits(hidden[inputs.logit_indices])
         requests = [scheduled[i].request for i in inputs.sample_rows]
-        tokens = sample(logits, [r.sampling_params for r in requests], [r.generator for r in requests]).tolist()
-        for i, token in zip(inputs.sample_rows, tokens):
-            sampled[i] = token
-        return sampled
+        tokens = sample(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+        return LaunchedStep(scheduled, inputs.sample_rows, tokens)
 
     # ---- CUDA graphs for decode-only steps ----------------------------------------------------------
     def _graph_batch_size(self, scheduled: list[ScheduledRequest]) -> int | None:

@@ -135,6 +135,8 @@ class ParallelExecutor:
         self._shutdown.serving = True
         self.encoder = StepEncoder()
 
+    supports_overlap = False  # workers need each step's input tokens on the host
+
     @property
     def tensor_parallel_size(self) -> int:
         return self.parallel.world_size

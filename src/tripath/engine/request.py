@@ -1,9 +1,10 @@
 """Requests as the engine tracks them: sampling parameters, token state, timings, and the results it returns.
 
-A request's tokens are ``prompt_token_ids + output_token_ids``. ``num_computed_tokens`` of them have their
-K/V in the paged cache (the blocks listed in ``block_ids``, block ``i`` holding positions
-``i * block_size .. (i + 1) * block_size - 1``). A step feeds ``num_new_tokens`` more; when the computed
-tokens then reach the end of the sequence the step's last logits give the next token. Preemption by
+A request's tokens are ``prompt_token_ids + output_token_ids``, then ``num_inflight_tokens`` (0 or 1) that a
+launched step is sampling and the engine has not read back yet (overlapped scheduling). ``num_computed_tokens``
+of them have their K/V in the paged cache, or in a step already launched (the blocks listed in
+``block_ids``, block ``i`` holding positions ``i * block_size .. (i + 1) * block_size - 1``). A step feeds
+``num_new_tokens`` more; when they reach the end of the sequence the step's last logits give the next token. Preemption by
 recompute frees the blocks and resets ``num_computed_tokens`` to 0 while keeping the outputs, so the request
 later re-prefills ``prompt + outputs`` and continues exactly where it stopped.
 """
@@ -126,6 +127,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_inflight_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chained hashes of the leading full blocks
     status: RequestStatus = RequestStatus.WAITING
@@ -159,8 +161,8 @@ class Request:
 
     @property
     def num_pending_tokens(self) -> int:
-        """Tokens whose K/V are not in the cache yet (1 for a decode)."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens, in-flight ones included, whose K/V no step has computed yet (1 for a decode)."""
+        return self.num_tokens + self.num_inflight_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens ``start .. stop - 1`` of ``prompt + outputs``."""

@@ -15,6 +15,15 @@ it returns to the front of the waiting queue with its outputs kept, to be recomp
 request exists the request preempts itself. Waiting requests never preempt running ones. A request that
 could never fit (longer than ``max_model_len``, more blocks than the cache holds, or a prompt over the
 token budget without chunked prefill) is refused when it is added, so no accepted request is dropped.
+
+A step's bookkeeping happens when it is scheduled: each scheduled request's ``num_computed_tokens`` advances
+by its new tokens, and one that samples gets an *in-flight* token (``num_inflight_tokens``). :meth:`update`
+later appends the sampled tokens. So the engine may schedule step N + 1 while step N still runs on the
+device (overlapped scheduling): a decode whose input is step N's in-flight token reads it on the device; a
+request whose last allowed token (``max_tokens``) is in flight is not scheduled again; one that step N
+finishes (a stop token) was scheduled once more for nothing, and that step's token for it is dropped. Full
+blocks enter the prefix cache in :meth:`update`, after the step that computed them was launched, never in
+the step that writes them.
 """
 
 from __future__ import annotations
@@ -28,16 +37,13 @@ from tripath.engine.request import FinishReason, Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
-    """A request in this step: ``num_new_tokens`` tokens after its ``num_computed_tokens`` cached ones."""
+    """A request in this step: ``num_new_tokens`` tokens after its ``num_computed_tokens`` cached ones;
+    ``samples``: the step reaches the end of the request's tokens (its last logits give a new token)."""
 
     request: Request
     num_new_tokens: int
     num_computed_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """Whether the step reaches the end of the request's tokens (its last logits give a new token)."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    samples: bool
 
 
 @dataclass
@@ -115,6 +121,8 @@ class Scheduler:
         # 1. decodes, then 2. running prompt chunks; a request may be preempted by one before it.
         decodes, chunks = [], []
         for request in self.running:
+            if request.num_output_tokens + request.num_inflight_tokens >= request.sampling_params.max_tokens:
+                continue  # its last token is in flight
             pending = request.num_pending_tokens
             (decodes if pending == 1 else chunks).append((request, pending))
         for request, pending in decodes + chunks:
@@ -127,11 +135,13 @@ class Scheduler:
                 continue
             budget -= num_new
             scheduled.add(id(request))
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            self._add(out, request, num_new)
         # 3. waiting requests, in order, while the budget, the sequence limit and the free blocks allow.
         #    Nothing is admitted in a step that had to preempt: the memory is short already.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
+            if request.num_inflight_tokens:
+                break  # preempted while its token was in flight: it waits until the token is read
             num_new = self.block_manager.admit(request, budget, whole=not self.enable_chunked_prefill)
             if num_new is None:
                 break
@@ -140,8 +150,18 @@ class Scheduler:
             self.running.append(request)
             budget -= num_new
             scheduled.add(id(request))
-            out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+            self._add(out, request, num_new)
         return out
+
+    @staticmethod
+    def _add(out: SchedulerOutput, request: Request, num_new: int) -> None:
+        """Schedule ``num_new`` tokens of ``request``: they count as computed from now on, and a step that
+        reaches the end of its tokens leaves one in flight."""
+        computed = request.num_computed_tokens
+        samples = computed + num_new == request.num_tokens + request.num_inflight_tokens
+        out.scheduled.append(ScheduledRequest(request, num_new, computed, samples))
+        request.num_computed_tokens = computed + num_new
+        request.num_inflight_tokens += samples
 
     def _make_room(self, request: Request, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
         """Blocks for ``num_new`` tokens of a running request. A prompt chunk shrinks to what the free
@@ -171,19 +191,27 @@ class Scheduler:
 
     # ---- after the step ------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Advance each scheduled request by its tokens, append its sampled token (None for a request
-        mid-prompt), cache its completed full blocks, and retire finished ones. Returns the finished."""
+        """Append each scheduled request's sampled token (None for a request mid-prompt), cache its
+        completed full blocks, and retire finished ones. Returns the requests this update finished.
+
+        A request that finished or was aborted since ``out`` was scheduled is skipped (its token is
+        dropped); one preempted since then keeps its token and may finish waiting."""
         finished = []
         for item, token in zip(out.scheduled, sampled):
             request = item.request
-            if request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_computed_blocks(request)
-            if token is not None:
-                request.append_token(token)
             if request.is_finished:
-                self.running.remove(request)
-                self.block_manager.release(request)
+                continue
+            running = request.status is RequestStatus.RUNNING
+            if token is not None:
+                request.num_inflight_tokens -= 1
+                request.append_token(token)
+            if running:
+                self.block_manager.cache_computed_blocks(request)
+            if request.is_finished:
+                if running:
+                    self.running.remove(request)
+                    self.block_manager.release(request)
+                else:
+                    self.waiting.remove(request)  # preempted while its last token was in flight
                 finished.append(request)
         return finished

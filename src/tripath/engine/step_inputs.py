@@ -8,7 +8,10 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
   (−1 for padding rows, which write nothing);
 - ``block_table [B, width]`` int32: each request's block ids (unused entries 0: block 0 is reserved),
   ``width`` the longest row of the step;
-- ``logit_indices [S]`` int64: the last token of each request whose step reaches the end of its tokens.
+- ``logit_indices [S]`` int64: the last token of each request whose step reaches the end of its tokens;
+- ``deferred``: for decodes whose input token a launched step is still sampling (overlapped scheduling),
+  ``(rows [K], sources [K])`` int64: ``input_ids[rows[k]]`` is to be taken from row ``sources[k]`` of that
+  step's sampled tokens on the device; None when every input token is known.
 
 The int64 arrays are written into one pinned host buffer and the block table into another, each sent to
 the device with one asynchronous copy; an event guards the buffers, so a step never overwrites host memory a
@@ -39,6 +42,7 @@ class StepInputs:
     logit_indices: torch.Tensor
     sample_rows: list[int]
     num_padding: int = 0
+    deferred: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class _BlockArray:
@@ -72,7 +76,8 @@ class StepInputBuilder:
         self.block_size = block_size
         self._mirrors: dict[int, _BlockArray] = {}  # id of a block list -> its mirror (which keeps it alive)
         pin = device.type == "cuda"
-        self._int64 = torch.zeros(3 * max_tokens + max_requests, dtype=torch.int64, pin_memory=pin)
+        max_tokens = max(max_tokens, max_requests)  # a padded decode step has a token per row
+        self._int64 = torch.zeros(3 * max_tokens + 3 * max_requests, dtype=torch.int64, pin_memory=pin)
         self._table = torch.zeros(max_requests * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
 
@@ -89,9 +94,11 @@ class StepInputBuilder:
         self._mirrors = mirrors
         return rows
 
-    def build(self, plan, scheduled, num_padding: int) -> StepInputs:
+    def build(self, plan, scheduled, num_padding: int, inflight_rows: dict[int, int] | None = None) -> StepInputs:
         """Inputs for ``scheduled`` (the caller's order) laid out in ``plan``'s order; rows past
-        ``len(scheduled)`` are ``num_padding`` decode rows at position 1 reading block 0, writing nothing."""
+        ``len(scheduled)`` are ``num_padding`` decode rows at position 1 reading block 0, writing nothing.
+        ``inflight_rows``: ``id(request) -> row`` of the launched step's sampled tokens, for requests whose
+        input token is still in flight."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
         bs = self.block_size
@@ -102,7 +109,7 @@ class StepInputBuilder:
         ids, positions, slots = flat[:num_tokens], flat[num_tokens:2 * num_tokens], flat[2 * num_tokens:3 * num_tokens]
         table = self._table.numpy()[:num_rows * width].reshape(num_rows, width)
         table.fill(0)
-        logit_rows, sample_rows = [], []
+        logit_rows, sample_rows, deferred_rows, deferred_sources = [], [], [], []
         at = 0
         for row, i in enumerate(plan.order):
             if i >= len(scheduled):  # padding
@@ -114,7 +121,12 @@ class StepInputBuilder:
             table[row, :len(blocks)] = blocks
             start, n = item.num_computed_tokens, item.num_new_tokens
             if n == 1:
-                ids[at] = item.request.token_ids(start, start + 1)[0]
+                if start < item.request.num_tokens:
+                    ids[at] = item.request.token_ids(start, start + 1)[0]
+                else:  # the token a launched step is sampling: filled in on the device
+                    ids[at] = 0
+                    deferred_rows.append(at)
+                    deferred_sources.append(self._inflight_row(inflight_rows, item.request))
                 positions[at] = start
                 slots[at] = int(blocks[start // bs]) * bs + start % bs
             else:
@@ -126,15 +138,27 @@ class StepInputBuilder:
             if item.samples:
                 logit_rows.append(at - 1)
                 sample_rows.append(i)
-        num_logits = len(logit_rows)
-        flat[3 * num_tokens:3 * num_tokens + num_logits] = logit_rows
-        int64 = self._to_device(self._int64[:3 * num_tokens + num_logits])
+        num_logits, num_deferred = len(logit_rows), len(deferred_rows)
+        end = 3 * num_tokens + num_logits
+        flat[3 * num_tokens:end] = logit_rows
+        flat[end:end + num_deferred] = deferred_rows
+        flat[end + num_deferred:end + 2 * num_deferred] = deferred_sources
+        int64 = self._to_device(self._int64[:end + 2 * num_deferred])
         block_table = self._to_device(self._table[:num_rows * width]).view(num_rows, width)
         if self._copied is not None:
             self._copied.record()
+        deferred = (int64[end:end + num_deferred], int64[end + num_deferred:]) if num_deferred else None
         return StepInputs(plan=plan, input_ids=int64[:num_tokens], positions=int64[num_tokens:2 * num_tokens],
                           block_table=block_table, slot_mapping=int64[2 * num_tokens:3 * num_tokens],
-                          logit_indices=int64[3 * num_tokens:], sample_rows=sample_rows, num_padding=num_padding)
+                          logit_indices=int64[3 * num_tokens:end], sample_rows=sample_rows,
+                          num_padding=num_padding, deferred=deferred)
+
+    @staticmethod
+    def _inflight_row(inflight_rows: dict[int, int] | None, request) -> int:
+        row = None if inflight_rows is None else inflight_rows.get(id(request))
+        if row is None:
+            raise RuntimeError(f"{request!r} is scheduled to decode a token no launched step is sampling")
+        return row
 
     def _to_device(self, staged: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":

@@ -107,7 +107,8 @@ class StepDecoder:
             if blocks is None or len(blocks) != first_block:
                 blocks = self.blocks[key] = (blocks or [])[:first_block]
             blocks.extend(new_blocks)
-            scheduled.append(ScheduledRequest(StepRequest(num_tokens, blocks, computed, token_ids), num_new, computed))
+            scheduled.append(ScheduledRequest(StepRequest(num_tokens, blocks, computed, token_ids), num_new, computed,
+                                              computed + num_new == num_tokens))
         return scheduled
 
 

@@ -5,8 +5,8 @@ HTTP handlers never touch the engine: they :meth:`EngineLoop.submit` a :class:`S
 asyncio queue, which the thread fills (through ``call_soon_threadsafe``) with :data:`ACCEPTED` or a
 :class:`Failure` for the add, then each step's :class:`~tripath.engine.RequestOutput` until the finished one.
 The loop blocks on the command queue while the engine is idle and steps while anything is in flight. An
-exception inside a step fails the requests that were running in it (500) and aborts them, freeing their
-blocks; the loop goes on. :meth:`EngineLoop.stop` aborts what is left, frees the model and the KV cache and
+exception inside a step fails the requests that were running in it (500; ``LLM.step`` has aborted them,
+freeing their blocks); the loop goes on. :meth:`EngineLoop.stop` aborts what is left, frees the model and the KV cache and
 ends the thread.
 """
 
@@ -192,8 +192,13 @@ class EngineLoop:
         except Exception as error:  # noqa: BLE001 - one failed step must not stop the server
             log.error("engine step failed:\n%s", traceback.format_exc())
             self.metrics.step_failures.inc()
-            victims = [r.request_id for r in llm.scheduler.running]
-            if not victims:  # nothing was running: the failure is the queue's, fail it all
+            # LLM.step aborts the requests of a step that raised; fail theirs. A failure it could not pin on
+            # a step (in the scheduler) fails what was running, or else the whole queue.
+            live = {r.request_id for r in (*llm.scheduler.running, *llm.scheduler.waiting)}
+            victims = [request_id for request_id in self._subs if request_id not in live]
+            if not victims:
+                victims = [r.request_id for r in llm.scheduler.running]
+            if not victims:
                 victims = [r.request_id for r in llm.scheduler.waiting]
             for request_id in victims:
                 llm.abort_request(request_id)
