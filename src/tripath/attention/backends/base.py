@@ -133,7 +133,9 @@ class AttentionBackend(ABC):
 
     def build_metadata(self, plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
                        decode_num_splits: int | None = None) -> AttentionMetadata:
-        """Once per step; every layer's forward reuses the result."""
+        """Once per step; every layer's forward reuses the result. A backend with per-step data of its own
+        overrides this and returns a subclass of :class:`AttentionMetadata` holding it (built here, never in
+        forward)."""
         if plan.decode_threshold != self.spec.decode_threshold:
             raise ValueError(f"the plan's decode_threshold ({plan.decode_threshold}) differs from the spec's "
                              f"({self.spec.decode_threshold})")
