@@ -10,3 +10,9 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # MHA KV cache layouts: "nhd" [num_blocks, block_size, num_kv_heads, head_size] and "shuffled" (16-byte
 # vectors along head_size for K and along block_size for V; see tripath.ops.kv_cache).
 KV_LAYOUTS = ("nhd", "shuffled")
+
+# KV cache block sizes (rows per block) the built-in attention backends declare (Capabilities.block_sizes):
+# powers of two up to 256, what their tuned kernel configurations are chosen for; and the block size an
+# engine given none builds its spec with, unless its backend declares another (Capabilities.gpu_block_size).
+BLOCK_SIZES = tuple(2 ** i for i in range(9))
+DEFAULT_BLOCK_SIZE = 16

@@ -104,7 +104,11 @@ def _decode_rows(query_lens, context_lens) -> tuple[list[int], list[int]]:
 class MLABackendBase(MLAAttentionBackend):
     """The MLA phase routing; subclasses choose the decode kernel and whether the fused preparation runs."""
 
-    capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}))
+    # Blocks of 64 rows on a GPU (FlashMLA's page size), a size every fast decode path takes: the Gluon
+    # kernels on sm_90 (8-32 heads: 16, 32 or multiples of 64 rows; 64+ heads: multiples of 32) and the
+    # packed kernel's descriptor tiles (pages holding whole tiles). Other sizes run the pointer-load kernel.
+    capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}),
+                                gpu_block_size=64)
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
 
