@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from engine_models import CharTokenizer, tiny_model
-from tripath.attention import ForwardContext, plan_batch, select_backend
+from tripath.attention import ForwardContext, default_block_size, plan_batch, select_backend
 from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
-from tripath.engine.config import default_block_size
 from tripath.engine.cli_generate import main_generate
 from tripath.models import load_model
 
@@ -324,9 +323,9 @@ def test_bad_settings_and_requests_are_refused(pure_torch, model):
 
 def test_default_block_size(pure_torch):
     """64 rows for MLA models on a GPU (the Gluon MLA decode kernels' block size), else 16."""
-    assert default_block_size(True, torch.device("cuda")) == 64
-    assert default_block_size(True, torch.device("cpu")) == 16
-    assert default_block_size(False, torch.device("cuda")) == 16
+    assert default_block_size("auto", True, torch.device("cuda")) == 64
+    assert default_block_size("auto", True, torch.device("cpu")) == 16
+    assert default_block_size("auto", False, torch.device("cuda")) == 16
     mla = preset("tiny-deepseek")
     llm = LLM(mla, backend="torch", num_kv_blocks=8)
     assert llm.runner.block_size == 16 and llm.runner.spec.block_size == 16
@@ -365,7 +364,7 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
     model = load_model(name, dtype=torch.float16, device="cuda")
     prompts = prompts_with_shared_prefix(n=12, seed=5, shared=40, lo=10, hi=300, vocab=256)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    block_size = default_block_size(model.config.mla is not None, torch.device("cuda"))
+    block_size = default_block_size(backend, model.config.mla is not None, torch.device("cuda"))
     blocks = 16384 // block_size  # 16384 cache rows, whatever the block size
     common = dict(backend=backend, max_num_batched_tokens=512, max_num_seqs=12, device="cuda")
     eager = LLM(model, enforce_eager=True, num_kv_blocks=blocks, **common)

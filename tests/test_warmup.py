@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tripath.attention import default_block_size
 from tripath.engine import LLM, SamplingParams
 from tripath.engine.warmup import (WarmupLimits, levels, saved_plan_path, warm_up, warmup_shapes)
 from tripath.models import PRESETS, build_model, init_random_weights
@@ -51,7 +52,8 @@ def test_warmup_predicts_every_variant(preset, backend, kv_cache_dtype):
     mla = PRESETS[preset]().mla is not None
     limits = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512) if mla else \
         dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
-    llm = LLM(shrunk(preset), backend=backend, device="cpu", block_size=64 if mla else 16, num_kv_blocks=512,
+    block_size = default_block_size(backend, mla, "cuda")  # the engine's on the GPU
+    llm = LLM(shrunk(preset), backend=backend, device="cpu", block_size=block_size, num_kv_blocks=512,
               kv_cache_dtype=kv_cache_dtype, **limits)
     with override_platform(H200):
         report = warm_up(llm.runner, run_kernels=False)

@@ -3,7 +3,7 @@
 from tripath.attention.context import ForwardContext
 from tripath.attention.metadata import AttentionMetadata, build_metadata
 from tripath.attention.planner import BatchPlan, ExtendChunkPlan, classify, plan_batch, plan_extend_chunks
-from tripath.attention.selector import BackendUnavailableError, explain, select_backend
+from tripath.attention.selector import BackendUnavailableError, default_block_size, explain, select_backend
 from tripath.attention.spec import (AttentionSpec, KVCache, MLACache, MLALayerWeights, MLASpec,
                                     RotaryTables)
 
@@ -11,5 +11,6 @@ __all__ = [
     "AttentionSpec", "MLASpec", "KVCache", "MLACache", "MLALayerWeights", "RotaryTables",
     "BatchPlan", "ExtendChunkPlan", "classify", "plan_batch", "plan_extend_chunks",
     "AttentionMetadata", "build_metadata", "select_backend", "explain", "BackendUnavailableError",
+    "default_block_size",
     "ForwardContext",
 ]

@@ -3,11 +3,17 @@ layer. Sub-metadata per class holds views into the step's tensors (no copies, no
 
 Rows (requests) and tokens are in plan order, so each class is a contiguous slice:
 ``decode`` rows ``[0, D)``, ``extend`` rows ``[D, D + E)``, ``prefill`` rows after; likewise for tokens.
+
+A backend that needs more per-step data returns a subclass of :class:`AttentionMetadata` from its
+``build_metadata`` (built once per step there, never in forward) with named fields, and extends
+:meth:`AttentionMetadata.copy_` and :meth:`AttentionMetadata.validate_own` to cover them:
+``TwoPathMetadata`` (:mod:`tripath.attention.backends.two_path`), ``MLAMetadata``
+(:mod:`tripath.attention.backends.mla_common`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -87,7 +93,9 @@ class PrefillMetadata:
 
 @dataclass
 class AttentionMetadata:
-    """Everything a backend's forward needs for one step (all layers)."""
+    """Everything a backend's forward needs for one step (all layers): the plan, the step's device tensors
+    (rows and tokens in plan order; ``B`` requests, ``T`` new tokens) and the per-class views. A backend
+    with per-step data of its own returns a subclass with named fields (see the module doc)."""
 
     plan: BatchPlan
     num_tokens: int
@@ -101,7 +109,13 @@ class AttentionMetadata:
     decode: DecodeMetadata | None = None
     extend: ExtendMetadata | None = None
     prefill: PrefillMetadata | None = None
-    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_common(cls, common: "AttentionMetadata", **own):
+        """A subclass's metadata: the fields of ``common`` (what :func:`build_metadata` returned, shared, not
+        copied) plus the subclass's own fields ``own``."""
+        shared = {f.name: getattr(common, f.name) for f in fields(AttentionMetadata)}
+        return cls(**shared, **own)
 
     def copy_(self, other: "AttentionMetadata") -> "AttentionMetadata":
         """Copy ``other``'s step tensors into this one's, in place (same shapes; CUDA-graph replay).
@@ -111,16 +125,42 @@ class AttentionMetadata:
         fixed ``decode_num_splits`` and a block table as wide as the longest sequence you will replay.
         ``other``'s block table may be narrower (as wide as the step's longest row): only those columns
         are copied; the columns past them keep older block ids, which no kernel reads (a row's blocks are
-        read only up to its ``seq_lens``)."""
+        read only up to its ``seq_lens``). Subclasses copy their own device tensors too (after this)."""
+        if type(other) is not type(self):
+            raise TypeError(f"metadata of type {type(other).__name__} cannot be copied into the captured "
+                            f"{type(self).__name__} (build both with the same backend)")
         for name in ("slot_mapping", "block_table", "seq_lens", "context_lens", "cu_seqlens_q"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            if name == "block_table" and theirs.shape[0] == mine.shape[0] and theirs.shape[1] <= mine.shape[1]:
-                mine = mine[:, :theirs.shape[1]]
-            if mine.shape != theirs.shape:
-                raise ValueError(f"metadata.{name}: shape {tuple(theirs.shape)} does not match the captured "
-                                 f"{tuple(mine.shape)}")
-            mine.copy_(theirs, non_blocking=True)
+            copy_step_tensor(name, getattr(self, name), getattr(other, name), table=name == "block_table")
         return self
+
+    def validate_own(self, num_blocks: int, block_size: int) -> None:
+        """Check a subclass's own fields against the plan and the common ones (see
+        :func:`tripath.attention.validate.validate_metadata`, which calls it last); nothing here."""
+
+
+def both_set(name: str, mine, theirs) -> bool:
+    """Whether the captured field ``mine`` and the step's ``theirs`` are both set (False: both None); a
+    field set in one and None in the other cannot be copied (:class:`ValueError`)."""
+    if (mine is None) != (theirs is None):
+        raise ValueError(f"metadata.{name} is {'set' if theirs is not None else 'None'} in the step but "
+                         f"{'set' if mine is not None else 'None'} in the captured metadata")
+    return mine is not None
+
+
+def copy_step_tensor(name: str, mine: torch.Tensor | None, theirs: torch.Tensor | None, *,
+                     table: bool = False) -> None:
+    """Copy a step's tensor ``theirs`` into the captured ``mine`` in place (both None: nothing to copy).
+    ``table``: a block table ``[rows, width]``, whose step version may be narrower than the captured one:
+    only its columns are copied (see :meth:`AttentionMetadata.copy_`)."""
+    if not both_set(name, mine, theirs):
+        return
+    if table and mine.dim() == theirs.dim() == 2 and theirs.shape[0] == mine.shape[0] \
+            and theirs.shape[1] <= mine.shape[1]:
+        mine = mine[:, :theirs.shape[1]]
+    if mine.shape != theirs.shape:
+        raise ValueError(f"metadata.{name}: shape {tuple(theirs.shape)} does not match the captured "
+                         f"{tuple(mine.shape)}")
+    mine.copy_(theirs, non_blocking=True)
 
 
 def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,

@@ -2,6 +2,11 @@
 
 ``auto`` tries ``three_path, unified, two_path, torch`` for MHA/GQA specs and ``mla, mla_triton, torch``
 for MLA specs, in that order. ``TRIPATH_ATTENTION_BACKEND`` overrides the ``name`` argument.
+
+The spec carries the KV block size and the backend is chosen from the spec, so a caller that has no block
+size asks first: :func:`default_block_size` gives the size that the backend ``name`` (for ``auto``, its
+first candidate for the model kind) declares it prefers on the device (``Capabilities.cpu_block_size`` /
+``gpu_block_size``); then it builds the spec with that size and selects.
 """
 
 from __future__ import annotations
@@ -42,6 +47,19 @@ def backend_class(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
+def candidates(name: str, is_mla: bool) -> tuple[str, ...]:
+    """The backends ``select_backend`` tries for ``name`` (after ``TRIPATH_ATTENTION_BACKEND``), in order."""
+    name = _env.attention_backend_override() or name
+    return (AUTO_MLA if is_mla else AUTO_MHA) if name == "auto" else (name,)
+
+
+def default_block_size(name: str, is_mla: bool, device: torch.device | str) -> int:
+    """The KV block size to build the spec with when none is given: what the backend ``name`` prefers for
+    the model kind (``is_mla``) on ``device`` (for ``auto``: its first candidate, ``three_path`` or ``mla``,
+    whose preference the later candidates take too). Raises for an unknown ``name``."""
+    return backend_class(candidates(name, is_mla)[0]).preferred_block_size(is_mla, torch.device(device))
+
+
 def explain(spec: AttentionSpec, device: torch.device | str = "cpu") -> dict[str, list[str]]:
     """Every backend's reasons for rejecting ``spec`` on ``device`` (empty list = supported)."""
     device = torch.device(device)
@@ -55,10 +73,8 @@ def select_backend(spec: AttentionSpec, name: str = "auto", device: torch.device
     """
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
-    name = _env.attention_backend_override() or name
-    candidates = (AUTO_MLA if spec.is_mla else AUTO_MHA) if name == "auto" else (name,)
     reasons: dict[str, list[str]] = {}
-    for candidate in candidates:
+    for candidate in candidates(name, spec.is_mla):
         cls = backend_class(candidate)
         why = cls.unsupported_reasons(spec, device)
         if not why:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS, MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from tripath.constants import DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPES, KV_LAYOUTS, MAX_HEAD_SIZE, MIN_HEAD_SIZE
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -55,7 +55,7 @@ class AttentionSpec:
     head_size_v: int | None = None
     dtype: torch.dtype = torch.bfloat16
     kv_cache_dtype: str = "auto"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_layout: str = "nhd"
     sm_scale: float | None = None
     window_left: int = -1

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tripath.attention import AttentionSpec, MLASpec, explain, select_backend
+from tripath.attention import AttentionSpec, MLASpec, default_block_size, explain, select_backend
 from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import make_mla_step, make_step
 
@@ -87,7 +87,7 @@ def run(device: torch.device) -> list[Result]:
 
     mla = MLASpec() if on_gpu else MLASpec(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
     mla_spec = AttentionSpec(16 if on_gpu else 4, 1, mla.cache_width, dtype=spec.dtype,
-                             block_size=64 if on_gpu else 16, mla=mla)
+                             block_size=default_block_size("auto", True, device), mla=mla)
     available = [name for name, why in explain(mla_spec, device).items() if not why and name in MLA_BACKENDS]
     for step_name, requests in (GPU_MLA_STEPS if on_gpu else CPU_MLA_STEPS).items():
         step = make_mla_step(mla_spec, requests, TorchBackend(mla_spec, device), device=device, seed=1)

@@ -22,7 +22,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--calculate-kv-scales", action="store_true",
                        help="fp8 KV cache: set each layer's scales from the first step (default: 1.0)")
     group.add_argument("--block-size", type=int, default=None,
-                       help="KV cache rows per block (default: 64 for MLA models on a GPU, else 16)")
+                       help="KV cache rows per block, a power of two up to 256 (default: the backend's "
+                            "preference, 64 for MLA models on a GPU, else 16)")
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--max-num-seqs", type=int, default=256)

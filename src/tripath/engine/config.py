@@ -11,14 +11,6 @@ from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS
 DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
 CPU_DEFAULT_KV_BLOCKS = 1024  # without a GPU to measure, the cache size when num_kv_blocks is not given
-DEFAULT_BLOCK_SIZE = 16
-MLA_GPU_BLOCK_SIZE = 64  # the Gluon MLA decode kernels need blocks of 64 (8-32 heads) or of 32 (64+ heads)
-
-
-def default_block_size(is_mla: bool, device: torch.device) -> int:
-    """The KV block size when the engine is not given one: 64 for MLA models on a GPU (the block size the
-    fast MLA decode kernels take, as FlashMLA's does), else 16."""
-    return MLA_GPU_BLOCK_SIZE if is_mla and device.type == "cuda" else DEFAULT_BLOCK_SIZE
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -51,8 +43,10 @@ class EngineConfig:
 
     ``max_num_batched_tokens``: new tokens per step (the scheduler's budget). ``max_num_seqs``: requests
     running at once. ``max_model_len``: longest prompt + output (None: the model's ``max_position``).
-    KV cache: ``num_kv_blocks`` blocks (block 0 reserved) if given, else as many as fit in
-    ``gpu_memory_utilization`` of the GPU after the weights and a warm-up step (on the CPU,
+    ``block_size``: KV cache rows per block, one the backend takes (``Capabilities.block_sizes``: powers of
+    two up to 256); None: the backend's preference (:func:`tripath.attention.default_block_size`: 64 for
+    MLA models on a GPU, else 16). KV cache: ``num_kv_blocks`` blocks (block 0 reserved) if given, else as
+    many as fit in ``gpu_memory_utilization`` of the GPU after the weights and a warm-up step (on the CPU,
     ``CPU_DEFAULT_KV_BLOCKS``). ``enforce_eager`` turns CUDA graphs for decode-only steps off; graphs are
     captured for padded batch sizes up to ``max_cuda_graph_batch_size``. ``calculate_kv_scales`` (fp8 KV
     cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
@@ -90,7 +84,7 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_cuda_graph_batch_size"):
             value = getattr(self, name)
             if name == "block_size" and value is None:
-                continue  # chosen from the model by the runner (default_block_size)
+                continue  # the runner takes the backend's preference (tripath.attention.default_block_size)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

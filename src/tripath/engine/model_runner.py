@@ -32,9 +32,9 @@ import functools
 import numpy as np
 import torch
 
-from tripath.attention import ForwardContext, select_backend
+from tripath.attention import ForwardContext, default_block_size, select_backend
 from tripath.engine.block_manager import blocks_needed
-from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig, default_block_size
+from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from tripath.engine.sampler import sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
@@ -79,7 +79,7 @@ class ModelRunner:
         self.config = config
         self.device = config.device
         is_mla = getattr(model.config, "mla", None) is not None
-        self.block_size = config.block_size or default_block_size(is_mla, self.device)
+        self.block_size = config.block_size or default_block_size(config.backend, is_mla, self.device)
         self.spec = model.attention_spec(block_size=self.block_size, kv_cache_dtype=config.kv_cache_dtype,
                                          kv_layout=config.kv_layout, dtype=config.dtype)
         self.backend = select_backend(self.spec, name=config.backend, device=self.device)

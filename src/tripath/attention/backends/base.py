@@ -25,7 +25,7 @@ from tripath import _env
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, build_metadata
 from tripath.attention.planner import BatchPlan, plan_batch
 from tripath.attention.spec import AttentionSpec, KVCache, MLACache, MLALayerWeights
-from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
+from tripath.constants import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.ops import merge_states
 from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache
 from tripath.platform import fp8_dtype, current_platform
@@ -54,7 +54,13 @@ def attend_joined_chunks(e: ExtendMetadata, attend: Callable[..., object], out: 
 class Capabilities:
     """What a backend supports. ``needs_triton``: its kernels need a GPU or ``TRITON_INTERPRET=1``;
     ``cuda_graphs``: its decode-only forward has no host work that depends on the step's values, so it can
-    be captured once and replayed after :meth:`AttentionMetadata.copy_`."""
+    be captured once and replayed after :meth:`AttentionMetadata.copy_`.
+
+    Block sizes (KV cache rows per block): ``block_sizes`` are the ones the backend takes (a spec with
+    another is refused); ``cpu_block_size`` / ``gpu_block_size`` the one it prefers on the CPU / on a GPU,
+    which the engine builds its spec with when it is given none
+    (:meth:`AttentionBackend.preferred_block_size`, :func:`tripath.attention.selector.default_block_size`).
+    """
 
     head_sizes: tuple[int, int] = (MIN_HEAD_SIZE, MAX_HEAD_SIZE)
     dtypes: frozenset = frozenset({torch.float16, torch.bfloat16, torch.float32})
@@ -65,6 +71,15 @@ class Capabilities:
     needs_triton: bool = True
     cuda_graphs: bool = True
     max_decode_threshold: int = 64
+    block_sizes: tuple[int, ...] = BLOCK_SIZES
+    cpu_block_size: int = DEFAULT_BLOCK_SIZE
+    gpu_block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self):
+        for name in ("cpu_block_size", "gpu_block_size"):
+            if getattr(self, name) not in self.block_sizes:
+                raise ValueError(f"Capabilities.{name}={getattr(self, name)} is not one of block_sizes "
+                                 f"{self.block_sizes}")
 
 
 class AttentionBackend(ABC):
@@ -81,9 +96,20 @@ class AttentionBackend(ABC):
             raise ValueError(f"backend {self.name!r} cannot serve this spec: " + "; ".join(reasons))
 
     @classmethod
+    def preferred_block_size(cls, is_mla: bool, device: torch.device | str) -> int:
+        """The block size to build a spec with for this backend when none is given, for an MLA model
+        (``is_mla``) or an MHA/GQA one on ``device``: the declared ``gpu_block_size`` on a GPU, else
+        ``cpu_block_size``."""
+        caps = cls.capabilities
+        return caps.gpu_block_size if torch.device(device).type == "cuda" else caps.cpu_block_size
+
+    @classmethod
     def unsupported_reasons(cls, spec: AttentionSpec, device: torch.device) -> list[str]:
         caps = cls.capabilities
         reasons = []
+        if spec.block_size not in caps.block_sizes:
+            reasons.append(f"block_size={spec.block_size} is not supported (supported: "
+                           f"{', '.join(map(str, caps.block_sizes))})")
         if spec.is_mla and not caps.mla:
             reasons.append("does not serve MLA models")
         if not spec.is_mla and not caps.mha:
@@ -133,7 +159,9 @@ class AttentionBackend(ABC):
 
     def build_metadata(self, plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
                        decode_num_splits: int | None = None) -> AttentionMetadata:
-        """Once per step; every layer's forward reuses the result."""
+        """Once per step; every layer's forward reuses the result. A backend with per-step data of its own
+        overrides this and returns a subclass of :class:`AttentionMetadata` holding it (built here, never in
+        forward)."""
         if plan.decode_threshold != self.spec.decode_threshold:
             raise ValueError(f"the plan's decode_threshold ({plan.decode_threshold}) differs from the spec's "
                              f"({self.spec.decode_threshold})")

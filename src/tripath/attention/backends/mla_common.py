@@ -31,8 +31,9 @@ from typing import ClassVar
 import torch
 
 from tripath.attention.backends.base import Capabilities, MLAAttentionBackend, attend_joined_chunks
-from tripath.attention.metadata import AttentionMetadata, ExtendMetadata
+from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, both_set, copy_step_tensor
 from tripath.attention.spec import MLACache, MLALayerWeights
+from tripath.attention.validate import expect, host_ints
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
                          gather_mla_cache, merge_states, mla_decode, rotary_embedding, varlen_attention)
 from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
@@ -44,16 +45,70 @@ FLOAT_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @dataclass
 class MLADecodeRows:
     """Speculative decodes (several query tokens per request) as one decode row per token: token ``i`` of a
-    request with ``c`` cached tokens sees ``c + i + 1`` rows through its request's block-table row."""
+    request with ``c`` cached tokens sees ``c + i + 1`` rows through its request's block-table row.
 
-    block_table: torch.Tensor  # [Td, max_blocks] int32
-    seq_lens: torch.Tensor  # [Td] int32
+    ``block_table``: ``[Td, width]`` int32, row ``t`` = the block-table row of token ``t``'s request (the
+    step's ``width``); ``seq_lens``: ``[Td]`` int32, the rows token ``t`` attends to."""
+
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass
+class MLAMetadata(AttentionMetadata):
+    """The common metadata plus the MLA decode's rows.
+
+    ``decode_rows``: the decode tokens as one decode row each (:class:`MLADecodeRows`) when some decode has
+    several query tokens (speculative decoding); None when every decode has one (the decode kernel then
+    reads ``decode.block_table`` / ``decode.seq_lens``) or there are no decodes. Built in
+    ``build_metadata``, once per step; copied in place by :meth:`copy_`."""
+
+    decode_rows: MLADecodeRows | None = None
+
+    def copy_(self, other: "MLAMetadata") -> "MLAMetadata":
+        super().copy_(other)
+        mine, theirs = self.decode_rows, other.decode_rows
+        if both_set("decode_rows", mine, theirs):
+            copy_step_tensor("decode_rows.block_table", mine.block_table, theirs.block_table, table=True)
+            copy_step_tensor("decode_rows.seq_lens", mine.seq_lens, theirs.seq_lens)
+        return self
+
+    def validate_own(self, num_blocks: int, block_size: int) -> None:
+        d, rows = self.decode, self.decode_rows
+        if d is None or d.single_token:
+            expect(rows is None, "metadata.decode_rows is set without decodes of several tokens")
+            return
+        expect(rows is not None, "metadata.decode_rows is missing for decodes of several tokens")
+        plan = self.plan
+        want_rows, want_lens = _decode_rows(plan.query_lens[:d.num_reqs], plan.context_lens[:d.num_reqs])
+        expect(host_ints(rows.seq_lens) == want_lens,
+               f"metadata.decode_rows.seq_lens is {host_ints(rows.seq_lens)}, expected {want_lens}")
+        table = self.block_table
+        expect(rows.block_table.shape == (len(want_rows), table.shape[1]),
+               f"metadata.decode_rows.block_table has shape {tuple(rows.block_table.shape)}, expected "
+               f"{(len(want_rows), table.shape[1])}")
+        by_request = host_ints(table)
+        for t, (got, r) in enumerate(zip(host_ints(rows.block_table), want_rows)):
+            expect(got == by_request[r], f"metadata.decode_rows.block_table row {t} is not request {r}'s row")
+
+
+def _decode_rows(query_lens, context_lens) -> tuple[list[int], list[int]]:
+    """Per decode token: its request's row and the rows it attends to (``context + i + 1``)."""
+    rows, lens = [], []
+    for j, (q, c) in enumerate(zip(query_lens, context_lens)):
+        rows += [j] * q
+        lens += [c + i + 1 for i in range(q)]
+    return rows, lens
 
 
 class MLABackendBase(MLAAttentionBackend):
     """The MLA phase routing; subclasses choose the decode kernel and whether the fused preparation runs."""
 
-    capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}))
+    # Blocks of 64 rows on a GPU (FlashMLA's page size), a size every fast decode path takes: the Gluon
+    # kernels on sm_90 (8-32 heads: 16, 32 or multiples of 64 rows; 64+ heads: multiples of 32) and the
+    # packed kernel's descriptor tiles (pages holding whole tiles). Other sizes run the pointer-load kernel.
+    capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}),
+                                gpu_block_size=64)
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
 
@@ -69,18 +124,16 @@ class MLABackendBase(MLAAttentionBackend):
         return reasons
 
     # -- metadata --------------------------------------------------------------------------------------
-    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> AttentionMetadata:
-        meta = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
-        d = meta.decode
+    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> MLAMetadata:
+        common = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
+        d = common.decode
+        decode_rows = None
         if d is not None and not d.single_token:
-            rows, lens = [], []
-            for j in range(d.num_reqs):
-                rows += [j] * plan.query_lens[j]
-                lens += [plan.context_lens[j] + i + 1 for i in range(plan.query_lens[j])]
+            rows, lens = _decode_rows(plan.query_lens[:d.num_reqs], plan.context_lens[:d.num_reqs])
             index = torch.tensor(rows, dtype=torch.long).to(block_table.device, non_blocking=True)
-            meta.extra["mla_decode_rows"] = MLADecodeRows(
-                block_table.index_select(0, index), torch.tensor(lens, dtype=torch.int32).to(block_table.device))
-        return meta
+            decode_rows = MLADecodeRows(block_table.index_select(0, index),
+                                        torch.tensor(lens, dtype=torch.int32).to(block_table.device))
+        return MLAMetadata.from_common(common, decode_rows=decode_rows)
 
     # -- forward ---------------------------------------------------------------------------------------
     @property
@@ -106,7 +159,7 @@ class MLABackendBase(MLAAttentionBackend):
                     reasons.append(f"rotary {name} table is not a [max_position, {half}] float tensor on the device")
         return reasons
 
-    def forward_mla(self, q_nope, q_pe, kv_c, k_pe, positions, cache: MLACache, meta: AttentionMetadata,
+    def forward_mla(self, q_nope, q_pe, kv_c, k_pe, positions, cache: MLACache, meta: MLAMetadata,
                     weights: MLALayerWeights, *, out=None):
         mla = self.spec.mla
         num_tokens, num_heads = q_nope.shape[0], q_nope.shape[1]
@@ -207,7 +260,7 @@ class MLABackendBase(MLAAttentionBackend):
 
     def _decode(self, q_decode, cache, meta, weights, out):
         d = meta.decode
-        rows = meta.extra.get("mla_decode_rows")
+        rows = meta.decode_rows
         block_table, seq_lens = (rows.block_table, rows.seq_lens) if rows is not None else (d.block_table,
                                                                                              d.seq_lens)
         _, q_scale = self._query_format(cache, weights, out.dtype)

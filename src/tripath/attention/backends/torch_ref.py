@@ -51,6 +51,16 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
         super().__init__(spec, device)
         self.new_kv_from_cache = new_kv_from_cache
 
+    @classmethod
+    def preferred_block_size(cls, is_mla, device) -> int:
+        """For MLA models, the MLA backends' preference: the reference stands in for them (where they cannot
+        run, e.g. float32 on a GPU, and in comparisons), so its caches are laid out as theirs."""
+        if is_mla:
+            from tripath.attention.backends.mla_common import MLABackendBase
+
+            return MLABackendBase.preferred_block_size(is_mla, device)
+        return super().preferred_block_size(is_mla, device)
+
     # -- caches ----------------------------------------------------------------------------------------
     def _interface(self):
         return MLAAttentionBackend if self.spec.is_mla else MHAAttentionBackend
