@@ -20,6 +20,14 @@ import torch
 from tripath.attention.planner import BatchPlan
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D tensor on ``device``. On a GPU it goes through pinned host memory with an
+    asynchronous copy, which never waits for the work already queued on the device (a copy from pageable
+    memory may), so a step can be prepared while the previous one runs."""
+    pin = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
 def _cumsum(values: list[int]) -> list[int]:
     out = [0]
     for v in values:
@@ -182,8 +190,7 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
 
     seq_lens_host = plan.seq_lens
     cu_q_host = _cumsum(plan.query_lens)
-    host = torch.tensor(seq_lens_host + plan.context_lens + cu_q_host, dtype=torch.int32)
-    packed = host.to(device, non_blocking=True)
+    packed = to_device(seq_lens_host + plan.context_lens + cu_q_host, torch.int32, device)
     b = plan.num_requests
     seq_lens, context_lens, cu_seqlens_q = packed[:b], packed[b:2 * b], packed[2 * b:]
     meta = AttentionMetadata(
@@ -219,7 +226,7 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
     if npf:
         local_tensors.append(_cumsum(plan.query_lens[nd + ne:]))
     flat = [v for t in local_tensors for v in t]
-    dev_flat = torch.tensor(flat, dtype=torch.int32).to(device, non_blocking=True) if flat else None
+    dev_flat = to_device(flat, torch.int32, device) if flat else None
     pieces, at = [], 0
     for t in local_tensors:
         pieces.append(dev_flat[at:at + len(t)])

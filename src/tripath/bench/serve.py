@@ -215,7 +215,7 @@ def measure_ceilings(device) -> tuple[float, float]:
 # ---- one backend, in its own process ----------------------------------------------------------------------
 def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: str | None, seed: int,
                 passes: int, progress: bool, start_only: bool = False, profile: str | None = None,
-                tensor_parallel_size: int = 1) -> dict:
+                tensor_parallel_size: int = 1, async_scheduling: bool = True) -> dict:
     """Build the engine and run the passes (or only time the start); the result as a JSON-able dict.
     ``profile``: after the reported passes, run one more under cProfile and append its top functions here."""
     import torch
@@ -225,9 +225,9 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     start = time.perf_counter()
     llm = LLM(workload.model, backend=backend, device=device, dtype=dtype, max_num_seqs=workload.max_concurrency,
               max_num_batched_tokens=workload.max_num_batched_tokens, max_model_len=workload.max_model_len,
-              seed=seed, tensor_parallel_size=tensor_parallel_size)
+              seed=seed, tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling)
     start_s = time.perf_counter() - start
-    result = {"backend": llm.backend_name, "start_s": start_s}
+    result = {"backend": llm.backend_name, "start_s": start_s, "async_scheduling": llm.overlap}
     warmup = llm.runner.warmup_report
     result["warmup"] = None if warmup is None else {"seconds": warmup.seconds, "steps_probed": warmup.steps_probed,
                                                     "steps_run": warmup.steps_run,
@@ -290,11 +290,13 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--profile")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--no-async-scheduling", action="store_true")
     args = parser.parse_args(argv)
     workload = Workload(**{**json.loads(args.workload_json), "backends": (args.backend,)})
     result = run_backend(workload, args.backend, device=args.device, dtype=args.dtype, seed=args.seed,
                          passes=args.passes, progress=not args.no_progress, start_only=args.start_only,
-                         profile=args.profile, tensor_parallel_size=args.tensor_parallel_size)
+                         profile=args.profile, tensor_parallel_size=args.tensor_parallel_size,
+                         async_scheduling=not args.no_async_scheduling)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -316,6 +318,8 @@ def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: b
         cmd += ["--profile", args.profile]
     if args.no_progress:
         cmd.append("--no-progress")
+    if args.no_async_scheduling:
+        cmd.append("--no-async-scheduling")
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
     if not args.device_is_gpu:
         env.setdefault("TRITON_INTERPRET", "1")  # Triton backends on a CPU-only machine run in the interpreter
@@ -333,7 +337,8 @@ def rows_of(results: list[dict], workload_name: str) -> list[dict]:
     """One table row per backend: starts, first and warm pass, the warm pass's throughputs and latencies."""
     rows = []
     for r in results:
-        row = {"workload": workload_name, "backend": r["backend"]}
+        label = r["backend"] if r.get("async_scheduling", True) else f"{r['backend']} (sequential)"
+        row = {"workload": workload_name, "backend": label}
         if "error" in r:
             rows.append({**row, "error": r["error"]})
             continue
@@ -403,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", help="write the results as JSON")
     parser.add_argument("--csv", help="write one CSV row per backend")
     parser.add_argument("--plot", help="write a PNG of output tok/s per backend")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each step's tokens before scheduling the next (default: overlap them)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--profile", help="append each backend's host profile (cProfile) of one extra, unreported "
                                               "pass here")

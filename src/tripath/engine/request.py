@@ -4,9 +4,9 @@ A request's tokens are ``prompt_token_ids + output_token_ids``, then ``num_infli
 launched step is sampling and the engine has not read back yet (overlapped scheduling). ``num_computed_tokens``
 of them have their K/V in the paged cache, or in a step already launched (the blocks listed in
 ``block_ids``, block ``i`` holding positions ``i * block_size .. (i + 1) * block_size - 1``). A step feeds
-``num_new_tokens`` more; when they reach the end of the sequence the step's last logits give the next token. Preemption by
-recompute frees the blocks and resets ``num_computed_tokens`` to 0 while keeping the outputs, so the request
-later re-prefills ``prompt + outputs`` and continues exactly where it stopped.
+``num_new_tokens`` more; when they reach the end of the sequence the step's last logits give the next token.
+Preemption by recompute frees the blocks and resets ``num_computed_tokens`` to 0 while keeping the outputs,
+so the request later re-prefills ``prompt + outputs`` and continues exactly where it stopped.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from tripath.attention.metadata import to_device
 from tripath.engine.request import SamplingParams
 
 
@@ -56,10 +57,10 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if not rows:
         return tokens
     device = logits.device
-    pick = torch.tensor(rows, device=device)
-    temperature = torch.tensor([params[i].temperature for i in rows], dtype=torch.float32, device=device)
-    top_k = torch.tensor([params[i].top_k for i in rows], dtype=torch.int64, device=device)
-    top_p = torch.tensor([params[i].top_p for i in rows], dtype=torch.float32, device=device)
+    pick = to_device(rows, torch.int64, device)
+    temperature = to_device([params[i].temperature for i in rows], torch.float32, device)
+    top_k = to_device([params[i].top_k for i in rows], torch.int64, device)
+    top_p = to_device([params[i].top_p for i in rows], torch.float32, device)
     probs = filtered_probs(logits[pick], temperature, top_k, top_p)
     noise = torch.empty_like(probs)
     for j, i in enumerate(rows):

@@ -6,8 +6,8 @@ asyncio queue, which the thread fills (through ``call_soon_threadsafe``) with :d
 :class:`Failure` for the add, then each step's :class:`~tripath.engine.RequestOutput` until the finished one.
 The loop blocks on the command queue while the engine is idle and steps while anything is in flight. An
 exception inside a step fails the requests that were running in it (500; ``LLM.step`` has aborted them,
-freeing their blocks); the loop goes on. :meth:`EngineLoop.stop` aborts what is left, frees the model and the KV cache and
-ends the thread.
+freeing their blocks); the loop goes on. :meth:`EngineLoop.stop` aborts what is left, frees the model and
+the KV cache and ends the thread.
 """
 
 from __future__ import annotations

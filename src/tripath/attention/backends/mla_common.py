@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from tripath.attention.backends.base import Capabilities, MLAAttentionBackend, attend_joined_chunks
-from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, both_set, copy_step_tensor
+from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, both_set, copy_step_tensor, to_device
 from tripath.attention.spec import MLACache, MLALayerWeights
 from tripath.attention.validate import expect, host_ints
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
@@ -130,9 +130,9 @@ class MLABackendBase(MLAAttentionBackend):
         decode_rows = None
         if d is not None and not d.single_token:
             rows, lens = _decode_rows(plan.query_lens[:d.num_reqs], plan.context_lens[:d.num_reqs])
-            index = torch.tensor(rows, dtype=torch.long).to(block_table.device, non_blocking=True)
+            index = to_device(rows, torch.long, block_table.device)
             decode_rows = MLADecodeRows(block_table.index_select(0, index),
-                                        torch.tensor(lens, dtype=torch.int32).to(block_table.device))
+                                        to_device(lens, torch.int32, block_table.device))
         return MLAMetadata.from_common(common, decode_rows=decode_rows)
 
     # -- forward ---------------------------------------------------------------------------------------
