@@ -26,7 +26,8 @@ def model():
 
 
 def engine(model, overlap, **kw):
-    options = dict(backend="torch", num_kv_blocks=48, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
+    options = dict(backend="torch", device="cpu", num_kv_blocks=48, block_size=4, max_num_seqs=6,
+                   max_num_batched_tokens=24)
     options.update(kw)
     return LLM(model, async_scheduling=overlap, **options)
 
@@ -78,6 +79,23 @@ def test_overlapped_outputs_equal_sequential_outputs(model, tight):
     for (tokens, reason), prompt, p in zip(results[True], prompts, params):
         if p.greedy:
             assert tokens == model.reference_greedy(prompt, p.max_tokens) and reason is FinishReason.LENGTH
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "three_path", "two_path", "unified"])
+def test_overlapped_outputs_equal_sequential_outputs_on_the_gpu(backend):
+    """On a GPU the tokens stay on the device between steps, copied to pinned memory behind an event; CUDA
+    graphs replay the decodes."""
+    model = tiny_model().to("cuda", torch.float16)
+    prompts, params = workload(1)
+    results = []
+    for overlap in (False, True):
+        llm = engine(model, overlap, device="cuda", backend=backend, dtype=torch.float16, num_kv_blocks=24,
+                     warmup=False)
+        results.append([o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert_idle(llm)
+        assert llm.overlap is overlap and llm.scheduler.num_preemptions > 0
+    assert results[0] == results[1]
 
 
 def test_a_step_call_returns_the_step_launched_before_it(model):
