@@ -72,6 +72,22 @@ def test_a_block_size_a_backend_cannot_take_is_refused():
         LLM("tiny-deepseek", backend="auto", num_kv_blocks=8, block_size=24)
 
 
+def test_the_shuffled_layout_is_refused_at_selection_where_its_vectors_do_not_fit():
+    """x = 16 bytes / element: 8 for a 16-bit cache, 16 for fp8; block and head sizes must be multiples."""
+    assert select_backend(AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=8, kv_layout="shuffled"),
+                          "three_path", "cpu").name == "three_path"
+    small = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=4, kv_layout="shuffled")
+    with pytest.raises(ValueError, match=r"three_path: kv_layout 'shuffled' with a float16 cache needs "
+                                         r"block_size a multiple of 8, got 4"):
+        select_backend(small, "three_path", "cpu")
+    fp8 = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=8, kv_layout="shuffled", kv_cache_dtype="fp8")
+    assert "kv_layout 'shuffled' with a fp8 cache needs block_size a multiple of 16, got 8" in \
+        explain(fp8, "cpu")["unified"]
+    with pytest.raises(ValueError, match="needs block_size a multiple of 8"):
+        LLM(tiny_model(), backend="three_path", num_kv_blocks=8, block_size=4, kv_layout="shuffled", warmup=False,
+            dtype=torch.float16)
+
+
 def test_selection_follows_a_narrower_declaration(monkeypatch):
     _with(monkeypatch, ThreePathBackend, block_sizes=(16, 32))
     spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=64)

@@ -91,11 +91,13 @@ def percent_of_floor(table: Table) -> dict[str, dict[str, float]]:
 
 
 def end_to_end(table: Table) -> dict[str, dict[str, float]]:
-    """``{model, workload: {backend: % of floor}}`` of the end-to-end table."""
+    """``{workload: {backend: % of floor}}`` of the end-to-end table (the label prefixed with the model
+    shape when the table has a ``model shape (attention layers)`` column)."""
     col = {name: i for i, name in enumerate(table.header)}
+    shape = col.get("model shape (attention layers)")
     groups: dict[str, dict[str, float]] = {}
     for row in table.rows:
-        label = f"{row[col['model shape (attention layers)']]}: {row[col['workload']]}"
+        label = row[col["workload"]] if shape is None else f"{row[shape]}: {row[col['workload']]}"
         groups.setdefault(label, {})[row[col["backend"]]] = number(row[col["% of floor"]])
     return groups
 

@@ -82,6 +82,17 @@ class Capabilities:
                                  f"{self.block_sizes}")
 
 
+def _shuffled_layout_reasons(spec: AttentionSpec) -> list[str]:
+    """The shuffled layout packs ``x = 16 bytes / element`` values (8 at 16 bits, 16 in fp8): the block size
+    and both head sizes must be multiples of ``x``."""
+    element = 1 if spec.kv_cache_dtype == "fp8" else torch.empty((), dtype=spec.dtype).element_size()
+    x = 16 // element
+    cache = "fp8" if element == 1 else str(spec.dtype).removeprefix("torch.")
+    return [f"kv_layout 'shuffled' with a {cache} cache needs {name} a multiple of {x}, got {value}"
+            for name, value in (("block_size", spec.block_size), ("head_size", spec.head_size),
+                                ("v_size", spec.v_size)) if value % x]
+
+
 class AttentionBackend(ABC):
     """What every backend shares: the capability check, the cache dtype, planning and metadata."""
 
@@ -121,6 +132,8 @@ class AttentionBackend(ABC):
                     reasons.append(f"head size {size} outside {lo}..{hi}")
             if spec.kv_layout not in caps.layouts:
                 reasons.append(f"kv_layout {spec.kv_layout!r} not supported (supported: {sorted(caps.layouts)})")
+            elif spec.kv_layout == "shuffled":
+                reasons += _shuffled_layout_reasons(spec)
         if spec.dtype not in caps.dtypes:
             reasons.append(f"dtype {spec.dtype} not supported")
         missing = spec.features - caps.features
