@@ -25,3 +25,18 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def torch_paths_and_validation(monkeypatch):
+    """Every op takes its PyTorch path (no interpreter) and every step's metadata is validated."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """The stand-in model of ``engine_models`` (vocab 61, max_position 512), one per test module."""
+    from engine_models import tiny_model
+    return tiny_model()
+

@@ -14,15 +14,12 @@ from tripath.engine import LLM, FinishReason, SamplingParams
 from tripath.engine.request import RequestStatus
 
 
-@pytest.fixture(autouse=True)
-def _pure_torch(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+pytestmark = pytest.mark.usefixtures("torch_paths_and_validation")
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model()
+def model(tiny_lm):
+    return tiny_lm
 
 
 def engine(model, overlap, **kw):

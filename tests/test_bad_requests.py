@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from engine_models import tiny_model
 from tripath.engine import LLM, SamplingParams
 from tripath.engine.sampler import filtered_probs, sample
 from tripath.models import load_model
@@ -21,15 +20,12 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 GOOD = [[3, 14, 15, 9, 26], [5, 35, 8]]
 
 
-@pytest.fixture(autouse=True)
-def _torch_paths_and_validation(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+pytestmark = pytest.mark.usefixtures("torch_paths_and_validation")
 
 
 @pytest.fixture(scope="module")
-def model():
-    return tiny_model()  # vocab 61, max_position 512
+def model(tiny_lm):
+    return tiny_lm
 
 
 def engine(model, **kw):
