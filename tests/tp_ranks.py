@@ -30,6 +30,7 @@ def _rank_entry(rank: int, world: int, port: int, backend: str, device: str | No
         result = fn(ParallelState(rank=rank, world_size=world), device, *args)
         if rank == 0:
             torch.save(result, out)
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
