@@ -1,5 +1,5 @@
 """`tripath bench serve` (offline): the workload generator, the per-request records of a pass, the
-roofline floor, and the command's JSON / CSV / plot output."""
+roofline floor, the step breakdown, and the command's JSON / CSV / plot output."""
 
 import dataclasses
 import json
@@ -10,6 +10,7 @@ import torch
 
 from tripath.bench import serve
 from tripath.bench.serve import WORKLOADS, Workload, make_prompts, model_costs, roofline_floor_s, run_pass
+from tripath.bench.step_breakdown import StepBreakdown, format_breakdown
 from tripath.engine import LLM
 
 
@@ -37,6 +38,25 @@ def test_a_pass_records_every_request():
     assert all(0 < n <= 3 for n, _ in outcome.decode_steps)  # never more than max_concurrency in flight
     # decodes read their whole context: prompt + outputs so far, summed over the step's requests
     assert sum(kv for _, kv in outcome.decode_steps) == sum(len(p) * 4 + 1 + 2 + 3 + 4 for p in prompts)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_step_breakdown_counts_every_launch_by_kind(overlap):
+    llm = LLM("tiny-llama", backend="torch", max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=64,
+              async_scheduling=overlap)
+    prompts = make_prompts(Workload("tiny-llama", ("torch",), 6, 40, 0.5, 4, 3), 256, seed=1)
+    timer = StepBreakdown(llm).attach()
+    outcome = run_pass(llm, prompts, output_len=4, max_concurrency=3, progress=False)
+    timer.detach()
+    summary = timer.summary()
+    assert sum(s["steps"] for s in summary.values()) == outcome.num_steps
+    launched_tokens = sum(s["steps"] * s["tokens"] for s in summary.values())
+    assert launched_tokens == pytest.approx(sum(len(p) + 3 for p in prompts))  # every prompt token, 3 decodes
+    assert {"prompt", "decode (eager)"} <= set(summary) <= {"prompt", "mixed", "decode (eager)"}  # CPU: no graphs
+    assert summary["decode (eager)"]["tokens"] <= 3
+    assert all(s["host_ms"] > 0 and s["gpu_span_ms"] is None for s in summary.values())
+    assert llm.runner.launch.__func__ is type(llm.runner).launch  # detached
+    assert "decode (eager)" in format_breakdown("torch", summary)
 
 
 def test_roofline_floor_counts_prefill_flops_and_decode_bytes():
@@ -68,11 +88,13 @@ def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = serve.main_serve(["--workload", "tiny", "--backends", "torch", "--num-requests", "2", "--output-len",
                              "3", "--no-progress", "--json", str(out), "--csv", str(tmp_path / "r.csv"),
-                             "--plot", str(tmp_path / "r.png")])
+                             "--plot", str(tmp_path / "r.png"), "--no-async-scheduling", "--step-breakdown"])
     assert code == 0
     report = json.loads(out.read_text())
     (result,) = report["results"]
     assert result["backend"] == "torch" and len(result["passes"]) == 2 and result["warm_start_s"] > 0
+    assert result["async_scheduling"] is False and report["rows"][0]["backend"] == "torch (sequential)"
+    assert sum(s["steps"] for s in result["step_breakdown"].values()) == result["passes"][-1]["num_steps"]
     for p in result["passes"]:
         assert p["num_requests"] == 2 and p["total_output_tokens"] == 6 and p["compiled_after_start"] == 0
         assert set(p["ttft_s"]) == {"mean", "p50", "p90", "p99"} and p["ttft_s"]["p50"] > 0

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tripath.bench.serve_report import RequestRecord, format_table, summarize, write_csv, write_json
+from tripath.bench.step_breakdown import StepBreakdown, format_breakdown
 
 
 @dataclass(frozen=True)
@@ -215,9 +216,11 @@ def measure_ceilings(device) -> tuple[float, float]:
 # ---- one backend, in its own process ----------------------------------------------------------------------
 def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: str | None, seed: int,
                 passes: int, progress: bool, start_only: bool = False, profile: str | None = None,
-                tensor_parallel_size: int = 1, async_scheduling: bool = True) -> dict:
+                tensor_parallel_size: int = 1, async_scheduling: bool = True, step_breakdown: bool = False) -> dict:
     """Build the engine and run the passes (or only time the start); the result as a JSON-able dict.
-    ``profile``: after the reported passes, run one more under cProfile and append its top functions here."""
+    ``profile``: after the reported passes, run one more under cProfile and append its top functions here.
+    ``step_breakdown``: time each launch of the warm pass by kind of step (:mod:`tripath.bench.step_breakdown`;
+    two CUDA events a step are its only cost)."""
     import torch
 
     from tripath.engine import LLM
@@ -243,7 +246,14 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     result["passes"] = []
     for index in range(passes):
         prompts = make_prompts(workload, vocab, seed + index)
-        outcome = run_pass(llm, prompts, workload.output_len, workload.max_concurrency, progress)
+        timer = StepBreakdown(llm).attach() if step_breakdown and index == passes - 1 else None
+        try:
+            outcome = run_pass(llm, prompts, workload.output_len, workload.max_concurrency, progress)
+        finally:
+            if timer is not None:
+                timer.detach()
+        if timer is not None:
+            result["step_breakdown"] = timer.summary()
         report = summarize(outcome.records, outcome.elapsed_s)
         report.update(num_steps=outcome.num_steps, compiled_after_start=outcome.compiled,
                       num_decode_steps=len(outcome.decode_steps))
@@ -291,12 +301,13 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--profile")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--step-breakdown", action="store_true")
     args = parser.parse_args(argv)
     workload = Workload(**{**json.loads(args.workload_json), "backends": (args.backend,)})
     result = run_backend(workload, args.backend, device=args.device, dtype=args.dtype, seed=args.seed,
                          passes=args.passes, progress=not args.no_progress, start_only=args.start_only,
                          profile=args.profile, tensor_parallel_size=args.tensor_parallel_size,
-                         async_scheduling=not args.no_async_scheduling)
+                         async_scheduling=not args.no_async_scheduling, step_breakdown=args.step_breakdown)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -320,6 +331,8 @@ def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: b
         cmd.append("--no-progress")
     if args.no_async_scheduling:
         cmd.append("--no-async-scheduling")
+    if args.step_breakdown and not start_only:
+        cmd.append("--step-breakdown")
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
     if not args.device_is_gpu:
         env.setdefault("TRITON_INTERPRET", "1")  # Triton backends on a CPU-only machine run in the interpreter
@@ -410,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", help="write a PNG of output tok/s per backend")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens before scheduling the next (default: overlap them)")
+    parser.add_argument("--step-breakdown", action="store_true",
+                        help="per kind of step of the warm pass: host time inside the launch and GPU span (one rank)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--profile", help="append each backend's host profile (cProfile) of one extra, unreported "
                                               "pass here")
@@ -463,6 +478,9 @@ def main_serve(argv: list[str] | None = None) -> int:
     for r in rows:
         if "error" in r:
             print(f"{r['backend']}: {r['error']}")
+    for result, row in zip(results, rows):
+        if result.get("step_breakdown"):
+            print(format_breakdown(row["backend"], result["step_breakdown"]))
     if args.json:
         write_json(args.json, {"workload": {"name": args.workload, **dataclasses.asdict(workload)},
                                "results": results, "rows": rows})

@@ -138,7 +138,7 @@ class ModelRunner:
     def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step on the device (inputs, forward, logits, sampling) without waiting for it.
         ``previous``: the step launched before, whose tokens some of these decodes take as input."""
-        graph_bs = self._graph_batch_size(scheduled)
+        graph_bs = self.graph_batch_size(scheduled)
         inputs = self.prepare(scheduled, pad_to=graph_bs, previous=previous)
         if graph_bs is not None:
             hidden = self._replay(graph_bs, inputs)
@@ -155,7 +155,9 @@ class ModelRunner:
         return LaunchedStep(scheduled, inputs.sample_rows, tokens)
 
     # ---- CUDA graphs for decode-only steps ----------------------------------------------------------
-    def _graph_batch_size(self, scheduled: list[ScheduledRequest]) -> int | None:
+    def graph_batch_size(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The captured batch size a decode-only step replays (the smallest that holds it), or None: the step
+        runs eagerly (it has prompt tokens, or no graphs were captured, or it is larger than every graph)."""
         if not self.graphs or any(s.num_new_tokens != 1 or s.num_computed_tokens == 0 for s in scheduled):
             return None
         return next((b for b in sorted(self.graphs) if b >= len(scheduled)), None)

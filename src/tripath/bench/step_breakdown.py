@@ -1,0 +1,100 @@
+"""Where a step's time goes: host time inside each launch and the GPU's span of it, by kind of step.
+
+:class:`StepBreakdown` wraps an engine's ``runner.launch`` (one rank) and records, for each launched step,
+its kind, its new tokens, the host seconds the launch took (inputs, metadata, the graph replay or the eager
+forward, sampling) and, on a GPU, the time between CUDA events recorded on the stream before and after it.
+Kinds: ``decode (graph)`` (a decode-only step replayed from a CUDA graph), ``decode (eager)``, ``mixed``
+(decodes beside prompt tokens) and ``prompt`` (prompt tokens only).
+
+A GPU span close to the host time means the GPU waited for the host inside the step (host-bound); a span
+well above it means the launch ran ahead of the GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass
+class _Record:
+    kind: str
+    num_tokens: int
+    host_s: float
+    events: tuple | None
+
+
+def step_kind(runner, scheduled) -> str:
+    decodes = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.num_computed_tokens > 0)
+    if decodes == len(scheduled):
+        return "decode (graph)" if runner.graph_batch_size(scheduled) is not None else "decode (eager)"
+    return "mixed" if decodes else "prompt"
+
+
+class StepBreakdown:
+    """Records the launches of ``llm`` from :meth:`attach` until :meth:`detach`; :meth:`summary` reports."""
+
+    def __init__(self, llm):
+        from tripath.engine.model_runner import ModelRunner
+
+        if not isinstance(llm.runner, ModelRunner):
+            raise ValueError("the step breakdown needs a one-rank engine (its runner a ModelRunner)")
+        self.runner = llm.runner
+        self._launch = None
+        self.records: list[_Record] = []
+
+    def attach(self) -> "StepBreakdown":
+        import torch
+
+        runner, real = self.runner, self.runner.launch
+        on_gpu = runner.device.type == "cuda"
+
+        def timed_launch(scheduled, previous=None):
+            kind = step_kind(runner, scheduled)
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if on_gpu else None
+            start = time.perf_counter()
+            if events:
+                events[0].record()
+            launched = real(scheduled, previous)
+            if events:
+                events[1].record()
+            self.records.append(_Record(kind, sum(s.num_new_tokens for s in scheduled),
+                                        time.perf_counter() - start, events))
+            return launched
+
+        self._launch = real
+        runner.launch = timed_launch
+        return self
+
+    def detach(self) -> None:
+        if self._launch is not None:
+            self.runner.launch = self._launch
+            self._launch = None
+
+    def summary(self) -> dict[str, dict]:
+        """``{kind: {steps, host_ms, gpu_span_ms (None off a GPU), tokens}}``, means per step (waits for
+        the GPU to finish the recorded steps)."""
+        if any(r.events for r in self.records):
+            import torch
+            torch.cuda.synchronize(self.runner.device)
+        by_kind: dict[str, list[_Record]] = defaultdict(list)
+        for record in self.records:
+            by_kind[record.kind].append(record)
+        out = {}
+        for kind, records in sorted(by_kind.items()):
+            n = len(records)
+            spans = [r.events[0].elapsed_time(r.events[1]) for r in records if r.events]
+            out[kind] = {"steps": n, "host_ms": 1e3 * sum(r.host_s for r in records) / n,
+                         "gpu_span_ms": sum(spans) / len(spans) if spans else None,
+                         "tokens": sum(r.num_tokens for r in records) / n}
+        return out
+
+
+def format_breakdown(backend: str, summary: dict[str, dict]) -> str:
+    lines = [f"{backend}: per launched step, warm pass"]
+    for kind, s in summary.items():
+        span = "-" if s["gpu_span_ms"] is None else f"{s['gpu_span_ms']:.3f} ms"
+        lines.append(f"  {kind:15s} {s['steps']:6d} steps  host in launch {s['host_ms']:.3f} ms  GPU span {span}  "
+                     f"{s['tokens']:.0f} new tokens")
+    return "\n".join(lines)
