@@ -235,7 +235,7 @@ class LLM:
                 if self.scheduler.has_unfinished:
                     raise RuntimeError("the scheduler could not schedule any unfinished request")
                 return []
-            return self._complete(previous[0], previous[1].sampled())
+            return self._read(previous)
         try:
             if self.overlap:
                 self._inflight = (out, self.runner.launch(out.scheduled, None if previous is None else previous[1]))
@@ -244,7 +244,7 @@ class LLM:
         except BaseException:
             try:
                 if previous is not None:
-                    self._complete(previous[0], previous[1].sampled())
+                    self._read(previous)
             finally:
                 self._abort_scheduled(out)
             raise
@@ -254,11 +254,16 @@ class LLM:
         if previous is None:
             return []
         try:
-            return self._complete(previous[0], previous[1].sampled())
+            return self._read(previous)
         except BaseException:
             self._inflight = None
             self._abort_scheduled(previous[0], out)
             raise
+
+    def _read(self, launched: tuple[SchedulerOutput, LaunchedStep]) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and complete it."""
+        out, step = launched
+        return self._complete(out, step.sampled())
 
     def _complete(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
         """Hand a finished step's tokens to the scheduler; the outputs of the requests that gained one or

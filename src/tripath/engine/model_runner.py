@@ -74,6 +74,8 @@ class LaunchedStep:
 class ModelRunner:
     """Owns the model, the attention backend and the per-layer KV caches of one engine."""
 
+    supports_overlap = True  # launch() may take the previous step's in-flight tokens
+
     def __init__(self, model, config: EngineConfig):
         self.model = model
         self.config = config
@@ -101,8 +103,6 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         if config.use_cuda_graphs and self.graph_safe_backend:
             self.capture_cuda_graphs()
-
-    supports_overlap = True  # launch() may take the previous step's in-flight tokens
 
     @property
     def graph_safe_backend(self) -> bool:
