@@ -81,17 +81,19 @@ def _save(hf_model, path, seed=0):
     return hf_model
 
 
-def compare_steps(hf_model, model, *, block_size=4, decode_steps=3):
-    """Prefill (A whole, B's first 5 tokens) → mixed step (A decode, B extend, C prefill) → greedy decodes."""
+def compare_steps(hf_model, model, *, block_size=4, decode_steps=3, device="cpu"):
+    """Prefill (A whole, B's first 5 tokens) → mixed step (A decode, B extend, C prefill) → greedy decodes.
+    ``device``: where tripath's model runs (the transformers model stays on the CPU)."""
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     seqs = {"A": torch.randint(2, vocab, (11,), generator=g).tolist(),
             "B": torch.randint(2, vocab, (9,), generator=g).tolist(),
             "C": torch.randint(2, vocab, (6,), generator=g).tolist()}
-    runner = PagedRunner(model, block_size=block_size)
+    runner = PagedRunner(model, block_size=block_size, device=device)
 
     def check(out, known):
         for rid, logits in out.items():
+            logits = logits.cpu()
             want = hf_logits(hf_model, known[rid])[-logits.shape[0]:]
             torch.testing.assert_close(logits, want, **TOL)
 
@@ -126,6 +128,16 @@ def test_matches_transformers(make, tmp_path):
     model = load_model(str(tmp_path), dtype=torch.float32)
     assert model.config.architecture == type(hf_model).__name__
     compare_steps(hf_model, model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [llama, qwen3, deepseek_v3], ids=["llama3", "qwen3", "deepseek_v3"])
+def test_matches_transformers_on_gpu(make, tmp_path):
+    """On a GPU the layers run their fused kernels (RMSNorm with the residual add, in-place rotary): fp32,
+    the torch attention backend, against transformers on the CPU."""
+    hf_model = _save(make(), tmp_path)
+    model = load_model(str(tmp_path), dtype=torch.float32, device="cuda")
+    compare_steps(hf_model, model, device="cuda")
 
 
 def test_qwen3_moe_layers_follow_the_config(tmp_path):

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from tripath import ops
-from tripath.ops import mla, rotary
+from tripath.ops import mla, norm, rotary
 from tripath.platform import Platform, fp8_dtype
 
 
@@ -65,6 +65,7 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "gather_mla_cache_kernel": KernelRole(False, "deliberate: latent row gather / fp8 dequantising copy"),
     "mla_prep_kernel": KernelRole(False, "deliberate: fused RoPE + concat + fp8 quantisation + cache write"),
     "rotary_embedding_kernel": KernelRole(False, "deliberate: in-place pair rotation"),
+    "rms_norm_kernel": KernelRole(False, "deliberate: row reduction and scaling (residual add fused)"),
 }
 
 # Findings accepted on purpose: (kernel, target name or "*", kind) -> reason. Kinds: "spill", "shared",
@@ -287,6 +288,11 @@ def _build_rotary(platform: Platform, *, head_size: int, rotary_dim: int, is_neo
                             is_neox=is_neox)
 
 
+def _build_rms_norm(platform: Platform, *, size: int, residual: bool, dtype: torch.dtype = torch.bfloat16) -> None:
+    x = _rand(8, size, dtype=dtype)
+    norm.rms_norm(x, torch.ones(size, dtype=dtype), 1e-6, residual=_rand(8, size, dtype=dtype) if residual else None)
+
+
 def _s(name: str, build: Callable, ci: bool = False, targets: tuple[str, ...] | None = None, **kwargs) -> Scenario:
     return Scenario(name, functools.partial(build, **kwargs), ci, targets)
 
@@ -412,4 +418,7 @@ def all_scenarios() -> list[Scenario]:
         rows.append(_s(f"rotary hd{head_size} R={rotary_dim} {'neox' if is_neox else 'gptj'}", _build_rotary,
                        ci=head_size == 128 and is_neox, head_size=head_size, rotary_dim=rotary_dim,
                        is_neox=is_neox))
+    for size, residual in ((4096, True), (4096, False), (128, False), (512, False), (8192, True)):
+        rows.append(_s(f"RMSNorm {size}{' + residual' if residual else ''} bf16", _build_rms_norm,
+                       ci=size == 4096 and residual, size=size, residual=residual))
     return rows

@@ -24,7 +24,11 @@ from tripath.models.parallel import SINGLE, HeadSplit, ParallelState, VocabParal
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x += attn(norm(x))``, ``x += mlp(norm(x))``."""
+    """Pre-norm block: ``x += attn(norm(x))``, ``x += mlp(norm(x))``.
+
+    The residual stream travels as ``(x, delta)``, its value ``x + delta``: each add is done by the norm
+    that reads its result (one fused kernel on a GPU), and the block returns its MLP output as the next
+    ``delta`` (None: nothing pending, as after the embedding)."""
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype):
         super().__init__()
@@ -33,9 +37,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        if delta is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm(x, delta)
+        x, h = self.post_attention_layernorm(x, self.self_attn(h, positions, ctx))
+        return x, self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -87,10 +96,10 @@ class CausalLM(nn.Module):
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be [T]; got {tuple(input_ids.shape)} and "
                              f"{tuple(positions.shape)}")
-        x = self.model.embed_tokens(input_ids)
+        x, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, ctx)
-        return self.model.norm(x)
+            x, delta = layer(x, delta, positions, ctx)
+        return self.model.norm(x) if delta is None else self.model.norm(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

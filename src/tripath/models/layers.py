@@ -1,6 +1,7 @@
 """Building blocks of the models, plain PyTorch: RMSNorm, rotary embedding, gated MLP, DeepSeek MoE.
 
-- RMSNorm: ``y = w · x / sqrt(mean(x²) + eps)`` (statistics in fp32, cast back before the weight, as HF).
+- RMSNorm: ``y = w · x / sqrt(mean(x²) + eps)`` (statistics in fp32, cast back before the weight, as HF),
+  optionally after the residual add; on a GPU one Triton kernel (:mod:`tripath.ops.norm`).
 - RoPE: inverse frequencies ``θ^(-2i/R)`` for ``i < R/2`` (rescaled by ``linear``/``llama3``/``yarn``),
   angle ``pos · inv_freq[i]``; tables ``cos, sin [max_position, R/2]`` fp32 (times yarn's attention factor).
   NeoX pairs ``(x_i, x_{i+R/2})``, GPT-J pairs ``(x_{2i}, x_{2i+1})``; each pair ``(a, b)`` becomes
@@ -26,18 +27,22 @@ from torch import nn
 from tripath.attention.spec import RotaryTables
 from tripath.models.config import MoEConfig, RopeConfig, yarn_mscale
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, Shard, equal_rows
+from tripath.ops.norm import rms_norm, rms_norm_ref
 
 
 class RMSNorm(nn.Module):
+    """``forward(x)`` → the norm of ``x``; ``forward(x, residual)`` → ``(x + residual, its norm)``, the
+    residual stream's new value and the next block's input. On a GPU one fused kernel
+    (:func:`tripath.ops.norm.rms_norm`), elsewhere the same math in PyTorch."""
+
     def __init__(self, size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        norm = rms_norm if x.is_cuda else rms_norm_ref
+        return norm(x, self.weight, self.eps, residual=residual)
 
 
 # -- rotary ---------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ q/k RMSNorm), Qwen3-MoE (Qwen3 attention, routed experts in the MLP of the layer
 
 Per layer, for ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads of size ``D``:
 ``q = rope(norm_q(x·Wqᵀ))`` ``[T, Hq, D]``, ``k = rope(norm_k(x·Wkᵀ))``, ``v = x·Wvᵀ`` ``[T, Hkv, D]``
-(``norm_*`` only on Qwen3; RoPE with NeoX pairs at the absolute positions), then
+(``norm_*`` only on Qwen3; RoPE with NeoX pairs at the absolute positions, on a GPU one in-place launch
+for ``q`` and ``k``), then
 ``o = ctx.attend(layer, q, k, v)`` ``[T, Hq, D]`` (writes k/v into the layer's paged cache; causal, with the
 sliding window of the spec, or the layer's own where layers differ) and ``out = o·Woᵀ``. Under tensor
 parallelism (:mod:`tripath.models.parallel`) ``Hq``/``Hkv`` are the rank's heads and ``o_proj`` all-reduces.
@@ -18,6 +19,7 @@ from tripath.models.base import CausalLM, DecoderLayer
 from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
 from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
+from tripath.ops.rotary import rotary_embedding
 
 
 class GQAAttention(nn.Module):
@@ -49,8 +51,10 @@ class GQAAttention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_size)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, positions, self.rotary)
-        k = apply_rotary(k, positions, self.rotary)
+        if q.is_cuda:  # one in-place launch for both
+            rotary_embedding(positions, q, k, (self.rotary.cos, self.rotary.sin), is_neox=self.rotary.is_neox)
+        else:
+            q, k = apply_rotary(q, positions, self.rotary), apply_rotary(k, positions, self.rotary)
         out = ctx.attend(self.layer_idx, q, k, v, window_left=self.window_left)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
 

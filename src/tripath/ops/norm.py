@@ -1,0 +1,81 @@
+"""RMSNorm, with the residual add fused in: the op, its launcher and its PyTorch reference.
+
+``rms_norm(x [..., N], weight [N], eps)`` → ``weight · x / sqrt(mean(x²) + eps)`` (statistics in fp32, the
+normalised value rounded to ``x``'s dtype before the weight, as Hugging Face computes it).
+``rms_norm(x, weight, eps, residual=r)`` → ``(s, rms_norm(s))`` with ``s = x + r`` rounded to ``x``'s dtype:
+the residual stream's new value and its norm, in one pass (:mod:`tripath.kernels.rms_norm`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tripath.kernels.rms_norm import rms_norm_kernel
+from tripath.ops._checks import FLOAT_DTYPES, check_tensor, next_pow2
+from tripath.ops._launch import launch, use_triton
+
+MAX_NORM_SIZE = 16384  # a row is held in registers: one program per row up to this width
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 residual: torch.Tensor | None = None):
+    """PyTorch reference of :func:`rms_norm` (same signature and results)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if residual is None else (x, y)
+
+
+def norm_config(n_cols: int) -> dict:
+    """``BLOCK_N`` covers the row; rows of at most 1024 values share a program (``BLOCK_M`` of them, so a
+    program holds about 2048 values: the per-head norms of Qwen3 would otherwise launch one tiny program
+    per head); warps grow with the row so each thread keeps 8–16 values."""
+    block_n = next_pow2(n_cols)
+    block_m = max(1, 2048 // block_n)
+    num_warps = 8 if block_n >= 8192 else 4 if block_n >= 2048 else 2 if block_n >= 512 else 1
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: torch.Tensor | None = None):
+    """RMSNorm of the last dimension of ``x [..., N]`` (fp16/bf16/fp32, last dim contiguous) with ``weight
+    [N]``; with ``residual`` (``x``'s shape and dtype) returns ``(x + residual, its norm)``, else the norm.
+    Outputs are new tensors of ``x``'s shape and dtype."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    device = x.device
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must have a last dimension to normalise, got shape {tuple(x.shape)}")
+    n_cols = x.shape[-1]
+    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape=(n_cols,))
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), device=device, shape=tuple(x.shape))
+        if residual.dim() != x.dim():
+            raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if n_cols > MAX_NORM_SIZE:
+        raise ValueError(f"rms_norm normalises rows of at most {MAX_NORM_SIZE} values, got {n_cols}")
+    if not use_triton(device):
+        return rms_norm_ref(x, weight, eps, residual=residual)
+    x2 = _rows("x", x)
+    r2 = _rows("residual", residual) if residual is not None else x2
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=device) if residual is not None else out
+    out2, total2 = out.view(-1, n_cols), total.view(-1, n_cols)
+    num_tokens = x2.shape[0]
+    cfg = norm_config(n_cols)
+    launch(rms_norm_kernel, (-(-num_tokens // cfg["BLOCK_M"]),),
+           x2, r2, weight, total2, out2, num_tokens, n_cols, x2.stride(0), r2.stride(0), total2.stride(0),
+           out2.stride(0), float(eps), HAS_RESIDUAL=residual is not None, **cfg)
+    return out if residual is None else (total, out)
+
+
+def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, N]`` without a copy (its leading dims must flatten to one stride)."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension")
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        raise ValueError(f"{name}'s leading dimensions must flatten into rows without a copy (shape "
+                         f"{tuple(t.shape)}, strides {t.stride()})") from None

@@ -1,0 +1,76 @@
+"""rms_norm (the fused RMSNorm / residual-add kernel) against float64 math; strided rows; bad input."""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from tripath.ops.norm import MAX_NORM_SIZE, norm_config, rms_norm
+
+
+def norm_f64(x, weight, eps):
+    """Independent reference in float64, rounded once to ``x``'s dtype."""
+    xd = x.double()
+    return (weight.double() * xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def tolerance(dtype):
+    # the kernel rounds the normalised value to the activation dtype before the weight (as the models do),
+    # so fp16 results sit up to about two of its ulps from the single-rounded float64 value
+    return dict(atol=4e-3, rtol=4e-3) if dtype == torch.float16 else dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(7, 128), (1, 96), (5, 3, 64), (33, 300), (2, 4096)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_float64(dtype, shape, with_residual):
+    x = torch.randn(shape, dtype=dtype, device=DEVICE) * 3
+    weight = (1 + 0.3 * torch.randn(shape[-1])).to(dtype).to(DEVICE)
+    eps = 1e-5
+    if not with_residual:
+        out = rms_norm(x, weight, eps)
+        torch.testing.assert_close(out, norm_f64(x, weight, eps), **tolerance(dtype))
+        return
+    residual = torch.randn(shape, dtype=dtype, device=DEVICE)
+    total, out = rms_norm(x, weight, eps, residual=residual)
+    assert total.shape == out.shape == x.shape and total.dtype == out.dtype == dtype
+    torch.testing.assert_close(total, (x.double() + residual.double()).to(dtype), atol=0, rtol=0)
+    torch.testing.assert_close(out, norm_f64(total, weight, eps), **tolerance(dtype))
+
+
+def test_rows_of_a_strided_view():
+    """The latent rows of MLA are a slice ``[:, :L]`` of a wider projection: each row read at its stride."""
+    wide = torch.randn(6, 80, device=DEVICE)
+    x = wide[:, :64]
+    weight = torch.rand(64, device=DEVICE) + 0.5
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), norm_f64(x, weight, 1e-6), **tolerance(torch.float32))
+
+
+def test_several_rows_a_program_cover_every_row():
+    """Narrow rows (per-head norms) share a program: row counts that are not a multiple of BLOCK_M."""
+    assert norm_config(64)["BLOCK_M"] > 1
+    x = torch.randn(3 * norm_config(64)["BLOCK_M"] + 5, 64, device=DEVICE)
+    weight = torch.rand(64, device=DEVICE) + 0.5
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), norm_f64(x, weight, 1e-6), **tolerance(torch.float32))
+
+
+def test_zero_rows():
+    x = torch.empty(0, 64, device=DEVICE)
+    assert rms_norm(x, torch.ones(64, device=DEVICE), 1e-6).shape == (0, 64)
+
+
+def test_bad_input():
+    x, w = torch.randn(4, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    with pytest.raises(ValueError, match="weight has shape"):
+        rms_norm(x, torch.ones(32, device=DEVICE), 1e-6)
+    with pytest.raises(TypeError, match="residual has dtype"):
+        rms_norm(x, w, 1e-6, residual=x.half())
+    with pytest.raises(ValueError, match="residual has shape"):
+        rms_norm(x, w, 1e-6, residual=torch.randn(3, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="eps must be positive"):
+        rms_norm(x, w, 0.0)
+    with pytest.raises(TypeError, match="x has dtype"):
+        rms_norm(x.long(), w, 1e-6)
+    with pytest.raises(ValueError, match="at most"):
+        rms_norm(torch.randn(1, MAX_NORM_SIZE + 1, device=DEVICE), torch.ones(MAX_NORM_SIZE + 1, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        rms_norm(torch.randn(64, 4, device=DEVICE).t(), w, 1e-6)
