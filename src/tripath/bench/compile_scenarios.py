@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from tripath import ops
-from tripath.ops import mla, norm, rotary
+from tripath.ops import activation, mla, norm, rotary
 from tripath.platform import Platform, fp8_dtype
 
 
@@ -66,6 +66,7 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "mla_prep_kernel": KernelRole(False, "deliberate: fused RoPE + concat + fp8 quantisation + cache write"),
     "rotary_embedding_kernel": KernelRole(False, "deliberate: in-place pair rotation"),
     "rms_norm_kernel": KernelRole(False, "deliberate: row reduction and scaling (residual add fused)"),
+    "silu_and_mul_kernel": KernelRole(False, "deliberate: elementwise gated activation"),
 }
 
 # Findings accepted on purpose: (kernel, target name or "*", kind) -> reason. Kinds: "spill", "shared",
@@ -293,6 +294,10 @@ def _build_rms_norm(platform: Platform, *, size: int, residual: bool, dtype: tor
     norm.rms_norm(x, torch.ones(size, dtype=dtype), 1e-6, residual=_rand(8, size, dtype=dtype) if residual else None)
 
 
+def _build_silu_and_mul(platform: Platform, *, inter: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    activation.silu_and_mul(_rand(8, 2 * inter, dtype=dtype))
+
+
 def _s(name: str, build: Callable, ci: bool = False, targets: tuple[str, ...] | None = None, **kwargs) -> Scenario:
     return Scenario(name, functools.partial(build, **kwargs), ci, targets)
 
@@ -421,4 +426,6 @@ def all_scenarios() -> list[Scenario]:
     for size, residual in ((4096, True), (4096, False), (128, False), (512, False), (8192, True)):
         rows.append(_s(f"RMSNorm {size}{' + residual' if residual else ''} bf16", _build_rms_norm,
                        ci=size == 4096 and residual, size=size, residual=residual))
+    for inter in (14336, 1536):
+        rows.append(_s(f"silu_and_mul I={inter} bf16", _build_silu_and_mul, ci=inter == 14336, inter=inter))
     return rows

@@ -164,7 +164,8 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """Capture the model's forward for decode-only batches of each size in
-        ``config.cuda_graph_batch_sizes()`` (largest first, sharing one memory pool)."""
+        ``config.cuda_graph_batch_sizes()`` (largest first, sharing one memory pool), then replay each once
+        on its padding metadata (block 0, slot −1: nothing is written)."""
         sizes = self.config.cuda_graph_batch_sizes()
         self._graph_ids = torch.zeros(max(sizes), dtype=torch.int64, device=self.device)
         self._graph_positions = torch.ones(max(sizes), dtype=torch.int64, device=self.device)
@@ -179,6 +180,10 @@ class ModelRunner:
                 ids, positions = self._graph_ids[:bs], self._graph_positions[:bs]
                 graph, hidden, pool = self._capture(functools.partial(self.model, ids, positions, ctx), pool)
                 self.graphs[bs] = (graph, meta, hidden)
+            for graph, _, _ in self.graphs.values():  # a graph's first launch uploads it: not on a request's time
+                graph.replay()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _capture(self, run, pool):
         """``(graph, static output, pool)`` of ``run`` captured after a warm-up call (kernels compile outside)."""

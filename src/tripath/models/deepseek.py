@@ -92,6 +92,7 @@ class DeepseekForCausalLM(CausalLM):
         super().__init__(config, layers, dtype, parallel)
 
     def post_load(self) -> None:
+        super().post_load()
         config = self.config
         tables = None
         if config.rope is not None:

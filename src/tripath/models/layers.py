@@ -6,7 +6,7 @@
   angle ``pos · inv_freq[i]``; tables ``cos, sin [max_position, R/2]`` fp32 (times yarn's attention factor).
   NeoX pairs ``(x_i, x_{i+R/2})``, GPT-J pairs ``(x_{2i}, x_{2i+1})``; each pair ``(a, b)`` becomes
   ``(a·cos − b·sin, b·cos + a·sin)``.
-- MLP: ``down(silu(gate(x)) · up(x))``.
+- MLP: ``down(silu(gate(x)) · up(x))``, gate and up as one GEMM once the weights are loaded.
 - MoE: router logits ``x·Wᵀ`` (fp32) → scores (softmax or sigmoid) → top-k experts per token (optionally
   group-limited) → weights (renormalised if configured, times ``routed_scaling_factor``) →
   ``Σ_k w_k · expert_k(x) + shared(x)``.
@@ -27,6 +27,7 @@ from torch import nn
 from tripath.attention.spec import RotaryTables
 from tripath.models.config import MoEConfig, RopeConfig, yarn_mscale
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, Shard, equal_rows
+from tripath.ops.activation import silu_and_mul, silu_and_mul_ref
 from tripath.ops.norm import rms_norm, rms_norm_ref
 
 
@@ -114,7 +115,11 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, tables: RotaryTables)
 
 class MLP(nn.Module):
     """Gated MLP; in parallel, gate/up column-parallel and down row-parallel over the intermediate size
-    (``reduce=False``: the caller all-reduces the partial output)."""
+    (``reduce=False``: the caller all-reduces the partial output).
+
+    :meth:`fuse_weights` (called once the weights are loaded) stacks gate and up into one ``[2I, H]``
+    weight whose two halves become the linears' weights, so a step runs one GEMM for both and one
+    ``silu(gate) · up`` launch on a GPU (:func:`tripath.ops.activation.silu_and_mul`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False, dtype=None,
                  parallel: ParallelState = SINGLE, reduce: bool = True):
@@ -124,9 +129,27 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, dtype=dtype, rows=rows)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, dtype=dtype, parallel=parallel,
                                            reduce=reduce, what="intermediate_size")
+        self.register_buffer("gate_up_weight", None, persistent=False)  # set by fuse_weights
+        self.register_buffer("gate_up_bias", None, persistent=False)
+
+    def fuse_weights(self) -> None:
+        """One weight (and bias) for gate and up; the linears' parameters become views of its halves."""
+        linears = (self.gate_proj, self.up_proj)
+        weight = torch.cat([lin.weight.data for lin in linears])
+        bias = torch.cat([lin.bias.data for lin in linears]) if self.gate_proj.bias is not None else None
+        half = self.gate_proj.weight.shape[0]
+        for i, lin in enumerate(linears):
+            lin.weight.data = weight[i * half:(i + 1) * half]
+            if bias is not None:
+                lin.bias.data = bias[i * half:(i + 1) * half]
+        self.register_buffer("gate_up_weight", weight, persistent=False)
+        self.register_buffer("gate_up_bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        return self.down_proj((silu_and_mul if x.is_cuda else silu_and_mul_ref)(gate_up))
 
 
 class Router(nn.Module):

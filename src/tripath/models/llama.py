@@ -76,6 +76,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config, layers, dtype, parallel)
 
     def post_load(self) -> None:
+        super().post_load()
         tables = rotary_tables(self.config.rope, self.config.head_size, self.config.max_position, self.device)
         for layer in self.model.layers:
             layer.self_attn.rotary = tables

@@ -1,0 +1,50 @@
+"""silu_and_mul against float64 math; the MLP's stacked gate/up weight; bad input."""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from tripath.models.layers import MLP
+from tripath.ops.activation import BLOCK, silu_and_mul
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,inter", [(5, 64), (1, BLOCK + 37), (3, 300)])
+def test_silu_and_mul_matches_float64(dtype, tokens, inter):
+    x = torch.randn(tokens, 2 * inter, dtype=dtype, device=DEVICE) * 4
+    gate, up = x.double()[:, :inter], x.double()[:, inter:]
+    want = (gate * torch.sigmoid(gate) * up).to(dtype)
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(silu_and_mul(x), want, **tol)
+
+
+def test_strided_rows():
+    x = torch.randn(4, 200, device=DEVICE)[:, :128]
+    want = torch.nn.functional.silu(x[:, :64]) * x[:, 64:]
+    torch.testing.assert_close(silu_and_mul(x), want, atol=1e-6, rtol=1e-6)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="odd width"):
+        silu_and_mul(torch.randn(2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="must have 2 dimensions"):
+        silu_and_mul(torch.randn(2, 3, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        silu_and_mul(torch.randn(8, 4, device=DEVICE).t())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_mlp_weights_are_the_linears_and_match_them(bias):
+    """After fuse_weights the MLP computes what its separate linears compute, and gate/up are views of the
+    stacked weight (one copy in memory, the loader's parameter names unchanged)."""
+    torch.manual_seed(0)
+    mlp = MLP(32, 48, bias=bias)
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        want = mlp(x)
+        mlp.fuse_weights()
+        got = mlp(x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[48:].data_ptr()
+    assert "gate_up_weight" not in mlp.state_dict()
