@@ -18,7 +18,9 @@ tokens: a decode whose input token is step N's passes ``previous=`` step N, and 
 filled from step N's tokens on the device.
 
 On a GPU the runner warms up before it serves (:mod:`tripath.engine.warmup`: every kernel variant the
-limits allow is compiled), then captures the decode graphs. Decode-only steps on a GPU replay a CUDA graph captured for the next padded batch size (padding rows:
+limits allow is compiled), then captures the decode graphs (each replayed once, so its upload to the
+device is done) and runs the largest eager step once, writing nothing, so the caching allocator already
+holds a step's activation memory when requests arrive. Decode-only steps on a GPU replay a CUDA graph captured for the next padded batch size (padding rows:
 one query token at position 1 reading block 0, slot −1 so nothing is written); the step's metadata is
 copied into the captured one with ``meta.copy_``. The KV cache (one per attention layer) has
 ``num_kv_blocks`` blocks, or as many as fit in ``gpu_memory_utilization`` of the GPU after the weights and a
@@ -35,6 +37,7 @@ import torch
 from tripath.attention import ForwardContext, default_block_size, select_backend
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
+from tripath.engine.request import SamplingParams
 from tripath.engine.sampler import sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
@@ -103,6 +106,8 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         if config.use_cuda_graphs and self.graph_safe_backend:
             self.capture_cuda_graphs()
+        if self.device.type == "cuda":
+            self._reserve_step_memory()
 
     @property
     def graph_safe_backend(self) -> bool:
@@ -204,6 +209,34 @@ class ModelRunner:
         graph.replay()
         return hidden
 
+    def _largest_prompt_step(self) -> list[int]:
+        """Prompt lengths of the largest step the limits allow: ``max_num_batched_tokens`` tokens in
+        sequences of at most ``max_model_len``, at most ``max_num_seqs`` of them."""
+        tokens = self.config.max_num_batched_tokens
+        lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
+        return lens[:self.config.max_num_seqs]
+
+    @torch.inference_mode()
+    def _reserve_step_memory(self) -> None:
+        """Run the largest eager step once on the real caches, writing nothing (every slot −1, every row
+        reading block 0), and sample ``max_num_seqs`` rows with a temperature: PyTorch's caching allocator
+        then holds the activation memory a step needs (sized by :meth:`_num_blocks_that_fit`), so no step
+        while serving waits for a device allocation."""
+        lens = self._largest_prompt_step()
+        plan = self.backend.plan(lens, [0] * len(lens))
+        width = max(blocks_needed(n, self.block_size) for n in lens)
+        block_table = torch.zeros(len(lens), width, dtype=torch.int32, device=self.device)
+        slots = torch.full((sum(lens),), -1, dtype=torch.int64, device=self.device)
+        meta = self.backend.build_metadata(plan, block_table, slots)
+        ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        hidden = self.model(ids, positions, ForwardContext(self.backend, meta, self.caches))
+        rows = min(self.config.max_num_seqs, hidden.shape[0])
+        logits = self.model.compute_logits(hidden[:rows])
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        sample(logits, [params] * rows, [None] * rows)
+        torch.cuda.synchronize(self.device)
+
     # ---- KV memory ----------------------------------------------------------------------------------
     def _num_blocks_that_fit(self) -> int:
         """Blocks of all layers' caches that fit in ``gpu_memory_utilization`` of the GPU, after the weights
@@ -233,9 +266,7 @@ class ModelRunner:
     def _warm_up(self) -> int:
         """A prefill of ``max_num_batched_tokens`` tokens (sequences of at most ``max_model_len``) into a
         temporary cache; returns the temporary cache's bytes."""
-        tokens = self.config.max_num_batched_tokens
-        lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
-        lens = lens[:self.config.max_num_seqs]
+        lens = self._largest_prompt_step()
         need = [blocks_needed(n, self.block_size) for n in lens]
         num_blocks = sum(need) + 1
         caches = [self.backend.allocate_cache(num_blocks, self.device) for _ in range(self.num_layers)]
