@@ -60,9 +60,10 @@ def test_the_step_breakdown_counts_every_launch_by_kind(overlap):
 
 
 def test_roofline_floor_counts_prefill_flops_and_decode_bytes():
-    costs = {"active_params": 1000, "weight_bytes": 4000, "kv_bytes_per_token": 8, "attention_flops_per_pair": 3}
+    costs = {"active_params": 1000, "head_params": 500, "weight_bytes": 4000, "kv_bytes_per_token": 8,
+             "attention_flops_per_pair": 3}
     prompts = [[1] * 4, [1] * 2]
-    flops = 2 * 1000 * 6 + 3 * (4 * 5 / 2 + 2 * 3 / 2)
+    flops = 2 * 1000 * 6 + 2 * 500 * 2 + 3 * (4 * 5 / 2 + 2 * 3 / 2)  # the LM head once per prompt
     decode_bytes = (4000 + 8 * 10) + (4000 + 8 * 6)
     floor = roofline_floor_s(costs, prompts, [(2, 10), (1, 6)], matmul_flops=1e6, copy_bytes_per_s=1e5)
     assert floor == pytest.approx(flops / 1e6 + decode_bytes / 1e5)
@@ -73,15 +74,27 @@ def test_model_costs_leave_out_the_embedding_and_count_active_experts():
     model, config = llm.model, llm.model.config
     costs = model_costs(model, llm.runner.backend)
     embed = model.model.embed_tokens.weight.numel()
+    head = model.lm_head.weight.numel()
     params = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    assert experts > 0 and costs["params"] == params - embed
-    assert costs["active_params"] == pytest.approx(params - embed - experts * (1 - config.moe.top_k / config.moe.num_experts))
+    assert experts > 0 and costs["params"] == params - embed - head and costs["head_params"] == head
+    assert costs["active_params"] == pytest.approx(params - embed - head
+                                                   - experts * (1 - config.moe.top_k / config.moe.num_experts))
     assert costs["weight_bytes"] == (params - embed) * 4  # float32 on the CPU; the untied LM head included
     spec = llm.runner.spec
     assert costs["kv_bytes_per_token"] == config.num_layers * spec.num_kv_heads * 2 * spec.head_size * 4
     assert costs["attention_flops_per_pair"] == 2 * spec.num_heads * 2 * spec.head_size * config.num_layers
 
+
+def test_model_costs_of_a_tied_head():
+    llm = LLM("tiny-qwen2", backend="torch", num_kv_blocks=16)
+    model = llm.model
+    assert model.lm_head is None
+    costs = model_costs(model, llm.runner.backend)
+    embed = model.model.embed_tokens.weight.numel()
+    params = sum(p.numel() for p in model.parameters())
+    assert costs["head_params"] == embed and costs["params"] == params - embed
+    assert costs["weight_bytes"] == params * 4  # the tied table is read once per step, as the LM head
 
 def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")

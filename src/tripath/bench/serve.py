@@ -10,8 +10,9 @@ compiled after the engine started, and the warm pass's fraction of the roofline 
 
     floor = prefill FLOPs / matmul rate + Σ over decode steps (weight bytes + KV bytes read) / copy bandwidth
 
-Prefill FLOPs are 2 × active parameters (embedding table excluded) per prompt token plus causal attention
-(``2 · heads · (d_qk + d_v)`` per query-key pair and layer); a decode step reads every weight but the
+Prefill FLOPs are 2 × active parameters (embedding table and LM head excluded) per prompt token, 2 × the LM
+head's parameters once per prompt (logits are computed for a prompt's last token only), plus causal
+attention (``2 · heads · (d_qk + d_v)`` per query-key pair and layer); a decode step reads every weight but the
 embedding table (the LM head included) and the KV cache of each decoding request. The matmul rate and copy
 bandwidth are measured in the same process (an 8192³ bf16 matmul, a 1 GiB device-to-device copy).
 
@@ -158,17 +159,18 @@ def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurr
 
 # ---- the roofline floor ---------------------------------------------------------------------------------
 def model_costs(model, backend) -> dict:
-    """Active parameters without the embedding table, weight bytes a decode step reads, KV bytes per token,
-    and the attention FLOPs per causal query-key pair (all layers)."""
+    """Active parameters of the layers (without the embedding table and the LM head), the LM head's
+    parameters, weight bytes a decode step reads (the LM head included), KV bytes per token, and the
+    attention FLOPs per causal query-key pair (all layers)."""
     config = model.config
     embed = model.model.embed_tokens.weight
+    head = embed if model.lm_head is None else model.lm_head.weight
     total = active = weight_bytes = 0
-    tied_head = getattr(config, "tie_word_embeddings", False)
     moe = getattr(config, "moe", None)
     for name, param in model.named_parameters():
         n = param.numel()
-        if embed is not None and param is embed:
-            if tied_head:  # the tied LM head is read by every step and multiplies every sampled token
+        if param is embed or param is head:
+            if param is head:  # read by every decode step; multiplies one token of each prompt
                 weight_bytes += n * param.element_size()
             continue
         share = 1.0
@@ -184,7 +186,7 @@ def model_costs(model, backend) -> dict:
     else:
         head_dims = spec.head_size + spec.v_size
     layers = model.num_attention_layers
-    return {"active_params": active, "params": total, "weight_bytes": weight_bytes,
+    return {"active_params": active, "params": total, "head_params": head.numel(), "weight_bytes": weight_bytes,
             "kv_bytes_per_token": backend.cache_bytes_per_block() // spec.block_size * layers,
             "attention_flops_per_pair": 2 * spec.num_heads * head_dims * layers}
 
@@ -192,8 +194,8 @@ def model_costs(model, backend) -> dict:
 def roofline_floor_s(costs: dict, prompts: Sequence[Sequence[int]], decode_steps: Sequence[tuple[int, int]],
                      matmul_flops: float, copy_bytes_per_s: float) -> float:
     """Seconds the hardware needs at least for one pass (see the module doc)."""
-    prefill_flops = sum(2 * costs["active_params"] * len(p) + costs["attention_flops_per_pair"] * len(p) *
-                        (len(p) + 1) / 2 for p in prompts)
+    prefill_flops = sum(2 * costs["active_params"] * len(p) + 2 * costs["head_params"] +
+                        costs["attention_flops_per_pair"] * len(p) * (len(p) + 1) / 2 for p in prompts)
     decode_bytes = sum(costs["weight_bytes"] + costs["kv_bytes_per_token"] * kv for _, kv in decode_steps)
     return prefill_flops / matmul_flops + decode_bytes / copy_bytes_per_s
 
