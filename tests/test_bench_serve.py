@@ -96,6 +96,7 @@ def test_model_costs_of_a_tied_head():
     assert costs["head_params"] == embed and costs["params"] == params - embed
     assert costs["weight_bytes"] == params * 4  # the tied table is read once per step, as the LM head
 
+
 def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "r.json"
