@@ -173,6 +173,27 @@ def test_decode_graph_path_pads_and_copies_metadata(monkeypatch):
     assert ReplayRecorder.replays == params.max_tokens - 1  # every decode step of 3 requests, padded to 4
 
 
+@pytest.mark.parametrize("backend", ["torch", "three_path", "mla"])
+def test_start_step_reserving_memory_writes_nothing(backend, monkeypatch):
+    """The largest eager step that runs at start on a GPU (so the allocator holds a step's memory) reads
+    block 0 and writes no slot: every cache is bit-identical afterwards, poisoned values included."""
+    if backend == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = preset("tiny-deepseek" if backend == "mla" else "tiny-llama")
+    llm = LLM(model, backend=backend, num_kv_blocks=8, max_num_seqs=3, max_num_batched_tokens=40, max_model_len=16)
+    runner = llm.runner
+
+    def tensors():
+        return [t for c in runner.caches for t in ((c.kv_cache,) if backend == "mla" else (c.k_cache, c.v_cache))]
+
+    for t in tensors():
+        t.copy_(torch.randn(t.shape).to(t.dtype))
+    before = [t.clone() for t in tensors()]
+    assert runner._largest_prompt_step() == [16, 16, 8]
+    runner._reserve_step_memory()
+    assert all(torch.equal(a, b) for a, b in zip(before, tensors()))
+
+
 def test_generate_command_line(pure_torch, capsys):
     status = main_generate(["--model", "tiny-llama", "--prompt", "Hi", "--prompt-ids", "5,6,7", "--max-tokens",
                             "4", "--ignore-eos", "--num-kv-blocks", "32", "--device", "cpu"])

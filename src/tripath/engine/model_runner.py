@@ -38,7 +38,7 @@ from tripath.attention import ForwardContext, default_block_size, select_backend
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from tripath.engine.request import SamplingParams
-from tripath.engine.sampler import sample
+from tripath.engine.sampler import make_generator, sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.warmup import WarmupReport, warm_up
@@ -234,8 +234,9 @@ class ModelRunner:
         rows = min(self.config.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-        sample(logits, [params] * rows, [None] * rows)
-        torch.cuda.synchronize(self.device)
+        sample(logits, [params] * rows, [make_generator(0, self.device)] * rows)  # not the global generator
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- KV memory ----------------------------------------------------------------------------------
     def _num_blocks_that_fit(self) -> int:
