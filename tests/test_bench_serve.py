@@ -69,6 +69,20 @@ def test_roofline_floor_counts_prefill_flops_and_decode_bytes():
     assert floor == pytest.approx(flops / 1e6 + decode_bytes / 1e5)
 
 
+def test_the_warm_pass_is_the_median_of_the_passes_after_the_first():
+    def pass_of(elapsed):
+        return {"elapsed_s": elapsed, "output_throughput": 1 / elapsed, "total_throughput": 2 / elapsed,
+                "ttft_s": {}, "tpot_s": {}, "itl_s": {}, "e2e_s": {}, "compiled_after_start": 0}
+    result = {"backend": "b", "start_s": 1.0, "passes": [pass_of(9.0), pass_of(3.0), pass_of(1.0), pass_of(2.0)]}
+    row, = serve.rows_of([result], "w")
+    assert row["first_pass_s"] == 9.0 and row["warm_pass_s"] == 2.0 and row["output_throughput"] == 0.5
+    assert row["warm_passes_s"] == [3.0, 1.0, 2.0]
+    row, = serve.rows_of([{**result, "passes": result["passes"][:2]}], "w")
+    assert row["warm_pass_s"] == 3.0 and row["warm_passes_s"] == [3.0]
+    row, = serve.rows_of([{**result, "passes": result["passes"][:1]}], "w")  # one pass: it is both
+    assert row["first_pass_s"] == row["warm_pass_s"] == 9.0 and row["warm_passes_s"] == []
+
+
 def test_model_costs_leave_out_the_embedding_and_count_active_experts():
     llm = LLM("tiny-qwen3-moe", backend="torch", num_kv_blocks=16)
     model, config = llm.model, llm.model.config

@@ -75,13 +75,14 @@ def test_summary_schema_and_json(tmp_path):
 
 
 def test_csv_flattens_nested_keys(tmp_path):
-    a = {"rate": 1.0, **summarize(_records(), 2.0)}
+    a = {"rate": 1.0, **summarize(_records(), 2.0), "warm_passes_s": [1.5, 2.25]}
     b = {"rate": 4.0, **summarize([RequestRecord(5, 1, 0.1, 0.1, [])], 1.0)}
     path = tmp_path / "r.csv"
     write_csv(path, [a, b])
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
     assert rows[0]["rate"] == "1.0" and float(rows[0]["ttft_s.p50"]) == pytest.approx(a["ttft_s"]["p50"])
+    assert rows[0]["warm_passes_s"] == "1.5 2.25" and rows[1]["warm_passes_s"] == ""  # a list: spaced values
     assert rows[1]["tpot_s.p99"] == ""                       # NaN -> empty cell
     assert list(rows[0])[:2] == ["rate", "num_requests"]
     assert flatten({"x": {"y": {"z": 1}}, "w": 2}) == {"x.y.z": 1, "w": 2}

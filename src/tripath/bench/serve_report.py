@@ -121,7 +121,7 @@ def flatten(row: dict, prefix: str = "") -> dict:
 
 def write_csv(path, rows: list[dict]) -> None:
     """One CSV row per report, nested keys flattened (``ttft_s.p50``); columns in first-seen order, a
-    missing or NaN value is an empty cell."""
+    missing or NaN value is an empty cell, a list its values separated by spaces."""
     flat = [flatten(r) for r in rows]
     columns: list[str] = []
     for r in flat:
@@ -130,7 +130,8 @@ def write_csv(path, rows: list[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=columns, restval="")
         writer.writeheader()
         for r in flat:
-            writer.writerow({k: "" if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()})
+            writer.writerow({k: "" if isinstance(v, float) and math.isnan(v) else
+                             " ".join(map(str, v)) if isinstance(v, list) else v for k, v in r.items()})
 
 
 def _cell(value) -> str:
