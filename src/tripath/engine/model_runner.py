@@ -216,6 +216,16 @@ class ModelRunner:
         lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
         return lens[:self.config.max_num_seqs]
 
+    def _prompt_forward(self, lens: list[int], block_table: torch.Tensor, slots: torch.Tensor,
+                        caches: list) -> torch.Tensor:
+        """The model's hidden states ``[sum(lens), hidden]`` for prompts of ``lens`` tokens (ids 0) with the
+        given host ``block_table [len(lens), width]`` and ``slots [sum(lens)]``, on ``caches``."""
+        plan = self.backend.plan(lens, [0] * len(lens))
+        meta = self.backend.build_metadata(plan, block_table.to(self.device), slots.to(self.device))
+        ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
+        return self.model(ids, positions, ForwardContext(self.backend, meta, caches))
+
     @torch.inference_mode()
     def _reserve_step_memory(self) -> None:
         """Run the largest eager step once on the real caches, writing nothing (every slot −1, every row
@@ -223,14 +233,10 @@ class ModelRunner:
         then holds the activation memory a step needs (sized by :meth:`_num_blocks_that_fit`), so no step
         while serving waits for a device allocation."""
         lens = self._largest_prompt_step()
-        plan = self.backend.plan(lens, [0] * len(lens))
         width = max(blocks_needed(n, self.block_size) for n in lens)
-        block_table = torch.zeros(len(lens), width, dtype=torch.int32, device=self.device)
-        slots = torch.full((sum(lens),), -1, dtype=torch.int64, device=self.device)
-        meta = self.backend.build_metadata(plan, block_table, slots)
-        ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        hidden = self.model(ids, positions, ForwardContext(self.backend, meta, self.caches))
+        block_table = torch.zeros(len(lens), width, dtype=torch.int32)
+        slots = torch.full((sum(lens),), -1, dtype=torch.int64)
+        hidden = self._prompt_forward(lens, block_table, slots, self.caches)
         rows = min(self.config.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
@@ -271,7 +277,6 @@ class ModelRunner:
         need = [blocks_needed(n, self.block_size) for n in lens]
         num_blocks = sum(need) + 1
         caches = [self.backend.allocate_cache(num_blocks, self.device) for _ in range(self.num_layers)]
-        plan = self.backend.plan(lens, [0] * len(lens))
         block_table = torch.zeros(len(lens), max(need), dtype=torch.int32)
         slots, next_block = [], 1
         for row, n in enumerate(lens):
@@ -279,10 +284,7 @@ class ModelRunner:
             pos = torch.arange(n)
             slots.append(block_table[row, pos // self.block_size].long() * self.block_size + pos % self.block_size)
             next_block += need[row]
-        meta = self.backend.build_metadata(plan, block_table.to(self.device), torch.cat(slots).to(self.device))
-        ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(self.device)
-        hidden = self.model(ids, positions, ForwardContext(self.backend, meta, caches))
+        hidden = self._prompt_forward(lens, block_table, torch.cat(slots), caches)
         last = torch.tensor(np.cumsum(lens) - 1, device=self.device)
         self.model.compute_logits(hidden[last]).softmax(dim=-1)
         torch.cuda.synchronize(self.device)
