@@ -99,3 +99,19 @@ def hf_logits(hf_model, token_ids) -> torch.Tensor:
     with torch.no_grad():
         out = hf_model(input_ids=torch.tensor([list(token_ids)]), use_cache=False)
     return out.logits[0].float()
+
+
+def assert_same_or_near_tie(model, prompts, expected, got, max_gap=0.05):
+    """Greedy outputs agree, except where a run of different but valid floating-point order (CUDA-graph
+    replays pad the batch and fix the decode split count; tight memory recomputes preempted requests) takes
+    the other side of a near tie: at the first differing token, the reference logits (the ``torch``
+    backend) of both candidates must be within ``max_gap``. A real bug diverges at a clear winner."""
+    for prompt, want, have in zip(prompts, expected, got):
+        if want == have:
+            continue
+        i = next(j for j, (a, b) in enumerate(zip(want, have)) if a != b)
+        runner = PagedRunner(model, backend="torch", device="cuda", num_blocks=64)
+        logits = runner.step({0: list(prompt) + want[:i]})[0][-1].float()
+        gap = abs(float(logits[want[i]] - logits[have[i]]))
+        assert gap <= max_gap, (f"outputs diverge at token {i} ({want[i]} vs {have[i]}) where the reference "
+                                f"logits differ by {gap:.4f} (> {max_gap}): not a near tie")

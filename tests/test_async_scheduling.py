@@ -154,11 +154,11 @@ def test_a_failed_launch_aborts_its_requests_and_completes_the_step_before(model
     real = llm.runner.launch
     calls = []
 
-    def failing(scheduled, previous=None):
+    def failing(scheduled, previous=None, num_steps=1):
         calls.append(previous)
         if len(calls) == 3:
             raise RuntimeError("device lost")
-        return real(scheduled, previous)
+        return real(scheduled, previous, num_steps)
 
     monkeypatch.setattr(llm.runner, "launch", failing)
     rid = llm.add_request([4, 4, 4], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
@@ -191,8 +191,8 @@ def test_each_decode_is_launched_before_the_token_it_reads_is_known_on_the_host(
     llm = engine(model, True)
     events, real_launch, real_sampled = [], llm.runner.launch, LaunchedStep.sampled
 
-    def launch(scheduled, previous=None):
-        step = real_launch(scheduled, previous)
+    def launch(scheduled, previous=None, num_steps=1):
+        step = real_launch(scheduled, previous, num_steps)
         events.append(("launch", step))
         return step
 

@@ -110,11 +110,11 @@ def test_a_failed_generate_leaves_the_engine_idle_and_its_blocks_free(model, fre
     real = llm.runner.launch
     calls = []
 
-    def failing(scheduled, previous=None):
+    def failing(scheduled, previous=None, num_steps=1):
         calls.append(len(scheduled))
         if len(calls) == 3:
             raise RuntimeError("device lost")
-        return real(scheduled, previous)
+        return real(scheduled, previous, num_steps)
 
     monkeypatch.setattr(llm.runner, "launch", failing)
     with pytest.raises(RuntimeError, match="device lost"):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine_models import CharTokenizer, tiny_model
+from model_steps import assert_same_or_near_tie
 from tripath.attention import ForwardContext, default_block_size, plan_batch, select_backend
 from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
 from tripath.engine.cli_generate import main_generate
@@ -353,24 +354,6 @@ def test_default_block_size(pure_torch):
     assert llm.config.block_size is None  # the runner chose it; the config the caller gave is left as it was
     assert LLM(mla, backend="torch", num_kv_blocks=8, block_size=32).runner.spec.block_size == 32
     assert EngineConfig().cuda_graph_batch_sizes()[:5] == [1, 2, 4, 8, 16]
-
-
-def assert_same_or_near_tie(model, prompts, expected, got, max_gap=0.05):
-    """Greedy outputs agree, except where a run of different but valid floating-point order (CUDA-graph
-    replays pad the batch and fix the decode split count; tight memory recomputes preempted requests) takes
-    the other side of a near tie: at the first differing token, the reference logits (the ``torch``
-    backend) of both candidates must be within ``max_gap``. A real bug diverges at a clear winner."""
-    from model_steps import PagedRunner
-
-    for prompt, want, have in zip(prompts, expected, got):
-        if want == have:
-            continue
-        i = next(j for j, (a, b) in enumerate(zip(want, have)) if a != b)
-        runner = PagedRunner(model, backend="torch", device="cuda", num_blocks=64)
-        logits = runner.step({0: list(prompt) + want[:i]})[0][-1].float()
-        gap = abs(float(logits[want[i]] - logits[have[i]]))
-        assert gap <= max_gap, (f"outputs diverge at token {i} ({want[i]} vs {have[i]}) where the reference "
-                                f"logits differ by {gap:.4f} (> {max_gap}): not a near tie")
 
 
 @pytest.mark.gpu

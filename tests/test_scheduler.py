@@ -23,18 +23,23 @@ class FakePagedModel:
         self.slots = {}
 
     def step(self, out):
+        """Each scheduled request's sampled tokens, one per model step of ``out`` (step ``j`` writes the
+        positions ``j`` past the first step's), none for a request mid-prompt."""
         sampled = []
         for item in out.scheduled:
             r = item.request
-            start = item.num_computed_tokens
-            for pos in range(start, start + item.num_new_tokens):
-                self.slots[r.block_ids[pos // self.bs] * self.bs + pos % self.bs] = r.token_ids(pos, pos + 1)[0]
-            if not item.samples:
-                sampled.append(None)
-                continue
-            seen = [self.slots[r.block_ids[p // self.bs] * self.bs + p % self.bs] for p in range(r.num_tokens)]
-            assert seen == r.all_token_ids, "the cache does not hold the request's tokens"
-            sampled.append(hash(tuple(seen)) % VOCAB)
+            known, got = r.all_token_ids, []
+            for j in range(out.num_steps):
+                start = item.num_computed_tokens + j
+                for pos in range(start, start + item.num_new_tokens):
+                    self.slots[r.block_ids[pos // self.bs] * self.bs + pos % self.bs] = (known + got)[pos]
+                if not item.samples:
+                    break
+                seen = [self.slots[r.block_ids[p // self.bs] * self.bs + p % self.bs]
+                        for p in range(len(known) + len(got))]
+                assert seen == known + got, "the cache does not hold the request's tokens"
+                got.append(hash(tuple(seen)) % VOCAB)
+            sampled.append(got)
         return sampled
 
 
@@ -48,7 +53,7 @@ def make_request(tokens, max_tokens=6, **kw):
     return Request(list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), **kw)
 
 
-def run(sched, requests, check=None, max_steps=2000):
+def run(sched, requests, check=None, max_steps=2000, decode_steps=1):
     """Drive the scheduler to completion; returns {request_id: outputs} and the list of step outputs."""
     if not hasattr(sched, "fake_model"):  # the slot store lives as long as the cache
         sched.fake_model = FakePagedModel(sched.block_manager.block_size)
@@ -57,7 +62,7 @@ def run(sched, requests, check=None, max_steps=2000):
         sched.add(r)
     steps = []
     while sched.has_unfinished:
-        out = sched.schedule()
+        out = sched.schedule(decode_steps)
         assert not out.is_empty, "the scheduler stalled"
         if check:
             check(sched, out)
@@ -215,9 +220,9 @@ def test_stop_tokens_and_eos_finish_early():
     r = Request([1, 2, 3], SamplingParams(max_tokens=50, temperature=0), eos_token_ids=(7,))
     sched.add(r)
     out = sched.schedule()
-    token = model.step(out)[0]
+    token = model.step(out)[0][0]
     r.sampling_params = SamplingParams(max_tokens=50, temperature=0, stop_token_ids=[token])
-    sched.update(out, [token])
+    sched.update(out, [[token]])
     assert r.finish_reason is FinishReason.STOP and r.output_token_ids == [token]
     r2 = Request([1], SamplingParams(max_tokens=50, temperature=0), eos_token_ids=(5,))
     r2.append_token(5)
@@ -227,3 +232,84 @@ def test_stop_tokens_and_eos_finish_early():
     assert not r3.is_finished
     r3.append_token(5)
     assert r3.finish_reason is FinishReason.LENGTH
+
+
+# ---- multi-step decoding ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1])
+def test_multi_step_decoding_gives_the_same_tokens(seed):
+    rng = random.Random(seed)
+    prompts = random_prompts(9, seed=seed, lo=3, hi=30, shared=8)
+    max_tokens = [rng.randrange(1, 20) for _ in prompts]
+
+    def requests():
+        return [make_request(p, max_tokens=m, request_id=str(i)) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+
+    steps_seen = []
+
+    def check(sched, out):
+        steps_seen.append(out.num_steps)
+        if out.num_steps > 1:  # decodes alone, nothing admissible, blocks for every step
+            assert all(s.num_new_tokens == 1 and s.samples for s in out.scheduled)
+            assert not sched.waiting or len(sched.running) >= sched.max_num_seqs
+            for s in out.scheduled:
+                r = s.request
+                assert out.num_steps <= r.sampling_params.max_tokens - r.num_output_tokens
+                assert len(r.block_ids) * 4 >= s.num_computed_tokens + out.num_steps
+
+    one, _ = run(make_scheduler(num_blocks=200, seqs=4, budget=24), requests())
+    for num_blocks in (200, 20):  # 20: tight, with preemptions and steps that fall back to one
+        sched = make_scheduler(num_blocks=num_blocks, seqs=4, budget=24)
+        many, _ = run(sched, requests(), check, decode_steps=5)
+        assert many == one
+        assert sched.block_manager.num_free_blocks == num_blocks - 1
+    assert max(steps_seen) == 5 and 1 < min(n for n in steps_seen if n > 1) < 5  # capped by max_tokens too
+
+
+def test_multi_step_waits_while_a_request_could_be_admitted():
+    sched = make_scheduler(seqs=2)
+    model = FakePagedModel(4)
+    a, b, c = (make_request(range(i, i + 5), max_tokens=20) for i in (1, 10, 20))
+    sched.add(a)
+    out = sched.schedule(8)
+    sched.update(out, model.step(out))
+    out = sched.schedule(8)  # a decodes alone, nothing waits
+    assert out.num_steps == 8 and [s.request for s in out.scheduled] == [a]
+    assert a.num_computed_tokens == 5 + 8 and a.num_inflight_tokens == 8
+    sched.update(out, model.step(out))
+    assert a.num_output_tokens == 9 and a.num_inflight_tokens == 0
+    sched.add(b)
+    out = sched.schedule(8)  # b can be admitted: one step, with b's prefill
+    assert out.num_steps == 1 and [s.request for s in out.scheduled] == [a, b]
+    sched.update(out, model.step(out))
+    sched.add(c)  # c waits, but max_num_seqs (2) run: a and b decode 8 steps
+    out = sched.schedule(8)
+    assert out.num_steps == 8 and [s.request for s in out.scheduled] == [a, b]
+
+
+def test_multi_step_drops_the_tokens_after_a_stop_token():
+    sched = make_scheduler()
+    model = FakePagedModel(4)
+    r = Request([1, 2, 3], SamplingParams(max_tokens=50, temperature=0, stop_token_ids=[9]))
+    sched.add(r)
+    out = sched.schedule(4)
+    sched.update(out, model.step(out))
+    first = r.output_token_ids[0]
+    out = sched.schedule(4)
+    assert out.num_steps == 4 and len(r.block_ids) == 2  # 3 + 1 + 4 tokens: blocks for all of them
+    finished = sched.update(out, [[5, 9, 6, 7]])
+    assert finished == [r] and r.finish_reason is FinishReason.STOP
+    assert r.output_token_ids == [first, 5, 9]
+    assert not sched.has_unfinished and sched.block_manager.num_free_blocks == 63
+
+
+def test_multi_step_falls_back_to_one_step_without_blocks_for_every_step():
+    sched = make_scheduler(num_blocks=4, bs=4, prefix=False)  # 3 usable blocks
+    model = FakePagedModel(4)
+    a, b = make_request(range(1, 5), max_tokens=8), make_request(range(10, 14), max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule(4)  # 4 + 4 tokens: 2 blocks; a third is free
+    sched.update(out, model.step(out))
+    out = sched.schedule(4)  # 4 steps each need a block each: 2 > 1 free
+    assert out.num_steps == 1
+    assert sched.block_manager.num_free_blocks == 1

@@ -126,13 +126,13 @@ def _app(slow_s=0.0, **kw):
         llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
         launch = llm.runner.launch
 
-        def faulty(scheduled, previous=None):
+        def faulty(scheduled, previous=None, num_steps=1):
             if any(item.request.prompt_token_ids[:3] == POISON for item in scheduled):
                 raise RuntimeError("injected fault")
             if slow_s:
                 import time
                 time.sleep(slow_s)
-            return launch(scheduled, previous)
+            return launch(scheduled, previous, num_steps)
 
         llm.runner.launch = faulty
         add = llm.add_request

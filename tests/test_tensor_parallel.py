@@ -232,7 +232,7 @@ def test_step_messages_rebuild_what_the_runner_reads():
             assert got.request.token_ids(start, stop) == want.request.token_ids(start, stop)
         sent += sum(len(item[5]) for item in message[1])
         total += sum(len(s.request.block_ids) for s in out.scheduled)
-        scheduler.update(out, [7 if s.samples else None for s in out.scheduled])
+        scheduler.update(out, [[7] if s.samples else [] for s in out.scheduled])
     assert scheduler.num_preemptions > 0 and sent < total / 2
     assert set(decoder.blocks) <= {r.index for r, _, _ in encoder.known.values()}
 

@@ -141,6 +141,26 @@ class AttentionMetadata:
             copy_step_tensor(name, getattr(self, name), getattr(other, name), table=name == "block_table")
         return self
 
+    def advance_decodes_(self, positions: torch.Tensor, block_size: int) -> None:
+        """Move the first ``n = positions.shape[0]`` rows of a decode-only step on by one token, in place
+        and on the device (multi-step decoding: the next step's metadata without the host).
+
+        ``positions [n]`` int64, the rows' token positions, is advanced too. Then for each row ``r < n``:
+        ``seq_lens[r]`` and ``context_lens[r]`` grow by one and ``slot_mapping[r]`` becomes the slot of
+        the new position, ``block_table[r, p // block_size] * block_size + p % block_size`` (the block table
+        must already hold that block). Rows past ``n`` (padding) keep their values. Host ints
+        (``max_seq_len``, …) keep the first step's values: a decode launch reads the tensors only."""
+        n = positions.shape[0]
+        if self.plan.num_decodes != self.plan.num_requests or self.num_tokens != self.plan.num_requests:
+            raise ValueError("advance_decodes_ needs a step of single-token decodes only")
+        if n > self.num_tokens:
+            raise ValueError(f"advance_decodes_: {n} positions for a step of {self.num_tokens} rows")
+        positions += 1
+        self.seq_lens[:n] += 1
+        self.context_lens[:n] += 1
+        blocks = self.block_table[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+        torch.add(positions % block_size, blocks.long(), alpha=block_size, out=self.slot_mapping[:n])
+
     def validate_own(self, num_blocks: int, block_size: int) -> None:
         """Check a subclass's own fields against the plan and the common ones (see
         :func:`tripath.attention.validate.validate_metadata`, which calls it last); nothing here."""

@@ -138,12 +138,17 @@ def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurr
                 token_times[rid] = []
             outputs = llm.step()
             now = time.perf_counter()
-            decodes = kv_tokens = 0
+            model_steps: list[list[int]] = []  # per model step of this call: [decodes, KV tokens they read]
             for out in outputs:
-                if len(out.output_token_ids) > len(out.new_token_ids):  # it had tokens before: a decode
-                    decodes += 1
-                    kv_tokens += len(out.prompt_token_ids) + len(out.output_token_ids) - 1
-                token_times[out.request_id].extend([now] * len(out.new_token_ids))
+                new = len(out.new_token_ids)
+                before = len(out.output_token_ids) - new
+                for j in range(new):  # several with multi-step decoding
+                    if j == len(model_steps):
+                        model_steps.append([0, 0])
+                    if before + j > 0:  # the request had a token before this one: a decode
+                        model_steps[j][0] += 1
+                        model_steps[j][1] += len(out.prompt_token_ids) + before + j - 1
+                token_times[out.request_id].extend([now] * new)
                 if out.finished:
                     index, t0 = added.pop(out.request_id)
                     times = token_times.pop(out.request_id)
@@ -151,8 +156,7 @@ def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurr
                                                    times[0] - t0 if times else None, now - t0,
                                                    [b - a for a, b in zip(times, times[1:])])
                     bar.update(1)
-            if decodes:
-                decode_steps.append((decodes, kv_tokens))
+            decode_steps.extend((decodes, kv) for decodes, kv in model_steps if decodes)
     elapsed = time.perf_counter() - start
     return PassResult([r for r in records if r is not None], elapsed, llm.num_steps - steps0, decode_steps,
                       llm.num_compiled_since_start - compiled0)
@@ -219,7 +223,8 @@ def measure_ceilings(device) -> tuple[float, float]:
 # ---- one backend, in its own process ----------------------------------------------------------------------
 def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: str | None, seed: int,
                 passes: int, progress: bool, start_only: bool = False, profile: str | None = None,
-                tensor_parallel_size: int = 1, async_scheduling: bool = True, step_breakdown: bool = False) -> dict:
+                tensor_parallel_size: int = 1, async_scheduling: bool = True, step_breakdown: bool = False,
+                decode_steps: int = 8) -> dict:
     """Build the engine and run the passes (or only time the start); the result as a JSON-able dict.
     ``profile``: after the reported passes, run one more under cProfile and append its top functions here.
     ``step_breakdown``: time each launch of the warm pass by kind of step (:mod:`tripath.bench.step_breakdown`;
@@ -231,9 +236,11 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     start = time.perf_counter()
     llm = LLM(workload.model, backend=backend, device=device, dtype=dtype, max_num_seqs=workload.max_concurrency,
               max_num_batched_tokens=workload.max_num_batched_tokens, max_model_len=workload.max_model_len,
-              seed=seed, tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling)
+              seed=seed, tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
+              decode_steps=decode_steps)
     start_s = time.perf_counter() - start
-    result = {"backend": llm.backend_name, "start_s": start_s, "async_scheduling": llm.overlap}
+    result = {"backend": llm.backend_name, "start_s": start_s, "async_scheduling": llm.overlap,
+              "decode_steps": llm.decode_steps}
     warmup = llm.runner.warmup_report
     result["warmup"] = None if warmup is None else {"seconds": warmup.seconds, "steps_probed": warmup.steps_probed,
                                                     "steps_run": warmup.steps_run,
@@ -305,12 +312,14 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--step-breakdown", action="store_true")
+    parser.add_argument("--decode-steps", type=int, default=8)
     args = parser.parse_args(argv)
     workload = Workload(**{**json.loads(args.workload_json), "backends": (args.backend,)})
     result = run_backend(workload, args.backend, device=args.device, dtype=args.dtype, seed=args.seed,
                          passes=args.passes, progress=not args.no_progress, start_only=args.start_only,
                          profile=args.profile, tensor_parallel_size=args.tensor_parallel_size,
-                         async_scheduling=not args.no_async_scheduling, step_breakdown=args.step_breakdown)
+                         async_scheduling=not args.no_async_scheduling, step_breakdown=args.step_breakdown,
+                         decode_steps=args.decode_steps)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -322,7 +331,7 @@ def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: b
     fields = {k: v for k, v in dataclasses.asdict(workload).items() if k != "backends"}
     cmd = [sys.executable, "-m", "tripath.bench.serve", "--worker", "--workload-json", json.dumps(fields),
            "--backend", backend, "--result", result_path, "--seed", str(args.seed), "--passes", str(args.passes),
-           "--tensor-parallel-size", str(args.tensor_parallel_size)]
+           "--tensor-parallel-size", str(args.tensor_parallel_size), "--decode-steps", str(args.decode_steps)]
     for flag, value in (("--device", args.device), ("--dtype", args.dtype)):
         if value:
             cmd += [flag, value]
@@ -435,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", help="write a PNG of output tok/s per backend")
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens before scheduling the next (default: overlap them)")
+    parser.add_argument("--decode-steps", type=int, default=8,
+                        help="model steps a step of decodes alone runs on the device (multi-step decoding; 1: off)")
     parser.add_argument("--step-breakdown", action="store_true",
                         help="per kind of step of the warm pass: host time inside the launch and GPU span (one rank)")
     parser.add_argument("--no-progress", action="store_true")
@@ -468,6 +479,8 @@ def main_serve(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.passes < 1:
         raise SystemExit("tripath bench serve: --passes must be >= 1")
+    if args.decode_steps < 1:
+        raise SystemExit("tripath bench serve: --decode-steps must be >= 1")
     workload = workload_from_args(args)
     import torch
 

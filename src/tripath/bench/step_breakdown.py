@@ -4,7 +4,9 @@
 its kind, its new tokens, the host seconds the launch took (inputs, metadata, the graph replay or the eager
 forward, sampling) and, on a GPU, the time between CUDA events recorded on the stream before and after it.
 Kinds: ``decode (graph)`` (a decode-only step replayed from a CUDA graph), ``decode (eager)``, ``mixed``
-(decodes beside prompt tokens) and ``prompt`` (prompt tokens only).
+(decodes beside prompt tokens) and ``prompt`` (prompt tokens only); a launch of ``k > 1`` model steps
+(multi-step decoding) is its own kind, ``decode (graph) x k`` / ``decode (eager) x k``, whose times cover
+all ``k`` steps.
 
 A GPU span close to the host time means the GPU waited for the host inside the step (host-bound); a span
 well above it means the launch ran ahead of the GPU.
@@ -25,10 +27,11 @@ class _Record:
     events: tuple | None
 
 
-def step_kind(runner, scheduled) -> str:
+def step_kind(runner, scheduled, num_steps: int = 1) -> str:
     decodes = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.num_computed_tokens > 0)
     if decodes == len(scheduled):
-        return "decode (graph)" if runner.graph_batch_size(scheduled) is not None else "decode (eager)"
+        kind = "decode (graph)" if runner.graph_batch_size(scheduled) is not None else "decode (eager)"
+        return kind if num_steps == 1 else f"{kind} x {num_steps}"
     return "mixed" if decodes else "prompt"
 
 
@@ -50,16 +53,16 @@ class StepBreakdown:
         runner, real = self.runner, self.runner.launch
         on_gpu = runner.device.type == "cuda"
 
-        def timed_launch(scheduled, previous=None):
-            kind = step_kind(runner, scheduled)
+        def timed_launch(scheduled, previous=None, num_steps=1):
+            kind = step_kind(runner, scheduled, num_steps)
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if on_gpu else None
             start = time.perf_counter()
             if events:
                 events[0].record()
-            launched = real(scheduled, previous)
+            launched = real(scheduled, previous, num_steps=num_steps)
             if events:
                 events[1].record()
-            self.records.append(_Record(kind, sum(s.num_new_tokens for s in scheduled),
+            self.records.append(_Record(kind, num_steps * sum(s.num_new_tokens for s in scheduled),
                                         time.perf_counter() - start, events))
             return launched
 

@@ -33,6 +33,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     group.add_argument("--no-async-scheduling", action="store_true",
                        help="read each step's tokens before scheduling the next (default: overlap them)")
+    group.add_argument("--decode-steps", type=int, default=8,
+                       help="model steps a step of decodes alone runs back to back on the device (multi-step "
+                            "decoding; 1: off)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
@@ -45,5 +48,6 @@ def engine_options(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling, seed=args.seed,
+                enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+                decode_steps=args.decode_steps, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size)

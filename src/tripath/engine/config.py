@@ -55,7 +55,13 @@ class EngineConfig:
     request waits for a compilation. ``async_scheduling``: schedule and launch each step before reading the
     previous step's tokens, so the host's work overlaps the device's (one rank; a tensor-parallel engine
     runs its steps one after the other). Outputs are the same either way; a request that stops on a stop
-    token costs one extra step of compute.
+    token costs one extra step of compute. ``decode_steps``: when a step would hold decodes alone and no
+    waiting request could be admitted, it runs up to this many model steps back to back on the device,
+    each step's sampled tokens feeding the next (multi-step decoding: the host schedules, builds inputs
+    and reads tokens once per ``decode_steps`` tokens; one rank, a backend whose forward reads only device
+    tensors). Outputs are the same; a request arriving meanwhile waits for the run to end, tokens reach
+    the caller ``decode_steps`` at a time, and a request that stops early in the run computes the rest of
+    it for nothing. 1 turns it off.
     """
 
     backend: str = "auto"
@@ -76,12 +82,14 @@ class EngineConfig:
     max_cuda_graph_batch_size: int = 128
     warmup: bool = True
     async_scheduling: bool = True
+    decode_steps: int = 8
     seed: int = 0
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_cuda_graph_batch_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_cuda_graph_batch_size",
+                     "decode_steps"):
             value = getattr(self, name)
             if name == "block_size" and value is None:
                 continue  # the runner takes the backend's preference (tripath.attention.default_block_size)

@@ -138,6 +138,8 @@ class LLM:
                                    max_model_len=self.runner.max_model_len,
                                    enable_chunked_prefill=self.config.enable_chunked_prefill)
         self.overlap = self.config.async_scheduling and self.runner.supports_overlap
+        # model steps a step of decodes alone may take (multi-step decoding), where the runner can
+        self.decode_steps = self.config.decode_steps if getattr(self.runner, "supports_multi_step", False) else 1
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
         self.num_requests_added = 0
         self.num_steps = 0
@@ -228,7 +230,7 @@ class LLM:
 
         If the step raises, the requests it scheduled are aborted (their blocks freed) before the exception
         propagates; a launched step before it is completed first, its tokens kept."""
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule(self.decode_steps)
         previous, self._inflight = self._inflight, None
         if out.is_empty:
             if previous is None:
@@ -238,9 +240,10 @@ class LLM:
             return self._read(previous)
         try:
             if self.overlap:
-                self._inflight = (out, self.runner.launch(out.scheduled, None if previous is None else previous[1]))
+                self._inflight = (out, self.runner.launch(out.scheduled, None if previous is None else previous[1],
+                                                          num_steps=out.num_steps))
             else:
-                sampled = self.runner.execute(out.scheduled)
+                sampled = self.runner.execute(out.scheduled, num_steps=out.num_steps)
         except BaseException:
             try:
                 if previous is not None:
@@ -265,7 +268,7 @@ class LLM:
         out, step = launched
         return self._complete(out, step.sampled())
 
-    def _complete(self, out: SchedulerOutput, sampled: list[int | None]) -> list[RequestOutput]:
+    def _complete(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[RequestOutput]:
         """Hand a finished step's tokens to the scheduler; the outputs of the requests that gained one or
         finished."""
         before = [item.request.num_output_tokens for item in out.scheduled]

@@ -45,9 +45,10 @@ from tripath.engine.warmup import WarmupReport, warm_up
 
 
 class LaunchedStep:
-    """A step whose work is queued on the device. ``tokens [S]`` int64 (device): the sampled token of
-    ``scheduled[sample_rows[k]]`` in row ``k``; ``rows``: ``id(request) -> k``. The tokens' copy to the host
-    is under way; :meth:`sampled` waits for it."""
+    """A step whose work is queued on the device. ``tokens [K, S]`` int64 (device): row ``j`` holds the
+    tokens sampled by model step ``j`` of the ``K`` this launch ran (``K = 1`` but for multi-step decoding),
+    column ``k`` those of ``scheduled[sample_rows[k]]``; ``rows``: ``id(request) -> k``. The tokens' copy to
+    the host is under way; :meth:`sampled` waits for it."""
 
     def __init__(self, scheduled: list[ScheduledRequest], sample_rows: list[int], tokens: torch.Tensor | None):
         self.num_scheduled = len(scheduled)
@@ -62,15 +63,21 @@ class LaunchedStep:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def sampled(self) -> list[int | None]:
-        """The sampled token of each scheduled request (None where it is mid-prompt); waits for the device."""
-        out: list[int | None] = [None] * self.num_scheduled
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        """``[S]``: the tokens of the launch's last model step (the next step's in-flight inputs)."""
+        return self.tokens[-1]
+
+    def sampled(self) -> list[list[int]]:
+        """The tokens sampled for each scheduled request, in step order (empty where it is mid-prompt);
+        waits for the device."""
+        out: list[list[int]] = [[] for _ in range(self.num_scheduled)]
         if self.tokens is None:
             return out
         if self._ready is not None:
             self._ready.synchronize()
-        for i, token in zip(self.sample_rows, self._host.tolist()):
-            out[i] = token
+        for i, tokens in zip(self.sample_rows, self._host.t().tolist()):
+            out[i] = tokens
         return out
 
 
@@ -131,20 +138,24 @@ class ModelRunner:
         inputs = self.inputs.build(plan, scheduled, num_padding, None if previous is None else previous.rows)
         if inputs.deferred is not None:
             rows, sources = inputs.deferred
-            inputs.input_ids.index_copy_(0, rows, previous.tokens.index_select(0, sources))
+            inputs.input_ids.index_copy_(0, rows, previous.last_tokens.index_select(0, sources))
         return inputs
 
     # ---- one step -----------------------------------------------------------------------------------
-    def execute(self, scheduled: list[ScheduledRequest]) -> list[int | None]:
-        """Run the step; the sampled token of each scheduled request (None where it is mid-prompt)."""
-        return self.launch(scheduled).sampled() if scheduled else []
+    def execute(self, scheduled: list[ScheduledRequest], num_steps: int = 1) -> list[list[int]]:
+        """Run the step; the tokens sampled for each scheduled request (empty where it is mid-prompt)."""
+        return self.launch(scheduled, num_steps=num_steps).sampled() if scheduled else []
 
     @torch.inference_mode()
-    def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None,
+               num_steps: int = 1) -> LaunchedStep:
         """Queue the step on the device (inputs, forward, logits, sampling) without waiting for it.
-        ``previous``: the step launched before, whose tokens some of these decodes take as input."""
+        ``previous``: the step launched before, whose tokens some of these decodes take as input.
+        ``num_steps > 1``: a step of single-token decodes run that many times (:meth:`_launch_decode_steps`)."""
         graph_bs = self.graph_batch_size(scheduled)
         inputs = self.prepare(scheduled, pad_to=graph_bs, previous=previous)
+        if num_steps > 1:
+            return self._launch_decode_steps(scheduled, inputs, graph_bs, num_steps)
         if graph_bs is not None:
             hidden = self._replay(graph_bs, inputs)
         else:
@@ -157,6 +168,51 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logit_indices])
         requests = [scheduled[i].request for i in inputs.sample_rows]
         tokens = sample(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
+        return LaunchedStep(scheduled, inputs.sample_rows, tokens.unsqueeze(0))
+
+    # ---- multi-step decoding ------------------------------------------------------------------------
+    @property
+    def supports_multi_step(self) -> bool:
+        """Whether :meth:`launch` takes ``num_steps > 1``: the backend's decode reads only the metadata's
+        tensors, so they can be advanced on the device between the steps."""
+        return self.graph_safe_backend
+
+    def _launch_decode_steps(self, scheduled: list[ScheduledRequest], inputs: StepInputs, graph_bs: int | None,
+                             num_steps: int) -> LaunchedStep:
+        """Run a step of single-token decodes ``num_steps`` times back to back, without the host in between:
+        after each step the sampled tokens become the next step's input ids on the device and
+        :meth:`AttentionMetadata.advance_decodes_` moves positions, sequence lengths and slots on by one.
+        Each step replays the decode graph of ``graph_bs`` rows, or runs eagerly when there is none. The
+        requests' blocks must already cover all ``num_steps`` tokens (the scheduler grows them)."""
+        n = len(scheduled)
+        plan = inputs.plan
+        if not self.supports_multi_step:
+            raise ValueError(f"the {self.backend.name} backend cannot run several decode steps in one launch")
+        if plan.num_decodes != plan.num_requests or plan.num_tokens != plan.num_requests or \
+                inputs.sample_rows != list(range(n)):
+            raise ValueError("num_steps > 1 needs a step of single-token decodes only")
+        requests = [item.request for item in scheduled]
+        params, generators = [r.sampling_params for r in requests], [r.generator for r in requests]
+        step_meta = self.backend.build_metadata(plan, inputs.block_table, inputs.slot_mapping)
+        if graph_bs is not None:
+            graph, meta, hidden = self.graphs[graph_bs]
+            meta.copy_(step_meta)
+            ids, positions = self._graph_ids[:graph_bs], self._graph_positions[:graph_bs]
+            ids.copy_(inputs.input_ids)
+            positions.copy_(inputs.positions)
+            run = graph.replay
+        else:
+            meta, ids, positions = step_meta, inputs.input_ids, inputs.positions
+            ctx = ForwardContext(self.backend, meta, self.caches)
+            run = functools.partial(self.model, ids, positions, ctx)
+        tokens = torch.empty(num_steps, n, dtype=torch.int64, device=self.device)
+        for step in range(num_steps):
+            if step:
+                ids[:n].copy_(tokens[step - 1])
+                meta.advance_decodes_(positions[:n], self.block_size)
+            out = run()
+            logits = self.model.compute_logits((hidden if graph_bs is not None else out)[:n])
+            tokens[step] = sample(logits, params, generators)
         return LaunchedStep(scheduled, inputs.sample_rows, tokens)
 
     # ---- CUDA graphs for decode-only steps ----------------------------------------------------------

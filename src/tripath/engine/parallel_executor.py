@@ -136,13 +136,17 @@ class ParallelExecutor:
         self.encoder = StepEncoder()
 
     supports_overlap = False  # workers need each step's input tokens on the host
+    supports_multi_step = False  # likewise
 
     @property
     def tensor_parallel_size(self) -> int:
         return self.parallel.world_size
 
-    def execute(self, scheduled) -> list[int | None]:
-        """Broadcast the step to the workers, run rank 0's shard, return rank 0's samples."""
+    def execute(self, scheduled, num_steps: int = 1) -> list[list[int]]:
+        """Broadcast the step to the workers, run rank 0's shard, return rank 0's samples (one model step:
+        ``supports_multi_step`` is False)."""
+        if num_steps != 1:
+            raise ValueError(f"a tensor-parallel engine runs one model step a launch, got num_steps={num_steps}")
         if not scheduled:
             return []
         if not self._finalizer.alive:

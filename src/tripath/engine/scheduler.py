@@ -24,6 +24,13 @@ request whose last allowed token (``max_tokens``) is in flight is not scheduled 
 finishes (a stop token) was scheduled once more for nothing, and that step's token for it is dropped. Full
 blocks enter the prefix cache in :meth:`update`, after the step that computed them was launched, never in
 the step that writes them.
+
+*Multi-step decoding* (``schedule(decode_steps=K)``): when every request the step would schedule is a
+decode and no waiting request could be admitted (none waits, or ``max_num_seqs`` run), the step is
+scheduled as ``k = min(K, remaining tokens of its closest-to-done request)`` model steps of the same
+decodes, run back to back on the device; each request gets blocks for all ``k`` tokens up front, and ``k``
+tokens in flight. It needs the free blocks for them (otherwise one step is scheduled, as usual). A request
+that meets a stop token inside such a step keeps its tokens up to the stop; the rest are dropped.
 """
 
 from __future__ import annotations
@@ -48,8 +55,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
+    """The step: the scheduled requests and the ones preempted for it. ``num_steps > 1``: every scheduled
+    request is a single-token decode, to be run ``num_steps`` model steps in a row (multi-step decoding;
+    ``num_new_tokens`` and ``num_computed_tokens`` describe the first)."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +126,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, decode_steps: int = 1) -> SchedulerOutput:
+        """The next step. ``decode_steps``: the most model steps a step of decodes alone may take
+        (multi-step decoding, see the module doc; 1: one step at a time)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -125,6 +139,14 @@ class Scheduler:
                 continue  # its last token is in flight
             pending = request.num_pending_tokens
             (decodes if pending == 1 else chunks).append((request, pending))
+        steps = self._decode_steps([r for r, _ in decodes], decode_steps) if decodes and not chunks else 1
+        if steps > 1:
+            for request, _ in decodes:
+                grown = self.block_manager.grow(request, steps)
+                assert grown, "_decode_steps counted the free blocks"
+                self._add(out, request, 1, steps)
+            out.num_steps = steps
+            return out
         for request, pending in decodes + chunks:
             if budget == 0:
                 break
@@ -153,15 +175,30 @@ class Scheduler:
             self._add(out, request, num_new)
         return out
 
+    def _decode_steps(self, decodes: list[Request], most: int) -> int:
+        """Model steps for a step of ``decodes`` alone: up to ``most``, as many as the request closest to
+        its ``max_tokens`` still needs; 1 when a waiting request could be admitted, when the decodes exceed
+        the token budget, or when the free blocks do not cover every decode's tokens for those steps."""
+        if most <= 1 or len(decodes) > self.max_num_batched_tokens or \
+                (self.waiting and len(self.running) < self.max_num_seqs):
+            return 1
+        steps = min(most, min(r.sampling_params.max_tokens - r.num_output_tokens - r.num_inflight_tokens
+                              for r in decodes))
+        if steps <= 1:
+            return 1
+        bs = self.block_manager.block_size
+        need = sum(max(0, blocks_needed(r.num_computed_tokens + steps, bs) - len(r.block_ids)) for r in decodes)
+        return steps if need <= self.block_manager.num_free_blocks else 1
+
     @staticmethod
-    def _add(out: SchedulerOutput, request: Request, num_new: int) -> None:
+    def _add(out: SchedulerOutput, request: Request, num_new: int, num_steps: int = 1) -> None:
         """Schedule ``num_new`` tokens of ``request``: they count as computed from now on, and a step that
-        reaches the end of its tokens leaves one in flight."""
+        reaches the end of its tokens leaves one in flight (``num_steps`` decode steps: that many)."""
         computed = request.num_computed_tokens
         samples = computed + num_new == request.num_tokens + request.num_inflight_tokens
         out.scheduled.append(ScheduledRequest(request, num_new, computed, samples))
-        request.num_computed_tokens = computed + num_new
-        request.num_inflight_tokens += samples
+        request.num_computed_tokens = computed + num_new + num_steps - 1
+        request.num_inflight_tokens += samples * num_steps
 
     def _make_room(self, request: Request, num_new: int, scheduled: set[int], out: SchedulerOutput) -> int:
         """Blocks for ``num_new`` tokens of a running request. A prompt chunk shrinks to what the free
@@ -190,21 +227,25 @@ class Scheduler:
         out.preempted.append(request)
 
     # ---- after the step ------------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int | None]) -> list[Request]:
-        """Append each scheduled request's sampled token (None for a request mid-prompt), cache its
-        completed full blocks, and retire finished ones. Returns the requests this update finished.
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
+        """Append each scheduled request's sampled tokens (one per model step of ``out``; none for a
+        request mid-prompt), cache its completed full blocks, and retire finished ones. Returns the
+        requests this update finished.
 
-        A request that finished or was aborted since ``out`` was scheduled is skipped (its token is
-        dropped); one preempted since then keeps its token and may finish waiting."""
+        A request that finished or was aborted since ``out`` was scheduled is skipped (its tokens are
+        dropped), as are the tokens after one that finishes it; one preempted since then keeps its tokens
+        and may finish waiting."""
         finished = []
-        for item, token in zip(out.scheduled, sampled):
+        for item, tokens in zip(out.scheduled, sampled):
             request = item.request
             if request.is_finished:
                 continue
             running = request.status is RequestStatus.RUNNING
-            if token is not None:
-                request.num_inflight_tokens -= 1
+            request.num_inflight_tokens -= len(tokens)
+            for token in tokens:
                 request.append_token(token)
+                if request.is_finished:
+                    break
             if running:
                 self.block_manager.cache_computed_blocks(request)
             if request.is_finished:
