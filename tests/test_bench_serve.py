@@ -27,8 +27,13 @@ def test_workload_prompts_are_seeded_spread_and_share_their_prefix():
     assert WORKLOADS["mha-tp8"].max_model_len == 3072 + 512
 
 
-def test_a_pass_records_every_request():
-    llm = LLM("tiny-llama", backend="torch", max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=64)
+@pytest.mark.parametrize("backend,decode_steps", [("torch", 1), ("three_path", 4)])
+def test_a_pass_records_every_request(backend, decode_steps, monkeypatch):
+    """Also with multi-step decoding (three_path, under the interpreter): one step() call then brings
+    several tokens per request, and the floor's decode steps are still counted one per model step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if backend == "three_path" else "0")
+    llm = LLM("tiny-llama", backend=backend, max_num_seqs=3, max_num_batched_tokens=32, num_kv_blocks=64,
+              dtype=torch.float32, decode_steps=decode_steps)
     prompts = make_prompts(Workload("tiny-llama", ("torch",), 7, 24, 0.5, 5, 3), 256, seed=0)
     outcome = run_pass(llm, prompts, output_len=5, max_concurrency=3, progress=False)
     assert len(outcome.records) == 7 and outcome.compiled == 0 and outcome.num_steps > 0
@@ -38,6 +43,8 @@ def test_a_pass_records_every_request():
     assert all(0 < n <= 3 for n, _ in outcome.decode_steps)  # never more than max_concurrency in flight
     # decodes read their whole context: prompt + outputs so far, summed over the step's requests
     assert sum(kv for _, kv in outcome.decode_steps) == sum(len(p) * 4 + 1 + 2 + 3 + 4 for p in prompts)
+    assert sum(n for n, _ in outcome.decode_steps) == 7 * 4  # one decode per output token after the first
+    assert (outcome.num_steps < len(outcome.decode_steps)) == (decode_steps > 1)
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -147,7 +147,7 @@ def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurr
                         model_steps.append([0, 0])
                     if before + j > 0:  # the request had a token before this one: a decode
                         model_steps[j][0] += 1
-                        model_steps[j][1] += len(out.prompt_token_ids) + before + j - 1
+                        model_steps[j][1] += len(out.prompt_token_ids) + before + j  # its keys, itself included
                 token_times[out.request_id].extend([now] * new)
                 if out.finished:
                     index, t0 = added.pop(out.request_id)
@@ -224,7 +224,7 @@ def measure_ceilings(device) -> tuple[float, float]:
 def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: str | None, seed: int,
                 passes: int, progress: bool, start_only: bool = False, profile: str | None = None,
                 tensor_parallel_size: int = 1, async_scheduling: bool = True, step_breakdown: bool = False,
-                decode_steps: int = 8) -> dict:
+                decode_steps: int = 8, mixed_cuda_graphs: bool = True) -> dict:
     """Build the engine and run the passes (or only time the start); the result as a JSON-able dict.
     ``profile``: after the reported passes, run one more under cProfile and append its top functions here.
     ``step_breakdown``: time each launch of the warm pass by kind of step (:mod:`tripath.bench.step_breakdown`;
@@ -237,10 +237,11 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     llm = LLM(workload.model, backend=backend, device=device, dtype=dtype, max_num_seqs=workload.max_concurrency,
               max_num_batched_tokens=workload.max_num_batched_tokens, max_model_len=workload.max_model_len,
               seed=seed, tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
-              decode_steps=decode_steps)
+              decode_steps=decode_steps, mixed_cuda_graphs=mixed_cuda_graphs)
     start_s = time.perf_counter() - start
     result = {"backend": llm.backend_name, "start_s": start_s, "async_scheduling": llm.overlap,
-              "decode_steps": llm.decode_steps}
+              "decode_steps": llm.decode_steps,
+              "mixed_cuda_graphs": getattr(llm.runner, "mixed_graphs", None) is not None}
     warmup = llm.runner.warmup_report
     result["warmup"] = None if warmup is None else {"seconds": warmup.seconds, "steps_probed": warmup.steps_probed,
                                                     "steps_run": warmup.steps_run,
@@ -313,13 +314,14 @@ def _worker(argv: list[str]) -> int:
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--step-breakdown", action="store_true")
     parser.add_argument("--decode-steps", type=int, default=8)
+    parser.add_argument("--no-mixed-cuda-graphs", action="store_true")
     args = parser.parse_args(argv)
     workload = Workload(**{**json.loads(args.workload_json), "backends": (args.backend,)})
     result = run_backend(workload, args.backend, device=args.device, dtype=args.dtype, seed=args.seed,
                          passes=args.passes, progress=not args.no_progress, start_only=args.start_only,
                          profile=args.profile, tensor_parallel_size=args.tensor_parallel_size,
                          async_scheduling=not args.no_async_scheduling, step_breakdown=args.step_breakdown,
-                         decode_steps=args.decode_steps)
+                         decode_steps=args.decode_steps, mixed_cuda_graphs=not args.no_mixed_cuda_graphs)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -343,6 +345,8 @@ def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: b
         cmd.append("--no-progress")
     if args.no_async_scheduling:
         cmd.append("--no-async-scheduling")
+    if args.no_mixed_cuda_graphs:
+        cmd.append("--no-mixed-cuda-graphs")
     if args.step_breakdown and not start_only:
         cmd.append("--step-breakdown")
     env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
@@ -446,6 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="read each step's tokens before scheduling the next (default: overlap them)")
     parser.add_argument("--decode-steps", type=int, default=8,
                         help="model steps a step of decodes alone runs on the device (multi-step decoding; 1: off)")
+    parser.add_argument("--no-mixed-cuda-graphs", action="store_true",
+                        help="run steps with prompt tokens eagerly (default: piecewise CUDA graphs around attention)")
     parser.add_argument("--step-breakdown", action="store_true",
                         help="per kind of step of the warm pass: host time inside the launch and GPU span (one rank)")
     parser.add_argument("--no-progress", action="store_true")

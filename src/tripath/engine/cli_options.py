@@ -30,7 +30,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=8192)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--no-prefix-caching", action="store_true")
-    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    group.add_argument("--no-mixed-cuda-graphs", action="store_true",
+                       help="run steps with prompt tokens eagerly (default: piecewise CUDA graphs around attention)")
     group.add_argument("--no-async-scheduling", action="store_true",
                        help="read each step's tokens before scheduling the next (default: overlap them)")
     group.add_argument("--decode-steps", type=int, default=8,
@@ -48,6 +50,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+                enforce_eager=args.enforce_eager, mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
+                async_scheduling=not args.no_async_scheduling,
                 decode_steps=args.decode_steps, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size)

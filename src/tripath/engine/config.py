@@ -47,8 +47,11 @@ class EngineConfig:
     two up to 256); None: the backend's preference (:func:`tripath.attention.default_block_size`: 64 for
     MLA models on a GPU, else 16). KV cache: ``num_kv_blocks`` blocks (block 0 reserved) if given, else as
     many as fit in ``gpu_memory_utilization`` of the GPU after the weights and a warm-up step (on the CPU,
-    ``CPU_DEFAULT_KV_BLOCKS``). ``enforce_eager`` turns CUDA graphs for decode-only steps off; graphs are
-    captured for padded batch sizes up to ``max_cuda_graph_batch_size``. ``calculate_kv_scales`` (fp8 KV
+    ``CPU_DEFAULT_KV_BLOCKS``). ``enforce_eager`` turns CUDA graphs off; graphs are captured for decode-only
+    steps of padded batch sizes up to ``max_cuda_graph_batch_size`` and, with ``mixed_cuda_graphs``, for
+    the other steps too: the layers between attention calls, per padded token count
+    (:meth:`mixed_cuda_graph_sizes`), attention eager between the replays
+    (:mod:`tripath.engine.mixed_graphs`; not for models with mixture-of-experts layers). ``calculate_kv_scales`` (fp8 KV
     cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
     of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped. ``warmup`` (GPU): compile
     every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.warmup`), so no
@@ -80,6 +83,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     max_cuda_graph_batch_size: int = 128
+    mixed_cuda_graphs: bool = True
     warmup: bool = True
     async_scheduling: bool = True
     decode_steps: int = 8
@@ -111,7 +115,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved) or None, "
                              f"got {self.num_kv_blocks!r}")
-        for name in ("warmup", "async_scheduling"):
+        for name in ("warmup", "async_scheduling", "mixed_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.seed, int):
@@ -120,6 +124,13 @@ class EngineConfig:
     @property
     def use_cuda_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.enforce_eager
+
+    def mixed_cuda_graph_sizes(self) -> list[int]:
+        """Padded token counts of steps with prompt tokens that get piecewise graphs: powers of two from 16
+        to 1024, then multiples of 1024, up to ``max_num_batched_tokens`` (included)."""
+        top = self.max_num_batched_tokens
+        sizes = [n for n in (16, 32, 64, 128, 256, 512) if n < top] + list(range(1024, top, 1024))
+        return sorted(set(sizes + [top]))
 
     def cuda_graph_batch_sizes(self) -> list[int]:
         """Padded decode batch sizes that get a graph: 1, 2, 4, 8, then multiples of 16."""

@@ -19,12 +19,17 @@ filled from step N's tokens on the device.
 
 On a GPU the runner warms up before it serves (:mod:`tripath.engine.warmup`: every kernel variant the
 limits allow is compiled), then captures the decode graphs (each replayed once, so its upload to the
-device is done) and runs the largest eager step once, writing nothing, so the caching allocator already
-holds a step's activation memory when requests arrive. Decode-only steps on a GPU replay a CUDA graph captured for the next padded batch size (padding rows:
-one query token at position 1 reading block 0, slot −1 so nothing is written); the step's metadata is
-copied into the captured one with ``meta.copy_``. The KV cache (one per attention layer) has
-``num_kv_blocks`` blocks, or as many as fit in ``gpu_memory_utilization`` of the GPU after the weights and a
-warm-up prefill of ``max_num_batched_tokens`` tokens.
+device is done) and, for models without mixture-of-experts layers, the piecewise graphs of steps with
+prompt tokens (:mod:`tripath.engine.mixed_graphs`: the layers between attention calls per padded token
+count, attention eager between the replays), and runs the largest eager step once, writing nothing, so the
+caching allocator already holds a step's activation memory when requests arrive. Decode-only steps on a GPU
+replay a CUDA graph captured for the next padded batch size (padding rows: one query token at position 1
+reading block 0, slot −1 so nothing is written); the step's metadata is copied into the captured one with
+``meta.copy_``. A launch of ``num_steps > 1`` (multi-step decoding, :meth:`ModelRunner._launch_decode_steps`)
+replays that graph ``num_steps`` times, feeding each step's sampled tokens to the next and advancing the
+metadata on the device. The KV cache (one per attention layer) has ``num_kv_blocks`` blocks, or as many as
+fit in ``gpu_memory_utilization`` of the GPU after the weights and the activations of a warm-up prefill of
+``max_num_batched_tokens`` tokens (twice, with piecewise graphs: their memory pool holds them too).
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ import torch
 from tripath.attention import ForwardContext, default_block_size, select_backend
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
+from tripath.engine.mixed_graphs import MixedStepGraphs
 from tripath.engine.request import SamplingParams
 from tripath.engine.sampler import make_generator, sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.warmup import WarmupReport, warm_up
+from tripath.models.layers import Experts
 
 
 class LaunchedStep:
@@ -111,10 +118,21 @@ class ModelRunner:
         if config.warmup and self.device.type == "cuda" and self.backend.capabilities.needs_triton:
             self.warmup_report = warm_up(self)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        self._graph_pool = None
         if config.use_cuda_graphs and self.graph_safe_backend:
             self.capture_cuda_graphs()
+        self.mixed_graphs: MixedStepGraphs | None = None
+        if self.uses_mixed_graphs:
+            self.capture_mixed_graphs()
         if self.device.type == "cuda":
             self._reserve_step_memory()
+
+    @property
+    def uses_mixed_graphs(self) -> bool:
+        """Whether steps with prompt tokens replay piecewise graphs (:mod:`tripath.engine.mixed_graphs`): on
+        a GPU with graphs on and ``mixed_cuda_graphs``, for a model without mixture-of-experts layers."""
+        return (self.config.use_cuda_graphs and self.config.mixed_cuda_graphs
+                and not any(isinstance(m, Experts) for m in self.model.modules()))
 
     @property
     def graph_safe_backend(self) -> bool:
@@ -161,7 +179,11 @@ class ModelRunner:
         else:
             meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
             ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending)
-            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+            mixed = self.mixed_graphs
+            if mixed is not None and not self.kv_scales_pending and mixed.bucket(inputs.plan.num_tokens):
+                hidden = mixed.run(inputs.input_ids, inputs.positions, ctx)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             self.kv_scales_pending = False
         if not inputs.sample_rows:
             return LaunchedStep(scheduled, [], None)
@@ -241,10 +263,30 @@ class ModelRunner:
                 ids, positions = self._graph_ids[:bs], self._graph_positions[:bs]
                 graph, hidden, pool = self._capture(functools.partial(self.model, ids, positions, ctx), pool)
                 self.graphs[bs] = (graph, meta, hidden)
+            self._graph_pool = pool
             for graph, _, _ in self.graphs.values():  # a graph's first launch uploads it: not on a request's time
                 graph.replay()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def capture_mixed_graphs(self) -> None:
+        """Capture piecewise graphs of steps with prompt tokens for ``config.mixed_cuda_graph_sizes()`` (in
+        the decode graphs' memory pool); the capture's attention calls see prompts that write nothing."""
+        self.mixed_graphs = MixedStepGraphs(self.model, self.config.mixed_cuda_graph_sizes(), self.device,
+                                            pool=self._graph_pool)
+        with torch.inference_mode():
+            self.mixed_graphs.capture(self._nothing_written_context)
+
+    def _nothing_written_context(self, num_tokens: int) -> ForwardContext:
+        """A context for prompts of ``num_tokens`` tokens in all (sequences of at most ``max_model_len``)
+        whose slots are all −1 and whose rows read block 0: its steps write nothing to the caches."""
+        tokens, limit = num_tokens, self.max_model_len
+        lens = [min(limit, tokens - start) for start in range(0, tokens, limit)]
+        plan = self.backend.plan(lens, [0] * len(lens))
+        width = max(blocks_needed(n, self.block_size) for n in lens)
+        block_table = torch.zeros(len(lens), width, dtype=torch.int32, device=self.device)
+        slots = torch.full((tokens,), -1, dtype=torch.int64, device=self.device)
+        return ForwardContext(self.backend, self.backend.build_metadata(plan, block_table, slots), self.caches)
 
     def _capture(self, run, pool):
         """``(graph, static output, pool)`` of ``run`` captured after a warm-up call (kernels compile outside)."""
@@ -315,7 +357,9 @@ class ModelRunner:
         activations = torch.cuda.max_memory_allocated(self.device) - allocated - warmup_cache_bytes
         torch.cuda.empty_cache()
         per_block = self.backend.cache_bytes_per_block() * self.num_layers
-        available = total * self.config.gpu_memory_utilization - (total - free) - activations
+        # with mixed-step graphs their memory pool holds a step's activations too, beside the eager ones
+        available = total * self.config.gpu_memory_utilization - (total - free) - activations * (
+            2 if self.uses_mixed_graphs else 1)
         num_blocks = int(available // per_block)
         if num_blocks < 2:
             raise RuntimeError(

@@ -1,0 +1,108 @@
+"""Piecewise CUDA graphs for steps with prompt tokens (:mod:`tripath.engine.mixed_graphs`): the layers
+between attention calls replayed per padded token count, attention eager between them. On a GPU the
+replayed hidden states equal the eager model's, and an engine with them gives the tokens of one without
+them (prefix hits, chunked prefill with extends beside decodes, tight memory, MHA and MLA backends), with
+nothing compiled after start. On the CPU: the sizes, when the graphs apply, bad sizes."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from tripath.engine import LLM, EngineConfig, SamplingParams
+from tripath.engine.mixed_graphs import MixedStepGraphs
+from tripath.models import load_model
+from tripath.models.loader import build_model, init_random_weights
+from tripath.models.presets import tiny_deepseek
+
+
+def test_sizes_cover_the_token_budget():
+    assert EngineConfig(max_num_batched_tokens=8192).mixed_cuda_graph_sizes() == \
+        [16, 32, 64, 128, 256, 512] + list(range(1024, 8193, 1024))
+    assert EngineConfig(max_num_batched_tokens=3000).mixed_cuda_graph_sizes() == \
+        [16, 32, 64, 128, 256, 512, 1024, 2048, 3000]
+    assert EngineConfig(max_num_batched_tokens=20).mixed_cuda_graph_sizes() == [16, 20]
+    with pytest.raises(TypeError, match="mixed_cuda_graphs must be a bool"):
+        EngineConfig(mixed_cuda_graphs=1)
+
+
+def test_bucket_is_the_smallest_captured_size_that_holds_the_step():
+    graphs = MixedStepGraphs(torch.nn.Identity(), [64, 16, 256], torch.device("cpu"))
+    assert graphs.sizes == [16, 64, 256] and graphs.input_ids.shape == (256,)
+    assert graphs.bucket(1) is None  # nothing captured yet
+    graphs.buckets = dict.fromkeys([16, 64, 256])
+    assert [graphs.bucket(t) for t in (1, 16, 17, 64, 200, 256, 257)] == [16, 16, 64, 64, 256, 256, None]
+    with pytest.raises(ValueError, match="positive token counts"):
+        MixedStepGraphs(torch.nn.Identity(), [0, 16], torch.device("cpu"))
+    with pytest.raises(ValueError, match="no mixed-step graph holds 300 tokens"):
+        graphs.run(torch.zeros(300, dtype=torch.int64), torch.zeros(300, dtype=torch.int64), None)
+
+
+def test_not_on_the_cpu_nor_for_mixture_of_experts_models():
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
+    assert llm.runner.mixed_graphs is None and not llm.runner.uses_mixed_graphs
+    moe = LLM("tiny-qwen3-moe", backend="torch", num_kv_blocks=16)
+    moe.runner.config.device = torch.device("cuda")  # only the model decides now
+    assert not moe.runner.uses_mixed_graphs
+    dense = LLM("tiny-qwen3", backend="torch", num_kv_blocks=16)
+    dense.runner.config.device = torch.device("cuda")
+    assert dense.runner.uses_mixed_graphs
+
+
+def dense_mla_model(device, dtype):
+    """tiny-deepseek without its mixture of experts (the MLA TP-8 presets are dense too)."""
+    model = build_model(dataclasses.replace(tiny_deepseek(), moe=None), dtype=dtype, device=device)
+    init_random_weights(model, 0)
+    model.post_load()
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-qwen3", "two_path"),
+                                          ("tiny-llama", "unified"), ("dense-mla", "mla")])
+def test_replayed_hidden_states_equal_the_eager_model_on_gpu(name, backend):
+    model = dense_mla_model("cuda", torch.float32) if name == "dense-mla" else \
+        load_model(name, dtype=torch.float32, device="cuda")
+    llm = LLM(model, backend=backend, num_kv_blocks=64, max_num_batched_tokens=300, max_num_seqs=8, device="cuda")
+    runner = llm.runner
+    assert runner.mixed_graphs is not None and sorted(runner.mixed_graphs.buckets) == [16, 32, 64, 128, 256, 300]
+    vocab = model.config.vocab_size
+    for tokens in (5, 100, 300):
+        ctx = runner._nothing_written_context(tokens)
+        ids = torch.randint(0, vocab, (tokens,), device="cuda")
+        positions = torch.randint(0, 200, (tokens,), device="cuda")
+        with torch.inference_mode():
+            eager = model(ids, positions, ctx).clone()
+            replayed = runner.mixed_graphs.run(ids, positions, ctx).clone()
+        torch.testing.assert_close(replayed, eager, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-llama", "two_path"),
+                                          ("tiny-qwen3", "unified"), ("dense-mla", "mla"),
+                                          ("dense-mla", "mla_triton")])
+def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatch):
+    from model_steps import assert_same_or_near_tie
+
+    model = dense_mla_model("cuda", torch.float16) if name == "dense-mla" else \
+        load_model(name, dtype=torch.float16, device="cuda")
+    rng = random.Random(4)
+    shared = [rng.randrange(1, 256) for _ in range(40)]
+    prompts = [shared * (i % 2) + [rng.randrange(1, 256) for _ in range(rng.randrange(10, 300))] for i in range(14)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    common = dict(backend=backend, max_num_batched_tokens=256, max_num_seqs=8, device="cuda")
+    eager = LLM(model, num_kv_blocks=512, mixed_cuda_graphs=False, **common)
+    assert eager.runner.mixed_graphs is None
+    expected = [o.output_token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    runs = []
+    real_run = MixedStepGraphs.run
+    monkeypatch.setattr(MixedStepGraphs, "run", lambda self, *a: runs.append(a[0].shape[0]) or real_run(self, *a))
+    for blocks in (512, 40):  # 40: tight, with preemptions (recomputed prompts)
+        llm = LLM(model, num_kv_blocks=blocks, **common)
+        got = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_same_or_near_tie(model, prompts, expected, got)
+        assert llm.num_compiled_since_start == 0
+        if blocks == 40:
+            assert llm.last_metrics.num_preemptions > 0
+    assert runs and max(runs) == 256 and llm.block_manager.num_hit_tokens > 0
