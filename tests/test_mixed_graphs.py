@@ -62,10 +62,11 @@ def dense_mla_model(device, dtype):
 @pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-qwen3", "two_path"),
                                           ("tiny-llama", "unified"), ("dense-mla", "mla")])
 def test_replayed_hidden_states_equal_the_eager_model_on_gpu(name, backend):
-    model = dense_mla_model("cuda", torch.float32) if name == "dense-mla" else \
-        load_model(name, dtype=torch.float32, device="cuda")
+    model = dense_mla_model("cuda", torch.float16) if name == "dense-mla" else \
+        load_model(name, dtype=torch.float16, device="cuda")
     llm = LLM(model, backend=backend, num_kv_blocks=64, max_num_batched_tokens=300, max_num_seqs=8, device="cuda")
     runner = llm.runner
+    assert runner.largest_step_host_share >= 0.5  # tiny models: host-bound steps
     assert runner.mixed_graphs is not None and sorted(runner.mixed_graphs.buckets) == [16, 32, 64, 128, 256, 300]
     vocab = model.config.vocab_size
     for tokens in (5, 100, 300):
@@ -75,7 +76,7 @@ def test_replayed_hidden_states_equal_the_eager_model_on_gpu(name, backend):
         with torch.inference_mode():
             eager = model(ids, positions, ctx).clone()
             replayed = runner.mixed_graphs.run(ids, positions, ctx).clone()
-        torch.testing.assert_close(replayed, eager, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=2e-2)  # fp16; padded GEMMs may round apart
 
 
 @pytest.mark.gpu
@@ -92,17 +93,18 @@ def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatc
     prompts = [shared * (i % 2) + [rng.randrange(1, 256) for _ in range(rng.randrange(10, 300))] for i in range(14)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     common = dict(backend=backend, max_num_batched_tokens=256, max_num_seqs=8, device="cuda")
-    eager = LLM(model, num_kv_blocks=512, mixed_cuda_graphs=False, **common)
+    eager = LLM(model, num_kv_blocks=8192 // 16, mixed_cuda_graphs=False, **common)
     assert eager.runner.mixed_graphs is None
     expected = [o.output_token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     runs = []
     real_run = MixedStepGraphs.run
     monkeypatch.setattr(MixedStepGraphs, "run", lambda self, *a: runs.append(a[0].shape[0]) or real_run(self, *a))
-    for blocks in (512, 40):  # 40: tight, with preemptions (recomputed prompts)
-        llm = LLM(model, num_kv_blocks=blocks, **common)
+    block_size = eager.runner.block_size
+    for rows in (8192, 640):  # 640 cache rows: tight, with preemptions (recomputed prompts)
+        llm = LLM(model, num_kv_blocks=rows // block_size, **common)
         got = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert_same_or_near_tie(model, prompts, expected, got)
         assert llm.num_compiled_since_start == 0
-        if blocks == 40:
+        if rows == 640:
             assert llm.last_metrics.num_preemptions > 0
     assert runs and max(runs) == 256 and llm.block_manager.num_hit_tokens > 0

@@ -35,6 +35,7 @@ fit in ``gpu_memory_utilization`` of the GPU after the weights and the activatio
 from __future__ import annotations
 
 import functools
+import time
 
 import numpy as np
 import torch
@@ -49,6 +50,10 @@ from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.warmup import WarmupReport, warm_up
 from tripath.models.layers import Experts
+
+# Piecewise graphs are captured when the largest eager step's host time is at least this share of its GPU
+# span (measured at start): the mha-tp8 shape measured 1.0 (host-bound), the 8B shape about 0.33.
+MIXED_GRAPHS_MIN_HOST_SHARE = 0.5
 
 
 class LaunchedStep:
@@ -122,15 +127,19 @@ class ModelRunner:
         if config.use_cuda_graphs and self.graph_safe_backend:
             self.capture_cuda_graphs()
         self.mixed_graphs: MixedStepGraphs | None = None
-        if self.uses_mixed_graphs:
-            self.capture_mixed_graphs()
+        self.largest_step_host_share: float | None = None  # host time / GPU span of the largest eager step
         if self.device.type == "cuda":
-            self._reserve_step_memory()
+            self.largest_step_host_share = self._reserve_step_memory()
+            if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
+                self.capture_mixed_graphs()
 
     @property
     def uses_mixed_graphs(self) -> bool:
-        """Whether steps with prompt tokens replay piecewise graphs (:mod:`tripath.engine.mixed_graphs`): on
-        a GPU with graphs on and ``mixed_cuda_graphs``, for a model without mixture-of-experts layers."""
+        """Whether steps with prompt tokens may replay piecewise graphs (:mod:`tripath.engine.mixed_graphs`):
+        on a GPU with graphs on and ``mixed_cuda_graphs``, for a model without mixture-of-experts layers.
+        They are captured when the largest eager step, timed at start, spends at least
+        ``MIXED_GRAPHS_MIN_HOST_SHARE`` of its GPU span launching on the host: below that the GPU is the
+        bottleneck of such steps, and the capture would cost start time for nothing."""
         return (self.config.use_cuda_graphs and self.config.mixed_cuda_graphs
                 and not any(isinstance(m, Experts) for m in self.model.modules()))
 
@@ -325,22 +334,34 @@ class ModelRunner:
         return self.model(ids, positions, ForwardContext(self.backend, meta, caches))
 
     @torch.inference_mode()
-    def _reserve_step_memory(self) -> None:
+    def _reserve_step_memory(self) -> float | None:
         """Run the largest eager step once on the real caches, writing nothing (every slot −1, every row
         reading block 0), and sample ``max_num_seqs`` rows with a temperature: PyTorch's caching allocator
         then holds the activation memory a step needs (sized by :meth:`_num_blocks_that_fit`), so no step
-        while serving waits for a device allocation."""
+        while serving waits for a device allocation. Returns the forward's host time over its GPU span
+        (near 1: the step is host-bound); None off a GPU."""
         lens = self._largest_prompt_step()
         width = max(blocks_needed(n, self.block_size) for n in lens)
         block_table = torch.zeros(len(lens), width, dtype=torch.int32)
         slots = torch.full((sum(lens),), -1, dtype=torch.int64)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+        start = time.perf_counter()
         hidden = self._prompt_forward(lens, block_table, slots, self.caches)
+        host_s = time.perf_counter() - start
+        if on_gpu:
+            events[1].record()
         rows = min(self.config.max_num_seqs, hidden.shape[0])
         logits = self.model.compute_logits(hidden[:rows])
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         sample(logits, [params] * rows, [make_generator(0, self.device)] * rows)  # not the global generator
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if not on_gpu:
+            return None
+        torch.cuda.synchronize(self.device)
+        return host_s / max(events[0].elapsed_time(events[1]) / 1e3, 1e-9)
 
     # ---- KV memory ----------------------------------------------------------------------------------
     def _num_blocks_that_fit(self) -> int:
