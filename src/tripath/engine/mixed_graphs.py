@@ -77,6 +77,8 @@ class MixedStepGraphs:
         """Capture every size, largest first. ``make_context(n)``: a context for a step of ``n`` prompt tokens
         that writes nothing (slots −1), used for a warm-up run before each capture and for the attention
         calls made while capturing."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         for n in reversed(self.sizes):
             ctx = make_context(n)
             self.model(self.input_ids[:n], self.positions[:n], ctx)  # compiles and plans outside the capture
@@ -89,11 +91,11 @@ class MixedStepGraphs:
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            cutter.begin()
             try:
+                cutter.begin()
                 hidden = self.model(self.input_ids[:n], self.positions[:n], cutter)
             finally:
-                cutter.end()
+                cutter.end()  # a failed capture is ended too, so the device is left usable
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         for graph in cutter.graphs:  # a graph's first launch uploads it: not on a request's time
@@ -126,16 +128,18 @@ class _CapturingContext:
         self.owner, self.n, self.ctx = owner, n, ctx
         self.graphs: list = []
         self.calls: list[_Call] = []
+        self._capturing = False
 
     def begin(self) -> None:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.owner.pool)
-        if self.owner.pool is None:
-            self.owner.pool = graph.pool()
+        self._capturing = True
         self.graphs.append(graph)
 
     def end(self) -> None:
-        self.graphs[-1].capture_end()
+        if self._capturing:
+            self._capturing = False
+            self.graphs[-1].capture_end()
 
     def _stage(self, tensors) -> list[torch.Tensor]:
         staged = []
