@@ -14,6 +14,7 @@ from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.mixed_graphs import MixedStepGraphs
 from tripath.models import load_model
 from tripath.models.loader import build_model, init_random_weights
+from tripath.models.parallel import ParallelState
 from tripath.models.presets import tiny_deepseek
 
 
@@ -39,7 +40,7 @@ def test_bucket_is_the_smallest_captured_size_that_holds_the_step():
         graphs.run(torch.zeros(300, dtype=torch.int64), torch.zeros(300, dtype=torch.int64), None)
 
 
-def test_not_on_the_cpu_nor_for_mixture_of_experts_models():
+def test_not_on_the_cpu_nor_for_mixture_of_experts_models_nor_tensor_parallel_ranks():
     llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
     assert llm.runner.mixed_graphs is None and not llm.runner.uses_mixed_graphs
     moe = LLM("tiny-qwen3-moe", backend="torch", num_kv_blocks=16)
@@ -48,6 +49,8 @@ def test_not_on_the_cpu_nor_for_mixture_of_experts_models():
     dense = LLM("tiny-qwen3", backend="torch", num_kv_blocks=16)
     dense.runner.config.device = torch.device("cuda")
     assert dense.runner.uses_mixed_graphs
+    dense.runner.model.parallel = ParallelState(rank=0, world_size=2)  # a tensor-parallel rank: never
+    assert not dense.runner.uses_mixed_graphs
 
 
 def dense_mla_model(device, dtype):

@@ -51,7 +51,8 @@ class EngineConfig:
     steps of padded batch sizes up to ``max_cuda_graph_batch_size`` and, with ``mixed_cuda_graphs``, for
     the other steps too: the layers between attention calls, per padded token count
     (:meth:`mixed_cuda_graph_sizes`), attention eager between the replays
-    (:mod:`tripath.engine.mixed_graphs`; not for models with mixture-of-experts layers). ``calculate_kv_scales`` (fp8 KV
+    (:mod:`tripath.engine.mixed_graphs`; one rank, not for models with mixture-of-experts layers, and only
+    where the largest eager step measures host-bound at start). ``calculate_kv_scales`` (fp8 KV
     cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
     of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped. ``warmup`` (GPU): compile
     every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.warmup`), so no

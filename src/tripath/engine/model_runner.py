@@ -136,11 +136,15 @@ class ModelRunner:
     @property
     def uses_mixed_graphs(self) -> bool:
         """Whether steps with prompt tokens may replay piecewise graphs (:mod:`tripath.engine.mixed_graphs`):
-        on a GPU with graphs on and ``mixed_cuda_graphs``, for a model without mixture-of-experts layers.
+        on a GPU with graphs on and ``mixed_cuda_graphs``, on one rank (the decision below is measured per
+        process, and ranks that decided differently would run different collectives at start), for a model
+        without mixture-of-experts layers.
         They are captured when the largest eager step, timed at start, spends at least
         ``MIXED_GRAPHS_MIN_HOST_SHARE`` of its GPU span launching on the host: below that the GPU is the
         bottleneck of such steps, and the capture would cost start time for nothing."""
+        parallel = getattr(self.model, "parallel", None)
         return (self.config.use_cuda_graphs and self.config.mixed_cuda_graphs
+                and (parallel is None or parallel.world_size == 1)
                 and not any(isinstance(m, Experts) for m in self.model.modules()))
 
     @property
