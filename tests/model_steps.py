@@ -115,3 +115,26 @@ def assert_same_or_near_tie(model, prompts, expected, got, max_gap=0.05):
         gap = abs(float(logits[want[i]] - logits[have[i]]))
         assert gap <= max_gap, (f"outputs diverge at token {i} ({want[i]} vs {have[i]}) where the reference "
                                 f"logits differ by {gap:.4f} (> {max_gap}): not a near tie")
+
+
+class ReplayRecorder:
+    """Stands in for a CUDA graph on the CPU: replay re-runs the captured closure (same static inputs, same
+    captured metadata object) and writes into the captured output, as a graph replay would."""
+
+    replays = 0
+
+    def __init__(self, run, hidden):
+        self.run, self.hidden = run, hidden
+
+    def replay(self):
+        ReplayRecorder.replays += 1
+        self.hidden.copy_(self.run())
+
+
+def record_graph_captures(monkeypatch) -> None:
+    """Make ``ModelRunner``'s decode-graph captures :class:`ReplayRecorder` stand-ins (CPU graph path)."""
+    def capture(self, run, pool):
+        hidden = run()
+        return ReplayRecorder(run, hidden), hidden, None
+
+    monkeypatch.setattr("tripath.engine.model_runner.ModelRunner._capture", capture)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine_models import CharTokenizer, tiny_model
-from model_steps import assert_same_or_near_tie
+from model_steps import ReplayRecorder, assert_same_or_near_tie, record_graph_captures
 from tripath.attention import ForwardContext, default_block_size, plan_batch, select_backend
 from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
 from tripath.engine.cli_generate import main_generate
@@ -138,27 +138,9 @@ def test_scheduling_choices_do_not_change_greedy_outputs(pure_torch, name, varia
         assert llm.last_metrics.num_preemptions > 0, "memory was not tight enough to preempt"
 
 
-class ReplayRecorder:
-    """Stands in for a CUDA graph on the CPU: replay re-runs the captured closure (same static inputs, same
-    captured metadata object) and writes into the captured output, as a graph replay would."""
-
-    replays = 0
-
-    def __init__(self, run, hidden):
-        self.run, self.hidden = run, hidden
-
-    def replay(self):
-        ReplayRecorder.replays += 1
-        self.hidden.copy_(self.run())
-
-
 def test_decode_graph_path_pads_and_copies_metadata(monkeypatch):
     """The CUDA-graph path without a GPU: padded decode batches, metadata copied into the captured one."""
-    def capture(self, run, pool):
-        hidden = run()
-        return ReplayRecorder(run, hidden), hidden, None
-
-    monkeypatch.setattr("tripath.engine.model_runner.ModelRunner._capture", capture)
+    record_graph_captures(monkeypatch)
     model = preset("tiny-llama")
     prompts = prompts_with_shared_prefix(n=3, seed=8, shared=0, lo=3, hi=14, vocab=256)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine_models import tiny_model
+from model_steps import ReplayRecorder, record_graph_captures
 from tripath.attention import plan_batch, select_backend
 from tripath.engine import LLM, FinishReason, SamplingParams
 from tripath.models import load_model
@@ -76,28 +77,10 @@ def test_seeded_samples_and_stop_tokens_match_one_step_at_a_time(model):
     assert reason is FinishReason.STOP and tokens[-1] % 5 == 1 and len(tokens) < 12  # stopped inside a run
 
 
-class ReplayRecorder:
-    """Stands in for a CUDA graph on the CPU: replay re-runs the captured closure (same static inputs, same
-    captured metadata object) and writes into the captured output, as a graph replay would."""
-
-    replays = 0
-
-    def __init__(self, run, hidden):
-        self.run, self.hidden = run, hidden
-
-    def replay(self):
-        ReplayRecorder.replays += 1
-        self.hidden.copy_(self.run())
-
-
 def test_runs_replay_the_padded_decode_graph(model, monkeypatch):
     """Three requests replay the graph of four rows: the padding row keeps its slot −1 and position through
     the run while the real rows advance."""
-    def capture(self, run, pool):
-        hidden = run()
-        return ReplayRecorder(run, hidden), hidden, None
-
-    monkeypatch.setattr("tripath.engine.model_runner.ModelRunner._capture", capture)
+    record_graph_captures(monkeypatch)
     params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
     llm = engine(model, decode_steps=3, max_model_len=64)
     llm.runner.capture_cuda_graphs()
