@@ -228,16 +228,13 @@ class ModelRunner:
             raise ValueError("num_steps > 1 needs a step of single-token decodes only")
         requests = [item.request for item in scheduled]
         params, generators = [r.sampling_params for r in requests], [r.generator for r in requests]
-        step_meta = self.backend.build_metadata(plan, inputs.block_table, inputs.slot_mapping)
         if graph_bs is not None:
-            graph, meta, hidden = self.graphs[graph_bs]
-            meta.copy_(step_meta)
+            graph, meta, hidden = self._load_graph(graph_bs, inputs)
             ids, positions = self._graph_ids[:graph_bs], self._graph_positions[:graph_bs]
-            ids.copy_(inputs.input_ids)
-            positions.copy_(inputs.positions)
             run = graph.replay
         else:
-            meta, ids, positions = step_meta, inputs.input_ids, inputs.positions
+            meta = self.backend.build_metadata(plan, inputs.block_table, inputs.slot_mapping)
+            ids, positions = inputs.input_ids, inputs.positions
             ctx = ForwardContext(self.backend, meta, self.caches)
             run = functools.partial(self.model, ids, positions, ctx)
         tokens = torch.empty(num_steps, n, dtype=torch.int64, device=self.device)
@@ -293,12 +290,11 @@ class ModelRunner:
     def _nothing_written_context(self, num_tokens: int) -> ForwardContext:
         """A context for prompts of ``num_tokens`` tokens in all (sequences of at most ``max_model_len``)
         whose slots are all −1 and whose rows read block 0: its steps write nothing to the caches."""
-        tokens, limit = num_tokens, self.max_model_len
-        lens = [min(limit, tokens - start) for start in range(0, tokens, limit)]
+        lens = self._split_prompts(num_tokens)
         plan = self.backend.plan(lens, [0] * len(lens))
         width = max(blocks_needed(n, self.block_size) for n in lens)
         block_table = torch.zeros(len(lens), width, dtype=torch.int32, device=self.device)
-        slots = torch.full((tokens,), -1, dtype=torch.int64, device=self.device)
+        slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)
         return ForwardContext(self.backend, self.backend.build_metadata(plan, block_table, slots), self.caches)
 
     def _capture(self, run, pool):
@@ -311,21 +307,29 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         return graph, hidden, graph.pool()
 
-    def _replay(self, bs: int, inputs: StepInputs) -> torch.Tensor:
+    def _load_graph(self, bs: int, inputs: StepInputs):
+        """``(graph, meta, hidden)`` of the decode graph of ``bs`` rows, its captured metadata and input
+        buffers holding the step's."""
         graph, meta, hidden = self.graphs[bs]
-        step_meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
-        meta.copy_(step_meta)
+        meta.copy_(self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping))
         self._graph_ids[:bs].copy_(inputs.input_ids)
         self._graph_positions[:bs].copy_(inputs.positions)
+        return graph, meta, hidden
+
+    def _replay(self, bs: int, inputs: StepInputs) -> torch.Tensor:
+        graph, _, hidden = self._load_graph(bs, inputs)
         graph.replay()
         return hidden
 
     def _largest_prompt_step(self) -> list[int]:
         """Prompt lengths of the largest step the limits allow: ``max_num_batched_tokens`` tokens in
         sequences of at most ``max_model_len``, at most ``max_num_seqs`` of them."""
-        tokens = self.config.max_num_batched_tokens
-        lens = [min(self.max_model_len, tokens - start) for start in range(0, tokens, self.max_model_len)]
-        return lens[:self.config.max_num_seqs]
+        return self._split_prompts(self.config.max_num_batched_tokens)[:self.config.max_num_seqs]
+
+    def _split_prompts(self, num_tokens: int) -> list[int]:
+        """``num_tokens`` tokens as prompt lengths of at most ``max_model_len``."""
+        limit = self.max_model_len
+        return [min(limit, num_tokens - start) for start in range(0, num_tokens, limit)]
 
     def _prompt_forward(self, lens: list[int], block_table: torch.Tensor, slots: torch.Tensor,
                         caches: list) -> torch.Tensor:
