@@ -344,32 +344,52 @@ class ModelRunner:
     @torch.inference_mode()
     def _reserve_step_memory(self) -> float | None:
         """Run the largest eager step once on the real caches, writing nothing (every slot −1, every row
-        reading block 0), and sample ``max_num_seqs`` rows with a temperature: PyTorch's caching allocator
-        then holds the activation memory a step needs (sized by :meth:`_num_blocks_that_fit`), so no step
-        while serving waits for a device allocation. Returns the forward's host time over its GPU span
-        (near 1: the step is host-bound); None off a GPU."""
+        reading block 0), then :meth:`warm_sampling` on up to ``max_num_seqs`` of its rows: PyTorch's caching
+        allocator then holds the activation memory a step needs (sized by :meth:`_num_blocks_that_fit`), so
+        no step while serving waits for a device allocation. Returns the forward's host time over its GPU
+        span (near 1: the step is host-bound); None off a GPU, where nothing runs."""
+        if self.device.type != "cuda":
+            return None
         lens = self._largest_prompt_step()
         width = max(blocks_needed(n, self.block_size) for n in lens)
         block_table = torch.zeros(len(lens), width, dtype=torch.int32)
         slots = torch.full((sum(lens),), -1, dtype=torch.int64)
-        on_gpu = self.device.type == "cuda"
-        if on_gpu:
-            torch.cuda.synchronize(self.device)
-            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            events[0].record()
+        torch.cuda.synchronize(self.device)
+        events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events[0].record()
         start = time.perf_counter()
         hidden = self._prompt_forward(lens, block_table, slots, self.caches)
         host_s = time.perf_counter() - start
-        if on_gpu:
-            events[1].record()
-        rows = min(self.config.max_num_seqs, hidden.shape[0])
-        logits = self.model.compute_logits(hidden[:rows])
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-        sample(logits, [params] * rows, [make_generator(0, self.device)] * rows)  # not the global generator
-        if not on_gpu:
-            return None
+        events[1].record()
         torch.cuda.synchronize(self.device)
-        return host_s / max(events[0].elapsed_time(events[1]) / 1e3, 1e-9)
+        share = host_s / max(events[0].elapsed_time(events[1]) / 1e3, 1e-9)
+        self.warm_sampling(hidden[:min(self.config.max_num_seqs, hidden.shape[0])])
+        return share
+
+    @torch.inference_mode()
+    def warm_sampling(self, hidden: torch.Tensor) -> None:
+        """Run the eager work after a step's forward once for every row count it can take, before requests
+        arrive: the LM head and sampling of ``1 … hidden.shape[0]`` rows (greedy for each count, with a
+        temperature, top-k and top-p for powers of two and the largest, whose probabilities are the largest
+        temporary a step allocates), and the device-side advance of multi-step decoding. The first LM-head
+        product of each row count picks and loads a cuBLAS kernel; on an H200 that stalled the first pass's
+        steps by about 3.5 ms each on the mha-tp8 preset, so it belongs to the start."""
+        rows = hidden.shape[0]
+        greedy = SamplingParams(temperature=0.0)
+        sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        generator = make_generator(0, self.device)  # not the global generator
+        for m in range(1, rows + 1):
+            logits = self.model.compute_logits(hidden[:m])
+            sample(logits, [greedy] * m, [None] * m)
+            if m & (m - 1) == 0 or m == rows:
+                sample(logits, [sampled] * m, [generator] * m)
+        if self.supports_multi_step:
+            plan = self.backend.plan([1], [1])
+            meta = self.backend.build_metadata(plan, torch.zeros(1, 1, dtype=torch.int32, device=self.device),
+                                               torch.full((1,), -1, dtype=torch.int64, device=self.device))
+            meta.advance_decodes_(torch.ones(1, dtype=torch.int64, device=self.device), self.block_size)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- KV memory ----------------------------------------------------------------------------------
     def _num_blocks_that_fit(self) -> int:
