@@ -1,4 +1,4 @@
-"""The backends' own metadata (``TwoPathMetadata``, ``MLAMetadata``): built in ``build_metadata``, copied in
+"""The backends' own metadata (``TwoPathMetadata``, ``ThreePathMetadata``, ``MLAMetadata``): built in ``build_metadata``, copied in
 place by ``copy_`` (CUDA-graph replay copies a step's metadata into the captured one of the same padded
 shape) and checked by the validator. Expected values are computed here from the plans' host lists."""
 
@@ -9,6 +9,7 @@ import torch
 
 from tripath.attention import AttentionSpec, MLASpec, plan_batch, select_backend
 from tripath.attention.backends.mla_common import MLAMetadata
+from tripath.attention.backends.three_path import ThreePathMetadata
 from tripath.attention.backends.two_path import TwoPathMetadata
 from tripath.attention.validate import MetadataError, validate_metadata
 
@@ -60,6 +61,30 @@ def test_two_path_context_offsets_built_once_and_copied_into_the_captured_metada
         validate_metadata(step, NUM_BLOCKS, BLOCK)
 
 
+def test_three_path_joined_prompt_launch_metadata():
+    """Extends of one context chunk beside prefills get the joined launch's offsets (each extend's whole
+    sequence, then each prefill's new tokens); a step without prefills, or whose extends take several
+    chunks, gets none. The validator checks the offsets against the plan."""
+    backend = select_backend(MHA, "three_path", "cpu")
+    step = _step(backend, [1, 3, 2, 5, 4], [6, 5, 2, 0, 0], width=4, seed=0)  # 1 decode, 2 extends, 2 prefills
+    assert isinstance(step, ThreePathMetadata) and step.plan.extend_chunks.num_chunks == 1
+    assert step.prompts.cu_seqlens_k.tolist() == _offsets([8, 4, 5, 4])
+    assert step.prompts.seq_starts.tolist() == [0, 0, 0, 0]
+    assert step.prompts.q_positions_start.tolist() == [5, 2, 0, 0]
+    assert step.prompts_cu_seqlens_q.tolist() == _offsets([3, 2, 5, 4])
+    assert (step.prompts.num_tokens, step.prompts.max_len) == (21, 8)
+    validate_metadata(step, NUM_BLOCKS, BLOCK)
+    assert _step(backend, [1, 3, 2], [6, 5, 2], width=4, seed=1).prompts is None  # no prefill
+    assert _step(backend, [1, 5, 4], [6, 0, 0], width=4, seed=1).prompts is None  # no extend
+    several = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=BLOCK, extend_chunk_budget=4)
+    chunked = _step(select_backend(several, "three_path", "cpu"), [3, 5], [9, 0], width=4, seed=2)
+    assert chunked.plan.extend_chunks.num_chunks > 1 and chunked.prompts is None
+    step.prompts.q_positions_start[0] += 1
+    with pytest.raises(MetadataError, match=r"metadata.prompts.q_positions_start must be each request's context "
+                                            r"length"):
+        validate_metadata(step, NUM_BLOCKS, BLOCK)
+
+
 def _decode_rows(table, query_lens, context_lens):
     """Per decode token: its request's block-table row and ``context + i + 1``."""
     rows = [table[j].tolist() for j, q in enumerate(query_lens) for _ in range(q)]
@@ -100,7 +125,7 @@ def test_copy_refuses_metadata_of_another_backend():
     plan = plan_batch([1, 1], [5, 3], block_size=BLOCK)
     tables = (torch.ones(2, 2, dtype=torch.int32), torch.full((2,), -1, dtype=torch.int64))
     two_path = select_backend(MHA, "two_path", "cpu").build_metadata(plan, *tables)
-    plain = select_backend(MHA, "three_path", "cpu").build_metadata(plan, *tables)
+    plain = select_backend(MHA, "unified", "cpu").build_metadata(plan, *tables)
     with pytest.raises(TypeError, match=r"metadata of type AttentionMetadata cannot be copied into the "
                                         r"captured TwoPathMetadata"):
         two_path.copy_(plain)
