@@ -377,3 +377,35 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
     assert_same_or_near_tie(model, prompts, greedy_outputs(eager_calibrated, prompts, params),
                             greedy_outputs(calibrated, prompts, params), max_gap=0.1)
     print(name, graphs.backend_name, graphs.last_metrics.summary())
+
+
+def test_start_warms_the_lm_head_and_sampling_for_every_row_count():
+    """``warm_sampling`` (run at start on a GPU) computes the logits of every row count from 1 to the rows it
+    is given, samples each greedily, samples with a temperature at powers of two and the largest count, and
+    runs the multi-step advance once, so none of these is a first use while requests wait."""
+    from tripath.attention.metadata import AttentionMetadata
+
+    llm = LLM(preset("tiny-llama"), backend="three_path", num_kv_blocks=8, max_num_seqs=6,
+              max_num_batched_tokens=40, max_model_len=16)
+    runner, rows, sampled, advanced = llm.runner, [], [], []
+    real_logits, real_advance = runner.model.compute_logits, AttentionMetadata.advance_decodes_
+    runner.model.compute_logits = lambda hidden: rows.append(hidden.shape[0]) or real_logits(hidden)
+    import tripath.engine.model_runner as model_runner
+    real_sample = model_runner.sample
+
+    def sample(logits, params, generators):
+        sampled.append((logits.shape[0], params[0].greedy))
+        return real_sample(logits, params, generators)
+
+    def advance(meta, positions, block_size):
+        advanced.append(positions.shape[0])
+        return real_advance(meta, positions, block_size)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "sample", sample)
+        patch.setattr(AttentionMetadata, "advance_decodes_", advance)
+        runner.warm_sampling(torch.zeros(6, llm.model.config.hidden_size, dtype=llm.config.dtype))
+    assert rows == [1, 2, 3, 4, 5, 6]
+    assert [n for n, greedy in sampled if greedy] == [1, 2, 3, 4, 5, 6]
+    assert [n for n, greedy in sampled if not greedy] == [1, 2, 4, 6]
+    assert advanced == [1]

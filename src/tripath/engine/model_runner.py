@@ -347,19 +347,21 @@ class ModelRunner:
         reading block 0), then :meth:`warm_sampling` on up to ``max_num_seqs`` of its rows: PyTorch's caching
         allocator then holds the activation memory a step needs (sized by :meth:`_num_blocks_that_fit`), so
         no step while serving waits for a device allocation. Returns the forward's host time over its GPU
-        span (near 1: the step is host-bound); None off a GPU, where nothing runs."""
-        if self.device.type != "cuda":
-            return None
+        span (near 1: the step is host-bound); None off a GPU, where only the forward runs."""
         lens = self._largest_prompt_step()
         width = max(blocks_needed(n, self.block_size) for n in lens)
         block_table = torch.zeros(len(lens), width, dtype=torch.int32)
         slots = torch.full((sum(lens),), -1, dtype=torch.int64)
-        torch.cuda.synchronize(self.device)
-        events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        events[0].record()
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize(self.device)
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
         start = time.perf_counter()
         hidden = self._prompt_forward(lens, block_table, slots, self.caches)
         host_s = time.perf_counter() - start
+        if not on_gpu:
+            return None
         events[1].record()
         torch.cuda.synchronize(self.device)
         share = host_s / max(events[0].elapsed_time(events[1]) / 1e3, 1e-9)
