@@ -10,12 +10,14 @@ import random
 import pytest
 import torch
 
+from tripath.attention import ForwardContext
+from tripath.attention.context import MIN_LAYERS_TO_REPLAY
 from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.mixed_graphs import MixedStepGraphs
 from tripath.models import load_model
 from tripath.models.loader import build_model, init_random_weights
 from tripath.models.parallel import ParallelState
-from tripath.models.presets import tiny_deepseek
+from tripath.models.presets import tiny_deepseek, tiny_qwen3
 
 
 def test_sizes_cover_the_token_budget():
@@ -53,6 +55,23 @@ def test_not_on_the_cpu_nor_for_mixture_of_experts_models_nor_tensor_parallel_ra
     assert not dense.runner.uses_mixed_graphs
 
 
+def three_layer_qwen3(device, dtype):
+    """tiny-qwen3 with a third layer: enough layers for a step to replay its first layer's launches."""
+    model = build_model(dataclasses.replace(tiny_qwen3(), num_layers=MIN_LAYERS_TO_REPLAY), dtype=dtype,
+                        device=device)
+    init_random_weights(model, 0)
+    model.post_load()
+    return model
+
+
+def _model(name, device, dtype):
+    if name == "dense-mla":
+        return dense_mla_model(device, dtype)
+    if name == "qwen3-3-layers":
+        return three_layer_qwen3(device, dtype)
+    return load_model(name, dtype=dtype, device=device)
+
+
 def dense_mla_model(device, dtype):
     """tiny-deepseek without its mixture of experts (the MLA TP-8 presets are dense too)."""
     model = build_model(dataclasses.replace(tiny_deepseek(), moe=None), dtype=dtype, device=device)
@@ -62,11 +81,10 @@ def dense_mla_model(device, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-qwen3", "two_path"),
+@pytest.mark.parametrize("name,backend", [("qwen3-3-layers", "three_path"), ("tiny-qwen3", "two_path"),
                                           ("tiny-llama", "unified"), ("dense-mla", "mla")])
 def test_replayed_hidden_states_equal_the_eager_model_on_gpu(name, backend):
-    model = dense_mla_model("cuda", torch.float16) if name == "dense-mla" else \
-        load_model(name, dtype=torch.float16, device="cuda")
+    model = _model(name, "cuda", torch.float16)
     llm = LLM(model, backend=backend, num_kv_blocks=64, max_num_batched_tokens=300, max_num_seqs=8, device="cuda")
     runner = llm.runner
     assert runner.largest_step_host_share >= 0.5  # tiny models: host-bound steps
@@ -83,14 +101,13 @@ def test_replayed_hidden_states_equal_the_eager_model_on_gpu(name, backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-llama", "two_path"),
-                                          ("tiny-qwen3", "unified"), ("dense-mla", "mla"),
+@pytest.mark.parametrize("name,backend", [("qwen3-3-layers", "three_path"), ("qwen3-3-layers", "two_path"),
+                                          ("tiny-llama", "unified"), ("dense-mla", "mla"),
                                           ("dense-mla", "mla_triton")])
 def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatch):
     from model_steps import assert_same_or_near_tie
 
-    model = dense_mla_model("cuda", torch.float16) if name == "dense-mla" else \
-        load_model(name, dtype=torch.float16, device="cuda")
+    model = _model(name, "cuda", torch.float16)
     rng = random.Random(4)
     shared = [rng.randrange(1, 256) for _ in range(40)]
     prompts = [shared * (i % 2) + [rng.randrange(1, 256) for _ in range(rng.randrange(10, 300))] for i in range(14)]
@@ -103,11 +120,26 @@ def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatc
     real_run = MixedStepGraphs.run
     monkeypatch.setattr(MixedStepGraphs, "run", lambda self, *a: runs.append(a[0].shape[0]) or real_run(self, *a))
     block_size = eager.runner.block_size
+    real_attend = ForwardContext.attend
     for rows in (8192, 640):  # 640 cache rows: tight, with preemptions (recomputed prompts)
         llm = LLM(model, num_kv_blocks=rows // block_size, **common)
+        attends, forwards, runs_before = [], [], len(runs)  # counted from here, not in the start's steps
+        monkeypatch.setattr(ForwardContext, "attend",
+                            lambda self, *a, **kw: attends.append(1) or real_attend(self, *a, **kw))
+        if model.config.mla is None:
+            backend_forward = llm.runner.backend.forward
+            monkeypatch.setattr(llm.runner.backend, "forward",
+                                lambda *a, **kw: forwards.append(1) or backend_forward(*a, **kw))
         got = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert_same_or_near_tie(model, prompts, expected, got)
         assert llm.num_compiled_since_start == 0
         if rows == 640:
             assert llm.last_metrics.num_preemptions > 0
+        assert len(runs) > runs_before
+        if model.config.mla is None and model.config.num_layers >= MIN_LAYERS_TO_REPLAY:
+            # the layers after the first of a step through the graphs replay its launches
+            assert 0 < len(forwards) < len(attends)
+        elif model.config.mla is None:  # tiny-llama's 2 layers: every layer runs its forward
+            assert len(forwards) == len(attends) > 0
+    monkeypatch.setattr(ForwardContext, "attend", real_attend)
     assert runs and max(runs) == 256 and llm.block_manager.num_hit_tokens > 0

@@ -7,8 +7,10 @@ under a stand-in context whose attention calls cut the capture: each call's tens
 (inside the graph being captured) into static buffers, that graph ends, and the call returns a static
 output buffer which the next graph reads. A step of ``T <= N`` tokens writes its ids and positions into the
 first ``T`` rows and replays the first graph; then, for each attention call, it runs the call on the
-first ``T`` rows of the static inputs with the step's :class:`~tripath.attention.ForwardContext`, copies
-the result into the static output and replays the next graph. The hidden states are the first ``T`` rows
+first ``T`` rows of the static inputs with the step's :class:`~tripath.attention.ForwardContext`, writing
+into the first ``T`` rows of the static output (MLA calls: copying their result there), and replays the
+next graph. Every MHA call of a step thus sees the same memory, so the context replays the first layer's
+launches for the others (:class:`~tripath.attention.ForwardContext`, ``replay_launches``). The hidden states are the first ``T`` rows
 of the last graph's output. Rows past ``T`` carry stale values through the row-wise layers and are never
 read.
 
@@ -29,9 +31,10 @@ import torch
 
 @dataclass
 class _Call:
-    """One attention call of a captured bucket: ``run(ctx, T)`` makes it on the first ``T`` static rows."""
+    """One attention call of a captured bucket: ``run(ctx, T, out)`` makes it on the first ``T`` static rows,
+    into ``out`` where the call takes one (MHA), returning the result."""
 
-    run: Callable[[object, int], torch.Tensor]
+    run: Callable[[object, int, torch.Tensor | None], torch.Tensor]
     out: torch.Tensor  # the static output buffer (all rows), which the next graph reads
 
 
@@ -114,7 +117,10 @@ class MixedStepGraphs:
         self.positions[:t].copy_(positions)
         bucket.graphs[0].replay()
         for call, graph in zip(bucket.calls, bucket.graphs[1:]):
-            call.out[:t].copy_(call.run(ctx, t))
+            out = call.out[:t]
+            result = call.run(ctx, t, out)
+            if result.data_ptr() != out.data_ptr():
+                out.copy_(result)
             graph.replay()
         return bucket.hidden[:t]
 
@@ -149,9 +155,9 @@ class _CapturingContext:
             staged.append(view)
         return staged
 
-    def _cut(self, run: Callable[[object, int], torch.Tensor]) -> torch.Tensor:
+    def _cut(self, run: Callable[[object, int, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
         self.end()
-        result = run(self.ctx, self.n)
+        result = run(self.ctx, self.n, None)
         out = self.owner.static_buffer("out", 0, result)
         self.calls.append(_Call(run, out))
         self.begin()
@@ -159,8 +165,8 @@ class _CapturingContext:
 
     def attend(self, layer_idx: int, q, k, v, **options) -> torch.Tensor:
         sq, sk, sv = self._stage((q, k, v))
-        return self._cut(lambda ctx, t: ctx.attend(layer_idx, sq[:t], sk[:t], sv[:t], **options))
+        return self._cut(lambda ctx, t, out: ctx.attend(layer_idx, sq[:t], sk[:t], sv[:t], out=out, **options))
 
     def attend_mla(self, layer_idx: int, q_nope, q_pe, kv_c, k_pe, positions, weights) -> torch.Tensor:
         staged = self._stage((q_nope, q_pe, kv_c, k_pe, positions))
-        return self._cut(lambda ctx, t: ctx.attend_mla(layer_idx, *(s[:t] for s in staged), weights))
+        return self._cut(lambda ctx, t, out: ctx.attend_mla(layer_idx, *(s[:t] for s in staged), weights))

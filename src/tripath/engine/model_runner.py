@@ -49,6 +49,7 @@ from tripath.engine.sampler import make_generator, sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.warmup import WarmupReport, warm_up
+from tripath.ops.replay import warm_up_recording
 from tripath.models.layers import Experts
 
 # Piecewise graphs are captured when the largest eager step's host time is at least this share of its GPU
@@ -286,6 +287,7 @@ class ModelRunner:
                                             pool=self._graph_pool)
         with torch.inference_mode():
             self.mixed_graphs.capture(self._nothing_written_context)
+        warm_up_recording()  # the graphs' steps record and replay their layers' launches
 
     def _nothing_written_context(self, num_tokens: int) -> ForwardContext:
         """A context for prompts of ``num_tokens`` tokens in all (sequences of at most ``max_model_len``)

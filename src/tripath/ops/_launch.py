@@ -4,7 +4,9 @@ Every launcher calls :func:`launch` instead of ``kernel[grid](...)``. Inside :fu
 call is recorded rather than run, which lets the portability check compile exactly the kernels, argument
 types, constexprs and launch options that the launchers choose, for any target, without a GPU, and lets
 the engine's warm-up find which kernel variants a step needs (:func:`launch_key`).
-:func:`compiled_variants` counts the variants this process has compiled so far.
+:func:`compiled_variants` counts the variants this process has compiled so far. :func:`record_launches` runs
+code and keeps what it launched as a :class:`LaunchSequence`, which makes the same launches again, cheaply,
+with some tensor arguments swapped (the attention of one layer replayed for the next layers of a step).
 """
 
 from __future__ import annotations
@@ -36,17 +38,29 @@ class LaunchRecord:
 
 
 _captures: list[list[LaunchRecord]] = []
+_recordings: list["_Recording"] = []
 
 
 def launch(kernel: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
-    """Launch ``kernel`` on ``grid`` (or record it inside :func:`capture_launches`)."""
+    """Launch ``kernel`` on ``grid`` (or record it inside :func:`capture_launches`; run and record it inside
+    :func:`record_launches`)."""
     grid = tuple(int(g) for g in grid)
     if _captures:
         _captures[-1].append(LaunchRecord(kernel, grid, args, kwargs))
         return
     if min(grid) <= 0:
         return
-    kernel[grid](*args, **kwargs)
+    if not _recordings:
+        kernel[grid](*args, **kwargs)
+        return
+    recording = _recordings[-1]
+    if recording.interpreted:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():  # the interpreter's own tensor work is not the recorded code's
+            recording.add(kernel, grid, args, kwargs, kernel[grid](*args, **kwargs))
+    else:
+        recording.add(kernel, grid, args, kwargs, kernel[grid](*args, **kwargs))
 
 
 @contextlib.contextmanager

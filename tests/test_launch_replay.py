@@ -1,0 +1,163 @@
+"""One layer's attention launches replayed for the other layers of a step (:mod:`tripath.ops.replay`,
+``ForwardContext.replay_launches``): every layer's output and cache equal a forward of its own, the
+backend's forward runs once for all layers, and what cannot be replayed is refused and run as usual."""
+
+import pytest
+import torch
+
+from conftest import DEVICE
+from tripath.attention import ForwardContext
+from tripath.attention.selector import backend_class
+from tripath.attention.spec import AttentionSpec
+from tripath.bench.batches import make_step
+from tripath.ops import write_kv_cache
+from tripath.ops.replay import record_launches
+
+# 2 decodes, 1 extend on a cached context, 1 prefill
+REQUESTS = [(37, 1), (20, 1), (29, 9), (0, 13)]
+NUM_LAYERS = 3
+
+
+def _layers(step, num_layers):
+    """Per-layer caches with different contexts (each a scaled copy) and per-layer new q/k/v."""
+    caches, inputs = [], []
+    gen = torch.Generator().manual_seed(1)
+    for layer in range(num_layers):
+        cache = step.fresh_cache()
+        cache.k_cache.mul_(1.0 + 0.5 * layer)
+        cache.v_cache.mul_(1.0 - 0.3 * layer)
+        caches.append(cache)
+        inputs.append(tuple(torch.randn(t.shape, generator=gen).to(t.dtype).to(t.device)
+                            for t in (step.q, step.k, step.v)))
+    return caches, inputs
+
+
+def _run(backend, step, caches, inputs, replay: bool, count: list | None = None):
+    """The layers in order through one context, on shared static q/k/v/out buffers (as the piecewise CUDA
+    graphs give them); each layer's output copied out."""
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    ctx = ForwardContext(backend, meta, caches, replay_launches=replay)
+    q, k, v = (torch.empty_like(t) for t in (step.q, step.k, step.v))
+    out = torch.full((q.shape[0], q.shape[1], backend.spec.v_size), float("nan"), dtype=q.dtype, device=q.device)
+    outputs = []
+    for layer, (lq, lk, lv) in enumerate(inputs):
+        q.copy_(lq), k.copy_(lk), v.copy_(lv)
+        result = ctx.attend(layer, q, k, v, out=out, sinks=step.sinks)
+        assert result.data_ptr() == out.data_ptr()
+        outputs.append(out.clone())
+    return outputs
+
+
+@pytest.mark.parametrize("name", ["three_path", "two_path", "unified"])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_replayed_layers_equal_their_own_forward(name, sinks, monkeypatch):
+    spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16, use_sinks=sinks)
+    backend = backend_class(name)(spec, DEVICE)
+    step = make_step(spec, REQUESTS, backend, seed=3, device=DEVICE)
+    caches, inputs = _layers(step, NUM_LAYERS)
+    want_caches, _ = _layers(step, NUM_LAYERS)
+    want = _run(backend, step, want_caches, inputs, replay=False)
+
+    calls = []
+    real = backend.forward
+    monkeypatch.setattr(backend, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = _run(backend, step, caches, inputs, replay=True)
+    assert len(calls) == 1  # the first layer ran the forward; the others replayed its launches
+    for layer in range(NUM_LAYERS):
+        torch.testing.assert_close(got[layer], want[layer], atol=0, rtol=0)
+        torch.testing.assert_close(caches[layer].k_cache, want_caches[layer].k_cache, atol=0, rtol=0)
+        torch.testing.assert_close(caches[layer].v_cache, want_caches[layer].v_cache, atol=0, rtol=0)
+    assert not torch.equal(got[0], got[1])  # the layers' caches differ, so do their outputs
+
+
+def test_a_second_model_step_on_the_context_records_again(monkeypatch):
+    spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
+    backend = backend_class("three_path")(spec, DEVICE)
+    step = make_step(spec, REQUESTS, backend, seed=4, device=DEVICE)
+    caches, inputs = _layers(step, 3)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    ctx = ForwardContext(backend, meta, caches)
+    calls = []
+    real = backend.forward
+    monkeypatch.setattr(backend, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = (t.clone() for t in (step.q, step.k, step.v))
+    out = torch.empty(q.shape[0], 4, 32, dtype=q.dtype, device=q.device)
+    for _ in range(2):
+        for layer in range(3):
+            ctx.attend(layer, q, k, v, out=out)
+    assert len(calls) == 2
+    other = torch.empty_like(out)  # other memory: not the recorded launches' output
+    ctx.attend(1, q, k, v, out=other)
+    assert len(calls) == 3
+    two_layers = ForwardContext(backend, meta, caches[:2])  # too few layers for a recording to pay
+    for layer in range(2):
+        two_layers.attend(layer, q, k, v, out=out)
+    assert len(calls) == 5 and not two_layers._recorded
+
+
+def test_without_out_or_on_other_memory_every_layer_runs_its_forward(monkeypatch):
+    spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
+    backend = backend_class("unified")(spec, DEVICE)
+    step = make_step(spec, REQUESTS, backend, seed=5, device=DEVICE)
+    caches, inputs = _layers(step, 3)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    ctx = ForwardContext(backend, meta, caches)
+    calls = []
+    real = backend.forward
+    monkeypatch.setattr(backend, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for layer, (q, k, v) in enumerate(inputs):
+        ctx.attend(layer, q, k, v)  # no out
+    assert len(calls) == 3
+    for layer, (q, k, v) in enumerate(inputs):  # out given, but q/k/v are new memory every layer
+        ctx.attend(layer, q.clone(), k.clone(), v.clone(), out=torch.empty(q.shape[0], 4, 32, dtype=q.dtype, device=q.device))
+    assert len(calls) == 6
+
+
+def test_recording_refuses_what_a_replay_would_get_wrong():
+    spec = AttentionSpec(2, 1, 32, dtype=torch.float16, block_size=16)
+    backend = backend_class("unified")(spec, DEVICE)
+    step = make_step(spec, [(5, 3)], backend, seed=6, device=DEVICE)
+    cache = step.cache
+    x = torch.zeros(4, device=DEVICE)
+    _, sequence, reason = record_launches(lambda: x.add_(1), [cache.k_cache])
+    assert sequence is None and "aten.add_" in reason  # arithmetic a replay would skip
+
+    def through_a_view():
+        write_kv_cache(step.k, step.v, cache.k_cache[:], cache.v_cache, step.slot_mapping)
+
+    _, sequence, reason = record_launches(through_a_view, [cache.k_cache, cache.v_cache], [step.slot_mapping])
+    assert sequence is None and "through a view" in reason
+
+    def read_the_keys():  # the layer's own input, read by PyTorch: not the same for every layer
+        write_kv_cache(step.k, step.v, cache.k_cache, cache.v_cache, step.slot_mapping)
+        return step.k.float().norm()
+
+    _, sequence, reason = record_launches(read_the_keys, [cache.k_cache, cache.v_cache], [step.slot_mapping])
+    assert sequence is None and "may differ between layers" in reason
+
+    _, sequence, reason = record_launches(lambda: torch.empty(3), [cache.k_cache])
+    assert sequence is None and "nothing was launched" in reason
+
+
+def test_replay_refuses_swaps_unlike_the_recorded_tensors():
+    spec = AttentionSpec(2, 1, 32, dtype=torch.float16, block_size=16)
+    backend = backend_class("unified")(spec, DEVICE)
+    step = make_step(spec, [(5, 3)], backend, seed=7, device=DEVICE)
+    cache = step.cache
+
+    def write():
+        write_kv_cache(step.k, step.v, cache.k_cache, cache.v_cache, step.slot_mapping)
+
+    _, sequence, reason = record_launches(write, [cache.k_cache, cache.v_cache], [step.slot_mapping])
+    assert reason is None and len(sequence) == 1
+    other = backend.allocate_cache(cache.k_cache.shape[0])
+    assert sequence.compatible([other.k_cache, other.v_cache])
+    smaller = backend.allocate_cache(cache.k_cache.shape[0] - 1)
+    assert not sequence.replay([smaller.k_cache, smaller.v_cache])  # another shape: nothing launched
+    assert not smaller.k_cache.any()
+    assert not sequence.replay([other.k_cache.float(), other.v_cache])
+    assert not sequence.replay([other.k_cache])
+    assert sequence.replay([other.k_cache, other.v_cache])
+    rows = step.slot_mapping
+    torch.testing.assert_close(other.k_cache.flatten(0, 1)[rows], step.k, atol=0, rtol=0)
+    torch.testing.assert_close(other.v_cache.flatten(0, 1)[rows], step.v, atol=0, rtol=0)
