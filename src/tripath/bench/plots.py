@@ -91,9 +91,11 @@ def percent_of_floor(table: Table) -> dict[str, dict[str, float]]:
 
 
 def end_to_end(table: Table) -> dict[str, dict[str, float]]:
-    """``{workload: {backend: % of floor}}`` of the end-to-end table (the label prefixed with the model
-    shape when the table has a ``model shape (attention layers)`` column)."""
+    """``{workload: {backend: % of floor}}`` of the end-to-end table (its ``workload`` or ``workload (run)``
+    column; the label prefixed with the model shape when the table has a ``model shape (attention layers)``
+    column)."""
     col = {name: i for i, name in enumerate(table.header)}
+    col.setdefault("workload", col.get("workload (run)"))
     shape = col.get("model shape (attention layers)")
     groups: dict[str, dict[str, float]] = {}
     for row in table.rows:
