@@ -10,6 +10,7 @@ import torch
 
 from tripath.bench import serve
 from tripath.bench.serve import WORKLOADS, Workload, make_prompts, model_costs, roofline_floor_s, run_pass
+from tripath.bench.gc_pauses import GarbageCollections, format_collections
 from tripath.bench.step_breakdown import StepBreakdown, format_breakdown
 from tripath.engine import LLM
 
@@ -133,6 +134,25 @@ def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     for p in result["passes"]:
         assert p["num_requests"] == 2 and p["total_output_tokens"] == 6 and p["compiled_after_start"] == 0
         assert set(p["ttft_s"]) == {"mean", "p50", "p90", "p99"} and p["ttft_s"]["p50"] > 0
-    assert "ttft_s.p99" in (tmp_path / "r.csv").read_text().splitlines()[0]
+        assert set(p["gc"]) == {"collections", "pause_s", "max_pause_s", "oldest_collections", "oldest_pause_s"}
+    header = (tmp_path / "r.csv").read_text().splitlines()[0]
+    assert "ttft_s.p99" in header and "warm_pass_gc.oldest_pause_s" in header
     assert (tmp_path / "r.png").stat().st_size > 1000
-    assert "torch" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "torch" in printed and "garbage collection, first pass" in printed
+
+
+def test_garbage_collections_are_counted_and_timed_by_generation():
+    import gc
+
+    with GarbageCollections() as collections:
+        gc.collect(0)
+        gc.collect()  # the oldest generation
+    after = len(collections.pauses)
+    gc.collect()  # outside the context: not counted
+    summary = collections.summary()
+    assert len(collections.pauses) == after and [g for g, _ in collections.pauses][-2:] == [0, 2]
+    assert summary["collections"] >= 2 and summary["oldest_collections"] >= 1
+    assert 0 < summary["oldest_pause_s"] <= summary["pause_s"] and summary["max_pause_s"] > 0
+    line = format_collections("b", summary, GarbageCollections().summary())
+    assert line.startswith("b: garbage collection, first pass") and "warm pass 0 collections, 0.0 ms" in line

@@ -7,7 +7,9 @@ passes, of which the median is reported as *the warm pass*), keeping at most ``-
 in flight. A second process then times the engine start again on the now warm cache. Reported per backend:
 both starts, the first and the warm pass's wall time (and every warm pass's), output and total tok/s, TTFT / TPOT
 / ITL / end-to-end latency (mean, p50, p90, p99, :mod:`tripath.bench.serve_report`), kernel variants
-compiled after the engine started, and the warm pass's fraction of the roofline floor::
+compiled after the engine started, the first and the warm pass's garbage collections (count and pause,
+the oldest generation's apart: :mod:`tripath.bench.gc_pauses`), and the warm pass's fraction of the
+roofline floor::
 
     floor = prefill FLOPs / matmul rate + Σ over decode steps (weight bytes + KV bytes read) / copy bandwidth
 
@@ -36,6 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from tripath.bench.gc_pauses import GarbageCollections, format_collections
 from tripath.bench.serve_report import RequestRecord, format_table, summarize, write_csv, write_json
 from tripath.bench.step_breakdown import StepBreakdown, format_breakdown
 
@@ -111,6 +114,7 @@ class PassResult:
     num_steps: int
     decode_steps: list[tuple[int, int]]  # per step with decodes: (decoding requests, KV tokens they read)
     compiled: int
+    gc: dict  # the pass's garbage collections (:meth:`GarbageCollections.summary`)
 
 
 def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurrency: int,
@@ -129,7 +133,8 @@ def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurr
     records: list[RequestRecord | None] = [None] * len(prompts)
     decode_steps: list[tuple[int, int]] = []
     start = time.perf_counter()
-    with tqdm(total=len(prompts), desc="requests", disable=not progress, dynamic_ncols=True, leave=False) as bar:
+    with tqdm(total=len(prompts), desc="requests", disable=not progress, dynamic_ncols=True, leave=False) as bar, \
+            GarbageCollections() as collections:
         while pending or llm.has_unfinished_requests():
             while pending and len(added) < max_concurrency:
                 index, prompt = pending.pop()
@@ -159,7 +164,7 @@ def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurr
             decode_steps.extend((decodes, kv) for decodes, kv in model_steps if decodes)
     elapsed = time.perf_counter() - start
     return PassResult([r for r in records if r is not None], elapsed, llm.num_steps - steps0, decode_steps,
-                      llm.num_compiled_since_start - compiled0)
+                      llm.num_compiled_since_start - compiled0, collections.summary())
 
 
 # ---- the roofline floor ---------------------------------------------------------------------------------
@@ -268,7 +273,7 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
             result["step_breakdown"] = timer.summary()
         report = summarize(outcome.records, outcome.elapsed_s)
         report.update(num_steps=outcome.num_steps, compiled_after_start=outcome.compiled,
-                      num_decode_steps=len(outcome.decode_steps))
+                      num_decode_steps=len(outcome.decode_steps), gc=outcome.gc)
         if ceilings is not None:
             floor = roofline_floor_s(costs, prompts, outcome.decode_steps, *ceilings)
             report.update(floor_s=floor, floor_fraction=floor / outcome.elapsed_s)
@@ -388,7 +393,8 @@ def rows_of(results: list[dict], workload_name: str) -> list[dict]:
                        output_throughput=warm["output_throughput"], total_throughput=warm["total_throughput"],
                        ttft_s=warm["ttft_s"], tpot_s=warm["tpot_s"], itl_s=warm["itl_s"], e2e_s=warm["e2e_s"],
                        compiled_after_start=sum(p["compiled_after_start"] for p in passes),
-                       floor_s=warm.get("floor_s"), floor_fraction=warm.get("floor_fraction"))
+                       floor_s=warm.get("floor_s"), floor_fraction=warm.get("floor_fraction"),
+                       first_pass_gc=first.get("gc"), warm_pass_gc=warm.get("gc"))
         rows.append(row)
     return rows
 
@@ -510,6 +516,9 @@ def main_serve(argv: list[str] | None = None) -> int:
     for r in rows:
         if "error" in r:
             print(f"{r['backend']}: {r['error']}")
+    for row in rows:
+        if row.get("first_pass_gc") and row.get("warm_pass_gc"):
+            print(format_collections(row["backend"], row["first_pass_gc"], row["warm_pass_gc"]))
     for result, row in zip(results, rows):
         if result.get("step_breakdown"):
             print(format_breakdown(row["backend"], result["step_breakdown"]))
