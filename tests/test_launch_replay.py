@@ -199,3 +199,24 @@ def test_replay_refuses_swaps_unlike_the_recorded_tensors():
     rows = step.slot_mapping
     torch.testing.assert_close(other.k_cache.flatten(0, 1)[rows], step.k, atol=0, rtol=0)
     torch.testing.assert_close(other.v_cache.flatten(0, 1)[rows], step.v, atol=0, rtol=0)
+
+
+def test_a_recording_keeps_only_its_own_threads_launches():
+    import threading
+
+    spec = AttentionSpec(2, 1, 32, dtype=torch.float16, block_size=16)
+    backend = backend_class("unified")(spec, DEVICE)
+    step = make_step(spec, [(5, 3)], backend, seed=9, device=DEVICE)
+    cache, other = step.cache, backend.allocate_cache(step.cache.k_cache.shape[0], DEVICE)
+
+    def write(into):
+        write_kv_cache(step.k, step.v, into.k_cache, into.v_cache, step.slot_mapping)
+
+    def recorded():  # another engine's thread launches while this one records
+        thread = threading.Thread(target=write, args=(other,))
+        thread.start()
+        thread.join()
+        write(cache)
+
+    _, sequence, reason = record_launches(recorded, [cache.k_cache, cache.v_cache], [step.slot_mapping])
+    assert reason is None and len(sequence) == 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -38,7 +39,17 @@ class LaunchRecord:
 
 
 _captures: list[list[LaunchRecord]] = []
-_recordings: list["_Recording"] = []
+
+
+class _ThreadRecordings(threading.local):
+    """The recordings in progress on this thread (:func:`tripath.ops.replay.record_launches`): only this
+    thread's launches belong to them, whatever other engines in the process launch meanwhile."""
+
+    def __init__(self):
+        self.active: list = []
+
+
+_recordings = _ThreadRecordings()
 
 
 def launch(kernel: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -50,10 +61,10 @@ def launch(kernel: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -
         return
     if min(grid) <= 0:
         return
-    if not _recordings:
+    if not _recordings.active:
         kernel[grid](*args, **kwargs)
         return
-    recording = _recordings[-1]
+    recording = _recordings.active[-1]
     if recording.interpreted:
         from torch.utils._python_dispatch import _disable_current_modes
 

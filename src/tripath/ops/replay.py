@@ -228,12 +228,12 @@ def record_launches(fn: Callable[[], Any], swappable: Sequence[torch.Tensor | No
     recording = _Recording(swappable, invariant, interpreted)
     if not interpreted and torch.cuda.is_current_stream_capturing():
         return fn(), None, "a CUDA graph is being captured"
-    _launch._recordings.append(recording)
+    _launch._recordings.active.append(recording)
     try:
         with recording:
             result = fn()
     finally:
-        _launch._recordings.pop()
+        _launch._recordings.active.pop()
     if recording.reason is None and not recording.launches:
         recording.refuse("nothing was launched")
     if recording.reason is not None:
