@@ -38,10 +38,12 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
              "tripath.bench.tune:main_tune"),
     "serve": ("whole requests through the engine per backend: start, passes, TTFT/TPOT, the roofline floor",
               "tripath.bench.serve:main_serve"),
+    "host": ("host time of one mixed step's attention per MHA backend: forward, recording, replay, layers",
+             "tripath.bench.host:main_host"),
 }
 DEFAULT_BENCH = "backends"
 # Commands whose Triton kernels run in Triton's interpreter when the machine has no GPU.
-INTERPRET_ON_CPU = {"bench backends"}
+INTERPRET_ON_CPU = {"bench backends", "bench host"}
 
 
 def _load(target: str) -> Callable[[list[str]], int]:

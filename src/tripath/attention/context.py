@@ -93,7 +93,7 @@ class ForwardContext:
         if recorded is None:
             from tripath.ops.replay import record_launches
 
-            result, sequence, _ = record_launches(forward, swaps, invariant=_tensors(self.metadata))
+            result, sequence, _ = record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
             self._recorded[key] = sequence or False
             return result
         if recorded is not False and recorded.replay(swaps):
@@ -112,7 +112,7 @@ class ForwardContext:
                                         self.metadata, weights)
 
 
-def _tensors(value) -> list[torch.Tensor]:
+def metadata_tensors(value) -> list[torch.Tensor]:
     """Every tensor in the metadata ``value``: its fields, its parts' (dataclasses) and lists of them. The
     plan holds no tensors and is skipped."""
     found = []
