@@ -55,6 +55,14 @@ def _run(backend, step, layers, replay: bool, windows=None):
     return outputs
 
 
+def _count_forwards(monkeypatch, backend) -> list:
+    """A list that grows by one each time ``backend.forward`` runs."""
+    calls = []
+    real = backend.forward
+    monkeypatch.setattr(backend, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 CASES = {
     "plain": dict(),
     "sinks": dict(use_sinks=True),
@@ -74,9 +82,7 @@ def test_replayed_layers_equal_their_own_forward(name, case, monkeypatch):
     want_layers = _layers(step, NUM_LAYERS)
     want = _run(backend, step, want_layers, replay=False)
 
-    calls = []
-    real = backend.forward
-    monkeypatch.setattr(backend, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _count_forwards(monkeypatch, backend)
     layers = _layers(step, NUM_LAYERS)
     got = _run(backend, step, layers, replay=True)
     # the first layer ran the forward; the others replayed its launches. Host fp8 scales are checked on the
@@ -99,9 +105,7 @@ def test_layers_with_their_own_windows_record_one_sequence_each(monkeypatch):
     step = make_step(spec, REQUESTS, backend, seed=8, device=DEVICE)
     windows = [12, -1, 12, -1]
     want = _run(backend, step, _layers(step, 4), replay=False, windows=windows)
-    calls = []
-    real = backend.forward
-    monkeypatch.setattr(backend, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _count_forwards(monkeypatch, backend)
     got = _run(backend, step, _layers(step, 4), replay=True, windows=windows)
     assert len(calls) == 2
     for layer in range(4):
@@ -115,9 +119,7 @@ def test_a_second_model_step_on_the_context_records_again(monkeypatch):
     caches, inputs, _ = _layers(step, 3)
     meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
     ctx = ForwardContext(backend, meta, caches)
-    calls = []
-    real = backend.forward
-    monkeypatch.setattr(backend, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _count_forwards(monkeypatch, backend)
     q, k, v = (t.clone() for t in (step.q, step.k, step.v))
     out = torch.empty(q.shape[0], 4, 32, dtype=q.dtype, device=q.device)
     for _ in range(2):
@@ -140,9 +142,7 @@ def test_without_out_or_on_other_memory_every_layer_runs_its_forward(monkeypatch
     caches, inputs, _ = _layers(step, 3)
     meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
     ctx = ForwardContext(backend, meta, caches)
-    calls = []
-    real = backend.forward
-    monkeypatch.setattr(backend, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = _count_forwards(monkeypatch, backend)
     for layer, (q, k, v) in enumerate(inputs):
         ctx.attend(layer, q, k, v)  # no out
     assert len(calls) == 3

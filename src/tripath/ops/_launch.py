@@ -4,9 +4,9 @@ Every launcher calls :func:`launch` instead of ``kernel[grid](...)``. Inside :fu
 call is recorded rather than run, which lets the portability check compile exactly the kernels, argument
 types, constexprs and launch options that the launchers choose, for any target, without a GPU, and lets
 the engine's warm-up find which kernel variants a step needs (:func:`launch_key`).
-:func:`compiled_variants` counts the variants this process has compiled so far. :func:`record_launches` runs
-code and keeps what it launched as a :class:`LaunchSequence`, which makes the same launches again, cheaply,
-with some tensor arguments swapped (the attention of one layer replayed for the next layers of a step).
+:func:`compiled_variants` counts the variants this process has compiled so far. Inside
+:func:`tripath.ops.replay.record_launches` each launch runs and is kept, so that it can be made again
+cheaply with some tensor arguments swapped (one layer's attention replayed for the next layers of a step).
 """
 
 from __future__ import annotations
@@ -64,13 +64,11 @@ def launch(kernel: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -
     if not _recordings.active:
         kernel[grid](*args, **kwargs)
         return
-    recording = _recordings.active[-1]
-    if recording.interpreted:
-        from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils._python_dispatch import _disable_current_modes
 
-        with _disable_current_modes():  # the interpreter's own tensor work is not the recorded code's
-            recording.add(kernel, grid, args, kwargs, kernel[grid](*args, **kwargs))
-    else:
+    recording = _recordings.active[-1]
+    # the interpreter's own tensor work is not the recorded code's
+    with _disable_current_modes() if recording.interpreted else contextlib.nullcontext():
         recording.add(kernel, grid, args, kwargs, kernel[grid](*args, **kwargs))
 
 
