@@ -409,3 +409,19 @@ def test_start_warms_the_lm_head_and_sampling_for_every_row_count():
     assert [n for n, greedy in sampled if greedy] == [1, 2, 3, 4, 5, 6]
     assert [n for n, greedy in sampled if not greedy] == [1, 2, 4, 6]
     assert advanced == [1]
+
+
+def test_the_start_ends_with_a_full_garbage_collection(pure_torch):
+    """The collector's first full pass over the start's objects runs inside ``LLM(...)``, not in a step."""
+    collections = []
+
+    def record(phase, info):
+        if phase == "stop":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        LLM(preset("tiny-llama"), backend="torch", num_kv_blocks=8, max_model_len=16)
+    finally:
+        gc.callbacks.remove(record)
+    assert collections and collections[-1] == 2

@@ -3,8 +3,10 @@ strings, the chat template helper and ``LLM.chat``, the online benchmark's workl
 ASGI) a failing engine step (500, the loop goes on) and a request timeout (504)."""
 
 import asyncio
+import gc
 import math
 import statistics
+import weakref
 
 import pytest
 import torch
@@ -203,3 +205,19 @@ def test_a_request_past_its_timeout_gets_504_and_is_aborted(monkeypatch):
     finally:
         engine.stop()
         torch.set_num_threads(threads)
+
+
+def test_the_server_freezes_the_heap_it_starts_with_and_releases_the_engine(monkeypatch):
+    """Once the engine is built the server moves every live object out of the collector's generations; at
+    shutdown it moves them back, so the engine (its launch is patched: a reference cycle) is collected."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    threads = torch.get_num_threads()
+    app, engine = _app()
+    try:
+        assert gc.get_freeze_count() > 0
+        llm = weakref.ref(engine.llm)
+    finally:
+        engine.stop()
+        torch.set_num_threads(threads)
+    assert gc.get_freeze_count() == 0
+    assert llm() is None

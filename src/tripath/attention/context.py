@@ -42,7 +42,8 @@ class ForwardContext:
     metadata, without the host work of choosing them. The first such layer of a step records; a layer that
     attends a second time (the next model step on this context) starts over. Where a forward cannot be
     replayed (side streams, PyTorch arithmetic in the forward, the calibration step) every layer runs it;
-    models of fewer than ``MIN_LAYERS_TO_REPLAY`` layers never record.
+    models of fewer than ``MIN_LAYERS_TO_REPLAY`` layers never record. :attr:`replay_refusals` lists why
+    each refused recording of the context was refused.
     """
 
     backend: "AttentionBackend"
@@ -51,6 +52,7 @@ class ForwardContext:
     calibrate_kv_scales: bool = False
     validate: bool | None = None
     replay_launches: bool = True
+    replay_refusals: list[str] = field(default_factory=list, init=False, repr=False)
     _recorded: dict = field(default_factory=dict, init=False, repr=False)
     _attended: set = field(default_factory=set, init=False, repr=False)
 
@@ -93,8 +95,10 @@ class ForwardContext:
         if recorded is None:
             from tripath.ops.replay import record_launches
 
-            result, sequence, _ = record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
+            result, sequence, reason = record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
             self._recorded[key] = sequence or False
+            if sequence is None:
+                self.replay_refusals.append(reason)
             return result
         if recorded is not False and recorded.replay(swaps):
             return out

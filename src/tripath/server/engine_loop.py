@@ -123,6 +123,9 @@ class EngineLoop:
                 self._on_fatal(error)
             self._done.set()
             return
+        # Every object alive now lives as long as the server: moved out of the collector's generations, the
+        # full collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
+        gc.freeze()
         self._ready.set()
         log.info("engine ready")
         try:
@@ -231,6 +234,7 @@ class EngineLoop:
         self._publish()
         device = getattr(getattr(self.llm, "config", None), "device", None)
         self.llm = None
+        gc.unfreeze()  # the engine's objects may be in reference cycles: collectable again
         gc.collect()
         if device is not None and getattr(device, "type", None) == "cuda":
             import torch
