@@ -233,30 +233,3 @@ def test_a_recording_keeps_only_its_own_threads_launches():
 
     _, sequence, reason = record_launches(recorded, [cache.k_cache, cache.v_cache], [step.slot_mapping])
     assert reason is None and len(sequence) == 1
-
-
-def test_bound_values_follow_the_kernels_parameter_order():
-    """A compiled replay passes every parameter's value in the kernel's order: the positional arguments, then
-    each later parameter's keyword argument or default, as Python binds the kernel's own signature (launch
-    options such as ``num_warps`` left out)."""
-    from tripath.ops._launch import _jit_function, capture_launches
-    from tripath.ops.replay import _bound_values
-
-    spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
-    backend = backend_class("three_path")(spec, DEVICE)
-    step = make_step(spec, REQUESTS, backend, seed=4, device=DEVICE)
-    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
-    with capture_launches() as records:
-        backend.forward(step.q, step.k, step.v, step.fresh_cache(), meta)
-    assert len(records) >= 3
-    for record in records:
-        kernel = _jit_function(record.kernel)
-        names = kernel.signature.parameters
-        bound = kernel.signature.bind(*record.args, **{k: v for k, v in record.kwargs.items() if k in names})
-        bound.apply_defaults()
-        want = list(bound.arguments.values())
-        got = _bound_values(kernel, record.args, record.kwargs)
-        assert len(got) == len(want) == len(kernel.params)
-        assert all(a is b for a, b in zip(got, want)), record.name
-    with pytest.raises(TypeError, match="no value for parameter"):
-        _bound_values(kernel, record.args[:1], {})

@@ -42,19 +42,10 @@ def _num_blocks(k_cache: torch.Tensor) -> int:
     return k_cache.shape[0]
 
 
-_NO_LSE: dict[torch.device, torch.Tensor] = {}
-
-
 def _lse_out(num_tokens: int, num_heads: int, device, return_lse: bool) -> torch.Tensor:
-    """``[num_tokens, num_heads]`` fp32 for the LSE, or (not returned) one shared ``[1, 1]`` fp32 tensor per
-    device that the kernel never writes."""
     if return_lse:
         return torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-    device = torch.device(device)
-    unused = _NO_LSE.get(device)
-    if unused is None:
-        unused = _NO_LSE[device] = torch.empty(1, 1, dtype=torch.float32, device=device)
-    return unused
+    return torch.empty(1, 1, dtype=torch.float32, device=device)
 
 
 def _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,

@@ -30,7 +30,7 @@ CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 def shuffle_width(dtype: torch.dtype) -> int:
     """``x``: elements per 16-byte vector of the shuffled layout."""
-    return 16 // dtype.itemsize
+    return 16 // torch.empty((), dtype=dtype).element_size()
 
 
 def check_layout(layout: str, block_size: int, dtype: torch.dtype) -> None:

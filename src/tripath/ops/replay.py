@@ -85,8 +85,6 @@ class _Recording(TorchDispatchMode):
         self.reason: str | None = None
         self._ids = {id(t): i for i, t in enumerate(self.swappable) if t is not None}
         self._storages = {_storage_ptr(t) for t in self.swappable if t is not None and t.numel()}
-        self._ranges = [(_storage_ptr(t), _storage_ptr(t) + t.untyped_storage().nbytes())
-                        for t in self.swappable if t is not None and t.numel()]
         self._invariant = {_storage_ptr(t) for t in invariant if t.numel()} - self._storages
         first = next((t for t in self.swappable if t is not None), None)
         self.device = first.device if first is not None else None
@@ -131,16 +129,11 @@ class _Recording(TorchDispatchMode):
                 if index is not None:
                     found.append((index, at))
                     continue
-            elif value is None or isinstance(value, (int, float, bool, str)):
-                continue
             else:
                 value = getattr(value, "base", None)  # a tensor descriptor's tensor
-            if isinstance(value, torch.Tensor) and value.numel() and self._inside_swappable(value.data_ptr()):
+            if self._reaches(value, self._storages):
                 self.refuse("a launch reads a swappable tensor through a view or a descriptor")
         return found
-
-    def _inside_swappable(self, address: int) -> bool:
-        return any(low <= address < high for low, high in self._ranges)
 
     def add(self, kernel, grid: tuple[int, ...], args: tuple, kwargs: dict, compiled) -> None:
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
@@ -158,32 +151,12 @@ class _Recording(TorchDispatchMode):
         if compiled is None or not hasattr(compiled, "packed_metadata"):
             self.refuse(f"no compiled kernel came back from {getattr(kernel, '__name__', kernel)}")
             return
-        values = _bound_values(kernel, args, kwargs)
+        from triton.runtime import driver
+
+        binder = kernel.device_caches[driver.active.get_current_device()][4]
+        values = list(binder(*args, **kwargs)[0].values())
         swaps = [(i, "value", p) for i, p in self._slots(enumerate(values))]
         self.launches.append(_Launch(kernel, grid3, [], {}, values, compiled, swaps))
-
-
-_parameters: dict[int, tuple[Any, list[str], dict[str, Any]]] = {}
-
-
-def _bound_values(kernel, args: tuple, kwargs: dict) -> list:
-    """Every parameter's value in ``kernel``'s order, as Triton's binder binds a call: the positional
-    arguments, then each later parameter's keyword argument or its default (launch options such as
-    ``num_warps`` are not parameters)."""
-    entry = _parameters.get(id(kernel))
-    if entry is None or entry[0] is not kernel:
-        entry = _parameters[id(kernel)] = (kernel, [p.name for p in kernel.params],
-                                           {p.name: p.default for p in kernel.params if p.has_default})
-    _, names, defaults = entry
-    values = list(args)
-    for name in names[len(args):]:
-        if name in kwargs:
-            values.append(kwargs[name])
-        elif name in defaults:
-            values.append(defaults[name])
-        else:
-            raise TypeError(f"{getattr(kernel, '__name__', kernel)}: no value for parameter {name!r}")
-    return values
 
 
 class LaunchSequence:
