@@ -176,3 +176,30 @@ def test_grow_and_random_alloc_free_keep_the_books():
 
 def test_blocks_needed():
     assert [blocks_needed(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_blocks_registered_chunk_by_chunk_hash_every_token_before_them():
+    """Full blocks registered while a prompt is computed in chunks and outputs arrive (one block spanning the
+    prompt's end) carry the chained hash of every token up to their end and their own tokens, as a chain
+    computed from scratch over the whole sequence gives."""
+    rng = random.Random(2)
+    bs = 4
+    bm = BlockManager(64, bs)
+    request = make_request([rng.randrange(1000) for _ in range(10)], max_tokens=20)
+    assert bm.admit(request, 100) == 10
+    finish_prefill(bm, request, 3)
+    assert request.block_hashes == []  # no full block yet
+    finish_prefill(bm, request, 7)
+    assert len(request.block_hashes) == 2
+    request.block_ids += bm.allocate(3)
+    for step in (3, 1, 5):  # outputs computed a few at a time: blocks 2 (prompt + outputs), 3 and 4
+        for _ in range(step):
+            request.append_token(rng.randrange(1000))
+        finish_prefill(bm, request, step)
+    tokens = request.all_token_ids
+    assert len(tokens) == 19 and len(request.block_hashes) == 4
+    parent = None
+    for i, block in enumerate(request.block_ids[:4]):
+        parent = hash_block(parent, tokens[i * bs:(i + 1) * bs])
+        assert request.block_hashes[i] == parent == bm.block_hash[block]
+        assert bm.block_tokens[block] == tuple(tokens[i * bs:(i + 1) * bs])

@@ -187,13 +187,18 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(request.num_computed_tokens, request.num_tokens) // bs
-        for i in range(len(request.block_hashes), num_full):
-            tokens = request.token_ids(i * bs, (i + 1) * bs)
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            h = hash_block(parent, tokens)
-            self.register(request.block_ids[i], h, tokens)
-            request.block_hashes.append(h)
+        first, num_full = len(request.block_hashes), min(request.num_computed_tokens, request.num_tokens) // bs
+        if first >= num_full:
+            return
+        new_tokens = request.token_ids(first * bs, num_full * bs)  # one slice for every new block
+        hashes = request.block_hashes
+        parent = hashes[-1] if hashes else None
+        for i in range(first, num_full):
+            at = (i - first) * bs
+            tokens = tuple(new_tokens[at:at + bs])
+            parent = hash_block(parent, tokens)
+            self.register(request.block_ids[i], parent, tokens)
+            hashes.append(parent)
 
     def release(self, request: Request) -> None:
         """Drop the request's blocks (finished or preempted); its full blocks stay cached."""
