@@ -140,6 +140,14 @@ def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     assert (tmp_path / "r.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "torch" in printed and "garbage collection, first pass" in printed
+    assert "torch (sequential): passes " in printed and ", then " in printed
+
+
+def test_the_passes_line_shows_every_pass_and_the_warm_spread():
+    row = {"backend": "b", "first_pass_s": 0.7, "warm_passes_s": [0.5, 0.55, 0.52]}
+    assert serve.format_passes(row) == ("b: passes 0.700 s, then 0.500 / 0.550 / 0.520 s "
+                                        "(warm passes within 10.0% of each other)")
+    assert serve.format_passes({"backend": "b", "first_pass_s": 0.7, "warm_passes_s": []}) == "b: passes 0.700 s"
 
 
 def test_garbage_collections_are_counted_and_timed_by_generation():

@@ -5,7 +5,8 @@ Offline mode (default): each backend runs in its own process, with an empty Trit
 workload ``--passes`` times (default 2) on fresh prompts of the same shapes (the *first pass*, then warm
 passes, of which the median is reported as *the warm pass*), keeping at most ``--max-concurrency`` requests
 in flight. A second process then times the engine start again on the now warm cache. Reported per backend:
-both starts, the first and the warm pass's wall time (and every warm pass's), output and total tok/s, TTFT / TPOT
+both starts, the first and the warm pass's wall time (and every warm pass's, with how far apart they are:
+:func:`format_passes`), output and total tok/s, TTFT / TPOT
 / ITL / end-to-end latency (mean, p50, p90, p99, :mod:`tripath.bench.serve_report`), kernel variants
 compiled after the engine started, the first and the warm pass's garbage collections (count and pause,
 the oldest generation's apart: :mod:`tripath.bench.gc_pauses`), and the warm pass's fraction of the
@@ -399,6 +400,18 @@ def rows_of(results: list[dict], workload_name: str) -> list[dict]:
     return rows
 
 
+def format_passes(row: dict) -> str:
+    """One line of a row: every pass's wall time and, with several warm passes, how far apart they are
+    (the slowest over the fastest): the noise to read the backends' differences against."""
+    warm = row.get("warm_passes_s") or []
+    line = f"{row['backend']}: passes {row['first_pass_s']:.3f} s"
+    if warm:
+        line += ", then " + " / ".join(f"{t:.3f}" for t in warm) + " s"
+    if len(warm) > 1:
+        line += f" (warm passes within {100 * (max(warm) / min(warm) - 1):.1f}% of each other)"
+    return line
+
+
 TABLE = [("backend", "backend"), ("start_s", "start s"), ("warm_start_s", "warm start s"),
          ("first_pass_s", "1st pass s"), ("warm_pass_s", "warm pass s"), ("output_throughput", "out tok/s"),
          ("total_throughput", "total tok/s"), ("ttft_s.mean", "TTFT mean"), ("ttft_s.p50", "p50"),
@@ -516,6 +529,9 @@ def main_serve(argv: list[str] | None = None) -> int:
     for r in rows:
         if "error" in r:
             print(f"{r['backend']}: {r['error']}")
+    for row in rows:
+        if "first_pass_s" in row:
+            print(format_passes(row))
     for row in rows:
         if row.get("first_pass_gc") and row.get("warm_pass_gc"):
             print(format_collections(row["backend"], row["first_pass_gc"], row["warm_pass_gc"]))
