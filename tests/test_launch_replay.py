@@ -125,13 +125,19 @@ def test_layers_with_their_own_windows_record_one_sequence_each(monkeypatch):
         torch.testing.assert_close(got[layer], want[layer], atol=0, rtol=0)
 
 
-def test_a_second_model_step_on_the_context_records_again(monkeypatch):
+def _three_layers(name: str, seed: int):
+    """``backend`` on a step of ``REQUESTS`` with three layers' caches and inputs, the step's metadata and
+    a context over the caches."""
     spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
-    backend = backend_class("three_path")(spec, DEVICE)
-    step = make_step(spec, REQUESTS, backend, seed=4, device=DEVICE)
+    backend = backend_class(name)(spec, DEVICE)
+    step = make_step(spec, REQUESTS, backend, seed=seed, device=DEVICE)
     caches, inputs, _ = _layers(step, 3)
     meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
-    ctx = ForwardContext(backend, meta, caches)
+    return backend, step, caches, inputs, meta, ForwardContext(backend, meta, caches)
+
+
+def test_a_second_model_step_on_the_context_records_again(monkeypatch):
+    backend, step, caches, inputs, meta, ctx = _three_layers("three_path", seed=4)
     calls = _count_forwards(monkeypatch, backend)
     q, k, v = (t.clone() for t in (step.q, step.k, step.v))
     out = torch.empty(q.shape[0], 4, 32, dtype=q.dtype, device=q.device)
@@ -149,12 +155,7 @@ def test_a_second_model_step_on_the_context_records_again(monkeypatch):
 
 
 def test_without_out_or_on_other_memory_every_layer_runs_its_forward(monkeypatch):
-    spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
-    backend = backend_class("unified")(spec, DEVICE)
-    step = make_step(spec, REQUESTS, backend, seed=5, device=DEVICE)
-    caches, inputs, _ = _layers(step, 3)
-    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
-    ctx = ForwardContext(backend, meta, caches)
+    backend, step, caches, inputs, meta, ctx = _three_layers("unified", seed=5)
     calls = _count_forwards(monkeypatch, backend)
     for layer, (q, k, v) in enumerate(inputs):
         ctx.attend(layer, q, k, v)  # no out
