@@ -2,6 +2,7 @@
 step-varying arguments, the saved plan round-trips, and (GPU) nothing compiles after the engine started."""
 
 import dataclasses
+import os
 import json
 import random
 
@@ -143,3 +144,30 @@ def test_no_compilation_after_engine_start(preset, backend, kv_cache_dtype):
     llm.generate([long_prompt, long_prompt[:3000] + [7] * 100], SamplingParams(max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     assert llm.num_compiled_since_start == 0
+
+
+@pytest.mark.gpu
+def test_compilations_made_ahead_are_the_ones_the_warm_up_loads(tmp_path, monkeypatch):
+    """With an empty Triton cache the warm-up's compilations are made by child processes, and its real run
+    then finds every one of them in the cache: it adds no cache entry of its own."""
+    assert HAS_GPU
+    import tripath.engine.warmup as warmup
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    entries = {}
+
+    def pool_then_count(compilations, workers):
+        report = compile_in_workers(compilations, workers)
+        entries["after_pool"] = set(os.listdir(tmp_path))
+        return report
+
+    from tripath.ops.compile_pool import compile_in_workers
+    monkeypatch.setattr(warmup, "compile_in_workers", pool_then_count)
+    llm = LLM(shrunk("qwen3-235b-attn-tp8", device=DEVICE, num_layers=2), backend="three_path", compile_workers=4,
+              max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, warmup=False, enforce_eager=True)
+    report = warm_up(llm.runner)
+    assert report.pool is not None and report.pool.workers == 4 and not report.pool.failed
+    assert report.pool.compiled > 0
+    after = set(os.listdir(tmp_path)) - {"tripath-warmup"}
+    assert after == entries["after_pool"] - {"tripath-warmup"}
+    assert warm_up(llm.runner).pool is None  # the saved plan: the cache is warm, nothing goes ahead

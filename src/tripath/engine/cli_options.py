@@ -38,6 +38,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--decode-steps", type=int, default=8,
                        help="model steps a step of decodes alone runs back to back on the device (multi-step "
                             "decoding; 1: off)")
+    group.add_argument("--compile-workers", type=int, default=None,
+                       help="processes that compile the warm-up's kernels with an empty Triton cache (default: "
+                            "one per CPU core less one, at most 16; 1: in the engine's process)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--tensor-parallel-size", type=int, default=1,
                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
@@ -52,5 +55,5 @@ def engine_options(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                 enforce_eager=args.enforce_eager, mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
                 async_scheduling=not args.no_async_scheduling,
-                decode_steps=args.decode_steps, seed=args.seed,
+                decode_steps=args.decode_steps, compile_workers=args.compile_workers, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size)

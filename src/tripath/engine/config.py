@@ -56,7 +56,9 @@ class EngineConfig:
     cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
     of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped. ``warmup`` (GPU): compile
     every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.warmup`), so no
-    request waits for a compilation. ``async_scheduling``: schedule and launch each step before reading the
+    request waits for a compilation; ``compile_workers``: child processes that compile those variants in
+    parallel (:mod:`tripath.ops.compile_pool`; None: one per CPU core less one, at most 16; 1: one after
+    the other in the engine's process). ``async_scheduling``: schedule and launch each step before reading the
     previous step's tokens, so the host's work overlaps the device's (one rank; a tensor-parallel engine
     runs its steps one after the other). Outputs are the same either way; a request that stops on a stop
     token costs one extra step of compute. ``decode_steps``: when a step would hold decodes alone and no
@@ -86,6 +88,7 @@ class EngineConfig:
     max_cuda_graph_batch_size: int = 128
     mixed_cuda_graphs: bool = True
     warmup: bool = True
+    compile_workers: int | None = None
     async_scheduling: bool = True
     decode_steps: int = 8
     seed: int = 0
@@ -100,6 +103,10 @@ class EngineConfig:
                 continue  # the runner takes the backend's preference (tripath.attention.default_block_size)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.compile_workers is not None and (not isinstance(self.compile_workers, int)
+                                                 or isinstance(self.compile_workers, bool)
+                                                 or self.compile_workers < 1):
+            raise ValueError(f"compile_workers must be a positive int or None, got {self.compile_workers!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an int >= 2 or None, got {self.max_model_len!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

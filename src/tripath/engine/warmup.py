@@ -16,7 +16,10 @@ backend, the dtypes, the block size and the engine's limits (``max_num_seqs``, `
    recorded calls are replayed with launches captured (:func:`tripath.ops._launch.capture_launches`: the
    launchers validate and choose their variants, nothing runs), which yields the step's variant keys.
 3. **Compile** by running, for real, each probed step that brought a variant no earlier step had (its
-   K/V writes go to slot −1, so the cache is untouched).
+   K/V writes go to slot −1, so the cache is untouched). Without a saved plan (below) the compilations
+   are first made in parallel: steps 1 and 3 run once with compilations listed instead of made, child
+   processes compile the list into Triton's cache (:mod:`tripath.ops.compile_pool`, ``compile_workers``
+   of them), and step 3's real run then loads each variant from there.
 
 Probing costs host time (a few thousand steps), so the steps of 3 are saved in Triton's cache directory
 (:func:`tripath._env.triton_cache_dir`), keyed by everything the variants depend on (the attention spec,
@@ -48,6 +51,7 @@ from tripath import _env
 from tripath.attention import ForwardContext
 from tripath.engine.block_manager import blocks_needed
 from tripath.ops._launch import capture_launches, launch_key
+from tripath.ops.compile_pool import PoolReport, collect_compilations, compile_in_workers, default_workers
 from tripath.platform import current_platform
 
 logger = logging.getLogger(__name__)
@@ -188,10 +192,15 @@ class WarmupReport:
     steps_probed: int = 0
     steps_run: int = 0
     seconds: float = 0.0
+    pool: PoolReport | None = None  # the compilations made ahead in child processes, if they were
 
     def summary(self) -> str:
-        return (f"{len(self.variants)} kernel variants from {self.steps_probed} probed steps, {self.steps_run} "
+        text = (f"{len(self.variants)} kernel variants from {self.steps_probed} probed steps, {self.steps_run} "
                 f"run to compile them, in {self.seconds:.1f} s")
+        if self.pool is not None:
+            text += (f" ({self.pool.compiled} compiled ahead by {self.pool.workers} processes in "
+                     f"{self.pool.seconds:.1f} s, {len(self.pool.failed)} failed)")
+        return text
 
 
 def record_attention_calls(runner, *, run_kernels: bool = True) -> list[AttentionCall]:
@@ -249,33 +258,35 @@ def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool =
             use_saved_plan: bool = True) -> WarmupReport:
     """Probe ``shapes`` (default :func:`warmup_shapes` of the runner's limits) and, with ``run_kernels``,
     run each step that brings a new variant so it compiles. With ``use_saved_plan`` (and the default
-    shapes) a plan saved by an earlier start with the same key replaces the probing. Returns the report."""
+    shapes) a plan saved by an earlier start with the same key replaces the probing. Without a saved plan
+    (an empty or outdated Triton cache) on a GPU, the compilations are first made in parallel child
+    processes (:mod:`tripath.ops.compile_pool`). Returns the report."""
     start = time.perf_counter()
     plan_path = saved_plan_path(runner) if use_saved_plan and shapes is None and run_kernels else None
     saved = _load_plan(plan_path)
-    calls = record_attention_calls(runner, run_kernels=run_kernels)
-    generator = torch.Generator(device=runner.device).manual_seed(0)
+    workers = runner.config.compile_workers or default_workers()
+    ahead = run_kernels and saved is None and workers > 1 and runner.device.type == "cuda"
     report = WarmupReport()
-    to_run: list[Step] = []
-    if saved is not None:
-        to_run, report.steps_probed = saved["steps"], saved["steps_probed"]
-        report.variants = {("saved", i) for i in range(saved["variants"])}
-    else:
-        for step in shapes if shapes is not None else warmup_shapes(runner_limits(runner)):
-            _, keys = probe(runner, calls, step)
-            report.steps_probed += 1
-            if not keys <= report.variants:
-                report.variants |= keys
-                to_run.append(step)
+    with collect_compilations() if ahead else contextlib.nullcontext([]) as compilations:
+        calls = record_attention_calls(runner, run_kernels=run_kernels)
+        to_run: list[Step] = []
+        if saved is not None:
+            to_run, report.steps_probed = saved["steps"], saved["steps_probed"]
+            report.variants = {("saved", i) for i in range(saved["variants"])}
+        else:
+            for step in shapes if shapes is not None else warmup_shapes(runner_limits(runner)):
+                _, keys = probe(runner, calls, step)
+                report.steps_probed += 1
+                if not keys <= report.variants:
+                    report.variants |= keys
+                    to_run.append(step)
+        if ahead:  # launches that would compile launch nothing: this lists the compilations
+            run_steps(runner, calls, to_run)
+    if ahead:
+        report.pool = compile_in_workers(compilations, workers)
+        calls = record_attention_calls(runner)  # for real now, its kernels from the cache
     if run_kernels:
-        for step in to_run:
-            plan = runner.backend.plan(*step)
-            tables = synthetic_tables(plan, runner.block_size, runner.num_blocks, runner.device)
-            ctx = ForwardContext(runner.backend, runner.backend.build_metadata(plan, *tables), runner.caches)
-            with torch.inference_mode():
-                for call in calls:
-                    call.replay(ctx, plan.num_tokens, generator)
-            report.steps_run += 1
+        report.steps_run = run_steps(runner, calls, to_run)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     if plan_path is not None and saved is None:
@@ -283,6 +294,22 @@ def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool =
     report.seconds = time.perf_counter() - start
     logger.info("warm-up: %s%s", report.summary(), " (saved plan)" if saved is not None else "")
     return report
+
+
+def run_steps(runner, calls: Sequence[AttentionCall], steps: Iterable[Step]) -> int:
+    """Replay ``calls`` on each of ``steps`` for real (random inputs, K/V written to slot −1: the caches are
+    untouched), so their variants compile; returns how many steps ran."""
+    generator = torch.Generator(device=runner.device).manual_seed(0)
+    count = 0
+    for step in steps:
+        plan = runner.backend.plan(*step)
+        tables = synthetic_tables(plan, runner.block_size, runner.num_blocks, runner.device)
+        ctx = ForwardContext(runner.backend, runner.backend.build_metadata(plan, *tables), runner.caches)
+        with torch.inference_mode():
+            for call in calls:
+                call.replay(ctx, plan.num_tokens, generator)
+        count += 1
+    return count
 
 
 def _source_digest() -> str:

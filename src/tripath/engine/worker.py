@@ -158,6 +158,7 @@ def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, cont
     ``RuntimeError`` naming the ranks that failed (on every rank)."""
     from tripath.engine.model_runner import ModelRunner
     from tripath.models import load_model
+    from tripath.ops.compile_pool import default_workers
 
     model = runner = None
     try:
@@ -168,6 +169,8 @@ def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, cont
     failure = _failure(exchange(control, status), "model loading")
     if failure:
         raise RuntimeError(failure)
+    if config.compile_workers is None:  # the ranks share the cores while they compile the same kernels
+        config = replace(config, compile_workers=max(1, default_workers() // setup.world_size))
     try:
         runner = ModelRunner(model, config)
         status = runner.num_blocks

@@ -1,0 +1,226 @@
+"""Triton compilations made in parallel child processes, for the warm-up at engine start.
+
+Compiling one kernel variant (Triton's front end, LLVM, then ptxas or the AMD linker) keeps one CPU core
+busy for 0.1–3 s, and a backend's warm-up compiles tens to hundreds of variants; one after the other they
+are most of a start with an empty Triton cache. They are independent of each other, so:
+
+1. Inside :func:`collect_compilations` every compilation the Triton JIT of this thread would start (a
+   variant missing from its in-memory cache) is noted and skipped, through Triton's ``jit_cache_hook``: the
+   launch that needed it launches nothing. Running the warm-up's steps inside it lists the compilations
+   those steps need, each once.
+2. :func:`compile_in_workers` hands them to child processes (``python -m tripath.ops.compile_pool``), each
+   taking the next one from a shared queue until none is left. A child rebuilds the JIT's source from the
+   kernel's module and name, signature, constexprs, attributes and options, exactly as the JIT would, and
+   compiles it for the parent's GPU target into the parent's Triton cache directory. The children import
+   Triton and the kernels' modules only: no CUDA context, no model, nothing of the parent's main script.
+3. The steps then run for real: each variant comes from the disk cache (milliseconds) instead of being
+   compiled. What a child could not compile (a kernel not importable by its name, a failure) the JIT
+   compiles there as usual, so its error, if any, is raised where it belongs.
+
+The outcome is the same kernels with the same cache keys: only where they are compiled changes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """One compilation as the JIT starts it (``JITFunction._do_compile``): the ``@triton.jit`` function by
+    ``module`` and ``name``, the ``signature`` (argument name → Triton type), ``constexprs`` and ``attrs``
+    (argument path → value / attributes), the launch ``options`` and the target ``(backend, arch,
+    warp_size)``. Plain data, so it can be pickled to a child process."""
+
+    module: str
+    name: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    target: tuple
+
+
+@dataclass
+class PoolReport:
+    """What :func:`compile_in_workers` did: compilations made and failed, worker processes, seconds."""
+
+    compiled: int = 0
+    failed: list[str] = field(default_factory=list)
+    workers: int = 0
+    seconds: float = 0.0
+
+
+def _options_from(specialization_data: str) -> dict:
+    """The full launch options of a compilation, from the JIT's serialised specialisation (JSON lists back
+    to tuples, as ``JITFunction.preload`` reads them)."""
+    options = json.loads(specialization_data)["options"]
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+
+
+@contextlib.contextmanager
+def collect_compilations() -> Iterator[list[Compilation]]:
+    """Within the block, this thread's Triton launches that would compile a new variant skip the compilation
+    and launch nothing; the compilations are listed (each once) in the yielded list. Other threads compile
+    and launch as usual."""
+    from triton import knobs
+
+    found: list[Compilation] = []
+    seen: set = set()
+    owner = threading.get_ident()
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        if threading.get_ident() != owner:
+            return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
+                            already_compiled=already_compiled) if previous is not None else None
+        target = fn.jit_function.device_caches[compile["device"]][2]
+        ident = (fn.module, fn.name, key, target.backend, target.arch)
+        if ident not in seen:
+            seen.add(ident)
+            found.append(Compilation(fn.module, fn.name, dict(compile["signature"]), dict(compile["constants"]),
+                                     dict(compile["configs"][0]), _options_from(compile["specialization_data"]),
+                                     (target.backend, target.arch, target.warp_size)))
+        return True  # skip: the compilation happens in a worker, the launch not at all
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield found
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+def default_workers() -> int:
+    """Worker processes to use: the CPU cores this process may run on, less one for it, at most 16."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(16, cores - 1))
+
+
+def _child_env() -> dict:
+    """The children's environment: this process's, its Triton cache directory and import path made explicit
+    (so the children write where this process reads and import the same kernel sources), no interpreter."""
+    from triton import knobs
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = knobs.cache.dir
+    env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
+    return env
+
+
+def _encode(item) -> bytes:
+    return base64.b64encode(pickle.dumps(item)) + b"\n"
+
+
+def compile_in_workers(compilations: Sequence[Compilation], workers: int | None = None) -> PoolReport:
+    """Compile ``compilations`` into the Triton cache directory in ``workers`` child processes (default
+    :func:`default_workers`, at most one per compilation). A worker that cannot start or dies costs only its
+    share of the speed-up: what it did not compile stays for the JIT."""
+    start = time.perf_counter()
+    report = PoolReport()
+    if not compilations:
+        return report
+    report.workers = max(1, min(workers or default_workers(), len(compilations)))
+    pending = list(reversed(compilations))
+    lock = threading.Lock()
+    env = _child_env()
+
+    def drive() -> None:
+        with tempfile.TemporaryFile() as log:
+            try:
+                proc = subprocess.Popen([sys.executable, "-m", "tripath.ops.compile_pool"], env=env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+            except OSError as err:
+                logger.warning("could not start a compile worker: %s", err)
+                return
+            try:
+                while True:
+                    with lock:
+                        if not pending:
+                            break
+                        item = pending.pop()
+                    proc.stdin.write(_encode(item))
+                    proc.stdin.flush()
+                    reply = proc.stdout.readline()
+                    if not reply:
+                        raise BrokenPipeError("the worker exited")
+                    outcome = pickle.loads(base64.b64decode(reply))
+                    with lock:
+                        if outcome is None:
+                            report.compiled += 1
+                        else:
+                            report.failed.append(f"{item.module}:{item.name}: {outcome}")
+            except (BrokenPipeError, OSError) as err:
+                log.seek(0)
+                tail = log.read()[-2000:].decode(errors="replace")
+                logger.warning("a compile worker stopped (%s); its remaining compilations stay for the JIT\n%s",
+                               err, tail)
+            finally:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+                proc.wait()
+
+    threads = [threading.Thread(target=drive, name=f"tripath-compile-{i}", daemon=True)
+               for i in range(report.workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def compile_one(item: Compilation):
+    """Compile ``item`` in this process as the JIT would (its source, target and options), into Triton's
+    cache directory; returns the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    kernel = getattr(importlib.import_module(item.module), item.name)
+    if not isinstance(kernel, JITFunction):
+        raise TypeError(f"{item.module}:{item.name} is a {type(kernel).__name__}, not a JITFunction")
+    if kernel.is_gluon():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
+    else:
+        from triton.compiler import ASTSource
+    source = ASTSource(kernel, item.signature, item.constexprs, item.attrs)
+    return triton.compile(source, target=GPUTarget(*item.target), options=item.options)
+
+
+def _serve() -> int:
+    """The worker: one pickled :class:`Compilation` a line on stdin, one pickled reply a line (None, or the
+    error's text) on stdout; Triton's own printing goes to stderr."""
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+    sys.stdout = sys.stderr
+    for line in sys.stdin.buffer:
+        item = pickle.loads(base64.b64decode(line))
+        try:
+            compile_one(item)
+            outcome = None
+        except Exception as exc:  # reported to the parent, whose JIT compiles it again and raises there
+            outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        replies.write(_encode(outcome))
+        replies.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_serve())
