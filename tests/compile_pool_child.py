@@ -1,6 +1,6 @@
 """Run by tests/test_compile_pool.py in a process without the Triton interpreter: the JIT of a real tripath
 kernel (RMSNorm) asks for sm_90 compilations through a stand-in driver (no GPU: ``warmup`` launches
-nothing), collected by ``collect_compilations``, compiled by ``compile_in_workers``, then asked again.
+nothing), collected by ``collect_compilations``, compiled by a ``CompilePool``, then asked again.
 Prints one JSON line of what it saw."""
 
 import json
@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
 from tripath.kernels.rms_norm import rms_norm_kernel
-from tripath.ops.compile_pool import collect_compilations, compile_in_workers
+from tripath.compile_pool import CompilePool, collect_compilations
 
 
 class StandInDriver:
@@ -47,7 +47,8 @@ def main() -> int:
     with collect_compilations() as found:
         skipped = [ask(*v) for v in variants]
     before = cache_entries()
-    report = compile_in_workers(found, workers=int(sys.argv[1]))
+    with CompilePool(int(sys.argv[1])) as pool:
+        report = pool.compile(found)
     after_pool = cache_entries()
     compiled = [ask(*v) for v in variants]
     print(json.dumps({

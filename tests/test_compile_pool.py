@@ -1,4 +1,4 @@
-"""Compilations made in child processes (tripath.ops.compile_pool): the JIT's compilations are listed instead
+"""Compilations made in child processes (tripath.compile_pool): the JIT's compilations are listed instead
 of made, workers compile them into Triton's cache under the JIT's own keys (so the JIT then loads them),
 a failure is reported rather than raised, and other threads keep compiling meanwhile."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tripath.engine import EngineConfig
-from tripath.ops.compile_pool import Compilation, collect_compilations, compile_in_workers
+from tripath.compile_pool import CompilePool, Compilation, collect_compilations
 
 TESTS = Path(__file__).resolve().parent
 
@@ -38,10 +38,12 @@ def test_a_compilation_a_worker_cannot_make_is_reported(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     missing = Compilation("tripath.kernels.no_such_module", "kernel", {"x": "*fp32"}, {}, {}, {"num_warps": 4},
                           ("cuda", 90, 32))
-    report = compile_in_workers([missing], workers=3)
-    assert report.workers == 1 and report.compiled == 0  # one worker for one compilation
-    assert len(report.failed) == 1 and "no_such_module" in report.failed[0]
-    assert compile_in_workers([]).workers == 0
+    with CompilePool(2) as pool:
+        assert pool.compile([]).compiled == 0
+        report = pool.compile([missing, missing])
+        assert report.workers == 2 and report.compiled == 0
+        assert len(report.failed) == 2 and "no_such_module" in report.failed[0]
+        assert pool.compile([missing]).failed and len(pool.report.failed) == 3  # the workers serve again
 
 
 def test_other_threads_are_not_collected():

@@ -112,7 +112,7 @@ def test_saved_plan_is_keyed_and_reused(tmp_path, monkeypatch):
     """The plan lives under TRITON_CACHE_DIR, changes with the limits, and a second warm-up runs the saved
     steps without probing (same steps, same count of variants)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    llm = LLM("tiny-llama", device="cpu", backend="three_path", max_num_seqs=2, max_num_batched_tokens=16,
+    llm = LLM("tiny-llama", device=DEVICE, backend="three_path", max_num_seqs=2, max_num_batched_tokens=16,
               max_model_len=32, num_kv_blocks=16)
     path = saved_plan_path(llm.runner)
     assert str(path).startswith(str(tmp_path))
@@ -120,7 +120,7 @@ def test_saved_plan_is_keyed_and_reused(tmp_path, monkeypatch):
     assert path.is_file() and first.steps_run == len(json.loads(path.read_text())["steps"]) > 0
     again = warm_up(llm.runner)
     assert again.steps_run == first.steps_run and len(again.variants) == len(first.variants)
-    other = LLM("tiny-llama", device="cpu", backend="three_path", max_num_seqs=3, max_num_batched_tokens=16,
+    other = LLM("tiny-llama", device=DEVICE, backend="three_path", max_num_seqs=3, max_num_batched_tokens=16,
                 max_model_len=32, num_kv_blocks=16)
     assert saved_plan_path(other.runner) != path
     path.write_text("not json")
@@ -151,23 +151,24 @@ def test_compilations_made_ahead_are_the_ones_the_warm_up_loads(tmp_path, monkey
     """With an empty Triton cache the warm-up's compilations are made by child processes, and its real run
     then finds every one of them in the cache: it adds no cache entry of its own."""
     assert HAS_GPU
-    import tripath.engine.warmup as warmup
+    from tripath.compile_pool import CompilePool
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     entries = {}
 
-    def pool_then_count(compilations, workers):
-        report = compile_in_workers(compilations, workers)
-        entries["after_pool"] = set(os.listdir(tmp_path))
-        return report
+    class CountingPool(CompilePool):
+        def compile(self, compilations):
+            report = super().compile(compilations)
+            entries["after_pool"] = set(os.listdir(tmp_path))
+            return report
 
-    from tripath.ops.compile_pool import compile_in_workers
-    monkeypatch.setattr(warmup, "compile_in_workers", pool_then_count)
-    llm = LLM(shrunk("qwen3-235b-attn-tp8", device=DEVICE, num_layers=2), backend="three_path", compile_workers=4,
+    llm = LLM(shrunk("qwen3-235b-attn-tp8", device=DEVICE, num_layers=2), backend="three_path",
               max_num_seqs=16, max_num_batched_tokens=512, max_model_len=2048, warmup=False, enforce_eager=True)
-    report = warm_up(llm.runner)
+    with CountingPool(4) as pool:
+        report = warm_up(llm.runner, pool=pool)
     assert report.pool is not None and report.pool.workers == 4 and not report.pool.failed
     assert report.pool.compiled > 0
     after = set(os.listdir(tmp_path)) - {"tripath-warmup"}
     assert after == entries["after_pool"] - {"tripath-warmup"}
-    assert warm_up(llm.runner).pool is None  # the saved plan: the cache is warm, nothing goes ahead
+    with CompilePool(2) as pool:
+        assert warm_up(llm.runner, pool=pool).pool is None  # the saved plan: the cache is warm

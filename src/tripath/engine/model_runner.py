@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from tripath.attention import ForwardContext, default_block_size, select_backend
+from tripath.compile_pool import CompilePool, collect_compilations, default_workers
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from tripath.engine.mixed_graphs import MixedStepGraphs
@@ -48,7 +49,7 @@ from tripath.engine.request import SamplingParams
 from tripath.engine.sampler import make_generator, sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
-from tripath.engine.warmup import WarmupReport, warm_up
+from tripath.engine.warmup import WarmupReport, saved_plan_path, warm_up
 from tripath.ops.replay import warm_up_recording
 from tripath.models.layers import Experts
 
@@ -115,14 +116,20 @@ class ModelRunner:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position ({max_position}): "
                              "its positions (with any rope scaling, which max_position already includes) end there")
         self.max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
-        self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit()
         self.inputs = StepInputBuilder(self.device, self.block_size, config.max_num_batched_tokens,
                                        config.max_num_seqs, self.max_blocks_per_seq)
-        self.caches = [self.backend.allocate_cache(self.num_blocks, self.device) for _ in range(self.num_layers)]
         self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
         self.warmup_report: WarmupReport | None = None
-        if config.warmup and self.device.type == "cuda" and self.backend.capabilities.needs_triton:
-            self.warmup_report = warm_up(self)
+        warms_up = config.warmup and self.device.type == "cuda" and self.backend.capabilities.needs_triton
+        pool = self._compile_pool() if warms_up else None
+        try:
+            self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit(pool)
+            self.caches = [self.backend.allocate_cache(self.num_blocks, self.device) for _ in range(self.num_layers)]
+            if warms_up:
+                self.warmup_report = warm_up(self, pool=pool)
+        finally:
+            if pool is not None:
+                pool.close()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         self._graph_pool = None
         if config.use_cuda_graphs and self.graph_safe_backend:
@@ -133,6 +140,15 @@ class ModelRunner:
             self.largest_step_host_share = self._reserve_step_memory()
             if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
                 self.capture_mixed_graphs()
+
+    def _compile_pool(self) -> CompilePool | None:
+        """Worker processes for the start's compilations (:mod:`tripath.compile_pool`): with
+        ``compile_workers`` > 1 (None: :func:`~tripath.compile_pool.default_workers`) and no saved warm-up
+        plan, whose absence means an empty or outdated Triton cache (a warm one would make them idle)."""
+        workers = self.config.compile_workers or default_workers()
+        if workers < 2 or saved_plan_path(self).is_file():
+            return None
+        return CompilePool(workers)
 
     @property
     def uses_mixed_graphs(self) -> bool:
@@ -396,11 +412,17 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     # ---- KV memory ----------------------------------------------------------------------------------
-    def _num_blocks_that_fit(self) -> int:
+    def _num_blocks_that_fit(self, pool: CompilePool | None = None) -> int:
         """Blocks of all layers' caches that fit in ``gpu_memory_utilization`` of the GPU, after the weights
-        and the activations of a warm-up step of ``max_num_batched_tokens`` tokens (CPU: the default)."""
+        and the activations of a warm-up step of ``max_num_batched_tokens`` tokens (CPU: the default). With
+        a ``pool`` that step's kernels are compiled there first (it runs once with its compilations listed
+        instead of made)."""
         if self.device.type != "cuda":
             return CPU_DEFAULT_KV_BLOCKS
+        if pool is not None:
+            with collect_compilations() as compilations:
+                self._warm_up()
+            pool.compile(compilations)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

@@ -18,8 +18,8 @@ backend, the dtypes, the block size and the engine's limits (``max_num_seqs``, `
 3. **Compile** by running, for real, each probed step that brought a variant no earlier step had (its
    K/V writes go to slot −1, so the cache is untouched). Without a saved plan (below) the compilations
    are first made in parallel: steps 1 and 3 run once with compilations listed instead of made, child
-   processes compile the list into Triton's cache (:mod:`tripath.ops.compile_pool`, ``compile_workers``
-   of them), and step 3's real run then loads each variant from there.
+   processes compile the list into Triton's cache (:mod:`tripath.compile_pool`: the runner's pool of
+   ``compile_workers``), and step 3's real run then loads each variant from there.
 
 Probing costs host time (a few thousand steps), so the steps of 3 are saved in Triton's cache directory
 (:func:`tripath._env.triton_cache_dir`), keyed by everything the variants depend on (the attention spec,
@@ -48,10 +48,10 @@ import numpy as np
 import torch
 
 from tripath import _env
+from tripath.compile_pool import CompilePool, PoolReport, collect_compilations
 from tripath.attention import ForwardContext
 from tripath.engine.block_manager import blocks_needed
 from tripath.ops._launch import capture_launches, launch_key
-from tripath.ops.compile_pool import PoolReport, collect_compilations, compile_in_workers, default_workers
 from tripath.platform import current_platform
 
 logger = logging.getLogger(__name__)
@@ -255,17 +255,16 @@ def runner_limits(runner) -> WarmupLimits:
 
 
 def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool = True,
-            use_saved_plan: bool = True) -> WarmupReport:
+            use_saved_plan: bool = True, pool: CompilePool | None = None) -> WarmupReport:
     """Probe ``shapes`` (default :func:`warmup_shapes` of the runner's limits) and, with ``run_kernels``,
     run each step that brings a new variant so it compiles. With ``use_saved_plan`` (and the default
     shapes) a plan saved by an earlier start with the same key replaces the probing. Without a saved plan
-    (an empty or outdated Triton cache) on a GPU, the compilations are first made in parallel child
-    processes (:mod:`tripath.ops.compile_pool`). Returns the report."""
+    (an empty or outdated Triton cache) and with a ``pool``, the compilations are first made there, in
+    parallel (:mod:`tripath.compile_pool`). Returns the report."""
     start = time.perf_counter()
     plan_path = saved_plan_path(runner) if use_saved_plan and shapes is None and run_kernels else None
     saved = _load_plan(plan_path)
-    workers = runner.config.compile_workers or default_workers()
-    ahead = run_kernels and saved is None and workers > 1 and runner.device.type == "cuda"
+    ahead = pool is not None and run_kernels and saved is None
     report = WarmupReport()
     with collect_compilations() if ahead else contextlib.nullcontext([]) as compilations:
         calls = record_attention_calls(runner, run_kernels=run_kernels)
@@ -283,7 +282,8 @@ def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool =
         if ahead:  # launches that would compile launch nothing: this lists the compilations
             run_steps(runner, calls, to_run)
     if ahead:
-        report.pool = compile_in_workers(compilations, workers)
+        pool.compile(compilations)
+        report.pool = pool.report
         calls = record_attention_calls(runner)  # for real now, its kernels from the cache
     if run_kernels:
         report.steps_run = run_steps(runner, calls, to_run)

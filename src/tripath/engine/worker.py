@@ -158,7 +158,7 @@ def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, cont
     ``RuntimeError`` naming the ranks that failed (on every rank)."""
     from tripath.engine.model_runner import ModelRunner
     from tripath.models import load_model
-    from tripath.ops.compile_pool import default_workers
+    from tripath.compile_pool import default_workers
 
     model = runner = None
     try:

@@ -8,11 +8,12 @@ are most of a start with an empty Triton cache. They are independent of each oth
    variant missing from its in-memory cache) is noted and skipped, through Triton's ``jit_cache_hook``: the
    launch that needed it launches nothing. Running the warm-up's steps inside it lists the compilations
    those steps need, each once.
-2. :func:`compile_in_workers` hands them to child processes (``python -m tripath.ops.compile_pool``), each
+2. :meth:`CompilePool.compile` hands them to child processes (``python -m tripath.compile_pool``), each
    taking the next one from a shared queue until none is left. A child rebuilds the JIT's source from the
    kernel's module and name, signature, constexprs, attributes and options, exactly as the JIT would, and
    compiles it for the parent's GPU target into the parent's Triton cache directory. The children import
-   Triton and the kernels' modules only: no CUDA context, no model, nothing of the parent's main script.
+   Triton and the kernels' modules only (no PyTorch, no CUDA context, no model, nothing of the parent's
+   main script), and start when the pool is made, so their start-up overlaps the caller's work.
 3. The steps then run for real: each variant comes from the disk cache (milliseconds) instead of being
    compiled. What a child could not compile (a kernel not importable by its name, a failure) the JIT
    compiles there as usual, so its error, if any, is raised where it belongs.
@@ -58,7 +59,7 @@ class Compilation:
 
 @dataclass
 class PoolReport:
-    """What :func:`compile_in_workers` did: compilations made and failed, worker processes, seconds."""
+    """What a :class:`CompilePool` did: compilations made and failed, worker processes, seconds of compiling."""
 
     compiled: int = 0
     failed: list[str] = field(default_factory=list)
@@ -129,62 +130,85 @@ def _encode(item) -> bytes:
     return base64.b64encode(pickle.dumps(item)) + b"\n"
 
 
-def compile_in_workers(compilations: Sequence[Compilation], workers: int | None = None) -> PoolReport:
-    """Compile ``compilations`` into the Triton cache directory in ``workers`` child processes (default
-    :func:`default_workers`, at most one per compilation). A worker that cannot start or dies costs only its
-    share of the speed-up: what it did not compile stays for the JIT."""
-    start = time.perf_counter()
-    report = PoolReport()
-    if not compilations:
-        return report
-    report.workers = max(1, min(workers or default_workers(), len(compilations)))
-    pending = list(reversed(compilations))
-    lock = threading.Lock()
-    env = _child_env()
+class CompilePool:
+    """``workers`` child processes (default :func:`default_workers`) that compile what :meth:`compile` hands
+    them. They start at once and import Triton while the caller goes on, so their start overlaps the
+    caller's work; :meth:`close` (or leaving a ``with`` block) ends them. A worker that cannot start or dies
+    costs only its share of the speed-up: what it did not compile stays for the JIT. ``report`` sums every
+    :meth:`compile` call."""
 
-    def drive() -> None:
-        with tempfile.TemporaryFile() as log:
+    def __init__(self, workers: int | None = None):
+        self.report = PoolReport(workers=max(1, workers or default_workers()))
+        self._lock = threading.Lock()
+        self._procs: list = []
+        env = _child_env()
+        for _ in range(self.report.workers):
+            log = tempfile.TemporaryFile()
             try:
-                proc = subprocess.Popen([sys.executable, "-m", "tripath.ops.compile_pool"], env=env,
+                proc = subprocess.Popen([sys.executable, "-m", "tripath.compile_pool"], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
             except OSError as err:
+                log.close()
                 logger.warning("could not start a compile worker: %s", err)
-                return
-            try:
-                while True:
-                    with lock:
-                        if not pending:
-                            break
-                        item = pending.pop()
-                    proc.stdin.write(_encode(item))
-                    proc.stdin.flush()
-                    reply = proc.stdout.readline()
-                    if not reply:
-                        raise BrokenPipeError("the worker exited")
-                    outcome = pickle.loads(base64.b64decode(reply))
-                    with lock:
-                        if outcome is None:
-                            report.compiled += 1
-                        else:
-                            report.failed.append(f"{item.module}:{item.name}: {outcome}")
-            except (BrokenPipeError, OSError) as err:
-                log.seek(0)
-                tail = log.read()[-2000:].decode(errors="replace")
-                logger.warning("a compile worker stopped (%s); its remaining compilations stay for the JIT\n%s",
-                               err, tail)
-            finally:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()
-                proc.wait()
+                continue
+            self._procs.append((proc, log))
 
-    threads = [threading.Thread(target=drive, name=f"tripath-compile-{i}", daemon=True)
-               for i in range(report.workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    report.seconds = time.perf_counter() - start
-    return report
+    def __enter__(self) -> "CompilePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def compile(self, compilations: Sequence[Compilation]) -> PoolReport:
+        """Compile ``compilations`` into Triton's cache directory, each worker taking the next one until none
+        is left; returns this call's report."""
+        start = time.perf_counter()
+        report = PoolReport(workers=len(self._procs))
+        pending = list(reversed(compilations))
+        threads = [threading.Thread(target=self._drive, args=(proc, log, pending, report), daemon=True)
+                   for proc, log in self._procs if proc.poll() is None][:max(1, len(pending))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        report.seconds = time.perf_counter() - start
+        self.report.compiled += report.compiled
+        self.report.failed += report.failed
+        self.report.seconds += report.seconds
+        return report
+
+    def _drive(self, proc, log, pending: list, report: PoolReport) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if not pending:
+                        return
+                    item = pending.pop()
+                proc.stdin.write(_encode(item))
+                proc.stdin.flush()
+                reply = proc.stdout.readline()
+                if not reply:
+                    raise BrokenPipeError("the worker exited")
+                outcome = pickle.loads(base64.b64decode(reply))
+                with self._lock:
+                    if outcome is None:
+                        report.compiled += 1
+                    else:
+                        report.failed.append(f"{item.module}:{item.name}: {outcome}")
+        except OSError as err:  # BrokenPipeError included
+            log.seek(0)
+            tail = log.read()[-2000:].decode(errors="replace")
+            logger.warning("a compile worker stopped (%s); its compilations stay for the JIT\n%s", err, tail)
+
+    def close(self) -> None:
+        """End the workers (each finishes the compilation it is making, if any)."""
+        for proc, log in self._procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+            proc.wait()
+            proc.stdout.close()
+            log.close()
+        self._procs = []
 
 
 def compile_one(item: Compilation):
