@@ -252,7 +252,9 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     warmup = llm.runner.warmup_report
     result["warmup"] = None if warmup is None else {"seconds": warmup.seconds, "steps_probed": warmup.steps_probed,
                                                     "steps_run": warmup.steps_run,
-                                                    "variants": len(warmup.variants)}
+                                                    "variants": len(warmup.variants),
+                                                    "compiled_ahead": warmup.pool.compiled if warmup.pool else 0,
+                                                    "compile_workers": warmup.pool.workers if warmup.pool else 1}
     if start_only:
         return result
     on_gpu = llm.config.device.type == "cuda"
