@@ -29,8 +29,10 @@ class StandInDriver:
 
 
 def cache_entries() -> set:
+    """The cache's compiled kernels (launch stubs, built where the GPU driver's library is, not counted)."""
     root = os.environ["TRITON_CACHE_DIR"]
-    return {name for name in os.listdir(root)} if os.path.isdir(root) else set()
+    return {name for name in os.listdir(root)
+            if any(f.endswith(".cubin") for f in os.listdir(os.path.join(root, name)))} if os.path.isdir(root) else set()
 
 
 def ask(block_n: int, has_residual: bool):

@@ -11,9 +11,11 @@ are most of a start with an empty Triton cache. They are independent of each oth
 2. :meth:`CompilePool.compile` hands them to child processes (``python -m tripath.compile_pool``), each
    taking the next one from a shared queue until none is left. A child rebuilds the JIT's source from the
    kernel's module and name, signature, constexprs, attributes and options, exactly as the JIT would, and
-   compiles it for the parent's GPU target into the parent's Triton cache directory. The children import
-   Triton and the kernels' modules only (no PyTorch, no CUDA context, no model, nothing of the parent's
-   main script), and start when the pool is made, so their start-up overlaps the caller's work.
+   compiles it for the parent's GPU target into the parent's Triton cache directory, with the host-side
+   launch stub that Triton would otherwise build with the C compiler at the kernel's first load. The
+   children import Triton and the kernels' modules only (no PyTorch, no CUDA context, no model, nothing
+   of the parent's main script), and start when the pool is made, so their start-up overlaps the
+   caller's work.
 3. The steps then run for real: each variant comes from the disk cache (milliseconds) instead of being
    compiled. What a child could not compile (a kernel not importable by its name, a failure) the JIT
    compiles there as usual, so its error, if any, is raised where it belongs.
@@ -62,6 +64,7 @@ class PoolReport:
     """What a :class:`CompilePool` did: compilations made and failed, worker processes, seconds of compiling."""
 
     compiled: int = 0
+    launchers: int = 0  # of those, how many had their launch stub built too
     failed: list[str] = field(default_factory=list)
     workers: int = 0
     seconds: float = 0.0
@@ -173,6 +176,7 @@ class CompilePool:
             thread.join()
         report.seconds = time.perf_counter() - start
         self.report.compiled += report.compiled
+        self.report.launchers += report.launchers
         self.report.failed += report.failed
         self.report.seconds += report.seconds
         return report
@@ -189,12 +193,13 @@ class CompilePool:
                 reply = proc.stdout.readline()
                 if not reply:
                     raise BrokenPipeError("the worker exited")
-                outcome = pickle.loads(base64.b64decode(reply))
+                error, launcher = pickle.loads(base64.b64decode(reply))
                 with self._lock:
-                    if outcome is None:
+                    if error is None:
                         report.compiled += 1
+                        report.launchers += launcher
                     else:
-                        report.failed.append(f"{item.module}:{item.name}: {outcome}")
+                        report.failed.append(f"{item.module}:{item.name}: {error}")
         except OSError as err:  # BrokenPipeError included
             log.seek(0)
             tail = log.read()[-2000:].decode(errors="replace")
@@ -229,19 +234,40 @@ def compile_one(item: Compilation):
     return triton.compile(source, target=GPUTarget(*item.target), options=item.options)
 
 
+# The host-side launch stub Triton builds with the C compiler for each kernel signature at its first load.
+_LAUNCHERS = {"cuda": ("triton.backends.nvidia.driver", "CudaLauncher"),
+              "hip": ("triton.backends.amd.driver", "HIPLauncher")}
+
+
+def build_launcher(compiled, backend: str) -> None:
+    """Build ``compiled``'s launch stub into Triton's cache, as its first load in the engine would (a C
+    compilation of about half a second): needs the GPU driver's library, not a GPU or a CUDA context."""
+    module, name = _LAUNCHERS[backend]
+    getattr(importlib.import_module(module), name)(compiled.src, compiled.metadata)
+
+
 def _serve() -> int:
-    """The worker: one pickled :class:`Compilation` a line on stdin, one pickled reply a line (None, or the
-    error's text) on stdout; Triton's own printing goes to stderr."""
+    """The worker: one pickled :class:`Compilation` a line on stdin, one pickled reply a line on stdout
+    (``(None or the error's text, whether the launch stub was built)``); Triton's own printing goes to
+    stderr."""
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout = sys.stderr
     for line in sys.stdin.buffer:
         item = pickle.loads(base64.b64decode(line))
         try:
-            compile_one(item)
-            outcome = None
+            compiled = compile_one(item)
         except Exception as exc:  # reported to the parent, whose JIT compiles it again and raises there
-            outcome = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        replies.write(_encode(outcome))
+            replies.write(_encode((f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                                   False)))
+            replies.flush()
+            continue
+        try:
+            build_launcher(compiled, item.target[0])
+            launcher = True
+        except Exception as exc:  # no driver library here (a machine without the GPU): built at first load
+            print(f"no launch stub for {item.module}:{item.name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            launcher = False
+        replies.write(_encode((None, launcher)))
         replies.flush()
     return 0
 
