@@ -64,3 +64,16 @@ def test_other_threads_are_not_collected():
 def test_compile_workers_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="compile_workers"):
         EngineConfig(compile_workers=bad)
+
+
+def test_the_command_line_option_reaches_the_engine_config():
+    import argparse
+
+    from tripath.engine.cli_options import add_engine_arguments, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    for argv, expected in (([], None), (["--compile-workers", "3"], 3)):
+        options = engine_options(parser.parse_args(argv))
+        options.pop("tensor_parallel_size")
+        assert EngineConfig(**options).compile_workers == expected
