@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from tripath import _env
-from tripath.compile_pool import CompilePool, PoolReport, collect_compilations
 from tripath.attention import ForwardContext
+from tripath.compile_pool import CompilePool, PoolReport, collect_compilations
 from tripath.engine.block_manager import blocks_needed
 from tripath.ops._launch import capture_launches, launch_key
 from tripath.platform import current_platform
