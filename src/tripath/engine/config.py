@@ -60,14 +60,14 @@ class EngineConfig:
     parallel when the Triton cache is empty (:mod:`tripath.compile_pool`; None: one per CPU core less one,
     at most 16; 1: one after the other in the engine's process). ``async_scheduling``: schedule and launch
     each step before reading the previous step's tokens, so the host's work overlaps the device's (one
-    rank; a tensor-parallel engine runs its steps one after the other). Outputs are the same either way; a request that stops on a stop
-    token costs one extra step of compute. ``decode_steps``: when a step would hold decodes alone and no
-    waiting request could be admitted, it runs up to this many model steps back to back on the device,
-    each step's sampled tokens feeding the next (multi-step decoding: the host schedules, builds inputs
-    and reads tokens once per ``decode_steps`` tokens; one rank, a backend whose forward reads only device
-    tensors). Outputs are the same; a request arriving meanwhile waits for the run to end, tokens reach
-    the caller ``decode_steps`` at a time, and a request that stops early in the run computes the rest of
-    it for nothing. 1 turns it off.
+    rank; a tensor-parallel engine runs its steps one after the other). Outputs are the same either way; a
+    request that stops on a stop token costs one extra step of compute. ``decode_steps``: when a step would
+    hold decodes alone and no waiting request could be admitted, it runs up to this many model steps back to
+    back on the device, each step's sampled tokens feeding the next (multi-step decoding: the host schedules,
+    builds inputs and reads tokens once per ``decode_steps`` tokens; one rank, a backend whose forward reads
+    only device tensors). Outputs are the same; a request arriving meanwhile waits for the run to end, tokens
+    reach the caller ``decode_steps`` at a time, and a request that stops early in the run computes the rest
+    of it for nothing. 1 turns it off.
     """
 
     backend: str = "auto"
