@@ -48,3 +48,41 @@ def test_fused_mlp_weights_are_the_linears_and_match_them(bias):
     assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
     assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[48:].data_ptr()
     assert "gate_up_weight" not in mlp.state_dict()
+
+
+@pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
+def test_fused_qkv_weights_are_the_projections_and_match_them(qk_norm, bias):
+    """After fuse_weights the GQA attention runs one GEMM for q, k and v (Qwen3: one norm launch for both
+    norms) and computes what its separate projections compute; q/k/v are views of the stacked weight."""
+    import dataclasses
+
+    from tripath.models.llama import GQAAttention
+    from tripath.models.presets import tiny_qwen3
+    from tripath.models.layers import rotary_tables
+
+    config = dataclasses.replace(tiny_qwen3(), qk_norm=qk_norm, qkv_bias=bias)
+    torch.manual_seed(0)
+    attn = GQAAttention(config, 0, torch.float32)
+    attn.rotary = rotary_tables(config.rope, config.head_size, config.max_position)
+    with torch.no_grad():
+        for norm in (attn.q_norm, attn.k_norm) if qk_norm else ():
+            norm.weight.uniform_(0.5, 1.5)
+    seen = []
+
+    class Ctx:  # records what reaches attention; returns q as the output
+        def attend(self, layer, q, k, v, **options):
+            seen.append((q.clone(), k.clone(), v.clone()))
+            return q
+
+    x, positions = torch.randn(6, config.hidden_size), torch.arange(3, 9)
+    with torch.no_grad():
+        want = attn(x, positions, Ctx())
+        attn.fuse_weights()
+        got = attn(x, positions, Ctx())
+    for a, b in zip(seen[1], seen[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert attn.v_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.weight.shape[0] +
+                                                           attn.k_proj.weight.shape[0]:].data_ptr()
+    assert "qkv_weight" not in attn.state_dict() and "q_proj.weight" in attn.state_dict()

@@ -15,10 +15,10 @@ def test_the_command_reports_launches_and_host_times(tmp_path, capsys):
     (row,) = json.loads(out.read_text())
     assert row["backend"] == "unified" and row["launches"] == 2 and row["refused"] is None  # write + attention
     assert row["layers"] == 3
-    assert all(row[k] > 0 for k in ("forward_us", "record_us", "replay_us", "layers_forward_us",
-                                     "layers_replayed_us"))
+    assert all(row[k] > 0 for k in ("forward_us", "record_us", "record_unwatched_us", "replay_us",
+                                     "layers_forward_us", "layers_replayed_us", "layers_replayed_unwatched_us"))
     printed = capsys.readouterr().out
-    assert "| unified | 2 |" in printed and "3 layers, replayed" in printed
+    assert "| unified | 2 |" in printed and "3 layers, each its forward | replayed | replayed, unwatched" in printed
 
 
 def test_the_mha_tp8_step_and_bad_arguments(capsys):

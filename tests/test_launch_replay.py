@@ -234,3 +234,95 @@ def test_a_recording_keeps_only_its_own_threads_launches():
 
     _, sequence, reason = record_launches(recorded, [cache.k_cache, cache.v_cache], [step.slot_mapping])
     assert reason is None and len(sequence) == 1
+
+
+# the structure of REQUESTS (2 decodes, 1 extend on one context chunk, 1 prefill) at other sizes
+SAME_PATH_REQUESTS = [(41, 1), (18, 1), (33, 6), (0, 17)]
+
+
+def _watch_count(monkeypatch) -> list:
+    """A list that grows by one for each PyTorch operation a recording watches."""
+    from tripath.ops import replay
+
+    seen = []
+    real = replay._Recording.__torch_dispatch__
+    monkeypatch.setattr(replay._Recording, "__torch_dispatch__",
+                        lambda self, *a, **kw: seen.append(1) or real(self, *a, **kw))
+    return seen
+
+
+def _step_layers(backend, requests, seed, watched, contexts):
+    """Per-layer outputs of a step of ``requests`` through a context with ``watched``, replaying, next to
+    the same layers each running its own forward."""
+    step = make_step(backend.spec, requests, backend, seed=seed, device=DEVICE)
+    want = _run(backend, step, _layers(step, NUM_LAYERS), replay=False)
+    layers = _layers(step, NUM_LAYERS)
+    real_init = ForwardContext.__init__
+
+    def with_watched(ctx, *a, **kw):
+        real_init(ctx, *a, **kw)
+        ctx.watched = watched
+
+    ForwardContext.__init__ = with_watched
+    try:
+        got = _run(backend, step, layers, replay=True, contexts=contexts)
+    finally:
+        ForwardContext.__init__ = real_init
+    return got, want
+
+
+@pytest.mark.parametrize("name", ["three_path", "two_path"])
+def test_a_watched_code_path_is_recorded_unwatched_on_later_steps(name, monkeypatch):
+    spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
+    backend = backend_class(name)(spec, DEVICE)
+    watched, contexts = {}, []
+    seen = _watch_count(monkeypatch)
+    got, want = _step_layers(backend, REQUESTS, 11, watched, contexts)
+    assert seen and len(watched) == 1 and contexts[-1].replay_refusals == []
+    calls = _count_forwards(monkeypatch, backend)
+    seen.clear()
+    got, want = _step_layers(backend, SAME_PATH_REQUESTS, 12, watched, contexts)
+    # the second step: its forwards (the replaying run's first layer, the reference's three) unwatched
+    assert seen == [] and len(calls) == 1 + NUM_LAYERS and contexts[-1].replay_refusals == []
+    for layer in range(NUM_LAYERS):
+        torch.testing.assert_close(got[layer], want[layer], atol=0, rtol=0)
+    seen.clear()
+    _step_layers(backend, [(30, 1), (12, 1), (25, 1)], 13, watched, contexts)  # decodes alone: another path
+    assert seen and len(watched) == 2
+
+
+def test_launches_unlike_the_watched_ones_are_refused_and_watched_again(monkeypatch):
+    spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
+    backend = backend_class("three_path")(spec, DEVICE)
+    watched, contexts = {}, []
+    _step_layers(backend, REQUESTS, 14, watched, contexts)
+    (path, launches), = watched.items()
+    watched[path] = launches[1:]  # as if the watched recording had launched other kernels
+    calls = _count_forwards(monkeypatch, backend)
+    got, want = _step_layers(backend, SAME_PATH_REQUESTS, 15, watched, contexts)
+    assert len(calls) == 2 * NUM_LAYERS  # no replay: every layer ran its forward
+    assert "differ from those of the watched recording" in contexts[-1].replay_refusals[0]
+    assert path not in watched
+    for layer in range(NUM_LAYERS):
+        torch.testing.assert_close(got[layer], want[layer], atol=0, rtol=0)
+    seen = _watch_count(monkeypatch)
+    _step_layers(backend, SAME_PATH_REQUESTS, 16, watched, contexts)
+    assert seen and watched[path] == launches
+
+
+def test_metadata_structure_leaves_out_sizes_but_not_the_code_path():
+    from tripath.attention.context import metadata_structure
+
+    spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16, extend_chunk_budget=16)
+    backend = backend_class("three_path")(spec, DEVICE)
+
+    def structure(requests):
+        step = make_step(spec, requests, backend, seed=17, device=DEVICE)
+        return metadata_structure(backend.build_metadata(step.plan, step.block_table, step.slot_mapping))
+
+    base = structure([(5, 1), (6, 1), (9, 4), (0, 7)])  # the extend's context: one chunk of 16
+    assert structure([(40, 1), (3, 1), (12, 2), (0, 20)]) == base
+    assert structure([(5, 1), (9, 4), (0, 7)]) == base  # one decode fewer: same parts
+    assert structure([(5, 1), (6, 1), (0, 7)]) != base  # no extend
+    assert structure([(5, 1), (6, 1), (9, 4)]) != base  # no prefill
+    assert structure([(5, 1), (6, 1), (29, 4), (0, 7)]) != base  # the context in two chunks

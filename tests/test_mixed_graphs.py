@@ -43,12 +43,12 @@ def test_bucket_is_the_smallest_captured_size_that_holds_the_step():
 
 
 def test_not_on_the_cpu_nor_for_mixture_of_experts_models_nor_tensor_parallel_ranks():
-    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16, device="cpu")
     assert llm.runner.mixed_graphs is None and not llm.runner.uses_mixed_graphs
-    moe = LLM("tiny-qwen3-moe", backend="torch", num_kv_blocks=16)
+    moe = LLM("tiny-qwen3-moe", backend="torch", num_kv_blocks=16, device="cpu")
     moe.runner.config.device = torch.device("cuda")  # only the model decides now
     assert not moe.runner.uses_mixed_graphs
-    dense = LLM("tiny-qwen3", backend="torch", num_kv_blocks=16)
+    dense = LLM("tiny-qwen3", backend="torch", num_kv_blocks=16, device="cpu")
     dense.runner.config.device = torch.device("cuda")
     assert dense.runner.uses_mixed_graphs
     dense.runner.model.parallel = ParallelState(rank=0, world_size=2)  # a tensor-parallel rank: never
@@ -121,6 +121,10 @@ def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatc
     monkeypatch.setattr(MixedStepGraphs, "run", lambda self, *a: runs.append(a[0].shape[0]) or real_run(self, *a))
     block_size = eager.runner.block_size
     real_attend = ForwardContext.attend
+    from tripath.ops import replay
+    real_record, watches = replay.record_launches, []
+    monkeypatch.setattr(replay, "record_launches",
+                        lambda *a, **kw: watches.append(kw.get("watch", True)) or real_record(*a, **kw))
     for rows in (8192, 640):  # 640 cache rows: tight, with preemptions (recomputed prompts)
         llm = LLM(model, num_kv_blocks=rows // block_size, **common)
         attends, forwards, runs_before = [], [], len(runs)  # counted from here, not in the start's steps
@@ -137,8 +141,10 @@ def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatc
             assert llm.last_metrics.num_preemptions > 0
         assert len(runs) > runs_before
         if model.config.mla is None and model.config.num_layers >= MIN_LAYERS_TO_REPLAY:
-            # the layers after the first of a step through the graphs replay its launches
+            # the layers after the first of a step through the graphs replay its launches; a step's
+            # recording watches its PyTorch work only on a code path the engine has not watched before
             assert 0 < len(forwards) < len(attends)
+            assert llm.runner.watched_paths and watches.count(False) > watches.count(True) > 0
         elif model.config.mla is None:  # tiny-llama's 2 layers: every layer runs its forward
             assert len(forwards) == len(attends) > 0
     monkeypatch.setattr(ForwardContext, "attend", real_attend)

@@ -160,3 +160,27 @@ def test_runs_on_cuda_graphs_match_one_step_at_a_time_on_gpu(name, backend, monk
     got = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert_same_or_near_tie(model, prompts, expected, got)
     assert 8 in seen and llm.num_compiled_since_start == 0
+
+
+def test_the_advance_kernel_matches_its_reference():
+    """One launch moves positions, lengths and slots on as the PyTorch reference does; rows past n kept."""
+    from tripath.ops.kv_cache import advance_decodes, advance_decodes_ref
+
+    gen = torch.Generator().manual_seed(5)
+    n, rows, width, block_size = 150, 160, 9, 4  # more rows than one program moves
+    positions = torch.randint(0, width * block_size - 1, (n,), generator=gen)
+    table = torch.randperm(rows * width, generator=gen).view(rows, width).to(torch.int32)
+    seq_lens = torch.randint(1, 50, (rows,), generator=gen, dtype=torch.int32)
+    context_lens = seq_lens - 1
+    slots = torch.full((rows,), -7, dtype=torch.int64)
+    got = [t.clone() for t in (positions, seq_lens, context_lens, table, slots)]
+    want = [t.clone() for t in (positions, seq_lens, context_lens, table, slots)]
+    advance_decodes(*got, block_size)
+    advance_decodes_ref(*want, block_size)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert (got[4][n:] == -7).all() and not torch.equal(got[0], positions)
+    with pytest.raises(ValueError, match="seq_lens must be a contiguous vector of at least 150 rows"):
+        advance_decodes(positions.clone(), seq_lens[:10], context_lens, table, slots, block_size)
+    with pytest.raises(TypeError, match="positions has dtype"):
+        advance_decodes(positions.int(), seq_lens, context_lens, table, slots, block_size)

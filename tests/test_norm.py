@@ -1,10 +1,11 @@
-"""rms_norm (the fused RMSNorm / residual-add kernel) against float64 math; strided rows; bad input."""
+"""rms_norm (the fused RMSNorm / residual-add kernel) and rms_norm_heads (per-head norms of a packed QKV
+view, two weights in one launch) against float64 math; strided rows; bad input."""
 
 import pytest
 import torch
 
 from conftest import DEVICE
-from tripath.ops.norm import MAX_NORM_SIZE, norm_config, rms_norm
+from tripath.ops.norm import MAX_NORM_SIZE, norm_config, rms_norm, rms_norm_heads
 
 
 def norm_f64(x, weight, eps):
@@ -74,3 +75,34 @@ def test_bad_input():
         rms_norm(torch.randn(1, MAX_NORM_SIZE + 1, device=DEVICE), torch.ones(MAX_NORM_SIZE + 1, device=DEVICE), 1e-6)
     with pytest.raises(ValueError, match="contiguous in its last dimension"):
         rms_norm(torch.randn(64, 4, device=DEVICE).t(), w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_size", [(7, 8, 1, 128), (1, 4, 2, 64), (19, 2, 2, 32)])
+def test_rms_norm_heads_of_a_packed_qkv_view_match_float64(dtype, tokens, q_heads, kv_heads, head_size):
+    """Qwen3's q and k norms on the q and k heads of one packed QKV projection, each with its own weight."""
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype, device=DEVICE) * 3
+    qk = qkv[:, :(q_heads + kv_heads) * head_size].view(tokens, -1, head_size)  # strided tokens
+    wq, wk = ((1 + 0.3 * torch.randn(head_size)).to(dtype).to(DEVICE) for _ in range(2))
+    out = rms_norm_heads(qk, wq, 1e-6, second_weight=wk, second_from=q_heads)
+    assert out.shape == qk.shape and out.is_contiguous() and out.dtype == dtype
+    torch.testing.assert_close(out[:, :q_heads], norm_f64(qk[:, :q_heads], wq, 1e-6), **tolerance(dtype))
+    torch.testing.assert_close(out[:, q_heads:], norm_f64(qk[:, q_heads:], wk, 1e-6), **tolerance(dtype))
+    one = rms_norm_heads(qk, wq, 1e-6)  # one weight for every head
+    torch.testing.assert_close(one, norm_f64(qk, wq, 1e-6), **tolerance(dtype))
+
+
+def test_rms_norm_heads_bad_input():
+    x, w = torch.randn(3, 4, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    with pytest.raises(ValueError, match="x must have 3 dimensions"):
+        rms_norm_heads(x[0], w, 1e-6)
+    with pytest.raises(ValueError, match="second_weight has shape"):
+        rms_norm_heads(x, w, 1e-6, second_weight=torch.ones(32, device=DEVICE), second_from=2)
+    with pytest.raises(ValueError, match="second_from must be a head index in \\[0, 4\\]"):
+        rms_norm_heads(x, w, 1e-6, second_weight=w, second_from=5)
+    with pytest.raises(ValueError, match="without second_weight"):
+        rms_norm_heads(x, w, 1e-6, second_from=2)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        rms_norm_heads(torch.randn(3, 64, 4, device=DEVICE).transpose(1, 2), w, 1e-6)
+    with pytest.raises(ValueError, match="eps must be positive"):
+        rms_norm_heads(x, w, -1.0)

@@ -44,6 +44,15 @@ class ForwardContext:
     replayed (side streams, PyTorch arithmetic in the forward, the calibration step) every layer runs it;
     models of fewer than ``MIN_LAYERS_TO_REPLAY`` layers never record. :attr:`replay_refusals` lists why
     each refused recording of the context was refused.
+
+    ``watched``: a dict the caller keeps across steps (the engine keeps one), in which the context notes
+    each code path whose recording, watching every PyTorch operation, was found replayable. A code path
+    is the metadata's structure (:func:`metadata_structure`: which parts are set, a tensor's dtype, a
+    flag's value, a list's length; not the sizes, which change every step) with the layouts and dtypes of
+    the layer's tensors and options. A later step on a noted path records without watching (about half
+    the recording's host time, :mod:`tripath.ops.replay`) and replays only if it launched the same kernels
+    with the swapped tensors in the same places; otherwise the note is dropped and the next such step
+    watches again. None: every recording watches.
     """
 
     backend: "AttentionBackend"
@@ -52,9 +61,11 @@ class ForwardContext:
     calibrate_kv_scales: bool = False
     validate: bool | None = None
     replay_launches: bool = True
+    watched: dict | None = None
     replay_refusals: list[str] = field(default_factory=list, init=False, repr=False)
     _recorded: dict = field(default_factory=dict, init=False, repr=False)
     _attended: set = field(default_factory=set, init=False, repr=False)
+    _structure: tuple | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.validate is False or (self.validate is None and not _env.validate()):
@@ -93,9 +104,7 @@ class ForwardContext:
         swaps = (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale, alibi_slopes, sinks)
         recorded = self._recorded.get(key)
         if recorded is None:
-            from tripath.ops.replay import record_launches
-
-            result, sequence, reason = record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
+            result, sequence, reason = self._record(forward, key, swaps, cache.layout)
             self._recorded[key] = sequence or False
             if sequence is None:
                 self.replay_refusals.append(reason)
@@ -103,6 +112,30 @@ class ForwardContext:
         if recorded is not False and recorded.replay(swaps):
             return out
         return forward()
+
+    def _record(self, forward, key: tuple, swaps: tuple, cache_layout: str):
+        """Run ``forward`` recording its launches (``record_launches``' result), watching its PyTorch
+        operations unless ``watched`` notes its code path (the class doc). ``key``: the layer's
+        ``_layout`` of q, k, v and out, then its options."""
+        from tripath.ops.replay import record_launches
+
+        if self.watched is None:
+            return record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
+        if self._structure is None:
+            self._structure = metadata_structure(self.metadata)
+        strides_and_dtypes = tuple(layout[2:] for layout in key[:4])  # sizes and memory change every step
+        path = (self._structure, strides_and_dtypes, key[4:], _form(swaps), cache_layout)
+        launches = self.watched.get(path)
+        if launches is None:
+            result, sequence, reason = record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
+            if sequence is not None:
+                self.watched[path] = sequence.path
+            return result, sequence, reason
+        result, sequence, reason = record_launches(forward, swaps, watch=False)
+        if sequence is not None and sequence.path != launches:
+            del self.watched[path]
+            return result, None, "the launches differ from those of the watched recording of this code path"
+        return result, sequence, reason
 
     def attend_mla(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
                    k_pe: torch.Tensor, positions: torch.Tensor, weights: MLALayerWeights) -> torch.Tensor:
@@ -130,6 +163,34 @@ def metadata_tensors(value) -> list[torch.Tensor]:
         elif dataclasses.is_dataclass(item) and not isinstance(item, (type, BatchPlan)):
             stack.extend(vars(item).values())
     return found
+
+
+def metadata_structure(value) -> tuple:
+    """What of the metadata ``value`` decides which code a backend's forward runs, as a hashable tuple: its
+    type and, field by field (parts and lists of parts recursively), whether it is set, a tensor's dtype
+    and number of dimensions, a flag's value, a list's length. Sizes and counts (ints, floats) are left
+    out: they change from step to step without changing the code path. The plan is skipped: the parts'
+    presence carries its phases."""
+    if value is None:
+        return (None,)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.dim())
+    if isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (int, float)):
+        return ("number",)
+    if isinstance(value, (list, tuple)):
+        return (len(value), *(metadata_structure(item) for item in value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, (type, BatchPlan)):
+        return (type(value), *(metadata_structure(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    if isinstance(value, BatchPlan):
+        return ("plan",)
+    return (type(value), value)
+
+
+def _form(tensors) -> tuple:
+    """The dtypes and strides of ``tensors`` (None kept): a layer's caches, scales and options."""
+    return tuple(None if t is None else (t.dtype, t.stride()) for t in tensors)
 
 
 def _layout(t: torch.Tensor) -> tuple:

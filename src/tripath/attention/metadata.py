@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tripath.attention.planner import BatchPlan
+from tripath.ops.kv_cache import advance_decodes, advance_decodes_ref
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -149,17 +150,15 @@ class AttentionMetadata:
         ``seq_lens[r]`` and ``context_lens[r]`` grow by one and ``slot_mapping[r]`` becomes the slot of
         the new position, ``block_table[r, p // block_size] * block_size + p % block_size`` (the block table
         must already hold that block). Rows past ``n`` (padding) keep their values. Host ints
-        (``max_seq_len``, …) keep the first step's values: a decode launch reads the tensors only."""
+        (``max_seq_len``, …) keep the first step's values: a decode launch reads the tensors only. One
+        launch on a GPU (:func:`tripath.ops.kv_cache.advance_decodes`), the same math in PyTorch elsewhere."""
         n = positions.shape[0]
         if self.plan.num_decodes != self.plan.num_requests or self.num_tokens != self.plan.num_requests:
             raise ValueError("advance_decodes_ needs a step of single-token decodes only")
         if n > self.num_tokens:
             raise ValueError(f"advance_decodes_: {n} positions for a step of {self.num_tokens} rows")
-        positions += 1
-        self.seq_lens[:n] += 1
-        self.context_lens[:n] += 1
-        blocks = self.block_table[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-        torch.add(positions % block_size, blocks.long(), alpha=block_size, out=self.slot_mapping[:n])
+        advance = advance_decodes if positions.is_cuda else advance_decodes_ref
+        advance(positions, self.seq_lens, self.context_lens, self.block_table, self.slot_mapping, block_size)
 
     def validate_own(self, num_blocks: int, block_size: int) -> None:
         """Check a subclass's own fields against the plan and the common ones (see

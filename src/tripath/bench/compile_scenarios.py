@@ -67,6 +67,7 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "rotary_embedding_kernel": KernelRole(False, "deliberate: in-place pair rotation"),
     "rms_norm_kernel": KernelRole(False, "deliberate: row reduction and scaling (residual add fused)"),
     "silu_and_mul_kernel": KernelRole(False, "deliberate: elementwise gated activation"),
+    "advance_decodes_kernel": KernelRole(False, "deliberate: per-row metadata update of multi-step decoding"),
 }
 
 # Findings accepted on purpose: (kernel, target name or "*", kind) -> reason. Kinds: "spill", "shared",
@@ -294,6 +295,21 @@ def _build_rms_norm(platform: Platform, *, size: int, residual: bool, dtype: tor
     norm.rms_norm(x, torch.ones(size, dtype=dtype), 1e-6, residual=_rand(8, size, dtype=dtype) if residual else None)
 
 
+def _build_rms_norm_heads(platform: Platform, *, head_size: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    qkv = _rand(8, (NUM_HEADS + 2 * NUM_KV_HEADS) * head_size, dtype=dtype)
+    qk = qkv[:, :(NUM_HEADS + NUM_KV_HEADS) * head_size].view(8, -1, head_size)
+    norm.rms_norm_heads(qk, torch.ones(head_size, dtype=dtype), 1e-6, second_weight=torch.ones(head_size, dtype=dtype),
+                        second_from=NUM_HEADS)
+
+
+def _build_advance_decodes(platform: Platform) -> None:
+    from tripath.ops.kv_cache import advance_decodes
+
+    n = 64
+    advance_decodes(torch.arange(n), torch.ones(n, dtype=torch.int32), torch.ones(n, dtype=torch.int32),
+                    torch.zeros(n, 8, dtype=torch.int32), torch.zeros(n, dtype=torch.int64), 16)
+
+
 def _build_silu_and_mul(platform: Platform, *, inter: int, dtype: torch.dtype = torch.bfloat16) -> None:
     activation.silu_and_mul(_rand(8, 2 * inter, dtype=dtype))
 
@@ -426,6 +442,8 @@ def all_scenarios() -> list[Scenario]:
     for size, residual in ((4096, True), (4096, False), (128, False), (512, False), (8192, True)):
         rows.append(_s(f"RMSNorm {size}{' + residual' if residual else ''} bf16", _build_rms_norm,
                        ci=size == 4096 and residual, size=size, residual=residual))
+    rows.append(_s("RMSNorm of q and k heads 128 bf16", _build_rms_norm_heads, ci=True, head_size=128))
+    rows.append(_s("multi-step decoding: metadata advance", _build_advance_decodes, ci=True))
     for inter in (14336, 1536):
         rows.append(_s(f"silu_and_mul I={inter} bf16", _build_silu_and_mul, ci=inter == 14336, inter=inter))
     return rows

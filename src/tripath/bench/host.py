@@ -2,9 +2,11 @@
 
 For one mixed step (decodes beside an extend and prefills, the shape of a tensor-parallel shard's step),
 each backend's forward is timed on the host only (launches are queued, the GPU is not waited for), and so
-are its recording and a replay of the recording (:mod:`tripath.ops.replay`), and ``--layers`` layers
-through one :class:`~tripath.attention.ForwardContext` on shared static buffers (as the piecewise CUDA
-graphs give them), with and without the launch replay. Means over ``--reps`` calls after a warm-up.
+are its recording (watching its PyTorch operations, and not: :mod:`tripath.ops.replay`), a replay of the
+recording, and ``--layers`` layers through one :class:`~tripath.attention.ForwardContext` on shared static
+buffers (as the piecewise CUDA graphs give them): each layer its forward; replayed, the first layer's
+recording watched; replayed as the engine's steps run once the code path was watched before (an unwatched
+recording). Means over ``--reps`` calls after a warm-up.
 
 The default step is the mha-tp8 one: 8 query / 1 KV head of 128 (Qwen3-235B's attention at TP 8), 30
 decodes on 1–3K cached tokens, one extend of 400 tokens on 1500, 4 prefills of 300–1200. On a CPU the
@@ -49,11 +51,13 @@ class HostTimes:
     launches: int | None  # in one recorded forward (None: the recording was refused)
     refused: str | None  # why the recording was refused
     forward_us: float
-    record_us: float
+    record_us: float  # watching the forward's PyTorch operations
+    record_unwatched_us: float
     replay_us: float | None
     layers: int
     layers_forward_us: float  # every layer runs its forward
-    layers_replayed_us: float  # the first layer records, the others replay
+    layers_replayed_us: float  # the first layer records (watched), the others replay
+    layers_replayed_unwatched_us: float  # the same on a code path watched before, as in the engine's steps
 
 
 def _host_us(fn, device: torch.device, reps: int) -> float:
@@ -88,9 +92,9 @@ def measure(spec: AttentionSpec, requests, backend_name: str, device: torch.devi
 
     _, sequence, refused = record_launches(forward, swaps(caches[0]), metadata_tensors(meta))
 
-    def run_layers(replay: bool):
+    def run_layers(replay: bool, watched: dict | None = None):
         def run():
-            ctx = ForwardContext(backend, meta, caches, replay_launches=replay)
+            ctx = ForwardContext(backend, meta, caches, replay_launches=replay, watched=watched)
             for layer in range(layers):
                 ctx.attend(layer, q, k, v, out=out)
         return run
@@ -99,21 +103,24 @@ def measure(spec: AttentionSpec, requests, backend_name: str, device: torch.devi
         backend=backend_name, launches=len(sequence) if sequence is not None else None, refused=refused,
         forward_us=_host_us(forward, device, reps),
         record_us=_host_us(lambda: record_launches(forward, swaps(caches[0]), metadata_tensors(meta)), device, reps),
+        record_unwatched_us=_host_us(lambda: record_launches(forward, swaps(caches[0]), watch=False), device, reps),
         replay_us=_host_us(lambda: sequence.replay(swaps(caches[1 % layers])), device, reps)
         if sequence is not None else None,
         layers=layers, layers_forward_us=_host_us(run_layers(False), device, reps),
-        layers_replayed_us=_host_us(run_layers(True), device, reps))
+        layers_replayed_us=_host_us(run_layers(True), device, reps),
+        layers_replayed_unwatched_us=_host_us(run_layers(True, {}), device, reps))  # the warm-up calls watch
 
 
 def format_times(rows: list[HostTimes], where: str) -> str:
     lines = [f"tripath bench host on {where}: host time of one step's attention (µs)", "",
-             f"| backend | launches | forward | recording | replay | {rows[0].layers} layers, each its forward "
-             f"| {rows[0].layers} layers, replayed |", "|---|---|---|---|---|---|---|"]
+             f"| backend | launches | forward | recording | recording, unwatched | replay | {rows[0].layers} layers, "
+             f"each its forward | replayed | replayed, unwatched |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         launches = r.launches if r.launches is not None else f"refused: {r.refused}"
         replay = f"{r.replay_us:.1f}" if r.replay_us is not None else "-"
-        lines.append(f"| {r.backend} | {launches} | {r.forward_us:.1f} | {r.record_us:.1f} | {replay} | "
-                     f"{r.layers_forward_us:.1f} | {r.layers_replayed_us:.1f} |")
+        lines.append(f"| {r.backend} | {launches} | {r.forward_us:.1f} | {r.record_us:.1f} | "
+                     f"{r.record_unwatched_us:.1f} | {replay} | {r.layers_forward_us:.1f} | "
+                     f"{r.layers_replayed_us:.1f} | {r.layers_replayed_unwatched_us:.1f} |")
     return "\n".join(lines)
 
 

@@ -119,6 +119,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(self.device, self.block_size, config.max_num_batched_tokens,
                                        config.max_num_seqs, self.max_blocks_per_seq)
         self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
+        self.watched_paths: dict = {}  # the code paths whose launch recordings were watched (ForwardContext)
         self.warmup_report: WarmupReport | None = None
         warms_up = config.warmup and self.device.type == "cuda" and self.backend.capabilities.needs_triton
         pool = self._compile_pool() if warms_up else None
@@ -208,7 +209,8 @@ class ModelRunner:
             hidden = self._replay(graph_bs, inputs)
         else:
             meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
-            ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending)
+            ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending,
+                                 watched=self.watched_paths)
             mixed = self.mixed_graphs
             if mixed is not None and not self.kv_scales_pending and mixed.bucket(inputs.plan.num_tokens):
                 hidden = mixed.run(inputs.input_ids, inputs.positions, ctx)
@@ -252,7 +254,7 @@ class ModelRunner:
         else:
             meta = self.backend.build_metadata(plan, inputs.block_table, inputs.slot_mapping)
             ids, positions = inputs.input_ids, inputs.positions
-            ctx = ForwardContext(self.backend, meta, self.caches)
+            ctx = ForwardContext(self.backend, meta, self.caches, watched=self.watched_paths)
             run = functools.partial(self.model, ids, positions, ctx)
         tokens = torch.empty(num_steps, n, dtype=torch.int64, device=self.device)
         for step in range(num_steps):

@@ -19,7 +19,7 @@ from torch import nn
 
 from tripath.attention.spec import AttentionSpec
 from tripath.models.config import ModelConfig
-from tripath.models.layers import MLP, RMSNorm
+from tripath.models.layers import RMSNorm
 from tripath.models.parallel import SINGLE, HeadSplit, ParallelState, VocabParallelEmbedding, gather_logits, lm_head
 
 
@@ -80,10 +80,11 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def post_load(self) -> None:
-        """Called by the loader once every parameter holds its final value: the MLPs stack their gate and up
-        weights (:meth:`~tripath.models.layers.MLP.fuse_weights`). Subclasses extend it (and call it)."""
+        """Called by the loader once every parameter holds its final value: modules that stack weights do so
+        (the MLPs' gate and up, :meth:`~tripath.models.layers.MLP.fuse_weights`; the GQA attention's q, k
+        and v, :meth:`~tripath.models.llama.GQAAttention.fuse_weights`). Subclasses extend it (and call it)."""
         for module in self.modules():
-            if isinstance(module, MLP):
+            if callable(getattr(module, "fuse_weights", None)):
                 module.fuse_weights()
 
     def attention_spec(self, *, block_size: int = 16, kv_cache_dtype: str = "auto", kv_layout: str = "nhd",

@@ -6,19 +6,24 @@ Per layer, for ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads of size ``D``:
 (``norm_*`` only on Qwen3; RoPE with NeoX pairs at the absolute positions, on a GPU one in-place launch
 for ``q`` and ``k``), then
 ``o = ctx.attend(layer, q, k, v)`` ``[T, Hq, D]`` (writes k/v into the layer's paged cache; causal, with the
-sliding window of the spec, or the layer's own where layers differ) and ``out = o·Woᵀ``. Under tensor
+sliding window of the spec, or the layer's own where layers differ) and ``out = o·Woᵀ``. Once the
+weights are loaded (:meth:`GQAAttention.fuse_weights`) ``Wq``, ``Wk`` and ``Wv`` are stacked into one weight, so
+a step runs one GEMM for the three and ``q``/``k``/``v`` are views of its output; on a GPU Qwen3's two
+norms are one launch over the ``q`` and ``k`` heads of that output (:func:`tripath.ops.norm.rms_norm_heads`). Under tensor
 parallelism (:mod:`tripath.models.parallel`) ``Hq``/``Hkv`` are the rank's heads and ``o_proj`` all-reduces.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tripath.models.base import CausalLM, DecoderLayer
 from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
 from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
+from tripath.ops.norm import rms_norm_heads
 from tripath.ops.rotary import rotary_embedding
 
 
@@ -43,13 +48,45 @@ class GQAAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary = None  # RotaryTables, shared by every layer (set by LlamaForCausalLM.post_load)
         self.window_left = config.layer_window_left(layer_idx)  # None: the spec's window
+        self.register_buffer("qkv_weight", None, persistent=False)  # set by fuse_weights
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse_weights(self) -> None:
+        """One weight (and bias) ``[q rows + 2 · kv rows, hidden]`` for the three projections; their
+        parameters become views of its row blocks."""
+        linears = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([lin.weight.data for lin in linears])
+        bias = torch.cat([lin.bias.data for lin in linears]) if self.q_proj.bias is not None else None
+        start = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            lin.weight.data = weight[start:start + rows]
+            if bias is not None:
+                lin.bias.data = bias[start:start + rows]
+            start += rows
+        self.register_buffer("qkv_weight", weight, persistent=False)
+        self.register_buffer("qkv_bias", bias, persistent=False)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``q [T, Hq, D]``, ``k``, ``v [T, Hkv, D]`` and, with fused weights, the ``[T, Hq + Hkv, D]`` view of
+        the q and k heads (None otherwise)."""
+        t, d = x.shape[0], self.head_size
+        if self.qkv_weight is None:
+            return (self.q_proj(x).view(t, self.num_heads, d), self.k_proj(x).view(t, self.num_kv_heads, d),
+                    self.v_proj(x).view(t, self.num_kv_heads, d), None)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        nq, nk = self.num_heads * d, self.num_kv_heads * d  # the rows of q_proj and of k_proj / v_proj
+        q, k, v = (qkv[:, a:b].view(t, -1, d) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, nq + 2 * nk)))
+        return q, k, v, qkv[:, :nq + nk].view(t, -1, d)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_size)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_size)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_size)
-        if self.q_norm is not None:
+        q, k, v, qk = self._project(x)
+        if self.q_norm is not None and qk is not None and q.is_cuda:  # both norms in one launch
+            normed = rms_norm_heads(qk, self.q_norm.weight, self.q_norm.eps, second_weight=self.k_norm.weight,
+                                    second_from=self.num_heads)
+            q, k = normed[:, :self.num_heads], normed[:, self.num_heads:]
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if q.is_cuda:  # one in-place launch for both
             rotary_embedding(positions, q, k, (self.rotary.cos, self.rotary.sin), is_neox=self.rotary.is_neox)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tripath import _env
+from tripath.kernels.decode_advance import advance_decodes_kernel
 from tripath.kernels.kv_cache import gather_kv_cache_kernel, write_kv_cache_kernel
 from tripath.constants import KV_LAYOUTS
 from tripath.ops import _configs
@@ -283,3 +284,43 @@ def gather_kv_cache_ref(k_cache, v_cache, block_table, cu_seqlens_k, seq_starts,
     out_k[: k.shape[0]] = k.to(out_k.dtype)
     out_v[: v.shape[0]] = v.to(out_v.dtype)
     return out_k, out_v
+
+
+ADVANCE_BLOCK = 128  # rows a program of advance_decodes moves on
+
+
+def advance_decodes_ref(positions: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+                        block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    """PyTorch reference of :func:`advance_decodes` (same arguments and effect)."""
+    n = positions.shape[0]
+    positions += 1
+    seq_lens[:n] += 1
+    context_lens[:n] += 1
+    blocks = block_table[:n].gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    torch.add(positions % block_size, blocks.long(), alpha=block_size, out=slot_mapping[:n])
+
+
+def advance_decodes(positions: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+                    block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int) -> None:
+    """Move the first ``n = positions.shape[0]`` decode rows on by one token, in place: ``positions [n]``
+    int64 and ``seq_lens`` / ``context_lens [>= n]`` int32 grow by one, ``slot_mapping [>= n]`` int64 takes
+    the slot of the new position from ``block_table [>= n, W]`` int32 (which must hold its block). One
+    launch (:mod:`tripath.kernels.decode_advance`)."""
+    n = positions.shape[0]
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64,))
+    device = positions.device
+    for name, t, dtype in (("seq_lens", seq_lens, torch.int32), ("context_lens", context_lens, torch.int32),
+                           ("slot_mapping", slot_mapping, torch.int64)):
+        check_tensor(name, t, ndim=1, dtypes=(dtype,), device=device)
+        if t.shape[0] < n or t.stride(0) != 1:
+            raise ValueError(f"{name} must be a contiguous vector of at least {n} rows, got shape {tuple(t.shape)}")
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), device=device)
+    if block_table.shape[0] < n or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have at least {n} rows, contiguous, got shape {tuple(block_table.shape)}")
+    if positions.stride(0) != 1:
+        raise ValueError("positions must be contiguous")
+    if not use_triton(device):
+        advance_decodes_ref(positions, seq_lens, context_lens, block_table, slot_mapping, block_size)
+        return
+    launch(advance_decodes_kernel, (-(-n // ADVANCE_BLOCK),), positions, seq_lens, context_lens, block_table,
+           slot_mapping, n, block_table.stride(0), block_size, BLOCK=ADVANCE_BLOCK)

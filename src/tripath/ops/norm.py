@@ -4,6 +4,9 @@
 normalised value rounded to ``x``'s dtype before the weight, as Hugging Face computes it).
 ``rms_norm(x, weight, eps, residual=r)`` → ``(s, rms_norm(s))`` with ``s = x + r`` rounded to ``x``'s dtype:
 the residual stream's new value and its norm, in one pass (:mod:`tripath.kernels.rms_norm`).
+``rms_norm_heads(x [T, H, D], weight, eps, second_weight=w2, second_from=S)`` → the norm of each head,
+heads ``S`` on with ``w2``; the heads may be strided (a view of a packed QKV projection): Qwen3's per-head
+q and k norms in one launch.
 """
 
 from __future__ import annotations
@@ -65,9 +68,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     num_tokens = x2.shape[0]
     cfg = norm_config(n_cols)
     launch(rms_norm_kernel, (-(-num_tokens // cfg["BLOCK_M"]),),
-           x2, r2, weight, total2, out2, num_tokens, n_cols, x2.stride(0), r2.stride(0), total2.stride(0),
-           out2.stride(0), float(eps), HAS_RESIDUAL=residual is not None, **cfg)
+           x2, r2, weight, weight, total2, out2, num_tokens, n_cols, x2.stride(0), 0, r2.stride(0),
+           total2.stride(0), out2.stride(0), float(eps), 1, 0, HAS_RESIDUAL=residual is not None,
+           TWO_WEIGHTS=False, **cfg)
     return out if residual is None else (total, out)
+
+
+def rms_norm_heads_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       second_weight: torch.Tensor | None = None, second_from: int | None = None) -> torch.Tensor:
+    """PyTorch reference of :func:`rms_norm_heads` (same signature and results)."""
+    if second_weight is None:
+        return rms_norm_ref(x, weight, eps).contiguous()
+    return torch.cat([rms_norm_ref(x[:, :second_from], weight, eps),
+                      rms_norm_ref(x[:, second_from:], second_weight, eps)], dim=1)
+
+
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, *, second_weight: torch.Tensor | None = None,
+                   second_from: int | None = None) -> torch.Tensor:
+    """RMSNorm of each head ``x[t, h] [D]`` of ``x [T, H, D]`` (fp16/bf16/fp32; the last dimension contiguous,
+    tokens and heads at any stride, as in a view of a packed QKV projection) with ``weight [D]``, or, given
+    ``second_weight [D]`` and ``0 <= second_from <= H``, heads ``second_from`` on with ``second_weight``.
+    Returns a new contiguous ``[T, H, D]`` tensor of ``x``'s dtype."""
+    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    device = x.device
+    n_cols = x.shape[2]
+    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape=(n_cols,))
+    if second_weight is not None:
+        check_tensor("second_weight", second_weight, ndim=1, dtypes=(weight.dtype,), device=device,
+                     shape=(n_cols,))
+        if not isinstance(second_from, int) or not 0 <= second_from <= x.shape[1]:
+            raise ValueError(f"second_from must be a head index in [0, {x.shape[1]}], got {second_from!r}")
+    elif second_from is not None:
+        raise ValueError("second_from is given without second_weight")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if n_cols > MAX_NORM_SIZE:
+        raise ValueError(f"rms_norm_heads normalises heads of at most {MAX_NORM_SIZE} values, got {n_cols}")
+    if x.stride(2) != 1:
+        raise ValueError("x must be contiguous in its last dimension")
+    if not use_triton(device):
+        return rms_norm_heads_ref(x, weight, eps, second_weight=second_weight, second_from=second_from)
+    num_tokens, heads = x.shape[0], x.shape[1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    out2 = out.view(-1, n_cols)
+    cfg = norm_config(n_cols)
+    two = second_weight is not None
+    launch(rms_norm_kernel, (-(-num_tokens * heads // cfg["BLOCK_M"]),),
+           x, x, weight, second_weight if two else weight, out2, out2, num_tokens, n_cols, x.stride(0), x.stride(1),
+           0, 0, out2.stride(0), float(eps), heads, second_from if two else heads, HAS_RESIDUAL=False,
+           TWO_WEIGHTS=two, **cfg)
+    return out
 
 
 def _rows(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,13 @@ function again:
   cache), or a tensor descriptor over one: a swap could not follow it;
 - Triton's launch hooks are set (a profiler is attached), or a CUDA graph is being captured.
 
+Watching the PyTorch operations (a dispatch mode over every operation the function runs) is most of a
+recording's host cost: about as much again as the function itself. A caller that knows the function's
+PyTorch work is what an earlier, watched recording of the same code path checked can record with
+``watch=False``: only the launches are then kept and checked (streams, views, descriptors, hooks), and
+:attr:`LaunchSequence.path` lets the caller confirm that the launches are the watched ones
+(:class:`tripath.attention.ForwardContext` keys code paths by the metadata's structure).
+
 :meth:`LaunchSequence.replay` refuses (returns False, launching nothing) when a swapped tensor differs
 from the recorded one in dtype, shape, strides, device or 16-byte alignment (what the compiled kernel was
 specialised on), or when the current stream is not the recorded one. Tensors allocated by the recorded
@@ -33,6 +40,7 @@ same launches, for tests on the CPU).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -175,6 +183,13 @@ class LaunchSequence:
     def __len__(self) -> int:
         return len(self._launches)
 
+    @property
+    def path(self) -> tuple:
+        """The kernels launched, in order, with the argument positions of the swappable tensors: what two
+        recordings of one code path share whatever the step's sizes (grids, integer arguments and compiled
+        specialisations may differ)."""
+        return tuple((launch.kernel, tuple(launch.swaps)) for launch in self._launches)
+
     def compatible(self, swaps: Sequence[torch.Tensor | None]) -> bool:
         """Whether ``swaps`` can stand in for the recorded swappable tensors, position by position."""
         if len(swaps) != len(self._swappable):
@@ -218,19 +233,21 @@ class LaunchSequence:
 
 
 def record_launches(fn: Callable[[], Any], swappable: Sequence[torch.Tensor | None],
-                    invariant: Sequence[torch.Tensor] = ()) -> tuple[Any, LaunchSequence | None, str | None]:
+                    invariant: Sequence[torch.Tensor] = (), *,
+                    watch: bool = True) -> tuple[Any, LaunchSequence | None, str | None]:
     """Run ``fn()`` and record its launches: ``(fn's result, the sequence, None)``, or ``(result, None,
     reason)`` when the recording cannot be replayed (module docstring). ``swappable``: the tensors a replay
     may swap (None entries stay None); ``invariant``: tensors the same for every replay, which no launch
-    writes (the step's metadata), so the recorded code may read them."""
+    writes (the step's metadata), so the recorded code may read them. ``watch=False``: do not watch
+    ``fn``'s PyTorch operations (the caller vouches for them, module docstring); ``invariant`` is unused."""
     first = next((t for t in swappable if t is not None), None)
     interpreted = first is None or first.device.type != "cuda"
-    recording = _Recording(swappable, invariant, interpreted)
+    recording = _Recording(swappable, invariant if watch else (), interpreted)
     if not interpreted and torch.cuda.is_current_stream_capturing():
         return fn(), None, "a CUDA graph is being captured"
     _launch._recordings.active.append(recording)
     try:
-        with recording:
+        with recording if watch else contextlib.nullcontext():
             result = fn()
     finally:
         _launch._recordings.active.pop()
