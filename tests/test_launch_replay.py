@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from tripath.attention import ForwardContext
+from tripath.attention import ForwardContext, WatchedPaths
 from tripath.attention.selector import backend_class
 from tripath.attention.spec import AttentionSpec
 from tripath.bench.batches import make_step
@@ -275,7 +275,7 @@ def _step_layers(backend, requests, seed, watched, contexts):
 def test_a_watched_code_path_is_recorded_unwatched_on_later_steps(name, monkeypatch):
     spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
     backend = backend_class(name)(spec, DEVICE)
-    watched, contexts = {}, []
+    watched, contexts = WatchedPaths(), []
     seen = _watch_count(monkeypatch)
     got, want = _step_layers(backend, REQUESTS, 11, watched, contexts)
     assert seen and len(watched) == 1 and contexts[-1].replay_refusals == []
@@ -294,20 +294,24 @@ def test_a_watched_code_path_is_recorded_unwatched_on_later_steps(name, monkeypa
 def test_launches_unlike_the_watched_ones_are_refused_and_watched_again(monkeypatch):
     spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16)
     backend = backend_class("three_path")(spec, DEVICE)
-    watched, contexts = {}, []
+    watched, contexts = WatchedPaths(), []
     _step_layers(backend, REQUESTS, 14, watched, contexts)
-    (path, launches), = watched.items()
-    watched[path] = launches[1:]  # as if the watched recording had launched other kernels
+    (path, (launches,)), = watched.launches.items()
+    watched.launches[path] = {launches[1:]}  # as if the watched recording had launched other kernels
     calls = _count_forwards(monkeypatch, backend)
     got, want = _step_layers(backend, SAME_PATH_REQUESTS, 15, watched, contexts)
     assert len(calls) == 2 * NUM_LAYERS  # no replay: every layer ran its forward
-    assert "differ from those of the watched recording" in contexts[-1].replay_refusals[0]
-    assert path not in watched
+    assert "differ from those of the watched recordings" in contexts[-1].replay_refusals[0]
+    assert watched.must_watch(path)
     for layer in range(NUM_LAYERS):
         torch.testing.assert_close(got[layer], want[layer], atol=0, rtol=0)
     seen = _watch_count(monkeypatch)
-    _step_layers(backend, SAME_PATH_REQUESTS, 16, watched, contexts)
-    assert seen and watched[path] == launches
+    _step_layers(backend, SAME_PATH_REQUESTS, 16, watched, contexts)  # watched again: its sequence noted too
+    assert seen and watched.launches[path] == {launches[1:], launches} and not watched.must_watch(path)
+    seen.clear()
+    calls.clear()
+    _step_layers(backend, SAME_PATH_REQUESTS, 17, watched, contexts)  # now known: unwatched, replayed
+    assert seen == [] and len(calls) == 1 + NUM_LAYERS and contexts[-1].replay_refusals == []
 
 
 def test_metadata_structure_leaves_out_sizes_but_not_the_code_path():

@@ -45,14 +45,16 @@ class ForwardContext:
     models of fewer than ``MIN_LAYERS_TO_REPLAY`` layers never record. :attr:`replay_refusals` lists why
     each refused recording of the context was refused.
 
-    ``watched``: a dict the caller keeps across steps (the engine keeps one), in which the context notes
-    each code path whose recording, watching every PyTorch operation, was found replayable. A code path
-    is the metadata's structure (:func:`metadata_structure`: which parts are set, a tensor's dtype, a
-    flag's value, a list's length; not the sizes, which change every step) with the layouts and dtypes of
-    the layer's tensors and options. A later step on a noted path records without watching (about half
-    the recording's host time, :mod:`tripath.ops.replay`) and replays only if it launched the same kernels
-    with the swapped tensors in the same places; otherwise the note is dropped and the next such step
-    watches again. None: every recording watches.
+    ``watched``: the :class:`WatchedPaths` the caller keeps across steps (the engine keeps one), in which
+    the context notes each code path whose recording, watching every PyTorch operation, was found
+    replayable, with the kernels it launched. A code path is the metadata's structure
+    (:func:`metadata_structure`: which parts are set, a tensor's dtype, a flag's value, a list's length;
+    not the sizes, which change every step) with the layouts and dtypes of the layer's tensors and
+    options. A later step on a noted path records without watching (about half the recording's host
+    time, :mod:`tripath.ops.replay`) and replays only if it launched one of the noted kernel sequences
+    (sizes can change the sequence: a split decode adds its reduction); otherwise every layer of that
+    step runs its forward and the next step on the path watches, noting its sequence too. None: every
+    recording watches.
     """
 
     backend: "AttentionBackend"
@@ -61,7 +63,7 @@ class ForwardContext:
     calibrate_kv_scales: bool = False
     validate: bool | None = None
     replay_launches: bool = True
-    watched: dict | None = None
+    watched: "WatchedPaths | None" = None
     replay_refusals: list[str] = field(default_factory=list, init=False, repr=False)
     _recorded: dict = field(default_factory=dict, init=False, repr=False)
     _attended: set = field(default_factory=set, init=False, repr=False)
@@ -125,16 +127,14 @@ class ForwardContext:
             self._structure = metadata_structure(self.metadata)
         strides_and_dtypes = tuple(layout[2:] for layout in key[:4])  # sizes and memory change every step
         path = (self._structure, strides_and_dtypes, key[4:], _form(swaps), cache_layout)
-        launches = self.watched.get(path)
-        if launches is None:
+        if self.watched.must_watch(path):
             result, sequence, reason = record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
             if sequence is not None:
-                self.watched[path] = sequence.path
+                self.watched.note(path, sequence.path)
             return result, sequence, reason
         result, sequence, reason = record_launches(forward, swaps, watch=False)
-        if sequence is not None and sequence.path != launches:
-            del self.watched[path]
-            return result, None, "the launches differ from those of the watched recording of this code path"
+        if sequence is not None and not self.watched.knows(path, sequence.path):
+            return result, None, "the launches differ from those of the watched recordings of this code path"
         return result, sequence, reason
 
     def attend_mla(self, layer_idx: int, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor,
@@ -147,6 +147,36 @@ class ForwardContext:
             calibrate_mla_scale(self.caches[layer_idx], kv_c, k_pe)
         return self.backend.forward_mla(q_nope, q_pe, kv_c, k_pe, positions, self.caches[layer_idx],
                                         self.metadata, weights)
+
+
+class WatchedPaths:
+    """The code paths of an engine's steps whose launch recordings were watched and found replayable, each
+    with the kernel sequences (:attr:`~tripath.ops.replay.LaunchSequence.path`) they launched
+    (:class:`ForwardContext`'s ``watched``)."""
+
+    def __init__(self):
+        self.launches: dict[tuple, set] = {}
+        self._rewatch: set = set()
+
+    def __len__(self) -> int:
+        return len(self.launches)
+
+    def must_watch(self, path: tuple) -> bool:
+        """Whether the next recording on ``path`` watches: never watched, or a step on it launched an unknown
+        kernel sequence."""
+        return path not in self.launches or path in self._rewatch
+
+    def note(self, path: tuple, launches: tuple) -> None:
+        """A watched recording on ``path`` launched ``launches`` and was found replayable."""
+        self.launches.setdefault(path, set()).add(launches)
+        self._rewatch.discard(path)
+
+    def knows(self, path: tuple, launches: tuple) -> bool:
+        """Whether a watched recording on ``path`` launched ``launches``; if not, the next one watches."""
+        if launches in self.launches.get(path, ()):
+            return True
+        self._rewatch.add(path)
+        return False
 
 
 def metadata_tensors(value) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tripath.attention import ForwardContext
+from tripath.attention import ForwardContext, WatchedPaths
 from tripath.attention.context import metadata_tensors
 from tripath.attention.selector import backend_class, default_block_size, explain
 from tripath.attention.spec import AttentionSpec
@@ -92,7 +92,7 @@ def measure(spec: AttentionSpec, requests, backend_name: str, device: torch.devi
 
     _, sequence, refused = record_launches(forward, swaps(caches[0]), metadata_tensors(meta))
 
-    def run_layers(replay: bool, watched: dict | None = None):
+    def run_layers(replay: bool, watched: WatchedPaths | None = None):
         def run():
             ctx = ForwardContext(backend, meta, caches, replay_launches=replay, watched=watched)
             for layer in range(layers):
@@ -108,7 +108,7 @@ def measure(spec: AttentionSpec, requests, backend_name: str, device: torch.devi
         if sequence is not None else None,
         layers=layers, layers_forward_us=_host_us(run_layers(False), device, reps),
         layers_replayed_us=_host_us(run_layers(True), device, reps),
-        layers_replayed_unwatched_us=_host_us(run_layers(True, {}), device, reps))  # the warm-up calls watch
+        layers_replayed_unwatched_us=_host_us(run_layers(True, WatchedPaths()), device, reps))  # warm-up calls watch
 
 
 def format_times(rows: list[HostTimes], where: str) -> str:

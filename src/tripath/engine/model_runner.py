@@ -40,7 +40,7 @@ import time
 import numpy as np
 import torch
 
-from tripath.attention import ForwardContext, default_block_size, select_backend
+from tripath.attention import ForwardContext, WatchedPaths, default_block_size, select_backend
 from tripath.compile_pool import CompilePool, collect_compilations, default_workers
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
@@ -119,7 +119,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(self.device, self.block_size, config.max_num_batched_tokens,
                                        config.max_num_seqs, self.max_blocks_per_seq)
         self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
-        self.watched_paths: dict = {}  # the code paths whose launch recordings were watched (ForwardContext)
+        self.watched_paths = WatchedPaths()  # code paths whose launch recordings were watched (ForwardContext)
         self.warmup_report: WarmupReport | None = None
         warms_up = config.warmup and self.device.type == "cuda" and self.backend.capabilities.needs_triton
         pool = self._compile_pool() if warms_up else None
