@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tripath.attention.planner import BatchPlan
-from tripath.ops.kv_cache import advance_decodes, advance_decodes_ref
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -157,6 +156,8 @@ class AttentionMetadata:
             raise ValueError("advance_decodes_ needs a step of single-token decodes only")
         if n > self.num_tokens:
             raise ValueError(f"advance_decodes_: {n} positions for a step of {self.num_tokens} rows")
+        from tripath.ops.kv_cache import advance_decodes, advance_decodes_ref  # kernels load with a backend
+
         advance = advance_decodes if positions.is_cuda else advance_decodes_ref
         advance(positions, self.seq_lens, self.context_lens, self.block_table, self.slot_mapping, block_size)
 
