@@ -121,15 +121,15 @@ class ForwardContext:
         ``_layout`` of q, k, v and out, then its options."""
         from tripath.ops.replay import record_launches
 
-        if self.watched is None:
-            return record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
-        if self._structure is None:
-            self._structure = metadata_structure(self.metadata)
-        strides_and_dtypes = tuple(layout[2:] for layout in key[:4])  # sizes and memory change every step
-        path = (self._structure, strides_and_dtypes, key[4:], _form(swaps), cache_layout)
-        if self.watched.must_watch(path):
+        path = None
+        if self.watched is not None:
+            if self._structure is None:
+                self._structure = metadata_structure(self.metadata)
+            strides_and_dtypes = tuple(layout[2:] for layout in key[:4])  # sizes and memory change every step
+            path = (self._structure, strides_and_dtypes, key[4:], _form(swaps), cache_layout)
+        if path is None or self.watched.must_watch(path):
             result, sequence, reason = record_launches(forward, swaps, invariant=metadata_tensors(self.metadata))
-            if sequence is not None:
+            if sequence is not None and path is not None:
                 self.watched.note(path, sequence.path)
             return result, sequence, reason
         result, sequence, reason = record_launches(forward, swaps, watch=False)
@@ -211,10 +211,10 @@ def metadata_structure(value) -> tuple:
         return ("number",)
     if isinstance(value, (list, tuple)):
         return (len(value), *(metadata_structure(item) for item in value))
-    if dataclasses.is_dataclass(value) and not isinstance(value, (type, BatchPlan)):
-        return (type(value), *(metadata_structure(getattr(value, f.name)) for f in dataclasses.fields(value)))
     if isinstance(value, BatchPlan):
         return ("plan",)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value), *(metadata_structure(getattr(value, f.name)) for f in dataclasses.fields(value)))
     return (type(value), value)
 
 

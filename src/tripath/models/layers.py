@@ -113,6 +113,22 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, tables: RotaryTables)
 
 # -- feed-forward ---------------------------------------------------------------------------------------------
 
+def stack_linears(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight ``[sum of the rows, in]`` (and bias, where the linears have one) stacking ``linears``' rows
+    in order; each linear's parameters become views of its row block, so memory holds one copy and the
+    checkpoint names do not change."""
+    weight = torch.cat([lin.weight.data for lin in linears])
+    bias = torch.cat([lin.bias.data for lin in linears]) if linears[0].bias is not None else None
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight[start:start + rows]
+        if bias is not None:
+            lin.bias.data = bias[start:start + rows]
+        start += rows
+    return weight, bias
+
+
 class MLP(nn.Module):
     """Gated MLP; in parallel, gate/up column-parallel and down row-parallel over the intermediate size
     (``reduce=False``: the caller all-reduces the partial output).
@@ -134,14 +150,7 @@ class MLP(nn.Module):
 
     def fuse_weights(self) -> None:
         """One weight (and bias) for gate and up; the linears' parameters become views of its halves."""
-        linears = (self.gate_proj, self.up_proj)
-        weight = torch.cat([lin.weight.data for lin in linears])
-        bias = torch.cat([lin.bias.data for lin in linears]) if self.gate_proj.bias is not None else None
-        half = self.gate_proj.weight.shape[0]
-        for i, lin in enumerate(linears):
-            lin.weight.data = weight[i * half:(i + 1) * half]
-            if bias is not None:
-                lin.bias.data = bias[i * half:(i + 1) * half]
+        weight, bias = stack_linears((self.gate_proj, self.up_proj))
         self.register_buffer("gate_up_weight", weight, persistent=False)
         self.register_buffer("gate_up_bias", bias, persistent=False)
 

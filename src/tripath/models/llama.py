@@ -21,7 +21,7 @@ from torch import nn
 
 from tripath.models.base import CausalLM, DecoderLayer
 from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
-from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables
+from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables, stack_linears
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
 from tripath.ops.norm import rms_norm_heads
 from tripath.ops.rotary import rotary_embedding
@@ -54,16 +54,7 @@ class GQAAttention(nn.Module):
     def fuse_weights(self) -> None:
         """One weight (and bias) ``[q rows + 2 · kv rows, hidden]`` for the three projections; their
         parameters become views of its row blocks."""
-        linears = (self.q_proj, self.k_proj, self.v_proj)
-        weight = torch.cat([lin.weight.data for lin in linears])
-        bias = torch.cat([lin.bias.data for lin in linears]) if self.q_proj.bias is not None else None
-        start = 0
-        for lin in linears:
-            rows = lin.weight.shape[0]
-            lin.weight.data = weight[start:start + rows]
-            if bias is not None:
-                lin.bias.data = bias[start:start + rows]
-            start += rows
+        weight, bias = stack_linears((self.q_proj, self.k_proj, self.v_proj))
         self.register_buffer("qkv_weight", weight, persistent=False)
         self.register_buffer("qkv_bias", bias, persistent=False)
 
