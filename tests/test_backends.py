@@ -158,39 +158,6 @@ def test_three_path_joins_the_last_chunk_with_the_new_tokens(budget, opts):
     torch.testing.assert_close(joined.float(), want.float(), **TOL[torch.float16])
 
 
-@pytest.mark.parametrize("spec_name", ["gqa4", "mqa-fp8", "window-sinks", "alibi-softcap-b32"])
-def test_three_path_host_bound_routes_one_chunk_extends_to_one_paged_launch(spec_name):
-    """On a host-bound engine a step whose extends attend one context chunk sends the rows after the
-    decodes (speculative decodes included before them) to one ``unified_attention`` launch over the cache,
-    with no gather and no varlen launch; it agrees with ``torch``, which reads the new keys back from the
-    cache as that launch does. Extends of several chunks keep the chunked path."""
-    from tripath.ops._launch import capture_launches
-
-    spec = AttentionSpec(dtype=torch.float16, decode_threshold=2, **SPECS[spec_name])
-    backend = select_backend(spec, "three_path", DEVICE)
-    backend.set_host_bound(True)
-    step = make_step(spec, [(40, 1), (0, 9), (70, 12), (5, 2), (33, 5), (0, 1)], backend, device=DEVICE, seed=11)
-    assert step.plan.extend_chunks.num_chunks == 1
-    with capture_launches() as records:
-        _run(backend, step)
-    names = [r.name for r in records]
-    assert names.count("unified_attention_kernel") == 2  # the speculative decodes, then the rows after them
-    assert "gather_kv_cache_kernel" not in names and "varlen_attention_kernel" not in names
-    got, got_cache = _run(backend, step)
-    want, want_cache = _run(TorchBackend(spec, DEVICE, new_kv_from_cache=True), step)
-    tol = FP8_TOL if spec.kv_cache_dtype == "fp8" else TOL[spec.dtype]
-    torch.testing.assert_close(got.float(), want.float(), **tol)
-    assert torch.equal(got_cache.k_cache.view(torch.uint8), want_cache.k_cache.view(torch.uint8))
-    chunked_spec = AttentionSpec(dtype=torch.float16, extend_chunk_budget=24, **SPECS[spec_name])
-    chunked = select_backend(chunked_spec, "three_path", DEVICE)
-    chunked.set_host_bound(True)
-    long_step = make_step(chunked_spec, [(40, 1), (70, 12), (0, 9)], chunked, device=DEVICE, seed=12)
-    assert long_step.plan.extend_chunks.num_chunks > 1
-    with capture_launches() as records:
-        _run(chunked, long_step)
-    assert "gather_kv_cache_kernel" in [r.name for r in records]
-
-
 def test_three_path_keeps_the_new_token_pass_for_fp8_caches():
     """An fp8 cache holds the new keys rounded: the extend's new tokens then take their own causal pass over
     the step's keys (as the torch reference does), merged with the context."""

@@ -85,34 +85,6 @@ def test_three_path_joined_prompt_launch_metadata():
         validate_metadata(step, NUM_BLOCKS, BLOCK)
 
 
-def test_three_path_host_bound_paged_rows_metadata():
-    """A host-bound three_path gives a step whose extends take one context chunk the offsets of the rows
-    after the decodes (and no joined-launch metadata); steps without extends, or with several chunks, and
-    a backend not host-bound keep their own. The offsets are copied in place and checked by the validator."""
-    backend = select_backend(MHA, "three_path", "cpu")
-    backend.set_host_bound(True)
-    step = _step(backend, [1, 3, 2, 5, 4], [6, 5, 2, 0, 0], width=4, seed=0)  # 1 decode, 2 extends, 2 prefills
-    assert step.paged_cu_seqlens_q.tolist() == _offsets([3, 2, 5, 4]) and step.prompts is None
-    validate_metadata(step, NUM_BLOCKS, BLOCK)
-    assert _step(backend, [1, 5, 4], [6, 0, 0], width=4, seed=1).paged_cu_seqlens_q is None  # no extend
-    several = select_backend(AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=BLOCK, extend_chunk_budget=4),
-                             "three_path", "cpu")
-    several.set_host_bound(True)
-    assert _step(several, [3, 5], [9, 0], width=4, seed=2).paged_cu_seqlens_q is None
-    backend.set_host_bound(False)
-    unrouted = _step(backend, [1, 3, 2, 5, 4], [6, 5, 2, 0, 0], width=4, seed=0)
-    assert unrouted.paged_cu_seqlens_q is None and unrouted.prompts is not None
-    backend.set_host_bound(True)
-    captured = _step(backend, [1, 4, 3], [2, 6, 0], width=4, seed=3)
-    kept = captured.paged_cu_seqlens_q
-    captured.copy_(_step(backend, [1, 2, 5], [7, 3, 0], width=4, seed=4))
-    assert captured.paged_cu_seqlens_q is kept and kept.tolist() == _offsets([2, 5])
-    step.paged_cu_seqlens_q[1] += 1
-    with pytest.raises(MetadataError, match=r"metadata.paged_cu_seqlens_q is \[0, 4, 5, 10, 14\], expected the "
-                                            r"offsets \[0, 3, 5, 10, 14\]"):
-        validate_metadata(step, NUM_BLOCKS, BLOCK)
-
-
 def _decode_rows(table, query_lens, context_lens):
     """Per decode token: its request's block-table row and ``context + i + 1``."""
     rows = [table[j].tolist() for j, q in enumerate(query_lens) for _ in range(q)]

@@ -42,17 +42,14 @@ def random_workload(rng: random.Random, max_len: int, max_requests: int) -> list
 
 CASES = [("qwen3-235b-attn-tp8", "three_path", "auto"), ("qwen3-235b-attn-tp8", "two_path", "auto"),
          ("qwen3-235b-attn-tp8", "unified", "fp8"), ("qwen3-235b-attn-tp8", "three_path", "fp8"),
-         ("qwen3-235b-attn-tp8", "three_path", "host-bound"), ("deepseek-r1-attn-tp8", "mla", "auto")]
+         ("deepseek-r1-attn-tp8", "mla", "auto")]
 
 
 @pytest.mark.parametrize("preset,backend,kv_cache_dtype", CASES)
 def test_warmup_predicts_every_variant(preset, backend, kv_cache_dtype):
     """On the H200's launch configurations (chosen on the host, launches captured, nothing runs), the
     warm-up's probes give every variant that random workloads — decodes, chunked prefills, prefix hits —
-    then launch; also when the engine decides after the warm-up that it is host-bound (three_path then
-    routes one-chunk extends to the paged launch)."""
-    host_bound = kv_cache_dtype == "host-bound"
-    kv_cache_dtype = "auto" if host_bound else kv_cache_dtype
+    then launch."""
     mla = PRESETS[preset]().mla is not None
     limits = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512) if mla else \
         dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
@@ -62,8 +59,7 @@ def test_warmup_predicts_every_variant(preset, backend, kv_cache_dtype):
     with override_platform(H200):
         report = warm_up(llm.runner, run_kernels=False)
     assert report.variants and report.steps_run == 0
-    llm.runner.backend.set_host_bound(host_bound)
-    rng = random.Random(hash((preset, backend, kv_cache_dtype, host_bound)) % 1000)
+    rng = random.Random(hash((preset, backend, kv_cache_dtype)) % 1000)
     seen = set()
     for _ in range(2):
         prompts = random_workload(rng, limits["max_model_len"], limits["max_num_seqs"])
@@ -72,8 +68,6 @@ def test_warmup_predicts_every_variant(preset, backend, kv_cache_dtype):
             llm.generate(prompts, params, use_tqdm=False)
         seen |= {launch_key(r) for r in records}
     missing = seen - report.variants
-    if host_bound:  # the routed launch occurred
-        assert "unified_attention_kernel" in {k[0] for k in seen}
     assert not missing, f"{len(missing)} variants the warm-up did not predict: {sorted(k[0] for k in missing)}"
 
 

@@ -248,8 +248,7 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     result = {"backend": llm.backend_name, "start_s": start_s, "async_scheduling": llm.overlap,
               "decode_steps": llm.decode_steps,
               "mixed_cuda_graphs": getattr(llm.runner, "mixed_graphs", None) is not None,
-              "largest_step_host_share": getattr(llm.runner, "largest_step_host_share", None),
-              "host_bound": getattr(getattr(llm.runner, "backend", None), "host_bound", None)}
+              "largest_step_host_share": getattr(llm.runner, "largest_step_host_share", None)}
     warmup = llm.runner.warmup_report
     result["warmup"] = None if warmup is None else {"seconds": warmup.seconds, "steps_probed": warmup.steps_probed,
                                                     "steps_run": warmup.steps_run,

@@ -22,9 +22,7 @@ limits allow is compiled), then captures the decode graphs (each replayed once, 
 device is done) and, for models without mixture-of-experts layers, the piecewise graphs of steps with
 prompt tokens (:mod:`tripath.engine.mixed_graphs`: the layers between attention calls per padded token
 count, attention eager between the replays), and runs the largest eager step once, writing nothing, so the
-caching allocator already holds a step's activation memory when requests arrive. That step's host time
-against its GPU span decides whether the engine is host-bound: then the piecewise graphs are captured and
-the backend routes steps to fewer launches (``set_host_bound``). Decode-only steps on a GPU
+caching allocator already holds a step's activation memory when requests arrive. Decode-only steps on a GPU
 replay a CUDA graph captured for the next padded batch size (padding rows: one query token at position 1
 reading block 0, slot −1 so nothing is written); the step's metadata is copied into the captured one with
 ``meta.copy_``. A launch of ``num_steps > 1`` (multi-step decoding, :meth:`ModelRunner._launch_decode_steps`)
@@ -55,10 +53,8 @@ from tripath.engine.warmup import WarmupReport, saved_plan_path, warm_up
 from tripath.ops.replay import warm_up_recording
 from tripath.models.layers import Experts
 
-# The engine's steps count as host-bound when the largest eager step's host time is at least this share of
-# its GPU span (measured at start): on an H200 the mha-tp8 shape measured 0.79–0.97, the 8B shape 0.14. Then
-# piecewise graphs are captured and the backend is told (``set_host_bound``: three_path routes steps to
-# fewer launches).
+# Piecewise graphs are captured when the largest eager step's host time is at least this share of its GPU
+# span (measured at start): on an H200 the mha-tp8 shape measured 0.79–0.97 (host-bound), the 8B shape 0.14.
 MIXED_GRAPHS_MIN_HOST_SHARE = 0.5
 
 
@@ -143,9 +139,7 @@ class ModelRunner:
         self.largest_step_host_share: float | None = None  # host time / GPU span of the largest eager step
         if self.device.type == "cuda":
             self.largest_step_host_share = self._reserve_step_memory()
-            host_bound = self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE
-            self.backend.set_host_bound(host_bound)  # the warm-up compiled the launches of both settings
-            if self.uses_mixed_graphs and host_bound:
+            if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
                 self.capture_mixed_graphs()
 
     def _compile_pool(self) -> CompilePool | None:

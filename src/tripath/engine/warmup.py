@@ -14,9 +14,7 @@ backend, the dtypes, the block size and the engine's limits (``max_num_seqs``, `
    batches of every size class and context length, prefills, extends with one and with several context
    chunks, and mixes of the three. For each step the metadata is built as the engine builds it and the
    recorded calls are replayed with launches captured (:func:`tripath.ops._launch.capture_launches`: the
-   launchers validate and choose their variants, nothing runs), which yields the step's variant keys. A
-   backend that routes steps by whether the engine is host-bound (``routes_by_host_bound``) is probed
-   under both settings, since the engine decides after the warm-up.
+   launchers validate and choose their variants, nothing runs), which yields the step's variant keys.
 3. **Compile** by running, for real, each probed step that brought a variant no earlier step had (its
    K/V writes go to slot −1, so the cache is untouched). Without a saved plan (below) the compilations
    are first made in parallel: steps 1 and 3 run once with compilations listed instead of made, child
@@ -141,7 +139,6 @@ def powers_of_two(limit: int, start: int = 1) -> list[int]:
 
 
 Step = tuple[list[int], list[int]]  # (query_lens, context_lens)
-RoutedStep = tuple[list[int], list[int], bool]  # a step and the backend's host_bound setting it runs under
 
 
 def warmup_shapes(limits: WarmupLimits) -> list[Step]:
@@ -238,25 +235,8 @@ def synthetic_tables(plan, block_size: int, num_blocks: int, device) -> tuple[to
     return torch.from_numpy(table).to(device), slots.to(device)
 
 
-@contextlib.contextmanager
-def host_bound_setting(backend, host_bound: bool):
-    """``backend`` with :meth:`set_host_bound` ``host_bound`` inside the block, its setting restored after."""
-    before = backend.host_bound
-    backend.set_host_bound(host_bound)
-    try:
-        yield backend
-    finally:
-        backend.set_host_bound(before)
-
-
-def host_bound_settings(backend) -> tuple[bool, ...]:
-    """The ``host_bound`` settings whose launches the warm-up covers: both for a backend that routes by it."""
-    return (False, True) if backend.routes_by_host_bound else (backend.host_bound,)
-
-
 def probe(runner, calls: Sequence[AttentionCall], step: Step) -> tuple[object, set]:
-    """The metadata of ``step`` and the variant keys its attention launches would use (nothing runs), under
-    the backend's current ``host_bound`` setting."""
+    """The metadata of ``step`` and the variant keys its attention launches would use (nothing runs)."""
     backend = runner.backend
     plan = backend.plan(*step)
     block_table, slot_mapping = synthetic_tables(plan, runner.block_size, runner.num_blocks, runner.device)
@@ -288,20 +268,17 @@ def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool =
     report = WarmupReport()
     with collect_compilations() if ahead else contextlib.nullcontext([]) as compilations:
         calls = record_attention_calls(runner, run_kernels=run_kernels)
-        to_run: list[RoutedStep] = []
+        to_run: list[Step] = []
         if saved is not None:
             to_run, report.steps_probed = saved["steps"], saved["steps_probed"]
             report.variants = {("saved", i) for i in range(saved["variants"])}
         else:
-            steps = list(shapes if shapes is not None else warmup_shapes(runner_limits(runner)))
-            for host_bound in host_bound_settings(runner.backend):
-                with host_bound_setting(runner.backend, host_bound):
-                    for query_lens, context_lens in steps:
-                        _, keys = probe(runner, calls, (query_lens, context_lens))
-                        report.steps_probed += 1
-                        if not keys <= report.variants:
-                            report.variants |= keys
-                            to_run.append((query_lens, context_lens, host_bound))
+            for step in shapes if shapes is not None else warmup_shapes(runner_limits(runner)):
+                _, keys = probe(runner, calls, step)
+                report.steps_probed += 1
+                if not keys <= report.variants:
+                    report.variants |= keys
+                    to_run.append(step)
         if ahead:  # launches that would compile launch nothing: this lists the compilations
             run_steps(runner, calls, to_run)
     if ahead:
@@ -319,17 +296,15 @@ def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool =
     return report
 
 
-def run_steps(runner, calls: Sequence[AttentionCall], steps: Iterable[RoutedStep]) -> int:
-    """Replay ``calls`` on each of ``steps`` for real, under its ``host_bound`` setting (random inputs, K/V
-    written to slot −1: the caches are untouched), so their variants compile; returns how many steps ran."""
+def run_steps(runner, calls: Sequence[AttentionCall], steps: Iterable[Step]) -> int:
+    """Replay ``calls`` on each of ``steps`` for real (random inputs, K/V written to slot −1: the caches are
+    untouched), so their variants compile; returns how many steps ran."""
     generator = torch.Generator(device=runner.device).manual_seed(0)
     count = 0
-    for query_lens, context_lens, host_bound in steps:
-        plan = runner.backend.plan(query_lens, context_lens)
+    for step in steps:
+        plan = runner.backend.plan(*step)
         tables = synthetic_tables(plan, runner.block_size, runner.num_blocks, runner.device)
-        with host_bound_setting(runner.backend, host_bound):
-            meta = runner.backend.build_metadata(plan, *tables)
-        ctx = ForwardContext(runner.backend, meta, runner.caches)
+        ctx = ForwardContext(runner.backend, runner.backend.build_metadata(plan, *tables), runner.caches)
         with torch.inference_mode():
             for call in calls:
                 call.replay(ctx, plan.num_tokens, generator)
@@ -364,15 +339,14 @@ def _load_plan(path: Path | None) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text())
-        return {"steps": [(list(q), list(c), bool(h)) for q, c, h in data["steps"]],
-                "steps_probed": int(data["steps_probed"]),
+        return {"steps": [(list(q), list(c)) for q, c in data["steps"]], "steps_probed": int(data["steps_probed"]),
                 "variants": int(data["variants"])}
     except (OSError, ValueError, KeyError, TypeError):
         logger.warning("ignoring an unreadable warm-up plan at %s", path)
         return None
 
 
-def _save_plan(path: Path, steps: list[RoutedStep], report: WarmupReport) -> None:
+def _save_plan(path: Path, steps: list[Step], report: WarmupReport) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

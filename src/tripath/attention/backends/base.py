@@ -26,7 +26,7 @@ from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, build_
 from tripath.attention.planner import BatchPlan, plan_batch
 from tripath.attention.spec import AttentionSpec, KVCache, MLACache, MLALayerWeights
 from tripath.constants import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, MAX_HEAD_SIZE, MIN_HEAD_SIZE
-from tripath.ops import merge_states, unified_attention
+from tripath.ops import merge_states
 from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache
 from tripath.platform import fp8_dtype, current_platform
 
@@ -98,9 +98,6 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str] = "base"
     capabilities: ClassVar[Capabilities] = Capabilities()
-    # Whether the launches of a step depend on :attr:`host_bound` (the warm-up then compiles the variants
-    # of both settings, so the engine may set it after its start measured its steps).
-    routes_by_host_bound: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec, device: torch.device | str = "cpu"):
         self.spec = spec
@@ -108,14 +105,6 @@ class AttentionBackend(ABC):
         reasons = self.unsupported_reasons(spec, self.device)
         if reasons:
             raise ValueError(f"backend {self.name!r} cannot serve this spec: " + "; ".join(reasons))
-        self.host_bound = False
-
-    def set_host_bound(self, host_bound: bool) -> None:
-        """Say whether a step's launches take about as long on the host as its kernels on the GPU (the
-        engine measures this at start: :attr:`tripath.engine.model_runner.ModelRunner.largest_step_host_share`).
-        A backend with ``routes_by_host_bound`` may then route steps to fewer launches, at some GPU cost;
-        the others ignore it. Metadata built before the change keeps its routing."""
-        self.host_bound = bool(host_bound)
 
     @classmethod
     def preferred_block_size(cls, is_mla: bool, device: torch.device | str) -> int:
@@ -244,18 +233,6 @@ class MHAAttentionBackend(AttentionBackend):
         return dict(sm_scale=spec.sm_scale, window_left=int(window_left), softcap=spec.softcap,
                     alibi_slopes=alibi_slopes if spec.use_alibi else None,
                     sinks=sinks if spec.use_sinks else None)
-
-    def _attend_paged_rows(self, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, cu_seqlens_q: torch.Tensor,
-                           out: torch.Tensor, opts: dict) -> None:
-        """Every request after the decodes (extends and prefills) in one :func:`unified_attention` launch:
-        its queries against its whole sequence, read from the paged cache after the write (context and new
-        tokens). ``cu_seqlens_q [B − D + 1]``: their query offsets counted from their first token."""
-        nd = meta.plan.num_decodes
-        t0 = meta.decode.num_tokens if meta.decode is not None else 0
-        k_scale, v_scale = self._scales(cache)
-        unified_attention(q[t0:], cache.k_cache, cache.v_cache, meta.block_table[nd:], meta.seq_lens[nd:],
-                          cu_seqlens_q, meta.max_query_len, layout=cache.layout, k_scale=k_scale, v_scale=v_scale,
-                          out=out[t0:], **opts)
 
     def _out(self, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         shape = (q.shape[0], q.shape[1], self.spec.v_size)

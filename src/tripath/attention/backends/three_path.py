@@ -29,15 +29,6 @@ prefills costs the cache write, the decode, one gather and one causal launch on 
 costs host time (about 0.1 ms a launch on an H200 host, measured eagerly on the mha-tp8 shape), which
 decides steps of small tensor-parallel shards, where the GPU work of a layer's attention is about 0.13 ms;
 the extra gather of the prefills' keys costs little GPU time beside that.
-
-**Host-bound steps.** When the engine's start measures its steps host-bound
-(:meth:`~tripath.attention.backends.base.AttentionBackend.set_host_bound`: on an H200 the TP-8 shard
-presets, whose layers' attention takes about 0.13 ms of GPU time), a step whose extends attend one context
-chunk sends every request after the decodes to one paged launch instead (:func:`unified_attention` over the
-cache after the write, the arrangement of ``two_path``): one launch fewer than the gather and the causal
-launch, whose host time there outweighs the GPU time the dense kernel saves (docs/BENCHMARKS.md, the mixed
-step). Steps whose extends span several chunks (long contexts), steps without extends and steps on
-GPU-bound engines keep the routes above.
 """
 
 from __future__ import annotations
@@ -68,33 +59,21 @@ class ThreePathMetadata(AttentionMetadata):
       ``seq_starts [E + P]`` all 0, ``q_positions_start [E + P]`` = the extends' context lengths, then 0;
     - ``prompts_cu_seqlens_q [E + P + 1]``: their query offsets, counted from 0.
 
-    Both None otherwise. Built in ``build_metadata``, once per step (one host-to-device copy).
-
-    ``paged_cu_seqlens_q [B − D + 1]``: on a host-bound engine, for a step with extends whose cached context
-    is one chunk, the query offsets of the requests after the ``D`` decodes (counted from 0), which one
-    paged launch attends (the module doc); ``prompts`` is None then."""
+    Both None otherwise. Built in ``build_metadata``, once per step (one host-to-device copy)."""
 
     prompts: ContextChunk | None = None
     prompts_cu_seqlens_q: torch.Tensor | None = None
-    paged_cu_seqlens_q: torch.Tensor | None = None
 
     def copy_(self, other: "ThreePathMetadata") -> "ThreePathMetadata":
         super().copy_(other)
         copy_step_tensor("prompts_cu_seqlens_q", self.prompts_cu_seqlens_q, other.prompts_cu_seqlens_q)
-        copy_step_tensor("paged_cu_seqlens_q", self.paged_cu_seqlens_q, other.paged_cu_seqlens_q)
         return self
 
     def validate_own(self, num_blocks: int, block_size: int) -> None:
-        plan = self.plan
-        if self.paged_cu_seqlens_q is not None:
-            expect(self.prompts is None, "metadata.prompts and metadata.paged_cu_seqlens_q are both set")
-            expect(plan.num_extends > 0 and plan.extend_chunks.num_chunks == 1,
-                   "metadata.paged_cu_seqlens_q is set, but the step has no extends with one context chunk")
-            check_offsets("paged_cu_seqlens_q", host_ints(self.paged_cu_seqlens_q),
-                          list(plan.query_lens[plan.num_decodes:]))
         if self.prompts is None:
             expect(self.prompts_cu_seqlens_q is None, "metadata.prompts_cu_seqlens_q is set without prompts")
             return
+        plan = self.plan
         expect(plan.num_extends > 0 and plan.num_prefills > 0 and plan.extend_chunks.num_chunks == 1,
                "metadata.prompts is set, but the step has no extends with one context chunk beside prefills")
         nd = plan.num_decodes
@@ -109,7 +88,6 @@ class ThreePathMetadata(AttentionMetadata):
 class ThreePathBackend(MHAAttentionBackend):
     name = "three_path"
     capabilities = Capabilities()
-    routes_by_host_bound = True
 
     def __init__(self, spec, device="cpu"):
         super().__init__(spec, device)
@@ -118,12 +96,8 @@ class ThreePathBackend(MHAAttentionBackend):
     def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> ThreePathMetadata:
         common = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
         prompts = prompts_cu_q = None
-        nd = plan.num_decodes
-        if self.host_bound and plan.num_extends and plan.extend_chunks.num_chunks == 1:
-            paged_cu = to_device(_cumsum(plan.query_lens[nd:]), torch.int32, block_table.device)
-            return ThreePathMetadata.from_common(common, paged_cu_seqlens_q=paged_cu)
         if plan.num_extends and plan.num_prefills and plan.extend_chunks.num_chunks == 1:
-            rows = plan.num_requests - nd
+            nd, rows = plan.num_decodes, plan.num_requests - plan.num_decodes
             seq_lens = plan.seq_lens[nd:]
             cu_k, cu_q = _cumsum(seq_lens), _cumsum(plan.query_lens[nd:])
             packed = to_device(cu_k + [0] * rows + list(plan.context_lens[nd:]) + cu_q, torch.int32,
@@ -141,22 +115,19 @@ class ThreePathBackend(MHAAttentionBackend):
         out = self._out(q, out)
         on_gpu = q.is_cuda
         overlap_decode = on_gpu and overlap_decode_by_default(current_platform(q.device))
-        paged = meta.paged_cu_seqlens_q is not None  # a host-bound step: the rows after the decodes in one launch
         # extends of one context chunk beside prefills: both in one gather and one causal launch
         joined = meta.prompts is not None and cache.k_cache.dtype == k.dtype
         decode_side = self._fork("decode", q.device, overlap_decode and meta.decode is not None
                                  and (meta.extend is not None or meta.prefill is not None))
-        prefill_side = self._fork("prefill", q.device, on_gpu and not joined and not paged
-                                  and meta.prefill is not None and meta.extend is not None)
+        prefill_side = self._fork("prefill", q.device, on_gpu and not joined and meta.prefill is not None
+                                  and meta.extend is not None)
         if meta.decode is not None and decode_side is None:
             self._decode(q, cache, meta, out, opts, concurrent=False)
-        if paged:
-            self._attend_paged_rows(q, cache, meta, meta.paged_cu_seqlens_q, out, opts)
-        elif joined:
+        if joined:
             self._prompts_joined(q, cache, meta, out, dict(opts, concurrent=decode_side is not None))
         elif meta.extend is not None:  # beside the decode: launches sized so SMs pass to it as programs finish
             self._extend(q, k, v, cache, meta.extend, out, dict(opts, concurrent=decode_side is not None))
-        if meta.prefill is not None and not joined and not paged:
+        if meta.prefill is not None and not joined:
             p = meta.prefill
             with torch.cuda.stream(prefill_side) if prefill_side is not None else contextlib.nullcontext():
                 varlen_attention(q[p.token_start:p.token_end], k[p.token_start:p.token_end],

@@ -11,7 +11,7 @@ import torch
 from tripath.attention.backends.base import MHAAttentionBackend, Capabilities
 from tripath.attention.metadata import AttentionMetadata, copy_step_tensor
 from tripath.attention.validate import check_offsets, expect, host_ints
-from tripath.ops import paged_decode
+from tripath.ops import paged_decode, unified_attention
 
 
 @dataclass
@@ -66,5 +66,7 @@ class TwoPathBackend(MHAAttentionBackend):
             paged_decode(q[:nd], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens, layout=cache.layout,
                          k_scale=k_scale, v_scale=v_scale, num_splits=d.num_splits, out=out[:nd], **opts)
         if nd < meta.plan.num_requests:
-            self._attend_paged_rows(q, cache, meta, meta.context_cu_seqlens_q, out, opts)
+            unified_attention(q[nd:], cache.k_cache, cache.v_cache, meta.block_table[nd:], meta.seq_lens[nd:],
+                              meta.context_cu_seqlens_q, meta.max_query_len, layout=cache.layout, k_scale=k_scale,
+                              v_scale=v_scale, out=out[nd:], **opts)
         return out
