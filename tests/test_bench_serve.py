@@ -91,6 +91,23 @@ def test_the_warm_pass_is_the_median_of_the_passes_after_the_first():
     assert row["first_pass_s"] == row["warm_pass_s"] == 9.0 and row["warm_passes_s"] == []
 
 
+def test_rounds_report_the_median_round_with_the_first_rounds_starts():
+    def result_of(warm, start, compiled=0):
+        passes = [{"elapsed_s": 9.0, "compiled_after_start": compiled}, {"elapsed_s": warm, "compiled_after_start": 0}]
+        return {"backend": "b", "start_s": start, "warm_start_s": start / 2, "passes": passes, "round": warm}
+    merged = serve.merge_rounds([result_of(3.0, 20.0), result_of(1.0, 6.0, compiled=2), result_of(2.0, 5.0)])
+    assert merged["round"] == 2.0 and merged["round_warm_passes_s"] == [3.0, 1.0, 2.0]
+    assert (merged["start_s"], merged["warm_start_s"]) == (20.0, 10.0) and merged["compiled_in_rounds"] == 2
+    assert serve.merge_rounds([result_of(3.0, 20.0), result_of(1.0, 6.0)])["round"] == 3.0  # the slower middle
+    single = result_of(3.0, 20.0)
+    assert serve.merge_rounds([single]) is single
+    failed = {"backend": "b", "error": "the benchmark process exited with 1"}
+    assert serve.merge_rounds([single, failed]) is failed
+    row = {"backend": "b", "first_pass_s": 0.7, "warm_passes_s": [0.5], "round_warm_passes_s": [0.5, 0.55]}
+    assert serve.format_passes(row).endswith("; warm pass of each round 0.500 / 0.550 s (within 10.0%; "
+                                             "reported: the median round)")
+
+
 def test_model_costs_leave_out_the_embedding_and_count_active_experts():
     llm = LLM("tiny-qwen3-moe", backend="torch", num_kv_blocks=16)
     model, config = llm.model, llm.model.config
@@ -124,11 +141,13 @@ def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     out = tmp_path / "r.json"
     code = serve.main_serve(["--workload", "tiny", "--backends", "torch", "--num-requests", "2", "--output-len",
                              "3", "--no-progress", "--json", str(out), "--csv", str(tmp_path / "r.csv"),
-                             "--plot", str(tmp_path / "r.png"), "--no-async-scheduling", "--step-breakdown"])
+                             "--plot", str(tmp_path / "r.png"), "--no-async-scheduling", "--step-breakdown",
+                             "--rounds", "2"])
     assert code == 0
     report = json.loads(out.read_text())
     (result,) = report["results"]
     assert result["backend"] == "torch" and len(result["passes"]) == 2 and result["warm_start_s"] > 0
+    assert len(result["round_warm_passes_s"]) == 2 and result["compiled_in_rounds"] == 0
     assert result["async_scheduling"] is False and report["rows"][0]["backend"] == "torch (sequential)"
     assert sum(s["steps"] for s in result["step_breakdown"].values()) == result["passes"][-1]["num_steps"]
     for p in result["passes"]:
@@ -140,7 +159,7 @@ def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     assert (tmp_path / "r.png").stat().st_size > 1000
     printed = capsys.readouterr().out
     assert "torch" in printed and "garbage collection, first pass" in printed
-    assert "torch (sequential): passes " in printed and ", then " in printed
+    assert "torch (sequential): passes " in printed and ", then " in printed and "warm pass of each round" in printed
 
 
 def test_the_passes_line_shows_every_pass_and_the_warm_spread():

@@ -4,7 +4,11 @@ Offline mode (default): each backend runs in its own process, with an empty Trit
 ``--warm-cache``; the process builds the engine (timed: *engine start*, warm-up included), then runs the
 workload ``--passes`` times (default 2) on fresh prompts of the same shapes (the *first pass*, then warm
 passes, of which the median is reported as *the warm pass*), keeping at most ``--max-concurrency`` requests
-in flight. A second process then times the engine start again on the now warm cache. Reported per backend:
+in flight. A second process then times the engine start again on the now warm cache. With ``--rounds R``
+the backends' processes run ``R`` times in turn (A B A B …; later rounds on each backend's now warm cache)
+and the round of median warm pass is reported, with every round's warm pass: a host whose speed drifts
+between processes (seen on the GPU machines: the same code 10–50% slower in one process's host work than
+in the next) then weighs on every backend alike. Reported per backend:
 both starts, the first and the warm pass's wall time (and every warm pass's, with how far apart they are:
 :func:`format_passes`), output and total tok/s, TTFT / TPOT
 / ITL / end-to-end latency (mean, p50, p90, p99, :mod:`tripath.bench.serve_report`), kernel variants
@@ -27,6 +31,7 @@ Built-in workloads (``--workload``): see :data:`WORKLOADS`; explicit options ove
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -377,9 +382,26 @@ def median_pass(passes: list[dict]) -> dict:
     return sorted(passes, key=lambda p: p["elapsed_s"])[len(passes) // 2]
 
 
+def merge_rounds(results: list[dict]) -> dict:
+    """One backend's processes of ``--rounds`` (in round order) as one result: the round whose warm pass is
+    the median over the rounds (the slower middle one of an even count) with the start times of the first
+    round (the only one that can start from an empty cache), ``round_warm_passes_s`` (every round's warm
+    pass, in round order) and ``compiled_in_rounds`` (kernel variants compiled after start, every pass of
+    every round). A failed round is the result."""
+    failed = next((r for r in results if "error" in r), None)
+    if failed is not None or len(results) == 1:
+        return failed or results[0]
+    warm = [median_pass(r["passes"][1:] or r["passes"])["elapsed_s"] for r in results]
+    median = sorted(range(len(results)), key=lambda i: warm[i])[len(results) // 2]
+    return {**results[median], "start_s": results[0].get("start_s"), "warm_start_s": results[0].get("warm_start_s"),
+            "round_warm_passes_s": warm,
+            "compiled_in_rounds": sum(p["compiled_after_start"] for r in results for p in r.get("passes", []))}
+
+
 def rows_of(results: list[dict], workload_name: str) -> list[dict]:
     """One table row per backend: starts, first and warm pass, the warm pass's throughputs and latencies
-    (``warm_passes_s``: every pass after the first)."""
+    (``warm_passes_s``: every pass after the first; with ``--rounds``, ``round_warm_passes_s``: every
+    round's warm pass, :func:`merge_rounds`)."""
     rows = []
     for r in results:
         label = r["backend"] if r.get("async_scheduling", True) else f"{r['backend']} (sequential)"
@@ -395,9 +417,12 @@ def rows_of(results: list[dict], workload_name: str) -> list[dict]:
                        warm_passes_s=[p["elapsed_s"] for p in passes[1:]],
                        output_throughput=warm["output_throughput"], total_throughput=warm["total_throughput"],
                        ttft_s=warm["ttft_s"], tpot_s=warm["tpot_s"], itl_s=warm["itl_s"], e2e_s=warm["e2e_s"],
-                       compiled_after_start=sum(p["compiled_after_start"] for p in passes),
+                       compiled_after_start=r.get("compiled_in_rounds",
+                                                  sum(p["compiled_after_start"] for p in passes)),
                        floor_s=warm.get("floor_s"), floor_fraction=warm.get("floor_fraction"),
                        first_pass_gc=first.get("gc"), warm_pass_gc=warm.get("gc"))
+            if r.get("round_warm_passes_s"):
+                row["round_warm_passes_s"] = r["round_warm_passes_s"]
         rows.append(row)
     return rows
 
@@ -411,6 +436,10 @@ def format_passes(row: dict) -> str:
         line += ", then " + " / ".join(f"{t:.3f}" for t in warm) + " s"
     if len(warm) > 1:
         line += f" (warm passes within {100 * (max(warm) / min(warm) - 1):.1f}% of each other)"
+    rounds = row.get("round_warm_passes_s") or []
+    if len(rounds) > 1:
+        line += (f"; warm pass of each round " + " / ".join(f"{t:.3f}" for t in rounds) + " s (within "
+                 f"{100 * (max(rounds) / min(rounds) - 1):.1f}%; reported: the median round)")
     return line
 
 
@@ -458,6 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--passes", type=int, default=2,
                         help="passes per backend: the first, then warm ones (reported: their median)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every backend's process this many times, in turn (A B A B …), and report the "
+                             "round of median warm pass: a host whose speed drifts then weighs on every backend "
+                             "alike (later rounds reuse the backend's Triton cache)")
     parser.add_argument("--warm-cache", action="store_true",
                         help="use the current Triton cache instead of an empty one per backend")
     parser.add_argument("--device")
@@ -507,24 +540,34 @@ def main_serve(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.passes < 1:
         raise SystemExit("tripath bench serve: --passes must be >= 1")
+    if args.rounds < 1:
+        raise SystemExit("tripath bench serve: --rounds must be >= 1")
     if args.decode_steps < 1:
         raise SystemExit("tripath bench serve: --decode-steps must be >= 1")
     workload = workload_from_args(args)
     import torch
 
     args.device_is_gpu = args.device != "cpu" and torch.cuda.is_available()
-    results = []
-    for backend in workload.backends:
-        with tempfile.TemporaryDirectory(prefix="tripath-triton-") as fresh:
-            cache = os.environ.get("TRITON_CACHE_DIR", "") if args.warm_cache else fresh
-            cache = cache or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-            print(f"== {args.workload}: {backend} ({'warm' if args.warm_cache else 'empty'} Triton cache)",
-                  file=sys.stderr, flush=True)
-            result = _spawn(workload, backend, args, cache, start_only=False)
-            if "error" not in result:
-                again = _spawn(workload, backend, args, cache, start_only=True)
-                result["warm_start_s"] = again.get("start_s")
-            results.append(result)
+    rounds: dict[str, list[dict]] = {backend: [] for backend in workload.backends}
+    with contextlib.ExitStack() as stack:
+        caches = {}
+        for backend in workload.backends:
+            cache = os.environ.get("TRITON_CACHE_DIR", "") if args.warm_cache else \
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="tripath-triton-"))
+            caches[backend] = cache or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        for index in range(args.rounds):
+            for backend in workload.backends:
+                if rounds[backend] and "error" in rounds[backend][-1]:
+                    continue
+                empty = index == 0 and not args.warm_cache
+                print(f"== {args.workload}: {backend}, round {index + 1} of {args.rounds} "
+                      f"({'empty' if empty else 'warm'} Triton cache)", file=sys.stderr, flush=True)
+                result = _spawn(workload, backend, args, caches[backend], start_only=False)
+                if index == 0 and "error" not in result:
+                    again = _spawn(workload, backend, args, caches[backend], start_only=True)
+                    result["warm_start_s"] = again.get("start_s")
+                rounds[backend].append(result)
+    results = [merge_rounds(rounds[backend]) for backend in workload.backends]
     rows = rows_of(results, args.workload)
     print(f"\n{workload.description or args.workload} ({workload.model})")
     print(format_table(rows, TABLE))
