@@ -78,6 +78,35 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert len(set(alone0)) > 1  # really random, not stuck
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logits_of_the_lm_heads_dtype_sample_as_their_float32_copy(dtype):
+    """The engine samples from the LM head's logits as they are (no float32 copy of ``[N, V]``): greedy
+    rows (ties included) and seeded sampled rows give the tokens of the float32 upcast."""
+    logits = (torch.randn(6, 300) * 4).to(dtype)
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie at the max: the first index, as in float32
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_k=20, top_p=0.9),
+              SamplingParams(temperature=0), SamplingParams(temperature=1.3),
+              SamplingParams(temperature=0.5, top_p=0.5), SamplingParams(temperature=0)]
+    def draw(x):
+        gens = [make_generator(s, torch.device("cpu")) for s in range(6)]
+        return sample(x, params, gens)
+    got = draw(logits)
+    assert torch.equal(got, draw(logits.float())) and got[2] == 7
+
+
+def test_the_engine_samples_the_lm_heads_dtype(monkeypatch):
+    """The runner asks the model for logits in the LM head's dtype and hands them to the sampler."""
+    import tripath.engine.model_runner as runner_module
+    from tripath.engine import LLM
+
+    seen = []
+    real = runner_module.sample
+    monkeypatch.setattr(runner_module, "sample", lambda logits, *a: seen.append(logits.dtype) or real(logits, *a))
+    llm = LLM("tiny-llama", backend="torch", dtype="bfloat16", num_kv_blocks=32)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert seen and set(seen) == {torch.bfloat16}
+
+
 def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="params \\(1\\) and generators \\(2\\) must have one entry per row"):
         sample(torch.randn(2, 5), [SamplingParams()], [None, None])

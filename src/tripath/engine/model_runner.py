@@ -35,6 +35,7 @@ fit in ``gpu_memory_utilization`` of the GPU after the weights and the activatio
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 
 import numpy as np
@@ -120,6 +121,7 @@ class ModelRunner:
                                        config.max_num_seqs, self.max_blocks_per_seq)
         self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
         self.watched_paths = WatchedPaths()  # code paths whose launch recordings were watched (ForwardContext)
+        self._logits_upcast_optional: bool | None = None  # whether model.compute_logits takes upcast=
         self.warmup_report: WarmupReport | None = None
         warms_up = config.warmup and self.device.type == "cuda" and self.backend.capabilities.needs_triton
         pool = self._compile_pool() if warms_up else None
@@ -171,6 +173,16 @@ class ModelRunner:
         them). The reference backend loops over the plan's host lists, so it is not."""
         return self.backend.capabilities.cuda_graphs
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits the sampler takes for ``hidden [N, hidden_size]``: in the LM head's dtype where the
+        model offers it (``compute_logits(..., upcast=False)``, as tripath's models do), else as the model
+        returns them."""
+        if self._logits_upcast_optional is None:
+            self._logits_upcast_optional = "upcast" in inspect.signature(self.model.compute_logits).parameters
+        if self._logits_upcast_optional:
+            return self.model.compute_logits(hidden, upcast=False)
+        return self.model.compute_logits(hidden)
+
     # ---- inputs -------------------------------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledRequest], pad_to: int | None = None,
                 previous: LaunchedStep | None = None) -> StepInputs:
@@ -219,7 +231,7 @@ class ModelRunner:
             self.kv_scales_pending = False
         if not inputs.sample_rows:
             return LaunchedStep(scheduled, [], None)
-        logits = self.model.compute_logits(hidden[inputs.logit_indices])
+        logits = self.compute_logits(hidden[inputs.logit_indices])
         requests = [scheduled[i].request for i in inputs.sample_rows]
         tokens = sample(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
         return LaunchedStep(scheduled, inputs.sample_rows, tokens.unsqueeze(0))
@@ -262,7 +274,7 @@ class ModelRunner:
                 ids[:n].copy_(tokens[step - 1])
                 meta.advance_decodes_(positions[:n], self.block_size)
             out = run()
-            logits = self.model.compute_logits((hidden if graph_bs is not None else out)[:n])
+            logits = self.compute_logits((hidden if graph_bs is not None else out)[:n])
             tokens[step] = sample(logits, params, generators)
         return LaunchedStep(scheduled, inputs.sample_rows, tokens)
 
@@ -401,7 +413,7 @@ class ModelRunner:
         sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
         generator = make_generator(0, self.device)  # not the global generator
         for m in range(1, rows + 1):
-            logits = self.model.compute_logits(hidden[:m])
+            logits = self.compute_logits(hidden[:m])
             sample(logits, [greedy] * m, [None] * m)
             if m & (m - 1) == 0 or m == rows:
                 sample(logits, [sampled] * m, [generator] * m)

@@ -21,7 +21,7 @@ from tripath.engine.request import SamplingParams
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` probabilities after temperature, top-k and top-p (rows of ``logits [N, V]`` fp32;
+    """``[N, V]`` float32 probabilities after temperature, top-k and top-p (rows of ``logits [N, V]``, any float dtype;
     ``temperature [N] > 0``, ``top_k [N]`` int64 with values < 1 meaning no limit, ``top_p [N]`` in (0, 1])."""
     vocab = logits.shape[-1]
     # Shifted by the row's max before the division, so a tiny temperature sends every other logit to -inf
@@ -46,7 +46,9 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` for requests with ``params[i]`` and ``generators[i]`` (a
-    generator on the logits' device; None draws from the global one). Returns ``[N]`` int64."""
+    generator on the logits' device; None draws from the global one). Returns ``[N]`` int64. The logits may
+    be of any float dtype: greedy rows take their argmax as they are (the same token as in float32), the
+    other rows are filtered and drawn in float32."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_requests, vocab], got shape {tuple(logits.shape)}")
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:

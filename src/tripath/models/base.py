@@ -6,7 +6,8 @@ with absolute ``positions``; the layers reach the attention backend through the 
 :class:`~tripath.attention.ForwardContext` and own no scheduling.
 
 Shapes: ``input_ids [T]`` int64, ``positions [T]`` int64 → hidden ``[T, hidden_size]`` (after the final
-norm); ``compute_logits(hidden [N, hidden_size]) → [N, vocab_size]`` float32. A model built with a
+norm); ``compute_logits(hidden [N, hidden_size]) → [N, vocab_size]`` float32 (``upcast=False``: the LM
+head's dtype). A model built with a
 :class:`~tripath.models.parallel.ParallelState` of several ranks holds one rank's shard (vocabulary-parallel
 embedding and LM head, heads split; see :mod:`tripath.models.parallel`); its attention spec has the rank's
 heads and ``compute_logits`` gathers the whole vocabulary.
@@ -106,7 +107,11 @@ class CausalLM(nn.Module):
             x, delta = layer(x, delta, positions, ctx)
         return self.model.norm(x) if delta is None else self.model.norm(x, delta)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """``[N, vocab_size]`` logits of ``hidden [N, hidden_size]``: float32, or with ``upcast=False`` in the
+        LM head's dtype. The engine samples from the latter (:func:`tripath.engine.sampler.sample`: a greedy
+        row's argmax is the same in either, and the rows it filters are converted there), which saves
+        writing and reading a float32 copy of ``[N, V]`` every step."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight).float()
-        return gather_logits(logits, self.parallel, self.config.vocab_size)
+        logits = gather_logits(torch.nn.functional.linear(hidden, weight), self.parallel, self.config.vocab_size)
+        return logits.float() if upcast else logits
