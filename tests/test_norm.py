@@ -106,3 +106,63 @@ def test_rms_norm_heads_bad_input():
         rms_norm_heads(torch.randn(3, 64, 4, device=DEVICE).transpose(1, 2), w, 1e-6)
     with pytest.raises(ValueError, match="eps must be positive"):
         rms_norm_heads(x, w, -1.0)
+
+
+def rope_f64(x, positions, cos, sin, is_neox):
+    """Independent float64 rotation of the first ``2 · cos.shape[1]`` dims of each head of ``x [T, H, D]``."""
+    half = cos.shape[1]
+    xd = x.double().clone()
+    c, s = cos.double()[positions][:, None, :], sin.double()[positions][:, None, :]
+    if is_neox:
+        x1, x2 = xd[..., :half].clone(), xd[..., half:2 * half].clone()
+        xd[..., :half], xd[..., half:2 * half] = x1 * c - x2 * s, x2 * c + x1 * s
+    else:
+        x1, x2 = xd[..., 0:2 * half:2].clone(), xd[..., 1:2 * half:2].clone()
+        xd[..., 0:2 * half:2], xd[..., 1:2 * half:2] = x1 * c - x2 * s, x2 * c + x1 * s
+    return xd
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_size,rotary_dim,is_neox",
+                         [(7, 8, 1, 128, 128, True), (5, 4, 2, 64, 32, True), (3, 2, 2, 64, 64, False),
+                          (6, 3, 1, 96, 32, False)])
+def test_rms_norm_rope_heads_match_float64(dtype, tokens, q_heads, kv_heads, head_size, rotary_dim, is_neox):
+    """Qwen3's q and k norms and the rotary embedding in one launch on the q and k heads of a packed QKV
+    projection: the float64 norm (each head's own weight), then the float64 rotation at each token's
+    position (partial rotary dims kept as normalised); positions past the table are clamped to its end."""
+    from tripath.ops.norm import rms_norm_rope_heads
+    from tripath.ops.rotary import rope_cos_sin
+
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype, device=DEVICE) * 3
+    qk = qkv[:, :(q_heads + kv_heads) * head_size].view(tokens, -1, head_size)
+    wq, wk = ((1 + 0.3 * torch.randn(head_size)).to(dtype).to(DEVICE) for _ in range(2))
+    cos, sin = rope_cos_sin(64, rotary_dim, device=DEVICE)
+    positions = torch.randint(0, 64, (tokens,), device=DEVICE)
+    positions[0] = 90  # clamped to row 63
+    out = rms_norm_rope_heads(qk, wq, 1e-6, positions, (cos, sin), is_neox=is_neox, second_weight=wk,
+                              second_from=q_heads)
+    assert out.shape == qk.shape and out.is_contiguous() and out.dtype == dtype
+    normed = torch.cat([norm_f64(qk[:, :q_heads], wq, 1e-6), norm_f64(qk[:, q_heads:], wk, 1e-6)], dim=1)
+    want = rope_f64(normed, positions.clamp(max=63).cpu(), cos.cpu(), sin.cpu(), is_neox).to(DEVICE)
+    tol = dict(atol=1.5e-2, rtol=1e-2) if dtype == torch.float16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), want, **tol)
+
+
+def test_rms_norm_rope_heads_bad_input():
+    from tripath.ops.norm import rms_norm_rope_heads
+    from tripath.ops.rotary import rope_cos_sin
+
+    x, w = torch.randn(3, 4, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    pos, tables = torch.arange(3, device=DEVICE), rope_cos_sin(16, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="positions has shape"):
+        rms_norm_rope_heads(x, w, 1e-6, pos[:2], tables, is_neox=True)
+    with pytest.raises(TypeError, match="weight has dtype torch.float16; supported: float32"):
+        rms_norm_rope_heads(x, w.half(), 1e-6, pos, tables, is_neox=True)
+    with pytest.raises(ValueError, match="rotary dims \\(128\\) exceed the head size 64"):
+        rms_norm_rope_heads(x, w, 1e-6, pos, rope_cos_sin(16, 128, device=DEVICE), is_neox=True)
+    with pytest.raises(ValueError, match="cos_sin must be the pair"):
+        rms_norm_rope_heads(x, w, 1e-6, pos, tables[0], is_neox=True)
+    with pytest.raises(TypeError, match="is_neox must be a bool"):
+        rms_norm_rope_heads(x, w, 1e-6, pos, tables, is_neox=1)
+    with pytest.raises(ValueError, match="second_from must be a head index"):
+        rms_norm_rope_heads(x, w, 1e-6, pos, tables, is_neox=True, second_weight=w, second_from=9)

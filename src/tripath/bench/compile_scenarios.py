@@ -66,6 +66,7 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "mla_prep_kernel": KernelRole(False, "deliberate: fused RoPE + concat + fp8 quantisation + cache write"),
     "rotary_embedding_kernel": KernelRole(False, "deliberate: in-place pair rotation"),
     "rms_norm_kernel": KernelRole(False, "deliberate: row reduction and scaling (residual add fused)"),
+    "rms_norm_rope_heads_kernel": KernelRole(False, "deliberate: per-head norm and pair rotation"),
     "silu_and_mul_kernel": KernelRole(False, "deliberate: elementwise gated activation"),
     "advance_decodes_kernel": KernelRole(False, "deliberate: per-row metadata update of multi-step decoding"),
 }
@@ -302,6 +303,15 @@ def _build_rms_norm_heads(platform: Platform, *, head_size: int, dtype: torch.dt
                         second_from=NUM_HEADS)
 
 
+def _build_rms_norm_rope_heads(platform: Platform, *, head_size: int, rotary_dim: int, is_neox: bool,
+                               dtype: torch.dtype = torch.bfloat16) -> None:
+    qkv = _rand(8, (NUM_HEADS + 2 * NUM_KV_HEADS) * head_size, dtype=dtype)
+    qk = qkv[:, :(NUM_HEADS + NUM_KV_HEADS) * head_size].view(8, -1, head_size)
+    weight = torch.ones(head_size, dtype=dtype)
+    norm.rms_norm_rope_heads(qk, weight, 1e-6, torch.arange(8), rotary.rope_cos_sin(4096, rotary_dim),
+                             is_neox=is_neox, second_weight=weight, second_from=NUM_HEADS)
+
+
 def _build_advance_decodes(platform: Platform) -> None:
     from tripath.ops.kv_cache import advance_decodes
 
@@ -443,6 +453,10 @@ def all_scenarios() -> list[Scenario]:
         rows.append(_s(f"RMSNorm {size}{' + residual' if residual else ''} bf16", _build_rms_norm,
                        ci=size == 4096 and residual, size=size, residual=residual))
     rows.append(_s("RMSNorm of q and k heads 128 bf16", _build_rms_norm_heads, ci=True, head_size=128))
+    for head_size, rotary_dim, is_neox in ((128, 128, True), (96, 32, False)):
+        rows.append(_s(f"RMSNorm + rotary of q and k heads hd{head_size} R={rotary_dim} "
+                       f"{'neox' if is_neox else 'gptj'} bf16", _build_rms_norm_rope_heads, ci=is_neox,
+                       head_size=head_size, rotary_dim=rotary_dim, is_neox=is_neox))
     rows.append(_s("multi-step decoding: metadata advance", _build_advance_decodes, ci=True))
     for inter in (14336, 1536):
         rows.append(_s(f"silu_and_mul I={inter} bf16", _build_silu_and_mul, ci=inter == 14336, inter=inter))

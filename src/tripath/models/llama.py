@@ -4,12 +4,13 @@ q/k RMSNorm), Qwen3-MoE (Qwen3 attention, routed experts in the MLP of the layer
 Per layer, for ``T`` tokens, ``Hq`` query heads, ``Hkv`` KV heads of size ``D``:
 ``q = rope(norm_q(x·Wqᵀ))`` ``[T, Hq, D]``, ``k = rope(norm_k(x·Wkᵀ))``, ``v = x·Wvᵀ`` ``[T, Hkv, D]``
 (``norm_*`` only on Qwen3; RoPE with NeoX pairs at the absolute positions, on a GPU one in-place launch
-for ``q`` and ``k``), then
+for ``q`` and ``k``, or with Qwen3's norms one launch for both norms and RoPE), then
 ``o = ctx.attend(layer, q, k, v)`` ``[T, Hq, D]`` (writes k/v into the layer's paged cache; causal, with the
 sliding window of the spec, or the layer's own where layers differ) and ``out = o·Woᵀ``. Once the
 weights are loaded (:meth:`GQAAttention.fuse_weights`) ``Wq``, ``Wk`` and ``Wv`` are stacked into one weight, so
 a step runs one GEMM for the three and ``q``/``k``/``v`` are views of its output; on a GPU Qwen3's two
-norms are one launch over the ``q`` and ``k`` heads of that output (:func:`tripath.ops.norm.rms_norm_heads`). Under tensor
+norms and the rotary embedding are one launch over the ``q`` and ``k`` heads of that output
+(:func:`tripath.ops.norm.rms_norm_rope_heads`). Under tensor
 parallelism (:mod:`tripath.models.parallel`) ``Hq``/``Hkv`` are the rank's heads and ``o_proj`` all-reduces.
 """
 
@@ -23,7 +24,7 @@ from tripath.models.base import CausalLM, DecoderLayer
 from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
 from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables, stack_linears
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
-from tripath.ops.norm import rms_norm_heads
+from tripath.ops.norm import rms_norm_rope_heads
 from tripath.ops.rotary import rotary_embedding
 
 
@@ -73,16 +74,19 @@ class GQAAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v, qk = self._project(x)
-        if self.q_norm is not None and qk is not None and q.is_cuda:  # both norms in one launch
-            normed = rms_norm_heads(qk, self.q_norm.weight, self.q_norm.eps, second_weight=self.k_norm.weight,
-                                    second_from=self.num_heads)
+        tables = (self.rotary.cos, self.rotary.sin)
+        if self.q_norm is not None and qk is not None and q.is_cuda:  # both norms and RoPE in one launch
+            normed = rms_norm_rope_heads(qk, self.q_norm.weight, self.q_norm.eps, positions, tables,
+                                         is_neox=self.rotary.is_neox, second_weight=self.k_norm.weight,
+                                         second_from=self.num_heads)
             q, k = normed[:, :self.num_heads], normed[:, self.num_heads:]
-        elif self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if q.is_cuda:  # one in-place launch for both
-            rotary_embedding(positions, q, k, (self.rotary.cos, self.rotary.sin), is_neox=self.rotary.is_neox)
         else:
-            q, k = apply_rotary(q, positions, self.rotary), apply_rotary(k, positions, self.rotary)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if q.is_cuda:  # one in-place launch for both
+                rotary_embedding(positions, q, k, tables, is_neox=self.rotary.is_neox)
+            else:
+                q, k = apply_rotary(q, positions, self.rotary), apply_rotary(k, positions, self.rotary)
         out = ctx.attend(self.layer_idx, q, k, v, window_left=self.window_left)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_size))
 

@@ -6,16 +6,23 @@ normalised value rounded to ``x``'s dtype before the weight, as Hugging Face com
 the residual stream's new value and its norm, in one pass (:mod:`tripath.kernels.rms_norm`).
 ``rms_norm_heads(x [T, H, D], weight, eps, second_weight=w2, second_from=S)`` → the norm of each head,
 heads ``S`` on with ``w2``; the heads may be strided (a view of a packed QKV projection): Qwen3's per-head
-q and k norms in one launch.
+q and k norms in one launch. ``rms_norm_rope_heads(x, weight, eps, positions, (cos, sin), is_neox=…)``
+→ the same norms with the rotary embedding applied to each head at its token's position, in one launch
+(:mod:`tripath.kernels.qk_norm_rope`): Qwen3's norms and RoPE.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tripath.kernels.qk_norm_rope import rms_norm_rope_heads_kernel
 from tripath.kernels.rms_norm import rms_norm_kernel
 from tripath.ops._checks import FLOAT_DTYPES, check_tensor, next_pow2
 from tripath.ops._launch import launch, use_triton
+from tripath.ops._mla_configs import rotary_config
+from tripath.ops.reference_mla import rotary_embedding_ref
+from tripath.ops.rotary import check_rotary_table
+from tripath.platform import current_platform
 
 MAX_NORM_SIZE = 16384  # a row is held in registers: one program per row up to this width
 
@@ -117,6 +124,67 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, *, second_
            x, x, weight, second_weight if two else weight, out2, out2, num_tokens, n_cols, x.stride(0), x.stride(1),
            0, 0, out2.stride(0), float(eps), heads, second_from if two else heads, HAS_RESIDUAL=False,
            TWO_WEIGHTS=two, **cfg)
+    return out
+
+
+def rms_norm_rope_heads_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                            cos_sin: tuple[torch.Tensor, torch.Tensor], *, is_neox: bool,
+                            second_weight: torch.Tensor | None = None, second_from: int | None = None) -> torch.Tensor:
+    """PyTorch reference of :func:`rms_norm_rope_heads` (same signature and results)."""
+    out = rms_norm_heads_ref(x, weight, eps, second_weight=second_weight, second_from=second_from)
+    rotary_embedding_ref(positions, out, None, *cos_sin, is_neox=is_neox)
+    return out
+
+
+def rms_norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                        cos_sin: tuple[torch.Tensor, torch.Tensor], *, is_neox: bool,
+                        second_weight: torch.Tensor | None = None, second_from: int | None = None) -> torch.Tensor:
+    """:func:`rms_norm_heads` of ``x [T, H, D]`` followed by the rotary embedding of each head at
+    ``positions [T]`` (int32/int64, clamped into the tables) with ``cos_sin = (cos, sin)``, each
+    ``[max_position, R/2]`` (``R <= D`` the rotary dims; NeoX pairs ``(i, i + R/2)`` if ``is_neox``, else
+    GPT-J pairs ``(2i, 2i + 1)``), in one launch. ``weight`` (and ``second_weight``) must have ``x``'s dtype.
+    Returns a new contiguous ``[T, H, D]`` tensor of ``x``'s dtype."""
+    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    device = x.device
+    num_tokens, heads, head_size = x.shape
+    check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=device, shape=(head_size,))
+    if second_weight is not None:
+        check_tensor("second_weight", second_weight, ndim=1, dtypes=(x.dtype,), device=device, shape=(head_size,))
+        if not isinstance(second_from, int) or not 0 <= second_from <= heads:
+            raise ValueError(f"second_from must be a head index in [0, {heads}], got {second_from!r}")
+    elif second_from is not None:
+        raise ValueError("second_from is given without second_weight")
+    check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), device=device,
+                 shape=(num_tokens,))
+    if not isinstance(cos_sin, (tuple, list)) or len(cos_sin) != 2:
+        raise ValueError("cos_sin must be the pair (cos, sin) of [max_position, R/2] tables")
+    cos, sin = cos_sin
+    check_rotary_table("cos", cos, device)
+    check_rotary_table("sin", sin, device, cos.shape[1])
+    if sin.shape[0] != cos.shape[0]:
+        raise ValueError(f"sin has {sin.shape[0]} positions but cos has {cos.shape[0]}")
+    half = cos.shape[1]
+    if 2 * half > head_size:
+        raise ValueError(f"the rotary dims ({2 * half}) exceed the head size {head_size}")
+    if not isinstance(is_neox, bool):
+        raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if head_size > MAX_NORM_SIZE:
+        raise ValueError(f"rms_norm_rope_heads normalises heads of at most {MAX_NORM_SIZE} values, got {head_size}")
+    if x.stride(2) != 1:
+        raise ValueError("x must be contiguous in its last dimension")
+    if not use_triton(device):
+        return rms_norm_rope_heads_ref(x, weight, eps, positions, (cos, sin), is_neox=is_neox,
+                                       second_weight=second_weight, second_from=second_from)
+    out = torch.empty(x.shape, dtype=x.dtype, device=device)
+    cfg = rotary_config(current_platform(device), heads)  # the rotary kernel's tiles: heads of one token
+    launch(rms_norm_rope_heads_kernel, (num_tokens, -(-heads // cfg["BLOCK_H"])),
+           x, weight, second_weight if second_weight is not None else weight, positions, cos, sin, out,
+           x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
+           heads, second_from if second_weight is not None else heads, head_size, half, cos.shape[0], float(eps),
+           BLOCK_HALF=next_pow2(half), BLOCK_REST=next_pow2(max(1, head_size - 2 * half)), IS_NEOX=is_neox,
+           **cfg)
     return out
 
 
