@@ -183,3 +183,9 @@ def test_garbage_collections_are_counted_and_timed_by_generation():
     assert 0 < summary["oldest_pause_s"] <= summary["pause_s"] and summary["max_pause_s"] > 0
     line = format_collections("b", summary, GarbageCollections().summary())
     assert line.startswith("b: garbage collection, first pass") and "warm pass 0 collections, 0.0 ms" in line
+
+
+@pytest.mark.parametrize("flag", ["--passes", "--rounds"])
+def test_counts_below_one_are_refused_by_name(flag):
+    with pytest.raises(SystemExit, match=f"{flag} must be >= 1"):
+        serve.main_serve(["--workload", "tiny", flag, "0"])
