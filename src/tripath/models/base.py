@@ -113,5 +113,5 @@ class CausalLM(nn.Module):
         row's argmax is the same in either, and the rows it filters are converted there), which saves
         writing and reading a float32 copy of ``[N, V]`` every step."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = gather_logits(torch.nn.functional.linear(hidden, weight), self.parallel, self.config.vocab_size)
-        return logits.float() if upcast else logits
+        logits = torch.nn.functional.linear(hidden, weight)
+        return gather_logits(logits.float() if upcast else logits, self.parallel, self.config.vocab_size)
