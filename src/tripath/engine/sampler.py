@@ -21,8 +21,9 @@ from tripath.engine.request import SamplingParams
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                    top_p: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` float32 probabilities after temperature, top-k and top-p (rows of ``logits [N, V]``, any float dtype;
-    ``temperature [N] > 0``, ``top_k [N]`` int64 with values < 1 meaning no limit, ``top_p [N]`` in (0, 1])."""
+    """``[N, V]`` float32 probabilities after temperature, top-k and top-p (rows of ``logits [N, V]``, any
+    float dtype; ``temperature [N] > 0``, ``top_k [N]`` int64 with values < 1 meaning no limit, ``top_p [N]``
+    in (0, 1])."""
     vocab = logits.shape[-1]
     # Shifted by the row's max before the division, so a tiny temperature sends every other logit to -inf
     # (or a very negative number) rather than overflowing the max to inf: it stays finite, ``0 / t = 0``,

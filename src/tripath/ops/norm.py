@@ -81,6 +81,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     return out if residual is None else (total, out)
 
 
+def check_head_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, second_weight: torch.Tensor | None,
+                    second_from: int | None, *, weight_dtypes) -> None:
+    """The arguments of a per-head norm ``op`` (:func:`rms_norm_heads`, :func:`rms_norm_rope_heads`): ``x [T, H,
+    D]`` with its last dimension contiguous, ``weight [D]`` of ``weight_dtypes`` (None: ``x``'s dtype), an
+    optional ``second_weight`` of the same dtype from head ``second_from`` on, ``eps > 0``, ``D`` at most
+    :data:`MAX_NORM_SIZE`."""
+    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    device, heads, n_cols = x.device, x.shape[1], x.shape[2]
+    check_tensor("weight", weight, ndim=1, dtypes=weight_dtypes or (x.dtype,), device=device, shape=(n_cols,))
+    if second_weight is not None:
+        check_tensor("second_weight", second_weight, ndim=1, dtypes=(weight.dtype,), device=device,
+                     shape=(n_cols,))
+        if not isinstance(second_from, int) or not 0 <= second_from <= heads:
+            raise ValueError(f"second_from must be a head index in [0, {heads}], got {second_from!r}")
+    elif second_from is not None:
+        raise ValueError("second_from is given without second_weight")
+    if not eps > 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if n_cols > MAX_NORM_SIZE:
+        raise ValueError(f"{op} normalises heads of at most {MAX_NORM_SIZE} values, got {n_cols}")
+    if x.stride(2) != 1:
+        raise ValueError("x must be contiguous in its last dimension")
+
+
 def rms_norm_heads_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
                        second_weight: torch.Tensor | None = None, second_from: int | None = None) -> torch.Tensor:
     """PyTorch reference of :func:`rms_norm_heads` (same signature and results)."""
@@ -96,23 +120,9 @@ def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, *, second_
     tokens and heads at any stride, as in a view of a packed QKV projection) with ``weight [D]``, or, given
     ``second_weight [D]`` and ``0 <= second_from <= H``, heads ``second_from`` on with ``second_weight``.
     Returns a new contiguous ``[T, H, D]`` tensor of ``x``'s dtype."""
-    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    check_head_norm("rms_norm_heads", x, weight, eps, second_weight, second_from, weight_dtypes=FLOAT_DTYPES)
     device = x.device
     n_cols = x.shape[2]
-    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape=(n_cols,))
-    if second_weight is not None:
-        check_tensor("second_weight", second_weight, ndim=1, dtypes=(weight.dtype,), device=device,
-                     shape=(n_cols,))
-        if not isinstance(second_from, int) or not 0 <= second_from <= x.shape[1]:
-            raise ValueError(f"second_from must be a head index in [0, {x.shape[1]}], got {second_from!r}")
-    elif second_from is not None:
-        raise ValueError("second_from is given without second_weight")
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
-    if n_cols > MAX_NORM_SIZE:
-        raise ValueError(f"rms_norm_heads normalises heads of at most {MAX_NORM_SIZE} values, got {n_cols}")
-    if x.stride(2) != 1:
-        raise ValueError("x must be contiguous in its last dimension")
     if not use_triton(device):
         return rms_norm_heads_ref(x, weight, eps, second_weight=second_weight, second_from=second_from)
     num_tokens, heads = x.shape[0], x.shape[1]
@@ -144,16 +154,9 @@ def rms_norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, posit
     ``[max_position, R/2]`` (``R <= D`` the rotary dims; NeoX pairs ``(i, i + R/2)`` if ``is_neox``, else
     GPT-J pairs ``(2i, 2i + 1)``), in one launch. ``weight`` (and ``second_weight``) must have ``x``'s dtype.
     Returns a new contiguous ``[T, H, D]`` tensor of ``x``'s dtype."""
-    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    check_head_norm("rms_norm_rope_heads", x, weight, eps, second_weight, second_from, weight_dtypes=None)
     device = x.device
     num_tokens, heads, head_size = x.shape
-    check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=device, shape=(head_size,))
-    if second_weight is not None:
-        check_tensor("second_weight", second_weight, ndim=1, dtypes=(x.dtype,), device=device, shape=(head_size,))
-        if not isinstance(second_from, int) or not 0 <= second_from <= heads:
-            raise ValueError(f"second_from must be a head index in [0, {heads}], got {second_from!r}")
-    elif second_from is not None:
-        raise ValueError("second_from is given without second_weight")
     check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), device=device,
                  shape=(num_tokens,))
     if not isinstance(cos_sin, (tuple, list)) or len(cos_sin) != 2:
@@ -168,12 +171,6 @@ def rms_norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, posit
         raise ValueError(f"the rotary dims ({2 * half}) exceed the head size {head_size}")
     if not isinstance(is_neox, bool):
         raise TypeError(f"is_neox must be a bool, got {type(is_neox).__name__}")
-    if not eps > 0:
-        raise ValueError(f"eps must be positive, got {eps}")
-    if head_size > MAX_NORM_SIZE:
-        raise ValueError(f"rms_norm_rope_heads normalises heads of at most {MAX_NORM_SIZE} values, got {head_size}")
-    if x.stride(2) != 1:
-        raise ValueError("x must be contiguous in its last dimension")
     if not use_triton(device):
         return rms_norm_rope_heads_ref(x, weight, eps, positions, (cos, sin), is_neox=is_neox,
                                        second_weight=second_weight, second_from=second_from)
