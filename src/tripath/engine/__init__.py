@@ -6,6 +6,7 @@ servers. The engine owns no attention math: it plans each step and hands the bac
 
 from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
+from tripath.engine.errors import StepFailed
 from tripath.engine.llm import LLM, RunMetrics
 from tripath.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from tripath.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -13,4 +14,5 @@ from tripath.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutpu
 __all__ = [
     "LLM", "RunMetrics", "EngineConfig", "SamplingParams", "Request", "RequestOutput", "RequestStatus",
     "FinishReason", "Scheduler", "SchedulerOutput", "ScheduledRequest", "BlockManager",
+    "StepFailed",
 ]

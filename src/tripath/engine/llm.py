@@ -23,8 +23,10 @@ work for a step runs while the device computes the one before (see :mod:`tripath
 from __future__ import annotations
 
 import gc
+import logging
 import statistics
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -34,6 +36,7 @@ from tqdm.auto import tqdm
 
 from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
+from tripath.engine.errors import StepFailed
 from tripath.engine.model_runner import LaunchedStep, ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
@@ -41,6 +44,7 @@ from tripath.ops._launch import compiled_variants
 from tripath.engine.scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | Sequence[int]
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -235,8 +239,10 @@ class LLM:
         """One scheduling step and one model run; outputs of the requests that gained a token or finished
         (with overlapped scheduling, in the step launched by the call before this one).
 
-        If the step raises, the requests it scheduled are aborted (their blocks freed) before the exception
-        propagates; a launched step before it is completed first, its tokens kept."""
+        If the step raises, the requests it scheduled are aborted (their blocks freed) and
+        :class:`StepFailed` is raised with their ids; a launched step before it is completed first, its
+        outputs carried by the exception. A device out-of-memory error also shrinks the scheduler's token
+        budget, so the next steps are smaller. Other requests keep running."""
         out = self.scheduler.schedule(self.decode_steps)
         previous, self._inflight = self._inflight, None
         if out.is_empty:
@@ -251,6 +257,14 @@ class LLM:
                                                           num_steps=out.num_steps))
             else:
                 sampled = self.runner.execute(out.scheduled, num_steps=out.num_steps)
+        except Exception as error:  # noqa: BLE001 - fails this step's requests only
+            outputs = []
+            try:
+                if previous is not None:
+                    outputs = self._read(previous)
+            finally:
+                failed = self._abort_scheduled(out)
+            raise self._step_failed(error, failed, outputs) from None
         except BaseException:
             try:
                 if previous is not None:
@@ -265,10 +279,27 @@ class LLM:
             return []
         try:
             return self._read(previous)
+        except Exception as error:  # noqa: BLE001
+            self._inflight = None
+            raise self._step_failed(error, self._abort_scheduled(previous[0], out), []) from None
         except BaseException:
             self._inflight = None
             self._abort_scheduled(previous[0], out)
             raise
+
+    def _step_failed(self, error: Exception, request_ids: list[str], outputs: list[RequestOutput]) -> StepFailed:
+        """The :class:`StepFailed` for ``error``: logged with its traceback, whose frames (and the step's
+        tensors they hold) are then released; on a device out-of-memory error the token budget shrinks."""
+        logger.error("a step failed; its %d requests are aborted:\n%s", len(request_ids),
+                     "".join(traceback.format_exception(error)))
+        traceback.clear_frames(error.__traceback__)
+        if isinstance(error, torch.OutOfMemoryError):
+            budget = self.scheduler.shrink_token_budget()
+            logger.warning("out of device memory in a step: the scheduler now takes at most %d tokens a step",
+                           budget)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return StepFailed(f"the engine step failed: {type(error).__name__}: {error}", request_ids, error, outputs)
 
     def _read(self, launched: tuple[SchedulerOutput, LaunchedStep]) -> list[RequestOutput]:
         """Wait for a launched step's tokens and complete it."""
@@ -289,11 +320,24 @@ class LLM:
                 outputs.append(RequestOutput.of(request, new, text))
         return outputs
 
-    def _abort_scheduled(self, *outs: SchedulerOutput) -> None:
+    def _abort_scheduled(self, *outs: SchedulerOutput) -> list[str]:
+        """Abort the unfinished requests of ``outs``; their ids."""
+        aborted = []
         for out in outs:
             for item in out.scheduled:
-                if not item.request.is_finished:
-                    self.scheduler.abort(item.request.request_id)
+                if not item.request.is_finished and self.scheduler.abort(item.request.request_id) is not None:
+                    aborted.append(item.request.request_id)
+        return aborted
+
+    def memory_report(self) -> str:
+        """The GPU memory plan (:mod:`tripath.engine.memory_plan`): weights, KV cache, the reserved worst
+        step of each kind, graph pools, headroom, and what was measured at start; on the CPU or with
+        ``num_kv_blocks`` set, the cache size alone."""
+        plan = getattr(self.runner, "memory_plan", None)
+        if plan is not None:
+            return plan.summary()
+        return (f"KV cache: {self.runner.num_blocks} blocks of {self.runner.block_size} tokens "
+                f"({'num_kv_blocks' if self.config.num_kv_blocks else 'the CPU default'}; no GPU memory plan)")
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:

@@ -27,9 +27,9 @@ replay a CUDA graph captured for the next padded batch size (padding rows: one q
 reading block 0, slot −1 so nothing is written); the step's metadata is copied into the captured one with
 ``meta.copy_``. A launch of ``num_steps > 1`` (multi-step decoding, :meth:`ModelRunner._launch_decode_steps`)
 replays that graph ``num_steps`` times, feeding each step's sampled tokens to the next and advancing the
-metadata on the device. The KV cache (one per attention layer) has ``num_kv_blocks`` blocks, or as many as
-fit in ``gpu_memory_utilization`` of the GPU after the weights and the activations of a warm-up prefill of
-``max_num_batched_tokens`` tokens (twice, with piecewise graphs: their memory pool holds them too).
+metadata on the device. The KV cache (one per attention layer) has ``num_kv_blocks`` blocks, or on a GPU
+what the memory plan leaves of ``gpu_memory_utilization`` once the worst step of each kind, the graphs'
+pools and headroom are reserved (:mod:`tripath.engine.memory_plan`).
 """
 
 from __future__ import annotations
@@ -38,19 +38,20 @@ import functools
 import inspect
 import time
 
-import numpy as np
 import torch
 
 from tripath.attention import ForwardContext, WatchedPaths, default_block_size, select_backend
 from tripath.compile_pool import CompilePool, collect_compilations, default_workers
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
+from tripath.engine.memory_plan import (HEADROOM_FRACTION, MIN_HEADROOM, SCRATCH_BLOCKS, MemoryPlan, check_fits,
+                                       kv_blocks_left, measure_step_peaks, run_synthetic_step, worst_steps)
 from tripath.engine.mixed_graphs import MixedStepGraphs
 from tripath.engine.request import SamplingParams
 from tripath.engine.sampler import make_generator, sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
-from tripath.engine.warmup import WarmupReport, saved_plan_path, warm_up
+from tripath.engine.warmup import WarmupReport, runner_limits, saved_plan_path, warm_up
 from tripath.ops.replay import warm_up_recording
 from tripath.models.layers import Experts
 
@@ -123,18 +124,26 @@ class ModelRunner:
         self.watched_paths = WatchedPaths()  # code paths whose launch recordings were watched (ForwardContext)
         self._logits_upcast_optional: bool | None = None  # whether model.compute_logits takes upcast=
         self.warmup_report: WarmupReport | None = None
+        self.memory_plan: MemoryPlan | None = None  # on a GPU with the KV cache sized by the engine
         warms_up = config.warmup and self.device.type == "cuda" and self.backend.capabilities.needs_triton
         pool = self._compile_pool() if warms_up else None
         try:
-            self.num_blocks = config.num_kv_blocks or self._num_blocks_that_fit(pool)
+            if config.num_kv_blocks is None and self.device.type == "cuda":
+                self.memory_plan = self._plan_memory(pool)
+                self.num_blocks = self.memory_plan.num_blocks
+            else:
+                self.num_blocks = config.num_kv_blocks or CPU_DEFAULT_KV_BLOCKS
             self.caches = [self.backend.allocate_cache(self.num_blocks, self.device) for _ in range(self.num_layers)]
             if warms_up:
+                self._track_peak()
                 self.warmup_report = warm_up(self, pool=pool)
+                self._note_peak("warm-up peak")
         finally:
             if pool is not None:
                 pool.close()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         self._graph_pool = None
+        before_graphs = torch.cuda.memory_allocated(self.device) if self.memory_plan is not None else 0
         if config.use_cuda_graphs and self.graph_safe_backend:
             self.capture_cuda_graphs()
         self.mixed_graphs: MixedStepGraphs | None = None
@@ -143,6 +152,9 @@ class ModelRunner:
             self.largest_step_host_share = self._reserve_step_memory()
             if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
                 self.capture_mixed_graphs()
+        if self.memory_plan is not None:
+            torch.cuda.synchronize(self.device)
+            self.memory_plan.measured["graph pools"] = torch.cuda.memory_allocated(self.device) - before_graphs
 
     def _compile_pool(self) -> CompilePool | None:
         """Worker processes for the start's compilations (:mod:`tripath.compile_pool`): with
@@ -377,7 +389,7 @@ class ModelRunner:
     def _reserve_step_memory(self) -> float | None:
         """Run the largest eager step once on the real caches, writing nothing (every slot −1, every row
         reading block 0), then :meth:`warm_sampling` on up to ``max_num_seqs`` of its rows: PyTorch's caching
-        allocator then holds the activation memory a step needs (sized by :meth:`_num_blocks_that_fit`), so
+        allocator then holds the activation memory a step needs (reserved by the memory plan), so
         no step while serving waits for a device allocation. Returns the forward's host time over its GPU
         span (near 1: the step is host-bound); None off a GPU, where only the forward runs."""
         lens = self._largest_prompt_step()
@@ -426,55 +438,48 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     # ---- KV memory ----------------------------------------------------------------------------------
-    def _num_blocks_that_fit(self, pool: CompilePool | None = None) -> int:
-        """Blocks of all layers' caches that fit in ``gpu_memory_utilization`` of the GPU, after the weights
-        and the activations of a warm-up step of ``max_num_batched_tokens`` tokens (CPU: the default). With
-        a ``pool`` that step's kernels are compiled there first (it runs once with its compilations listed
-        instead of made)."""
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BLOCKS
+    def _plan_memory(self, pool: CompilePool | None = None) -> MemoryPlan:
+        """The GPU memory plan (:mod:`tripath.engine.memory_plan`): the worst step of each kind measured on
+        a scratch cache, the graph pools and headroom reserved, the KV cache sized from the rest of
+        ``gpu_memory_utilization``. With a ``pool`` the measured steps' kernels are compiled there first
+        (the steps run once with their compilations listed instead of made)."""
+        device = self.device
+        steps = worst_steps(runner_limits(self), self.spec.extend_chunk_budget)
+        scratch = [self.backend.allocate_cache(SCRATCH_BLOCKS, device) for _ in range(self.num_layers)]
         if pool is not None:
             with collect_compilations() as compilations:
-                self._warm_up()
+                for step in steps.values():
+                    run_synthetic_step(self, step, scratch)
             pool.compile(compilations)
-        torch.cuda.synchronize(self.device)
+        peaks = measure_step_peaks(self, steps, scratch)
+        del scratch
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        warmup_cache_bytes = self._warm_up()
-        activations = torch.cuda.max_memory_allocated(self.device) - allocated - warmup_cache_bytes
-        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        graph_pools = 0
+        if self.config.use_cuda_graphs and self.graph_safe_backend:
+            graph_pools += peaks["decode"]  # the decode graphs' batch is at most the measured decode step's
+            if self.uses_mixed_graphs:
+                graph_pools += peaks["prefill"]  # their pool keeps a step's layer intermediates too
+        budget = int(total * self.config.gpu_memory_utilization)
+        headroom = max(MIN_HEADROOM, int(total * HEADROOM_FRACTION))
         per_block = self.backend.cache_bytes_per_block() * self.num_layers
-        # with mixed-step graphs their memory pool holds a step's activations too, beside the eager ones
-        available = total * self.config.gpu_memory_utilization - (total - free) - activations * (
-            2 if self.uses_mixed_graphs else 1)
-        num_blocks = int(available // per_block)
-        if num_blocks < 2:
-            raise RuntimeError(
-                f"no room for the KV cache: {total / 2**30:.1f} GiB × gpu_memory_utilization "
-                f"{self.config.gpu_memory_utilization} leaves {available / 2**30:.2f} GiB after the weights "
-                f"({(total - free) / 2**30:.1f} GiB in use) and activations ({activations / 2**30:.2f} GiB); "
-                "raise gpu_memory_utilization or lower max_num_batched_tokens")
-        return num_blocks
+        in_use = total - free
+        plan = MemoryPlan(total=total, budget=budget, in_use=in_use,
+                          weights=torch.cuda.memory_allocated(device), step_peaks=peaks, graph_pools=graph_pools,
+                          headroom=headroom, bytes_per_block=per_block, num_blocks=0)
+        plan.num_blocks = max(0, kv_blocks_left(budget, in_use, plan.step_peak, graph_pools, headroom, per_block))
+        check_fits(plan.num_blocks, self.block_size, self.max_model_len, plan.summary())
+        return plan
 
-    @torch.inference_mode()
-    def _warm_up(self) -> int:
-        """A prefill of ``max_num_batched_tokens`` tokens (sequences of at most ``max_model_len``) into a
-        temporary cache; returns the temporary cache's bytes."""
-        lens = self._largest_prompt_step()
-        need = [blocks_needed(n, self.block_size) for n in lens]
-        num_blocks = sum(need) + 1
-        caches = [self.backend.allocate_cache(num_blocks, self.device) for _ in range(self.num_layers)]
-        block_table = torch.zeros(len(lens), max(need), dtype=torch.int32)
-        slots, next_block = [], 1
-        for row, n in enumerate(lens):
-            block_table[row, :need[row]] = torch.arange(next_block, next_block + need[row], dtype=torch.int32)
-            pos = torch.arange(n)
-            slots.append(block_table[row, pos // self.block_size].long() * self.block_size + pos % self.block_size)
-            next_block += need[row]
-        hidden = self._prompt_forward(lens, block_table, torch.cat(slots), caches)
-        last = torch.tensor(np.cumsum(lens) - 1, device=self.device)
-        self.model.compute_logits(hidden[last]).softmax(dim=-1)
-        torch.cuda.synchronize(self.device)
-        return self.backend.cache_bytes_per_block() * num_blocks * self.num_layers
+    def _track_peak(self) -> None:
+        if self.memory_plan is not None:
+            torch.cuda.synchronize(self.device)
+            self._peak_base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _note_peak(self, name: str) -> None:
+        """Record in the memory plan what was allocated above :meth:`_track_peak`'s base since it ran."""
+        if self.memory_plan is not None:
+            torch.cuda.synchronize(self.device)
+            self.memory_plan.measured[name] = torch.cuda.max_memory_allocated(self.device) - self._peak_base

@@ -1,6 +1,7 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute.
 
-Each step the scheduler picks, within ``max_num_batched_tokens`` new tokens and ``max_num_seqs`` running
+Each step the scheduler picks, within its token budget (``max_num_batched_tokens``, halved after a step
+that ran out of device memory: :meth:`Scheduler.shrink_token_budget`) and ``max_num_seqs`` running
 requests:
 
 1. every running *decode* (one pending token), oldest first;
@@ -40,6 +41,8 @@ from dataclasses import dataclass, field
 
 from tripath.engine.block_manager import BlockManager, blocks_needed
 from tripath.engine.request import FinishReason, Request, RequestStatus
+
+MIN_TOKEN_BUDGET = 64  # the smallest step budget an out-of-memory step shrinks it to (shrink_token_budget)
 
 
 @dataclass
@@ -83,6 +86,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.token_budget = max_num_batched_tokens  # new tokens a step takes: shrinks after an out-of-memory step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -121,6 +125,16 @@ class Scheduler:
                     return request
         return None
 
+    def shrink_token_budget(self) -> int:
+        """Halve the tokens a step takes (after a step ran out of device memory), down to
+        ``MIN_TOKEN_BUDGET`` or ``max_num_seqs``, whichever is larger, so the running decodes still fit in
+        one step; with chunked prefill off a whole prompt must fit in a step, so the budget stays. Returns
+        the new budget."""
+        if self.enable_chunked_prefill:
+            floor = min(self.max_num_batched_tokens, max(MIN_TOKEN_BUDGET, self.max_num_seqs))
+            self.token_budget = max(floor, self.token_budget // 2)
+        return self.token_budget
+
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -130,7 +144,7 @@ class Scheduler:
         """The next step. ``decode_steps``: the most model steps a step of decodes alone may take
         (multi-step decoding, see the module doc; 1: one step at a time)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.token_budget
         scheduled: set[int] = set()
         # 1. decodes, then 2. running prompt chunks; a request may be preempted by one before it.
         decodes, chunks = [], []
@@ -179,7 +193,7 @@ class Scheduler:
         """Model steps for a step of ``decodes`` alone: up to ``most``, as many as the request closest to
         its ``max_tokens`` still needs; 1 when a waiting request could be admitted, when the decodes exceed
         the token budget, or when the free blocks do not cover every decode's tokens for those steps."""
-        if most <= 1 or len(decodes) > self.max_num_batched_tokens or \
+        if most <= 1 or len(decodes) > self.token_budget or \
                 (self.waiting and len(self.running) < self.max_num_seqs):
             return 1
         steps = min(most, min(r.sampling_params.max_tokens - r.num_output_tokens - r.num_inflight_tokens

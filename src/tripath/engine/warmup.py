@@ -242,10 +242,10 @@ def probe(runner, calls: Sequence[AttentionCall], step: Step) -> tuple[object, s
     block_table, slot_mapping = synthetic_tables(plan, runner.block_size, runner.num_blocks, runner.device)
     meta = backend.build_metadata(plan, block_table, slot_mapping)
     ctx = ForwardContext(backend, meta, runner.caches)
-    with capture_launches() as records, torch.inference_mode():
+    with capture_launches(keep=launch_key) as keys, torch.inference_mode():  # no launch's tensors kept
         for call in calls:
             call.replay(ctx, plan.num_tokens, None)
-    return meta, {launch_key(r) for r in records}
+    return meta, set(keys)
 
 
 def runner_limits(runner) -> WarmupLimits:

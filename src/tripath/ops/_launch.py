@@ -38,7 +38,7 @@ class LaunchRecord:
         return self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else self.kernel.__name__
 
 
-_captures: list[list[LaunchRecord]] = []
+_captures: list[tuple[list, Callable | None]] = []  # (records, keep) of each capture_launches
 
 
 class _ThreadRecordings(threading.local):
@@ -57,7 +57,9 @@ def launch(kernel: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -
     :func:`record_launches`)."""
     grid = tuple(int(g) for g in grid)
     if _captures:
-        _captures[-1].append(LaunchRecord(kernel, grid, args, kwargs))
+        records, keep = _captures[-1]
+        record = LaunchRecord(kernel, grid, args, kwargs)
+        records.append(record if keep is None else keep(record))
         return
     if min(grid) <= 0:
         return
@@ -73,10 +75,13 @@ def launch(kernel: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -
 
 
 @contextlib.contextmanager
-def capture_launches() -> Iterator[list[LaunchRecord]]:
-    """Record launches instead of running them (outputs stay unwritten)."""
-    records: list[LaunchRecord] = []
-    _captures.append(records)
+def capture_launches(keep: Callable[[LaunchRecord], Any] | None = None) -> Iterator[list]:
+    """Record launches instead of running them (outputs stay unwritten). ``keep``: what to list of each
+    launch instead of its :class:`LaunchRecord` (e.g. :func:`launch_key`), so that the record, and with it
+    the launch's tensors, is dropped at once: a long captured step then holds no more memory than one
+    launch's arguments."""
+    records: list = []
+    _captures.append((records, keep))
     try:
         yield records
     finally:

@@ -4,9 +4,10 @@
 HTTP handlers never touch the engine: they :meth:`EngineLoop.submit` a :class:`Submission` and read its
 asyncio queue, which the thread fills (through ``call_soon_threadsafe``) with :data:`ACCEPTED` or a
 :class:`Failure` for the add, then each step's :class:`~tripath.engine.RequestOutput` until the finished one.
-The loop blocks on the command queue while the engine is idle and steps while anything is in flight. An
-exception inside a step fails the requests that were running in it (500; ``LLM.step`` has aborted them,
-freeing their blocks); the loop goes on. :meth:`EngineLoop.stop` aborts what is left, frees the model and
+The loop blocks on the command queue while the engine is idle and steps while anything is in flight. A
+step that raises fails exactly the requests it scheduled (``LLM.step`` aborts them, freeing their blocks,
+and names them in :class:`~tripath.engine.StepFailed`): 503 when the device ran out of memory (the
+scheduler then takes smaller steps), 500 otherwise; the loop goes on. :meth:`EngineLoop.stop` aborts what is left, frees the model and
 the KV cache and ends the thread.
 """
 
@@ -21,6 +22,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from tripath.engine.errors import StepFailed
 from tripath.engine.request import SamplingParams
 
 log = logging.getLogger("tripath.server")
@@ -192,17 +194,22 @@ class EngineLoop:
         llm = self.llm
         try:
             outputs = llm.step()
+        except StepFailed as error:  # the step's requests were aborted: fail exactly those, serve the rest
+            self.metrics.step_failures.inc()
+            num_new = self._deliver(error.outputs)
+            failure = Failure(503 if error.out_of_memory else 500, str(error), "server_error")
+            for request_id in error.request_ids:
+                sub = self._subs.pop(request_id, None)
+                if sub is not None:
+                    self.metrics.requests.labels("failed").inc()
+                    sub.deliver(failure)
+            self._publish(num_new)
+            return
         except Exception as error:  # noqa: BLE001 - one failed step must not stop the server
             log.error("engine step failed:\n%s", traceback.format_exc())
             self.metrics.step_failures.inc()
-            # LLM.step aborts the requests of a step that raised; fail theirs. A failure it could not pin on
-            # a step (in the scheduler) fails what was running, or else the whole queue.
-            live = {r.request_id for r in (*llm.scheduler.running, *llm.scheduler.waiting)}
-            victims = [request_id for request_id in self._subs if request_id not in live]
-            if not victims:
-                victims = [r.request_id for r in llm.scheduler.running]
-            if not victims:
-                victims = [r.request_id for r in llm.scheduler.waiting]
+            # A failure outside a step's run (in the scheduler) fails what was running, or else the queue.
+            victims = [r.request_id for r in llm.scheduler.running] or [r.request_id for r in llm.scheduler.waiting]
             for request_id in victims:
                 llm.abort_request(request_id)
                 sub = self._subs.pop(request_id, None)
@@ -212,6 +219,10 @@ class EngineLoop:
                                         "server_error"))
             self._publish()
             return
+        self._publish(self._deliver(outputs))
+
+    def _deliver(self, outputs) -> int:
+        """Hand each output to its request's subscriber; the number of new tokens."""
         num_new = 0
         for out in outputs:
             num_new += len(out.new_token_ids)
@@ -222,7 +233,7 @@ class EngineLoop:
                 del self._subs[out.request_id]
                 self.metrics.observe_finished(out, out.finish_reason.value)
             sub.deliver(out)
-        self._publish(num_new)
+        return num_new
 
     def _publish(self, num_new_tokens: int = 0) -> None:
         self.num_running = len(self.llm.scheduler.running)

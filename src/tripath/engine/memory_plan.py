@@ -1,0 +1,180 @@
+"""The engine's GPU memory plan: what every step can need, reserved before the KV cache takes the rest.
+
+The budget is ``gpu_memory_utilization × total``. From it the plan takes, in order:
+
+- ``in use``: what the device held when planning began (the weights, the CUDA context, other processes);
+- ``step peak``: the most memory one step allocates above that, measured at start by running the worst
+  step of each kind (:func:`worst_steps`) through the whole model on a small scratch cache (every slot −1,
+  block ids wrapping inside it: the step reads garbage and writes nothing, which changes no size), then
+  the LM head and sampling of its rows. The kinds: the largest prefill, one extend on the longest context
+  (its context gathered chunk by chunk, MLA's chunks up-projected), many extends (many chunks, merged),
+  ``max_num_seqs`` decodes on the longest contexts (split-KV partial results), and a mix of decodes, an
+  extend and a prefill. Steps run one at a time, so the largest of them is reserved once;
+- ``graph pools``: the CUDA graphs' private memory: a decode step of the largest captured batch, and, when
+  steps with prompt tokens may replay piecewise graphs, the largest prefill's activations again (the
+  graphs keep their own copy of the layers' intermediates);
+- ``headroom``: fragmentation of the caching allocator, cuBLAS workspaces (:data:`HEADROOM_FRACTION` of
+  the device, at least :data:`MIN_HEADROOM`).
+
+What is left is the KV cache, in whole blocks. The engine refuses to start when that cannot hold one
+sequence of ``max_model_len`` tokens (the message names the settings to change), and
+:meth:`MemoryPlan.summary` / ``LLM.memory_report()`` state the plan beside what was measured after the
+graphs were captured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tripath.engine.warmup import Step, WarmupLimits, synthetic_tables
+
+HEADROOM_FRACTION = 0.01
+MIN_HEADROOM = 512 * 2**20
+SCRATCH_BLOCKS = 64  # the scratch cache the worst steps read (block ids wrap inside it)
+GiB = 2**30
+
+
+def worst_steps(limits: WarmupLimits, chunk_budget: int) -> dict[str, Step]:
+    """The steps whose memory the plan measures, as ``(query_lens, context_lens)`` within ``limits``
+    (``chunk_budget``: the backend's extend chunk budget, tokens of context gathered at once)."""
+    s, n, l, dq = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len, limits.decode_threshold
+    steps: dict[str, Step] = {}
+    prefill = [min(l, n - start) for start in range(0, n, l)][:s]
+    steps["prefill"] = (prefill, [0] * len(prefill))
+    q = min(n, l - 1)
+    if q > dq:
+        steps["extend"] = ([q], [l - q])  # the longest context: every chunk full, the joined tail the largest
+    e = min(s, n // (dq + 1))
+    if e >= 2:
+        q = n // e
+        chunk = max(1, chunk_budget // e)
+        steps["extends"] = ([q] * e, [min(l - q, 4 * chunk)] * e)  # several chunks each: partials and merges
+    d = min(s, n)
+    steps["decode"] = ([1] * d, [l - 1] * d)
+    d = min(s, n) - 2
+    rest = n - d
+    if d >= 1 and rest >= 2 * (dq + 1):
+        qe = rest // 2
+        steps["mixed"] = ([1] * d + [qe, rest - qe], [l - 1] * d + [l - qe, 0])
+    return steps
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes of each part of the plan (see the module doc) and the KV cache they leave."""
+
+    total: int
+    budget: int
+    in_use: int
+    weights: int
+    step_peaks: dict[str, int]
+    graph_pools: int
+    headroom: int
+    bytes_per_block: int
+    num_blocks: int
+    measured: dict[str, int] = field(default_factory=dict)  # filled in after start (graph pools, peak)
+
+    @property
+    def step_peak(self) -> int:
+        return max(self.step_peaks.values(), default=0)
+
+    @property
+    def kv_cache(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def planned_peak(self) -> int:
+        """The most the engine's steps should ever hold: everything but the headroom."""
+        return self.in_use + self.kv_cache + self.step_peak + self.graph_pools
+
+    def as_dict(self) -> dict:
+        return {"total": self.total, "budget": self.budget, "in_use": self.in_use, "weights": self.weights,
+                "step_peaks": dict(self.step_peaks), "step_peak": self.step_peak, "graph_pools": self.graph_pools,
+                "headroom": self.headroom, "kv_cache": self.kv_cache, "num_blocks": self.num_blocks,
+                "bytes_per_block": self.bytes_per_block, "planned_peak": self.planned_peak,
+                "measured": dict(self.measured)}
+
+    def summary(self) -> str:
+        lines = [f"GPU memory plan: {self.budget / GiB:.2f} GiB budget of {self.total / GiB:.2f} GiB",
+                 f"  in use at start   {self.in_use / GiB:8.2f} GiB (weights {self.weights / GiB:.2f} GiB)",
+                 f"  KV cache          {self.kv_cache / GiB:8.2f} GiB ({self.num_blocks} blocks of "
+                 f"{self.bytes_per_block / 2**20:.3f} MiB, all layers)",
+                 f"  step peak         {self.step_peak / GiB:8.2f} GiB (" + ", ".join(
+                     f"{k} {v / GiB:.2f}" for k, v in self.step_peaks.items()) + ")",
+                 f"  graph pools       {self.graph_pools / GiB:8.2f} GiB",
+                 f"  headroom          {self.headroom / GiB:8.2f} GiB"]
+        for name, value in self.measured.items():
+            lines.append(f"  measured {name:<17} {value / GiB:.2f} GiB")
+        return "\n".join(lines)
+
+
+def kv_blocks_left(budget: int, in_use: int, step_peak: int, graph_pools: int, headroom: int,
+                   bytes_per_block: int) -> int:
+    """Whole KV blocks that fit in what the plan leaves of ``budget`` (may be negative)."""
+    return int((budget - in_use - step_peak - graph_pools - headroom) // bytes_per_block)
+
+
+def check_fits(num_blocks: int, block_size: int, max_model_len: int, plan_text: str) -> None:
+    """Refuse a plan whose KV cache cannot hold one sequence of ``max_model_len`` tokens (block 0 is
+    reserved), naming the settings that change it."""
+    need = -(-max_model_len // block_size)
+    if num_blocks - 1 >= need:
+        return
+    have = max(0, num_blocks - 1) * block_size
+    raise RuntimeError(
+        f"the KV cache left by the memory plan holds {have} tokens, fewer than one sequence of max_model_len "
+        f"({max_model_len}) needs: lower max_model_len, or lower max_num_seqs / max_num_batched_tokens (their "
+        f"worst step is reserved), or raise gpu_memory_utilization.\n{plan_text}")
+
+
+def run_synthetic_step(runner, step: Step, caches: list) -> None:
+    """Run ``step`` through the whole model on ``caches`` (synthetic block table wrapping inside them, every
+    slot −1: nothing is written), then the LM head and a filtered sampling of its last tokens' rows (at
+    most ``max_num_seqs``): the memory of a real step of that shape."""
+    from tripath.attention import ForwardContext
+    from tripath.attention.validate import cache_geometry
+    from tripath.engine.request import SamplingParams
+    from tripath.engine.sampler import make_generator, sample
+
+    backend, device = runner.backend, runner.device
+    plan = backend.plan(*step)
+    num_blocks = cache_geometry(caches[0])[0]
+    block_table, slots = synthetic_tables(plan, runner.block_size, num_blocks, device)
+    meta = backend.build_metadata(plan, block_table, slots)
+    positions = torch.from_numpy(np.concatenate([np.arange(c, c + q) for q, c in
+                                                 zip(plan.query_lens, plan.context_lens)])).to(device)
+    ids = torch.zeros(plan.num_tokens, dtype=torch.int64, device=device)
+    with torch.inference_mode():
+        hidden = runner.model(ids, positions, ForwardContext(backend, meta, caches))
+        last = np.cumsum(plan.query_lens)[:runner.config.max_num_seqs] - 1
+        logits = runner.compute_logits(hidden[torch.from_numpy(last).to(device)])
+        del hidden
+        rows = logits.shape[0]
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+        sample(logits, [params] * rows, [make_generator(0, device)] * rows)
+
+
+def measure_step_peaks(runner, steps: dict[str, Step], caches: list) -> dict[str, int]:
+    """Bytes each of ``steps`` allocates above what is allocated before it (the device is synchronised and
+    the allocator's cache emptied between steps)."""
+    peaks = {}
+    for name, step in steps.items():
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(runner.device)
+        torch.cuda.reset_peak_memory_stats(runner.device)
+        try:
+            run_synthetic_step(runner, step, caches)
+            torch.cuda.synchronize(runner.device)
+        except torch.OutOfMemoryError as error:
+            q, c = step
+            raise RuntimeError(
+                f"the engine's worst {name} step ({len(q)} requests, {sum(q)} new tokens, contexts up to "
+                f"{max(c)}) does not fit on the device beside the weights: lower max_num_batched_tokens, "
+                f"max_num_seqs or max_model_len ({error})") from None
+        peaks[name] = torch.cuda.max_memory_allocated(runner.device) - base
+    torch.cuda.empty_cache()
+    return peaks

@@ -1,0 +1,245 @@
+"""The engine's memory plan and its out-of-memory handling.
+
+CPU: the worst steps stay inside the limits, the plan's arithmetic and its refusal, a synthetic step writes
+nothing, captured launches keep no tensors, and an injected out-of-memory step fails its own requests only
+(the engine serves on, no block leaks, the step budget shrinks). GPU (``-m gpu``): every GPU preset builds
+with its default settings and a worst-case workload stays within the planned peak.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from tripath.engine import LLM, SamplingParams, StepFailed
+from tripath.engine.memory_plan import (MemoryPlan, check_fits, kv_blocks_left, run_synthetic_step,
+                                        worst_steps)
+from tripath.engine.warmup import WarmupLimits
+
+
+@pytest.mark.parametrize("limits", [WarmupLimits(256, 8192, 131072), WarmupLimits(16, 8192, 36172),
+                                    WarmupLimits(4, 64, 48), WarmupLimits(1, 16, 2048),
+                                    WarmupLimits(64, 8192, 4096, decode_threshold=3)])
+def test_worst_steps_stay_inside_the_limits_and_cover_every_kind(limits):
+    steps = worst_steps(limits, chunk_budget=32768)
+    assert {"prefill", "decode"} <= set(steps)
+    if limits.max_num_seqs >= 3 and limits.max_num_batched_tokens > limits.max_num_seqs:
+        assert {"extend", "extends", "mixed"} <= set(steps)
+    for name, (q, c) in steps.items():
+        assert len(q) == len(c) <= limits.max_num_seqs, name
+        assert sum(q) <= limits.max_num_batched_tokens, name
+        assert all(qi >= 1 and ci >= 0 and qi + ci <= limits.max_model_len for qi, ci in zip(q, c)), name
+    q, c = steps["decode"]
+    assert max(c) == limits.max_model_len - 1  # the longest contexts: the most split-KV partials
+    if "extend" in steps:
+        (q,), (c,) = steps["extend"]
+        assert q + c == limits.max_model_len and q == min(limits.max_num_batched_tokens, limits.max_model_len - 1)
+
+
+def test_the_plan_leaves_the_kv_cache_what_the_reservations_do_not_take():
+    gib = 2**30
+    assert kv_blocks_left(90 * gib, 20 * gib, 8 * gib, 2 * gib, gib, 2**21) == (90 - 31) * 512
+    plan = MemoryPlan(total=100 * gib, budget=90 * gib, in_use=20 * gib, weights=16 * gib,
+                      step_peaks={"prefill": 3 * gib, "decode": 8 * gib}, graph_pools=2 * gib, headroom=gib,
+                      bytes_per_block=2**21, num_blocks=(90 - 31) * 512)
+    assert plan.step_peak == 8 * gib and plan.kv_cache == 59 * gib and plan.planned_peak == 89 * gib
+    text = plan.summary()
+    for part in ("KV cache", "step peak", "decode 8.00", "graph pools", "headroom", "weights 16.00"):
+        assert part in text
+
+
+def test_a_plan_without_room_for_one_sequence_is_refused_naming_the_settings():
+    check_fits(num_blocks=9, block_size=16, max_model_len=128, plan_text="")  # 8 usable blocks = 128 tokens
+    with pytest.raises(RuntimeError) as info:
+        check_fits(num_blocks=8, block_size=16, max_model_len=128, plan_text="PLAN")
+    message = str(info.value)
+    for setting in ("max_model_len", "max_num_seqs", "gpu_memory_utilization", "PLAN"):
+        assert setting in message
+
+
+def test_a_synthetic_step_writes_nothing_to_the_cache(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
+              max_model_len=200)
+    runner = llm.runner
+    before = [(c.k_cache.clone(), c.v_cache.clone()) for c in runner.caches]
+    for step in worst_steps(WarmupLimits(4, 64, 200), runner.spec.extend_chunk_budget).values():
+        run_synthetic_step(runner, step, runner.caches)
+    for (k, v), cache in zip(before, runner.caches):
+        assert torch.equal(k, cache.k_cache) and torch.equal(v, cache.v_cache)
+
+
+def test_captured_launches_keep_only_what_keep_returns():
+    from tripath.ops._launch import capture_launches, launch
+
+    class Kernel:  # stands for a @triton.jit function: the capture never calls it
+        __name__ = "toy"
+
+    tensor = torch.empty(1024)
+    alive = weakref.ref(tensor)
+    with capture_launches(keep=lambda record: record.grid) as kept:
+        launch(Kernel(), (3, 1), tensor, 7)
+        del tensor
+        gc.collect()
+        assert alive() is None  # the record, and the tensor with it, was dropped at once
+    assert kept == [(3, 1)]
+    with capture_launches() as records:
+        launch(Kernel(), (2,), 5)
+    assert records[0].args == (5,)
+
+
+def _flaky_forward(llm):
+    """Arm ``llm``'s backend to raise an out-of-memory error in the next forward (one step), once."""
+    forward = llm.runner.backend.forward
+    state = {"armed": False, "raised": 0}
+
+    def flaky(*args, **kwargs):
+        if state["armed"]:
+            state["armed"] = False
+            state["raised"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return forward(*args, **kwargs)
+
+    llm.runner.backend.forward = flaky
+    return state
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_out_of_memory_step_fails_its_requests_only_and_the_engine_serves_on(monkeypatch, async_scheduling):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256,
+              async_scheduling=async_scheduling, decode_steps=1)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    expected = [o.output_token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    state = _flaky_forward(llm)
+
+    first = llm.add_request(prompts[0], greedy)
+    second = llm.add_request(prompts[1], greedy)
+    delivered = {first: [], second: []}
+    for _ in range(3):
+        for out in llm.step():
+            delivered[out.request_id] += out.new_token_ids
+    state["armed"] = True
+    with pytest.raises(StepFailed) as info:
+        llm.step()
+    error = info.value
+    assert error.out_of_memory and error.cause == "OutOfMemoryError" and "out of memory" in str(error)
+    assert sorted(error.request_ids) == sorted([first, second])  # both were in the failed step
+    for out in error.outputs:  # the step before it, read before the failure: delivered as usual
+        delivered[out.request_id] += out.new_token_ids
+    assert delivered[first] == expected[0][:len(delivered[first])] and delivered[first]
+    assert not llm.has_unfinished_requests()
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks  # nothing leaked
+    assert llm.scheduler.token_budget == 128  # halved: the next steps are smaller
+
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)  # the engine serves on, with the same results
+    assert [o.output_token_ids for o in outputs] == expected
+    assert state["raised"] == 1
+
+
+def test_generate_with_an_out_of_memory_step_raises_and_leaves_the_engine_idle(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=64, max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    state = _flaky_forward(llm)
+    state["armed"] = True
+    with pytest.raises(StepFailed):
+        llm.generate([[3, 4, 5]] * 3, params, use_tqdm=False)
+    assert not llm.has_unfinished_requests()
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks
+    assert len(llm.generate([[3, 4, 5]], params, use_tqdm=False)[0].output_token_ids) == 4
+
+
+def test_the_token_budget_shrinks_to_a_floor_and_not_without_chunked_prefill():
+    from tripath.engine.block_manager import BlockManager
+    from tripath.engine.scheduler import MIN_TOKEN_BUDGET, Scheduler
+
+    scheduler = Scheduler(BlockManager(32, 16, True), max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=512)
+    assert [scheduler.shrink_token_budget() for _ in range(6)] == [512, 256, 128, 64, 64, 64]
+    assert MIN_TOKEN_BUDGET == 64
+    whole = Scheduler(BlockManager(32, 16, True), max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=512,
+                      enable_chunked_prefill=False)
+    assert whole.shrink_token_budget() == 1024
+
+
+# ---- GPU: every GPU preset with its defaults --------------------------------------------------------------
+GPU_PRESETS = [("llama-3.1-8b", "three_path"), ("qwen3-235b-attn-tp8", "three_path"),
+               ("deepseek-r1-attn-tp8", "mla"), ("kimi-nope-attn-tp8", "mla")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,backend", GPU_PRESETS)
+def test_a_gpu_preset_with_defaults_serves_a_worst_case_workload_within_its_plan(preset, backend):
+    """Default settings: two requests at ``max_model_len`` minus their outputs (chunked: extends on the
+    longest contexts), the other ``max_num_seqs - 2`` short (decodes at full batch beside them)."""
+    import random
+
+    llm = LLM(preset, backend=backend)
+    plan = llm.runner.memory_plan
+    assert plan is not None and plan.num_blocks == llm.runner.num_blocks
+    print(llm.memory_report())
+    out_len = 16
+    rng = random.Random(0)
+    vocab = llm.model.config.vocab_size
+    longest = llm.runner.max_model_len - out_len
+    num_seqs = llm.config.max_num_seqs
+    prompts = [[rng.randrange(2, vocab) for _ in range(longest)] for _ in range(2)]
+    prompts += [[rng.randrange(2, vocab) for _ in range(rng.randrange(16, 512))] for _ in range(num_seqs - 2)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=out_len, temperature=0.8, top_p=0.9, ignore_eos=True),
+                           use_tqdm=False)
+    peak = torch.cuda.max_memory_allocated()
+    print(f"{preset} {backend}: peak {peak / 2**30:.2f} GiB allocated, planned {plan.planned_peak / 2**30:.2f} GiB; "
+          f"{llm.num_compiled_since_start} compiled after start")
+    assert all(len(o.output_token_ids) == out_len for o in outputs)
+    assert peak <= plan.planned_peak
+    assert llm.num_compiled_since_start == 0
+
+
+def test_the_server_answers_an_out_of_memory_step_503_and_serves_the_next_request(monkeypatch):
+    pytest.importorskip("fastapi")
+    import asyncio
+
+    import httpx
+
+    from tripath.server.app import build_app
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    threads = torch.get_num_threads()
+    holder = {}
+
+    def make():
+        torch.set_num_threads(1)
+        llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
+        holder["state"] = _flaky_forward(llm)
+        return llm
+
+    app = build_app(make, model_name="tiny")
+    engine = app.state.server.engine
+    engine.start()
+    assert engine.wait_ready(120)
+
+    async def post(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60) as client:
+            return await client.post("/v1/completions", json=body)
+
+    try:
+        holder["state"]["armed"] = True
+        r = asyncio.run(post({"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 4}))
+        assert r.status_code == 503, r.text
+        assert "out of memory" in r.json()["error"]["message"]
+        good = asyncio.run(post({"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 5, "ignore_eos": True}))
+        assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 5
+        llm = engine.llm
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks
+        assert engine.metrics.step_failures._value.get() == 1
+    finally:
+        engine.stop()
+        torch.set_num_threads(threads)
