@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import time
 
 import torch
@@ -54,6 +55,8 @@ from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.warmup import WarmupReport, runner_limits, saved_plan_path, warm_up
 from tripath.ops.replay import warm_up_recording
 from tripath.models.layers import Experts
+
+logger = logging.getLogger(__name__)
 
 # Piecewise graphs are captured when the largest eager step's host time is at least this share of its GPU
 # span (measured at start): on an H200 the mha-tp8 shape measured 0.79–0.97 (host-bound), the 8B shape 0.14.
@@ -470,6 +473,7 @@ class ModelRunner:
                           headroom=headroom, bytes_per_block=per_block, num_blocks=0)
         plan.num_blocks = max(0, kv_blocks_left(budget, in_use, plan.step_peak, graph_pools, headroom, per_block))
         check_fits(plan.num_blocks, self.block_size, self.max_model_len, plan.summary())
+        logger.info("%s", plan.summary())
         return plan
 
     def _track_peak(self) -> None:
