@@ -243,3 +243,52 @@ def test_zero_queue_depth_is_refused(capsys):
 
     assert main_serve(["--model", "tiny-llama", "--max-queue-depth", "0"]) == 2
     assert "--max-queue-depth must be >= 1" in capsys.readouterr().err
+
+
+def _first_to_complete(text, stops):
+    for end in range(1, len(text) + 1):
+        for s in stops:
+            if s and text[:end].endswith(s):
+                return text[:end - len(s)], True
+    return text, False
+
+
+def test_stop_matching_is_linear_and_cuts_at_the_first_stop_to_complete():
+    import random
+
+    from tripath.server.detokenize import StopMatcher
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(0, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 24)))
+        matcher, out, i = StopMatcher(stops), "", 0
+        while i < len(text):
+            n = rng.randint(1, 4)
+            out += matcher.feed(text[i:i + n])
+            i += n
+        out += matcher.feed("", final=True)
+        assert (out, matcher.stopped) == _first_to_complete(text, stops), (stops, text)
+    # the largest stop lists the API takes, against text built to defeat naive matching: the held-back tail
+    # never exceeds the longest partial match
+    stops = ["a" * (P.MAX_STOP_STRING_CHARS - 1) + chr(0x100 + i) for i in range(P.MAX_STOP_STRINGS)]
+    matcher = StopMatcher(stops)
+    emitted = "".join(matcher.feed("a" * 7) for _ in range(300))
+    assert len(matcher.pending) == P.MAX_STOP_STRING_CHARS - 1 and len(emitted) == 2100 - len(matcher.pending)
+    assert matcher.feed("c") == "a" * (P.MAX_STOP_STRING_CHARS - 1) + "c" and not matcher.stopped
+    assert matcher.feed("x" + "a" * (P.MAX_STOP_STRING_CHARS - 1) + chr(0x101)) == "x" and matcher.stopped
+
+
+def test_chat_template_kwargs_reach_the_template():
+    from server_models import build_tokenizer
+
+    from tripath.engine.chat import render_chat
+
+    tokenizer = build_tokenizer("{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m['content'] }}"
+                                "{% endfor %}{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, messages) == "hi"
+    assert render_chat(tokenizer, messages, template_kwargs={"shout": True,
+                                                             "tools": [{"function": {"name": "f"}}]}) == "LOUD hi[f]"
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set add_generation_prompt"):
+        render_chat(tokenizer, messages, template_kwargs={"add_generation_prompt": False})
