@@ -136,13 +136,26 @@ def test_max_model_len_beyond_the_positions_is_refused(model):
 
 
 def test_sampling_parameters_at_the_edges():
-    for bad in (math.nan, math.inf, -1.0):
-        with pytest.raises(ValueError, match=r"temperature must be >= 0 and finite"):
+    for bad in (math.nan, math.inf, -1.0, 1e31):
+        with pytest.raises(ValueError, match=r"temperature must be finite and in \[0, 1e\+30\]"):
             SamplingParams(temperature=bad)
     with pytest.raises(TypeError, match=r"temperature must be a number, got str"):
         SamplingParams(temperature="0.5")
-    with pytest.raises(ValueError, match=r"max_tokens must be an int >= 1, got True"):
+    with pytest.raises(TypeError, match=r"top_p must be a number, got bool"):
+        SamplingParams(top_p=True)
+    with pytest.raises(ValueError, match=r"max_tokens must be an int in \[1, 2\*\*63 - 1\], got True"):
         SamplingParams(max_tokens=True)
+    # every integer fits the sampler's int64 tensors and 64-bit generator seeds (a 2**63 top_k failed the step)
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[1, 2\*\*63 - 1\].*got 9223372036854775808"):
+        SamplingParams(top_k=1 << 63)
+    for seed in (1 << 63, -(1 << 63) - 1, 1 << 64):
+        with pytest.raises(ValueError, match=rf"seed must be in \[-2\*\*63, 2\*\*63 - 1\].*got {seed}"):
+            SamplingParams(seed=seed)
+    assert SamplingParams(seed=-(1 << 63), top_k=(1 << 63) - 1).top_k == (1 << 63) - 1
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 2\*\*63 - 1\], got -1"):
+        SamplingParams(stop_token_ids=[3, -1])
+    with pytest.raises(TypeError, match=r"ignore_eos must be a bool, got int"):
+        SamplingParams(ignore_eos=1)
     with pytest.raises(TypeError, match=r"stop_token_ids\[1\] must be an integer token id, got float"):
         SamplingParams(stop_token_ids=[2, 3.5])
     assert SamplingParams(stop_token_ids=4).stop_token_ids == (4,)

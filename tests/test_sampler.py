@@ -112,13 +112,13 @@ def test_bad_arguments_name_themselves():
         sample(torch.randn(2, 5), [SamplingParams()], [None, None])
     with pytest.raises(ValueError, match=r"logits must be \[num_requests, vocab\]"):
         sample(torch.randn(5), [SamplingParams()], [None])
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match=r"temperature must be finite and in \[0, 1e\+30\]"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         SamplingParams(top_p=0)
-    with pytest.raises(ValueError, match="top_k must be an int >= 1, or -1 / 0 for no limit"):
+    with pytest.raises(ValueError, match=r"top_k must be an int in \[1, 2\*\*63 - 1\], or -1 / 0 for no limit"):
         SamplingParams(top_k=-2)
-    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+    with pytest.raises(ValueError, match=r"max_tokens must be an int in \[1, 2\*\*63 - 1\]"):
         SamplingParams(max_tokens=0)
     with pytest.raises(TypeError, match="seed must be an int or None"):
         SamplingParams(seed=1.5)

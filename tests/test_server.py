@@ -192,7 +192,7 @@ def test_n_choices(hf_server):
 
 BAD_BODIES = [
     ("{not json", "JSON"),
-    (json.dumps({"model": "tiny-hf", "prompt": "hi", "bogus_field": 1}), "bogus_field"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "max_tokens": "3"}), "max_tokens"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "max_tokens": -3}), "max_tokens"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "temperature": -1}), "temperature"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi " * 200, "max_tokens": 100}), "max_model_len"),

@@ -58,8 +58,18 @@ def has_chat_template(tokenizer) -> bool:
         bool(getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """The conversation as the model's prompt text."""
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                            "chat_template", "tokenizer_kwargs")
+
+
+def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The conversation as the model's prompt text; ``template_kwargs`` are more variables for the template
+    (``tools``, ``enable_thinking``, ...)."""
+    template_kwargs = dict(template_kwargs or {})
+    reserved = sorted(set(template_kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
     if tokenizer is None:
         raise ChatTemplateError("chat needs a tokenizer with a chat template; this model has no tokenizer "
                                 "(send token ids to the completions API instead)")
@@ -67,12 +77,13 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation
         raise ChatTemplateError("chat needs a chat template; this model's tokenizer has none (set "
                                 "'chat_template' in its tokenizer_config.json, or use the completions API)")
     return tokenizer.apply_chat_template(normalise_messages(messages), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
 
 
-def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """The conversation's prompt token ids (the rendered template encoded without extra special tokens)."""
-    text = render_chat(tokenizer, messages, add_generation_prompt)
+    text = render_chat(tokenizer, messages, add_generation_prompt, template_kwargs)
     encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
     return [int(t) for t in encoded]
 

@@ -63,7 +63,9 @@ class SamplingParams:
     likely tokens (``-1`` or 0 = all) and to the smallest set whose probability reaches ``top_p``, and sampled
     with a per-request generator (seeded by ``seed``, or by the engine's seed and the request's number), so a
     request's tokens do not depend on what else is in the batch. Generation stops after ``max_tokens``, at an
-    end-of-sequence token of the model (unless ``ignore_eos``) or at any of ``stop_token_ids``.
+    end-of-sequence token of the model (unless ``ignore_eos``) or at any of ``stop_token_ids``. Every field is
+    range-checked against what the sampler holds: ``top_k``, ``max_tokens`` and stop ids fit in int64,
+    ``seed`` in ``[-2**63, 2**63 - 1]`` (distinct seeds give distinct generators), ``temperature`` <= 1e30.
     """
 
     max_tokens: int = 16
@@ -75,25 +77,40 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real):
-            raise TypeError(f"temperature must be a number, got {type(self.temperature).__name__}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
+            raise ValueError(f"max_tokens must be an int in [1, 2**63 - 1], got {self.max_tokens!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be finite and in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got "
+                             f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= 1, or -1 / 0 for no limit, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be an int in [1, 2**63 - 1], or -1 / 0 for no limit, got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ValueError(f"seed must be in [-2**63, 2**63 - 1] (a 64-bit generator seed), got {self.seed}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
         stop = self.stop_token_ids
         stop = [stop] if _is_int(stop) else stop
-        object.__setattr__(self, "stop_token_ids", tuple(token_ids_of(stop, "stop_token_ids")) if stop else ())
+        stop = tuple(token_ids_of(stop, "stop_token_ids")) if stop else ()
+        bad = next((t for t in stop if not 0 <= t <= INT64_MAX), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids must be in [0, 2**63 - 1], got {bad}")
+        object.__setattr__(self, "stop_token_ids", stop)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1   # the sampler's int64 tensors and 64-bit generator seeds
+MAX_TEMPERATURE = 1e30   # logits are divided by it in float32
 
 
 def _is_int(x) -> bool:

@@ -13,6 +13,17 @@ LOG2E = tl.constexpr(1.4426950408889634)  # instantiated: compiled kernels may o
 
 
 @triton.jit
+def _tanh(x):
+    """``tanh(x)`` to a few fp32 ulps relative at every magnitude: ``2·sigmoid(2x) − 1`` cancels for small
+    ``|x|`` (an absolute error of ~1e-7, so ``c·tanh(s/c)`` lost ``c·1e-7`` for a large cap ``c``), so below
+    ``|x| < 1/4`` the odd Taylor series to ``x^9`` (truncation < 1e-8 relative) takes over."""
+    x2 = x * x
+    series = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * (-0.05396825396825397
+                                                                                   + x2 * 0.021869488536155203))))
+    return tl.where(tl.abs(x) < 0.25, series, 2.0 * tl.sigmoid(2.0 * x) - 1.0)
+
+
+@triton.jit
 def score_mods(qk, q_pos, k_pos, k_limit, slope2, qk_scale, softcap, window_left,
                MASK: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
@@ -24,7 +35,7 @@ def score_mods(qk, q_pos, k_pos, k_limit, slope2, qk_scale, softcap, window_left
     """
     if HAS_SOFTCAP:
         x = qk * (qk_scale / (softcap * LOG2E))
-        s = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * x) - 1.0)
+        s = (softcap * LOG2E) * _tanh(x)
     else:
         s = qk * qk_scale
     if HAS_ALIBI:
@@ -69,10 +80,12 @@ def softmax_update_raw(qk, qk_scale, v, m_i, l_i, acc):
 
 @triton.jit
 def add_sinks(m_i, l_i, acc, sink2):
-    """Count each row's sink (log2 domain, ``[M]``) once in the denominator."""
+    """Count each row's sink (log2 domain, ``[M]``) once in the denominator. A row that saw no key and has
+    a −inf sink stays empty (``l_i`` 0, so :func:`finalize` gives 0 and LSE −inf, not NaN)."""
     m_new = tl.maximum(m_i, sink2)
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.math.exp2(sink2 - m_new)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.math.exp2(sink2 - m_use)
     return m_new, l_i, acc * alpha[:, None]
 
 

@@ -60,11 +60,14 @@ def check_gqa(num_heads: int, num_kv_heads: int) -> int:
     return num_heads // num_kv_heads
 
 
+MAX_SOFTCAP = 1e30   # kernels take the cap in fp32 times log2(e); above it c·tanh(s/c) is s to fp32 precision
+
+
 def check_options(window_left: int, softcap: float, sm_scale: float | None = None) -> None:
     if window_left < -1:
         raise ValueError(f"window_left must be -1 (off) or >= 0, got {window_left}")
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
+    if not math.isfinite(softcap) or not 0 <= softcap <= MAX_SOFTCAP:
+        raise ValueError(f"softcap must be a finite number in [0, {MAX_SOFTCAP:g}] (0 = off), got {softcap}")
     check_sm_scale(sm_scale)
 
 
@@ -138,9 +141,12 @@ def values_checked(validate: bool | None, *tensors: torch.Tensor | None) -> bool
 def _fail(name: str, bad: torch.Tensor, values: torch.Tensor, what: str) -> None:
     """Raise naming ``name`` when any element of the boolean ``bad`` is set (one host sync)."""
     if bool(bad.any()):
-        index = int(bad.nonzero()[0, 0]) if bad.dim() else 0
-        shown = values.flatten()[index].item() if values.dim() else values.item()
-        raise ValueError(f"{name}: {what} (entry {index} is {shown})")
+        if bad.dim() == 0:
+            raise ValueError(f"{name}: {what} (it is {values.item()})")
+        position = tuple(bad.nonzero()[0].tolist())
+        shown = values[position].item()
+        where = position[0] if len(position) == 1 else list(position)
+        raise ValueError(f"{name}: {what} (entry {where} is {shown})")
 
 
 def check_cu_seqlens_values(name: str, cu: torch.Tensor, num_rows: int, max_seqlen: int | None = None,

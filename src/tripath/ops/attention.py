@@ -2,7 +2,7 @@
 
 Shapes: ``T`` flat tokens, ``B`` requests, ``Hq`` query heads, ``Hkv`` KV heads (``Hq % Hkv == 0``; query
 head ``h`` reads KV head ``h // (Hq / Hkv)``), head sizes ``Dqk``/``Dv`` from 32 to 256. Options shared by
-every op: ``sm_scale`` (default ``1/sqrt(Dqk)``), ``window_left`` (−1 off), ``softcap`` (0 off),
+every op: ``sm_scale`` (default ``1/sqrt(Dqk)``), ``window_left`` (−1 off), ``softcap`` (0 off, at most 1e30),
 ``alibi_slopes [Hq]``, ``sinks [Hq]`` (counted once per row), ``out`` (preallocated output),
 ``return_lse`` (also return the natural-log LSE ``[T, Hq]`` fp32; −inf for rows that see nothing).
 """
@@ -94,7 +94,9 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     part of 32/64, no window/softcap/ALiBi/sinks; requests of at most 1024 keys as head-pair items for an
     even number of query heads per KV head, as 128-row items on 64-key tiles otherwise); the portable kernel
     otherwise.
-    Both ignore rows of ``k``/``v`` outside the requests, whatever they hold (NaN included).
+    Both ignore rows of ``k``/``v`` outside the requests, whatever they hold (NaN included). Rows of ``q``
+    past ``cu_seqlens_q[-1]`` (padding) are not written, on every path: an ``out=`` keeps its contents
+    there; a fresh ``out`` (and ``lse``) holds unspecified values there.
 
     Returns
     -------
@@ -357,6 +359,9 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     validate : check ``cu_seqlens_q`` (from 0, non-decreasing, within ``q``), ``seq_lens`` (each covering its
         request's new tokens, within the block table) and the block ids read (``[0, num_blocks)``): always
         for host tensors; for device tensors when True or, with None, under ``TRIPATH_VALIDATE=1``.
+
+    Rows of ``q`` past ``cu_seqlens_q[-1]`` (padding) are not written, on every path: an ``out=`` keeps its
+    contents there; a fresh ``out`` (and ``lse``) holds unspecified values there.
 
     Returns ``out [T, Hq, D]`` (and ``lse [T, Hq]``).
     """

@@ -62,11 +62,14 @@ def _default_scale(sm_scale: float | None, head_size: int) -> float:
 
 
 def _finish(out_f32: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None,
-            return_lse: bool):
+            return_lse: bool, rows: int | None = None):
+    """The output in ``dtype``; into ``out`` only its first ``rows`` rows (the requests' tokens: rows past
+    ``cu_seqlens_q[-1]`` are left as they are, as the kernels leave them)."""
     if out is None:
         out = out_f32.to(dtype)
     else:
-        out.copy_(out_f32)
+        rows = out_f32.shape[0] if rows is None else rows
+        out[:rows].copy_(out_f32[:rows])
     return (out, lse) if return_lse else out
 
 
@@ -89,7 +92,7 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None,
                       alibi_slopes=alibi_slopes, sinks=sinks)
         out_f[cq[i]:cq[i + 1]] = o
         lse[cq[i]:cq[i + 1]] = l
-    return _finish(out_f, lse, q.dtype, out, return_lse)
+    return _finish(out_f, lse, q.dtype, out, return_lse, rows=cq[-1])
 
 
 def _paged_rows(k_nhd, v_nhd, block_row, length, k_scale, v_scale):
@@ -118,7 +121,7 @@ def unified_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
                       window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
         out_f[cq[i]:cq[i + 1]] = o
         lse[cq[i]:cq[i + 1]] = l
-    return _finish(out_f, lse, q.dtype, out, return_lse)
+    return _finish(out_f, lse, q.dtype, out, return_lse, rows=cq[-1])
 
 
 def paged_decode_ref(q, k_cache, v_cache, block_table, seq_lens, *, layout="nhd", sm_scale=None,

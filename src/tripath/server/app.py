@@ -3,18 +3,26 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events
 ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200 once the engine is built, 503 before
 and while shutting down), ``GET /metrics`` (Prometheus text). Errors carry the OpenAI body
-``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (malformed JSON, an unknown or
-out-of-range field, a prompt the engine could never serve), 404 for another model's name, 503 when more
-than ``max_queue_depth`` requests already wait for the engine, 504 past ``request_timeout_s``, 500 for a
-failed engine step.
+``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (malformed JSON, a field of the
+wrong type or out of range, a prompt the engine could never serve, more choices than the server could ever
+hold), 404 for another model's name, 413 for a body over ``max_request_bytes``, 503 when more than
+``max_queue_depth`` engine requests would wait beyond the ``max_num_seqs`` the engine runs at once, 504 past
+``request_timeout_s``, 500 for a failed engine step.
+
+Work that grows with what a client sends (parsing and validating the body, tokenising prompts, rendering
+chat templates, matching stop strings) runs in worker threads, never on the event loop, so one large
+request does not stall the others or ``/health``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
-from typing import Callable
+from typing import Callable, TypeVar
+
+import pydantic
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +37,8 @@ from tripath.server.generation import APIError, Generation
 from tripath.server.metrics import ServerMetrics
 
 DISCONNECT_POLL_S = 0.25
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+_Body = TypeVar("_Body", bound=pydantic.BaseModel)
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -57,13 +67,65 @@ class ServerState:
         self.request_timeout_s = request_timeout_s
         self.outstanding = 0   # engine submissions of live HTTP requests (handler side)
 
+    @property
+    def capacity(self) -> int:
+        """Engine requests the server holds at once: the ``max_num_seqs`` the engine runs and
+        ``max_queue_depth`` more waiting."""
+        return self.engine.max_num_seqs + self.max_queue_depth
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` (by its Content-Length, or as it streams in) gets
+    413 before the server holds more of it."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _message(self) -> str:
+        return f"the request body is larger than the server's limit of {self.max_bytes} bytes (--max-request-bytes)"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            response = _error(413, self._message(), code="request_too_large")
+            return await response(scope, receive, send)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise StarletteHTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _parse(model: type[_Body], body: bytes) -> _Body:
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as error:
+        raise RequestValidationError(error.errors(include_url=False)) from None
+
+
+async def _body(request: Request, model: type[_Body]) -> _Body:
+    """The request body as ``model``, parsed and validated in a worker thread."""
+    raw = await request.body()
+    return await asyncio.get_running_loop().run_in_executor(None, _parse, model, raw)
+
 
 def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_depth: int = 1024,
               request_timeout_s: float | None = None, on_fatal: Callable[[BaseException], None] | None = None,
-              shutdown_timeout_s: float = 30.0) -> FastAPI:
+              shutdown_timeout_s: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The server for the engine ``make_llm()`` builds (called once, on the engine thread, at start-up)."""
-    if max_queue_depth < 0:
-        raise ValueError(f"max_queue_depth must be >= 0, got {max_queue_depth}")
+    if max_queue_depth < 1:
+        raise ValueError(f"max_queue_depth must be >= 1, got {max_queue_depth}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
     metrics = ServerMetrics()
@@ -78,6 +140,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
 
     app = FastAPI(title="tripath", lifespan=lifespan)
     app.state.server = state
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request, exc: RequestValidationError):
@@ -114,30 +177,32 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
         return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=engine.max_model_len,
                                                 vocab_size=engine.vocab_size)]).model_dump()
 
-    @app.post("/v1/completions")
-    async def completions(body: P.CompletionRequest, request: Request):
+    @app.post("/v1/completions", openapi_extra=_schema(P.CompletionRequest))
+    async def completions(request: Request):
+        body = await _body(request, P.CompletionRequest)
         _check_ready(state)
         _check_model(state, body.model)
+        _check_fits(state, body.n * (1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int)
+                                     else len(body.prompt)))
         try:
             raw_prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
-        prompts = [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)]
+        prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
         gen = _generation(state, body, prompts, body.max_tokens)
         return await _respond(state, gen, body, request, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+    @app.post("/v1/chat/completions", openapi_extra=_schema(P.ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        body = await _body(request, P.ChatCompletionRequest)
         _check_ready(state)
         _check_model(state, body.model)
+        _check_fits(state, body.n)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            prompt = chat_token_ids(engine.tokenizer, messages, body.add_generation_prompt)
-        except (ValueError, TypeError) as error:   # ChatTemplateError included
-            raise APIError(400, str(error), param="messages") from None
-        except Exception as error:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
-            raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-        _check_ids(state, prompt, "messages")
+        template_kwargs = dict(body.chat_template_kwargs or {})
+        if body.tools is not None and "tools" not in template_kwargs:
+            template_kwargs["tools"] = body.tools
+        prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt, template_kwargs)
         gen = _generation(state, body, [prompt], body.output_limit)
         return await _respond(state, gen, body, request, chat=True)
 
@@ -145,6 +210,35 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
 
 
 # ---- request to submissions ------------------------------------------------------------------------------
+def _schema(model: type[pydantic.BaseModel]) -> dict:
+    """The OpenAPI description of a body the handler parses itself."""
+    return {"requestBody": {"content": {"application/json": {"schema": model.model_json_schema()}}, "required": True}}
+
+
+async def _in_thread(fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+
+
+def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool,
+                 template_kwargs: dict) -> list[int]:
+    try:
+        prompt = chat_token_ids(state.engine.tokenizer, messages, add_generation_prompt, template_kwargs)
+    except (ValueError, TypeError, UnicodeError) as error:   # ChatTemplateError included
+        raise APIError(400, str(error), param="messages") from None
+    except Exception as error:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
+        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+    _check_ids(state, prompt, "messages")
+    return prompt
+
+
+def _check_fits(state: ServerState, num_choices: int) -> None:
+    """A request of more engine requests (prompts x n) than the server ever holds could never run: 400."""
+    if num_choices > state.capacity:
+        raise APIError(400, f"the request needs {num_choices} engine requests (prompts x n) but this server holds "
+                            f"at most {state.capacity} at once (max_num_seqs {state.engine.max_num_seqs} + "
+                            f"max_queue_depth {state.max_queue_depth})", param="n")
+
+
 def _check_ready(state: ServerState) -> None:
     if not state.engine.ready:
         raise APIError(503, "the engine is not ready (starting up or shutting down)", "server_error")
@@ -170,7 +264,11 @@ def _prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
     if isinstance(prompt, str):
         if state.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param=param)
-        ids = encode_text(state.engine.tokenizer, prompt)
+        try:
+            ids = encode_text(state.engine.tokenizer, prompt)
+        except (ValueError, TypeError, UnicodeError) as error:   # e.g. a lone surrogate: not encodable text
+            raise APIError(400, f"{param} could not be tokenised: {type(error).__name__}: {error}",
+                           param=param) from None
     else:
         ids = [int(t) for t in prompt]
     _check_ids(state, ids, param)
@@ -198,13 +296,15 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
                 raise APIError(400, str(error)) from None
             params.append(sp)
             choice_prompts.append(prompt)
-    waiting = state.outstanding - state.engine.num_running
-    if waiting + len(params) > state.max_queue_depth:
+    _check_fits(state, len(params))
+    if state.outstanding + len(params) > state.capacity:
         state.metrics.rejected.labels("queue_full").inc()
-        raise APIError(503, f"the server is overloaded: {waiting} requests already wait for the engine "
-                            f"(max_queue_depth {state.max_queue_depth}); retry later", "server_error",
-                       code="overloaded")
-    return Generation(state.engine, choice_prompts, params, body.stop_strings(), state.request_timeout_s)
+        waiting = max(0, state.outstanding - state.engine.max_num_seqs)
+        raise APIError(503, f"the server is overloaded: {state.outstanding} engine requests in flight, {waiting} "
+                            f"beyond the {state.engine.max_num_seqs} the engine runs at once (max_queue_depth "
+                            f"{state.max_queue_depth}); retry later", "server_error", code="overloaded")
+    return Generation(state.engine, choice_prompts, params, body.stop_strings(), state.request_timeout_s,
+                      prompt_tokens=sum(len(p) for p in prompts))
 
 
 # ---- responses -------------------------------------------------------------------------------------------
@@ -244,8 +344,7 @@ async def _respond(state: ServerState, gen: Generation, body, request: Request, 
         collect.result()
     finally:
         state.outstanding -= n
-    usage = P.Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                    total_tokens=gen.prompt_tokens + gen.completion_tokens)
+    usage = _usage(gen)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     if chat:
         choices = [P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), token_ids=c.token_ids,
@@ -276,35 +375,43 @@ class _EventStream(StreamingResponse):
             self._release()
 
 
+def _usage(gen: Generation) -> P.Usage:
+    return P.Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                   total_tokens=gen.prompt_tokens + gen.completion_tokens)
+
+
 async def _stream(gen: Generation, body, chat: bool, n: int, release: Callable[[], None]):
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     model = body.model
+    options = body.stream_options
+    continuous = options is not None and options.continuous_usage_stats
     try:
         if chat:
             for i in range(n):
                 first = P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
-                yield _sse(P.ChatCompletionChunk(id=rid, model=model, choices=[first]).model_dump(exclude_none=True))
+                chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[first],
+                                              usage=_usage(gen) if continuous else None)
+                yield _sse(chunk.model_dump())
         try:
             async for d in gen.deltas():
+                usage = _usage(gen) if continuous else None
                 if chat:
                     choice = P.ChatChunkChoice(index=d.index, delta=P.DeltaMessage(content=d.text),
                                                token_ids=d.token_ids, finish_reason=d.finish_reason)
-                    chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[choice])
+                    chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[choice], usage=usage)
                 else:
                     choice = P.CompletionChoice(index=d.index, text=d.text, token_ids=d.token_ids,
                                                 finish_reason=d.finish_reason)
-                    chunk = P.CompletionResponse(id=rid, model=model, choices=[choice])
+                    chunk = P.CompletionResponse(id=rid, model=model, choices=[choice], usage=usage)
                 yield _sse(chunk.model_dump())
         except APIError as error:
             info = P.ErrorInfo(message=error.message, type=error.type, code=error.status)
             yield _sse({"error": info.model_dump()})
             yield _sse("[DONE]")
             return
-        if body.stream_options is not None and body.stream_options.include_usage:
-            usage = P.Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                            total_tokens=gen.prompt_tokens + gen.completion_tokens)
+        if options is not None and options.include_usage:
             cls = P.ChatCompletionChunk if chat else P.CompletionResponse
-            yield _sse(cls(id=rid, model=model, choices=[], usage=usage).model_dump())
+            yield _sse(cls(id=rid, model=model, choices=[], usage=_usage(gen)).model_dump())
         yield _sse("[DONE]")
     finally:
         release()

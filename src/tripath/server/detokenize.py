@@ -4,8 +4,8 @@
 recent tokens twice (with and without the new one) and emits the difference, so tokenizers whose pieces
 depend on their neighbours (leading-space markers, byte-level pieces) come out right; while the window ends
 in an incomplete UTF-8 sequence (U+FFFD) it emits nothing and waits for the next bytes. :class:`StopMatcher`
-holds back text that could be the start of a stop string and cuts the output before the first complete one
-(the stop string itself is not returned, as in the OpenAI API).
+holds back text that could be the start of a stop string and cuts the output before the first stop string to
+complete (the stop string itself is not returned, as in the OpenAI API).
 """
 
 from __future__ import annotations
@@ -57,10 +57,17 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    """Cuts streamed text at the first of ``stops``; ``feed`` returns the text safe to emit now."""
+    """Cuts streamed text at the first of ``stops`` to appear; ``feed`` returns the text safe to emit now.
+
+    Each stop string keeps a Knuth-Morris-Pratt state (how much of it the text now ends with), so a piece of
+    text costs time linear in its length times the number of stop strings, however long the output and the
+    strings are; the held-back tail is the longest of those partial matches.
+    """
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
+        self._fail = [_failure(s) for s in self.stops]
+        self._state = [0] * len(self.stops)
         self.pending = ""
         self.stopped = False
 
@@ -69,26 +76,40 @@ class StopMatcher:
         ``final``: no more text will come, release the held-back tail."""
         if self.stopped:
             return ""
-        self.pending += text
         if not self.stops:
-            out, self.pending = self.pending, ""
+            out, self.pending = self.pending + text, ""
             return out
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            out, self.pending = self.pending[:cut], ""
-            return out
-        keep = 0 if final else self._partial_stop_length()
+        base = len(self.pending)
+        self.pending += text
+        stops, fail, state = self.stops, self._fail, self._state
+        for offset, char in enumerate(text):
+            for j, stop in enumerate(stops):
+                k = state[j]
+                while k and stop[k] != char:
+                    k = fail[j][k - 1]
+                if stop[k] == char:
+                    k += 1
+                if k == len(stop):   # a whole stop string ends here: cut before it
+                    self.stopped = True
+                    out = self.pending[:base + offset + 1 - k]
+                    self.pending = ""
+                    return out
+                state[j] = k
+        keep = 0 if final else max(state)
         out = self.pending[:len(self.pending) - keep]
         self.pending = self.pending[len(self.pending) - keep:]
         return out
 
-    def _partial_stop_length(self) -> int:
-        """Length of the longest tail of the pending text that begins a stop string."""
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.pending)), best, -1):
-                if self.pending.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+
+def _failure(pattern: str) -> list[int]:
+    """KMP failure function: ``f[i]`` = length of the longest proper prefix of ``pattern[:i + 1]`` that is
+    also its suffix."""
+    f = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = f[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        f[i] = k
+    return f

@@ -74,6 +74,7 @@ class EngineLoop:
         self.tokenizer = None          # read-only to the handlers once ready
         self.vocab_size = 0
         self.max_model_len = 0
+        self.max_num_seqs = 0
         self.startup_error: BaseException | None = None
         self.num_running = 0
         self.num_waiting = 0
@@ -117,6 +118,7 @@ class EngineLoop:
             self.tokenizer = self.llm.tokenizer
             self.vocab_size = int(self.llm.model.config.vocab_size)
             self.max_model_len = int(self.llm.runner.max_model_len)
+            self.max_num_seqs = int(self.llm.config.max_num_seqs)
             self.metrics.observe_engine(self.llm)
         except BaseException as error:  # noqa: BLE001 - reported to the server, which exits
             self.startup_error = error

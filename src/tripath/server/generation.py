@@ -3,7 +3,9 @@ the events they bring back turned into text deltas, finish reasons and usage.
 
 :class:`Generation` submits, waits for the engine to accept every submission (a refusal is the request's
 error), then yields :class:`Delta` values until every choice has finished; a timeout, a disconnect (the
-consumer closing the iterator) or a stop string aborts the submissions still running in the engine.
+consumer closing the iterator) or a stop string aborts the submissions still running in the engine. A
+choice with stop strings is matched in a worker thread (the strings are the client's: their work stays off
+the event loop).
 """
 
 from __future__ import annotations
@@ -73,13 +75,14 @@ class Generation:
     """The engine side of one completions / chat request (``prompts`` x ``n`` choices)."""
 
     def __init__(self, engine: EngineLoop, prompts: list[list[int]], params: list[SamplingParams],
-                 stops: list[str], timeout_s: float | None):
+                 stops: list[str], timeout_s: float | None, prompt_tokens: int | None = None):
         self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.arrival = time.perf_counter()
-        self.prompt_tokens = sum(len(p) for p in prompts)
+        # usage counts each prompt once, however many choices share it (OpenAI's count)
+        self.prompt_tokens = sum(len(p) for p in prompts) if prompt_tokens is None else prompt_tokens
         number = next(_ids)
         self.choices: list[ChoiceState] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -144,7 +147,10 @@ class Generation:
                     continue  # output queued before this choice's stop string was seen
                 if isinstance(item, Failure):
                     raise APIError(item.status, item.message, item.type)
-                delta = choice.consume(item)
+                if choice.stops.stops:
+                    delta = await self.loop.run_in_executor(None, choice.consume, item)
+                else:
+                    delta = choice.consume(item)
                 if choice.finish_reason is not None and not item.finished:
                     self.engine.abort(choice.sub.request_id, "stop")  # a stop string ended it
                 if delta.text or delta.token_ids or delta.finish_reason:

@@ -1,49 +1,105 @@
 """The OpenAI HTTP API's request and response bodies (the subset the server implements), as pydantic models.
 
-Requests forbid unknown fields (a typo is a 400, not a silently ignored option). Beyond OpenAI's fields the
-server takes ``top_k``, ``ignore_eos`` and ``stop_token_ids``; ``stop`` may hold strings or token ids.
-Fields of the API that the engine does not implement are accepted only at their neutral values
-(``presence_penalty`` 0, ``logprobs`` off, ``echo`` false, ...), and anything else is a 400 naming them.
-Response choices carry the generated ``token_ids`` as well as the text.
+Requests follow vLLM's schema policy: a field the server does not know is accepted and ignored (and logged
+once per field name), so clients written for vLLM or OpenAI keep working. Beyond OpenAI's fields the server
+takes ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``chat_template_kwargs``; ``stop`` may hold strings
+or token ids. Fields of the API that the engine does not implement are accepted only at their neutral values
+(``presence_penalty`` 0, ``logprobs`` off, ``echo`` false, ``tool_choice`` "none" / "auto", ...), and
+anything else is a 400 naming them. Response choices carry the generated ``token_ids`` as well as the text.
+
+Types are strict: a number is a JSON number (``"3"`` is no integer, ``true`` no 1), a flag a JSON boolean.
+Every numeric field has a range the engine holds (64-bit integers for ``seed`` and ``top_k``), every list a
+length cap and every short string a size cap (the ``MAX_*`` constants below; the request body as a whole is
+capped by the server's ``--max-request-bytes``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 import uuid
-from typing import Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+log = logging.getLogger("tripath.server")
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+MAX_STOP_STRINGS = 32          # OpenAI takes 4
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+MAX_PROMPTS = 1024             # prompts in one completions request
+MAX_CHOICES = 64               # n
+MAX_MESSAGES = 4096
+MAX_NAME_CHARS = 1024          # model, user, message names and ids
+MAX_LOGIT_BIAS = 1024
+MAX_TEMPERATURE = 1e30         # the sampler divides float32 logits by it
+
+Int = StrictInt
+Float = Union[StrictInt, StrictFloat]   # a JSON number (an integer is a float too), never a string or a bool
+Bool = StrictBool
+Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+StopString = Annotated[StrictStr, Field(max_length=MAX_STOP_STRING_CHARS)]
+
+_logged_unknown: set[str] = set()
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self):
+        for name in self.model_extra or ():
+            key = f"{type(self).__name__}.{name}"
+            if key not in _logged_unknown and len(_logged_unknown) < 1024:
+                _logged_unknown.add(key)
+                log.warning("ignoring the unknown request field %r of %s (logged once)", name[:64],
+                            type(self).__name__)
+        return self
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
+
+
+def _finite(name: str, value: float | None, low: float, high: float) -> None:
+    if value is not None and not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value}")
 
 
 class _SamplingRequest(_Request):
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
-    stop: Union[str, list[str], list[int], None] = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    stream: bool = False
+    model: Name
+    max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    top_k: Annotated[Int, Field(ge=-1, le=INT64_MAX)] = -1
+    n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] = 1
+    seed: Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)],
+                Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)], None] = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: Bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    user: Name | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    logit_bias: Annotated[dict[Annotated[StrictStr, Field(max_length=32)], Float],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
 
     @model_validator(mode="after")
     def _neutral_only(self):
+        _finite("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(f"seed + n - 1 must fit in a signed 64-bit integer (choice i draws with seed + i), "
+                             f"got seed {self.seed} with n {self.n}")
         unsupported = {"presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
                        "logit_bias": bool(self.logit_bias)}
         unsupported.update(self._unsupported())
@@ -67,13 +123,17 @@ class _SamplingRequest(_Request):
         return ids + list(self.stop_token_ids or ())
 
 
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    max_tokens: int | None = Field(16, ge=1)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)],
+                  Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]]
+    max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = 16
+    echo: Bool = False
+    logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = None
+    suffix: StrictStr | None = None
 
     def _unsupported(self) -> dict[str, bool]:
         return {"echo": self.echo, "logprobs": self.logprobs is not None, "suffix": self.suffix is not None,
@@ -93,20 +153,30 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[dict], None] = None
-    name: str | None = None
-    tool_call_id: str | None = None
+    content: Union[StrictStr, list[dict], None] = None
+    name: Name | None = None
+    tool_call_id: Name | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None
+    logprobs: Bool = False
+    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    add_generation_prompt: Bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
 
     def _unsupported(self) -> dict[str, bool]:
         return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None}
+
+    @model_validator(mode="after")
+    def _no_forced_tool_calls(self):
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tool-call parsing, which this server does "
+                             "not support; send tool_choice 'none' or 'auto' (the tools reach the chat template)")
+        return self
 
     @property
     def output_limit(self) -> int | None:
