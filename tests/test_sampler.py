@@ -96,12 +96,12 @@ def test_logits_of_the_lm_heads_dtype_sample_as_their_float32_copy(dtype):
 
 def test_the_engine_samples_the_lm_heads_dtype(monkeypatch):
     """The runner asks the model for logits in the LM head's dtype and hands them to the sampler."""
-    import tripath.engine.model_runner as runner_module
+    import tripath.engine.step_sampling as sampling_module
     from tripath.engine import LLM
 
     seen = []
-    real = runner_module.sample
-    monkeypatch.setattr(runner_module, "sample", lambda logits, *a: seen.append(logits.dtype) or real(logits, *a))
+    real = sampling_module.sample
+    monkeypatch.setattr(sampling_module, "sample", lambda logits, *a: seen.append(logits.dtype) or real(logits, *a))
     llm = LLM("tiny-llama", backend="torch", dtype="bfloat16", num_kv_blocks=32)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert seen and set(seen) == {torch.bfloat16}

@@ -8,11 +8,13 @@ from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
 from tripath.engine.errors import StepFailed
 from tripath.engine.llm import LLM, RunMetrics
-from tripath.engine.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from tripath.engine.request import (CompletionOutput, FinishReason, Logprob, Request, RequestOutput, RequestStatus,
+                                    SamplingParams)
 from tripath.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 __all__ = [
-    "LLM", "RunMetrics", "EngineConfig", "SamplingParams", "Request", "RequestOutput", "RequestStatus",
+    "LLM", "RunMetrics", "EngineConfig", "SamplingParams", "Request", "RequestOutput", "CompletionOutput", "Logprob",
+    "RequestStatus",
     "FinishReason", "Scheduler", "SchedulerOutput", "ScheduledRequest", "BlockManager",
     "StepFailed",
 ]

@@ -147,7 +147,9 @@ class BlockManager:
         """
         assert not request.block_ids and request.num_computed_tokens == 0
         total = request.num_tokens
-        hit_blocks, hit_hashes = self.match_prefix(request.all_token_ids, total - 1)
+        # a request scoring its prompt computes every position not scored yet
+        reusable = total - 1 if request.prompt_logprobs is None else min(total - 1, request.num_prompt_logprobs_done)
+        hit_blocks, hit_hashes = self.match_prefix(request.all_token_ids, reusable)
         num_cached = len(hit_blocks) * self.block_size
         num_new = min(total - num_cached, num_new_tokens_max)
         if num_new <= 0 or (whole and num_new < total - num_cached):

@@ -37,7 +37,8 @@ from tqdm.auto import tqdm
 from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
 from tripath.engine.errors import StepFailed
-from tripath.engine.model_runner import LaunchedStep, ModelRunner
+from tripath.engine.model_runner import LaunchedStep, ModelRunner, SampledStep
+from tripath.engine.choices import choice_params, group_choices
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
 from tripath.ops._launch import compiled_variants
@@ -190,6 +191,11 @@ class LLM:
         that is not text or integer ids, ``ValueError`` for an empty prompt, ids outside the vocabulary, a
         request id already queued or running, or a request that could never be served (see
         :class:`Scheduler`)."""
+        if sampling_params is not None and isinstance(sampling_params, SamplingParams) and \
+                sampling_params.num_choices > 1:
+            raise ValueError(f"sampling_params asks for {sampling_params.num_choices} completions (n / best_of): "
+                             "the step API runs one completion per request; add one request per completion "
+                             "(seed + i for choice i), or use generate()")
         request = self._make_request(prompt, sampling_params, request_id, "prompt", self.num_requests_added)
         self.scheduler.add(request)
         self.num_requests_added += 1
@@ -306,19 +312,39 @@ class LLM:
         out, step = launched
         return self._complete(out, step.sampled())
 
-    def _complete(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[RequestOutput]:
-        """Hand a finished step's tokens to the scheduler; the outputs of the requests that gained one or
-        finished."""
+    def _complete(self, out: SchedulerOutput, sampled: SampledStep) -> list[RequestOutput]:
+        """Hand a finished step's tokens to the scheduler and its log-probabilities to their requests; the
+        outputs of the requests that gained a token or finished."""
         before = [item.request.num_output_tokens for item in out.scheduled]
-        finished = {id(r) for r in self.scheduler.update(out, sampled)}
+        finished = {id(r) for r in self.scheduler.update(out, sampled.tokens)}
         outputs = []
-        for item, count in zip(out.scheduled, before):
+        for i, (item, count) in enumerate(zip(out.scheduled, before)):
             request = item.request
             new = request.output_token_ids[count:]
+            new_logprobs = None
+            if sampled.logprobs[i] is not None and request.logprobs is not None:
+                new_logprobs = sampled.logprobs[i][:len(new)]   # tokens after a stop are dropped
+                request.logprobs.extend(new_logprobs)
+                request.cumulative_logprob += sum(entry[token].logprob for token, entry in zip(new, new_logprobs))
+            if sampled.prompt_logprobs[i] is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.extend(sampled.prompt_logprobs[i])
             if new or id(request) in finished:
-                text = self.decode(request.output_token_ids) if request.is_finished else None
-                outputs.append(RequestOutput.of(request, new, text))
+                text = None
+                if request.is_finished:
+                    text = self.decode(request.output_token_ids)
+                    self._decode_logprobs(request)
+                outputs.append(RequestOutput.of(request, new, text, new_logprobs))
         return outputs
+
+    def _decode_logprobs(self, request: Request) -> None:
+        """Each reported token's text (``Logprob.decoded_token``), once the request has finished."""
+        if self.tokenizer is None:
+            return
+        for entries in (request.logprobs or (), request.prompt_logprobs or ()):
+            for entry in entries:
+                for token, logprob in (entry or {}).items():
+                    if logprob.decoded_token is None:
+                        logprob.decoded_token = self.tokenizer.decode([token])
 
     def _abort_scheduled(self, *outs: SchedulerOutput) -> list[str]:
         """Abort the unfinished requests of ``outs``; their ids."""
@@ -369,7 +395,10 @@ class LLM:
         if self.has_unfinished_requests():
             raise RuntimeError("generate() needs an idle engine: finish or abort the requests added with "
                                "add_request() first")
-        batch = self._make_requests(*self._normalise(prompts, sampling_params))
+        prompts, params = self._normalise(prompts, sampling_params)
+        choices = [p.num_choices for p in params]
+        batch = self._make_requests([x for x, c in zip(prompts, choices) for _ in range(c)],
+                                    [choice for p in params for choice in choice_params(p)], choices=True)
         start = time.perf_counter()
         steps0, preempt0 = self.num_steps, self.scheduler.num_preemptions
         hits0, queried0 = self.block_manager.num_hit_tokens, self.block_manager.num_queried_tokens
@@ -398,10 +427,22 @@ class LLM:
         hit_rate = (self.block_manager.num_hit_tokens - hits0) / queried if queried else 0.0
         self.last_metrics = RunMetrics.of(list(requests.values()), elapsed, self.num_steps - steps0,
                                           self.scheduler.num_preemptions - preempt0, hit_rate)
-        return [finished[i] for i in ids]
+        results, at = [], 0
+        for p, c in zip(params, choices):
+            results.append(group_choices([finished[i] for i in ids[at:at + c]], p))
+            at += c
+        return results
 
-    def _make_requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[Request]:
-        """Validated requests for ``prompts`` (the first bad one raises, naming ``prompts[i]``), nothing queued."""
+    def _make_requests(self, prompts: list[Prompt], params: list[SamplingParams], choices: bool = False
+                       ) -> list[Request]:
+        """Validated requests for ``prompts`` (the first bad one raises, naming ``prompts[i]``), nothing queued.
+        ``choices``: the params are already one completion each (:func:`choice_params`)."""
+        if not choices:
+            many = next((i for i, p in enumerate(params) if p.num_choices > 1), None)
+            if many is not None:
+                raise ValueError(f"sampling_params[{many}] asks for {params[many].num_choices} completions (n / "
+                                 "best_of): only generate() and chat() fan a prompt out; add one request per "
+                                 "completion here")
         batch: list[Request] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             batch.append(self._make_request(prompt, sp, None, f"prompts[{i}]", self.num_requests_added + i,

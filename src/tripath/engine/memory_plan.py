@@ -132,12 +132,15 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, plan_text: 
 
 def run_synthetic_step(runner, step: Step, caches: list) -> None:
     """Run ``step`` through the whole model on ``caches`` (synthetic block table wrapping inside them, every
-    slot −1: nothing is written), then the LM head and a filtered sampling of its last tokens' rows (at
-    most ``max_num_seqs``): the memory of a real step of that shape."""
+    slot −1: nothing is written), then what a real step of that shape may do after it at most: score every
+    token as a prompt position (``prompt_logprobs``), and sample the last tokens' rows (at most
+    ``max_num_seqs``) with penalties, top-k / top-p filtering and ``logprobs`` — the memory of a real step."""
     from tripath.attention import ForwardContext
     from tripath.attention.validate import cache_geometry
-    from tripath.engine.request import SamplingParams
-    from tripath.engine.sampler import make_generator, sample
+    from tripath.engine.logprobs import prompt_logprobs
+    from tripath.engine.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams
+    from tripath.engine.sampler import make_generator
+    from tripath.engine.step_sampling import LaunchSampler
 
     backend, device = runner.backend, runner.device
     plan = backend.plan(*step)
@@ -149,12 +152,17 @@ def run_synthetic_step(runner, step: Step, caches: list) -> None:
     ids = torch.zeros(plan.num_tokens, dtype=torch.int64, device=device)
     with torch.inference_mode():
         hidden = runner.model(ids, positions, ForwardContext(backend, meta, caches))
+        every = torch.arange(plan.num_tokens, device=device)
+        prompt_logprobs(hidden, every, torch.zeros_like(every), MAX_LOGPROBS, runner.compute_logits)
         last = np.cumsum(plan.query_lens)[:runner.config.max_num_seqs] - 1
         logits = runner.compute_logits(hidden[torch.from_numpy(last).to(device)])
         del hidden
-        rows = logits.shape[0]
-        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-        sample(logits, [params] * rows, [make_generator(0, device)] * rows)
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                                frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
+        generator = make_generator(0, device)  # not the global generator
+        requests = [Request([1], params, request_id=f"plan-{i}", status=RequestStatus.FINISHED, generator=generator)
+                    for i in range(logits.shape[0])]
+        LaunchSampler(requests, runner.penalties, device)(logits)
 
 
 def measure_step_peaks(runner, steps: dict[str, Step], caches: list) -> dict[str, int]:

@@ -38,6 +38,7 @@ import functools
 import inspect
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -48,10 +49,13 @@ from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from tripath.engine.memory_plan import (HEADROOM_FRACTION, MIN_HEADROOM, SCRATCH_BLOCKS, MemoryPlan, check_fits,
                                        kv_blocks_left, measure_step_peaks, run_synthetic_step, worst_steps)
 from tripath.engine.mixed_graphs import MixedStepGraphs
-from tripath.engine.request import SamplingParams
+from tripath.engine.logits_transforms import PenaltyState
+from tripath.engine.logprobs import LogprobRows, as_dicts
+from tripath.engine.request import PositionLogprobs, SamplingParams
 from tripath.engine.sampler import make_generator, sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
+from tripath.engine.step_sampling import LaunchSampler, score_prompts
 from tripath.engine.warmup import WarmupReport, runner_limits, saved_plan_path, warm_up
 from tripath.ops.replay import warm_up_recording
 from tripath.models.layers import Experts
@@ -63,22 +67,67 @@ logger = logging.getLogger(__name__)
 MIXED_GRAPHS_MIN_HOST_SHARE = 0.5
 
 
+@dataclass
+class StepLogprobs:
+    """Device log-probabilities of one launch: ``sampled[j]`` the chosen tokens of model step ``j`` for the
+    sampled rows ``sampled_rows`` (indices into the launch's sample rows) with ``sampled_ks`` top tokens each;
+    ``prompt`` the prompt positions scored in this step, ``prompt_counts[i]`` of them for scheduled request
+    ``prompt_requests[i]`` (in order), with ``prompt_ks`` top tokens."""
+
+    sampled_rows: list[int]
+    sampled_ks: list[int]
+    sampled: list[LogprobRows]
+    prompt_requests: list[int]
+    prompt_counts: list[int]
+    prompt_ks: list[int]
+    prompt: LogprobRows | None
+
+    @property
+    def on_gpu(self) -> bool:
+        rows = self.sampled[0] if self.sampled else self.prompt
+        return rows is not None and rows.chosen.device.type == "cuda"
+
+
+@dataclass
+class SampledStep:
+    """A finished launch as the host reads it: ``tokens[i]`` the tokens sampled for scheduled request ``i``
+    (empty where it is mid-prompt; one per model step), ``logprobs[i]`` one dict per such token where the
+    request asks for them, ``prompt_logprobs[i]`` one dict per prompt position scored (else None)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[PositionLogprobs] | None]
+    prompt_logprobs: list[list[PositionLogprobs] | None]
+
+    @classmethod
+    def empty(cls, n: int) -> "SampledStep":
+        return cls([[] for _ in range(n)], [None] * n, [None] * n)
+
+
 class LaunchedStep:
     """A step whose work is queued on the device. ``tokens [K, S]`` int64 (device): row ``j`` holds the
     tokens sampled by model step ``j`` of the ``K`` this launch ran (``K = 1`` but for multi-step decoding),
-    column ``k`` those of ``scheduled[sample_rows[k]]``; ``rows``: ``id(request) -> k``. The tokens' copy to
-    the host is under way; :meth:`sampled` waits for it."""
+    column ``k`` those of ``scheduled[sample_rows[k]]``; ``rows``: ``id(request) -> k``. The tokens' (and
+    any log-probabilities') copy to the host is under way; :meth:`sampled` waits for it."""
 
-    def __init__(self, scheduled: list[ScheduledRequest], sample_rows: list[int], tokens: torch.Tensor | None):
+    def __init__(self, scheduled: list[ScheduledRequest], sample_rows: list[int], tokens: torch.Tensor | None,
+                 logprobs: StepLogprobs | None = None):
         self.num_scheduled = len(scheduled)
         self.sample_rows = sample_rows
         self.tokens = tokens
         self.requests = [scheduled[i].request for i in sample_rows]  # keeps the ids in ``rows`` unique
         self.rows = {id(r): k for k, r in enumerate(self.requests)}
         self._host, self._ready = tokens, None
+        self._logprobs = logprobs
+        on_gpu = False
         if tokens is not None and tokens.device.type == "cuda":
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
+            on_gpu = True
+        if logprobs is not None:
+            on_gpu = on_gpu or logprobs.on_gpu
+            logprobs.sampled = [rows.to_host() for rows in logprobs.sampled]
+            logprobs.prompt = None if logprobs.prompt is None else logprobs.prompt.to_host()
+        if on_gpu:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
@@ -87,16 +136,25 @@ class LaunchedStep:
         """``[S]``: the tokens of the launch's last model step (the next step's in-flight inputs)."""
         return self.tokens[-1]
 
-    def sampled(self) -> list[list[int]]:
-        """The tokens sampled for each scheduled request, in step order (empty where it is mid-prompt);
-        waits for the device."""
-        out: list[list[int]] = [[] for _ in range(self.num_scheduled)]
-        if self.tokens is None:
-            return out
+    def sampled(self) -> SampledStep:
+        """The tokens (and log-probabilities) of each scheduled request, in step order; waits for the device."""
+        out = SampledStep.empty(self.num_scheduled)
         if self._ready is not None:
             self._ready.synchronize()
-        for i, tokens in zip(self.sample_rows, self._host.t().tolist()):
-            out[i] = tokens
+        if self.tokens is not None:
+            for i, tokens in zip(self.sample_rows, self._host.t().tolist()):
+                out.tokens[i] = tokens
+        lp = self._logprobs
+        if lp is None:
+            return out
+        per_step = [as_dicts(rows, lp.sampled_ks) for rows in lp.sampled]
+        for j, row in enumerate(lp.sampled_rows):
+            out.logprobs[self.sample_rows[row]] = [step[j] for step in per_step]
+        if lp.prompt is not None:
+            start = 0
+            for i, count, k in zip(lp.prompt_requests, lp.prompt_counts, lp.prompt_ks):
+                out.prompt_logprobs[i] = as_dicts(lp.prompt.rows(start, start + count), [k] * count)
+                start += count
         return out
 
 
@@ -124,6 +182,7 @@ class ModelRunner:
         self.inputs = StepInputBuilder(self.device, self.block_size, config.max_num_batched_tokens,
                                        config.max_num_seqs, self.max_blocks_per_seq)
         self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
+        self.penalties = PenaltyState(config.max_num_seqs, self.device)  # token counts for the penalties
         self.watched_paths = WatchedPaths()  # code paths whose launch recordings were watched (ForwardContext)
         self._logits_upcast_optional: bool | None = None  # whether model.compute_logits takes upcast=
         self.warmup_report: WarmupReport | None = None
@@ -218,9 +277,9 @@ class ModelRunner:
         return inputs
 
     # ---- one step -----------------------------------------------------------------------------------
-    def execute(self, scheduled: list[ScheduledRequest], num_steps: int = 1) -> list[list[int]]:
-        """Run the step; the tokens sampled for each scheduled request (empty where it is mid-prompt)."""
-        return self.launch(scheduled, num_steps=num_steps).sampled() if scheduled else []
+    def execute(self, scheduled: list[ScheduledRequest], num_steps: int = 1) -> SampledStep:
+        """Run the step; the tokens (and log-probabilities) of each scheduled request."""
+        return self.launch(scheduled, num_steps=num_steps).sampled() if scheduled else SampledStep.empty(0)
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None,
@@ -244,12 +303,25 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             self.kv_scales_pending = False
+        prompt = score_prompts(scheduled, inputs.plan, hidden, self.compute_logits)
         if not inputs.sample_rows:
-            return LaunchedStep(scheduled, [], None)
+            return LaunchedStep(scheduled, [], None, self._step_logprobs(None, prompt))
         logits = self.compute_logits(hidden[inputs.logit_indices])
-        requests = [scheduled[i].request for i in inputs.sample_rows]
-        tokens = sample(logits, [r.sampling_params for r in requests], [r.generator for r in requests])
-        return LaunchedStep(scheduled, inputs.sample_rows, tokens.unsqueeze(0))
+        sampler = self._sampler([scheduled[i].request for i in inputs.sample_rows])
+        tokens = sampler(logits)
+        return LaunchedStep(scheduled, inputs.sample_rows, tokens.unsqueeze(0), self._step_logprobs(sampler, prompt))
+
+    def _sampler(self, requests, num_steps: int = 1) -> LaunchSampler:
+        return LaunchSampler(requests, self.penalties, self.device, num_steps)
+
+    @staticmethod
+    def _step_logprobs(sampler: LaunchSampler | None, prompt) -> StepLogprobs | None:
+        if (sampler is None or not sampler.logprobs) and prompt is None:
+            return None
+        rows, ks, sampled = ([], [], []) if sampler is None else \
+            (sampler.logprob_rows, sampler.logprob_ks, sampler.logprobs)
+        requests, counts, pks, scored = prompt if prompt is not None else ([], [], [], None)
+        return StepLogprobs(rows, ks, sampled, requests, counts, pks, scored)
 
     # ---- multi-step decoding ------------------------------------------------------------------------
     @property
@@ -272,8 +344,7 @@ class ModelRunner:
         if plan.num_decodes != plan.num_requests or plan.num_tokens != plan.num_requests or \
                 inputs.sample_rows != list(range(n)):
             raise ValueError("num_steps > 1 needs a step of single-token decodes only")
-        requests = [item.request for item in scheduled]
-        params, generators = [r.sampling_params for r in requests], [r.generator for r in requests]
+        sampler = self._sampler([item.request for item in scheduled], num_steps)
         if graph_bs is not None:
             graph, meta, hidden = self._load_graph(graph_bs, inputs)
             ids, positions = self._graph_ids[:graph_bs], self._graph_positions[:graph_bs]
@@ -290,8 +361,8 @@ class ModelRunner:
                 meta.advance_decodes_(positions[:n], self.block_size)
             out = run()
             logits = self.compute_logits((hidden if graph_bs is not None else out)[:n])
-            tokens[step] = sample(logits, params, generators)
-        return LaunchedStep(scheduled, inputs.sample_rows, tokens)
+            tokens[step] = sampler(logits, step)
+        return LaunchedStep(scheduled, inputs.sample_rows, tokens, self._step_logprobs(sampler, None))
 
     # ---- CUDA graphs for decode-only steps ----------------------------------------------------------
     def graph_batch_size(self, scheduled: list[ScheduledRequest]) -> int | None:
@@ -448,6 +519,7 @@ class ModelRunner:
         (the steps run once with their compilations listed instead of made)."""
         device = self.device
         steps = worst_steps(runner_limits(self), self.spec.extend_chunk_budget)
+        self.penalties.allocate(self._logits_width())  # held for the engine's life: in use, not a step's
         scratch = [self.backend.allocate_cache(SCRATCH_BLOCKS, device) for _ in range(self.num_layers)]
         if pool is not None:
             with collect_compilations() as compilations:
@@ -475,6 +547,12 @@ class ModelRunner:
         check_fits(plan.num_blocks, self.block_size, self.max_model_len, plan.summary())
         logger.info("%s", plan.summary())
         return plan
+
+    @torch.inference_mode()
+    def _logits_width(self) -> int:
+        """Columns of the logits :meth:`compute_logits` returns (the vocabulary, padded as the model pads it)."""
+        hidden = torch.zeros(1, int(self.model.config.hidden_size), dtype=self.config.dtype, device=self.device)
+        return int(self.compute_logits(hidden).shape[-1])
 
     def _track_peak(self) -> None:
         if self.memory_plan is not None:

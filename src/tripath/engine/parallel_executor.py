@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tripath.engine.config import EngineConfig
+from tripath.engine.model_runner import SampledStep
 from tripath.engine.worker import (RankSetup, StepEncoder, join_groups, leave_groups, rank_device, run_worker,
                                    spawned_worker, start_rank)
 
@@ -142,13 +143,13 @@ class ParallelExecutor:
     def tensor_parallel_size(self) -> int:
         return self.parallel.world_size
 
-    def execute(self, scheduled, num_steps: int = 1) -> list[list[int]]:
+    def execute(self, scheduled, num_steps: int = 1) -> SampledStep:
         """Broadcast the step to the workers, run rank 0's shard, return rank 0's samples (one model step:
         ``supports_multi_step`` is False)."""
         if num_steps != 1:
             raise ValueError(f"a tensor-parallel engine runs one model step a launch, got num_steps={num_steps}")
         if not scheduled:
-            return []
+            return SampledStep.empty(0)
         if not self._finalizer.alive:
             raise RuntimeError("this tensor-parallel engine is closed")
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.processes) if not p.is_alive()]

@@ -12,12 +12,13 @@ so the request later re-prefills ``prompt + outputs`` and continues exactly wher
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -57,15 +58,29 @@ def token_ids_of(prompt, name: str = "prompt", vocab_size: int | None = None) ->
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token.
+    """How to pick each next token, and what to report beside it.
 
-    ``temperature`` 0 is greedy (argmax); otherwise logits are divided by it, cut to the ``top_k`` most
-    likely tokens (``-1`` or 0 = all) and to the smallest set whose probability reaches ``top_p``, and sampled
-    with a per-request generator (seeded by ``seed``, or by the engine's seed and the request's number), so a
-    request's tokens do not depend on what else is in the batch. Generation stops after ``max_tokens``, at an
-    end-of-sequence token of the model (unless ``ignore_eos``) or at any of ``stop_token_ids``. Every field is
-    range-checked against what the sampler holds: ``top_k``, ``max_tokens`` and stop ids fit in int64,
-    ``seed`` in ``[-2**63, 2**63 - 1]`` (distinct seeds give distinct generators), ``temperature`` <= 1e30.
+    The sampler transforms a row of logits in this order (as vLLM does): ``min_tokens`` bans the stop tokens
+    (the model's end-of-sequence ids and ``stop_token_ids``) while fewer outputs exist; ``logit_bias`` adds
+    its values; ``repetition_penalty`` ``r`` divides the positive and multiplies the negative logits of tokens
+    seen in the prompt or the outputs; ``frequency_penalty`` subtracts ``f * count`` and ``presence_penalty``
+    ``p * (count > 0)`` for each token's count among the outputs. Then ``temperature`` 0 is greedy (argmax);
+    otherwise logits are divided by it, cut to the ``top_k`` most likely tokens (``-1`` or 0 = all) and to the
+    smallest set whose probability reaches ``top_p``, and sampled with a per-request generator (seeded by
+    ``seed``, or by the engine's seed and the request's number), so a request's tokens do not depend on what
+    else is in the batch. Generation stops after ``max_tokens``, at an end-of-sequence token of the model
+    (unless ``ignore_eos``) or at any of ``stop_token_ids`` (neither before ``min_tokens``).
+
+    ``logprobs`` ``k``: each output token's log-probability with its rank, and the ``k`` most likely tokens
+    (0: the sampled token alone); ``prompt_logprobs`` ``k``: the same for every prompt token after the first
+    (the first has none). Log-probabilities are ``log_softmax`` of the model's logits in float32, before any
+    of the transforms above. At most :data:`MAX_LOGPROBS`. ``n`` (``LLM.generate`` only): independent
+    completions of the prompt, choice ``i`` seeded ``seed + i``; ``best_of`` >= ``n``: that many are generated
+    and the ``n`` of highest cumulative log-probability returned.
+
+    Every field is range-checked against what the sampler holds: ``top_k``, ``max_tokens`` and token ids fit
+    in int64, ``seed`` in ``[-2**63, 2**63 - 1]`` (distinct seeds give distinct generators), ``temperature``
+    and ``repetition_penalty`` <= 1e30, the other penalties in [-2, 2], ``logit_bias`` values finite.
     """
 
     max_tokens: int = 16
@@ -75,11 +90,20 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
             raise ValueError(f"max_tokens must be an int in [1, 2**63 - 1], got {self.max_tokens!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -103,14 +127,71 @@ class SamplingParams:
         if bad is not None:
             raise ValueError(f"stop_token_ids must be in [0, 2**63 - 1], got {bad}")
         object.__setattr__(self, "stop_token_ids", stop)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens ({self.max_tokens})], got "
+                             f"{self.min_tokens!r}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE):
+            raise ValueError(f"repetition_penalty must be finite and in (0, {MAX_TEMPERATURE:g}] (1 = off), got "
+                             f"{self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be an int in [1, {MAX_CHOICES}], got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_CHOICES):
+            raise ValueError(f"best_of must be None or an int in [n ({self.n}), {MAX_CHOICES}], got {self.best_of!r}")
+        if self.seed is not None and self.seed + self.num_choices - 1 > INT64_MAX:
+            raise ValueError(f"seed + best_of - 1 must fit in a signed 64-bit integer (choice i draws with seed + i), "
+                             f"got seed {self.seed} with {self.num_choices} choices")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def num_choices(self) -> int:
+        """Completions generated for the prompt: ``best_of`` if set, else ``n``."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @functools.cached_property
+    def transforms_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before temperature (penalties, bias, min_tokens)."""
+        return (self.min_tokens > 0 or bool(self.logit_bias) or self.has_penalties)
+
+    @functools.cached_property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """``logit_bias`` as ``{token id: finite float}`` (None when empty); raises naming the bad entry."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise TypeError(f"logit_bias must be a mapping of token id to bias, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for token, value in bias.items():
+        if not _is_int(token) or not 0 <= token <= INT64_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"logit_bias[{token}] must be a finite number, got {value!r}")
+        out[int(token)] = float(value)
+    return out or None
+
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1   # the sampler's int64 tensors and 64-bit generator seeds
 MAX_TEMPERATURE = 1e30   # logits are divided by it in float32
+MAX_LOGPROBS = 20        # most likely tokens reported per position (vLLM's default max_logprobs)
+MAX_CHOICES = 64         # n and best_of
+MAX_LOGIT_BIAS = 1024    # entries of logit_bias
 
 
 def _is_int(x) -> bool:
@@ -154,11 +235,24 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     index: int = field(default_factory=lambda: next(_request_counter))
+    logprobs: list[PositionLogprobs] | None = None           # per output token, when sampling_params.logprobs
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token, when prompt_logprobs
+    cumulative_logprob: float | None = None                  # with logprobs: the sum over the output tokens
 
     def __post_init__(self):
         self.prompt_token_ids = token_ids_of(self.prompt_token_ids, "prompt_token_ids")
         if not self.request_id:
             self.request_id = str(self.index)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]   # the first prompt token has no log-probability
+
+    @property
+    def num_prompt_logprobs_done(self) -> int:
+        """Prompt positions whose next token's log-probability is recorded (the prefix cache may serve
+        those, and only those, when the request is admitted again)."""
+        return 0 if self.prompt_logprobs is None else len(self.prompt_logprobs) - 1
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
@@ -205,7 +299,8 @@ class Request:
             self.first_token_time = now
         self.output_token_ids.append(int(token_id))
         params = self.sampling_params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if self.num_output_tokens >= params.min_tokens and (token_id in params.stop_token_ids or (
+                not params.ignore_eos and token_id in self.eos_token_ids)):
             self.finish(FinishReason.STOP, now)
         elif self.num_output_tokens >= params.max_tokens:
             self.finish(FinishReason.LENGTH, now)
@@ -229,29 +324,81 @@ class Request:
 
 
 @dataclass
-class RequestOutput:
-    """What the engine reports about a request after a step (and, finished, at the end of ``generate``).
+class Logprob:
+    """One token's log-probability at a position, its 1-based rank among the vocabulary (1: the most
+    likely) and its text (set when the request finishes, with a tokenizer)."""
 
-    ``output_token_ids`` are all outputs so far and ``new_token_ids`` the ones this step added (streaming).
-    ``text`` is the decoded output once the request has finished (None without a tokenizer).
-    ``prompt_token_ids`` is the request's own list (not a copy: streaming steps report thousands of
-    requests a second); treat it as read-only.
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+PositionLogprobs = dict[int, Logprob]   # token id -> Logprob: the chosen token and the top-k of one position
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a prompt (as vLLM's): ``token_ids`` so far, ``text`` (decoded once finished; None
+    without a tokenizer), ``logprobs`` one :data:`PositionLogprobs` per token when asked for, the sum of the
+    chosen tokens' log-probabilities (``cumulative_logprob``, None when not asked for), and ``finish_reason``
+    (None while running)."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports about a request after a step (and, finished, at the end of ``generate``), in
+    vLLM's shape: ``outputs[i]`` is completion ``i`` (one per engine request; ``LLM.generate`` with
+    ``SamplingParams(n=...)`` groups them). ``prompt_logprobs``: ``[None, {...}, ...]``, one entry per prompt
+    token when asked for.
+
+    ``new_token_ids`` are the tokens this step added to ``outputs[0]`` (streaming) and ``new_logprobs`` their
+    log-probabilities. ``prompt_token_ids`` is the request's own list (not a copy: streaming steps report
+    thousands of requests a second); treat it as read-only. ``text``, ``output_token_ids`` and
+    ``finish_reason`` are shortcuts to ``outputs[0]``.
     """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    new_token_ids: list[int]
+    outputs: list[CompletionOutput]
     finished: bool
-    finish_reason: FinishReason | None = None
-    text: str | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     ttft: float | None = None
     tpot: float | None = None
     num_preemptions: int = 0
 
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.outputs[0].finish_reason
+
     @classmethod
-    def of(cls, request: Request, new_token_ids: Sequence[int] = (), text: str | None = None) -> "RequestOutput":
-        return cls(request.request_id, request.prompt, request.prompt_token_ids,
-                   list(request.output_token_ids), list(new_token_ids), request.is_finished,
-                   request.finish_reason, text, request.ttft, request.tpot, request.num_preemptions)
+    def of(cls, request: Request, new_token_ids: Sequence[int] = (), text: str | None = None,
+           new_logprobs: list[PositionLogprobs] | None = None) -> "RequestOutput":
+        """The output of ``request`` after a step that added ``new_token_ids`` (and ``new_logprobs``)."""
+        completion = CompletionOutput(0, text, list(request.output_token_ids), request.cumulative_logprob,
+                                      None if request.logprobs is None else list(request.logprobs),
+                                      request.finish_reason)
+        return cls(request.request_id, request.prompt, request.prompt_token_ids, [completion], request.is_finished,
+                   list(new_token_ids), new_logprobs, request.prompt_logprobs, request.ttft, request.tpot,
+                   request.num_preemptions)

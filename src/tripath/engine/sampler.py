@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from tripath.attention.metadata import to_device
+from tripath.engine.logits_transforms import StepTransforms
 from tripath.engine.request import SamplingParams
 
 
@@ -44,17 +45,29 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           transforms: StepTransforms | None = None, step: int = 0) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` for requests with ``params[i]`` and ``generators[i]`` (a
     generator on the logits' device; None draws from the global one). Returns ``[N]`` int64. The logits may
     be of any float dtype: greedy rows take their argmax as they are (the same token as in float32), the
-    other rows are filtered and drawn in float32."""
+    other rows are filtered and drawn in float32. ``transforms``: the rows' ``min_tokens``, ``logit_bias``
+    and penalties (:mod:`tripath.engine.logits_transforms`) for model step ``step`` of a launch, applied to a
+    float32 copy first; the sampled tokens are then counted for the penalties."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_requests, vocab], got shape {tuple(logits.shape)}")
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
         raise ValueError(f"params ({len(params)}) and generators ({len(generators)}) must have one entry per "
                          f"row of logits ({logits.shape[0]})")
+    if transforms is not None:
+        logits = transforms.apply(logits, step)
+    tokens = _draw(logits, params, generators)
+    if transforms is not None:
+        transforms.record(tokens)
+    return tokens
+
+
+def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
+          generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:

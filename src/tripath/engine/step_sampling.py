@@ -1,0 +1,86 @@
+"""The sampling side of one launch: the rows' logit transforms, the sampler, and the log-probabilities the
+requests ask for (:class:`LaunchSampler`), plus the prompt positions a step scores (:func:`score_prompts`).
+
+A launch samples the last token of each scheduled request that reaches the end of its tokens (its *sample
+rows*), once per model step (several for multi-step decoding). Requests that ask for nothing beyond tokens
+cost one list scan per launch here; the transforms (:mod:`tripath.engine.logits_transforms`) and the
+log-probabilities (:mod:`tripath.engine.logprobs`) run only for the rows that use them, batched on the
+device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from tripath.attention.metadata import to_device
+from tripath.engine.logits_transforms import PenaltyState, step_transforms
+from tripath.engine.logprobs import LogprobRows, position_logprobs, prompt_logprobs
+from tripath.engine.request import Request
+from tripath.engine.sampler import sample
+
+
+class LaunchSampler:
+    """Samples ``requests`` (the launch's sample rows, in row order) for each model step of a launch and
+    keeps the log-probabilities of the rows with ``logprobs`` set (one :class:`LogprobRows` per step)."""
+
+    def __init__(self, requests: Sequence[Request], penalties: PenaltyState, device: torch.device, num_steps: int = 1):
+        self.requests, self.penalties, self.num_steps = requests, penalties, num_steps
+        self.params = [r.sampling_params for r in requests]
+        self.generators = [r.generator for r in requests]
+        self.transforms = None
+        self._transforms_built = False
+        self.logprob_rows = [i for i, p in enumerate(self.params) if p.logprobs is not None]
+        self.logprob_ks = [self.params[i].logprobs for i in self.logprob_rows]
+        self._pick = to_device(self.logprob_rows, torch.int64, device) if self.logprob_rows else None
+        self.logprobs: list[LogprobRows] = []
+
+    def __call__(self, logits: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """Tokens ``[N]`` for the rows' ``logits [N, V]`` at model step ``step`` of the launch."""
+        if not self._transforms_built:  # the logits' width is the vocabulary the transforms index
+            self.transforms = step_transforms(self.requests, self.penalties, logits.shape[-1], logits.device,
+                                              self.num_steps)
+            self._transforms_built = True
+        tokens = sample(logits, self.params, self.generators, self.transforms, step)
+        if self._pick is not None:
+            self.logprobs.append(position_logprobs(logits.index_select(0, self._pick),
+                                                   tokens.index_select(0, self._pick), max(self.logprob_ks)))
+        return tokens
+
+
+def score_prompts(scheduled, plan, hidden: torch.Tensor,
+                  compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+    """Prompt log-probabilities of this step's prompt positions for the scheduled requests with
+    ``prompt_logprobs`` set, or None when there are none. A position ``p`` of a request's step is scored
+    with the next prompt token (``p + 1 < len(prompt)``) unless an earlier step already did (preempted and
+    recomputed). Returns ``(requests, counts, ks, rows)``: for each such request (index into ``scheduled``) the
+    number of positions scored and its ``k``, and the :class:`LogprobRows` of all of them in that order."""
+    wanted = [i for i, item in enumerate(scheduled) if item.request.sampling_params.prompt_logprobs is not None]
+    if not wanted:
+        return None
+    starts = {}
+    at = 0
+    for i, n in zip(plan.order, plan.query_lens):  # token offset of each request in the step's flat layout
+        starts[i] = at
+        at += n
+    requests, counts, ks, rows, targets = [], [], [], [], []
+    for i in wanted:
+        item, request = scheduled[i], scheduled[i].request
+        first = max(item.num_computed_tokens, request.num_prompt_logprobs_done)
+        stop = min(item.num_computed_tokens + item.num_new_tokens, request.num_prompt_tokens - 1)
+        if stop <= first:
+            continue
+        positions = np.arange(first, stop)
+        rows.append(starts[i] + positions - item.num_computed_tokens)
+        targets.append(np.asarray(request.prompt_token_ids[first + 1:stop + 1], dtype=np.int64))
+        requests.append(i)
+        counts.append(stop - first)
+        ks.append(request.sampling_params.prompt_logprobs)
+    if not requests:
+        return None
+    device = hidden.device
+    row_index = to_device(np.concatenate(rows), torch.int64, device)
+    target_ids = to_device(np.concatenate(targets), torch.int64, device)
+    return requests, counts, ks, prompt_logprobs(hidden, row_index, target_ids, max(ks), compute_logits)
