@@ -62,25 +62,34 @@ class TinyAttentionLM(nn.Module):
         return (hidden @ self.w_head).float()
 
     @torch.no_grad()
-    def reference_greedy(self, prompt: list[int], max_tokens: int) -> list[int]:
-        tokens = list(prompt)
+    def reference_logits(self, tokens: list[int]) -> torch.Tensor:
+        """``[len(tokens), vocab]`` float64 logits of the whole sequence, recomputed densely."""
         w = {name: p.double() for name, p in self.named_parameters()}
         group = self.num_heads // self.num_kv_heads
+        ids = torch.tensor(tokens)
+        n = len(tokens)
+        x = w["embed"][ids] + w["pos"][torch.arange(n)]
+        for layer in range(self.num_attention_layers):
+            h, kv, d = self.num_heads, self.num_kv_heads, self.head_size
+            q, k, v = (x @ w[f"w_qkv.{layer}"]).split([h * d, kv * d, kv * d], dim=-1)
+            q = q.view(-1, h, d)
+            k = k.view(-1, kv, d).repeat_interleave(group, dim=1)
+            v = v.view(-1, kv, d).repeat_interleave(group, dim=1)
+            s = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            attn = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+            x = x + attn.reshape(n, -1) @ w[f"w_o.{layer}"]
+        return x @ w["w_head"]
+
+    def reference_greedy(self, prompt: list[int], max_tokens: int, transform=None) -> list[int]:
+        """Greedy tokens recomputed densely; ``transform(logits [V] float64, outputs so far)`` changes each
+        step's logits first."""
+        tokens = list(prompt)
         for _ in range(max_tokens):
-            ids = torch.tensor(tokens)
-            x = w["embed"][ids] + w["pos"][torch.arange(len(tokens))]
-            for layer in range(self.num_attention_layers):
-                h, kv, d = self.num_heads, self.num_kv_heads, self.head_size
-                q, k, v = (x @ w[f"w_qkv.{layer}"]).split([h * d, kv * d, kv * d], dim=-1)
-                q = q.view(-1, h, d)
-                k = k.view(-1, kv, d).repeat_interleave(group, dim=1)
-                v = v.view(-1, kv, d).repeat_interleave(group, dim=1)
-                s = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
-                n = len(tokens)
-                s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-                attn = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-                x = x + attn.reshape(n, -1) @ w[f"w_o.{layer}"]
-            tokens.append(int((x[-1] @ w["w_head"]).argmax()))
+            logits = self.reference_logits(tokens)[-1]
+            if transform is not None:
+                logits = transform(logits, tokens[len(prompt):])
+            tokens.append(int(logits.argmax()))
         return tokens[len(prompt):]
 
 
