@@ -198,7 +198,14 @@ BAD_BODIES = [
     (json.dumps({"model": "tiny-hf", "prompt": "hi " * 200, "max_tokens": 100}), "max_model_len"),
     (json.dumps({"model": "tiny-hf", "prompt": [3, 5, 100000]}), "vocabulary"),
     (json.dumps({"model": "tiny-hf", "prompt": []}), "prompt"),
-    (json.dumps({"model": "tiny-hf", "prompt": "hi", "presence_penalty": 0.5}), "presence_penalty"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "presence_penalty": 2.5}), "presence_penalty"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "logit_bias": {"99999": 1}}), "logit_bias"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "logprobs": 21}), "logprobs"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "best_of": 2, "n": 3}), "best_of"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "best_of": 2, "stream": True}), "best_of"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "max_tokens": 2, "min_tokens": 3}), "min_tokens"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "suffix": "x"}), "suffix"),
 ]
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 from typing import Callable, TypeVar
 
 import pydantic
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tripath.engine.chat import chat_token_ids, encode_text
@@ -34,9 +33,9 @@ from tripath.engine.request import SamplingParams
 from tripath.server import protocol as P
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
+from tripath.server.responses import respond
 from tripath.server.metrics import ServerMetrics
 
-DISCONNECT_POLL_S = 0.25
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 _Body = TypeVar("_Body", bound=pydantic.BaseModel)
 
@@ -190,7 +189,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
             raise APIError(400, str(error), param="prompt") from None
         prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
         gen = _generation(state, body, prompts, body.max_tokens)
-        return await _respond(state, gen, body, request, chat=False)
+        return await respond(state, gen, body, request, chat=False, echo=_echo_texts(state, body, raw_prompts, prompts))
 
     @app.post("/v1/chat/completions", openapi_extra=_schema(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
@@ -204,7 +203,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
             template_kwargs["tools"] = body.tools
         prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt, template_kwargs)
         gen = _generation(state, body, [prompt], body.output_limit)
-        return await _respond(state, gen, body, request, chat=True)
+        return await respond(state, gen, body, request, chat=True)
 
     return app
 
@@ -276,22 +275,39 @@ def _prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
 
 
 def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: int | None) -> Generation:
+    """The engine submissions of a request: ``prompts`` x ``num_choices`` (``n``, or ``best_of``), choice
+    ``j`` of a prompt seeded ``seed + j``. ``max_tokens`` 0 (completions): the prompt is scored and one token
+    is run and hidden."""
     limit = state.engine.max_model_len
+    chat = isinstance(body, P.ChatCompletionRequest)
     params, choice_prompts = [], []
     stop_ids = body.stop_ids()
     if stop_ids:
         _check_ids(state, stop_ids, "stop_token_ids")
+    bias = body.logit_bias_ids()
+    if bias:
+        _check_ids(state, list(bias), "logit_bias")
+    hidden = max_tokens == 0
+    if chat:
+        logprobs, prompt_logprobs = ((body.top_logprobs or 0) if body.logprobs else None), None
+    else:
+        logprobs, prompt_logprobs = body.logprobs, body.scores_prompt
+    ranked = body.num_choices > body.n   # best_of: the choices keep their log-probabilities to be ranked
     for prompt in prompts:
         room = limit - len(prompt)
         if room < 1:
             raise APIError(400, f"the prompt ({len(prompt)} tokens) leaves no room to generate within "
                                 f"max_model_len ({limit})", param="prompt")
-        for j in range(body.n):
+        for j in range(body.num_choices):
             seed = None if body.seed is None else body.seed + j
             try:
-                sp = SamplingParams(max_tokens=max_tokens if max_tokens is not None else room,
-                                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
-                                    stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos)
+                sp = SamplingParams(
+                    max_tokens=1 if hidden else max_tokens if max_tokens is not None else room,
+                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
+                    stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                    repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty, logit_bias=bias,
+                    logprobs=0 if ranked and logprobs is None else logprobs, prompt_logprobs=prompt_logprobs)
             except (ValueError, TypeError) as error:
                 raise APIError(400, str(error)) from None
             params.append(sp)
@@ -304,114 +320,14 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
                             f"beyond the {state.engine.max_num_seqs} the engine runs at once (max_queue_depth "
                             f"{state.max_queue_depth}); retry later", "server_error", code="overloaded")
     return Generation(state.engine, choice_prompts, params, body.stop_strings(), state.request_timeout_s,
-                      prompt_tokens=sum(len(p) for p in prompts))
+                      prompt_tokens=sum(len(p) for p in prompts), include_stop=body.include_stop_str_in_output,
+                      skip_special_tokens=body.skip_special_tokens, hidden=hidden)
 
 
-# ---- responses -------------------------------------------------------------------------------------------
-def _sse(payload) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-async def _respond(state: ServerState, gen: Generation, body, request: Request, chat: bool):
-    n = len(gen.choices)
-    state.outstanding += n
-    try:
-        await gen.start()
-    except BaseException:
-        state.outstanding -= n
-        raise
-    if body.stream:
-        released = False
-
-        def release():
-            nonlocal released
-            if not released:
-                released = True
-                gen.abort()
-                state.outstanding -= n
-
-        return _EventStream(_stream(gen, body, chat, n, release), release)
-    try:
-        collect = asyncio.ensure_future(_collect(gen))
-        while not collect.done():
-            await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
-            if not collect.done() and await request.is_disconnected():
-                collect.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await collect
-                return Response(status_code=499)
-        collect.result()
-    finally:
-        state.outstanding -= n
-    usage = _usage(gen)
-    rid = P.new_id("chatcmpl" if chat else "cmpl")
-    if chat:
-        choices = [P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), token_ids=c.token_ids,
-                                finish_reason=c.finish_reason) for i, c in enumerate(gen.choices)]
-        return P.ChatCompletionResponse(id=rid, model=body.model, choices=choices, usage=usage).model_dump()
-    choices = [P.CompletionChoice(index=i, text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason)
-               for i, c in enumerate(gen.choices)]
-    return P.CompletionResponse(id=rid, model=body.model, choices=choices, usage=usage).model_dump()
-
-
-async def _collect(gen: Generation) -> None:
-    async for _ in gen.deltas():
-        pass
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events that release their request however the response ends, even when the client left
-    before the first event."""
-
-    def __init__(self, events, release: Callable[[], None]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._release = release
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._release()
-
-
-def _usage(gen: Generation) -> P.Usage:
-    return P.Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                   total_tokens=gen.prompt_tokens + gen.completion_tokens)
-
-
-async def _stream(gen: Generation, body, chat: bool, n: int, release: Callable[[], None]):
-    rid = P.new_id("chatcmpl" if chat else "cmpl")
-    model = body.model
-    options = body.stream_options
-    continuous = options is not None and options.continuous_usage_stats
-    try:
-        if chat:
-            for i in range(n):
-                first = P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
-                chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[first],
-                                              usage=_usage(gen) if continuous else None)
-                yield _sse(chunk.model_dump())
-        try:
-            async for d in gen.deltas():
-                usage = _usage(gen) if continuous else None
-                if chat:
-                    choice = P.ChatChunkChoice(index=d.index, delta=P.DeltaMessage(content=d.text),
-                                               token_ids=d.token_ids, finish_reason=d.finish_reason)
-                    chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[choice], usage=usage)
-                else:
-                    choice = P.CompletionChoice(index=d.index, text=d.text, token_ids=d.token_ids,
-                                                finish_reason=d.finish_reason)
-                    chunk = P.CompletionResponse(id=rid, model=model, choices=[choice], usage=usage)
-                yield _sse(chunk.model_dump())
-        except APIError as error:
-            info = P.ErrorInfo(message=error.message, type=error.type, code=error.status)
-            yield _sse({"error": info.model_dump()})
-            yield _sse("[DONE]")
-            return
-        if options is not None and options.include_usage:
-            cls = P.ChatCompletionChunk if chat else P.CompletionResponse
-            yield _sse(cls(id=rid, model=model, choices=[], usage=_usage(gen)).model_dump())
-        yield _sse("[DONE]")
-    finally:
-        release()
+def _echo_texts(state: ServerState, body, raw_prompts, prompts: list[list[int]]) -> list[str] | None:
+    """With ``echo``: each prompt's text as the response repeats it (text prompts as sent, token ids decoded)."""
+    if not body.echo:
+        return None
+    tokenizer = state.engine.tokenizer
+    return [p if isinstance(p, str) else ("" if tokenizer is None else tokenizer.decode(ids))
+            for p, ids in zip(raw_prompts, prompts)]

@@ -5,7 +5,7 @@ recent tokens twice (with and without the new one) and emits the difference, so 
 depend on their neighbours (leading-space markers, byte-level pieces) come out right; while the window ends
 in an incomplete UTF-8 sequence (U+FFFD) it emits nothing and waits for the next bytes. :class:`StopMatcher`
 holds back text that could be the start of a stop string and cuts the output before the first stop string to
-complete (the stop string itself is not returned, as in the OpenAI API).
+complete (the stop string itself is not returned, as in the OpenAI API, unless ``include_stop``).
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ class StopMatcher:
     strings are; the held-back tail is the longest of those partial matches.
     """
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], include_stop: bool = False):
         self.stops = [s for s in stops if s]
+        self.include_stop = include_stop
         self._fail = [_failure(s) for s in self.stops]
         self._state = [0] * len(self.stops)
         self.pending = ""
@@ -89,9 +90,9 @@ class StopMatcher:
                     k = fail[j][k - 1]
                 if stop[k] == char:
                     k += 1
-                if k == len(stop):   # a whole stop string ends here: cut before it
+                if k == len(stop):   # a whole stop string ends here: cut before it (or after it)
                     self.stopped = True
-                    out = self.pending[:base + offset + 1 - k]
+                    out = self.pending[:base + offset + 1 - (0 if self.include_stop else k)]
                     self.pending = ""
                     return out
                 state[j] = k

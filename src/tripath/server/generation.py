@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from tripath.engine.request import FinishReason, RequestOutput, SamplingParams
+from tripath.engine.request import FinishReason, PositionLogprobs, RequestOutput, SamplingParams
 from tripath.server.detokenize import IncrementalDetokenizer, StopMatcher
 from tripath.server.engine_loop import ACCEPTED, EngineLoop, Failure, Submission
 
@@ -34,33 +34,63 @@ class APIError(Exception):
 
 @dataclass
 class Delta:
-    """New output of one choice: text, token ids, and the finish reason on its last delta."""
+    """New output of one choice: text, token ids (with their log-probabilities when asked for), and the
+    finish reason on its last delta."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass
 class ChoiceState:
+    """One choice as it streams. ``hidden``: its tokens are not returned (``max_tokens`` 0: the engine runs
+    one token for the prompt's sake). Stop strings are matched once ``min_tokens`` tokens are out."""
+
     sub: Submission
     detokenizer: IncrementalDetokenizer
     stops: StopMatcher
     prompt_tokens: int
+    hidden: bool = False
+    min_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     text: str = ""
     finish_reason: str | None = None
 
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(entry[t].logprob for t, entry in zip(self.token_ids, self.logprobs or ()))
+
     def consume(self, out: RequestOutput) -> Delta:
         """The delta of one step's output (tokens after a stop string are dropped)."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if self.hidden:
+            if out.finished and self.finish_reason is None:
+                self.finish_reason = "length"
+            return Delta(self.sub.index, "", [], self.finish_reason)
         text, ids = [], []
-        for token in out.new_token_ids:
+        wants_logprobs = out.new_logprobs is not None
+        logprobs = [] if wants_logprobs else None
+        if wants_logprobs and self.logprobs is None:
+            self.logprobs = []
+        for j, token in enumerate(out.new_token_ids):
             if self.finish_reason is not None:
                 break
             ids.append(token)
             self.token_ids.append(token)
-            text.append(self.stops.feed(self.detokenizer.push(token)))
+            if wants_logprobs:
+                logprobs.append(out.new_logprobs[j])
+                self.logprobs.append(out.new_logprobs[j])
+            piece = self.detokenizer.push(token)
+            if len(self.token_ids) <= self.min_tokens:
+                text.append(piece)   # no stop string before min_tokens
+                continue
+            text.append(self.stops.feed(piece))
             if self.stops.stopped:
                 self.finish_reason = "stop"
         if out.finished and self.finish_reason is None:
@@ -68,14 +98,15 @@ class ChoiceState:
             self.finish_reason = "stop" if self.stops.stopped or out.finish_reason is FinishReason.STOP else "length"
         piece = "".join(text)
         self.text += piece
-        return Delta(self.sub.index, piece, ids, self.finish_reason)
+        return Delta(self.sub.index, piece, ids, self.finish_reason, logprobs)
 
 
 class Generation:
     """The engine side of one completions / chat request (``prompts`` x ``n`` choices)."""
 
     def __init__(self, engine: EngineLoop, prompts: list[list[int]], params: list[SamplingParams],
-                 stops: list[str], timeout_s: float | None, prompt_tokens: int | None = None):
+                 stops: list[str], timeout_s: float | None, prompt_tokens: int | None = None, *,
+                 include_stop: bool = False, skip_special_tokens: bool = True, hidden: bool = False):
         self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -87,13 +118,18 @@ class Generation:
         self.choices: list[ChoiceState] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             sub = Submission(f"srv-{number}-{i}", i, prompt, sp, self.loop, self.events)
-            self.choices.append(ChoiceState(sub, IncrementalDetokenizer(engine.tokenizer), StopMatcher(stops),
-                                            len(prompt)))
+            self.choices.append(ChoiceState(sub, IncrementalDetokenizer(engine.tokenizer, skip_special_tokens),
+                                            StopMatcher(stops, include_stop), len(prompt), hidden, sp.min_tokens))
         self._submitted = False
 
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
+
+    def best(self, n: int) -> list[ChoiceState]:
+        """The ``n`` choices of highest cumulative log-probability, best first (``best_of``)."""
+        order = sorted(range(len(self.choices)), key=lambda i: (-self.choices[i].cumulative_logprob, i))
+        return [self.choices[i] for i in order[:n]]
 
     @property
     def finished(self) -> bool:

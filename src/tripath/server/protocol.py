@@ -2,10 +2,12 @@
 
 Requests follow vLLM's schema policy: a field the server does not know is accepted and ignored (and logged
 once per field name), so clients written for vLLM or OpenAI keep working. Beyond OpenAI's fields the server
-takes ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``chat_template_kwargs``; ``stop`` may hold strings
-or token ids. Fields of the API that the engine does not implement are accepted only at their neutral values
-(``presence_penalty`` 0, ``logprobs`` off, ``echo`` false, ``tool_choice`` "none" / "auto", ...), and
-anything else is a 400 naming them. Response choices carry the generated ``token_ids`` as well as the text.
+takes vLLM's ``top_k``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``prompt_logprobs`` and ``chat_template_kwargs``;
+``stop`` may hold strings or token ids. Completions take ``logprobs`` (0-20), ``echo`` and ``max_tokens`` 0
+(the prompt scored, nothing generated); chats ``logprobs`` / ``top_logprobs``. Fields of the API that the
+engine does not implement (``suffix``, a forced ``tool_choice``) are a 400 naming them. Response choices
+carry the generated ``token_ids`` as well as the text.
 
 Types are strict: a number is a JSON number (``"3"`` is no integer, ``true`` no 1), a flag a JSON boolean.
 Every numeric field has a range the engine holds (64-bit integers for ``seed`` and ``top_k``), every list a
@@ -35,6 +37,7 @@ MAX_MESSAGES = 4096
 MAX_NAME_CHARS = 1024          # model, user, message names and ids
 MAX_LOGIT_BIAS = 1024
 MAX_TEMPERATURE = 1e30         # the sampler divides float32 logits by it
+MAX_LOGPROBS = 20              # the engine's (vLLM's default max_logprobs)
 
 Int = StrictInt
 Float = Union[StrictInt, StrictFloat]   # a JSON number (an integer is a float too), never a string or a bool
@@ -81,37 +84,53 @@ class _SamplingRequest(_Request):
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)],
                 Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)], None] = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: Bool = False
     ignore_eos: Bool = False
+    min_tokens: Annotated[Int, Field(ge=0, le=INT64_MAX)] = 0
+    skip_special_tokens: Bool = True
     stream: Bool = False
     stream_options: StreamOptions | None = None
     user: Name | None = None
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
+    repetition_penalty: Float = 1.0
     logit_bias: Annotated[dict[Annotated[StrictStr, Field(max_length=32)], Float],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
 
     @model_validator(mode="after")
-    def _neutral_only(self):
+    def _check_ranges(self):
         _finite("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
-            raise ValueError(f"seed + n - 1 must fit in a signed 64-bit integer (choice i draws with seed + i), "
-                             f"got seed {self.seed} with n {self.n}")
-        unsupported = {"presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
-                       "logit_bias": bool(self.logit_bias)}
-        unsupported.update(self._unsupported())
-        bad = [name for name, is_set in unsupported.items() if is_set]
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE):
+            raise ValueError(f"repetition_penalty must be a finite number in (0, {MAX_TEMPERATURE:g}] (1 = off), "
+                             f"got {self.repetition_penalty}")
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
+            _finite(f"logit_bias[{key}]", value, -100.0, 100.0)
+        if self.seed is not None and self.seed + self.num_choices - 1 > INT64_MAX:
+            raise ValueError(f"seed + {'best_of' if self.num_choices > self.n else 'n'} - 1 must fit in a signed "
+                             f"64-bit integer (choice i draws with seed + i), got seed {self.seed}")
+        bad = [name for name, is_set in self._unsupported().items() if is_set]
         if bad:
             raise ValueError(f"{', '.join(bad)} not supported by this server (leave unset)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream: true")
         return self
 
+    @property
+    def num_choices(self) -> int:
+        """Engine requests per prompt (``best_of`` where it asks for more than ``n``)."""
+        return self.n
+
     def _unsupported(self) -> dict[str, bool]:
         return {}
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     def stop_strings(self) -> list[str]:
         if isinstance(self.stop, str):
@@ -129,15 +148,34 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 class CompletionRequest(_SamplingRequest):
     prompt: Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)],
                   Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]]
-    max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = 16
+    max_tokens: Annotated[Int, Field(ge=0, le=INT64_MAX)] | None = 16   # 0: score the prompt (with echo)
     echo: Bool = False
-    logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = None
     suffix: StrictStr | None = None
 
+    @model_validator(mode="after")
+    def _check_choices(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.stream and self.num_choices > self.n:
+            raise ValueError("best_of > n cannot be streamed (the best completions are known at the end)")
+        return self
+
+    @property
+    def num_choices(self) -> int:
+        return max(self.n, self.best_of or 1)
+
+    @property
+    def scores_prompt(self) -> int | None:
+        """``prompt_logprobs`` the engine computes: vLLM's field, or ``logprobs`` with ``echo``."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo and self.logprobs is not None else None
+
     def _unsupported(self) -> dict[str, bool]:
-        return {"echo": self.echo, "logprobs": self.logprobs is not None, "suffix": self.suffix is not None,
-                "best_of": self.best_of not in (None, self.n)}
+        return {"suffix": self.suffix is not None}
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one text or token-id list, or a list of them."""
@@ -162,17 +200,16 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: Bool = False
-    top_logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
 
-    def _unsupported(self) -> dict[str, bool]:
-        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None}
-
     @model_validator(mode="after")
     def _no_forced_tool_calls(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
             raise ValueError(f"tool_choice {self.tool_choice!r} needs tool-call parsing, which this server does "
                              "not support; send tool_choice 'none' or 'auto' (the tools reach the chat template)")
@@ -199,7 +236,7 @@ class CompletionChoice(BaseModel):
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -221,7 +258,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -243,7 +280,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     token_ids: list[int] = []
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

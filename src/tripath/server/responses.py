@@ -1,0 +1,208 @@
+"""Responses of the completions and chat routes: one JSON body, or server-sent events ending in ``[DONE]``.
+
+A request's choices are its :class:`~tripath.server.generation.Generation`'s, prompt-major (choice
+``p * n + j`` is completion ``j`` of prompt ``p``); with ``best_of`` the ``n`` best of each prompt's
+``best_of`` completions (by cumulative log-probability) are returned, renumbered. With ``echo`` a
+completion's text (and ``logprobs``) starts with its prompt's. Log-probabilities take the API's shapes
+(:mod:`tripath.server.logprob_format`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+from typing import Callable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from tripath.server import protocol as P
+from tripath.server.generation import APIError, ChoiceState, Delta, Generation
+from tripath.server.logprob_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
+
+DISCONNECT_POLL_S = 0.25
+
+
+def _sse(payload) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def respond(state, gen: Generation, body, request: Request, chat: bool, echo: list[str] | None = None):
+    """Run ``gen`` and answer: a stream when ``body.stream``, else the whole response (499 when the client
+    left first). ``echo``: the prompts' texts to repeat (completions with ``echo``)."""
+    n = len(gen.choices)
+    state.outstanding += n
+    try:
+        await gen.start()
+    except BaseException:
+        state.outstanding -= n
+        raise
+    tokenizer = state.engine.tokenizer
+    if body.stream:
+        released = False
+
+        def release():
+            nonlocal released
+            if not released:
+                released = True
+                gen.abort()
+                state.outstanding -= n
+
+        return _EventStream(_stream(gen, body, chat, echo, tokenizer, release), release)
+    try:
+        collect = asyncio.ensure_future(_collect(gen))
+        while not collect.done():
+            await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
+            if not collect.done() and await request.is_disconnected():
+                collect.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+                return Response(status_code=499)
+        collect.result()
+    finally:
+        state.outstanding -= n
+    build = functools.partial(_chat_response if chat else _completion_response, gen, body, tokenizer, echo)
+    if _wants_logprobs(body, chat):   # per-token text of every position: off the event loop
+        return await asyncio.get_running_loop().run_in_executor(None, build)
+    return build()
+
+
+async def _collect(gen: Generation) -> None:
+    async for _ in gen.deltas():
+        pass
+
+
+def _wants_logprobs(body, chat: bool) -> bool:
+    return bool(body.logprobs) if chat else body.logprobs is not None
+
+
+def _returned(gen: Generation, body) -> list[tuple[int, ChoiceState]]:
+    """``(prompt index, choice)`` of each choice returned, in order."""
+    per_prompt = body.num_choices
+    out = []
+    for p in range(len(gen.choices) // per_prompt):
+        group = gen.choices[p * per_prompt:(p + 1) * per_prompt]
+        if per_prompt > body.n:
+            order = sorted(range(per_prompt), key=lambda i: (-group[i].cumulative_logprob, i))
+            group = [group[i] for i in order[:body.n]]
+        out += [(p, c) for c in group]
+    return out
+
+
+def _usage(gen: Generation) -> P.Usage:
+    return P.Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
+                   total_tokens=gen.prompt_tokens + gen.completion_tokens)
+
+
+def _completion_logprobs(tokenizer, body, c: ChoiceState, echo_text: str | None) -> dict | None:
+    if body.logprobs is None:
+        return None
+    parts = []
+    if echo_text is not None:
+        prompt = c.sub.prompt_token_ids
+        parts.append(completion_logprobs(tokenizer, prompt, c.prompt_logprobs or [None] * len(prompt), body.logprobs))
+    parts.append(completion_logprobs(tokenizer, c.token_ids, c.logprobs or [], body.logprobs,
+                                     len(echo_text) if echo_text is not None else 0))
+    return merge_completion_logprobs(parts)
+
+
+def _completion_response(gen: Generation, body, tokenizer, echo: list[str] | None) -> dict:
+    choices = []
+    for i, (p, c) in enumerate(_returned(gen, body)):
+        echo_text = None if echo is None else echo[p]
+        choices.append(P.CompletionChoice(index=i, text=(echo_text or "") + c.text, token_ids=c.token_ids,
+                                          finish_reason=c.finish_reason,
+                                          logprobs=_completion_logprobs(tokenizer, body, c, echo_text)))
+    return P.CompletionResponse(id=P.new_id("cmpl"), model=body.model, choices=choices, usage=_usage(gen)).model_dump()
+
+
+def _chat_response(gen: Generation, body, tokenizer, echo) -> dict:
+    choices = []
+    for i, (_, c) in enumerate(_returned(gen, body)):
+        logprobs = chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0) \
+            if body.logprobs else None
+        choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), token_ids=c.token_ids,
+                                    finish_reason=c.finish_reason, logprobs=logprobs))
+    return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=body.model, choices=choices,
+                                    usage=_usage(gen)).model_dump()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that release their request however the response ends, even when the client left
+    before the first event."""
+
+    def __init__(self, events, release: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._release = release
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def _completion_chunk_choice(gen: Generation, body, tokenizer, echo, d: Delta, offsets: dict[int, int]):
+    """A completions chunk's choice for ``d``; its first chunk carries the echoed prompt. ``offsets``: each
+    choice's text returned so far (for ``text_offset``), updated."""
+    c = gen.choices[d.index]
+    first = d.index not in offsets
+    echo_text = echo[d.index // body.num_choices] if echo is not None and first else None
+    at = offsets.get(d.index, 0)
+    text = (echo_text or "") + d.text
+    logprobs = None
+    if body.logprobs is not None:
+        parts = []
+        if echo_text is not None:
+            prompt = c.sub.prompt_token_ids
+            parts.append(completion_logprobs(tokenizer, prompt, c.prompt_logprobs or [None] * len(prompt),
+                                             body.logprobs))
+        parts.append(completion_logprobs(tokenizer, d.token_ids, d.logprobs or [], body.logprobs,
+                                         at + len(echo_text or "")))
+        logprobs = merge_completion_logprobs(parts)
+    offsets[d.index] = at + len(text)
+    return P.CompletionChoice(index=d.index, text=text, token_ids=d.token_ids, finish_reason=d.finish_reason,
+                              logprobs=logprobs)
+
+
+async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: Callable[[], None]):
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    model = body.model
+    options = body.stream_options
+    continuous = options is not None and options.continuous_usage_stats
+    offsets: dict[int, int] = {}
+    try:
+        if chat:
+            for i in range(len(gen.choices)):
+                first = P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
+                chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[first],
+                                              usage=_usage(gen) if continuous else None)
+                yield _sse(chunk.model_dump())
+        try:
+            async for d in gen.deltas():
+                usage = _usage(gen) if continuous else None
+                if chat:
+                    logprobs = chat_logprobs(tokenizer, d.token_ids, d.logprobs or [], body.top_logprobs or 0) \
+                        if body.logprobs else None
+                    choice = P.ChatChunkChoice(index=d.index, delta=P.DeltaMessage(content=d.text),
+                                               token_ids=d.token_ids, finish_reason=d.finish_reason,
+                                               logprobs=logprobs)
+                    chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[choice], usage=usage)
+                else:
+                    choice = _completion_chunk_choice(gen, body, tokenizer, echo, d, offsets)
+                    chunk = P.CompletionResponse(id=rid, model=model, choices=[choice], usage=usage)
+                yield _sse(chunk.model_dump())
+        except APIError as error:
+            info = P.ErrorInfo(message=error.message, type=error.type, code=error.status)
+            yield _sse({"error": info.model_dump()})
+            yield _sse("[DONE]")
+            return
+        if options is not None and options.include_usage:
+            cls = P.ChatCompletionChunk if chat else P.CompletionResponse
+            yield _sse(cls(id=rid, model=model, choices=[], usage=_usage(gen)).model_dump())
+        yield _sse("[DONE]")
+    finally:
+        release()
