@@ -160,3 +160,43 @@ def test_guidellm_request_shapes(server):
         chunks = [json.loads(e) for e in events[:-1]]
         assert all(chunk["usage"] is not None for chunk in chunks)
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
+    "city": {"enum": ["Paris", "London", "Tokyo"]}, "student": {"type": "boolean"}},
+    "required": ["name", "age", "city", "student"], "additionalProperties": False}
+
+
+def test_json_schema_output_validates_for_20_seeded_samples(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    import asyncio
+
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "Describe a person as JSON: name, age, city, student."}]
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    async def one(seed):
+        return await c.chat.completions.create(model=NAME, messages=messages, max_tokens=80, temperature=1.0,
+                                               seed=seed, response_format=response_format)
+
+    async def all_of():
+        return await asyncio.gather(*(one(seed) for seed in range(20)))
+
+    outs = asyncio.run(all_of())
+    texts = [o.choices[0].message.content for o in outs]
+    for text, out in zip(texts, outs):
+        assert out.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) > 1   # sampled, not one answer
+    choice = client(server).completions.create(model=NAME, prompt="The capital of France is", max_tokens=10,
+                                               temperature=0.9, seed=3, extra_body={"guided_choice": [" Rome", " Oslo"]})
+    assert choice.choices[0].text in (" Rome", " Oslo")
+    regex = client(server).completions.create(model=NAME, prompt="Call me at", max_tokens=12, temperature=0.9,
+                                              seed=3, extra_body={"structured_outputs": {"regex": r" \d{3}-\d{4}"}})
+    assert __import__("re").fullmatch(r" \d{3}-\d{4}", regex.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="more than one output constraint"):
+        client(server).completions.create(model=NAME, prompt="x", extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    with pytest.raises(openai.BadRequestError, match="could not be compiled"):
+        client(server).completions.create(model=NAME, prompt="x", extra_body={"guided_regex": "(unclosed"})

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import statistics
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from tripath.engine.request import Request, RequestOutput, SamplingParams, token
 from tripath.engine.sampler import make_generator
 from tripath.ops._launch import compiled_variants
 from tripath.engine.scheduler import Scheduler, SchedulerOutput
+from tripath.engine.structured_output import GrammarCompiler
 
 Prompt = str | Sequence[int]
 logger = logging.getLogger(__name__)
@@ -149,6 +151,8 @@ class LLM:
         # model steps a step of decodes alone may take (multi-step decoding), where the runner can
         self.decode_steps = self.config.decode_steps if getattr(self.runner, "supports_multi_step", False) else 1
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         self.num_requests_added = 0
         self.num_steps = 0
         self.last_metrics: RunMetrics | None = None
@@ -229,10 +233,21 @@ class LLM:
             raise ValueError(f"request_id {request_id!r} is already queued or running")
         request = Request(token_ids, params, request_id=request_id, prompt=text, eos_token_ids=self.eos_token_ids)
         self.scheduler.check(request)
+        if params.structured_output is not None:
+            request.grammar = self.grammar_compiler().state(params.structured_output)
         if not params.greedy:
             seed = params.seed if params.seed is not None else hash((self.config.seed, number))
             request.generator = make_generator(seed, self.config.device)
         return request
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler of this engine's tokenizer (built on first use; thread-safe, so a
+        server may compile a request's grammar in a worker thread before adding it, and hit the cache)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.logits_width(),
+                                                         self.eos_token_ids)
+        return self._grammar_compiler
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when no such request is queued or running."""
@@ -257,6 +272,13 @@ class LLM:
                     raise RuntimeError("the scheduler could not schedule any unfinished request")
                 return []
             return self._read(previous)
+        early: list[RequestOutput] | None = None
+        if self.overlap and previous is not None and any(s.request.grammar is not None for s in out.scheduled):
+            early = self._read_before(previous, out)   # the grammars' masks need the previous step's tokens
+            out.scheduled = [s for s in out.scheduled if not s.request.is_finished]  # the read ended them
+            if not out.scheduled:
+                return early
+            previous = None   # read: every input token of ``out`` is on the host now
         try:
             if self.overlap:
                 self._inflight = (out, self.runner.launch(out.scheduled, None if previous is None else previous[1],
@@ -264,16 +286,16 @@ class LLM:
             else:
                 sampled = self.runner.execute(out.scheduled, num_steps=out.num_steps)
         except Exception as error:  # noqa: BLE001 - fails this step's requests only
-            outputs = []
+            outputs = early or []
             try:
-                if previous is not None:
+                if previous is not None and early is None:
                     outputs = self._read(previous)
             finally:
                 failed = self._abort_scheduled(out)
             raise self._step_failed(error, failed, outputs) from None
         except BaseException:
             try:
-                if previous is not None:
+                if previous is not None and early is None:
                     self._read(previous)
             finally:
                 self._abort_scheduled(out)
@@ -281,6 +303,8 @@ class LLM:
         self.num_steps += 1
         if not self.overlap:
             return self._complete(out, sampled)
+        if early is not None:
+            return early
         if previous is None:
             return []
         try:
@@ -290,6 +314,18 @@ class LLM:
             raise self._step_failed(error, self._abort_scheduled(previous[0], out), []) from None
         except BaseException:
             self._inflight = None
+            self._abort_scheduled(previous[0], out)
+            raise
+
+    def _read_before(self, previous: tuple[SchedulerOutput, LaunchedStep], out: SchedulerOutput
+                     ) -> list[RequestOutput] | None:
+        """Read ``previous`` before launching ``out`` (a step with structured output). On failure ``out``'s
+        requests are aborted too and :class:`StepFailed` names both steps' requests."""
+        try:
+            return self._read(previous)
+        except Exception as error:  # noqa: BLE001
+            raise self._step_failed(error, self._abort_scheduled(previous[0], out), []) from None
+        except BaseException:
             self._abort_scheduled(previous[0], out)
             raise
 
@@ -328,6 +364,9 @@ class LLM:
                 request.cumulative_logprob += sum(entry[token].logprob for token, entry in zip(new, new_logprobs))
             if sampled.prompt_logprobs[i] is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.extend(sampled.prompt_logprobs[i])
+            if request.grammar is not None:
+                for token in new:
+                    request.grammar.accept(token)
             if new or id(request) in finished:
                 text = None
                 if request.is_finished:

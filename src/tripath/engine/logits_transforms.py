@@ -1,8 +1,10 @@
-"""The sampler's transforms of a step's logits before temperature: ``min_tokens``, ``logit_bias`` and the
-repetition / frequency / presence penalties, batched on the device.
+"""The sampler's transforms of a step's logits before temperature: a structured output's mask,
+``min_tokens``, ``logit_bias`` and the repetition / frequency / presence penalties, batched on the device.
 
 For a row ``z [V]`` (float32) of a request with parameters ``SamplingParams``, in vLLM's order:
 
+- structured output: ``z[t] = -inf`` for the tokens its grammar does not allow next
+  (:mod:`tripath.engine.structured_output`; the mask is filled on the host for the step);
 - ``min_tokens``: while the request has fewer outputs, ``z[t] = -inf`` for its stop tokens (the model's
   end-of-sequence ids unless ``ignore_eos``, and ``stop_token_ids``);
 - ``logit_bias``: ``z[t] += bias[t]``;
@@ -29,6 +31,7 @@ import torch
 
 from tripath.attention.metadata import to_device
 from tripath.engine.request import Request, RequestStatus
+from tripath.engine.structured_output import apply_bitmask, new_bitmask
 
 
 class PenaltyState:
@@ -99,6 +102,8 @@ class StepTransforms:
     step index is below ``ban_left`` (outputs still missing when the launch began); ``bias_*``: logit_bias
     entries; ``penalty_rows`` and their ``slots`` with per-row ``repetition / frequency / presence``."""
 
+    grammar_rows: torch.Tensor | None = None
+    grammar_mask: torch.Tensor | None = None
     ban_rows: torch.Tensor | None = None
     ban_tokens: torch.Tensor | None = None
     ban_left: torch.Tensor | None = None
@@ -116,6 +121,8 @@ class StepTransforms:
         """A float32 copy of ``logits [N, V]`` with the transforms applied for model step ``step`` of the
         launch."""
         out = logits.to(torch.float32, copy=True)
+        if self.grammar_rows is not None:
+            apply_bitmask(out, self.grammar_rows, self.grammar_mask)
         if self.ban_rows is not None:
             neg = torch.where(self.ban_left > step, float("-inf"), 0.0)
             out.index_put_((self.ban_rows, self.ban_tokens), neg, accumulate=True)
@@ -144,10 +151,19 @@ def step_transforms(requests: Sequence[Request], state: PenaltyState, vocab_size
     """The transforms for a launch of ``num_steps`` model steps whose sampled rows are ``requests`` (row
     ``i``: ``requests[i]``, scheduled: its in-flight tokens count this launch's), or None when none of them
     transforms its logits."""
-    rows = [i for i, r in enumerate(requests) if r.sampling_params.transforms_logits]
+    rows = [i for i, r in enumerate(requests) if r.sampling_params.transforms_logits or r.grammar is not None]
     if not rows:
         return None
     t = StepTransforms()
+    constrained = [i for i in rows if requests[i].grammar is not None]
+    if constrained:
+        if num_steps != 1:
+            raise ValueError("a step with structured output runs one model step a launch")
+        mask = new_bitmask(len(constrained), vocab_size)
+        for j, i in enumerate(constrained):
+            requests[i].grammar.fill(mask, j)
+        t.grammar_rows = to_device(constrained, torch.int64, device)
+        t.grammar_mask = mask.to(device, non_blocking=True)
     ban_rows, ban_tokens, ban_left = [], [], []
     bias_rows, bias_tokens, bias_values = [], [], []
     penalized = []

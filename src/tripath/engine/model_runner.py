@@ -519,7 +519,7 @@ class ModelRunner:
         (the steps run once with their compilations listed instead of made)."""
         device = self.device
         steps = worst_steps(runner_limits(self), self.spec.extend_chunk_budget)
-        self.penalties.allocate(self._logits_width())  # held for the engine's life: in use, not a step's
+        self.penalties.allocate(self.logits_width())  # held for the engine's life: in use, not a step's
         scratch = [self.backend.allocate_cache(SCRATCH_BLOCKS, device) for _ in range(self.num_layers)]
         if pool is not None:
             with collect_compilations() as compilations:
@@ -549,7 +549,7 @@ class ModelRunner:
         return plan
 
     @torch.inference_mode()
-    def _logits_width(self) -> int:
+    def logits_width(self) -> int:
         """Columns of the logits :meth:`compute_logits` returns (the vocabulary, padded as the model pads it)."""
         hidden = torch.zeros(1, int(self.model.config.hidden_size), dtype=self.config.dtype, device=self.device)
         return int(self.compute_logits(hidden).shape[-1])

@@ -23,6 +23,8 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from tripath.engine.structured_output import GrammarState, StructuredOutput
+
 
 def token_ids_of(prompt, name: str = "prompt", vocab_size: int | None = None) -> list[int]:
     """``prompt`` as a list of Python ints: a sequence of integers (``int``, numpy integers; not ``bool``,
@@ -71,6 +73,10 @@ class SamplingParams:
     else is in the batch. Generation stops after ``max_tokens``, at an end-of-sequence token of the model
     (unless ``ignore_eos``) or at any of ``stop_token_ids`` (neither before ``min_tokens``).
 
+    ``structured_output`` (:class:`~tripath.engine.structured_output.StructuredOutput`): the tokens are
+    constrained to a JSON schema, a regular expression, a choice of strings or a grammar; the disallowed
+    tokens' logits are ``-inf`` before everything above.
+
     ``logprobs`` ``k``: each output token's log-probability with its rank, and the ``k`` most likely tokens
     (0: the sampled token alone); ``prompt_logprobs`` ``k``: the same for every prompt token after the first
     (the first has none). Log-probabilities are ``log_softmax`` of the model's logits in float32, before any
@@ -99,6 +105,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     best_of: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
@@ -146,6 +153,9 @@ class SamplingParams:
             raise ValueError(f"n must be an int in [1, {MAX_CHOICES}], got {self.n!r}")
         if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_CHOICES):
             raise ValueError(f"best_of must be None or an int in [n ({self.n}), {MAX_CHOICES}], got {self.best_of!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise TypeError(f"structured_output must be a StructuredOutput, got "
+                            f"{type(self.structured_output).__name__}")
         if self.seed is not None and self.seed + self.num_choices - 1 > INT64_MAX:
             raise ValueError(f"seed + best_of - 1 must fit in a signed 64-bit integer (choice i draws with seed + i), "
                              f"got seed {self.seed} with {self.num_choices} choices")
@@ -238,6 +248,7 @@ class Request:
     logprobs: list[PositionLogprobs] | None = None           # per output token, when sampling_params.logprobs
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token, when prompt_logprobs
     cumulative_logprob: float | None = None                  # with logprobs: the sum over the output tokens
+    grammar: GrammarState | None = None                      # with structured_output: its matcher
 
     def __post_init__(self):
         self.prompt_token_ids = token_ids_of(self.prompt_token_ids, "prompt_token_ids")

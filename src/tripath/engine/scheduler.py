@@ -194,7 +194,8 @@ class Scheduler:
         its ``max_tokens`` still needs; 1 when a waiting request could be admitted, when the decodes exceed
         the token budget, or when the free blocks do not cover every decode's tokens for those steps."""
         if most <= 1 or len(decodes) > self.token_budget or \
-                (self.waiting and len(self.running) < self.max_num_seqs):
+                (self.waiting and len(self.running) < self.max_num_seqs) or \
+                any(r.grammar is not None for r in decodes):   # each token's mask needs the one before
             return 1
         steps = min(most, min(r.sampling_params.max_tokens - r.num_output_tokens - r.num_inflight_tokens
                               for r in decodes))

@@ -61,6 +61,7 @@ class StepRequest:
     new_token_ids: list[int]
     sampling_params: SamplingParams = GREEDY
     generator: torch.Generator | None = None
+    grammar: None = None   # workers sample greedily, unconstrained (rank 0's samples are the engine's)
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         return self.new_token_ids[start - self.start:stop - self.start]

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tripath.engine.chat import chat_token_ids, encode_text
 from tripath.engine.request import SamplingParams
+from tripath.engine.structured_output import StructuredOutput
 from tripath.server import protocol as P
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
@@ -188,7 +189,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
         prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
-        gen = _generation(state, body, prompts, body.max_tokens)
+        structured = await _in_thread(_structured_output, state, body)
+        gen = _generation(state, body, prompts, body.max_tokens, structured)
         return await respond(state, gen, body, request, chat=False, echo=_echo_texts(state, body, raw_prompts, prompts))
 
     @app.post("/v1/chat/completions", openapi_extra=_schema(P.ChatCompletionRequest))
@@ -202,7 +204,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
         if body.tools is not None and "tools" not in template_kwargs:
             template_kwargs["tools"] = body.tools
         prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt, template_kwargs)
-        gen = _generation(state, body, [prompt], body.output_limit)
+        structured = await _in_thread(_structured_output, state, body)
+        gen = _generation(state, body, [prompt], body.output_limit, structured)
         return await respond(state, gen, body, request, chat=True)
 
     return app
@@ -274,7 +277,21 @@ def _prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
     return ids
 
 
-def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: int | None) -> Generation:
+def _structured_output(state: ServerState, body) -> StructuredOutput | None:
+    """The request's output constraint, compiled (so the engine thread finds it in the compiler's cache)."""
+    asked = body.structured_output()
+    if asked is None:
+        return None
+    try:
+        spec = StructuredOutput(**{k: tuple(v) if k == "choice" else v for k, v in asked.items()})
+        state.engine.llm.grammar_compiler().compile(spec)
+    except (ValueError, TypeError, ImportError) as error:
+        raise APIError(400, str(error), param="response_format") from None
+    return spec
+
+
+def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: int | None,
+                structured: StructuredOutput | None = None) -> Generation:
     """The engine submissions of a request: ``prompts`` x ``num_choices`` (``n``, or ``best_of``), choice
     ``j`` of a prompt seeded ``seed + j``. ``max_tokens`` 0 (completions): the prompt is scored and one token
     is run and hidden."""
@@ -307,7 +324,8 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
                     stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                     repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty, logit_bias=bias,
-                    logprobs=0 if ranked and logprobs is None else logprobs, prompt_logprobs=prompt_logprobs)
+                    logprobs=0 if ranked and logprobs is None else logprobs, prompt_logprobs=prompt_logprobs,
+                    structured_output=structured)
             except (ValueError, TypeError) as error:
                 raise APIError(400, str(error)) from None
             params.append(sp)

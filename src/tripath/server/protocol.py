@@ -38,6 +38,7 @@ MAX_NAME_CHARS = 1024          # model, user, message names and ids
 MAX_LOGIT_BIAS = 1024
 MAX_TEMPERATURE = 1e30         # the sampler divides float32 logits by it
 MAX_LOGPROBS = 20              # the engine's (vLLM's default max_logprobs)
+MAX_CHOICE_STRINGS = 1024      # guided_choice / structured_outputs.choice
 
 Int = StrictInt
 Float = Union[StrictInt, StrictFloat]   # a JSON number (an integer is a float too), never a string or a bool
@@ -73,6 +74,28 @@ def _finite(name: str, value: float | None, low: float, high: float) -> None:
         raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value}")
 
 
+class JsonSchemaFormat(_Request):
+    name: Name | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's ``structured_outputs`` field (and its older ``guided_*`` fields)."""
+
+    json_: Union[dict[str, Any], StrictStr, None] = Field(default=None, alias="json")
+    json_object: Bool | None = None
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
+    grammar: StrictStr | None = None
+
+
 class _SamplingRequest(_Request):
     model: Name
     max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None
@@ -96,6 +119,39 @@ class _SamplingRequest(_Request):
     repetition_penalty: Float = 1.0
     logit_bias: Annotated[dict[Annotated[StrictStr, Field(max_length=32)], Float],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[dict[str, Any], StrictStr, None] = None
+    guided_regex: StrictStr | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
+    guided_grammar: StrictStr | None = None
+
+    def structured_output(self) -> dict[str, Any] | None:
+        """The constraint asked for, as ``StructuredOutput`` keyword arguments (None: unconstrained); a
+        request naming more than one is refused."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+        so = self.structured_outputs
+        if so is not None:
+            fields = {"json": so.json_, "json_object": so.json_object or None, "regex": so.regex,
+                      "choice": so.choice, "grammar": so.grammar}
+            fields = {k: v for k, v in fields.items() if v is not None}
+            if len(fields) != 1:
+                raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar")
+            asked.append(("structured_outputs", fields))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if len(asked) > 1:
+            raise ValueError(f"more than one output constraint: {', '.join(n for n, _ in asked)}; send one")
+        return asked[0][1] if asked else None
 
     @model_validator(mode="after")
     def _check_ranges(self):
@@ -114,6 +170,7 @@ class _SamplingRequest(_Request):
         if self.seed is not None and self.seed + self.num_choices - 1 > INT64_MAX:
             raise ValueError(f"seed + {'best_of' if self.num_choices > self.n else 'n'} - 1 must fit in a signed "
                              f"64-bit integer (choice i draws with seed + i), got seed {self.seed}")
+        self.structured_output()   # one constraint at most
         bad = [name for name, is_set in self._unsupported().items() if is_set]
         if bad:
             raise ValueError(f"{', '.join(bad)} not supported by this server (leave unset)")

@@ -1,0 +1,164 @@
+"""Structured output: a request's tokens constrained to a JSON schema, any JSON object, a regular expression,
+one of a list of strings, or an EBNF grammar — through xgrammar (``pip install xgrammar``).
+
+Why xgrammar: per step, filling one request's next-token mask (SmolLM2's 49,152-token vocabulary, a JSON
+schema with a string, an integer and an array) took 3 µs at the median and 79 µs at most on one CPU core,
+against 12 µs and 1.6 ms for llguidance; compiling that schema took 6 ms (llguidance 2 ms), cached per
+schema. It is also vLLM's default backend, so the grammars behave as users of vLLM know them.
+
+How it runs: a request with ``SamplingParams.structured_output`` gets a matcher (:class:`GrammarState`)
+when it is added. Before each model step that samples it, its row of the step's bitmask ``[rows, ceil(V /
+32)]`` int32 (bit ``t`` of a row: token ``t`` allowed) is filled on the host, sent with the step, and the
+disallowed logits become ``-inf`` on the device before any other transform; each token the step samples is
+then fed to the matcher. The grammar allows the end-of-sequence tokens exactly when the text is complete, so
+the request ends there. Because the mask of a step needs the token of the step before, a step with such a
+request does not overlap the previous one (the engine reads the previous step first) and does not run
+several decode steps in one launch; other steps are unaffected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One constraint (exactly one field set): ``json`` a JSON schema (a dict or its JSON text),
+    ``json_object`` any JSON object, ``regex`` a regular expression the whole output matches, ``choice``
+    one of these strings exactly, ``grammar`` an EBNF grammar (xgrammar's / GBNF dialect, ``root`` rule)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if self.choice is not None:
+            choice = tuple(self.choice) if not isinstance(self.choice, str) else None
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError("structured_output.choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"structured_output.json is not valid JSON: {error}") from None
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise TypeError(f"structured_output.json must be a JSON schema (dict or str), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_output.{name} must be a non-empty string")
+        set_fields = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_fields) != 1:
+            raise ValueError(f"structured_output needs exactly one of {', '.join(KINDS)}; got "
+                             f"{', '.join(set_fields) or 'none'}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """A hashable identity of the constraint (the compiled grammars' cache key)."""
+        value = getattr(self, self.kind)
+        return self.kind, value if isinstance(value, str) else json.dumps(value)   # keeps property order
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:
+        raise ImportError("structured output needs the xgrammar package: pip install xgrammar "
+                          "(or pip install 'tripath[structured]')") from None
+    return xgrammar
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary width (the logits' columns), with a cache;
+    safe to call from several threads."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
+        if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+            raise ValueError("structured output needs the model's Hugging Face tokenizer; this model has none")
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self._compiler = xgr.GrammarCompiler(info)
+        self._cache: dict[tuple[str, str], object] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, spec: StructuredOutput):
+        """The compiled grammar of ``spec``; ``ValueError`` naming the field when it does not compile."""
+        key = spec.key
+        with self._lock:
+            if key in self._cache:
+                return self._cache[key]
+        try:
+            if spec.kind == "json":
+                compiled = self._compiler.compile_json_schema(spec.key[1], any_whitespace=False)
+            elif spec.kind == "json_object":   # OpenAI's json_object: an object, not any JSON value
+                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = self._compiler.compile_regex(spec.regex)
+            elif spec.kind == "choice":
+                compiled = self._compiler.compile_regex("|".join(f"({re.escape(c)})" for c in spec.choice))
+            else:
+                compiled = self._compiler.compile_grammar(spec.grammar)
+        except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad input
+            raise ValueError(f"structured_output.{spec.kind} could not be compiled: {error}") from None
+        with self._lock:
+            self._cache[key] = compiled
+        return compiled
+
+    def state(self, spec: StructuredOutput) -> "GrammarState":
+        return GrammarState(_xgrammar().GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+
+class GrammarState:
+    """A request's matcher: which tokens may come next, fed each token the request keeps."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.failed: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_terminated() or self.failed is not None
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row ``row`` of the host ``bitmask``: the allowed next tokens (all, once the matcher is done)."""
+        if self.done:
+            bitmask[row].fill_(-1)
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> None:
+        if not self.done and not self.matcher.accept_token(int(token)):
+            self.failed = f"token {token} is not allowed by the grammar"
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """A host bitmask of ``rows`` rows, every token allowed (pinned where a GPU is present)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32,
+                      pin_memory=torch.cuda.is_available())
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """``logits[rows[i], t] = -inf`` where bit ``t`` of ``bitmask[i]`` (device, int32) is clear."""
+    vocab = logits.shape[-1]
+    tokens = torch.arange(vocab, device=logits.device)
+    allowed = (bitmask[:, tokens // 32] >> (tokens % 32)) & 1
+    picked = logits.index_select(0, rows).masked_fill(allowed == 0, float("-inf"))
+    logits.index_copy_(0, rows, picked)
