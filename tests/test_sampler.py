@@ -9,10 +9,13 @@ from tripath.engine.request import SamplingParams
 from tripath.engine.sampler import filtered_probs, make_generator, sample
 
 
-def reference_probs(logits_row, temperature, top_k, top_p):
+def reference_probs(logits_row, temperature, top_k, top_p, min_p=0.0):
     """float64, token by token: the kept set and the renormalised distribution."""
     z = [float(x) / temperature for x in logits_row]
     order = sorted(range(len(z)), key=lambda i: -z[i])
+    if min_p > 0:   # p_i >= min_p * p_max
+        top = z[order[0]]
+        order = [i for i in order if math.exp(z[i] - top) >= min_p]
     if top_k >= 1:
         kth = z[order[min(top_k, len(z)) - 1]]
         order = [i for i in order if z[i] >= kth]
@@ -32,15 +35,17 @@ def reference_probs(logits_row, temperature, top_k, top_p):
     return out
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, -1, 1.0), (0.7, 5, 1.0), (1.3, -1, 0.6), (0.9, 8, 0.8), (2.0, 1, 1.0), (1.0, 0, 0.05)])
-def test_filtered_probs_match_the_reference(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
+    (1.0, -1, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.3, -1, 0.6, 0.0), (0.9, 8, 0.8, 0.0), (2.0, 1, 1.0, 0.0),
+    (1.0, 0, 0.05, 0.0), (1.0, -1, 1.0, 0.1), (0.8, 6, 0.9, 0.05)])
+def test_filtered_probs_match_the_reference(temperature, top_k, top_p, min_p):
     logits = torch.randn(4, 37) * 3
     n = logits.shape[0]
     probs = filtered_probs(logits, torch.full((n,), temperature), torch.full((n,), top_k, dtype=torch.int64),
-                           torch.full((n,), top_p))
+                           torch.full((n,), top_p), torch.full((n,), min_p) if min_p else None)
     for row in range(n):
-        ref = torch.tensor(reference_probs(logits[row].tolist(), temperature, top_k, top_p), dtype=torch.float64)
+        ref = torch.tensor(reference_probs(logits[row].tolist(), temperature, top_k, top_p, min_p),
+                           dtype=torch.float64)
         torch.testing.assert_close(probs[row].double(), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -67,8 +67,9 @@ class SamplingParams:
     its values; ``repetition_penalty`` ``r`` divides the positive and multiplies the negative logits of tokens
     seen in the prompt or the outputs; ``frequency_penalty`` subtracts ``f * count`` and ``presence_penalty``
     ``p * (count > 0)`` for each token's count among the outputs. Then ``temperature`` 0 is greedy (argmax);
-    otherwise logits are divided by it, cut to the ``top_k`` most likely tokens (``-1`` or 0 = all) and to the
-    smallest set whose probability reaches ``top_p``, and sampled with a per-request generator (seeded by
+    otherwise logits are divided by it, cut to the tokens at least ``min_p`` times as likely as the most likely
+    one, to the ``top_k`` most likely tokens (``-1`` or 0 = all) and to the smallest set whose probability
+    reaches ``top_p``, and sampled with a per-request generator (seeded by
     ``seed``, or by the engine's seed and the request's number), so a request's tokens do not depend on what
     else is in the batch. Generation stops after ``max_tokens``, at an end-of-sequence token of the model
     (unless ``ignore_eos``) or at any of ``stop_token_ids`` (neither before ``min_tokens``).
@@ -93,6 +94,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -110,7 +112,7 @@ class SamplingParams:
     def __post_init__(self):
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
             raise ValueError(f"max_tokens must be an int in [1, 2**63 - 1], got {self.max_tokens!r}")
-        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
                 raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -119,6 +121,8 @@ class SamplingParams:
                              f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= INT64_MAX:
             raise ValueError(f"top_k must be an int in [1, 2**63 - 1], or -1 / 0 for no limit, got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):

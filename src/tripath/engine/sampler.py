@@ -1,7 +1,7 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, with a generator per request.
+"""Next-token sampling: greedy, temperature, min-p, top-k, top-p, with a generator per request.
 
-For a row of logits ``z [V]`` with temperature ``t > 0``: ``p = softmax(z / t)`` restricted to the ``k``
-most likely tokens (ties at the k-th value kept) and then to the smallest most-likely-first set whose mass
+For a row of logits ``z [V]`` with temperature ``t > 0``: ``p = softmax(z / t)`` restricted to the tokens at
+least ``min_p`` times as likely as the most likely one, then to the ``k`` most likely tokens (ties at the k-th value kept) and then to the smallest most-likely-first set whose mass
 reaches ``top_p`` (the most likely token always stays), renormalised. The token is drawn with the
 exponential race ``argmax_i p_i / e_i``, ``e_i ~ Exp(1)`` from the request's own generator — the same law as
 a categorical draw, and it makes each request's tokens independent of the rest of the batch (a preempted,
@@ -21,10 +21,11 @@ from tripath.engine.request import SamplingParams
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
-    """``[N, V]`` float32 probabilities after temperature, top-k and top-p (rows of ``logits [N, V]``, any
-    float dtype; ``temperature [N] > 0``, ``top_k [N]`` int64 with values < 1 meaning no limit, ``top_p [N]``
-    in (0, 1])."""
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """``[N, V]`` float32 probabilities after temperature, min-p, top-k and top-p (rows of ``logits [N, V]``,
+    any float dtype; ``temperature [N] > 0``, ``top_k [N]`` int64 with values < 1 meaning no limit, ``top_p
+    [N]`` in (0, 1], ``min_p [N]`` in [0, 1]: tokens less likely than ``min_p`` times the most likely one
+    are dropped)."""
     vocab = logits.shape[-1]
     # Shifted by the row's max before the division, so a tiny temperature sends every other logit to -inf
     # (or a very negative number) rather than overflowing the max to inf: it stays finite, ``0 / t = 0``,
@@ -33,6 +34,9 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
     scaled = shifted / temperature.clamp(min=torch.finfo(torch.float32).tiny)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    if min_p is not None:   # p_i < min_p * p_max  <=>  z_i / t < z_max / t + log(min_p)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < sorted_logits[:, :1] + min_p.log()[:, None],
+                                                  float("-inf"))
     k = torch.where(top_k < 1, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
     kth = sorted_logits.gather(1, (k - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
@@ -77,7 +81,10 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     temperature = to_device([params[i].temperature for i in rows], torch.float32, device)
     top_k = to_device([params[i].top_k for i in rows], torch.int64, device)
     top_p = to_device([params[i].top_p for i in rows], torch.float32, device)
-    probs = filtered_probs(logits[pick], temperature, top_k, top_p)
+    min_p = None
+    if any(params[i].min_p > 0 for i in rows):
+        min_p = to_device([params[i].min_p for i in rows], torch.float32, device)
+    probs = filtered_probs(logits[pick], temperature, top_k, top_p, min_p)
     noise = torch.empty_like(probs)
     for j, i in enumerate(rows):
         noise[j].exponential_(generator=generators[i])

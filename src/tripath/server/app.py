@@ -320,7 +320,7 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
             try:
                 sp = SamplingParams(
                     max_tokens=1 if hidden else max_tokens if max_tokens is not None else room,
-                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=seed,
+                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=seed,
                     stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                     repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty, logit_bias=bias,

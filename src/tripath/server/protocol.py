@@ -2,7 +2,7 @@
 
 Requests follow vLLM's schema policy: a field the server does not know is accepted and ignored (and logged
 once per field name), so clients written for vLLM or OpenAI keep working. Beyond OpenAI's fields the server
-takes vLLM's ``top_k``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
+takes vLLM's ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``prompt_logprobs`` and ``chat_template_kwargs``;
 ``stop`` may hold strings or token ids. Completions take ``logprobs`` (0-20), ``echo`` and ``max_tokens`` 0
 (the prompt scored, nothing generated); chats ``logprobs`` / ``top_logprobs``. Fields of the API that the
@@ -102,6 +102,7 @@ class _SamplingRequest(_Request):
     temperature: Float = 1.0
     top_p: Float = 1.0
     top_k: Annotated[Int, Field(ge=-1, le=INT64_MAX)] = -1
+    min_p: Float = 0.0
     n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] = 1
     seed: Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)],
@@ -158,6 +159,7 @@ class _SamplingRequest(_Request):
         _finite("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _finite("min_p", self.min_p, 0.0, 1.0)
         _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE):
