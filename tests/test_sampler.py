@@ -17,7 +17,7 @@ def reference_probs(logits_row, temperature, top_k, top_p, min_p=0.0):
         top = z[order[0]]
         order = [i for i in order if math.exp(z[i] - top) >= min_p]
     if top_k >= 1:
-        kth = z[order[min(top_k, len(z)) - 1]]
+        kth = z[order[min(top_k, len(order)) - 1]]
         order = [i for i in order if z[i] >= kth]
     m = max(z[i] for i in order)
     w = {i: math.exp(z[i] - m) for i in order}
