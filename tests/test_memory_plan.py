@@ -243,3 +243,45 @@ def test_the_server_answers_an_out_of_memory_step_503_and_serves_the_next_reques
     finally:
         engine.stop()
         torch.set_num_threads(threads)
+
+
+@pytest.mark.gpu
+def test_the_mla_workload_runs_at_the_default_memory_utilization():
+    """The seed's MLA workload (DeepSeek-R1's attention at TP 8: 256 requests of 1-3K tokens, 512 out, 64 at
+    once) at the default gpu_memory_utilization: it ran out of memory in an extend's up-projection before
+    the memory plan reserved the worst extend."""
+    import random
+
+    llm = LLM("deepseek-r1-attn-tp8", backend="mla", max_num_seqs=64, max_num_batched_tokens=8192)
+    rng = random.Random(1)
+    vocab = llm.model.config.vocab_size
+    prompts = [[rng.randrange(2, vocab) for _ in range(rng.randrange(1024, 3072))] for _ in range(256)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=512, temperature=0, ignore_eos=True), use_tqdm=False)
+    peak = torch.cuda.max_memory_allocated()
+    print(f"mla workload: peak {peak / 2**30:.2f} GiB, planned {llm.runner.memory_plan.planned_peak / 2**30:.2f} GiB")
+    assert all(len(o.output_token_ids) == 512 for o in outputs)
+    assert peak <= llm.runner.memory_plan.planned_peak
+    assert llm.num_compiled_since_start == 0
+
+
+@pytest.mark.gpu
+def test_serve_with_default_settings_answers_health_and_a_completion(tmp_path):
+    """``tripath serve --model llama-3.1-8b`` with every setting at its default (it ran out of memory in the
+    warm-up before the memory plan)."""
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from server_process import ServerProcess
+
+    server = ServerProcess(["--model", "llama-3.1-8b"], tmp_path / "server.log", startup_timeout_s=900,
+                           log_level="info")
+    try:
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+        r = httpx.post(server.url + "/v1/completions", timeout=120,
+                       json={"model": "llama-3.1-8b", "prompt": [1, 2, 3, 4], "max_tokens": 8, "ignore_eos": True})
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 8, r.text
+        print(server.log())
+    finally:
+        assert server.close() == 0
