@@ -39,9 +39,8 @@ def ask(block_n: int, has_residual: bool):
     """What ``ops.norm.rms_norm`` launches for rows of ``block_n`` fp16 values (``warmup``: compile only)."""
     x = torch.zeros(4, block_n, dtype=torch.float16)
     w = torch.zeros(block_n, dtype=torch.float16)
-    return rms_norm_kernel.warmup(x, x, w, w, x, x, 4, block_n, block_n, 0, block_n, block_n, block_n, 1e-6, 1, 0,
-                                  BLOCK_M=1, BLOCK_N=block_n, HAS_RESIDUAL=has_residual, TWO_WEIGHTS=False,
-                                  num_warps=4, grid=(4,))
+    return rms_norm_kernel.warmup(x, x, w, x, x, 4, block_n, block_n, block_n, block_n, block_n, 1e-6,
+                                  BLOCK_M=1, BLOCK_N=block_n, HAS_RESIDUAL=has_residual, num_warps=4, grid=(4,))
 
 
 def main() -> int:

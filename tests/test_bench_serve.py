@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
-from tripath.bench import serve
-from tripath.bench.serve import WORKLOADS, Workload, make_prompts, model_costs, roofline_floor_s, run_pass
+from tripath.bench import serve, serve_rounds
+from tripath.bench.serve_engine import run_pass
+from tripath.bench.serve_floor import model_costs, roofline_floor_s
+from tripath.bench.serve_workloads import WORKLOADS, Workload, make_prompts
 from tripath.bench.gc_pauses import GarbageCollections, format_collections
 from tripath.bench.step_breakdown import StepBreakdown, format_breakdown
 from tripath.engine import LLM
@@ -82,12 +84,12 @@ def test_the_warm_pass_is_the_median_of_the_passes_after_the_first():
         return {"elapsed_s": elapsed, "output_throughput": 1 / elapsed, "total_throughput": 2 / elapsed,
                 "ttft_s": {}, "tpot_s": {}, "itl_s": {}, "e2e_s": {}, "compiled_after_start": 0}
     result = {"backend": "b", "start_s": 1.0, "passes": [pass_of(9.0), pass_of(3.0), pass_of(1.0), pass_of(2.0)]}
-    row, = serve.rows_of([result], "w")
+    row, = serve_rounds.rows_of([result], "w")
     assert row["first_pass_s"] == 9.0 and row["warm_pass_s"] == 2.0 and row["output_throughput"] == 0.5
     assert row["warm_passes_s"] == [3.0, 1.0, 2.0]
-    row, = serve.rows_of([{**result, "passes": result["passes"][:2]}], "w")
+    row, = serve_rounds.rows_of([{**result, "passes": result["passes"][:2]}], "w")
     assert row["warm_pass_s"] == 3.0 and row["warm_passes_s"] == [3.0]
-    row, = serve.rows_of([{**result, "passes": result["passes"][:1]}], "w")  # one pass: it is both
+    row, = serve_rounds.rows_of([{**result, "passes": result["passes"][:1]}], "w")  # one pass: it is both
     assert row["first_pass_s"] == row["warm_pass_s"] == 9.0 and row["warm_passes_s"] == []
 
 
@@ -95,16 +97,16 @@ def test_rounds_report_the_median_round_with_the_first_rounds_starts():
     def result_of(warm, start, compiled=0):
         passes = [{"elapsed_s": 9.0, "compiled_after_start": compiled}, {"elapsed_s": warm, "compiled_after_start": 0}]
         return {"backend": "b", "start_s": start, "warm_start_s": start / 2, "passes": passes, "round": warm}
-    merged = serve.merge_rounds([result_of(3.0, 20.0), result_of(1.0, 6.0, compiled=2), result_of(2.0, 5.0)])
+    merged = serve_rounds.merge_rounds([result_of(3.0, 20.0), result_of(1.0, 6.0, compiled=2), result_of(2.0, 5.0)])
     assert merged["round"] == 2.0 and merged["round_warm_passes_s"] == [3.0, 1.0, 2.0]
     assert (merged["start_s"], merged["warm_start_s"]) == (20.0, 10.0) and merged["compiled_in_rounds"] == 2
-    assert serve.merge_rounds([result_of(3.0, 20.0), result_of(1.0, 6.0)])["round"] == 3.0  # the slower middle
+    assert serve_rounds.merge_rounds([result_of(3.0, 20.0), result_of(1.0, 6.0)])["round"] == 3.0  # the slower middle
     single = result_of(3.0, 20.0)
-    assert serve.merge_rounds([single]) is single
+    assert serve_rounds.merge_rounds([single]) is single
     failed = {"backend": "b", "error": "the benchmark process exited with 1"}
-    assert serve.merge_rounds([single, failed]) is failed
+    assert serve_rounds.merge_rounds([single, failed]) is failed
     row = {"backend": "b", "first_pass_s": 0.7, "warm_passes_s": [0.5], "round_warm_passes_s": [0.5, 0.55]}
-    assert serve.format_passes(row).endswith("; warm pass of each round 0.500 / 0.550 s (within 10.0%; "
+    assert serve_rounds.format_passes(row).endswith("; warm pass of each round 0.500 / 0.550 s (within 10.0%; "
                                              "reported: the median round)")
 
 
@@ -164,9 +166,9 @@ def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
 
 def test_the_passes_line_shows_every_pass_and_the_warm_spread():
     row = {"backend": "b", "first_pass_s": 0.7, "warm_passes_s": [0.5, 0.55, 0.52]}
-    assert serve.format_passes(row) == ("b: passes 0.700 s, then 0.500 / 0.550 / 0.520 s "
+    assert serve_rounds.format_passes(row) == ("b: passes 0.700 s, then 0.500 / 0.550 / 0.520 s "
                                         "(warm passes within 10.0% of each other)")
-    assert serve.format_passes({"backend": "b", "first_pass_s": 0.7, "warm_passes_s": []}) == "b: passes 0.700 s"
+    assert serve_rounds.format_passes({"backend": "b", "first_pass_s": 0.7, "warm_passes_s": []}) == "b: passes 0.700 s"
 
 
 def test_garbage_collections_are_counted_and_timed_by_generation():

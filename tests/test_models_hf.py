@@ -35,9 +35,9 @@ def llama():
         **COMMON, num_attention_heads=4, num_key_value_heads=2, mlp_bias=True, rope_parameters=rope))
 
 
-def mistral():
+def mistral(**extra):
     return transformers.MistralForCausalLM(transformers.MistralConfig(
-        **COMMON, num_attention_heads=4, num_key_value_heads=1, sliding_window=8))
+        **COMMON, num_attention_heads=4, num_key_value_heads=1, sliding_window=8, **extra))
 
 
 def qwen2():
@@ -58,10 +58,11 @@ def qwen3_moe():
         mlp_only_layers=[1], norm_topk_prob=True))
 
 
-def deepseek_v2():
+def deepseek_v2(**extra):
     cfg = transformers.DeepseekV2Config(
         **{**COMMON, "num_hidden_layers": 3}, **{**MLA, "num_experts_per_tok": 3}, q_lora_rank=None,
-        n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5)
+        n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        **extra)
     return transformers.DeepseekV2ForCausalLM(cfg)
 
 
@@ -120,10 +121,13 @@ def compare_steps(hf_model, model, *, block_size=4, decode_steps=3, device="cpu"
 
 
 @pytest.mark.parametrize("make", [llama, mistral, qwen2, qwen3, qwen3_moe, deepseek_v2, deepseek_v3,
-                                  lambda: deepseek_v3(rope_interleave=False)],
+                                  lambda: deepseek_v3(rope_interleave=False), lambda: deepseek_v2(mlp_bias=True),
+                                  lambda: mistral(mlp_bias=True)],
                          ids=["llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3",
-                              "deepseek_v3_neox"])
+                              "deepseek_v3_neox", "deepseek_v2_mlp_bias", "mistral_ignores_mlp_bias"])
 def test_matches_transformers(make, tmp_path):
+    """``mlp_bias``: DeepSeek V2's dense MLP and shared experts take it (as Llama's MLP does); Mistral's MLP
+    has no bias whatever its config says."""
     hf_model = _save(make(), tmp_path)
     model = load_model(str(tmp_path), dtype=torch.float32)
     assert model.config.architecture == type(hf_model).__name__

@@ -1,11 +1,12 @@
-"""rms_norm (the fused RMSNorm / residual-add kernel) and rms_norm_heads (per-head norms of a packed QKV
-view, two weights in one launch) against float64 math; strided rows; bad input."""
+"""rms_norm (the fused RMSNorm / residual-add kernel) and rms_norm_rope_heads (per-head norms of a packed QKV
+view, two weights, and RoPE in one launch) against float64 math; strided rows; bad input."""
 
 import pytest
 import torch
 
 from conftest import DEVICE
-from tripath.ops.norm import MAX_NORM_SIZE, norm_config, rms_norm, rms_norm_heads
+from tripath.ops.norm import MAX_NORM_SIZE, norm_config, rms_norm, rms_norm_rope_heads
+from tripath.ops.rotary import rope_cos_sin
 
 
 def norm_f64(x, weight, eps):
@@ -47,7 +48,7 @@ def test_rows_of_a_strided_view():
 
 
 def test_several_rows_a_program_cover_every_row():
-    """Narrow rows (per-head norms) share a program: row counts that are not a multiple of BLOCK_M."""
+    """Narrow rows share a program: row counts that are not a multiple of BLOCK_M."""
     assert norm_config(64)["BLOCK_M"] > 1
     x = torch.randn(3 * norm_config(64)["BLOCK_M"] + 5, 64, device=DEVICE)
     weight = torch.rand(64, device=DEVICE) + 0.5
@@ -77,37 +78,6 @@ def test_bad_input():
         rms_norm(torch.randn(64, 4, device=DEVICE).t(), w, 1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("tokens,q_heads,kv_heads,head_size", [(7, 8, 1, 128), (1, 4, 2, 64), (19, 2, 2, 32)])
-def test_rms_norm_heads_of_a_packed_qkv_view_match_float64(dtype, tokens, q_heads, kv_heads, head_size):
-    """Qwen3's q and k norms on the q and k heads of one packed QKV projection, each with its own weight."""
-    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype, device=DEVICE) * 3
-    qk = qkv[:, :(q_heads + kv_heads) * head_size].view(tokens, -1, head_size)  # strided tokens
-    wq, wk = ((1 + 0.3 * torch.randn(head_size)).to(dtype).to(DEVICE) for _ in range(2))
-    out = rms_norm_heads(qk, wq, 1e-6, second_weight=wk, second_from=q_heads)
-    assert out.shape == qk.shape and out.is_contiguous() and out.dtype == dtype
-    torch.testing.assert_close(out[:, :q_heads], norm_f64(qk[:, :q_heads], wq, 1e-6), **tolerance(dtype))
-    torch.testing.assert_close(out[:, q_heads:], norm_f64(qk[:, q_heads:], wk, 1e-6), **tolerance(dtype))
-    one = rms_norm_heads(qk, wq, 1e-6)  # one weight for every head
-    torch.testing.assert_close(one, norm_f64(qk, wq, 1e-6), **tolerance(dtype))
-
-
-def test_rms_norm_heads_bad_input():
-    x, w = torch.randn(3, 4, 64, device=DEVICE), torch.ones(64, device=DEVICE)
-    with pytest.raises(ValueError, match="x must have 3 dimensions"):
-        rms_norm_heads(x[0], w, 1e-6)
-    with pytest.raises(ValueError, match="second_weight has shape"):
-        rms_norm_heads(x, w, 1e-6, second_weight=torch.ones(32, device=DEVICE), second_from=2)
-    with pytest.raises(ValueError, match="second_from must be a head index in \\[0, 4\\]"):
-        rms_norm_heads(x, w, 1e-6, second_weight=w, second_from=5)
-    with pytest.raises(ValueError, match="without second_weight"):
-        rms_norm_heads(x, w, 1e-6, second_from=2)
-    with pytest.raises(ValueError, match="contiguous in its last dimension"):
-        rms_norm_heads(torch.randn(3, 64, 4, device=DEVICE).transpose(1, 2), w, 1e-6)
-    with pytest.raises(ValueError, match="eps must be positive"):
-        rms_norm_heads(x, w, -1.0)
-
-
 def rope_f64(x, positions, cos, sin, is_neox):
     """Independent float64 rotation of the first ``2 · cos.shape[1]`` dims of each head of ``x [T, H, D]``."""
     half = cos.shape[1]
@@ -129,10 +99,8 @@ def rope_f64(x, positions, cos, sin, is_neox):
 def test_rms_norm_rope_heads_match_float64(dtype, tokens, q_heads, kv_heads, head_size, rotary_dim, is_neox):
     """Qwen3's q and k norms and the rotary embedding in one launch on the q and k heads of a packed QKV
     projection: the float64 norm (each head's own weight), then the float64 rotation at each token's
-    position (partial rotary dims kept as normalised); positions past the table are clamped to its end."""
-    from tripath.ops.norm import rms_norm_rope_heads
-    from tripath.ops.rotary import rope_cos_sin
-
+    position (partial rotary dims kept as normalised); positions past the table are clamped to its end;
+    without a second weight, the first one for every head."""
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_size, dtype=dtype, device=DEVICE) * 3
     qk = qkv[:, :(q_heads + kv_heads) * head_size].view(tokens, -1, head_size)
     wq, wk = ((1 + 0.3 * torch.randn(head_size)).to(dtype).to(DEVICE) for _ in range(2))
@@ -146,12 +114,12 @@ def test_rms_norm_rope_heads_match_float64(dtype, tokens, q_heads, kv_heads, hea
     want = rope_f64(normed.cpu(), positions.clamp(max=63).cpu(), cos.cpu(), sin.cpu(), is_neox)
     tol = dict(atol=1.5e-2, rtol=1e-2) if dtype == torch.float16 else dict(atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out.double().cpu(), want, **tol)
+    one = rms_norm_rope_heads(qk, wq, 1e-6, positions, (cos, sin), is_neox=is_neox)
+    want = rope_f64(norm_f64(qk, wq, 1e-6).cpu(), positions.clamp(max=63).cpu(), cos.cpu(), sin.cpu(), is_neox)
+    torch.testing.assert_close(one.double().cpu(), want, **tol)
 
 
 def test_rms_norm_rope_heads_bad_input():
-    from tripath.ops.norm import rms_norm_rope_heads
-    from tripath.ops.rotary import rope_cos_sin
-
     x, w = torch.randn(3, 4, 64, device=DEVICE), torch.ones(64, device=DEVICE)
     pos, tables = torch.arange(3, device=DEVICE), rope_cos_sin(16, 64, device=DEVICE)
     with pytest.raises(ValueError, match="positions has shape"):
@@ -164,5 +132,16 @@ def test_rms_norm_rope_heads_bad_input():
         rms_norm_rope_heads(x, w, 1e-6, pos, tables[0], is_neox=True)
     with pytest.raises(TypeError, match="is_neox must be a bool"):
         rms_norm_rope_heads(x, w, 1e-6, pos, tables, is_neox=1)
-    with pytest.raises(ValueError, match="second_from must be a head index"):
+    with pytest.raises(ValueError, match="x must have 3 dimensions"):
+        rms_norm_rope_heads(x[0], w, 1e-6, pos, tables, is_neox=True)
+    with pytest.raises(ValueError, match="second_weight has shape"):
+        rms_norm_rope_heads(x, w, 1e-6, pos, tables, is_neox=True, second_weight=w[:32], second_from=2)
+    with pytest.raises(ValueError, match="second_from must be a head index in \\[0, 4\\]"):
         rms_norm_rope_heads(x, w, 1e-6, pos, tables, is_neox=True, second_weight=w, second_from=9)
+    with pytest.raises(ValueError, match="without second_weight"):
+        rms_norm_rope_heads(x, w, 1e-6, pos, tables, is_neox=True, second_from=2)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        rms_norm_rope_heads(torch.randn(3, 64, 4, device=DEVICE).transpose(1, 2), w, 1e-6, pos, tables,
+                            is_neox=True)
+    with pytest.raises(ValueError, match="eps must be positive"):
+        rms_norm_rope_heads(x, w, -1.0, pos, tables, is_neox=True)

@@ -13,6 +13,16 @@ def attention_backend_override() -> str | None:
     return value or None
 
 
+def torchrun_ranks() -> tuple[int, int] | None:
+    """``(RANK, LOCAL_RANK)`` when torchrun started this process (``RANK`` and ``WORLD_SIZE`` both set;
+    ``LOCAL_RANK`` defaults to ``RANK``), else None: the tensor-parallel LLM then joins torchrun's process
+    group instead of spawning its ranks."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ.get("LOCAL_RANK", rank))
+
+
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET=1``: run Triton kernels on the CPU with Triton's interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")

@@ -296,13 +296,6 @@ def _build_rms_norm(platform: Platform, *, size: int, residual: bool, dtype: tor
     norm.rms_norm(x, torch.ones(size, dtype=dtype), 1e-6, residual=_rand(8, size, dtype=dtype) if residual else None)
 
 
-def _build_rms_norm_heads(platform: Platform, *, head_size: int, dtype: torch.dtype = torch.bfloat16) -> None:
-    qkv = _rand(8, (NUM_HEADS + 2 * NUM_KV_HEADS) * head_size, dtype=dtype)
-    qk = qkv[:, :(NUM_HEADS + NUM_KV_HEADS) * head_size].view(8, -1, head_size)
-    norm.rms_norm_heads(qk, torch.ones(head_size, dtype=dtype), 1e-6, second_weight=torch.ones(head_size, dtype=dtype),
-                        second_from=NUM_HEADS)
-
-
 def _build_rms_norm_rope_heads(platform: Platform, *, head_size: int, rotary_dim: int, is_neox: bool,
                                dtype: torch.dtype = torch.bfloat16) -> None:
     qkv = _rand(8, (NUM_HEADS + 2 * NUM_KV_HEADS) * head_size, dtype=dtype)
@@ -452,7 +445,6 @@ def all_scenarios() -> list[Scenario]:
     for size, residual in ((4096, True), (4096, False), (128, False), (512, False), (8192, True)):
         rows.append(_s(f"RMSNorm {size}{' + residual' if residual else ''} bf16", _build_rms_norm,
                        ci=size == 4096 and residual, size=size, residual=residual))
-    rows.append(_s("RMSNorm of q and k heads 128 bf16", _build_rms_norm_heads, ci=True, head_size=128))
     for head_size, rotary_dim, is_neox in ((128, 128, True), (96, 32, False)):
         rows.append(_s(f"RMSNorm + rotary of q and k heads hd{head_size} R={rotary_dim} "
                        f"{'neox' if is_neox else 'gptj'} bf16", _build_rms_norm_rope_heads, ci=is_neox,

@@ -27,6 +27,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from tripath import _env
 from tripath.engine.config import EngineConfig
 from tripath.engine.model_runner import SampledStep
 from tripath.engine.worker import (RankSetup, StepEncoder, join_groups, leave_groups, rank_device, run_worker,
@@ -57,10 +58,6 @@ def check_shardable(model: str, world: int) -> None:
         load_model(model)  # raises its FileNotFoundError
     with torch.device("meta"):
         MODEL_CLASSES[config.family](config, torch.float32, ParallelState(0, world))
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 class _Shutdown:
@@ -99,9 +96,9 @@ class ParallelExecutor:
         world = tensor_parallel_size
         check_shardable(os.fspath(model), world)
         self.processes = []
-        if under_torchrun():
-            rank, init_method = int(os.environ["RANK"]), None
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        torchrun = _env.torchrun_ranks()
+        if torchrun is not None:
+            (rank, local_rank), init_method = torchrun, None
         else:
             if dist.is_initialized():
                 raise RuntimeError("a torch.distributed process group exists in this process already: close the "

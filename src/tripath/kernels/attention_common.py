@@ -155,3 +155,35 @@ def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_he
     else:
         v = tl.load(v_cache_ptr + v_off, mask=valid[:, None] & (dims_v[None, :] < head_size_v), other=0.0)
     return k.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def attend_paged_tiles(q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi, seq_len,
+                       k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, kv_head, dims_k, dims_v,
+                       head_size, head_size_v, block_size,
+                       stride_k0, stride_k1, stride_k2, stride_k3,
+                       stride_v0, stride_v1, stride_v2, stride_v3,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       CAUSAL: tl.constexpr, SHUFFLED: tl.constexpr, X: tl.constexpr,
+                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Online softmax of the query rows ``q [BLOCK_M, Dk]`` (at positions ``q_pos [BLOCK_M]``) over request
+    ``seq``'s paged keys ``[lo, hi)`` of ``kv_head``, in tiles of ``BLOCK_N`` read through its block-table
+    row: :func:`load_paged_kv`, :func:`score_mods` (keys past ``seq_len`` masked, causal if ``CAUSAL``),
+    :func:`softmax_update`. Returns the running max and sum ``[BLOCK_M]`` (log2 domain) and the unnormalised
+    output ``acc [BLOCK_M, BLOCK_DV]`` fp32, for :func:`add_sinks` / :func:`finalize`."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + offs_n
+        k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, seq_len, kv_head, dims_k, dims_v,
+                             head_size, head_size_v, block_size,
+                             stride_k0, stride_k1, stride_k2, stride_k3,
+                             stride_v0, stride_v1, stride_v2, stride_v3,
+                             SHUFFLED, X, q.dtype)
+        s = score_mods(tl.dot(q, k), q_pos, k_pos, seq_len, slope2, qk_scale, softcap, window_left,
+                       True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, True)
+    return m_i, l_i, acc

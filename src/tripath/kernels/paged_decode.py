@@ -10,8 +10,7 @@ split the program writes the output; otherwise it writes an fp32 partial ``(o_s,
 import triton
 import triton.language as tl
 
-from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, load_paged_kv, score_mods,
-                                              softmax_update)
+from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize
 from tripath.kernels.specialize import STEP_INVARIANT
 
 
@@ -68,21 +67,13 @@ def paged_decode_kernel(
     else:
         slope2 = tl.zeros([BLOCK_G], tl.float32)
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
-    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        k_pos = start + offs_n
-        k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, seq_len, kv_head, dims_k, dims_v,
-                             head_size, head_size_v, block_size,
-                             stride_k0, stride_k1, stride_k2, stride_k3,
-                             stride_v0, stride_v1, stride_v2, stride_v3,
-                             SHUFFLED, X, q_ptr.dtype.element_ty)
-        s = score_mods(tl.dot(q, k), q_pos, k_pos, seq_len, slope2, qk_scale, softcap, window_left,
-                       True, False, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, True)
+    m_i, l_i, acc = attend_paged_tiles(q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi, seq_len,
+                                       k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, kv_head,
+                                       dims_k, dims_v, head_size, head_size_v, block_size,
+                                       stride_k0, stride_k1, stride_k2, stride_k3,
+                                       stride_v0, stride_v1, stride_v2, stride_v3,
+                                       BLOCK_G, BLOCK_N, BLOCK_DV, False, SHUFFLED, X,
+                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
 
     if not SPLIT:
         if HAS_SINKS:

@@ -8,7 +8,7 @@ For head ``h`` of token ``t`` of ``x [T, H, D]`` at position ``p`` (rotary dims 
 - each rotary pair of ``y`` turned by ``cos[p, i]`` / ``sin[p, i]`` in fp32 and rounded; dims past ``R``
   are ``y`` as it is.
 
-The roundings are those of :func:`tripath.ops.norm.rms_norm_heads` followed by
+The roundings are those of a per-head :func:`tripath.ops.norm.rms_norm` followed by
 :func:`tripath.ops.rotary.rotary_embedding`; only the order of the fp32 sum of squares differs. ``x`` is
 read once and the result written once, where the two kernels read and write it twice.
 """

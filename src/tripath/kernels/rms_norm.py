@@ -17,23 +17,19 @@ from tripath.kernels.specialize import STEP_INVARIANT
 
 @triton.jit(**STEP_INVARIANT)
 def rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, weight2_ptr, sum_ptr, out_ptr,
-    num_tokens, n_cols, stride_x, stride_xh, stride_r, stride_s, stride_o, eps, heads, second_from,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, sum_ptr, out_ptr,
+    num_tokens, n_cols, stride_x, stride_r, stride_s, stride_o, eps,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    """Program ``p`` normalises rows ``[p · BLOCK_M, (p + 1) · BLOCK_M)`` of the ``num_tokens · heads`` rows
-    of ``x``: row ``r`` is head ``r % heads`` of token ``r // heads``, at ``token · stride_x + head ·
-    stride_xh``, and its norm is row ``r`` of ``out`` (rows ``stride_o`` apart). With ``TWO_WEIGHTS`` heads
-    from ``second_from`` on take ``weight2`` (Qwen3's q and k norms in one launch). With ``HAS_RESIDUAL``
-    (``heads`` 1) it adds ``residual`` first and stores the sum to ``sum``."""
+    """Program ``p`` normalises rows ``[p · BLOCK_M, (p + 1) · BLOCK_M)`` of the ``num_tokens`` rows of ``x``
+    (``stride_x`` apart) into the same rows of ``out`` (``stride_o`` apart). With ``HAS_RESIDUAL`` it adds
+    ``residual`` first and stores the sum to ``sum``."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    row_ok = rows < num_tokens * heads
+    row_ok = rows < num_tokens
     mask = row_ok[:, None] & (cols[None, :] < n_cols)
     rows64 = rows.to(tl.int64)
-    head = rows64 % heads
-    x_rows = ((rows64 // heads) * stride_x + head * stride_xh)[:, None]
-    x = tl.load(x_ptr + x_rows + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -42,8 +38,5 @@ def rms_norm_kernel(
     mean_sq = tl.sum(xf * xf, axis=1) / n_cols
     normed = (xf * (1.0 / tl.sqrt(mean_sq + eps))[:, None]).to(x.dtype)
     w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
-    if TWO_WEIGHTS:
-        w2 = tl.load(weight2_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
-        w = tl.where((head < second_from)[:, None], w, w2)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], y, mask=mask)

@@ -10,8 +10,7 @@ and sees the cached keys causally.
 import triton
 import triton.language as tl
 
-from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, load_paged_kv, score_mods,
-                                              softmax_update)
+from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize
 from tripath.kernels.specialize import STEP_INVARIANT
 
 
@@ -84,21 +83,13 @@ def unified_attention_kernel(
     if HAS_WINDOW:
         lo = (tl.maximum(p_min - window_left, 0) // BLOCK_N) * BLOCK_N
     hi = p_max + 1
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        k_pos = start + offs_n
-        k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, seq_len, kv_head, dims_k, dims_v,
-                             head_size, head_size_v, block_size,
-                             stride_k0, stride_k1, stride_k2, stride_k3,
-                             stride_v0, stride_v1, stride_v2, stride_v3,
-                             SHUFFLED, X, q_ptr.dtype.element_ty)
-        s = score_mods(tl.dot(q, k), q_pos, k_pos, seq_len, slope2, qk_scale, softcap, window_left,
-                       True, True, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, True)
+    m_i, l_i, acc = attend_paged_tiles(q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi, seq_len,
+                                       k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, kv_head,
+                                       dims_k, dims_v, head_size, head_size_v, block_size,
+                                       stride_k0, stride_k1, stride_k2, stride_k3,
+                                       stride_v0, stride_v1, stride_v2, stride_v3,
+                                       BLOCK_M, BLOCK_N, BLOCK_DV, True, SHUFFLED, X,
+                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     if HAS_SINKS:
         sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)

@@ -15,12 +15,14 @@ heads and ``compute_logits`` gathers the whole vocabulary.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from tripath.attention.spec import AttentionSpec
 from tripath.models.config import ModelConfig
-from tripath.models.layers import RMSNorm
+from tripath.models.layers import MLP, MoE, RMSNorm
 from tripath.models.parallel import SINGLE, HeadSplit, ParallelState, VocabParallelEmbedding, gather_logits, lm_head
 
 
@@ -46,6 +48,31 @@ class DecoderLayer(nn.Module):
             x, h = self.input_layernorm(x, delta)
         x, h = self.post_attention_layernorm(x, self.self_attn(h, positions, ctx))
         return x, self.mlp(h)
+
+
+def feed_forward(config: ModelConfig, layer_idx: int, dtype, parallel: ParallelState = SINGLE) -> nn.Module:
+    """Layer ``layer_idx``'s MLP: :class:`~tripath.models.layers.MoE` (routed experts, shared experts of
+    ``moe.intermediate_size · num_shared_experts``) where ``config.moe`` makes it an MoE layer, else a dense
+    :class:`~tripath.models.layers.MLP` of ``config.intermediate_size``. ``config.mlp_bias`` gives the dense
+    MLPs (the shared experts too) their biases; routed experts have none."""
+    if config.moe is not None and config.moe.is_moe_layer(layer_idx):
+        return MoE(config.hidden_size, config.moe, bias=config.mlp_bias, dtype=dtype, parallel=parallel)
+    return MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype, parallel=parallel)
+
+
+AttentionFactory = Callable[[ModelConfig, int, torch.dtype, ParallelState], nn.Module]
+
+
+def decoder_layers(config: ModelConfig, attention: AttentionFactory, dtype,
+                   parallel: ParallelState = SINGLE) -> list[DecoderLayer]:
+    """The ``config.num_layers`` blocks of a model: ``attention(config, i, dtype, parallel)`` and
+    :func:`feed_forward` for layer ``i`` (the MLP built first, so a shape that neither can shard is reported
+    by its MLP's dimension)."""
+    layers = []
+    for i in range(config.num_layers):
+        mlp = feed_forward(config, i, dtype, parallel)
+        layers.append(DecoderLayer(config, attention(config, i, dtype, parallel), mlp, dtype))
+    return layers
 
 
 class Backbone(nn.Module):

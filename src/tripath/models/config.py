@@ -29,6 +29,9 @@ LLAMA_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausal
                        "Qwen3MoeForCausalLM")
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 ARCHITECTURES = LLAMA_ARCHITECTURES + DEEPSEEK_ARCHITECTURES
+# Hugging Face's MLPs that take ``mlp_bias`` from the config (the dense MLP and, in V2, the shared experts);
+# the other architectures' MLPs have no bias whatever the config says.
+MLP_BIAS_ARCHITECTURES = ("LlamaForCausalLM", "DeepseekV2ForCausalLM")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -143,7 +146,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_bias: bool = False
-    mlp_bias: bool = False
+    mlp_bias: bool = False  # the dense MLPs' (and shared experts') linears; routed experts have none
     qk_norm: bool = False
     sliding_window: int | None = None
     window_layers: tuple[int, ...] | None = None
@@ -345,7 +348,8 @@ def _config_from_hf(raw: dict, generation_config: dict | None, tokenizer_path: s
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), (generation_config or {}).get("eos_token_id")),
             tokenizer_path=tokenizer_path, rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(_get(raw, "tie_word_embeddings", False)),
-            mlp_bias=bool(_get(raw, "mlp_bias", False)), bos_token_id=raw.get("bos_token_id"))
+            mlp_bias=architecture in MLP_BIAS_ARCHITECTURES and bool(_get(raw, "mlp_bias", False)),
+            bos_token_id=raw.get("bos_token_id"))
         if architecture in DEEPSEEK_ARCHITECTURES:
             nope = bool(raw.get("mla_use_nope", False))
             is_neox = architecture == "DeepseekV3ForCausalLM" and not _get(raw, "rope_interleave", True)

@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from tripath.attention.spec import MLALayerWeights
-from tripath.models.base import CausalLM, DecoderLayer
+from tripath.models.base import CausalLM, decoder_layers
 from tripath.models.config import DEEPSEEK_ARCHITECTURES, ModelConfig
-from tripath.models.layers import MLP, MoE, RMSNorm, rotary_tables
+from tripath.models.layers import RMSNorm, rotary_tables
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
 
 
@@ -81,15 +81,7 @@ class DeepseekForCausalLM(CausalLM):
         if config.family != "deepseek":
             raise ValueError(f"DeepseekForCausalLM serves {', '.join(DEEPSEEK_ARCHITECTURES)}, "
                              f"not {config.architecture}")
-        layers = []
-        for i in range(config.num_layers):
-            if config.moe is not None and config.moe.is_moe_layer(i):
-                mlp = MoE(config.hidden_size, config.moe, bias=config.mlp_bias, dtype=dtype, parallel=parallel)
-            else:
-                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype,
-                          parallel=parallel)
-            layers.append(DecoderLayer(config, MLAAttention(config, i, dtype, parallel), mlp, dtype))
-        super().__init__(config, layers, dtype, parallel)
+        super().__init__(config, decoder_layers(config, MLAAttention, dtype, parallel), dtype, parallel)
 
     def post_load(self) -> None:
         super().post_load()

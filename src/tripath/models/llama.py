@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tripath.models.base import CausalLM, DecoderLayer
+from tripath.models.base import CausalLM, decoder_layers
 from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
-from tripath.models.layers import MLP, MoE, RMSNorm, apply_rotary, rotary_tables, stack_linears
+from tripath.models.layers import RMSNorm, apply_rotary, rotary_tables, stack_linears
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
 from tripath.ops.norm import rms_norm_rope_heads
 from tripath.ops.rotary import rotary_embedding
@@ -97,15 +97,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, parallel: ParallelState = SINGLE):
         if config.family != "llama":
             raise ValueError(f"LlamaForCausalLM serves {', '.join(LLAMA_ARCHITECTURES)}, not {config.architecture}")
-        layers = []
-        for i in range(config.num_layers):
-            if config.moe is not None and config.moe.is_moe_layer(i):
-                mlp = MoE(config.hidden_size, config.moe, dtype=dtype, parallel=parallel)
-            else:
-                mlp = MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias, dtype=dtype,
-                          parallel=parallel)
-            layers.append(DecoderLayer(config, GQAAttention(config, i, dtype, parallel), mlp, dtype))
-        super().__init__(config, layers, dtype, parallel)
+        super().__init__(config, decoder_layers(config, GQAAttention, dtype, parallel), dtype, parallel)
 
     def post_load(self) -> None:
         super().post_load()

@@ -4,11 +4,10 @@
 normalised value rounded to ``x``'s dtype before the weight, as Hugging Face computes it).
 ``rms_norm(x, weight, eps, residual=r)`` → ``(s, rms_norm(s))`` with ``s = x + r`` rounded to ``x``'s dtype:
 the residual stream's new value and its norm, in one pass (:mod:`tripath.kernels.rms_norm`).
-``rms_norm_heads(x [T, H, D], weight, eps, second_weight=w2, second_from=S)`` → the norm of each head,
-heads ``S`` on with ``w2``; the heads may be strided (a view of a packed QKV projection): Qwen3's per-head
-q and k norms in one launch. ``rms_norm_rope_heads(x, weight, eps, positions, (cos, sin), is_neox=…)``
-→ the same norms with the rotary embedding applied to each head at its token's position, in one launch
-(:mod:`tripath.kernels.qk_norm_rope`): Qwen3's norms and RoPE.
+``rms_norm_rope_heads(x [T, H, D], weight, eps, positions, (cos, sin), is_neox=…, second_weight=w2,
+second_from=S)`` → the norm of each head (heads ``S`` on with ``w2``; the heads may be strided, a view of a
+packed QKV projection) with the rotary embedding applied to each head at its token's position, in one
+launch (:mod:`tripath.kernels.qk_norm_rope`): Qwen3's q and k norms and RoPE.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
 
 def norm_config(n_cols: int) -> dict:
     """``BLOCK_N`` covers the row; rows of at most 1024 values share a program (``BLOCK_M`` of them, so a
-    program holds about 2048 values: the per-head norms of Qwen3 would otherwise launch one tiny program
-    per head); warps grow with the row so each thread keeps 8–16 values."""
+    program holds about 2048 values instead of launching one tiny program per short row); warps grow with
+    the row so each thread keeps 8–16 values."""
     block_n = next_pow2(n_cols)
     block_m = max(1, 2048 // block_n)
     num_warps = 8 if block_n >= 8192 else 4 if block_n >= 2048 else 2 if block_n >= 512 else 1
@@ -75,21 +74,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
     num_tokens = x2.shape[0]
     cfg = norm_config(n_cols)
     launch(rms_norm_kernel, (-(-num_tokens // cfg["BLOCK_M"]),),
-           x2, r2, weight, weight, total2, out2, num_tokens, n_cols, x2.stride(0), 0, r2.stride(0),
-           total2.stride(0), out2.stride(0), float(eps), 1, 0, HAS_RESIDUAL=residual is not None,
-           TWO_WEIGHTS=False, **cfg)
+           x2, r2, weight, total2, out2, num_tokens, n_cols, x2.stride(0), r2.stride(0), total2.stride(0),
+           out2.stride(0), float(eps), HAS_RESIDUAL=residual is not None, **cfg)
     return out if residual is None else (total, out)
 
 
 def check_head_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, second_weight: torch.Tensor | None,
-                    second_from: int | None, *, weight_dtypes) -> None:
-    """The arguments of a per-head norm ``op`` (:func:`rms_norm_heads`, :func:`rms_norm_rope_heads`): ``x [T, H,
-    D]`` with its last dimension contiguous, ``weight [D]`` of ``weight_dtypes`` (None: ``x``'s dtype), an
-    optional ``second_weight`` of the same dtype from head ``second_from`` on, ``eps > 0``, ``D`` at most
-    :data:`MAX_NORM_SIZE`."""
+                    second_from: int | None) -> None:
+    """The arguments of a per-head norm ``op`` (:func:`rms_norm_rope_heads`): ``x [T, H, D]`` with its last
+    dimension contiguous, ``weight [D]`` of ``x``'s dtype, an optional ``second_weight`` of the same dtype
+    from head ``second_from`` on, ``eps > 0``, ``D`` at most :data:`MAX_NORM_SIZE`."""
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     device, heads, n_cols = x.device, x.shape[1], x.shape[2]
-    check_tensor("weight", weight, ndim=1, dtypes=weight_dtypes or (x.dtype,), device=device, shape=(n_cols,))
+    check_tensor("weight", weight, ndim=1, dtypes=(x.dtype,), device=device, shape=(n_cols,))
     if second_weight is not None:
         check_tensor("second_weight", second_weight, ndim=1, dtypes=(weight.dtype,), device=device,
                      shape=(n_cols,))
@@ -105,43 +102,22 @@ def check_head_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, 
         raise ValueError("x must be contiguous in its last dimension")
 
 
-def rms_norm_heads_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                       second_weight: torch.Tensor | None = None, second_from: int | None = None) -> torch.Tensor:
-    """PyTorch reference of :func:`rms_norm_heads` (same signature and results)."""
+def head_norms_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   second_weight: torch.Tensor | None = None, second_from: int | None = None) -> torch.Tensor:
+    """RMSNorm of each head ``x[t, h] [D]`` of ``x [T, H, D]`` with ``weight [D]`` (heads ``second_from`` on
+    with ``second_weight``, if given), as a new contiguous tensor: the norm part of
+    :func:`rms_norm_rope_heads_ref`."""
     if second_weight is None:
         return rms_norm_ref(x, weight, eps).contiguous()
     return torch.cat([rms_norm_ref(x[:, :second_from], weight, eps),
                       rms_norm_ref(x[:, second_from:], second_weight, eps)], dim=1)
 
 
-def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, *, second_weight: torch.Tensor | None = None,
-                   second_from: int | None = None) -> torch.Tensor:
-    """RMSNorm of each head ``x[t, h] [D]`` of ``x [T, H, D]`` (fp16/bf16/fp32; the last dimension contiguous,
-    tokens and heads at any stride, as in a view of a packed QKV projection) with ``weight [D]``, or, given
-    ``second_weight [D]`` and ``0 <= second_from <= H``, heads ``second_from`` on with ``second_weight``.
-    Returns a new contiguous ``[T, H, D]`` tensor of ``x``'s dtype."""
-    check_head_norm("rms_norm_heads", x, weight, eps, second_weight, second_from, weight_dtypes=FLOAT_DTYPES)
-    device = x.device
-    n_cols = x.shape[2]
-    if not use_triton(device):
-        return rms_norm_heads_ref(x, weight, eps, second_weight=second_weight, second_from=second_from)
-    num_tokens, heads = x.shape[0], x.shape[1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=device)
-    out2 = out.view(-1, n_cols)
-    cfg = norm_config(n_cols)
-    two = second_weight is not None
-    launch(rms_norm_kernel, (-(-num_tokens * heads // cfg["BLOCK_M"]),),
-           x, x, weight, second_weight if two else weight, out2, out2, num_tokens, n_cols, x.stride(0), x.stride(1),
-           0, 0, out2.stride(0), float(eps), heads, second_from if two else heads, HAS_RESIDUAL=False,
-           TWO_WEIGHTS=two, **cfg)
-    return out
-
-
 def rms_norm_rope_heads_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                             cos_sin: tuple[torch.Tensor, torch.Tensor], *, is_neox: bool,
                             second_weight: torch.Tensor | None = None, second_from: int | None = None) -> torch.Tensor:
     """PyTorch reference of :func:`rms_norm_rope_heads` (same signature and results)."""
-    out = rms_norm_heads_ref(x, weight, eps, second_weight=second_weight, second_from=second_from)
+    out = head_norms_ref(x, weight, eps, second_weight=second_weight, second_from=second_from)
     rotary_embedding_ref(positions, out, None, *cos_sin, is_neox=is_neox)
     return out
 
@@ -149,12 +125,15 @@ def rms_norm_rope_heads_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, p
 def rms_norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                         cos_sin: tuple[torch.Tensor, torch.Tensor], *, is_neox: bool,
                         second_weight: torch.Tensor | None = None, second_from: int | None = None) -> torch.Tensor:
-    """:func:`rms_norm_heads` of ``x [T, H, D]`` followed by the rotary embedding of each head at
+    """RMSNorm of each head ``x[t, h] [D]`` of ``x [T, H, D]`` (fp16/bf16/fp32; the last dimension
+    contiguous, tokens and heads at any stride, as in a view of a packed QKV projection) with ``weight [D]``,
+    or, given ``second_weight [D]`` and ``0 <= second_from <= H``, heads ``second_from`` on with
+    ``second_weight``; followed by the rotary embedding of each head at
     ``positions [T]`` (int32/int64, clamped into the tables) with ``cos_sin = (cos, sin)``, each
     ``[max_position, R/2]`` (``R <= D`` the rotary dims; NeoX pairs ``(i, i + R/2)`` if ``is_neox``, else
     GPT-J pairs ``(2i, 2i + 1)``), in one launch. ``weight`` (and ``second_weight``) must have ``x``'s dtype.
     Returns a new contiguous ``[T, H, D]`` tensor of ``x``'s dtype."""
-    check_head_norm("rms_norm_rope_heads", x, weight, eps, second_weight, second_from, weight_dtypes=None)
+    check_head_norm("rms_norm_rope_heads", x, weight, eps, second_weight, second_from)
     device = x.device
     num_tokens, heads, head_size = x.shape
     check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), device=device,
