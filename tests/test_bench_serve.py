@@ -191,3 +191,25 @@ def test_garbage_collections_are_counted_and_timed_by_generation():
 def test_counts_below_one_are_refused_by_name(flag):
     with pytest.raises(SystemExit, match=f"{flag} must be >= 1"):
         serve.main_serve(["--workload", "tiny", flag, "0"])
+
+
+def test_logprobs_fraction_marks_requests_evenly_and_reaches_the_engine():
+    import dataclasses
+
+    from tripath.bench.serve import build_parser, workload_from_args
+    from tripath.bench.serve_engine import run_pass
+    from tripath.bench.serve_workloads import WORKLOADS, make_prompts
+    from tripath.engine import LLM
+
+    w = dataclasses.replace(WORKLOADS["tiny"], logprobs=2, logprobs_fraction=0.25)
+    assert [i for i in range(8) if w.asks_logprobs(i)] == [3, 7]
+    args = build_parser().parse_args(["--workload", "tiny", "--logprobs", "3"])
+    assert workload_from_args(args).logprobs_fraction == 1.0
+    with pytest.raises(ValueError, match="logprobs"):
+        dataclasses.replace(WORKLOADS["tiny"], logprobs_fraction=0.5)
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=64)
+    seen = []
+    real = llm.add_request
+    llm.add_request = lambda prompt, params: seen.append(params.logprobs) or real(prompt, params)
+    run_pass(llm, make_prompts(w, llm.model.config.vocab_size, 0), 4, 4, progress=False, workload=w)
+    assert sorted(seen, key=lambda x: x is None) == [2, 2] + [None] * 6

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrency", type=int)
     parser.add_argument("--prefix-share", type=float, help="fraction of each prompt shared by all requests")
     parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--logprobs", type=int, help="top log-probabilities per token for the requests that ask")
+    parser.add_argument("--logprobs-fraction", type=float,
+                        help="share of the requests asking for --logprobs (evenly spread; default 1 with --logprobs)")
     parser.add_argument("--passes", type=int, default=2,
                         help="passes per backend: the first, then warm ones (reported: their median)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -78,7 +81,10 @@ def workload_from_args(args) -> Workload:
     base = WORKLOADS[args.workload]
     overrides = {name: getattr(args, name) for name in ("model", "num_requests", "input_len", "input_len_spread",
                                                          "output_len", "max_concurrency", "prefix_share",
-                                                         "max_num_batched_tokens") if getattr(args, name) is not None}
+                                                         "max_num_batched_tokens", "logprobs", "logprobs_fraction")
+                 if getattr(args, name) is not None}
+    if args.logprobs is not None and args.logprobs_fraction is None:
+        overrides["logprobs_fraction"] = 1.0
     if args.backends:
         overrides["backends"] = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     try:

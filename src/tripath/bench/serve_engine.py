@@ -41,14 +41,17 @@ class PassResult:
 
 
 def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurrency: int,
-             progress: bool = True) -> PassResult:
+             progress: bool = True, workload: Workload | None = None) -> PassResult:
     """Feed ``prompts`` through ``llm``'s step API with at most ``max_concurrency`` in flight; one
-    :class:`RequestRecord` per prompt (TTFT and end-to-end from when it was added)."""
+    :class:`RequestRecord` per prompt (TTFT and end-to-end from when it was added). ``workload``: which
+    requests ask for log-probabilities (:meth:`Workload.asks_logprobs`)."""
     from tqdm.auto import tqdm
 
     from tripath.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    plain = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    scored = plain if workload is None or workload.logprobs is None else \
+        dataclasses.replace(plain, logprobs=workload.logprobs)
     compiled0, steps0 = llm.num_compiled_since_start, llm.num_steps
     pending = list(enumerate(prompts))[::-1]
     added: dict[str, tuple[int, float]] = {}
@@ -61,7 +64,8 @@ def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurr
         while pending or llm.has_unfinished_requests():
             while pending and len(added) < max_concurrency:
                 index, prompt = pending.pop()
-                rid = llm.add_request(list(prompt), params)
+                rid = llm.add_request(list(prompt), scored if workload is not None and
+                                      workload.asks_logprobs(index) else plain)
                 added[rid] = (index, time.perf_counter())
                 token_times[rid] = []
             outputs = llm.step()
@@ -131,7 +135,7 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
         prompts = make_prompts(workload, vocab, seed + index)
         timer = StepBreakdown(llm).attach() if step_breakdown and index == passes - 1 else None
         try:
-            outcome = run_pass(llm, prompts, workload.output_len, workload.max_concurrency, progress)
+            outcome = run_pass(llm, prompts, workload.output_len, workload.max_concurrency, progress, workload)
         finally:
             if timer is not None:
                 timer.detach()

@@ -27,6 +27,8 @@ class Workload:
     prefix_share: float = 0.0
     max_num_batched_tokens: int = 8192
     description: str = ""
+    logprobs: int | None = None       # top log-probabilities each asking request gets per token
+    logprobs_fraction: float = 0.0    # share of the requests asking for them (evenly spread)
 
     def __post_init__(self):
         if self.num_requests < 1 or self.input_len < 1 or self.output_len < 1 or self.max_concurrency < 1:
@@ -35,6 +37,15 @@ class Workload:
             raise ValueError(f"input_len_spread must be in [0, 1), got {self.input_len_spread}")
         if not 0 <= self.prefix_share < 1:
             raise ValueError(f"prefix_share must be in [0, 1), got {self.prefix_share}")
+        if not 0 <= self.logprobs_fraction <= 1:
+            raise ValueError(f"logprobs_fraction must be in [0, 1], got {self.logprobs_fraction}")
+        if self.logprobs_fraction > 0 and self.logprobs is None:
+            raise ValueError("logprobs_fraction needs logprobs (the number of top log-probabilities)")
+
+    def asks_logprobs(self, index: int) -> bool:
+        """Whether request ``index`` asks for log-probabilities (``logprobs_fraction`` of them, evenly)."""
+        f = self.logprobs_fraction
+        return int((index + 1) * f) > int(index * f)
 
     @property
     def max_input_len(self) -> int:
