@@ -50,7 +50,8 @@ class ServerProcess:
         return self.log_path.read_text()[-4000:]
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` samples by name (labels kept in the name, e.g. ``tripath_requests_total{outcome="stop"}``)."""
+        """``/metrics`` samples by name, labels kept in the name as the server writes them (sorted), e.g.
+        ``tripath:request_success_total{engine="0",finished_reason="stop",model_name="m"}``."""
         out = {}
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
             if line and not line.startswith("#"):

@@ -20,7 +20,7 @@ import random
 import sys
 from typing import Sequence
 
-from tripath.engine.cli_options import add_engine_arguments, engine_options
+from tripath.engine.cli_options import HelpFormatter, add_engine_arguments, engine_options
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +37,21 @@ class ByteTokenizer:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tripath generate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="local Hugging Face model directory or preset name")
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="a local Hugging Face model directory, a Hugging Face hub id (org/name) or a preset name")
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument("--prompt-ids", action="append", default=[],
                         help="a prompt as comma-separated token ids (repeatable)")
     parser.add_argument("--num-random-prompts", type=int, default=0,
                         help="add N prompts of random token ids (3..255, from --seed): a fixed workload to time")
     parser.add_argument("--random-prompt-len", type=int, default=128, help="tokens per random prompt")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                        "whose probability reaches it")
+    parser.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: all)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_engine_arguments(parser)
     return parser
 

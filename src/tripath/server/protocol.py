@@ -72,10 +72,12 @@ def _finite(name: str, value: float | None, low: float, high: float) -> None:
 
 class _SamplingRequest(_Request):
     model: Name
+    # None = unset: the model's default (generation_config.json), else the engine's (server.sampling_defaults)
     max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None
-    temperature: Float = 1.0
-    top_p: Float = 1.0
-    top_k: Annotated[Int, Field(ge=-1, le=INT64_MAX)] = -1
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Annotated[Int, Field(ge=-1, le=INT64_MAX)] | None = None
+    repetition_penalty: Float | None = None
     n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] = 1
     seed: Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)],
@@ -93,7 +95,7 @@ class _SamplingRequest(_Request):
     @model_validator(mode="after")
     def _neutral_only(self):
         _finite("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+        if self.top_p is not None and not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -101,7 +103,8 @@ class _SamplingRequest(_Request):
             raise ValueError(f"seed + n - 1 must fit in a signed 64-bit integer (choice i draws with seed + i), "
                              f"got seed {self.seed} with n {self.n}")
         unsupported = {"presence_penalty": self.presence_penalty != 0, "frequency_penalty": self.frequency_penalty != 0,
-                       "logit_bias": bool(self.logit_bias)}
+                       "logit_bias": bool(self.logit_bias),
+                       "repetition_penalty": self.repetition_penalty not in (None, 1)}
         unsupported.update(self._unsupported())
         bad = [name for name, is_set in unsupported.items() if is_set]
         if bad:
@@ -129,7 +132,7 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 class CompletionRequest(_SamplingRequest):
     prompt: Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)],
                   Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]]
-    max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = 16
+    max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None   # unset: 16 (OpenAI), or the model's
     echo: Bool = False
     logprobs: Annotated[Int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] | None = None
