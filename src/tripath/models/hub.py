@@ -42,7 +42,7 @@ def resolve_model_path(name: str, *, weights: bool = True, revision: str | None 
         raise FileNotFoundError(_not_found(name, weights, "no such path exists"))
     try:
         import huggingface_hub
-        from huggingface_hub import errors
+        from huggingface_hub import constants, errors
         from huggingface_hub.utils import validate_repo_id
     except ImportError:
         raise FileNotFoundError(_not_found(name, weights, "a Hugging Face hub id needs the huggingface_hub "
@@ -52,7 +52,7 @@ def resolve_model_path(name: str, *, weights: bool = True, revision: str | None 
     except errors.HFValidationError as error:
         reason = f"nor is it a valid Hugging Face hub id ({error})"
         raise FileNotFoundError(_not_found(name, weights, reason)) from None
-    cache = huggingface_hub.constants.HF_HUB_CACHE
+    cache = constants.HF_HUB_CACHE
     try:
         return huggingface_hub.snapshot_download(name, revision=revision,
                                                  allow_patterns=list(MODEL_PATTERNS if weights else TOKENIZER_PATTERNS))
@@ -65,7 +65,7 @@ def resolve_model_path(name: str, *, weights: bool = True, revision: str | None 
     except errors.RevisionNotFoundError:
         raise FileNotFoundError(f"{name!r}: the Hugging Face hub has no revision {revision!r}") from None
     except (errors.LocalEntryNotFoundError, errors.IncompleteSnapshotError) as error:
-        if huggingface_hub.constants.HF_HUB_OFFLINE:
+        if constants.HF_HUB_OFFLINE:
             raise FileNotFoundError(_not_found(name, weights, (
                 f"as a Hugging Face hub id it is not in the local cache ({cache}), and HF_HUB_OFFLINE=1 forbids "
                 f"downloading it: download it once with network access (hf download {name}), point HF_HUB_CACHE at the cache "
