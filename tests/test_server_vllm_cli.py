@@ -255,3 +255,29 @@ def test_token_counts_read_as_vllm_reads_them():
     for bad in ("4x", "-1", "1.5K", "k", "1.5", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             token_count(bad)
+
+
+def test_the_api_key_middleware_and_its_environment_variable(monkeypatch):
+    """In process, without an engine: the key check alone, and TRIPATH_API_KEY read in tripath._env."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    from tripath import _env
+    from tripath.server.auth import APIKeyCheck
+
+    ok = Starlette(routes=[Route("/v1/models", lambda r: PlainTextResponse("ok")),
+                           Route("/v10", lambda r: PlainTextResponse("open")),
+                           Route("/health", lambda r: PlainTextResponse("open"))])
+    from starlette.testclient import TestClient
+
+    with TestClient(APIKeyCheck(ok, "k1")) as h:
+        assert h.get("/v1/models").status_code == 401
+        assert h.get("/v1/models", headers={"Authorization": "Bearer k2"}).json()["error"]["code"] == \
+            "invalid_api_key"
+        assert h.get("/v1/models", headers={"Authorization": "Bearer k1"}).text == "ok"
+        assert h.get("/health").text == "open" and h.get("/v10").text == "open"
+    monkeypatch.delenv("TRIPATH_API_KEY", raising=False)
+    assert _env.server_api_key() is None
+    monkeypatch.setenv("TRIPATH_API_KEY", "from-env")
+    assert _env.server_api_key() == "from-env"

@@ -4,9 +4,10 @@
     tripath generate --model /models/Qwen3-8B --backend three_path --kv-cache-dtype fp8 --temperature 0.7
     tripath generate --model /models/Qwen3-32B --tensor-parallel-size 2 --prompt "Hello"
 
-A model directory brings its tokenizer; text prompts to a directory without one are refused (exit 2):
-give ``--prompt-ids`` instead. Presets (random weights) have no tokenizer: their text prompts are encoded
-as UTF-8 bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the same way.
+A model directory brings its tokenizer (``--tokenizer`` gives another); text prompts to a directory without
+one are refused (exit 2): give ``--prompt-ids`` instead. Presets (random weights) have no tokenizer: their text
+prompts are encoded as UTF-8 bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the
+same way.
 ``--prompt-ids`` passes token ids directly, ``--num-random-prompts N`` adds a fixed random workload (only
 its metrics are printed), e.g. to compare ``--tensor-parallel-size`` 1 and 2.
 """
@@ -83,7 +84,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
     from tripath.engine.config import resolve_device, resolve_dtype
     from tripath.models.loader import TOKENIZER_FILES, load_config
 
-    if args.prompt and os.path.isdir(args.model):
+    if args.prompt and os.path.isdir(args.model) and args.tokenizer is None:
         try:
             has_tokenizer = load_config(args.model).tokenizer_path is not None
         except (ValueError, TypeError, FileNotFoundError) as error:
