@@ -34,16 +34,7 @@ else:
     ENGINE = dict(backend="torch")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def pure_torch_one_thread():
-    """The in-process references run as the servers do: PyTorch paths of every op (no Triton interpreter) on
-    one thread (tiny matrices: more threads only contend)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "0")
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,7 @@ GENERATION_CONFIG = {"temperature": 0, "top_k": 50, "max_new_tokens": 5, "min_p"
 WEIGHT_FILES = ("config.json", "model.safetensors", "generation_config.json")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def pure_torch_one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "0")
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 
 def _snapshot(cache, repo_id: str, files: dict) -> None:

@@ -15,7 +15,6 @@ those that ``SamplingParams`` has, at the point of use.
 from __future__ import annotations
 
 import dataclasses
-import json
 import numbers
 import os
 
@@ -49,13 +48,9 @@ def load_generation_defaults(model_dir: str | None, source: str = "auto") -> dic
         if source == "auto":
             return {}
         raise FileNotFoundError(f"generation_config {source!r} holds no {GENERATION_CONFIG_FILE}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not a valid JSON file ({error})") from error
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(raw).__name__}")
+    from tripath.models.loader import _read_json   # a JSON object, or ValueError naming the file
+
+    raw = _read_json(path)
     defaults: dict[str, float | int] = {}
     for key, (field, neutral) in SAMPLING_KEYS.items():
         value = raw.get(key)
