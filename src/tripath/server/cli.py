@@ -177,8 +177,9 @@ def _serve(argv: list[str], listener) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
     server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout)
+    port = listener.getsockname()[1] if listener is not None else args.port   # --port 0: the one the system gave
     logging.getLogger("tripath.server").info("listening on http://%s:%d; building the engine for %s", args.host,
-                                             args.port, model)
+                                             port, model)
     try:
         # after a graceful shutdown uvicorn re-raises the signal that asked for it
         server.run(sockets=[listener] if listener is not None else None)
