@@ -99,7 +99,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, **{**engine_options(args), "dtype": dtype, "device": device})
+        llm = LLM(args.model, tokenizer=args.tokenizer, **{**engine_options(args), "dtype": dtype, "device": device})
         with llm:
             if llm.tokenizer is None and llm.model.config.vocab_size >= 256:
                 llm.tokenizer = ByteTokenizer()

@@ -1,9 +1,9 @@
 """The engine's command-line options, shared by ``tripath generate`` and ``tripath serve``.
 
 :func:`add_engine_arguments` adds them to a parser; :func:`engine_options` turns the parsed values into the
-keyword arguments of :class:`tripath.engine.LLM` (its :class:`~tripath.engine.config.EngineConfig` fields,
-``tensor_parallel_size`` and ``tokenizer``). Token counts (``--max-model-len``, ``--max-num-batched-tokens``)
-take sizes as vLLM does (:func:`token_count`). :class:`HelpFormatter` shows every option's default in ``-h``.
+keyword arguments of :class:`tripath.engine.LLM` (its :class:`~tripath.engine.config.EngineConfig` fields and
+``tensor_parallel_size``; ``--tokenizer`` is ``args.tokenizer``, LLM's ``tokenizer=``). Token counts
+(``--max-model-len``, ``--max-num-batched-tokens``) take sizes as vLLM does (:func:`token_count`). :class:`HelpFormatter` shows every option's default in ``-h``.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """``LLM(model, **engine_options(args))``."""
+    """``LLM(model, tokenizer=args.tokenizer, **engine_options(args))``."""
     return dict(backend=args.backend, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
                 calculate_kv_scales=args.calculate_kv_scales, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -106,4 +106,4 @@ def engine_options(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager, mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
                 async_scheduling=not args.no_async_scheduling,
                 decode_steps=args.decode_steps, compile_workers=args.compile_workers, seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer)
+                tensor_parallel_size=args.tensor_parallel_size)

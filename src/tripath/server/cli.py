@@ -152,7 +152,7 @@ def _serve(argv: list[str], listener) -> int:
         from tripath.engine import LLM
         from tripath.engine.cli_options import engine_options
 
-        return LLM(model, generation_config=args.generation_config, **engine_options(args))
+        return LLM(model, tokenizer=args.tokenizer, generation_config=args.generation_config, **engine_options(args))
 
     def describe(llm) -> str:
         from tripath.server.startup import startup_summary
