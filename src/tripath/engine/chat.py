@@ -2,8 +2,9 @@
 
 A conversation is a list of messages ``{"role": ..., "content": ...}``; ``content`` is text or a list of
 OpenAI content parts of which only ``{"type": "text", "text": ...}`` is supported. The template (Jinja, from
-the model's tokenizer files, or given: :func:`load_chat_template` reads it from a file or takes it inline) renders the conversation with the assistant's turn opened, and the
-text is encoded without adding special tokens again (templates write their own BOS).
+the model's tokenizer files, or given: :func:`load_chat_template` reads it from a file or takes it inline)
+renders the conversation with the assistant's turn opened, and the text is encoded without adding special
+tokens again (templates write their own BOS).
 """
 
 from __future__ import annotations

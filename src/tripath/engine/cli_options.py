@@ -3,7 +3,8 @@
 :func:`add_engine_arguments` adds them to a parser; :func:`engine_options` turns the parsed values into the
 keyword arguments of :class:`tripath.engine.LLM` (its :class:`~tripath.engine.config.EngineConfig` fields and
 ``tensor_parallel_size``; ``--tokenizer`` is ``args.tokenizer``, LLM's ``tokenizer=``). Token counts
-(``--max-model-len``, ``--max-num-batched-tokens``) take sizes as vLLM does (:func:`token_count`). :class:`HelpFormatter` shows every option's default in ``-h``.
+(``--max-model-len``, ``--max-num-batched-tokens``) take sizes as vLLM does (:func:`token_count`).
+:class:`HelpFormatter` shows every option's default in ``-h``.
 """
 
 from __future__ import annotations

@@ -68,8 +68,8 @@ def resolve_model_path(name: str, *, weights: bool = True, revision: str | None 
         if constants.HF_HUB_OFFLINE:
             raise FileNotFoundError(_not_found(name, weights, (
                 f"as a Hugging Face hub id it is not in the local cache ({cache}), and HF_HUB_OFFLINE=1 forbids "
-                f"downloading it: download it once with network access (hf download {name}), point HF_HUB_CACHE at the cache "
-                "that holds it, or pass a local directory"))) from None
+                f"downloading it: download it once with network access (hf download {name}), point HF_HUB_CACHE "
+                "at the cache that holds it, or pass a local directory"))) from None
         reason = str(error).splitlines()[0]
         raise FileNotFoundError(_not_found(name, weights, f"as a Hugging Face hub id it is not in the local "
                                            f"cache ({cache}), and the hub could not be reached ({reason})")) from None
