@@ -35,6 +35,19 @@ def torch_paths_and_validation(monkeypatch):
 
 
 @pytest.fixture(scope="module")
+def pure_torch_one_thread():
+    """For a module whose tests compare a server process with in-process references: the references run as
+    the servers do, on PyTorch paths of every op (no Triton interpreter) and one thread (tiny matrices: more
+    threads only contend). Use with ``pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
 def tiny_lm():
     """The stand-in model of ``engine_models`` (vocab 61, max_position 512), one per test module."""
     from engine_models import tiny_model

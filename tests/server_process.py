@@ -22,12 +22,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 120.0, log_level: str = "warning"):
+    def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 120.0, log_level: str = "warning",
+                 env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="0",
-                   PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]))
+                   PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), **(env or {}))
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "tripath.cli", "serve", *args, "--port", str(self.port),
                                       "--log-level", log_level], stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -50,7 +51,8 @@ class ServerProcess:
         return self.log_path.read_text()[-4000:]
 
     def metrics(self) -> dict[str, float]:
-        """``/metrics`` samples by name (labels kept in the name, e.g. ``tripath_requests_total{outcome="stop"}``)."""
+        """``/metrics`` samples by name, labels kept in the name as the server writes them (sorted), e.g.
+        ``tripath:request_success_total{engine="0",finished_reason="stop",model_name="m"}``."""
         out = {}
         for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
             if line and not line.startswith("#"):

@@ -1,9 +1,7 @@
 """`tripath bench serve` (offline): the workload generator, the per-request records of a pass, the
 roofline floor, the step breakdown, and the command's JSON / CSV / plot output."""
 
-import dataclasses
 import json
-import math
 
 import pytest
 import torch

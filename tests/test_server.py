@@ -34,16 +34,7 @@ else:
     ENGINE = dict(backend="torch")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def pure_torch_one_thread():
-    """The in-process references run as the servers do: PyTorch paths of every op (no Triton interpreter) on
-    one thread (tiny matrices: more threads only contend)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "0")
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +238,8 @@ def test_token_ids_without_a_tokenizer_and_chat_refused(preset_server):
 
 def _idle(server):
     m = server.metrics()
-    return (m["tripath_requests_running"], m["tripath_requests_waiting"], m["tripath_kv_cache_blocks_used"],
-            m["tripath_requests_in_server"])
+    return tuple(m[f'tripath:{name}{{engine="0",model_name="{PRESET}"}}'] for name in
+                 ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used", "num_requests_in_server"))
 
 
 def test_200_concurrent_streams_with_preemption(preset_server):
@@ -285,15 +276,16 @@ def test_200_concurrent_streams_with_preemption(preset_server):
         assert len(ids) == n and usage.completion_tokens == n and finish == "length"
         assert ids == want.output_token_ids
     after = preset_server.metrics()
-    assert after["tripath_preemptions"] > before["tripath_preemptions"]   # the small cache forced preemption
-    assert after['tripath_requests_total{outcome="length"}'] - before.get('tripath_requests_total{outcome="length"}',
-                                                                         0) == 200
+    preemptions = f'tripath:num_preemptions_total{{engine="0",model_name="{PRESET}"}}'
+    assert after[preemptions] > before[preemptions]   # the small cache forced preemption
+    length = f'tripath:request_success_total{{engine="0",finished_reason="length",model_name="{PRESET}"}}'
+    assert after[length] - before[length] == 200
     assert _idle(preset_server) == (0, 0, 0, 0)   # every block and request slot back
 
 
 def test_disconnect_mid_stream_frees_blocks(preset_server):
-    aborted = 'tripath_requests_total{outcome="aborted"}'
-    before = preset_server.metrics().get(aborted, 0)
+    aborted = f'tripath:request_success_total{{engine="0",finished_reason="abort",model_name="{PRESET}"}}'
+    before = preset_server.metrics()[aborted]
     streams = []
     with httpx.Client(base_url=preset_server.url, timeout=30) as h:
         for i in range(3):
@@ -303,7 +295,7 @@ def test_disconnect_mid_stream_frees_blocks(preset_server):
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))   # generating
             streams.append(cm)
-        assert preset_server.metrics()["tripath_kv_cache_blocks_used"] > 0
+        assert preset_server.metrics()[f'tripath:kv_cache_blocks_used{{engine="0",model_name="{PRESET}"}}'] > 0
         for cm in streams:
             cm.__exit__(None, None, None)   # the client goes away mid-stream
     for _ in range(100):

@@ -27,14 +27,7 @@ ENGINE_ARGS = ["--backend", "torch"]
 MAX_BYTES = 1_000_000
 
 
-@pytest.fixture(scope="module", autouse=True)
-def pure_torch_one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "0")
-        yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 
 @pytest.fixture(scope="module")

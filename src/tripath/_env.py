@@ -60,3 +60,9 @@ def validate() -> bool:
     :class:`tripath.attention.ForwardContext` checks each step's metadata against its caches. Off by default:
     the engine builds those indices itself; the test suites turn it on."""
     return os.environ.get("TRIPATH_VALIDATE", "0") not in ("", "0", "false", "False")
+
+
+def server_api_key() -> str | None:
+    """``TRIPATH_API_KEY``: the key ``tripath serve`` requires on ``/v1/*`` requests (``Authorization: Bearer
+    <key>``) when ``--api-key`` is not given; unset or empty: no key."""
+    return os.environ.get("TRIPATH_API_KEY") or None

@@ -2,12 +2,14 @@
 
 A conversation is a list of messages ``{"role": ..., "content": ...}``; ``content`` is text or a list of
 OpenAI content parts of which only ``{"type": "text", "text": ...}`` is supported. The template (Jinja, from
-the model's ``tokenizer_config.json``) renders the conversation with the assistant's turn opened, and the
-text is encoded without adding special tokens again (templates write their own BOS).
+the model's tokenizer files, or given: :func:`load_chat_template` reads it from a file or takes it inline)
+renders the conversation with the assistant's turn opened, and the text is encoded without adding special
+tokens again (templates write their own BOS).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Sequence
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -63,9 +65,9 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generat
 
 
 def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                template_kwargs: Mapping[str, Any] | None = None) -> str:
+                template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None) -> str:
     """The conversation as the model's prompt text; ``template_kwargs`` are more variables for the template
-    (``tools``, ``enable_thinking``, ...)."""
+    (``tools``, ``enable_thinking``, ...); ``chat_template`` (Jinja text) replaces the tokenizer's."""
     template_kwargs = dict(template_kwargs or {})
     reserved = sorted(set(template_kwargs) & set(RESERVED_TEMPLATE_KWARGS))
     if reserved:
@@ -73,7 +75,12 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation
     if tokenizer is None:
         raise ChatTemplateError("chat needs a tokenizer with a chat template; this model has no tokenizer "
                                 "(send token ids to the completions API instead)")
-    if not has_chat_template(tokenizer):
+    if chat_template is not None:
+        template_kwargs["chat_template"] = chat_template
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise ChatTemplateError("chat needs a transformers tokenizer (apply_chat_template); this model's "
+                                    f"tokenizer is a {type(tokenizer).__name__}")
+    elif not has_chat_template(tokenizer):
         raise ChatTemplateError("chat needs a chat template; this model's tokenizer has none (set "
                                 "'chat_template' in its tokenizer_config.json, or use the completions API)")
     return tokenizer.apply_chat_template(normalise_messages(messages), tokenize=False,
@@ -81,11 +88,32 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation
 
 
 def chat_token_ids(tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+                   template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None) -> list[int]:
     """The conversation's prompt token ids (the rendered template encoded without extra special tokens)."""
-    text = render_chat(tokenizer, messages, add_generation_prompt, template_kwargs)
+    text = render_chat(tokenizer, messages, add_generation_prompt, template_kwargs, chat_template)
     encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
     return [int(t) for t in encoded]
+
+
+JINJA_MARKS = ("{{", "{%", "{#", "\n")
+
+
+def load_chat_template(value: str | os.PathLike) -> str:
+    """A chat template given as a file (its text) or as the template itself (text holding Jinja marks or a
+    newline); ``ValueError`` for a value that is neither, e.g. a file path that does not exist."""
+    if isinstance(value, os.PathLike) or (isinstance(value, str) and os.path.isfile(value)):
+        path = os.fspath(value)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"chat template file {path}: cannot read it ({error})") from error
+    if not isinstance(value, str):
+        raise TypeError(f"chat_template must be a str (a template or a file path), got {type(value).__name__}")
+    if any(mark in value for mark in JINJA_MARKS):
+        return value
+    raise ValueError(f"chat template {value!r} is neither a file that exists nor a Jinja template (no "
+                     "'{{', '{%', '{#' or newline in it)")
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -4,9 +4,10 @@
     tripath generate --model /models/Qwen3-8B --backend three_path --kv-cache-dtype fp8 --temperature 0.7
     tripath generate --model /models/Qwen3-32B --tensor-parallel-size 2 --prompt "Hello"
 
-A model directory brings its tokenizer; text prompts to a directory without one are refused (exit 2):
-give ``--prompt-ids`` instead. Presets (random weights) have no tokenizer: their text prompts are encoded
-as UTF-8 bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the same way.
+A model directory brings its tokenizer (``--tokenizer`` gives another); text prompts to a directory without
+one are refused (exit 2): give ``--prompt-ids`` instead. Presets (random weights) have no tokenizer: their text
+prompts are encoded as UTF-8 bytes (ids 0..255, which every preset's vocabulary covers) and decoded back the
+same way.
 ``--prompt-ids`` passes token ids directly, ``--num-random-prompts N`` adds a fixed random workload (only
 its metrics are printed), e.g. to compare ``--tensor-parallel-size`` 1 and 2.
 """
@@ -20,7 +21,7 @@ import random
 import sys
 from typing import Sequence
 
-from tripath.engine.cli_options import add_engine_arguments, engine_options
+from tripath.engine.cli_options import HelpFormatter, add_engine_arguments, engine_options
 
 logger = logging.getLogger(__name__)
 
@@ -37,19 +38,21 @@ class ByteTokenizer:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tripath generate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="local Hugging Face model directory or preset name")
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="a local Hugging Face model directory, a Hugging Face hub id (org/name) or a preset name")
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
     parser.add_argument("--prompt-ids", action="append", default=[],
                         help="a prompt as comma-separated token ids (repeatable)")
     parser.add_argument("--num-random-prompts", type=int, default=0,
                         help="add N prompts of random token ids (3..255, from --seed): a fixed workload to time")
     parser.add_argument("--random-prompt-len", type=int, default=128, help="tokens per random prompt")
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens "
+                        "whose probability reaches it")
+    parser.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: all)")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     add_engine_arguments(parser)
     return parser
 
@@ -81,7 +84,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
     from tripath.engine.config import resolve_device, resolve_dtype
     from tripath.models.loader import TOKENIZER_FILES, load_config
 
-    if args.prompt and os.path.isdir(args.model):
+    if args.prompt and os.path.isdir(args.model) and args.tokenizer is None:
         try:
             has_tokenizer = load_config(args.model).tokenizer_path is not None
         except (ValueError, TypeError, FileNotFoundError) as error:
@@ -96,7 +99,7 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
         dtype = resolve_dtype(args.dtype, device)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, ignore_eos=args.ignore_eos)
-        llm = LLM(args.model, **{**engine_options(args), "dtype": dtype, "device": device})
+        llm = LLM(args.model, tokenizer=args.tokenizer, **{**engine_options(args), "dtype": dtype, "device": device})
         with llm:
             if llm.tokenizer is None and llm.model.config.vocab_size >= 256:
                 llm.tokenizer = ByteTokenizer()

@@ -1,35 +1,86 @@
 """The engine's command-line options, shared by ``tripath generate`` and ``tripath serve``.
 
 :func:`add_engine_arguments` adds them to a parser; :func:`engine_options` turns the parsed values into the
-keyword arguments of :class:`tripath.engine.LLM` (its :class:`~tripath.engine.config.EngineConfig` fields
-and ``tensor_parallel_size``).
+keyword arguments of :class:`tripath.engine.LLM` (its :class:`~tripath.engine.config.EngineConfig` fields and
+``tensor_parallel_size``; ``--tokenizer`` is ``args.tokenizer``, LLM's ``tokenizer=``). Token counts
+(``--max-model-len``, ``--max-num-batched-tokens``) take sizes as vLLM does (:func:`token_count`).
+:class:`HelpFormatter` shows every option's default in ``-h``.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 
 from tripath.constants import KV_CACHE_DTYPES
+
+DECIMAL_SUFFIXES = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
+BINARY_SUFFIXES = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def token_count(text: str) -> int:
+    """A token count as vLLM's command line reads one: an integer, or a number with a suffix, lowercase
+    decimal (``k`` = 1000, ``m`` = 10^6, ``g``, ``t``; decimals allowed: ``25.6k`` = 25600) or uppercase binary
+    (``K`` = 1024, ``M`` = 2^20, ``G``, ``T``; whole numbers only: ``32K`` = 32768). An
+    ``argparse.ArgumentTypeError`` (argparse names the option) for anything else."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a token count: give an integer, or one with a suffix k/m/g/t (x 1000, 10^6, ...; "
+            "4k = 4000) or K/M/G/T (x 1024, 2^20, ...; 32K = 32768)")
+    number, suffix = match.groups()
+    if suffix in BINARY_SUFFIXES:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"{text!r}: binary suffixes take whole numbers (a decimal takes "
+                                             f"{suffix.lower()}: {number}{suffix.lower()})")
+        return int(number) * BINARY_SUFFIXES[suffix]
+    if suffix:
+        return int(float(number) * DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(number)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and ``(default: X)`` after each option's help, unless the help names its
+    default already or there is none to show (None, an empty list, a flag that is off)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default is argparse.SUPPRESS or \
+                default == [] or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
+    group.add_argument("--tokenizer", default=None,
+                       help="a tokenizer directory or Hugging Face hub id to use instead of the model's own")
     group.add_argument("--backend", default="auto",
                        help="attention backend: auto, three_path, unified, two_path, torch, mla, mla_triton")
     group.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float16, ...")
     group.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache element type")
     group.add_argument("--calculate-kv-scales", action="store_true",
                        help="fp8 KV cache: set each layer's scales from the first step (default: 1.0)")
     group.add_argument("--block-size", type=int, default=None,
                        help="KV cache rows per block, a power of two up to 256 (default: the backend's "
                             "preference, 64 for MLA models on a GPU, else 16)")
-    group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    group.add_argument("--max-num-seqs", type=int, default=256)
-    group.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    group.add_argument("--max-model-len", type=int, default=None)
-    group.add_argument("--no-prefix-caching", action="store_true")
+    group.add_argument("--num-kv-blocks", type=int, default=None,
+                       help="KV cache blocks (default: as many as fit in --gpu-memory-utilization on a GPU, "
+                            "1024 on the CPU)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of the GPU's memory the engine may hold")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once")
+    group.add_argument("--max-num-batched-tokens", type=token_count, default=8192,
+                       help="new tokens per step, an integer or a size (see --max-model-len)")
+    group.add_argument("--max-model-len", type=token_count, default=None,
+                       help="longest prompt + output, in tokens: an integer or a size, k = 1000 and K = 1024 as "
+                            "in vLLM (4k = 4000, 32K = 32768, 1M = 1048576; default: the model's max position)")
+    group.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--no-mixed-cuda-graphs", action="store_true",
                        help="run steps with prompt tokens eagerly (default: piecewise CUDA graphs around attention)")
@@ -41,13 +92,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile-workers", type=int, default=None,
                        help="processes that compile the warm-up's kernels with an empty Triton cache (default: "
                             "one per CPU core less one, at most 16; 1: in the engine's process)")
-    group.add_argument("--seed", type=int, default=0)
-    group.add_argument("--tensor-parallel-size", type=int, default=1,
+    group.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """``LLM(model, **engine_options(args))``."""
+    """``LLM(model, tokenizer=args.tokenizer, **engine_options(args))``."""
     return dict(backend=args.backend, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
                 calculate_kv_scales=args.calculate_kv_scales, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -67,7 +67,9 @@ class EngineConfig:
     builds inputs and reads tokens once per ``decode_steps`` tokens; one rank, a backend whose forward reads
     only device tensors). Outputs are the same; a request arriving meanwhile waits for the run to end, tokens
     reach the caller ``decode_steps`` at a time, and a request that stops early in the run computes the rest
-    of it for nothing. 1 turns it off.
+    of it for nothing. 1 turns it off. ``generation_config``: where the defaults of unset sampling fields come
+    from — ``"auto"``, the model's ``generation_config.json``; ``"vllm"``, none (``SamplingParams``' own); or a
+    folder holding a ``generation_config.json`` (:mod:`tripath.engine.generation_defaults`).
     """
 
     backend: str = "auto"
@@ -92,6 +94,7 @@ class EngineConfig:
     async_scheduling: bool = True
     decode_steps: int = 8
     seed: int = 0
+    generation_config: str = "auto"
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -128,6 +131,8 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 
     @property
     def use_cuda_graphs(self) -> bool:

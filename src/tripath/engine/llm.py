@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import statistics
 import threading
 import time
@@ -38,10 +39,12 @@ from tqdm.auto import tqdm
 from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
 from tripath.engine.errors import StepFailed
-from tripath.engine.model_runner import LaunchedStep, ModelRunner, SampledStep
 from tripath.engine.choices import choice_params, group_choices
+from tripath.engine.generation_defaults import load_generation_defaults, usable_defaults
+from tripath.engine.model_runner import LaunchedStep, ModelRunner, SampledStep
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
+from tripath.engine.stats import EngineStats
 from tripath.ops._launch import compiled_variants
 from tripath.engine.scheduler import Scheduler, SchedulerOutput
 from tripath.engine.structured_output import GrammarCompiler
@@ -94,12 +97,16 @@ class RunMetrics:
 class LLM:
     """A model, its KV cache and a scheduler.
 
-    ``model``: a path or preset name (loaded with :func:`tripath.models.load_model`, tokenizer with
-    ``load_tokenizer``) or an already built model object (``attention_spec``, ``num_attention_layers``,
+    ``model``: a local directory, a Hugging Face hub id (``org/name``: from the local Hugging Face cache, or
+    downloaded; see :mod:`tripath.models.hub`) or a preset name (loaded with :func:`tripath.models.load_model`,
+    tokenizer with ``load_tokenizer``) or an already built model object (``attention_spec``, ``num_attention_layers``,
     ``config.eos_token_ids``/``max_position``, ``forward(input_ids, positions, ctx)``, ``compute_logits``).
     ``tensor_parallel_size`` > 1 shards the model over that many ranks (``model`` must then be a path or a
     preset; see :mod:`tripath.engine.parallel_executor`); close such an engine with :meth:`close` or a
     ``with`` block to stop its worker processes (garbage collection and interpreter exit also do).
+    ``tokenizer``: a tokenizer object, or a tokenizer's directory or hub id, in place of the model's own.
+    Requests without sampling parameters take :meth:`get_default_sampling_params` (the model's
+    ``generation_config.json`` defaults, per ``EngineConfig.generation_config``).
     The engine's settings are an :class:`EngineConfig` (``config=``) or its fields as keyword arguments
     (``LLM("tiny-llama", backend="unified", max_num_seqs=64)``); ``dtype`` defaults to a built model's own.
     On a GPU the constructor returns once every kernel variant is compiled (:mod:`tripath.engine.warmup`);
@@ -123,6 +130,17 @@ class LLM:
             config = EngineConfig(**engine_options)
         self.config = config
         start = time.perf_counter()
+        self.model_path = None   # the local directory or preset a model given by name loads from
+        if isinstance(model, (str, os.PathLike)):
+            from tripath.models.hub import resolve_model_path
+            model = self.model_path = resolve_model_path(os.fspath(model))
+        if isinstance(tokenizer, (str, os.PathLike)):
+            from tripath.models import load_tokenizer
+            tokenizer = load_tokenizer(tokenizer)
+        self.generation_defaults = load_generation_defaults(
+            self.model_path if self.model_path is not None and os.path.isdir(self.model_path) else None,
+            config.generation_config)
+        self.get_default_sampling_params()   # a default the sampler refuses fails here, naming the field
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         self.runner = None
@@ -162,6 +180,12 @@ class LLM:
         # them (0.2 s on mha-tp8) does not fall into the first requests' steps.
         gc.collect()
         self.start_seconds = time.perf_counter() - start
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of requests that pass none: ``SamplingParams()`` with the defaults of the
+        model's ``generation_config.json`` (``generation_defaults``, per the ``generation_config`` setting)
+        that the engine implements."""
+        return SamplingParams(**usable_defaults(self.generation_defaults))
 
     @property
     def num_compiled_since_start(self) -> int:
@@ -209,7 +233,7 @@ class LLM:
                       name: str, number: int, taken: set[str] = frozenset()) -> Request:
         """A validated request (``name`` names the prompt in errors) that :meth:`Scheduler.add` will accept;
         ``taken``: request ids claimed by requests about to be queued with it."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
@@ -255,6 +279,15 @@ class LLM:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def stats(self) -> EngineStats:
+        """The engine's state and cumulative counters now (requests, KV blocks, prefix cache, preemptions,
+        steps): see :class:`~tripath.engine.stats.EngineStats`."""
+        blocks, scheduler = self.block_manager, self.scheduler
+        total = blocks.num_usable_blocks
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), total - blocks.num_free_blocks, total,
+                           blocks.num_queried_tokens, blocks.num_hit_tokens, scheduler.num_preemptions,
+                           self.num_steps)
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step and one model run; outputs of the requests that gained a token or finished
@@ -425,7 +458,8 @@ class LLM:
         """Complete every prompt; outputs in the prompts' order. Metrics of the run go to ``last_metrics``.
 
         ``prompts``: one prompt or a list; a prompt is text or token ids (a sequence of ints, or a 1-D integer
-        tensor/array). ``sampling_params``: one for all, or one per prompt (default: ``SamplingParams()``).
+        tensor/array). ``sampling_params``: one for all, or one per prompt (default:
+        :meth:`get_default_sampling_params`).
 
         Every prompt is checked before any is queued (see :meth:`add_request`), so a bad one raises alone and
         touches nothing. If a step raises, this run's requests are aborted first: the engine is left idle,
@@ -435,6 +469,7 @@ class LLM:
             raise RuntimeError("generate() needs an idle engine: finish or abort the requests added with "
                                "add_request() first")
         prompts, params = self._normalise(prompts, sampling_params)
+        params = [self.get_default_sampling_params() if p is None else p for p in params]
         choices = [p.num_choices for p in params]
         batch = self._make_requests([x for x, c in zip(prompts, choices) for _ in range(c)],
                                     [choice for p in params for choice in choice_params(p)], choices=True)
@@ -489,18 +524,22 @@ class LLM:
         return batch
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Complete chat conversations through the tokenizer's chat template (see :mod:`tripath.engine.chat`).
 
         ``messages``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them; outputs in
-        their order, as :meth:`generate`. Raises :class:`~tripath.engine.chat.ChatTemplateError` (a
-        ``ValueError``) when the model has no tokenizer or no chat template.
+        their order, as :meth:`generate`. ``chat_template``: a Jinja template (or a file holding one) in place
+        of the tokenizer's. Raises :class:`~tripath.engine.chat.ChatTemplateError` (a ``ValueError``) when the
+        model has no tokenizer, or neither ``chat_template`` nor the tokenizer has a template.
         """
-        from tripath.engine.chat import chat_token_ids
+        from tripath.engine.chat import chat_token_ids, load_chat_template
 
+        template = load_chat_template(chat_template) if chat_template is not None else None
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
             messages = [messages]
-        prompts = [chat_token_ids(self.tokenizer, conversation, add_generation_prompt) for conversation in messages]
+        prompts = [chat_token_ids(self.tokenizer, conversation, add_generation_prompt, chat_template=template)
+                   for conversation in messages]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     @staticmethod
@@ -518,7 +557,7 @@ class LLM:
         if not prompts:
             raise ValueError("prompts is empty")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params] * len(prompts)   # None: the engine's defaults (_make_request)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -1,5 +1,6 @@
-"""Loading models: from a local Hugging Face directory (``config.json``, single or sharded ``*.safetensors``,
-the tokenizer when present; never the network) or from a preset with deterministic random weights.
+"""Loading models: from a Hugging Face directory (``config.json``, single or sharded ``*.safetensors``, the
+tokenizer when present) — a local one, or a hub id's snapshot in the local Hugging Face cache or downloaded
+(:mod:`tripath.models.hub`) — or from a preset with deterministic random weights.
 
 Checkpoint tensors load by their Hugging Face names; per-expert MoE weights
 ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` are stacked into ``[E, ...]`` parameters. Tensors of layers
@@ -23,6 +24,7 @@ from torch import nn
 from tripath.models.base import CausalLM
 from tripath.models.config import ModelConfig, config_from_hf
 from tripath.models.deepseek import DeepseekForCausalLM
+from tripath.models.hub import resolve_model_path
 from tripath.models.layers import RMSNorm
 from tripath.models.llama import LlamaForCausalLM
 from tripath.models.parallel import SINGLE, ParallelState, model_shards
@@ -182,9 +184,10 @@ def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> No
 
 def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0,
                parallel: ParallelState = SINGLE) -> CausalLM:
-    """A model from a local Hugging Face directory or a preset name (random weights from ``seed``); under
+    """A model from a local Hugging Face directory, a Hugging Face hub id (from the local cache, or downloaded:
+    :func:`~tripath.models.hub.resolve_model_path`) or a preset name (random weights from ``seed``); under
     ``parallel``, the rank's shard."""
-    path_or_preset = os.fspath(path_or_preset)
+    path_or_preset = resolve_model_path(os.fspath(path_or_preset))
     if os.path.isdir(path_or_preset):
         config = load_config(path_or_preset)
         model = build_model(config, dtype=dtype, device=device, parallel=parallel)
@@ -194,17 +197,24 @@ def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, devi
         init_random_weights(model, seed)
     elif os.path.exists(path_or_preset):
         raise FileNotFoundError(f"{path_or_preset} is a file: pass the model directory (with config.json)")
-    else:
-        raise FileNotFoundError(f"{path_or_preset!r} is neither a local model directory nor a preset; presets: "
-                                f"{', '.join(PRESETS)}")
+    else:  # resolve_model_path raised for anything else
+        raise AssertionError(f"unresolved model name {path_or_preset!r}")
     model.post_load()
     return model
 
 
-def load_tokenizer(model: CausalLM):
-    """The tokenizer saved beside the model (``transformers`` if it can load it, else a ``tokenizers``
-    tokenizer from ``tokenizer.json``), or None when the model has none (presets, weight-only directories)."""
-    path = model.config.tokenizer_path
+def load_tokenizer(model: CausalLM | str):
+    """The tokenizer saved beside ``model`` (``transformers`` if it can load it, else a ``tokenizers``
+    tokenizer from ``tokenizer.json``), or None when the model has none (presets, weight-only directories).
+    ``model`` may also be a tokenizer's directory or Hugging Face hub id (its tokenizer files only are
+    fetched); one without tokenizer files is a ``FileNotFoundError``."""
+    if isinstance(model, (str, os.PathLike)):
+        path = resolve_model_path(os.fspath(model), weights=False)
+        if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+            raise FileNotFoundError(f"{os.fspath(model)!r} holds no tokenizer (none of "
+                                    f"{', '.join(TOKENIZER_FILES)})")
+    else:
+        path = model.config.tokenizer_path
     if path is None:
         return None
     try:

@@ -1,7 +1,11 @@
-"""``tripath serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the serving engine.
+"""``tripath serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the serving engine, started and
+answering as vLLM's does.
 
 Layers: :mod:`~tripath.server.protocol` (request / response bodies), :mod:`~tripath.server.engine_loop` (the
 one thread that owns the engine), :mod:`~tripath.server.generation` and :mod:`~tripath.server.detokenize`
-(a request's choices, streamed text, stop strings), :mod:`~tripath.server.metrics` (Prometheus),
-:mod:`~tripath.server.app` (routes) and :mod:`~tripath.server.cli` (the command).
+(a request's choices, streamed text, stop strings), :mod:`~tripath.server.sampling_defaults` (unset sampling
+fields), :mod:`~tripath.server.metrics` (Prometheus, vLLM's names under ``tripath:``),
+:mod:`~tripath.server.app` (routes), :mod:`~tripath.server.utility_routes` (``/tokenize``, ``/detokenize``,
+``/version``), :mod:`~tripath.server.auth` (``--api-key``), :mod:`~tripath.server.listen` (the port, bound
+first), :mod:`~tripath.server.startup` (the start-up log line) and :mod:`~tripath.server.cli` (the command).
 """

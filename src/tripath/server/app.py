@@ -1,11 +1,14 @@
 """The FastAPI application: OpenAI-compatible routes over an :class:`~tripath.server.engine_loop.EngineLoop`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events
-ending in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200 once the engine is built, 503 before
-and while shutting down), ``GET /metrics`` (Prometheus text). Errors carry the OpenAI body
+ending in ``data: [DONE]``), ``GET /v1/models`` (every served name), ``GET /health`` and ``GET`` / ``POST
+/ping`` (200 once the engine is built, 503 before and while shutting down), ``GET /metrics`` (Prometheus text,
+:mod:`~tripath.server.metrics`), and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version``
+(:mod:`~tripath.server.utility_routes`). With an ``api_key``, ``/v1/*`` requests need it as a bearer token
+(401 otherwise; :mod:`~tripath.server.auth`). Errors carry the OpenAI body
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (malformed JSON, a field of the
 wrong type or out of range, a prompt the engine could never serve, more choices than the server could ever
-hold), 404 for another model's name, 413 for a body over ``max_request_bytes``, 503 when more than
+hold), 404 for a model name the server does not serve, 413 for a body over ``max_request_bytes``, 503 when more than
 ``max_queue_depth`` engine requests would wait beyond the ``max_num_seqs`` the engine runs at once, 504 past
 ``request_timeout_s``, 500 for a failed engine step.
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import pydantic
 
@@ -32,10 +35,12 @@ from tripath.engine.chat import chat_token_ids, encode_text
 from tripath.engine.request import SamplingParams
 from tripath.engine.structured_output import StructuredOutput
 from tripath.server import protocol as P
+from tripath.server.auth import APIKeyCheck
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
 from tripath.server.responses import respond
 from tripath.server.metrics import ServerMetrics
+from tripath.server.sampling_defaults import defaulted_sampling
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 _Body = TypeVar("_Body", bound=pydantic.BaseModel)
@@ -60,9 +65,12 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 
 class ServerState:
-    def __init__(self, engine: EngineLoop, metrics: ServerMetrics, model_name: str, max_queue_depth: int,
-                 request_timeout_s: float | None):
-        self.engine, self.metrics, self.model_name = engine, metrics, model_name
+    def __init__(self, engine: EngineLoop, metrics: ServerMetrics, model_names: Sequence[str], max_queue_depth: int,
+                 request_timeout_s: float | None, chat_template: str | None = None):
+        self.engine, self.metrics = engine, metrics
+        self.model_names = list(model_names)   # each accepted as a request's model; the first names the metrics
+        self.model_name = self.model_names[0]
+        self.chat_template = chat_template     # Jinja text in place of the tokenizer's, or None
         self.max_queue_depth = max_queue_depth
         self.request_timeout_s = request_timeout_s
         self.outstanding = 0   # engine submissions of live HTTP requests (handler side)
@@ -118,19 +126,29 @@ async def _body(request: Request, model: type[_Body]) -> _Body:
     return await asyncio.get_running_loop().run_in_executor(None, _parse, model, raw)
 
 
-def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_depth: int = 1024,
+def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str], max_queue_depth: int = 1024,
               request_timeout_s: float | None = None, on_fatal: Callable[[BaseException], None] | None = None,
-              shutdown_timeout_s: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The server for the engine ``make_llm()`` builds (called once, on the engine thread, at start-up)."""
+              shutdown_timeout_s: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              api_key: str | None = None, chat_template: str | None = None,
+              describe: Callable[[object], str] | None = None) -> FastAPI:
+    """The server for the engine ``make_llm()`` builds (called once, on the engine thread, at start-up).
+
+    ``model_name``: the served name, or several (each accepted as a request's ``model``, all listed by
+    ``/v1/models``; the first is the metrics' ``model_name``). ``api_key``: required on ``/v1/*``;
+    ``chat_template``: Jinja text used by chat requests instead of the tokenizer's; ``describe(llm)``: the
+    start-up log line of the built engine."""
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"model_name must be a non-empty name or list of names, got {model_name!r}")
     if max_queue_depth < 1:
         raise ValueError(f"max_queue_depth must be >= 1, got {max_queue_depth}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
-    metrics = ServerMetrics()
-    engine = EngineLoop(make_llm, metrics, on_fatal)
-    state = ServerState(engine, metrics, model_name, max_queue_depth, request_timeout_s)
+    metrics = ServerMetrics(names[0])
+    engine = EngineLoop(make_llm, metrics, on_fatal, describe)
+    state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -141,6 +159,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
     app = FastAPI(title="tripath", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyCheck, api_key=api_key)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request, exc: RequestValidationError):
@@ -166,6 +186,10 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
             return JSONResponse({"status": "starting" if engine.llm is None else "stopping"}, status_code=503)
         return {"status": "ok"}
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    from tripath.server.utility_routes import add_utility_routes   # it uses this module's helpers
+    add_utility_routes(app, state)
+
     @app.get("/metrics")
     async def prometheus():
         metrics.in_server.set(state.outstanding)
@@ -174,8 +198,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
     @app.get("/v1/models")
     async def models():
         _check_ready(state)
-        return P.ModelList(data=[P.ModelCard(id=model_name, max_model_len=engine.max_model_len,
-                                                vocab_size=engine.vocab_size)]).model_dump()
+        return P.ModelList(data=[P.ModelCard(id=name, max_model_len=engine.max_model_len,
+                                                vocab_size=engine.vocab_size) for name in names]).model_dump()
 
     @app.post("/v1/completions", openapi_extra=_schema(P.CompletionRequest))
     async def completions(request: Request):
@@ -200,10 +224,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str, max_queue_dept
         _check_model(state, body.model)
         _check_fits(state, body.n)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        template_kwargs = dict(body.chat_template_kwargs or {})
-        if body.tools is not None and "tools" not in template_kwargs:
-            template_kwargs["tools"] = body.tools
-        prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt, template_kwargs)
+        prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt,
+                                  _chat_template_kwargs(body))
         structured = await _in_thread(_structured_output, state, body)
         gen = _generation(state, body, [prompt], body.output_limit, structured)
         return await respond(state, gen, body, request, chat=True)
@@ -221,10 +243,19 @@ async def _in_thread(fn, *args):
     return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
 
 
+def _chat_template_kwargs(body) -> dict:
+    """The template variables of a chat body: its ``chat_template_kwargs``, and ``tools`` unless they set it."""
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.tools is not None and "tools" not in template_kwargs:
+        template_kwargs["tools"] = body.tools
+    return template_kwargs
+
+
 def _chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool,
                  template_kwargs: dict) -> list[int]:
     try:
-        prompt = chat_token_ids(state.engine.tokenizer, messages, add_generation_prompt, template_kwargs)
+        prompt = chat_token_ids(state.engine.tokenizer, messages, add_generation_prompt, template_kwargs,
+                                state.chat_template)
     except (ValueError, TypeError, UnicodeError) as error:   # ChatTemplateError included
         raise APIError(400, str(error), param="messages") from None
     except Exception as error:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
@@ -247,8 +278,9 @@ def _check_ready(state: ServerState) -> None:
 
 
 def _check_model(state: ServerState, model: str) -> None:
-    if model != state.model_name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+    if model not in state.model_names:
+        served = ", ".join(repr(n) for n in state.model_names)
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}",
                        param="model", code="model_not_found")
 
 
@@ -318,11 +350,12 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
         for j in range(body.num_choices):
             seed = None if body.seed is None else body.seed + j
             try:
+                sampling = defaulted_sampling(body, max_tokens, state.engine.generation_defaults, room)
+                if hidden:
+                    sampling["max_tokens"] = 1
                 sp = SamplingParams(
-                    max_tokens=1 if hidden else max_tokens if max_tokens is not None else room,
-                    temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=seed,
-                    stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                    repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                    **sampling, seed=seed, stop_token_ids=tuple(stop_ids), ignore_eos=body.ignore_eos,
+                    min_tokens=body.min_tokens, presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty, logit_bias=bias,
                     logprobs=0 if ranked and logprobs is None else logprobs, prompt_logprobs=prompt_logprobs,
                     structured_output=structured)

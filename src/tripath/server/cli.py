@@ -1,11 +1,13 @@
 """``tripath serve``: the OpenAI-compatible HTTP server on the engine.
 
-    tripath serve --model /models/Qwen3-8B --backend three_path --port 8000
-    tripath serve --model tiny-llama --backend torch --num-kv-blocks 64     # a preset: token-id prompts only
+    tripath serve /models/Qwen3-8B --backend three_path --port 8000
+    tripath serve Qwen/Qwen3-0.6B --served-model-name qwen3 qwen --api-key "$KEY"   # a Hugging Face hub id
+    tripath serve tiny-llama --backend torch --num-kv-blocks 64     # a preset: token-id prompts only
 
-The port answers at once; ``GET /health`` is 200 once the engine is built (and warmed up). SIGINT / SIGTERM
-stop accepting connections, let in-flight requests finish for up to ``--shutdown-timeout`` seconds, then end
-the rest with 503 (a stream gets an error event and ``[DONE]``) and release the GPU.
+The port is bound first (a port in use fails at once) and answers while the engine builds; ``GET /health`` is
+200 once the engine is built (and warmed up). SIGINT / SIGTERM stop accepting connections, let in-flight
+requests finish for up to ``--shutdown-timeout`` seconds, then end the rest with 503 (a stream gets an error
+event and ``[DONE]``) and release the GPU.
 """
 
 from __future__ import annotations
@@ -13,56 +15,149 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Sequence
 
-from tripath.engine.cli_options import add_engine_arguments, engine_options
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+MODEL_HELP = "a local Hugging Face model directory, a Hugging Face hub id (org/name) or a preset name"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tripath.engine.cli_options import HelpFormatter, add_engine_arguments
+
     parser = argparse.ArgumentParser(prog="tripath serve", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="local Hugging Face model directory or preset name")
-    parser.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' "
-                        "(default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    parser.add_argument("--model", dest="model_option", metavar="MODEL", default=None,
+                        help="the model, as an option (the same as the positional MODEL)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the names clients pass as 'model' (each accepted, all listed by /v1/models; the "
+                             "first names the metrics); default: the model as given")
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    parser.add_argument("--api-key", default=None,
+                        help="the key /v1/* requests must send as 'Authorization: Bearer <key>' (401 otherwise; "
+                             "/health, /ping, /metrics, /version stay open); default: $TRIPATH_API_KEY, else none")
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template for chat requests instead of the tokenizer's: a file, or the Jinja "
+                             "template itself")
+    parser.add_argument("--generation-config", default="auto",
+                        help="defaults of the sampling fields a request leaves unset: 'auto' (the model's "
+                             "generation_config.json), 'vllm' (the engine's own), or a folder holding a "
+                             "generation_config.json")
     parser.add_argument("--max-queue-depth", type=int, default=1024,
                         help="engine requests allowed to wait beyond the --max-num-seqs running ones (>= 1); "
                              "more get 503 at once")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20,
-                        help="largest request body accepted (413 above; default 16 MiB)")
+                        help="largest request body accepted, in bytes (413 above)")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds a request may take (504 and aborted after); default: no limit")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may still run after SIGINT / SIGTERM")
-    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="log level of the server and uvicorn")
     add_engine_arguments(parser)
     return parser
 
 
+def _listen_address(argv: list[str]) -> tuple[str, int]:
+    """``--host`` and ``--port`` of ``argv``, read without the full parser (which loads the engine's modules)."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--host", default=DEFAULT_HOST)
+    early.add_argument("--port", default=str(DEFAULT_PORT))
+    known, _ = early.parse_known_args(argv)
+    return known.host, int(known.port)
+
+
+def _bind_early(argv: list[str]):
+    """The listening socket, bound before anything heavy loads; None when ``-h`` is asked for or the address
+    is not valid yet (the full parser then names the mistake)."""
+    if any(a in ("-h", "--help") for a in argv):
+        return None
+    from tripath.server.listen import bind_listener
+
+    try:
+        host, port = _listen_address(argv)
+    except (ValueError, SystemExit):
+        return None
+    if not 0 <= port <= 65535:
+        return None
+    return bind_listener(host, port)
+
+
+def _usage_error(message: str) -> int:
+    print(f"tripath serve: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main_serve(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``tripath serve``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from tripath.server.listen import ListenError
+
+    try:
+        listener = _bind_early(argv)
+    except ListenError as error:
+        print(f"tripath serve: error: {error}", file=sys.stderr)
+        return 1
+    try:
+        return _serve(argv, listener)
+    finally:
+        if listener is not None:
+            listener.close()
+
+
+def _serve(argv: list[str], listener) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model is not None and args.model_option is not None and args.model != args.model_option:
+        parser.error(f"the model is given twice: {args.model!r} and --model {args.model_option!r}")
+    model = args.model or args.model_option
+    if model is None:
+        parser.error("give the model: tripath serve MODEL (" + MODEL_HELP + ")")
     try:
         import uvicorn
 
         from tripath.server.app import build_app
     except ImportError as error:
-        print(f"tripath serve: error: {error}; install the server's packages with pip install 'tripath[serve]'",
-              file=sys.stderr)
-        return 2
+        return _usage_error(f"{error}; install the server's packages with pip install 'tripath[serve]'")
     for name, value, low in (("--port", args.port, 0), ("--max-queue-depth", args.max_queue_depth, 1),
                              ("--max-request-bytes", args.max_request_bytes, 1)):
         if value < low:
-            print(f"tripath serve: error: {name} must be >= {low}, got {value}", file=sys.stderr)
-            return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            return _usage_error(f"{name} must be >= {low}, got {value}")
+    if args.port > 65535:
+        return _usage_error(f"--port must be <= 65535, got {args.port}")
+    if args.served_model_name is not None and not all(args.served_model_name):
+        return _usage_error("--served-model-name: a name may not be empty")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        return _usage_error(f"--generation-config: {args.generation_config!r} is neither 'auto', 'vllm' nor a "
+                            "folder")
+    chat_template = None
+    if args.chat_template is not None:
+        from tripath.engine.chat import load_chat_template
+
+        try:
+            chat_template = load_chat_template(args.chat_template)
+        except ValueError as error:
+            return _usage_error(f"--chat-template: {error}")
+    from tripath import _env
+
+    api_key = args.api_key or _env.server_api_key()
+    names = args.served_model_name or [model]
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)   # `tripath` configured the root logger for its commands already
 
     def make_llm():
         from tripath.engine import LLM
+        from tripath.engine.cli_options import engine_options
 
-        return LLM(args.model, **engine_options(args))
+        return LLM(model, tokenizer=args.tokenizer, generation_config=args.generation_config, **engine_options(args))
+
+    def describe(llm) -> str:
+        from tripath.server.startup import startup_summary
+
+        return startup_summary(llm, model, names)
 
     server: uvicorn.Server | None = None
 
@@ -71,20 +166,23 @@ def main_serve(argv: Sequence[str] | None = None) -> int:
             server.should_exit = True
 
     try:
-        app = build_app(make_llm, model_name=args.served_model_name or args.model,
-                        max_queue_depth=args.max_queue_depth, request_timeout_s=args.request_timeout,
-                        on_fatal=on_fatal, shutdown_timeout_s=args.shutdown_timeout,
-                        max_request_bytes=args.max_request_bytes)
+        app = build_app(make_llm, model_name=names, max_queue_depth=args.max_queue_depth,
+                        request_timeout_s=args.request_timeout, on_fatal=on_fatal,
+                        shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
+                        api_key=api_key, chat_template=chat_template, describe=describe)
     except ValueError as error:
-        print(f"tripath serve: error: {error}", file=sys.stderr)
-        return 2
+        return _usage_error(str(error))
     # uvicorn cancels the handlers still running at its graceful timeout; the engine ends them first (503s
     # that reach the clients), so uvicorn's timeout leaves them time to answer.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
     server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout)
+    port = listener.getsockname()[1] if listener is not None else args.port   # --port 0: the one the system gave
+    logging.getLogger("tripath.server").info("listening on http://%s:%d; building the engine for %s", args.host,
+                                             port, model)
     try:
-        server.run()   # after a graceful shutdown uvicorn re-raises the signal that asked for it
+        # after a graceful shutdown uvicorn re-raises the signal that asked for it
+        server.run(sockets=[listener] if listener is not None else None)
     except KeyboardInterrupt:
         pass
     engine = app.state.server.engine

@@ -18,16 +18,20 @@ import gc
 import logging
 import queue
 import threading
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from tripath.engine.errors import StepFailed
 from tripath.engine.request import SamplingParams
+from tripath.server.metrics import ChoiceTimes
 
 log = logging.getLogger("tripath.server")
 
 ACCEPTED = "accepted"
+# the engine's finish reasons as the metrics name them (vLLM's)
+FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 
 
 @dataclass
@@ -41,7 +45,8 @@ class Failure:
 
 @dataclass(eq=False)
 class Submission:
-    """One engine request of an HTTP request (``index``: its choice), and where its events go."""
+    """One engine request of an HTTP request (``index``: its choice), and where its events go; ``arrival``:
+    when the HTTP request arrived (``perf_counter``), the start of its latency metrics."""
 
     request_id: str
     index: int
@@ -49,6 +54,8 @@ class Submission:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    arrival: float = field(default_factory=time.perf_counter)
+    times: ChoiceTimes | None = None   # set by the engine thread once the engine has accepted it
 
     def deliver(self, item) -> None:
         """From the engine thread: queue ``(index, item)`` for the handler."""
@@ -61,10 +68,12 @@ class Submission:
 class EngineLoop:
     """Builds the engine with ``make_llm()`` on its own thread and serves submissions until stopped."""
 
-    def __init__(self, make_llm: Callable[[], object], metrics, on_fatal: Callable[[BaseException], None] | None = None):
+    def __init__(self, make_llm: Callable[[], object], metrics, on_fatal: Callable[[BaseException], None] | None = None,
+                 describe: Callable[[object], str] | None = None):
         self._make_llm = make_llm
         self.metrics = metrics
         self._on_fatal = on_fatal
+        self._describe = describe   # the start-up log line of the built engine
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[str, Submission] = {}
         self._ready = threading.Event()
@@ -75,6 +84,7 @@ class EngineLoop:
         self.vocab_size = 0
         self.max_model_len = 0
         self.max_num_seqs = 0
+        self.generation_defaults: dict = {}   # the model's sampling defaults (LLM.generation_defaults)
         self.startup_error: BaseException | None = None
         self.num_running = 0
         self.num_waiting = 0
@@ -100,8 +110,9 @@ class EngineLoop:
     def submit(self, sub: Submission) -> None:
         self._inbox.put(("add", sub))
 
-    def abort(self, request_id: str, outcome: str = "aborted") -> None:
-        """Abort a request (``outcome`` labels it in the metrics: ``aborted``, or ``stop`` for a stop string)."""
+    def abort(self, request_id: str, outcome: str = "abort") -> None:
+        """Abort a request (``outcome`` is its finish reason in the metrics: ``abort``, or ``stop`` for a stop
+        string)."""
         self._inbox.put(("abort", (request_id, outcome)))
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -119,7 +130,9 @@ class EngineLoop:
             self.vocab_size = int(self.llm.model.config.vocab_size)
             self.max_model_len = int(self.llm.runner.max_model_len)
             self.max_num_seqs = int(self.llm.config.max_num_seqs)
-            self.metrics.observe_engine(self.llm)
+            self.generation_defaults = dict(getattr(self.llm, "generation_defaults", {}))
+            self.metrics.engine_ready(self.max_model_len)
+            self.metrics.observe_engine(self.llm.stats())
         except BaseException as error:  # noqa: BLE001 - reported to the server, which exits
             self.startup_error = error
             log.error("building the engine failed:\n%s", traceback.format_exc())
@@ -131,7 +144,7 @@ class EngineLoop:
         # full collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
         gc.freeze()
         self._ready.set()
-        log.info("engine ready")
+        log.info("engine ready: %s", self._describe(self.llm) if self._describe is not None else "")
         try:
             while not self._stopping:
                 try:
@@ -146,12 +159,19 @@ class EngineLoop:
             self._shutdown()
 
     def _fail_all(self, failure: Failure) -> None:
-        for request_id, sub in list(self._subs.items()):
+        reason = "abort" if failure.status == 503 else "error"
+        for request_id in list(self._subs):
             try:
                 self.llm.abort_request(request_id)
             finally:
-                sub.deliver(failure)
-        self._subs.clear()
+                self._end(request_id, reason).deliver(failure)
+
+    def _end(self, request_id: str, reason: str) -> Submission | None:
+        """Forget a request that ended (``reason``: its finish reason in the metrics); its submission."""
+        sub = self._subs.pop(request_id, None)
+        if sub is not None and sub.times is not None:
+            self.metrics.observe_end(sub.times, reason, time.perf_counter())
+        return sub
 
     def _drain(self, block: bool) -> None:
         try:
@@ -181,13 +201,14 @@ class EngineLoop:
                 sub.deliver(Failure(500, f"adding the request failed: {type(error).__name__}: {error}",
                                     "server_error"))
                 return
+            sub.times = ChoiceTimes(sub.arrival, len(sub.prompt_token_ids), sub.params.max_tokens)
             self._subs[sub.request_id] = sub
             sub.deliver(ACCEPTED)
         elif kind == "abort":
             request_id, outcome = arg
-            if self._subs.pop(request_id, None) is not None:
+            if request_id in self._subs:
                 llm.abort_request(request_id)
-                self.metrics.requests.labels(outcome).inc()
+                self._end(request_id, outcome)
                 self._publish()
         elif kind == "stop":
             self._stopping = True
@@ -201,9 +222,8 @@ class EngineLoop:
             num_new = self._deliver(error.outputs)
             failure = Failure(503 if error.out_of_memory else 500, str(error), "server_error")
             for request_id in error.request_ids:
-                sub = self._subs.pop(request_id, None)
+                sub = self._end(request_id, "error")
                 if sub is not None:
-                    self.metrics.requests.labels("failed").inc()
                     sub.deliver(failure)
             self._publish(num_new)
             return
@@ -214,9 +234,8 @@ class EngineLoop:
             victims = [r.request_id for r in llm.scheduler.running] or [r.request_id for r in llm.scheduler.waiting]
             for request_id in victims:
                 llm.abort_request(request_id)
-                sub = self._subs.pop(request_id, None)
+                sub = self._end(request_id, "error")
                 if sub is not None:
-                    self.metrics.requests.labels("failed").inc()
                     sub.deliver(Failure(500, f"the engine step failed: {type(error).__name__}: {error}",
                                         "server_error"))
             self._publish()
@@ -224,23 +243,24 @@ class EngineLoop:
         self._publish(self._deliver(outputs))
 
     def _deliver(self, outputs) -> int:
-        """Hand each output to its request's subscriber; the number of new tokens."""
-        num_new = 0
+        """Hand each output to its request's subscriber (and its tokens and end to the metrics); the number
+        of new tokens."""
+        num_new, now = 0, time.perf_counter()
         for out in outputs:
             num_new += len(out.new_token_ids)
             sub = self._subs.get(out.request_id)
             if sub is None:
                 continue
+            self.metrics.observe_tokens(sub.times, len(out.new_token_ids), now)
             if out.finished:
-                del self._subs[out.request_id]
-                self.metrics.observe_finished(out, out.finish_reason.value)
+                self._end(out.request_id, FINISH_REASONS.get(out.finish_reason.value, "error"))
             sub.deliver(out)
         return num_new
 
     def _publish(self, num_new_tokens: int = 0) -> None:
-        self.num_running = len(self.llm.scheduler.running)
-        self.num_waiting = len(self.llm.scheduler.waiting)
-        self.metrics.observe_engine(self.llm, num_new_tokens)
+        stats = self.llm.stats()
+        self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
+        self.metrics.observe_engine(stats, num_new_tokens)
 
     def _shutdown(self) -> None:
         self._fail_all(Failure(503, "the server is shutting down", "server_error"))

@@ -117,7 +117,7 @@ class Generation:
         number = next(_ids)
         self.choices: list[ChoiceState] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            sub = Submission(f"srv-{number}-{i}", i, prompt, sp, self.loop, self.events)
+            sub = Submission(f"srv-{number}-{i}", i, prompt, sp, self.loop, self.events, arrival=self.arrival)
             self.choices.append(ChoiceState(sub, IncrementalDetokenizer(engine.tokenizer, skip_special_tokens),
                                             StopMatcher(stops, include_stop), len(prompt), hidden, sp.min_tokens))
         self._submitted = False
@@ -193,7 +193,6 @@ class Generation:
                     yield delta
         finally:
             self.abort()
-            self.engine.metrics.e2e.observe(time.perf_counter() - self.arrival)
 
     def abort(self) -> None:
         """Abort every choice that has not finished (a no-op for the engine once it has)."""

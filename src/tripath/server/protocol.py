@@ -98,11 +98,13 @@ class StructuredOutputs(_Request):
 
 class _SamplingRequest(_Request):
     model: Name
+    # None = unset: the model's default (generation_config.json), else the engine's (server.sampling_defaults)
     max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None
-    temperature: Float = 1.0
-    top_p: Float = 1.0
-    top_k: Annotated[Int, Field(ge=-1, le=INT64_MAX)] = -1
-    min_p: Float = 0.0
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Annotated[Int, Field(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
     n: Annotated[Int, Field(ge=1, le=MAX_CHOICES)] = 1
     seed: Annotated[Int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)],
@@ -117,7 +119,6 @@ class _SamplingRequest(_Request):
     user: Name | None = None
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
-    repetition_penalty: Float = 1.0
     logit_bias: Annotated[dict[Annotated[StrictStr, Field(max_length=32)], Float],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     response_format: ResponseFormat | None = None
@@ -157,12 +158,13 @@ class _SamplingRequest(_Request):
     @model_validator(mode="after")
     def _check_ranges(self):
         _finite("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+        if self.top_p is not None and not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _finite("min_p", self.min_p, 0.0, 1.0)
         _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE):
+        if self.repetition_penalty is not None and not (
+                math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE):
             raise ValueError(f"repetition_penalty must be a finite number in (0, {MAX_TEMPERATURE:g}] (1 = off), "
                              f"got {self.repetition_penalty}")
         for key, value in (self.logit_bias or {}).items():
@@ -207,7 +209,7 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 class CompletionRequest(_SamplingRequest):
     prompt: Union[StrictStr, TokenIds, Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_PROMPTS)],
                   Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]]
-    max_tokens: Annotated[Int, Field(ge=0, le=INT64_MAX)] | None = 16   # 0: score the prompt (with echo)
+    max_tokens: Annotated[Int, Field(ge=0, le=INT64_MAX)] | None = None   # 0: score the prompt (with echo); unset: 16 or the model's
     echo: Bool = False
     logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None

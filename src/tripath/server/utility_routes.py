@@ -1,0 +1,126 @@
+"""vLLM's utility routes beside the OpenAI API: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+
+``/tokenize`` takes ``{"model"?, "prompt": str, "add_special_tokens"?: true}`` (the ids a completions request
+would use) or ``{"model"?, "messages": [...], "add_generation_prompt"?: true, "add_special_tokens"?: false,
+"chat_template_kwargs"?, "tools"?}`` (the ids a chat request would use) and answers ``{"count", "max_model_len",
+"tokens", "token_strs"}`` (``token_strs`` with ``"return_token_strs": true``, else null). ``/detokenize``
+takes ``{"model"?, "tokens": [...]}`` and answers ``{"prompt": str}`` (special tokens kept). A ``model`` that
+is given must be one of the served names (404 otherwise); a model without a tokenizer gets 400.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, Field, StrictStr, model_validator
+
+import tripath
+from tripath.engine.chat import render_chat
+from tripath.server import protocol as P
+from tripath.server.generation import APIError
+
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+class TokenizeRequest(P._Request):
+    model: P.Name | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[P.ChatMessage], Field(min_length=1, max_length=P.MAX_MESSAGES)] | None = None
+    add_generation_prompt: P.Bool = True
+    add_special_tokens: P.Bool | None = None   # default: True for a prompt, False for messages (as vLLM)
+    return_token_strs: P.Bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt (text) and messages (a chat conversation)")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(P._Request):
+    model: P.Name | None = None
+    tokens: Annotated[list[P.TokenId], Field(max_length=MAX_DETOKENIZE_TOKENS)]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def _tokenizer(state):
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer: there is nothing to tokenize or detokenize with")
+    return tokenizer
+
+
+def _tokenize(state, body: TokenizeRequest) -> TokenizeResponse:
+    from tripath.server.app import _chat_template_kwargs
+
+    tokenizer = _tokenizer(state)
+    if body.prompt is not None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        text, param = body.prompt, "prompt"
+    else:
+        special = bool(body.add_special_tokens)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = render_chat(tokenizer, messages, body.add_generation_prompt, _chat_template_kwargs(body),
+                               state.chat_template)
+        except Exception as error:  # noqa: BLE001 - as chat completions: the template refused the messages
+            raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+        param = "messages"
+    try:
+        encoded = tokenizer.encode(text, add_special_tokens=special)
+    except (ValueError, TypeError, UnicodeError) as error:
+        raise APIError(400, f"{param} could not be tokenised: {type(error).__name__}: {error}", param=param) from None
+    ids = [int(t) for t in getattr(encoded, "ids", encoded)]   # `tokenizers` returns an Encoding
+    strs = None
+    if body.return_token_strs:
+        convert = getattr(tokenizer, "convert_ids_to_tokens", None) or tokenizer.id_to_token
+        strs = [convert(t) for t in ids]
+    return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids, token_strs=strs)
+
+
+def _detokenize(state, body: DetokenizeRequest) -> DetokenizeResponse:
+    from tripath.server.app import _check_ids
+
+    tokenizer = _tokenizer(state)
+    if body.tokens:
+        _check_ids(state, body.tokens, "tokens")
+    return DetokenizeResponse(prompt=tokenizer.decode(list(body.tokens), skip_special_tokens=False))
+
+
+def add_utility_routes(app: FastAPI, state) -> None:
+    """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app`` (served by ``state``)."""
+    from tripath.server.app import _body, _check_model, _check_ready, _in_thread
+
+    async def _checked(request: Request, model: type[P._Request]):
+        body = await _body(request, model)
+        _check_ready(state)
+        if body.model is not None:
+            _check_model(state, body.model)
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await _checked(request, TokenizeRequest)
+        return (await _in_thread(_tokenize, state, body)).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await _checked(request, DetokenizeRequest)
+        return (await _in_thread(_detokenize, state, body)).model_dump()
+
+    @app.get("/version")
+    async def version():
+        return {"version": tripath.__version__}

@@ -1,0 +1,123 @@
+"""``/metrics`` of a real ``tripath serve`` process after a scripted mix of requests — a stop string, ``n=2``,
+a client that leaves mid-stream, preemptions on a tiny KV cache — counts every engine request (choice) once
+everywhere, with vLLM's names, types, labels and buckets under ``tripath:``."""
+
+import asyncio
+import re
+import time
+
+import httpx
+import pytest
+import torch
+
+from server_process import ServerProcess
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+
+from server_models import save_tiny_hf_llama  # noqa: E402  (needs transformers)
+
+NAME = "metrics-model"
+_SAMPLE = re.compile(r'^([^{\s]+)(?:\{(.*)\})? (\S+)$')
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf")
+    save_tiny_hf_llama(path)
+    log = tmp_path_factory.mktemp("log") / "server.log"
+    proc = ServerProcess(["--model", str(path), "--served-model-name", NAME, "--backend", "torch", "--num-kv-blocks",
+                          "16", "--max-num-seqs", "4", "--max-model-len", "256"], log)
+    yield proc
+    proc.close()
+
+
+def scrape(server) -> dict[tuple[str, frozenset], float]:
+    """Samples by (name, labels), and the ``# TYPE`` of each metric under the key ``(name, "type")``."""
+    out = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            out[(name, "type")] = kind
+        elif line and not line.startswith("#"):
+            name, labels, value = _SAMPLE.match(line).groups()
+            pairs = frozenset(tuple(p.split("=", 1)) for p in re.findall(r'\w+="[^"]*"', labels or ""))
+            out[(name, frozenset((k, v.strip('"')) for k, v in pairs))] = float(value)
+    return out
+
+
+def value(samples, name, **labels):
+    return samples[(name, frozenset({"model_name": NAME, "engine": "0", **labels}.items()))]
+
+
+def test_metrics_count_every_choice_once(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    ids = lambda text: httpx.post(server.url + "/tokenize", json={"prompt": text}).json()["tokens"]  # noqa: E731
+    greedy = dict(model=NAME, temperature=0, extra_body={"ignore_eos": True})
+    # 1. 200 tokens; 2. the same prompt, cut by a stop string early in that output
+    base = c.completions.create(prompt="Hello world", max_tokens=200, **greedy).choices[0]
+    text = base.text
+    start = next(i for i in range(len(text) // 8, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    stopped = c.completions.create(prompt="Hello world", max_tokens=200, stop=[text[start:start + 2]],
+                                   **greedy).choices[0]
+    assert stopped.finish_reason == "stop" and len(stopped.model_extra["token_ids"]) < 200
+    # 3. two choices
+    two = c.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=6, n=2, temperature=1.0, seed=5,
+                               extra_body={"ignore_eos": True})
+    assert [len(ch.model_extra["token_ids"]) for ch in two.choices] == [6, 6]
+    # 4. a stream the client leaves after its first event
+    before = scrape(server)
+    with httpx.Client(base_url=server.url, timeout=60) as h:
+        body = {"model": NAME, "prompt": [7] * 20, "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with h.stream("POST", "/v1/completions", json=body) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    deadline = time.monotonic() + 30
+    while value(scrape(server), "tripath:request_success_total", finished_reason="abort") == 0:
+        assert time.monotonic() < deadline, "the abort was not counted"
+        time.sleep(0.05)
+    assert value(before, "tripath:request_success_total", finished_reason="abort") == 0
+    # 5. four requests of 80 tokens each on a cache of 15 blocks of 16: preemptions
+
+    async def crowd():
+        a = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(a.completions.create(prompt=[11 + i] * 20, max_tokens=60, **greedy)
+                                          for i in range(4)))
+        finally:
+            await a.close()
+
+    assert all(len(out.choices[0].model_extra["token_ids"]) == 60 for out in asyncio.run(crowd()))
+
+    m = scrape(server)
+    success = {reason: value(m, "tripath:request_success_total", finished_reason=reason)
+               for reason in ("stop", "length", "abort", "error")}
+    assert success == {"stop": 1, "length": 1 + 2 + 4, "abort": 1, "error": 0}
+    choices = 9
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_decode_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens"):
+        assert value(m, f"tripath:{name}_count") == choices, name
+        assert m[(f"tripath:{name}", "type")] == "histogram"
+    assert value(m, "tripath:time_to_first_token_seconds_bucket", le="2560.0") == choices   # vLLM's buckets
+    assert value(m, "tripath:inter_token_latency_seconds_bucket", le="80.0") == \
+        value(m, "tripath:inter_token_latency_seconds_count")
+    prompt_tokens = 2 * len(ids("Hello world")) + 2 * len(ids("The quick brown fox")) + 20 + 4 * 20
+    assert value(m, "tripath:prompt_tokens_total") == prompt_tokens
+    assert value(m, "tripath:request_prompt_tokens_sum") == prompt_tokens
+    assert value(m, "tripath:request_params_max_tokens_sum") == 200 + 200 + 2 * 6 + 200 + 4 * 60
+    generated = value(m, "tripath:generation_tokens_total")
+    assert value(m, "tripath:request_generation_tokens_sum") == generated
+    assert generated >= 200 + len(stopped.model_extra["token_ids"]) + 12 + 1 + 240
+    assert value(m, "tripath:inter_token_latency_seconds_count") == generated - choices   # every later token
+    assert value(m, "tripath:request_time_per_output_token_seconds_count") in (choices - 1, choices)
+    assert value(m, "tripath:num_preemptions_total") > 0
+    assert m[("tripath:num_preemptions_total", "type")] == "counter"
+    queried, hit = value(m, "tripath:prefix_cache_queries_total"), value(m, "tripath:prefix_cache_hits_total")
+    assert queried >= prompt_tokens and 0 <= hit <= queried   # every admission looks its tokens up
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_blocks_used",
+                  "num_requests_in_server"):
+        assert value(m, f"tripath:{gauge}") == 0, gauge
+        assert m[(f"tripath:{gauge}", "type")] == "gauge"
+    assert value(m, "tripath:kv_cache_blocks_total") == 15
+    assert value(m, "tripath:engine_steps_total") > 0 and value(m, "tripath:engine_step_failures_total") == 0
+    assert not [key for key in m if key[1] != "type" and not key[0].startswith(("tripath:", "python_", "process_"))]
