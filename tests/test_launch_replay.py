@@ -151,7 +151,7 @@ def test_a_second_model_step_on_the_context_records_again(monkeypatch):
     two_layers = ForwardContext(backend, meta, caches[:2])  # too few layers for a recording to pay
     for layer in range(2):
         two_layers.attend(layer, q, k, v, out=out)
-    assert len(calls) == 5 and not two_layers._recorded
+    assert len(calls) == 5 and two_layers._replay is None
 
 
 def test_without_out_or_on_other_memory_every_layer_runs_its_forward(monkeypatch):
@@ -315,7 +315,7 @@ def test_launches_unlike_the_watched_ones_are_refused_and_watched_again(monkeypa
 
 
 def test_metadata_structure_leaves_out_sizes_but_not_the_code_path():
-    from tripath.attention.context import metadata_structure
+    from tripath.attention.layer_replay import metadata_structure
 
     spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16, extend_chunk_budget=16)
     backend = backend_class("three_path")(spec, DEVICE)

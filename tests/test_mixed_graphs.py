@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tripath.attention import ForwardContext
-from tripath.attention.context import MIN_LAYERS_TO_REPLAY
+from tripath.attention.layer_replay import MIN_LAYERS_TO_REPLAY
 from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.mixed_graphs import MixedStepGraphs
 from tripath.models import load_model

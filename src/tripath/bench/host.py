@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tripath.attention import ForwardContext, WatchedPaths
-from tripath.attention.context import metadata_tensors
+from tripath.attention.layer_replay import metadata_tensors
 from tripath.attention.selector import backend_class, default_block_size, explain
 from tripath.attention.spec import AttentionSpec
 from tripath.bench.batches import make_step
