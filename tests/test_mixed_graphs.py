@@ -14,6 +14,7 @@ from tripath.attention import ForwardContext
 from tripath.attention.layer_replay import MIN_LAYERS_TO_REPLAY
 from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.mixed_graphs import MixedStepGraphs
+from tripath.engine.startup import nothing_written_context
 from tripath.models import load_model
 from tripath.models.loader import build_model, init_random_weights
 from tripath.models.parallel import ParallelState
@@ -91,7 +92,7 @@ def test_replayed_hidden_states_equal_the_eager_model_on_gpu(name, backend):
     assert runner.mixed_graphs is not None and sorted(runner.mixed_graphs.buckets) == [16, 32, 64, 128, 256, 300]
     vocab = model.config.vocab_size
     for tokens in (5, 100, 300):
-        ctx = runner._nothing_written_context(tokens)
+        ctx = nothing_written_context(runner, tokens)
         ids = torch.randint(0, vocab, (tokens,), device="cuda")
         positions = torch.randint(0, 200, (tokens,), device="cuda")
         with torch.inference_mode():

@@ -41,7 +41,8 @@ from tripath.engine.config import EngineConfig
 from tripath.engine.errors import StepFailed
 from tripath.engine.choices import choice_params, group_choices
 from tripath.engine.generation_defaults import load_generation_defaults, usable_defaults
-from tripath.engine.model_runner import LaunchedStep, ModelRunner, SampledStep
+from tripath.engine.launched_step import LaunchedStep, SampledStep
+from tripath.engine.model_runner import ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
 from tripath.engine.stats import EngineStats
@@ -165,9 +166,9 @@ class LLM:
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                    max_model_len=self.runner.max_model_len,
                                    enable_chunked_prefill=self.config.enable_chunked_prefill)
-        self.overlap = self.config.async_scheduling and self.runner.supports_overlap
-        # model steps a step of decodes alone may take (multi-step decoding), where the runner can
-        self.decode_steps = self.config.decode_steps if getattr(self.runner, "supports_multi_step", False) else 1
+        self.overlap = self.config.async_scheduling and self.runner.capabilities.overlap
+        # model steps a step of decodes alone may take (multi-step decoding), where the executor can
+        self.decode_steps = self.config.decode_steps if self.runner.capabilities.multi_step else 1
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -198,9 +199,9 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do for one rank); idempotent."""
-        close = getattr(self.__dict__.get("runner"), "close", None)
-        if close is not None:
-            close()
+        runner = self.__dict__.get("runner")
+        if runner is not None:
+            runner.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -313,11 +314,12 @@ class LLM:
                 return early
             previous = None   # read: every input token of ``out`` is on the host now
         try:
+            launched = self.runner.launch(out.scheduled, None if previous is None else previous[1],
+                                          num_steps=out.num_steps)
             if self.overlap:
-                self._inflight = (out, self.runner.launch(out.scheduled, None if previous is None else previous[1],
-                                                          num_steps=out.num_steps))
+                self._inflight = (out, launched)
             else:
-                sampled = self.runner.execute(out.scheduled, num_steps=out.num_steps)
+                sampled = launched.sampled()
         except Exception as error:  # noqa: BLE001 - fails this step's requests only
             outputs = early or []
             try:
