@@ -296,10 +296,18 @@ class LLM:
 
         If the step raises, the requests it scheduled are aborted (their blocks freed) and
         :class:`StepFailed` is raised with their ids; a launched step before it is completed first, its
-        outputs carried by the exception. A device out-of-memory error also shrinks the scheduler's token
+        outputs carried by the exception. If scheduling itself raises, every running request is aborted and
+        named (the waiting ones stay queued). A device out-of-memory error also shrinks the scheduler's token
         budget, so the next steps are smaller. Other requests keep running."""
-        out = self.scheduler.schedule(self.decode_steps)
         previous, self._inflight = self._inflight, None
+        try:
+            out = self.scheduler.schedule(self.decode_steps)
+        except Exception as error:  # noqa: BLE001 - no step was formed: what ran is failed, nothing is lost unseen
+            outputs = self._read(previous) if previous is not None else []
+            running = [r.request_id for r in list(self.scheduler.running)]
+            for request_id in running:
+                self.scheduler.abort(request_id)
+            raise self._step_failed(error, running, outputs) from None
         if out.is_empty:
             if previous is None:
                 if self.scheduler.has_unfinished:
