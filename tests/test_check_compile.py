@@ -21,13 +21,13 @@ import torch
 import compile_toys as toys
 import tripath.kernels
 from tripath import ops
-from tripath.bench import check_compile as cc
-from tripath.bench import compile_scenarios as scen
-from tripath.bench.compile_inspect import (CompileResult, amd_code_stats, count_dots, count_fma_dots,
+from tripath.portability import check_compile as cc
+from tripath.portability import compile_scenarios as scen
+from tripath.portability.compile_inspect import (CompileResult, amd_code_stats, count_dots, count_fma_dots,
                                            cuobjdump_usage, ptx_matrix_instrs, ptxas_injected_waits,
                                            ptxas_spills, ptxas_wgmma_serialised)
-from tripath.bench.compile_scenarios import KERNEL_ROLES, Scenario
-from tripath.ops._launch import launch
+from tripath.portability.compile_scenarios import KERNEL_ROLES, Scenario
+from tripath.triton_internals import launch
 from tripath.platform import MI300X, fp8_dtype
 
 ALL_TARGETS = tuple(cc.TARGETS)

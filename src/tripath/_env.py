@@ -13,9 +13,19 @@ def attention_backend_override() -> str | None:
     return value or None
 
 
+TRITON_INTERPRET = "TRITON_INTERPRET"
+TRITON_CACHE_DIR = "TRITON_CACHE_DIR"
+
+
 def triton_interpret() -> bool:
-    """``TRITON_INTERPRET=1``: run Triton kernels on the CPU with Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+    """``TRITON_INTERPRET=1``: run Triton kernels on the CPU with Triton's interpreter (Triton reads it when it
+    is imported; :mod:`tripath.triton_internals.interpreter` sets it where tripath chooses)."""
+    return os.environ.get(TRITON_INTERPRET, "0") not in ("", "0", "false", "False")
+
+
+def triton_interpret_given() -> bool:
+    """Whether ``TRITON_INTERPRET`` is set at all (then tripath leaves the choice to it)."""
+    return TRITON_INTERPRET in os.environ
 
 
 def gluon_disabled() -> bool:
@@ -27,7 +37,7 @@ def gluon_disabled() -> bool:
 def triton_cache_dir() -> str:
     """``TRITON_CACHE_DIR`` (default ``~/.triton/cache``): Triton's compiled kernels; the engine's warm-up
     keeps the list of steps that compile them beside them, so both are cold or warm together."""
-    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return os.environ.get(TRITON_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
 @contextlib.contextmanager

@@ -38,7 +38,7 @@ class ForwardContext:
     ``replay_launches``: an MHA layer called with ``out`` whose ``q``/``k``/``v``/``out`` are the same
     memory, shapes and strides as an earlier layer's of this step (the piecewise CUDA graphs' static buffers)
     makes that layer's Triton launches again with its own cache, scales, sinks and ALiBi slopes swapped in
-    (:mod:`tripath.ops.replay`), instead of running the backend's forward: the same kernels on the same
+    (:mod:`tripath.triton_internals.replay`), instead of running the backend's forward: the same kernels on the same
     metadata, without the host work of choosing them. The first such layer of a step records; a layer that
     attends a second time (the next model step on this context) starts over. Where a forward cannot be
     replayed (side streams, PyTorch arithmetic in the forward, the calibration step) every layer runs it;
@@ -51,7 +51,7 @@ class ForwardContext:
     (:func:`metadata_structure`: which parts are set, a tensor's dtype, a flag's value, a list's length;
     not the sizes, which change every step) with the layouts and dtypes of the layer's tensors and
     options. A later step on a noted path records without watching (about half the recording's host
-    time, :mod:`tripath.ops.replay`) and replays only if it launched one of the noted kernel sequences
+    time, :mod:`tripath.triton_internals.replay`) and replays only if it launched one of the noted kernel sequences
     (sizes can change the sequence: a split decode adds its reduction); otherwise every layer of that
     step runs its forward and the next step on the path watches, noting its sequence too. None: every
     recording watches.
@@ -119,7 +119,7 @@ class ForwardContext:
         """Run ``forward`` recording its launches (``record_launches``' result), watching its PyTorch
         operations unless ``watched`` notes its code path (the class doc). ``key``: the layer's
         ``_layout`` of q, k, v and out, then its options."""
-        from tripath.ops.replay import record_launches
+        from tripath.triton_internals import record_launches
 
         path = None
         if self.watched is not None:
@@ -151,7 +151,7 @@ class ForwardContext:
 
 class WatchedPaths:
     """The code paths of an engine's steps whose launch recordings were watched and found replayable, each
-    with the kernel sequences (:attr:`~tripath.ops.replay.LaunchSequence.path`) they launched
+    with the kernel sequences (:attr:`~tripath.triton_internals.replay.LaunchSequence.path`) they launched
     (:class:`ForwardContext`'s ``watched``)."""
 
     def __init__(self):

@@ -44,9 +44,11 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from tripath import _env
 from tripath.bench.gc_pauses import GarbageCollections, format_collections
 from tripath.bench.serve_report import RequestRecord, format_table, summarize, write_csv, write_json
 from tripath.bench.step_breakdown import StepBreakdown, format_breakdown
+from tripath.triton_internals import child_environment
 
 
 @dataclass(frozen=True)
@@ -363,9 +365,8 @@ def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: b
         cmd.append("--no-mixed-cuda-graphs")
     if args.step_breakdown and not start_only:
         cmd.append("--step-breakdown")
-    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
-    if not args.device_is_gpu:
-        env.setdefault("TRITON_INTERPRET", "1")  # Triton backends on a CPU-only machine run in the interpreter
+    # Triton backends on a CPU-only machine run in the interpreter
+    env = child_environment(interpret=not args.device_is_gpu, cache_dir=cache_dir)
     try:
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:
@@ -552,9 +553,8 @@ def main_serve(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         caches = {}
         for backend in workload.backends:
-            cache = os.environ.get("TRITON_CACHE_DIR", "") if args.warm_cache else \
+            caches[backend] = _env.triton_cache_dir() if args.warm_cache else \
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="tripath-triton-"))
-            caches[backend] = cache or os.path.join(os.path.expanduser("~"), ".triton", "cache")
         for index in range(args.rounds):
             for backend in workload.backends:
                 if rounds[backend] and "error" in rounds[backend][-1]:

@@ -40,7 +40,7 @@ from tripath.engine.errors import StepFailed
 from tripath.engine.model_runner import LaunchedStep, ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
-from tripath.ops._launch import compiled_variants
+from tripath.triton_internals import compiled_variants
 from tripath.engine.scheduler import Scheduler, SchedulerOutput
 
 Prompt = str | Sequence[int]

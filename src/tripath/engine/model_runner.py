@@ -42,7 +42,7 @@ import time
 import torch
 
 from tripath.attention import ForwardContext, WatchedPaths, default_block_size, select_backend
-from tripath.compile_pool import CompilePool, collect_compilations, default_workers
+from tripath.triton_internals import CompilePool, collect_compilations, default_workers
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS, EngineConfig
 from tripath.engine.memory_plan import (HEADROOM_FRACTION, MIN_HEADROOM, SCRATCH_BLOCKS, MemoryPlan, check_fits,
@@ -53,7 +53,7 @@ from tripath.engine.sampler import make_generator, sample
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.warmup import WarmupReport, runner_limits, saved_plan_path, warm_up
-from tripath.ops.replay import warm_up_recording
+from tripath.triton_internals import warm_up_recording
 from tripath.models.layers import Experts
 
 logger = logging.getLogger(__name__)
@@ -160,8 +160,8 @@ class ModelRunner:
             self.memory_plan.measured["graph pools"] = torch.cuda.memory_allocated(self.device) - before_graphs
 
     def _compile_pool(self) -> CompilePool | None:
-        """Worker processes for the start's compilations (:mod:`tripath.compile_pool`): with
-        ``compile_workers`` > 1 (None: :func:`~tripath.compile_pool.default_workers`) and no saved warm-up
+        """Worker processes for the start's compilations (:mod:`tripath.triton_internals.compile_pool`): with
+        ``compile_workers`` > 1 (None: :func:`~tripath.triton_internals.compile_pool.default_workers`) and no saved warm-up
         plan, whose absence means an empty or outdated Triton cache (a warm one would make them idle)."""
         workers = self.config.compile_workers or default_workers()
         if workers < 2 or saved_plan_path(self).is_file():

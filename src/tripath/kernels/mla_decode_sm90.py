@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
 from tripath.kernels.gluon_tma import tma_load, tma_store
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 LN2 = gl.constexpr(0.6931471805599453)
 HEADS = gl.constexpr(64)  # query heads per program: one warpgroup's wgmma rows

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, load_paged_kv, score_mods,
                                               softmax_update)
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit(**STEP_INVARIANT)

@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from tripath.kernels.gluon_tma import tma_load, tma_store
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 LN2 = gl.constexpr(0.6931471805599453)
 

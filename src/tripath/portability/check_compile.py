@@ -1,10 +1,10 @@
 """``tripath check-compile``: compile every Triton kernel for AMD MI300/MI355 and NVIDIA Hopper, on any machine.
 
 For each target (gfx942 = MI300X/MI325X, gfx950 = MI355X, sm90 = H200) the check runs every
-:class:`~tripath.bench.compile_scenarios.Scenario` under ``override_platform(target)`` and
+:class:`~tripath.portability.compile_scenarios.Scenario` under ``override_platform(target)`` and
 ``capture_launches()``: the public ops validate, pick that GPU's launch configuration (tiles, warps,
 stages, ``waves_per_eu``, ``matrix_instr_nonkdim``) and record their launches instead of running them.
-Each record becomes a :class:`~tripath.bench.compile_inspect.CompileJob` with the signature, constexprs and
+Each record becomes a :class:`~tripath.portability.compile_inspect.CompileJob` with the signature, constexprs and
 alignment attributes the Triton JIT would derive from those arguments; identical jobs (same kernel,
 signature, constexprs, attributes, options, target) are compiled once. Every compiled kernel is then
 judged; it fails when
@@ -36,11 +36,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Iterable, Sequence
 
-from tripath import _env
-from tripath.bench.compile_inspect import (CompileJob, CompileResult, TargetSpec, compile_job, encode_value,
+from tripath.portability.compile_inspect import (CompileJob, CompileResult, TargetSpec, compile_job, encode_value,
                                            job_from_json)
-from tripath.bench.compile_scenarios import DELIBERATE, KERNEL_ROLES, Scenario, all_scenarios
-from tripath.ops._launch import LaunchRecord, capture_launches
+from tripath.portability.compile_scenarios import DELIBERATE, KERNEL_ROLES, Scenario, all_scenarios
+from tripath.triton_internals import LaunchRecord, capture_launches, child_environment, current_adapter, interpreting
 from tripath.platform import H200, MI300X, MI355X, Platform, override_platform
 
 logger = logging.getLogger(__name__)
@@ -85,18 +84,13 @@ def _is_constexpr(param: inspect.Parameter) -> bool:
 
 def _backend_info(gpu: TargetSpec):
     """The Triton backend class of a target and the launch options it accepts."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import make_backend
-
-    backend = make_backend(GPUTarget(gpu.backend, gpu.arch, gpu.warp_size))
-    return type(backend), set(backend.parse_options({}).__dict__)
+    return current_adapter().compiler_backend((gpu.backend, gpu.arch, gpu.warp_size))
 
 
 def job_from_record(record: LaunchRecord, target: Target, scenario: str) -> CompileJob:
     """The compilation the Triton JIT would make for ``record`` on ``target``: the same specialisation
     (pointer dtypes, ``i32``/``i64``, 16-divisibility, ints equal to 1 and ``None`` folded to constants)."""
-    from triton._C.libtriton import native_specialize_impl
-
+    adapter = current_adapter()
     fn = _raw_function(record.kernel)
     params = list(inspect.signature(fn).parameters.values())
     names = [p.name for p in params]
@@ -122,7 +116,7 @@ def job_from_record(record: LaunchRecord, target: Target, scenario: str) -> Comp
             signature.append((param.name, "constexpr"))
             constexprs.append((param.name, encode_value(value)))
             continue
-        ty, spec = native_specialize_impl(backend_cls, value, False, True, True)
+        ty, spec = adapter.specialize_for(backend_cls, value)
         signature.append((param.name, ty))
         if ty == "constexpr":
             constexprs.append((param.name, encode_value(value)))
@@ -170,7 +164,7 @@ def collect_jobs(scenarios: Sequence[Scenario], targets: Sequence[Target]
 def compile_jobs(jobs: Sequence[CompileJob], workers: int = 1, verbose: bool = False) -> list[CompileResult]:
     """Compile ``jobs``; in this process when possible, else (interpreter on, or ``workers > 1``) in
     ``workers`` child processes that run without ``TRITON_INTERPRET``."""
-    if workers <= 1 and not _env.triton_interpret():
+    if workers <= 1 and not interpreting():
         results = []
         for i, job in enumerate(jobs):
             results.append(compile_job(job))
@@ -179,7 +173,7 @@ def compile_jobs(jobs: Sequence[CompileJob], workers: int = 1, verbose: bool = F
         return results
     workers = max(1, min(workers, len(jobs)))
     chunks = [list(range(i, len(jobs), workers)) for i in range(workers)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = child_environment(interpret=False)
     results: list[CompileResult | None] = [None] * len(jobs)
     with tempfile.TemporaryDirectory(prefix="tripath-check-compile-") as tmp:
         procs = []
@@ -187,7 +181,7 @@ def compile_jobs(jobs: Sequence[CompileJob], workers: int = 1, verbose: bool = F
             src, dst, log = (os.path.join(tmp, f"{w}.{ext}") for ext in ("in.json", "out.json", "log"))
             with open(src, "w") as f:
                 json.dump([asdict(jobs[i]) for i in chunk], f)
-            cmd = [sys.executable, "-m", "tripath.bench.check_compile", "--worker", src, dst]
+            cmd = [sys.executable, "-m", "tripath.portability.check_compile", "--worker", src, dst]
             cmd += ["--verbose"] if verbose else []
             log_file = open(log, "w")  # the child's stdout (and stderr unless verbose): kept for crash reports
             proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=None if verbose else log_file)
