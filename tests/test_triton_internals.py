@@ -101,6 +101,25 @@ def test_the_interpreter_takes_a_loaded_block_as_an_index():
     assert out.item() == 5
 
 
+@triton.jit
+def _copy_where_kernel(out_ptr, in_ptr, n, PARTS: tl.constexpr):
+    part = tl.program_id(0) % PARTS
+    offsets = tl.arange(0, 8)
+    mask = (offsets < n) & (part == 0)  # a block and a scalar comparison broadcast to it
+    tl.store(out_ptr + offsets, tl.load(in_ptr + offsets, mask=mask, other=-1.0), mask=mask)
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter runs on a machine without a GPU")
+def test_the_interpreter_takes_masks_made_from_scalar_comparisons():
+    from tripath.triton_internals import interpreter
+
+    interpreter.ready()
+    source = torch.arange(1.0, 9.0)
+    out = torch.full((8,), float("nan"))
+    _copy_where_kernel[(2,)](out, source, 5, PARTS=2)  # program 1 masks everything off
+    assert torch.equal(out[:5], source[:5]) and out[5:].isnan().all()
+
+
 def test_launch_hooks_are_seen_while_set():
     from triton import knobs
 
