@@ -267,13 +267,15 @@ def test_dot_counting_and_fma_detection():
 
 # --- verdicts ------------------------------------------------------------------------------------------
 
-def _result(kernel="varlen_attention_kernel", target="gfx942", **fields) -> CompileResult:
+def _result(kernel="varlen_attention_kernel", target="gfx942", triton=scen.CONFIGURED_ON_TRITON,
+            **fields) -> CompileResult:
     base = dict(regs=128, sgprs=80, vgpr_spills=0, sgpr_spills=0, scratch_bytes=0, shared_bytes=1024, dots=2,
                 fma_dots=0, matrix_instrs=64, matrix_kind="MFMA")
     if target == "sm90":
         base.update(sgprs=None, vgpr_spills=None, sgpr_spills=None, spill_store_bytes=0, matrix_kind="wgmma")
     base.update(fields)
-    return cc.evaluate(CompileResult(kernel, target, "cfg", ["s"], **base), cc.TARGETS[target])
+    return cc.evaluate(CompileResult(kernel, target, "cfg", ["s"], **base), cc.TARGETS[target],
+                       triton_version=triton)
 
 
 def test_verdicts():
@@ -307,6 +309,29 @@ def test_deliberate_findings_are_reported_not_failed(monkeypatch):
     assert _result(target="gfx950", vgpr_spills=2, scratch_bytes=8).deliberate[0][1].endswith(
         "(deliberate: measured faster)")
     assert _result(target="gfx942", vgpr_spills=2, scratch_bytes=8).status == "FAIL"
+
+
+def test_small_spills_under_another_triton_are_reported_not_failed():
+    newer = (3, 9)
+    assert newer != scen.CONFIGURED_ON_TRITON
+    small_amd = _result(vgpr_spills=4, triton=newer)
+    assert small_amd.status == "ok*" and "a small spill under Triton 3.9" in small_amd.deliberate[0][1]
+    assert "chosen on Triton 3.6" in small_amd.deliberate[0][1]
+    assert _result(vgpr_spills=4, scratch_bytes=16, triton=newer).status == "FAIL"  # AMD scratch: memory
+    assert _result(vgpr_spills=9, triton=newer).status == "FAIL"
+    assert _result(target="sm90", scratch_bytes=24, spill_store_bytes=24, triton=newer).status == "ok*"
+    assert _result(target="sm90", scratch_bytes=24, spill_store_bytes=60, triton=newer).status == "FAIL"
+    assert _result(vgpr_spills=4).status == "FAIL"  # on the Triton the configurations are chosen on
+
+
+def test_documented_larger_spills_hold_from_their_triton_and_up_to_their_bound():
+    spill = dict(kernel="mla_decode_kernel", target="sm90", scratch_bytes=152, spill_store_bytes=148)
+    accepted = _result(triton=(3, 9), **spill)
+    assert accepted.status == "ok*" and "255-register cap" in accepted.deliberate[0][1]
+    assert _result(triton=(3, 8), **spill).status == "FAIL"  # the entry starts at Triton 3.9
+    assert _result(triton=(3, 9), **{**spill, "spill_store_bytes": 400}).status == "FAIL"
+    assert _result(triton=(3, 9), kernel="paged_decode_kernel", target="sm90", scratch_bytes=152,
+                   spill_store_bytes=148).status == "FAIL"  # another kernel: the general bound
 
 
 # --- the detectors on real compiler output -------------------------------------------------------------

@@ -18,7 +18,9 @@ judged; it fails when
   MFMA / wgmma / mma instruction), or its ``KERNEL_ROLES`` declaration disagrees with the code;
 - it is not declared in ``KERNEL_ROLES``;
 
-unless ``DELIBERATE`` documents the finding. The exit status is 1 when anything fails.
+unless ``DELIBERATE`` documents the finding. The launch configurations are chosen on one Triton
+(``CONFIGURED_ON_TRITON``); compiled by another, a small spill (``OTHER_TRITON_SPILLS``, or a documented
+``OTHER_TRITON_DELIBERATE`` entry) is reported rather than failed. The exit status is 1 when anything fails.
 Compiling needs Triton's real front end, so under ``TRITON_INTERPRET=1`` the compilations run in child
 processes without it (``--jobs N`` also spreads them over N children).
 """
@@ -38,7 +40,9 @@ from typing import Iterable, Sequence
 
 from tripath.portability.compile_inspect import (CompileJob, CompileResult, TargetSpec, compile_job, encode_value,
                                            job_from_json)
-from tripath.portability.compile_scenarios import DELIBERATE, KERNEL_ROLES, Scenario, all_scenarios
+from tripath.portability.compile_scenarios import (CONFIGURED_ON_TRITON, DELIBERATE, KERNEL_ROLES,
+                                                  OTHER_TRITON_DELIBERATE, OTHER_TRITON_SPILLS, Scenario,
+                                                  all_scenarios)
 from tripath.triton_internals import LaunchRecord, capture_launches, child_environment, current_adapter, interpreting
 from tripath.platform import H200, MI300X, MI355X, Platform, override_platform
 
@@ -220,9 +224,13 @@ def _worker(src: str, dst: str, verbose: bool) -> int:
 
 # --- judging -------------------------------------------------------------------------------------------
 
-def evaluate(result: CompileResult, target: Target, strict_sgpr: bool = False) -> CompileResult:
-    """Fill ``result.failures`` (and move findings that ``DELIBERATE`` documents to ``result.deliberate``).
-    ``strict_sgpr``: also fail on AMD SGPR spills that stay in VGPR lanes."""
+def evaluate(result: CompileResult, target: Target, strict_sgpr: bool = False,
+             triton_version: tuple[int, int] | None = None) -> CompileResult:
+    """Fill ``result.failures`` (and move findings that ``DELIBERATE`` documents, and spills accepted under
+    another Triton (:func:`other_triton_spill_reason`), to ``result.deliberate``). ``strict_sgpr``: also fail
+    on AMD SGPR spills that stay in VGPR lanes. ``triton_version``: the Triton that compiled ``result``
+    (default: the installed one)."""
+    version = triton_version or current_adapter().version
     found: list[tuple[str, str]] = []
     role = KERNEL_ROLES.get(result.kernel)
     if result.error:
@@ -260,11 +268,30 @@ def evaluate(result: CompileResult, target: Target, strict_sgpr: bool = False) -
     result.failures, result.deliberate = [], []
     for kind, text in found:
         reason = DELIBERATE.get((result.kernel, target.name, kind)) or DELIBERATE.get((result.kernel, "*", kind))
+        if kind == "spill" and not reason:
+            reason = other_triton_spill_reason(result, target, version)
         if reason and kind != "undeclared":
             result.deliberate.append((kind, f"{text} (deliberate: {reason})"))
         else:
             result.failures.append((kind, text))
     return result
+
+
+def other_triton_spill_reason(result: CompileResult, target: Target, version: tuple[int, int]) -> str | None:
+    """Why ``result``'s spill is accepted when compiled by Triton ``version`` (None: it is not): the
+    configurations are chosen on :data:`CONFIGURED_ON_TRITON`, and under another version a spill within
+    :data:`OTHER_TRITON_SPILLS`, or within an :data:`OTHER_TRITON_DELIBERATE` entry, is reported instead."""
+    if version == CONFIGURED_ON_TRITON:
+        return None
+    spilled = (result.vgpr_spills, result.scratch_bytes, result.spill_store_bytes)
+    first, bound, reason = OTHER_TRITON_DELIBERATE.get((result.kernel, target.name), (None, None, None))
+    if bound is not None and version >= first and bound.holds(*spilled):
+        return f"Triton {version[0]}.{version[1]}: {reason}"
+    if OTHER_TRITON_SPILLS[target.gpu.backend].holds(*spilled):
+        configured = ".".join(map(str, CONFIGURED_ON_TRITON))
+        return (f"a small spill under Triton {version[0]}.{version[1]}; the configurations are chosen on "
+                f"Triton {configured}")
+    return None
 
 
 @dataclass

@@ -30,11 +30,25 @@ def known_versions() -> str:
     return ", ".join(f"{major}.{minor}" for major, minor in sorted(ADAPTERS))
 
 
+def parse(version: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a Triton version string (``"3.9.0"``, ``"3.6.0+git1234"``), None if it has none."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+@functools.lru_cache(maxsize=None)
+def installed() -> tuple[int, int] | None:
+    """``(major, minor)`` of the installed Triton, known to tripath or not (launch configurations that differ
+    from one Triton to the next compare against it)."""
+    import triton
+
+    return parse(triton.__version__)
+
+
 def adapter_for(version: str) -> TritonAdapter:
     """The adapter of Triton ``version`` (e.g. ``"3.9.0"``, ``"3.6.0+git1234"``); :class:`UnsupportedTriton`
     for a version tripath does not know."""
-    found = re.match(r"(\d+)\.(\d+)", version)
-    cls = ADAPTERS.get((int(found.group(1)), int(found.group(2)))) if found else None
+    cls = ADAPTERS.get(parse(version))
     if cls is None:
         raise UnsupportedTriton(
             f"tripath does not know Triton {version}: it works with Triton {known_versions()} "
