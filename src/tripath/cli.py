@@ -95,6 +95,8 @@ def _dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str], 
     name = f"{prog.removeprefix('tripath').strip()} {args.command}".strip()
     if name in INTERPRET_ON_CPU:
         _interpret_on_cpu()
+    from tripath.triton_internals.versions import UnsupportedTriton
+
     try:
         return int(_load(commands[args.command][1])(rest + argv[1:]) or 0)
     except SystemExit as exit_:  # a command's argparse error or refusal (exit 2 with its message)
@@ -102,6 +104,9 @@ def _dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str], 
             print(exit_.code, file=sys.stderr)
             return 2
         return int(exit_.code or 0)
+    except UnsupportedTriton as exc:  # the installed Triton is one tripath has no adapter for
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def main_bench(argv: Sequence[str]) -> int:

@@ -161,8 +161,9 @@ class ModelRunner:
 
     def _compile_pool(self) -> CompilePool | None:
         """Worker processes for the start's compilations (:mod:`tripath.triton_internals.compile_pool`): with
-        ``compile_workers`` > 1 (None: :func:`~tripath.triton_internals.compile_pool.default_workers`) and no saved warm-up
-        plan, whose absence means an empty or outdated Triton cache (a warm one would make them idle)."""
+        ``compile_workers`` > 1 (None: :func:`~tripath.triton_internals.default_workers`) and no saved
+        warm-up plan, whose absence means an empty or outdated Triton cache (a warm one would make them
+        idle)."""
         workers = self.config.compile_workers or default_workers()
         if workers < 2 or saved_plan_path(self).is_file():
             return None

@@ -43,7 +43,8 @@ from tripath.portability.compile_inspect import (CompileJob, CompileResult, Targ
 from tripath.portability.compile_scenarios import (CONFIGURED_ON_TRITON, DELIBERATE, KERNEL_ROLES,
                                                   OTHER_TRITON_DELIBERATE, OTHER_TRITON_SPILLS, Scenario,
                                                   all_scenarios)
-from tripath.triton_internals import LaunchRecord, capture_launches, child_environment, current_adapter, interpreting
+from tripath.triton_internals import (LaunchRecord, UnsupportedTriton, capture_launches, child_environment,
+                                      current_adapter, interpreting)
 from tripath.platform import H200, MI300X, MI355X, Platform, override_platform
 
 logger = logging.getLogger(__name__)
@@ -152,6 +153,8 @@ def collect_jobs(scenarios: Sequence[Scenario], targets: Sequence[Target]
                 if not records:
                     raise RuntimeError("the scenario made no kernel launch")
                 new = [job_from_record(r, target, scenario.name) for r in records]
+            except UnsupportedTriton:  # not the scenario's failure: nothing compiles under this Triton
+                raise
             except Exception as exc:  # reported as a failure of the scenario on this target
                 errors.append(ScenarioError(scenario.name, target.name, f"{type(exc).__name__}: {exc}"))
                 continue
