@@ -144,3 +144,19 @@ def test_ptxas_reruns_take_the_options_triton_assembles_with():
     path, options = current_adapter().ptxas(90)
     assert Path(path).name.startswith("ptxas")
     assert ("--regAllocOptLevel=2" in options) == (current_adapter().version >= (3, 7))
+
+
+def test_child_environments_set_the_interpreter_as_asked(monkeypatch):
+    from tripath.triton_internals import child_environment
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRIPATH_SOME_SETTING", "kept")
+    child = child_environment(interpret=True, cache_dir="/c")
+    assert child["TRITON_INTERPRET"] == "1" and child["TRITON_CACHE_DIR"] == "/c"
+    assert child["TRIPATH_SOME_SETTING"] == "kept"
+    assert "TRITON_INTERPRET" not in child_environment(interpret=None)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert child_environment(interpret=True)["TRITON_INTERPRET"] == "0"  # the environment's choice stands
+    assert child_environment(interpret=None)["TRITON_INTERPRET"] == "0"
+    assert "TRITON_INTERPRET" not in child_environment(interpret=False, cache_dir="/c")
+    assert child_environment(interpret=False, cache_dir="/c")["TRITON_CACHE_DIR"] == "/c"

@@ -366,7 +366,7 @@ def _spawn(workload: Workload, backend: str, args, cache_dir: str, start_only: b
     if args.step_breakdown and not start_only:
         cmd.append("--step-breakdown")
     # Triton backends on a CPU-only machine run in the interpreter
-    env = child_environment(interpret=not args.device_is_gpu, cache_dir=cache_dir)
+    env = child_environment(interpret=None if args.device_is_gpu else True, cache_dir=cache_dir)
     try:
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:

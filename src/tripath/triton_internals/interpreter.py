@@ -32,11 +32,11 @@ def interpret_without_gpu() -> None:
             os.environ[_env.TRITON_INTERPRET] = "1"
 
 
-def child_environment(*, interpret: bool, cache_dir: str | None = None) -> dict[str, str]:
+def child_environment(*, interpret: bool | None, cache_dir: str | None = None) -> dict[str, str]:
     """This process's environment for a child process: ``interpret=True`` turns the interpreter on unless the
-    environment sets ``TRITON_INTERPRET``, ``interpret=False`` removes it (the child compiles for real);
-    ``cache_dir`` sets the Triton cache directory."""
-    env = {k: v for k, v in os.environ.items() if interpret or k != _env.TRITON_INTERPRET}
+    environment sets ``TRITON_INTERPRET``, ``interpret=False`` removes it (the child compiles for real),
+    ``None`` leaves it as it is; ``cache_dir`` sets the Triton cache directory."""
+    env = {k: v for k, v in os.environ.items() if interpret is not False or k != _env.TRITON_INTERPRET}
     if interpret:
         env.setdefault(_env.TRITON_INTERPRET, "1")
     if cache_dir is not None:

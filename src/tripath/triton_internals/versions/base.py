@@ -12,6 +12,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
+def _hook_set(hook) -> bool:
+    """Whether a launch hook (a chain of them since Triton 3.6, empty unless something adds one) is set."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class TritonAdapter:
     """The calls into Triton's internals, as Triton 3.6–3.9 take them (overridden where a version differs)."""
 
@@ -76,8 +81,7 @@ class TritonAdapter:
         """Whether a Triton launch hook is set (a profiler attached): launches made outside the JIT pass none."""
         from triton import knobs
 
-        return any(hook is not None and bool(getattr(hook, "calls", True))
-                   for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+        return _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
 
     def compiled_launcher(self, compiled) -> tuple[Callable, Any, Any] | None:
         """``(run, function, packed_metadata)`` of a ``CompiledKernel`` (None if it is not one), launched as
