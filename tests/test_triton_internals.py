@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 
@@ -51,9 +50,7 @@ def test_every_adapter_declares_the_version_it_is_registered_under():
 
 
 def test_the_declared_triton_range_is_the_known_versions():
-    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    spec = next(d for d in dependencies if d.startswith("triton"))
-    found = re.fullmatch(r"triton>=(\d+)\.(\d+),<(\d+)\.(\d+)", spec)
+    found = re.search(r'"triton>=(\d+)\.(\d+),<(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
     first, past = (int(found[1]), int(found[2])), (int(found[3]), int(found[4]))
     assert first == min(versions.ADAPTERS)
     assert past == (max(versions.ADAPTERS)[0], max(versions.ADAPTERS)[1] + 1)
