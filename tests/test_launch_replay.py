@@ -1,4 +1,4 @@
-"""One layer's attention launches replayed for the other layers of a step (:mod:`tripath.ops.replay`,
+"""One layer's attention launches replayed for the other layers of a step (:mod:`tripath.triton_internals.replay`,
 ``ForwardContext.replay_launches``): every layer's output and cache equal a forward of its own, the
 backend's forward runs once for all layers, and what cannot be replayed is refused and run as usual."""
 
@@ -11,7 +11,7 @@ from tripath.attention.selector import backend_class
 from tripath.attention.spec import AttentionSpec
 from tripath.bench.batches import make_step
 from tripath.ops import write_kv_cache
-from tripath.ops.replay import record_launches
+from tripath.triton_internals import record_launches
 
 # 2 decodes, 1 extend on a cached context, 1 prefill
 REQUESTS = [(37, 1), (20, 1), (29, 9), (0, 13)]
@@ -242,7 +242,7 @@ SAME_PATH_REQUESTS = [(41, 1), (18, 1), (33, 6), (0, 17)]
 
 def _watch_count(monkeypatch) -> list:
     """A list that grows by one for each PyTorch operation a recording watches."""
-    from tripath.ops import replay
+    from tripath.triton_internals import replay
 
     seen = []
     real = replay._Recording.__torch_dispatch__

@@ -73,7 +73,7 @@ def test_a_synthetic_step_writes_nothing_to_the_cache(monkeypatch):
 
 
 def test_captured_launches_keep_only_what_keep_returns():
-    from tripath.ops._launch import capture_launches, launch
+    from tripath.triton_internals import capture_launches, launch
 
     class Kernel:  # stands for a @triton.jit function: the capture never calls it
         __name__ = "toy"

@@ -122,7 +122,7 @@ def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatc
     monkeypatch.setattr(MixedStepGraphs, "run", lambda self, *a: runs.append(a[0].shape[0]) or real_run(self, *a))
     block_size = eager.runner.block_size
     real_attend = ForwardContext.attend
-    from tripath.ops import replay
+    from tripath.triton_internals import replay
     real_record, watches = replay.record_launches, []
     monkeypatch.setattr(replay, "record_launches",
                         lambda *a, **kw: watches.append(kw.get("watch", True)) or real_record(*a, **kw))

@@ -1,6 +1,6 @@
 """Launch replay of a step's attention layers: the first MHA layer of a step records its Triton launches,
 the others make them again with their own cache, scales, sinks and ALiBi slopes swapped in
-(:mod:`tripath.ops.replay`), instead of re-running the backend's host work of choosing them.
+(:mod:`tripath.triton_internals.replay`), instead of re-running the backend's host work of choosing them.
 
 A layer replays the recording of an earlier layer of the same step whose ``q`` / ``k`` / ``v`` / ``out``
 are the same memory, shapes and strides (the piecewise CUDA graphs' static buffers) with the same options;
@@ -69,7 +69,7 @@ class LayerReplay:
         """Run ``forward`` recording its launches (``record_launches``' result), watching its PyTorch
         operations unless ``watched`` notes its code path. ``key``: the layer's ``_layout`` of q, k, v and
         out, then its options."""
-        from tripath.ops.replay import record_launches
+        from tripath.triton_internals import record_launches
 
         path = None
         if self.watched is not None:
@@ -90,7 +90,7 @@ class LayerReplay:
 
 class WatchedPaths:
     """The code paths of an engine's steps whose launch recordings were watched and found replayable, each
-    with the kernel sequences (:attr:`~tripath.ops.replay.LaunchSequence.path`) they launched
+    with the kernel sequences (:attr:`~tripath.triton_internals.replay.LaunchSequence.path`) they launched
     (:class:`~tripath.attention.ForwardContext`'s ``watched``)."""
 
     def __init__(self):

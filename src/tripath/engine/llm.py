@@ -46,7 +46,7 @@ from tripath.engine.model_runner import ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
 from tripath.engine.stats import EngineStats
-from tripath.ops._launch import compiled_variants
+from tripath.triton_internals import compiled_variants
 from tripath.engine.scheduler import Scheduler, SchedulerOutput
 from tripath.engine.structured_output import GrammarCompiler
 

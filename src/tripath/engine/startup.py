@@ -6,7 +6,7 @@
 2. the caches, one per attention layer;
 3. the warm-up (GPU, Triton backends): every kernel variant the limits allow is compiled
    (:mod:`tripath.engine.warmup`), by worker processes when the Triton cache is empty
-   (:mod:`tripath.compile_pool`);
+   (:mod:`tripath.triton_internals.compile_pool`);
 4. the decode graphs (:mod:`tripath.engine.decode_graphs`), where the backend allows them;
 5. (GPU) the largest eager step, run once writing nothing, so the caching allocator holds a step's activation
    memory when requests arrive, and timed: where its host time is at least ``MIXED_GRAPHS_MIN_HOST_SHARE``
@@ -22,7 +22,7 @@ import time
 import torch
 
 from tripath.attention import ForwardContext
-from tripath.compile_pool import CompilePool, collect_compilations, default_workers
+from tripath.triton_internals import CompilePool, collect_compilations, default_workers, warm_up_recording
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
 from tripath.engine.memory_plan import (HEADROOM_FRACTION, MIN_HEADROOM, SCRATCH_BLOCKS, MemoryPlan, check_fits,
@@ -31,7 +31,6 @@ from tripath.engine.mixed_graphs import MixedStepGraphs
 from tripath.engine.request import SamplingParams
 from tripath.engine.sampler import make_generator, sample
 from tripath.engine.warmup import runner_limits, saved_plan_path, warm_up
-from tripath.ops.replay import warm_up_recording
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +71,9 @@ def start(runner) -> None:
 
 
 def compile_pool(runner) -> CompilePool | None:
-    """Worker processes for the start's compilations (:mod:`tripath.compile_pool`): with ``compile_workers``
-    > 1 (None: :func:`~tripath.compile_pool.default_workers`) and no saved warm-up plan, whose absence means an
-    empty or outdated Triton cache (a warm one would make them idle)."""
+    """Worker processes for the start's compilations (:mod:`tripath.triton_internals.compile_pool`): with
+    ``compile_workers`` > 1 (None: :func:`~tripath.triton_internals.default_workers`) and no saved warm-up
+    plan, whose absence means an empty or outdated Triton cache (a warm one would make them idle)."""
     workers = runner.config.compile_workers or default_workers()
     if workers < 2 or saved_plan_path(runner).is_file():
         return None
