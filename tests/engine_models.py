@@ -66,9 +66,10 @@ class TinyAttentionLM(nn.Module):
         """``[len(tokens), vocab]`` float64 logits of the whole sequence, recomputed densely."""
         w = {name: p.double() for name, p in self.named_parameters()}
         group = self.num_heads // self.num_kv_heads
-        ids = torch.tensor(tokens)
+        device = self.embed.device
+        ids = torch.tensor(tokens, device=device)
         n = len(tokens)
-        x = w["embed"][ids] + w["pos"][torch.arange(n)]
+        x = w["embed"][ids] + w["pos"][torch.arange(n, device=device)]
         for layer in range(self.num_attention_layers):
             h, kv, d = self.num_heads, self.num_kv_heads, self.head_size
             q, k, v = (x @ w[f"w_qkv.{layer}"]).split([h * d, kv * d, kv * d], dim=-1)
@@ -76,10 +77,10 @@ class TinyAttentionLM(nn.Module):
             k = k.view(-1, kv, d).repeat_interleave(group, dim=1)
             v = v.view(-1, kv, d).repeat_interleave(group, dim=1)
             s = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
-            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=device).triu(1), float("-inf"))
             attn = torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
             x = x + attn.reshape(n, -1) @ w[f"w_o.{layer}"]
-        return x @ w["w_head"]
+        return (x @ w["w_head"]).cpu()
 
     def reference_greedy(self, prompt: list[int], max_tokens: int, transform=None) -> list[int]:
         """Greedy tokens recomputed densely; ``transform(logits [V] float64, outputs so far)`` changes each
