@@ -22,7 +22,9 @@ from tripath.engine.warmup import WarmupLimits
 
 @pytest.mark.parametrize("limits", [WarmupLimits(256, 8192, 131072), WarmupLimits(16, 8192, 36172),
                                     WarmupLimits(4, 64, 48), WarmupLimits(1, 16, 2048),
-                                    WarmupLimits(64, 8192, 4096, decode_threshold=3)])
+                                    WarmupLimits(64, 8192, 4096, decode_threshold=3),
+                                    WarmupLimits(128, 8192, 1792), WarmupLimits(64, 8192, 3584),
+                                    WarmupLimits(2, 8192, 512), WarmupLimits(8, 8192, 8)])
 def test_worst_steps_stay_inside_the_limits_and_cover_every_kind(limits):
     steps = worst_steps(limits, chunk_budget=32768)
     assert {"prefill", "decode"} <= set(steps)

@@ -48,17 +48,18 @@ def worst_steps(limits: WarmupLimits, chunk_budget: int) -> dict[str, Step]:
     if q > dq:
         steps["extend"] = ([q], [l - q])  # the longest context: every chunk full, the joined tail the largest
     e = min(s, n // (dq + 1))
-    if e >= 2:
-        q = n // e
+    q = min(n // e, l - 1) if e >= 2 else 0   # each with a context: at most max_model_len - 1 new tokens
+    if e >= 2 and q > dq:
         chunk = max(1, chunk_budget // e)
         steps["extends"] = ([q] * e, [min(l - q, 4 * chunk)] * e)  # several chunks each: partials and merges
     d = min(s, n)
     steps["decode"] = ([1] * d, [l - 1] * d)
     d = min(s, n) - 2
     rest = n - d
-    if d >= 1 and rest >= 2 * (dq + 1):
-        qe = rest // 2
-        steps["mixed"] = ([1] * d + [qe, rest - qe], [l - 1] * d + [l - qe, 0])
+    qe = min(rest // 2, l - 1)   # an extend and a prefill, each within max_model_len
+    qp = min(rest - qe, l)
+    if d >= 1 and qe > dq and qp >= 1:
+        steps["mixed"] = ([1] * d + [qe, qp], [l - 1] * d + [l - qe, 0])
     return steps
 
 
