@@ -81,6 +81,6 @@ def score_prompts(scheduled, plan, hidden: torch.Tensor,
     if not requests:
         return None
     device = hidden.device
-    row_index = to_device(np.concatenate(rows), torch.int64, device)
-    target_ids = to_device(np.concatenate(targets), torch.int64, device)
+    row_index = to_device(np.concatenate(rows).tolist(), torch.int64, device)   # pinned: from a list
+    target_ids = to_device(np.concatenate(targets).tolist(), torch.int64, device)
     return requests, counts, ks, prompt_logprobs(hidden, row_index, target_ids, max(ks), compute_logits)
