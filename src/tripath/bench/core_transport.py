@@ -1,0 +1,116 @@
+"""``tripath bench core-transport``: the pipe between the HTTP process and the engine core
+(:mod:`tripath.server.core_wire`), on one step's update of ``--outputs`` requests of ``--tokens`` new tokens
+each (``--logprobs K``: with the top K log-probabilities of each token).
+
+Reported: the update's size; the core's cost to encode it (the outputs to tuples, pickled) and the HTTP
+process's to decode it (unpickled, to ``StepOutput``), medians; a round trip through a spawned echo process
+(p50 / p99); and the updates a second the pipe streams one way.
+
+    tripath bench core-transport --outputs 256 --tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import time
+from typing import Sequence
+
+
+def _outputs(num_outputs: int, num_tokens: int, logprobs: int | None) -> list:
+    from tripath.engine.request import CompletionOutput, Logprob, RequestOutput
+
+    outs = []
+    for i in range(num_outputs):
+        tokens = list(range(1000 + i, 1000 + i + num_tokens))
+        entries = None if logprobs is None else [
+            {t: Logprob(-0.5, 1), **{j: Logprob(-1.0 - j / 100, j + 2) for j in range(logprobs)}} for t in tokens]
+        outs.append(RequestOutput(f"srv-{i}-0", None, [1], [CompletionOutput(0, None, tokens)], False, tokens,
+                                  entries))
+    return outs
+
+
+def _median_us(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _echo(commands, updates, mode: str) -> None:
+    while True:
+        data = commands.recv_bytes()
+        if data == b"stop":
+            break
+        if mode == "echo":
+            updates.send_bytes(data)
+    updates.send_bytes(b"done")
+
+
+def _through_pipe(payload: bytes, count: int, mode: str) -> tuple[float, list[float]]:
+    """A spawned child echoes (``echo``) or drains (``drain``) ``count`` messages: the wall time and each
+    round trip."""
+    from tripath.server.core_wire import widen
+
+    context = multiprocessing.get_context("spawn")
+    child_in, commands = context.Pipe(duplex=False)
+    updates, child_out = context.Pipe(duplex=False)
+    widen(commands)
+    widen(updates)
+    process = context.Process(target=_echo, args=(child_in, child_out, mode))
+    process.start()
+    child_in.close()
+    child_out.close()
+    trips = []
+    start = time.perf_counter()
+    for _ in range(count):
+        sent = time.perf_counter()
+        commands.send_bytes(payload)
+        if mode == "echo":
+            updates.recv_bytes()
+            trips.append(time.perf_counter() - sent)
+    commands.send_bytes(b"stop")
+    updates.recv_bytes()
+    elapsed = time.perf_counter() - start
+    process.join()
+    return elapsed, trips
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tripath bench core-transport", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--outputs", type=int, default=256, help="requests with output in the step")
+    parser.add_argument("--tokens", type=int, default=8, help="new tokens per request (multi-step decoding: 8)")
+    parser.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    parser.add_argument("--messages", type=int, default=2000, help="messages through the pipe")
+    args = parser.parse_args(argv)
+    import pickle
+
+    from tripath.server.core_wire import decode_output, encode_output
+
+    outs = _outputs(args.outputs, args.tokens, args.logprobs)
+    repeat = max(5, min(200, args.messages // 10))
+
+    def encode() -> bytes:
+        return pickle.dumps(("update", [], [], [encode_output(o, False) for o in outs], [], (0,) * 8, 0),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+
+    payload = encode()
+    encode_us = _median_us(encode, repeat)
+    decode_us = _median_us(lambda: [decode_output(item) for item in pickle.loads(payload)[3]], repeat)
+    _, trips = _through_pipe(payload, args.messages, "echo")
+    elapsed, _ = _through_pipe(payload, args.messages, "drain")
+    trips.sort()
+    print(f"update of {args.outputs} outputs x {args.tokens} tokens"
+          + (f", top {args.logprobs} log-probabilities" if args.logprobs is not None else "")
+          + f": {len(payload) / 1024:.1f} KiB; encode {encode_us:.0f} us (core), decode {decode_us:.0f} us (HTTP "
+          f"process); pipe round trip p50 {statistics.median(trips) * 1e6:.0f} us, p99 "
+          f"{trips[int(0.99 * (len(trips) - 1))] * 1e6:.0f} us; one way {args.messages / elapsed:.0f} updates/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
