@@ -219,7 +219,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
         prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
-        structured = await _in_thread(_structured_output, state, body)
+        structured = await _structured_output(state, body)
         gen = _generation(state, body, prompts, body.max_tokens, structured)
         return await respond(state, gen, body, request, chat=False, echo=_echo_texts(state, body, raw_prompts, prompts))
 
@@ -232,7 +232,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt,
                                   _chat_template_kwargs(body))
-        structured = await _in_thread(_structured_output, state, body)
+        structured = await _structured_output(state, body)
         gen = _generation(state, body, [prompt], body.output_limit, structured)
         return await respond(state, gen, body, request, chat=True)
 
@@ -315,11 +315,13 @@ def _prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
     return ids
 
 
-def _structured_output(state: ServerState, body) -> StructuredOutput | None:
-    """The request's output constraint, checked (and, with the engine in process, compiled)."""
+async def _structured_output(state: ServerState, body) -> StructuredOutput | None:
+    """The request's output constraint, checked (and, with the engine in process, compiled) in a worker thread."""
     asked = body.structured_output()
-    if asked is None:
-        return None
+    return None if asked is None else await _in_thread(_constraint, state, asked)
+
+
+def _constraint(state: ServerState, asked: dict) -> StructuredOutput:
     try:
         spec = StructuredOutput(**{k: tuple(v) if k == "choice" else v for k, v in asked.items()})
         state.engine.prepare_structured_output(spec)
