@@ -1,7 +1,8 @@
 """The engine core in its own process (the default of ``tripath serve``): what crosses the pipes, the stream
 framing, coalescing for a lagging client, and the process split's failure semantics end to end on the tiny
 preset — a killed core fails the streams in flight, makes ``/health`` 503 and the server exit 1; Ctrl-C to
-the whole process group drains the streams, then stops both processes."""
+the whole process group drains the streams, then stops both processes; a killed server takes its core with
+it."""
 
 import asyncio
 import functools
@@ -191,6 +192,20 @@ def test_ctrl_c_to_the_process_group_drains_then_stops_both_processes(tmp_path):
                 break
             time.sleep(0.1)
         assert not _running(core)
+    finally:
+        server.close()
+
+
+def test_a_killed_server_takes_its_core_with_it(tmp_path):
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
+    try:
+        core = server.core_pid()
+        server.proc.kill()   # SIGKILL: no shutdown of any kind; the core sees its command pipe close
+        server.proc.wait()
+        deadline = time.monotonic() + 20
+        while _running(core):
+            assert time.monotonic() < deadline, "the engine core outlived its server"
+            time.sleep(0.1)
     finally:
         server.close()
 

@@ -89,6 +89,7 @@ class EngineClient:
         self._stopping = False
         self._closed = False                # nothing more comes from the core
         self._stopped = False
+        self._stop_lock = threading.Lock()
         self.process = None
         self.tokenizer = None          # the HTTP process's own, once ready
         self.vocab_size = 0
@@ -167,19 +168,20 @@ class EngineClient:
         self._stopping = True
         self._book.fail_all(SHUTTING_DOWN)
         self._book.flush()
-        if self.process is None or self._stopped:
-            return
-        self._stopped = True
-        deadline = time.monotonic() + timeout
-        self._outbox.put(("stop",))
-        self._reader.join(timeout)
-        self.process.join(max(0.0, deadline - time.monotonic()))
-        if self.process.is_alive():
-            log.warning("the engine core did not stop within %.0f s: killing it", timeout)
-            self._kill(grace_s=0.0)
-        for conn in (self._commands, self._updates):
-            conn.close()
-        log.info("engine stopped")
+        with self._stop_lock:   # a second call returns once the first is done
+            if self.process is None or self._stopped:
+                return
+            self._stopped = True
+            deadline = time.monotonic() + timeout
+            self._outbox.put(("stop",))
+            self._reader.join(timeout)
+            self.process.join(max(0.0, deadline - time.monotonic()))
+            if self.process.is_alive():
+                log.warning("the engine core did not stop within %.0f s: killing it", timeout)
+                self._kill(grace_s=0.0)
+            for conn in (self._commands, self._updates):
+                conn.close()
+            log.info("engine stopped")
 
     # ---- the threads ------------------------------------------------------------------------------------
     def _write(self) -> None:
