@@ -10,9 +10,10 @@ took or refused, every output of the step (new tokens, finish, new log-probabili
 log-probabilities once), the requests a failed step failed, and ``LLM.stats()``. The engine does not
 decode finished outputs here (``LLM.detokenize_outputs`` off): the HTTP process detokenises.
 
-The core ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process group): the HTTP process
-drains, then sends ``stop``. It stops, releasing the engine, on ``stop`` or when the HTTP process is gone
-(its end of the command pipe closes).
+The core ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process group; so does a service
+manager's SIGTERM): the HTTP process drains, then sends ``stop``. The core stops, releasing the engine, on
+``stop`` or when the HTTP process is gone (its end of the command pipe closes); a core that does not stop
+in time is killed (SIGKILL).
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ def make_engine(model, **options):
 
 
 def ignore_stop_signals() -> None:
-    """SIGINT and SIGTERM do nothing to this process (Python handlers, so the processes it spawns start with
-    the default ones)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _ignored)
+    """SIGINT and SIGTERM do nothing to this process. SIGINT is ignored outright, so the processes it starts
+    (tensor-parallel ranks, warm-up compilers) inherit that and a Ctrl-C lets the server drain with them;
+    SIGTERM through a Python handler, so they keep its default (``multiprocessing`` stops them with it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _ignored)
 
 
 def _ignored(signum, frame) -> None:
