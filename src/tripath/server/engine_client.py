@@ -98,6 +98,7 @@ class EngineClient:
         self.generation_defaults: dict = {}
         self.startup_error: BaseException | None = None
         self._fatal: BaseException | None = None
+        self._gone = Failure(500, "the engine core process has stopped", "server_error")   # set as it ends
 
     # ---- the Engine interface ---------------------------------------------------------------------------
     @property
@@ -106,7 +107,7 @@ class EngineClient:
 
     @property
     def starting(self) -> bool:
-        return not self._settled.is_set()
+        return not self._settled.is_set() and not self._stopping
 
     @property
     def alive(self) -> bool:
@@ -148,7 +149,7 @@ class EngineClient:
     def submit(self, sub: Submission) -> None:
         self._book.register(sub)
         if self._stopping or self._closed:   # checked after registering: see SubmissionBook
-            self._book.refuse(sub.request_id, SHUTTING_DOWN if self._stopping else self._gone())
+            self._book.refuse(sub.request_id, SHUTTING_DOWN if self._stopping else self._gone)
             self._book.flush()
             return
         self._outbox.put(("add", sub.request_id, sub.prompt_token_ids, sub.params))
@@ -247,30 +248,27 @@ class EngineClient:
         book.publish(decode_stats(stats), num_new)
         book.flush()
 
-    def _gone(self) -> Failure:
-        return Failure(500, f"the engine core process {_exit_text(self._exit_code())}", "server_error")
-
-    def _exit_code(self) -> int | None:
-        self.process.join(KILL_GRACE_S)
-        return self.process.exitcode
-
     def _close(self, error: BaseException | None) -> None:
         """The reader's end: nothing more comes from the core. Unless asked to stop, that is fatal."""
-        self._closed = True
-        if not self._stopping:
-            failure = self._gone()
-            if self.startup_error is None and not self._ready.is_set():
-                self.startup_error = EngineStartError(failure.message + " before the engine was built")
-            cause = self.startup_error or error or RuntimeError(failure.message)
-            if self.startup_error is None:
-                self._fatal = cause
-                log.error("%s: failing the %d requests in flight", failure.message, len(self._book))
-            self._book.fail_all(failure)
-            self._book.flush()
+        if self._stopping:
+            self._closed = True
             self._settled.set()
-            if self._on_fatal is not None:
-                self._on_fatal(cause)
+            return
+        self.process.join(KILL_GRACE_S)   # it is gone, or going: how it ended
+        failure = self._gone = Failure(500, f"the engine core process {_exit_text(self.process.exitcode)}",
+                                       "server_error")
+        self._closed = True   # after _gone: submit() reads it once it sees _closed
+        if self.startup_error is None and not self._ready.is_set():
+            self.startup_error = EngineStartError(failure.message + " before the engine was built")
+        cause = self.startup_error or error or RuntimeError(failure.message)
+        if self.startup_error is None:
+            self._fatal = cause
+            log.error("%s: failing the %d requests in flight", failure.message, len(self._book))
+        self._book.fail_all(failure)
+        self._book.flush()
         self._settled.set()
+        if self._on_fatal is not None:
+            self._on_fatal(cause)
 
     def _kill(self, grace_s: float = KILL_GRACE_S) -> None:
         """At exit, or past stop's timeout: the core gets ``grace_s`` to see its command pipe close and stop,

@@ -58,7 +58,7 @@ class EngineLoop:
 
     @property
     def starting(self) -> bool:
-        return not self._ready.is_set() and self.startup_error is None
+        return not self._ready.is_set() and self.startup_error is None and not self._stopping
 
     @property
     def alive(self) -> bool:
