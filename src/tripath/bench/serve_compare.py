@@ -25,7 +25,7 @@ import sys
 
 from tripath.bench.serve import workload_from_args
 from tripath.bench.serve_online import Workload as Requests
-from tripath.bench.serve_online import run_benchmark, server_model
+from tripath.bench.serve_online import run_benchmark, served_model
 from tripath.bench.serve_report import format_table, summarize, write_json
 from tripath.bench.serve_rounds import median_pass
 from tripath.bench.serve_workloads import Workload, make_prompts
@@ -95,16 +95,12 @@ def main_workload(args, parser) -> int:
         parser.error(f"--passes must be >= 1, got {args.passes}")
     workload = workload_from_args(args, ONLINE_FIELDS)
     try:
-        card = server_model(args.url)
-        model = args.model or card["id"]
-        vocab = args.vocab_size or card.get("vocab_size")
-        if not vocab:
-            raise ValueError("the server does not report vocab_size: pass --vocab-size")
+        model, vocab = served_model(args)
         against = offline_row(args.against, args.backend, workload) if args.against else None
     except Exception as error:  # noqa: BLE001 - unreachable server, unreadable offline report
         print(f"tripath bench serve: error: {error}", file=sys.stderr)
         return 2
-    passes = run_passes(args, workload, model, int(vocab))
+    passes = run_passes(args, workload, model, vocab)
     row = server_row(args.workload, model, passes)
     print(f"\n{workload.description or args.workload} through {args.url}")
     print(format_table([row] + ([against[0]] if against else []), TABLE))

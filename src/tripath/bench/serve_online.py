@@ -157,6 +157,16 @@ def server_model(base_url: str) -> dict:
     return data[0]
 
 
+def served_model(args) -> tuple[str, int]:
+    """The model name to send and the vocabulary to draw prompts from: ``--model`` / ``--vocab-size``, else the
+    server's first model and its ``vocab_size``."""
+    card = server_model(args.url)
+    vocab = args.vocab_size or card.get("vocab_size")
+    if not vocab:
+        raise ValueError("the server does not report vocab_size: pass --vocab-size")
+    return args.model or card["id"], int(vocab)
+
+
 def _rates(text: str) -> list[float]:
     try:
         rates = [float(t) for t in text.split(",") if t.strip()]
@@ -213,13 +223,9 @@ def main_online(argv: Sequence[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, default)
     try:
-        card = server_model(args.url)
-        model = args.model or card["id"]
-        vocab = args.vocab_size or card.get("vocab_size")
-        if not vocab:
-            raise ValueError("the server does not report vocab_size: pass --vocab-size")
-        workload = make_workload(args.num_requests, args.input_len, args.input_len_spread, args.output_len,
-                                 int(vocab), args.seed)
+        model, vocab = served_model(args)
+        workload = make_workload(args.num_requests, args.input_len, args.input_len_spread, args.output_len, vocab,
+                                 args.seed)
     except Exception as error:  # noqa: BLE001 - unreachable server, bad arguments
         print(f"tripath bench serve: error: {error}", file=sys.stderr)
         return 2
