@@ -12,7 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
 from tripath.kernels.rms_norm import rms_norm_kernel
-from tripath.compile_pool import CompilePool, collect_compilations
+from tripath.triton_internals import CompilePool, collect_compilations
 
 
 class StandInDriver:

@@ -1,12 +1,11 @@
 """Test set-up: without a GPU, Triton kernels run in the interpreter (set before triton is imported)."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tripath.triton_internals import interpret_without_gpu
+
+interpret_without_gpu()
 
 HAS_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_GPU else "cpu")

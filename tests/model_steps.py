@@ -132,9 +132,9 @@ class ReplayRecorder:
 
 
 def record_graph_captures(monkeypatch) -> None:
-    """Make ``ModelRunner``'s decode-graph captures :class:`ReplayRecorder` stand-ins (CPU graph path)."""
-    def capture(self, run, pool):
+    """Make the decode graphs' captures :class:`ReplayRecorder` stand-ins (CPU graph path)."""
+    def capture(run, pool, device):
         hidden = run()
         return ReplayRecorder(run, hidden), hidden, None
 
-    monkeypatch.setattr("tripath.engine.model_runner.ModelRunner._capture", capture)
+    monkeypatch.setattr("tripath.engine.decode_graphs._capture", capture)

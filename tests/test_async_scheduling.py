@@ -180,13 +180,13 @@ def test_the_option_is_checked_and_a_tensor_parallel_engine_runs_sequentially(mo
         engine(model, 1)
     assert engine(model, True).overlap and not engine(model, False).overlap
     from tripath.engine.parallel_executor import ParallelExecutor
-    assert ParallelExecutor.supports_overlap is False
+    assert ParallelExecutor.capabilities.overlap is False
 
 
 def test_each_decode_is_launched_before_the_token_it_reads_is_known_on_the_host(model, monkeypatch):
     """launch(N + 1) comes before step N's tokens are read, and the outputs are still the reference's: the
     in-flight token reaches the next step on the device."""
-    from tripath.engine.model_runner import LaunchedStep
+    from tripath.engine.launched_step import LaunchedStep
 
     llm = engine(model, True)
     events, real_launch, real_sampled = [], llm.runner.launch, LaunchedStep.sampled

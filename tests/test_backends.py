@@ -114,7 +114,7 @@ def test_attention_launches_get_exactly_their_rows(kv_cache_dtype):
     ``cu_seqlens_k[-1]`` rows: a context chunk smaller than the gather workspace passes the rows it
     gathered, never the workspace's stale rest (the Hopper kernel's last key tile reads rows past the last
     request, and stale NaN there would reach the output as 0 · NaN)."""
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
 
     spec = AttentionSpec(4, 1, 64, dtype=torch.float16, extend_chunk_budget=32, block_size=16,
                          kv_cache_dtype=kv_cache_dtype)
@@ -139,7 +139,7 @@ def test_three_path_joins_the_last_chunk_with_the_new_tokens(budget, opts):
     launch: with one chunk, a step's extends and the prefill beside them cost one gather and one attention
     launch and no merge; with several (a context that ends before the last chunk included), the earlier
     chunks merge into it and the prefill has its own launch. The result agrees with ``torch``."""
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
 
     spec = AttentionSpec(4, 2, 64, dtype=torch.float16, extend_chunk_budget=budget, **JOIN_SPECS[opts])
     backend = select_backend(spec, "three_path", DEVICE)
@@ -161,7 +161,7 @@ def test_three_path_joins_the_last_chunk_with_the_new_tokens(budget, opts):
 def test_three_path_keeps_the_new_token_pass_for_fp8_caches():
     """An fp8 cache holds the new keys rounded: the extend's new tokens then take their own causal pass over
     the step's keys (as the torch reference does), merged with the context."""
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
 
     spec = AttentionSpec(4, 1, 64, dtype=torch.float16, kv_cache_dtype="fp8")
     backend = select_backend(spec, "three_path", DEVICE)

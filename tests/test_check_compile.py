@@ -21,13 +21,13 @@ import torch
 import compile_toys as toys
 import tripath.kernels
 from tripath import ops
-from tripath.bench import check_compile as cc
-from tripath.bench import compile_scenarios as scen
-from tripath.bench.compile_inspect import (CompileResult, amd_code_stats, count_dots, count_fma_dots,
+from tripath.portability import check_compile as cc
+from tripath.portability import compile_scenarios as scen
+from tripath.portability.compile_inspect import (CompileResult, amd_code_stats, count_dots, count_fma_dots,
                                            cuobjdump_usage, ptx_matrix_instrs, ptxas_injected_waits,
                                            ptxas_spills, ptxas_wgmma_serialised)
-from tripath.bench.compile_scenarios import KERNEL_ROLES, Scenario
-from tripath.ops._launch import launch
+from tripath.portability.compile_scenarios import KERNEL_ROLES, Scenario
+from tripath.triton_internals import launch
 from tripath.platform import MI300X, fp8_dtype
 
 ALL_TARGETS = tuple(cc.TARGETS)
@@ -267,13 +267,15 @@ def test_dot_counting_and_fma_detection():
 
 # --- verdicts ------------------------------------------------------------------------------------------
 
-def _result(kernel="varlen_attention_kernel", target="gfx942", **fields) -> CompileResult:
+def _result(kernel="varlen_attention_kernel", target="gfx942", triton=scen.CONFIGURED_ON_TRITON,
+            **fields) -> CompileResult:
     base = dict(regs=128, sgprs=80, vgpr_spills=0, sgpr_spills=0, scratch_bytes=0, shared_bytes=1024, dots=2,
                 fma_dots=0, matrix_instrs=64, matrix_kind="MFMA")
     if target == "sm90":
         base.update(sgprs=None, vgpr_spills=None, sgpr_spills=None, spill_store_bytes=0, matrix_kind="wgmma")
     base.update(fields)
-    return cc.evaluate(CompileResult(kernel, target, "cfg", ["s"], **base), cc.TARGETS[target])
+    return cc.evaluate(CompileResult(kernel, target, "cfg", ["s"], **base), cc.TARGETS[target],
+                       triton_version=triton)
 
 
 def test_verdicts():
@@ -282,8 +284,9 @@ def test_verdicts():
     assert _result(target="sm90", scratch_bytes=24, spill_store_bytes=24).failures[0][0] == "spill"
     lane_only = _result(sgpr_spills=6)
     assert lane_only.status == "ok"
-    strict = cc.evaluate(lane_only, cc.TARGETS["gfx942"], strict_sgpr=True)
-    assert strict.failures == [("spill", "0 VGPR + 6 SGPR spills, 0 B scratch")]
+    for triton in (scen.CONFIGURED_ON_TRITON, (3, 9)):  # strict: no spill is accepted under any Triton
+        strict = cc.evaluate(lane_only, cc.TARGETS["gfx942"], strict_sgpr=True, triton_version=triton)
+        assert strict.failures == [("spill", "0 VGPR + 6 SGPR spills, 0 B scratch")]
     assert _result(shared_bytes=70 * 1024).failures[0][0] == "shared"  # over MI300X's 64 KiB LDS
     assert _result(target="gfx950", shared_bytes=70 * 1024).status == "ok"  # MI355X has 160 KiB
     assert _result(fma_dots=1).failures == [("matrix", "1 of 2 dots lowered to FMA")]
@@ -307,6 +310,29 @@ def test_deliberate_findings_are_reported_not_failed(monkeypatch):
     assert _result(target="gfx950", vgpr_spills=2, scratch_bytes=8).deliberate[0][1].endswith(
         "(deliberate: measured faster)")
     assert _result(target="gfx942", vgpr_spills=2, scratch_bytes=8).status == "FAIL"
+
+
+def test_small_spills_under_another_triton_are_reported_not_failed():
+    newer = (3, 9)
+    assert newer != scen.CONFIGURED_ON_TRITON
+    small_amd = _result(vgpr_spills=4, triton=newer)
+    assert small_amd.status == "ok*" and "a small spill under Triton 3.9" in small_amd.deliberate[0][1]
+    assert "chosen on Triton 3.6" in small_amd.deliberate[0][1]
+    assert _result(vgpr_spills=4, scratch_bytes=16, triton=newer).status == "FAIL"  # AMD scratch: memory
+    assert _result(vgpr_spills=9, triton=newer).status == "FAIL"
+    assert _result(target="sm90", scratch_bytes=24, spill_store_bytes=24, triton=newer).status == "ok*"
+    assert _result(target="sm90", scratch_bytes=24, spill_store_bytes=60, triton=newer).status == "FAIL"
+    assert _result(vgpr_spills=4).status == "FAIL"  # on the Triton the configurations are chosen on
+
+
+def test_documented_larger_spills_hold_from_their_triton_and_up_to_their_bound():
+    spill = dict(kernel="mla_decode_kernel", target="sm90", scratch_bytes=152, spill_store_bytes=148)
+    accepted = _result(triton=(3, 9), **spill)
+    assert accepted.status == "ok*" and "255-register cap" in accepted.deliberate[0][1]
+    assert _result(triton=(3, 8), **spill).status == "FAIL"  # the entry starts at Triton 3.9
+    assert _result(triton=(3, 9), **{**spill, "spill_store_bytes": 400}).status == "FAIL"
+    assert _result(triton=(3, 9), kernel="paged_decode_kernel", target="sm90", scratch_bytes=152,
+                   spill_store_bytes=148).status == "FAIL"  # another kernel: the general bound
 
 
 # --- the detectors on real compiler output -------------------------------------------------------------

@@ -38,6 +38,15 @@ def test_tripath_command_loads_neither_torch_nor_triton_for_its_usage():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_an_unknown_triton_is_a_usage_error_naming_the_known_ones(monkeypatch, capsys):
+    from tripath.triton_internals import versions
+
+    monkeypatch.setattr(versions, "current", lambda: versions.adapter_for("3.10.0"))
+    assert main(["check-compile", "--list", "--target", "gfx942", "--only", "decode hd64"]) == 2
+    err = capsys.readouterr().err
+    assert "tripath: error: tripath does not know Triton 3.10.0: it works with Triton 3.6, 3.7, 3.8, 3.9" in err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "--device", "bogus"], "argument --device: 'bogus' is not supported; supported: cpu, cuda, cuda:N"),
     (["bench", "backends", "--device", "meta"], "argument --device: 'meta' is not supported"),

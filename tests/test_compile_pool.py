@@ -1,6 +1,6 @@
-"""Compilations made in child processes (tripath.compile_pool): the JIT's compilations are listed instead
-of made, workers compile them into Triton's cache under the JIT's own keys (so the JIT then loads them),
-a failure is reported rather than raised, and other threads keep compiling meanwhile."""
+"""Compilations made in child processes (tripath.triton_internals.compile_pool): the JIT's compilations are
+listed instead of made, workers compile them into Triton's cache under the JIT's own keys (so the JIT then
+loads them), a failure is reported rather than raised, and other threads keep compiling meanwhile."""
 
 import json
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tripath.engine import EngineConfig
-from tripath.compile_pool import CompilePool, Compilation, collect_compilations
+from tripath.triton_internals import CompilePool, Compilation, collect_compilations
 
 TESTS = Path(__file__).resolve().parent
 

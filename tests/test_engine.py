@@ -18,6 +18,7 @@ from engine_models import CharTokenizer, tiny_model
 from model_steps import ReplayRecorder, assert_same_or_near_tie, record_graph_captures
 from tripath.attention import ForwardContext, default_block_size, plan_batch, select_backend
 from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
+from tripath.engine import startup
 from tripath.engine.cli_generate import main_generate
 from tripath.models import load_model
 
@@ -146,11 +147,11 @@ def test_decode_graph_path_pads_and_copies_metadata(monkeypatch):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     expected = [no_cache_greedy(model, p, params.max_tokens) for p in prompts]
-    assert LLM(model, backend="torch", num_kv_blocks=8).runner.graph_safe_backend is False
+    assert LLM(model, backend="torch", num_kv_blocks=8).runner.capabilities.multi_step is False
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     llm = LLM(model, backend="three_path", num_kv_blocks=32, block_size=8, max_num_seqs=4, max_model_len=64)
-    llm.runner.capture_cuda_graphs()
-    assert sorted(llm.runner.graphs) == [1, 2, 4]
+    llm.runner.capture_decode_graphs()
+    assert sorted(llm.runner.decode_graphs.graphs) == [1, 2, 4]
     ReplayRecorder.replays = 0
     assert greedy_outputs(llm, prompts, params) == expected
     assert ReplayRecorder.replays == params.max_tokens - 1  # every decode step of 3 requests, padded to 4
@@ -172,8 +173,8 @@ def test_start_step_reserving_memory_writes_nothing(backend, monkeypatch):
     for t in tensors():
         t.copy_(torch.randn(t.shape).to(t.dtype))
     before = [t.clone() for t in tensors()]
-    assert runner._largest_prompt_step() == [16, 16, 8]
-    runner._reserve_step_memory()
+    assert startup.largest_prompt_step(runner) == [16, 16, 8]
+    startup.reserve_step_memory(runner)
     assert all(torch.equal(a, b) for a, b in zip(before, tensors()))
 
 
@@ -356,9 +357,9 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
     eager = LLM(model, enforce_eager=True, num_kv_blocks=blocks, **common)
     graphs = LLM(model, num_kv_blocks=blocks, **common)
     assert eager.runner.block_size == block_size == (64 if model.config.mla is not None else 16)
-    assert eager.runner.graphs == {}
-    if graphs.runner.graph_safe_backend:
-        assert sorted(graphs.runner.graphs) == [1, 2, 4, 8, 12]
+    assert eager.runner.decode_graphs is None
+    if graphs.runner.captures_decode_graphs:
+        assert sorted(graphs.runner.decode_graphs.graphs) == [1, 2, 4, 8, 12]
     expected = greedy_outputs(eager, prompts, params)
     assert_same_or_near_tie(model, prompts, expected, greedy_outputs(graphs, prompts, params))
     tight = LLM(model, num_kv_blocks=60, block_size=16, **common)  # 960 rows: preemptions
@@ -390,7 +391,7 @@ def test_start_warms_the_lm_head_and_sampling_for_every_row_count():
     runner, rows, sampled, advanced = llm.runner, [], [], []
     real_logits, real_advance = runner.model.compute_logits, AttentionMetadata.advance_decodes_
     runner.model.compute_logits = lambda hidden: rows.append(hidden.shape[0]) or real_logits(hidden)
-    import tripath.engine.model_runner as model_runner
+    import tripath.engine.startup as model_runner
     real_sample = model_runner.sample
 
     def sample(logits, params, generators):
@@ -404,7 +405,7 @@ def test_start_warms_the_lm_head_and_sampling_for_every_row_count():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model_runner, "sample", sample)
         patch.setattr(AttentionMetadata, "advance_decodes_", advance)
-        runner.warm_sampling(torch.zeros(6, llm.model.config.hidden_size, dtype=llm.config.dtype))
+        model_runner.warm_sampling(runner, torch.zeros(6, llm.model.config.hidden_size, dtype=llm.config.dtype))
     assert rows == [1, 2, 3, 4, 5, 6]
     assert [n for n, greedy in sampled if greedy] == [1, 2, 3, 4, 5, 6]
     assert [n for n, greedy in sampled if not greedy] == [1, 2, 4, 6]

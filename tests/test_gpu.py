@@ -9,7 +9,7 @@ from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import make_step
 from tripath.ops import paged_decode, unified_attention, varlen_attention
 from tripath.ops import reference as R
-from tripath.ops._launch import capture_launches
+from tripath.triton_internals import capture_launches
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

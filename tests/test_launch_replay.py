@@ -1,4 +1,4 @@
-"""One layer's attention launches replayed for the other layers of a step (:mod:`tripath.ops.replay`,
+"""One layer's attention launches replayed for the other layers of a step (:mod:`tripath.triton_internals.replay`,
 ``ForwardContext.replay_launches``): every layer's output and cache equal a forward of its own, the
 backend's forward runs once for all layers, and what cannot be replayed is refused and run as usual."""
 
@@ -11,7 +11,7 @@ from tripath.attention.selector import backend_class
 from tripath.attention.spec import AttentionSpec
 from tripath.bench.batches import make_step
 from tripath.ops import write_kv_cache
-from tripath.ops.replay import record_launches
+from tripath.triton_internals import record_launches
 
 # 2 decodes, 1 extend on a cached context, 1 prefill
 REQUESTS = [(37, 1), (20, 1), (29, 9), (0, 13)]
@@ -151,7 +151,7 @@ def test_a_second_model_step_on_the_context_records_again(monkeypatch):
     two_layers = ForwardContext(backend, meta, caches[:2])  # too few layers for a recording to pay
     for layer in range(2):
         two_layers.attend(layer, q, k, v, out=out)
-    assert len(calls) == 5 and not two_layers._recorded
+    assert len(calls) == 5 and two_layers._replay is None
 
 
 def test_without_out_or_on_other_memory_every_layer_runs_its_forward(monkeypatch):
@@ -242,7 +242,7 @@ SAME_PATH_REQUESTS = [(41, 1), (18, 1), (33, 6), (0, 17)]
 
 def _watch_count(monkeypatch) -> list:
     """A list that grows by one for each PyTorch operation a recording watches."""
-    from tripath.ops import replay
+    from tripath.triton_internals import replay
 
     seen = []
     real = replay._Recording.__torch_dispatch__
@@ -315,7 +315,7 @@ def test_launches_unlike_the_watched_ones_are_refused_and_watched_again(monkeypa
 
 
 def test_metadata_structure_leaves_out_sizes_but_not_the_code_path():
-    from tripath.attention.context import metadata_structure
+    from tripath.attention.layer_replay import metadata_structure
 
     spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=16, extend_chunk_budget=16)
     backend = backend_class("three_path")(spec, DEVICE)

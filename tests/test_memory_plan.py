@@ -73,7 +73,7 @@ def test_a_synthetic_step_writes_nothing_to_the_cache(monkeypatch):
 
 
 def test_captured_launches_keep_only_what_keep_returns():
-    from tripath.ops._launch import capture_launches, launch
+    from tripath.triton_internals import capture_launches, launch
 
     class Kernel:  # stands for a @triton.jit function: the capture never calls it
         __name__ = "toy"
@@ -140,6 +140,27 @@ def test_an_out_of_memory_step_fails_its_requests_only_and_the_engine_serves_on(
     outputs = llm.generate(prompts, greedy, use_tqdm=False)  # the engine serves on, with the same results
     assert [o.output_token_ids for o in outputs] == expected
     assert state["raised"] == 1
+
+
+def test_a_failed_schedule_names_the_running_requests_and_keeps_the_waiting_ones(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=64, max_num_seqs=1, decode_steps=1)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    running = llm.add_request([5, 6, 7], greedy)
+    llm.step()
+    waiting = llm.add_request([8, 9], greedy)
+    real = llm.scheduler.schedule
+    monkeypatch.setattr(llm.scheduler, "schedule", lambda *a: (_ for _ in ()).throw(RuntimeError("broken")))
+    with pytest.raises(StepFailed) as info:
+        llm.step()
+    assert info.value.request_ids == [running] and "broken" in str(info.value)
+    monkeypatch.setattr(llm.scheduler, "schedule", real)
+    outputs = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            outputs[out.request_id] = out
+    assert list(outputs) == [waiting] and len(outputs[waiting].output_token_ids) == 4
+    assert llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks
 
 
 def test_generate_with_an_out_of_memory_step_raises_and_leaves_the_engine_idle(monkeypatch):

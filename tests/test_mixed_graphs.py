@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from tripath.attention import ForwardContext
-from tripath.attention.context import MIN_LAYERS_TO_REPLAY
+from tripath.attention.layer_replay import MIN_LAYERS_TO_REPLAY
 from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.mixed_graphs import MixedStepGraphs
+from tripath.engine.startup import nothing_written_context
 from tripath.models import load_model
 from tripath.models.loader import build_model, init_random_weights
 from tripath.models.parallel import ParallelState
@@ -91,7 +92,7 @@ def test_replayed_hidden_states_equal_the_eager_model_on_gpu(name, backend):
     assert runner.mixed_graphs is not None and sorted(runner.mixed_graphs.buckets) == [16, 32, 64, 128, 256, 300]
     vocab = model.config.vocab_size
     for tokens in (5, 100, 300):
-        ctx = runner._nothing_written_context(tokens)
+        ctx = nothing_written_context(runner, tokens)
         ids = torch.randint(0, vocab, (tokens,), device="cuda")
         positions = torch.randint(0, 200, (tokens,), device="cuda")
         with torch.inference_mode():
@@ -121,7 +122,7 @@ def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatc
     monkeypatch.setattr(MixedStepGraphs, "run", lambda self, *a: runs.append(a[0].shape[0]) or real_run(self, *a))
     block_size = eager.runner.block_size
     real_attend = ForwardContext.attend
-    from tripath.ops import replay
+    from tripath.triton_internals import replay
     real_record, watches = replay.record_launches, []
     monkeypatch.setattr(replay, "record_launches",
                         lambda *a, **kw: watches.append(kw.get("watch", True)) or real_record(*a, **kw))

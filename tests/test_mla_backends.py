@@ -16,7 +16,7 @@ from tripath.attention.backends.mla import MLABackend
 from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import MLAStep
 from tripath.bench.batches import make_mla_step as build_mla_step
-from tripath.ops._launch import capture_launches
+from tripath.triton_internals import capture_launches
 
 SMALL = MLASpec(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
 DEEPSEEK = MLASpec()  # 512 / 64 / 128 / 128

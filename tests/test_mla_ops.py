@@ -11,7 +11,7 @@ from helpers import FP8_TOL, TOL, cu_seqlens, poison, random_block_table
 from tripath.ops import (allocate_mla_cache, concat_and_cache_mla, concat_mla_query,
                          fused_qk_rope_concat_and_cache_mla, gather_mla_cache, identity_rope_tables, mla_decode,
                          rope_cos_sin, rotary_embedding)
-from tripath.ops._launch import capture_launches
+from tripath.triton_internals import capture_launches
 from tripath.ops.reference_mla import fused_qk_rope_concat_and_cache_mla_ref
 from tripath.platform import fp8_dtype
 
@@ -491,7 +491,7 @@ def test_mla_decode_bf16_gpu(num_heads, batch, context, block_size):
 def test_mla_decode_descriptor_path_gpu(num_heads, num_splits):
     """The H200 configuration (64-row pages: descriptor tiles; 16 heads: transposed products and L2
     prefetch) with ragged requests whose pages hold NaN past their ends, against float64."""
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
 
     seq_lens = [3000, 1025, 64, 1, 777]
     cache, block_table, rows = filled_mla_cache(seq_lens, 64, L + R, torch.bfloat16)
@@ -599,7 +599,7 @@ def test_one_buffer_transposed_descriptor_tiles_are_refused(monkeypatch):
 def test_mla_decode_gluon_variant_launch_and_errors(monkeypatch):
     """``variant="gluon"``: recorded on the H200 description with its grid and descriptors; a clear error
     elsewhere and for shapes it does not cover. ``"auto"`` (the default) takes it exactly where it applies."""
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
     from tripath.platform import H200, MI300X, override_platform
     seq_lens = torch.tensor([100, 64], dtype=torch.int32)
     table = torch.zeros(2, 8, dtype=torch.int32)  # 100 rows fit in blocks of 16 too

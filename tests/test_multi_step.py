@@ -83,15 +83,15 @@ def test_runs_replay_the_padded_decode_graph(model, monkeypatch):
     record_graph_captures(monkeypatch)
     params = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
     llm = engine(model, decode_steps=3, max_model_len=64)
-    llm.runner.capture_cuda_graphs()
-    assert sorted(llm.runner.graphs) == [1, 2, 4]
+    llm.runner.capture_decode_graphs()
+    assert sorted(llm.runner.decode_graphs.graphs) == [1, 2, 4]
     seen = spy_launches(llm, monkeypatch)
     ReplayRecorder.replays = 0
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.output_token_ids for o in outs] == [model.reference_greedy(p, 7) for p in PROMPTS]
     assert 3 in seen and ReplayRecorder.replays == params.max_tokens - 1  # every decode step a replay
-    _, meta, _ = llm.runner.graphs[4]
-    assert meta.slot_mapping[3].item() == -1 and llm.runner._graph_positions[3].item() == 1
+    _, meta, _ = llm.runner.decode_graphs.graphs[4]
+    assert meta.slot_mapping[3].item() == -1 and llm.runner.decode_graphs.positions[3].item() == 1
 
 
 def test_an_mla_model_runs_several_steps_a_launch(monkeypatch):
@@ -127,7 +127,7 @@ def test_where_multi_step_does_not_apply(model):
     from tripath.engine.parallel_executor import ParallelExecutor
 
     assert engine(model, backend="torch", decode_steps=8).decode_steps == 1  # its forward reads host lists
-    assert ParallelExecutor.supports_multi_step is False
+    assert ParallelExecutor.capabilities.multi_step is False
     with pytest.raises(ValueError, match="decode_steps must be a positive int"):
         engine(model, decode_steps=0)
     llm = engine(model, decode_steps=4)
@@ -155,7 +155,7 @@ def test_runs_on_cuda_graphs_match_one_step_at_a_time_on_gpu(name, backend, monk
     one = LLM(model, decode_steps=1, **common)
     expected = [o.output_token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     llm = LLM(model, decode_steps=8, **common)
-    assert llm.runner.graphs and llm.decode_steps == 8
+    assert llm.runner.decode_graphs.graphs and llm.decode_steps == 8
     seen = spy_launches(llm, monkeypatch)
     got = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert_same_or_near_tie(model, prompts, expected, got)

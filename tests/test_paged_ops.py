@@ -74,7 +74,7 @@ def test_paged_decode_long_tiles_chosen_and_correct(monkeypatch):
     """The 128-token tiles: chosen for the H200 where the rule says so (launch recorded, a cache of one
     block standing in for 64 × 16384 tokens), and correct on ragged lengths (run with those tiles here)."""
     from tripath.ops import _configs
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
     from tripath.platform import H200, override_platform
     k_cache, v_cache = torch.zeros(2, 1, 16, 8, 128, dtype=torch.bfloat16, device=DEVICE)
     table = torch.zeros(64, 1024, dtype=torch.int32, device=DEVICE)

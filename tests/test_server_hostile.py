@@ -6,6 +6,7 @@ shutdown timeout."""
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -187,6 +188,18 @@ def test_usage_chunk_shapes_and_schema_policy(server):
     assert server.log().count("'bogus_field'") <= 1
 
 
+def _wait_for_requests_in_server(url: str, count: int, timeout: float = 60.0) -> None:
+    """Until the server's /metrics reports ``count`` requests accepted and not finished (bounded)."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, timeout=10) as h:
+        while time.monotonic() < deadline:
+            found = re.search(r"^tripath:num_requests_in_server\{[^}]*\} (\S+)$", h.get("/metrics").text, re.M)
+            if found and float(found.group(1)) >= count:
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"the server did not hold {count} requests within {timeout} s")
+
+
 def test_queue_depth_counts_beyond_the_running_and_shutdown_answers_503(tmp_path_factory):
     """With the engine on a thread of the server (``--engine-in-process``; the other tests run it in its own
     process)."""
@@ -221,6 +234,7 @@ def test_queue_depth_counts_beyond_the_running_and_shutdown_answers_503(tmp_path
             with h.stream("POST", "/v1/completions", json=body) as r:
                 lines = r.iter_lines()
                 events = [next(line for line in lines if line.startswith("data:"))]
+                _wait_for_requests_in_server(proc.url, 2)  # the plain request too, however late its thread runs
                 proc.signal(signal.SIGTERM)
                 events += [line for line in lines if line.startswith("data:")]
         worker.join(60)

@@ -253,7 +253,7 @@ def test_llm_tp2_generates_tp1_tokens_and_close_stops_the_workers():
     with LLM("tiny-qwen3-moe", tensor_parallel_size=2, **ENGINE) as llm:
         workers = list(llm.runner.processes)
         assert [p.is_alive() for p in workers] == [True]
-        assert llm.runner.spec.num_heads == 2 and llm.runner.tensor_parallel_size == 2
+        assert llm.runner.runner.spec.num_heads == 2 and llm.runner.tensor_parallel_size == 2
         assert tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == want
         assert tokens(llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)) == want[:2]  # prefix hits
     assert [p.exitcode for p in workers] == [0]
@@ -388,7 +388,7 @@ def test_gpu_llm_tp2_with_cuda_graphs_matches_tp1(tmp_path, kind):
     engine = dict(device="cuda", dtype="bfloat16", num_kv_blocks=256)
     want = tokens(LLM(str(tmp_path), **engine).generate(prompts, params, use_tqdm=False))
     with LLM(str(tmp_path), tensor_parallel_size=2, **engine) as llm:
-        assert llm.runner.graphs, "CUDA graphs were not captured"
+        assert llm.runner.decode_graphs.graphs, "CUDA graphs were not captured"
         got = tokens(llm.generate(prompts, params, use_tqdm=False))
     agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
     assert got[0][:4] == want[0][:4] and agree >= 0.9, (got, want)

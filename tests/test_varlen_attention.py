@@ -89,7 +89,7 @@ def test_tensor_descriptor_path(monkeypatch, opts):
     """The Hopper path (keys and values through tensor descriptors) on K/V that are column slices of one
     packed QKV buffer, with NaN rows beyond the last request that edge tiles must not let through."""
     from tripath.ops import _configs
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
 
     base = _configs.varlen_config
     monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": True})
@@ -118,7 +118,7 @@ def test_tensor_descriptor_strided_heads_and_fallback(monkeypatch, misaligned):
     ``[k_nope | v]`` leaves them) go through descriptors; a base off the 16-byte grid falls back to pointer
     loads. Both agree with the reference."""
     from tripath.ops import _configs
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
 
     base = _configs.varlen_config
     monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": True})
@@ -140,7 +140,7 @@ def test_tile_choice_counts_causal_tiles_only_where_they_decide_it(monkeypatch):
     whose keys are mostly the queries' own and that run alone: not for an extend's last chunk joined with
     its new tokens (many more keys than queries), nor for a ``concurrent`` launch."""
     from tripath.ops import _configs
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
 
     seen, base = [], _configs.varlen_config
     monkeypatch.setattr(_configs, "varlen_config",
@@ -172,7 +172,7 @@ def test_rotary_part_scores_as_the_concatenation(monkeypatch, case):
     ``[q | q_rope]`` and ``[k | k_rope]`` (broadcast over heads when shared), default scale included; the
     rotary keys are a column slice of a latent-style workspace row, as the MLA backends pass them."""
     from tripath.ops import _configs
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
 
     hq, hkv, d, r, hr, lq, lk, opts, tma = case
     if tma:
@@ -226,7 +226,7 @@ def test_hopper_fast_path_dispatch(monkeypatch):
     even GQA group as head-pair items and those of other groups as 128-row items on 64-key tiles; every
     score modifier, other head and rotary sizes, fp32 and ``TRIPATH_DISABLE_GLUON`` keep the portable kernel
     (launches recorded, and the descriptors and arguments checked)."""
-    from tripath.ops._launch import capture_launches
+    from tripath.triton_internals import capture_launches
     from tripath.ops._varlen_sm90 import (BLOCK_N, PAIR_LAG_TILES, PAIR_SMALL_KEYS, SHORT_BLOCK_N, SHORT_KEYS,
                                           SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES, SHORT_STAGES,
                                           SINGLE_SHORT_BLOCK_N, SINGLE_SHORT_STAGES, WG_ROWS)

@@ -13,7 +13,7 @@ from tripath.attention import default_block_size
 from tripath.engine import LLM, SamplingParams
 from tripath.engine.warmup import (WarmupLimits, levels, saved_plan_path, warm_up, warmup_shapes)
 from tripath.models import PRESETS, build_model, init_random_weights
-from tripath.ops._launch import LaunchRecord, capture_launches, launch_key
+from tripath.triton_internals import LaunchRecord, capture_launches, launch_key
 from tripath.platform import H200, override_platform
 
 from conftest import DEVICE, HAS_GPU
@@ -163,7 +163,7 @@ def test_compilations_made_ahead_are_the_ones_the_warm_up_loads(tmp_path, monkey
     """With an empty Triton cache the warm-up's compilations and their launch stubs are made by child
     processes, and its real run then finds every one of them in the cache: it adds no entry of its own."""
     assert HAS_GPU
-    from tripath.compile_pool import CompilePool
+    from tripath.triton_internals import CompilePool
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     entries = {}

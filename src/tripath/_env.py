@@ -13,6 +13,10 @@ def attention_backend_override() -> str | None:
     return value or None
 
 
+TRITON_INTERPRET = "TRITON_INTERPRET"
+TRITON_CACHE_DIR = "TRITON_CACHE_DIR"
+
+
 def torchrun_ranks() -> tuple[int, int] | None:
     """``(RANK, LOCAL_RANK)`` when torchrun started this process (``RANK`` and ``WORLD_SIZE`` both set;
     ``LOCAL_RANK`` defaults to ``RANK``), else None: the tensor-parallel LLM then joins torchrun's process
@@ -24,8 +28,14 @@ def torchrun_ranks() -> tuple[int, int] | None:
 
 
 def triton_interpret() -> bool:
-    """``TRITON_INTERPRET=1``: run Triton kernels on the CPU with Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
+    """``TRITON_INTERPRET=1``: run Triton kernels on the CPU with Triton's interpreter (Triton reads it when it
+    is imported; :mod:`tripath.triton_internals.interpreter` sets it where tripath chooses)."""
+    return os.environ.get(TRITON_INTERPRET, "0") not in ("", "0", "false", "False")
+
+
+def triton_interpret_given() -> bool:
+    """Whether ``TRITON_INTERPRET`` is set at all (then tripath leaves the choice to it)."""
+    return TRITON_INTERPRET in os.environ
 
 
 def gluon_disabled() -> bool:
@@ -37,7 +47,7 @@ def gluon_disabled() -> bool:
 def triton_cache_dir() -> str:
     """``TRITON_CACHE_DIR`` (default ``~/.triton/cache``): Triton's compiled kernels; the engine's warm-up
     keeps the list of steps that compile them beside them, so both are cold or warm together."""
-    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return os.environ.get(TRITON_CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
 @contextlib.contextmanager

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 from typing import Callable, Sequence
 
@@ -22,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("benchmarks: every backend on mixed steps (default), or one of `tripath bench -h`",
               "tripath.cli:main_bench"),
     "check-compile": ("compile every Triton kernel for gfx942, gfx950 and sm_90 and judge the code",
-                      "tripath.bench.check_compile:main_check_compile"),
+                      "tripath.portability.check_compile:main_check_compile"),
     "generate": ("generate text with the serving engine (a Hugging Face directory or a preset)",
                  "tripath.engine.cli_generate:main_generate"),
     "serve": ("an OpenAI-compatible HTTP server on the engine (needs tripath[serve])",
@@ -55,10 +54,9 @@ def _load(target: str) -> Callable[[list[str]], int]:
 
 def _interpret_on_cpu() -> None:
     """Without a GPU, run Triton kernels in the interpreter (must happen before triton is imported)."""
-    if "TRITON_INTERPRET" not in os.environ:
-        import torch
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
+    from tripath.triton_internals.interpreter import interpret_without_gpu
+
+    interpret_without_gpu()
 
 
 def _parser(prog: str, commands: dict[str, tuple[str, str]], description: str,
@@ -99,6 +97,8 @@ def _dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str], 
     name = f"{prog.removeprefix('tripath').strip()} {args.command}".strip()
     if name in INTERPRET_ON_CPU:
         _interpret_on_cpu()
+    from tripath.triton_internals.versions import UnsupportedTriton
+
     try:
         return int(_load(commands[args.command][1])(rest + argv[1:]) or 0)
     except SystemExit as exit_:  # a command's argparse error or refusal (exit 2 with its message)
@@ -106,6 +106,9 @@ def _dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: list[str], 
             print(exit_.code, file=sys.stderr)
             return 2
         return int(exit_.code or 0)
+    except UnsupportedTriton as exc:  # the installed Triton is one tripath has no adapter for
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def main_bench(argv: Sequence[str]) -> int:

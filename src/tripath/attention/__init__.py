@@ -1,6 +1,7 @@
 """Attention layer: specs, batch planning, per-step metadata, backends and their selection."""
 
-from tripath.attention.context import ForwardContext, WatchedPaths
+from tripath.attention.context import AttentionContext, ForwardContext
+from tripath.attention.layer_replay import WatchedPaths
 from tripath.attention.metadata import AttentionMetadata, build_metadata
 from tripath.attention.planner import BatchPlan, ExtendChunkPlan, classify, plan_batch, plan_extend_chunks
 from tripath.attention.selector import BackendUnavailableError, default_block_size, explain, select_backend
@@ -12,5 +13,5 @@ __all__ = [
     "BatchPlan", "ExtendChunkPlan", "classify", "plan_batch", "plan_extend_chunks",
     "AttentionMetadata", "build_metadata", "select_backend", "explain", "BackendUnavailableError",
     "default_block_size",
-    "ForwardContext", "WatchedPaths",
+    "AttentionContext", "ForwardContext", "WatchedPaths",
 ]

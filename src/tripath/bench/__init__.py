@@ -1,4 +1,4 @@
-"""Benchmarks, the portability check (``tripath check-compile``), tables and plots."""
+"""Benchmarks, tables and plots (the portability check is :mod:`tripath.portability`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ whole path works, not how fast it is.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import torch
 from tripath.attention import AttentionSpec, MLASpec, default_block_size, explain, select_backend
 from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import make_mla_step, make_step
+from tripath.triton_internals import interpreting
 
 GPU_STEPS = {
     "mixed (48 dec + 8 ext + 2 pre)": [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2,
@@ -125,7 +125,7 @@ def main_bench(argv=None) -> int:
                         help="cpu, cuda or cuda:N (default: cuda when a GPU is visible)")
     args = parser.parse_args(argv)
     device = args.device
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not interpreting():
         parser.error("on a CPU, run `tripath bench` through the CLI (it enables TRITON_INTERPRET=1 before "
                      "Triton loads) or set TRITON_INTERPRET=1")
     print(format_results(run(device), device))

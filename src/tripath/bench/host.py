@@ -2,7 +2,7 @@
 
 For one mixed step (decodes beside an extend and prefills, the shape of a tensor-parallel shard's step),
 each backend's forward is timed on the host only (launches are queued, the GPU is not waited for), and so
-are its recording (watching its PyTorch operations, and not: :mod:`tripath.ops.replay`), a replay of the
+are its recording (watching its PyTorch operations, and not: :mod:`tripath.triton_internals.replay`), a replay of the
 recording, and ``--layers`` layers through one :class:`~tripath.attention.ForwardContext` on shared static
 buffers (as the piecewise CUDA graphs give them): each layer its forward; replayed, the first layer's
 recording watched; replayed as the engine's steps run once the code path was watched before (an unwatched
@@ -26,11 +26,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tripath.attention import ForwardContext, WatchedPaths
-from tripath.attention.context import metadata_tensors
+from tripath.attention.layer_replay import metadata_tensors
 from tripath.attention.selector import backend_class, default_block_size, explain
 from tripath.attention.spec import AttentionSpec
 from tripath.bench.batches import make_step
-from tripath.ops.replay import record_launches
+from tripath.triton_internals import record_launches
 
 MHA_BACKENDS = ("three_path", "two_path", "unified")
 

@@ -28,6 +28,7 @@ from tripath.bench.serve_floor import measure_ceilings, model_costs, roofline_fl
 from tripath.bench.serve_report import RequestRecord, summarize
 from tripath.bench.serve_workloads import Workload, make_prompts
 from tripath.bench.step_breakdown import StepBreakdown
+from tripath.triton_internals import child_environment
 
 
 @dataclass
@@ -228,9 +229,8 @@ def spawn_backend(workload: Workload, backend: str, args, cache_dir: str, start_
         cmd.append("--no-mixed-cuda-graphs")
     if args.step_breakdown and not start_only:
         cmd.append("--step-breakdown")
-    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir)
-    if not args.device_is_gpu:
-        env.setdefault("TRITON_INTERPRET", "1")  # Triton backends on a CPU-only machine run in the interpreter
+    # Triton backends on a CPU-only machine run in the interpreter
+    env = child_environment(interpret=None if args.device_is_gpu else True, cache_dir=cache_dir)
     try:
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:

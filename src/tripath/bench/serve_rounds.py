@@ -13,10 +13,10 @@ first, :func:`median_pass`), and :func:`print_report` prints the table, every pa
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import tempfile
 
+from tripath import _env
 from tripath.bench.gc_pauses import format_collections
 from tripath.bench.serve_engine import spawn_backend
 from tripath.bench.serve_report import format_table
@@ -31,9 +31,8 @@ def run_rounds(workload: Workload, workload_name: str, args) -> list[dict]:
     with contextlib.ExitStack() as stack:
         caches = {}
         for backend in workload.backends:
-            cache = os.environ.get("TRITON_CACHE_DIR", "") if args.warm_cache else \
+            caches[backend] = _env.triton_cache_dir() if args.warm_cache else \
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="tripath-triton-"))
-            caches[backend] = cache or os.path.join(os.path.expanduser("~"), ".triton", "cache")
         for index in range(args.rounds):
             for backend in workload.backends:
                 if rounds[backend] and "error" in rounds[backend][-1]:

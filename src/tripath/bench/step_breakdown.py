@@ -30,7 +30,7 @@ class _Record:
 def step_kind(runner, scheduled, num_steps: int = 1) -> str:
     decodes = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.num_computed_tokens > 0)
     if decodes == len(scheduled):
-        kind = "decode (graph)" if runner.graph_batch_size(scheduled) is not None else "decode (eager)"
+        kind = "decode (graph)" if runner.route(scheduled)[1] is not None else "decode (eager)"
         return kind if num_steps == 1 else f"{kind} x {num_steps}"
     return "mixed" if decodes else "prompt"
 

@@ -57,10 +57,10 @@ class EngineConfig:
     of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped. ``warmup`` (GPU): compile
     every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.warmup`), so no
     request waits for a compilation; ``compile_workers``: child processes that compile those variants in
-    parallel when the Triton cache is empty (:mod:`tripath.compile_pool`; None: one per CPU core less one,
-    at most 16; 1: one after the other in the engine's process). ``async_scheduling``: schedule and launch
-    each step before reading the previous step's tokens, so the host's work overlaps the device's (one
-    rank; a tensor-parallel engine runs its steps one after the other). Outputs are the same either way; a
+    parallel when the Triton cache is empty (:mod:`tripath.triton_internals.compile_pool`; None: one per CPU
+    core less one, at most 16; 1: one after the other in the engine's process). ``async_scheduling``:
+    schedule and launch each step before reading the previous step's tokens, so the host's work overlaps the
+    device's (one rank; a tensor-parallel engine runs its steps one after the other). Outputs are the same either way; a
     request that stops on a stop token costs one extra step of compute. ``decode_steps``: when a step would
     hold decodes alone and no waiting request could be admitted, it runs up to this many model steps back to
     back on the device, each step's sampled tokens feeding the next (multi-step decoding: the host schedules,

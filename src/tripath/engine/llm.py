@@ -41,11 +41,12 @@ from tripath.engine.config import EngineConfig
 from tripath.engine.errors import StepFailed
 from tripath.engine.choices import choice_params, group_choices
 from tripath.engine.generation_defaults import load_generation_defaults, usable_defaults
-from tripath.engine.model_runner import LaunchedStep, ModelRunner, SampledStep
+from tripath.engine.launched_step import LaunchedStep, SampledStep
+from tripath.engine.model_runner import ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
 from tripath.engine.stats import EngineStats
-from tripath.ops._launch import compiled_variants
+from tripath.triton_internals import compiled_variants
 from tripath.engine.scheduler import Scheduler, SchedulerOutput
 from tripath.engine.structured_output import GrammarCompiler
 
@@ -167,9 +168,9 @@ class LLM:
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                    max_model_len=self.runner.max_model_len,
                                    enable_chunked_prefill=self.config.enable_chunked_prefill)
-        self.overlap = self.config.async_scheduling and self.runner.supports_overlap
-        # model steps a step of decodes alone may take (multi-step decoding), where the runner can
-        self.decode_steps = self.config.decode_steps if getattr(self.runner, "supports_multi_step", False) else 1
+        self.overlap = self.config.async_scheduling and self.runner.capabilities.overlap
+        # model steps a step of decodes alone may take (multi-step decoding), where the executor can
+        self.decode_steps = self.config.decode_steps if self.runner.capabilities.multi_step else 1
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
@@ -201,9 +202,9 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do for one rank); idempotent."""
-        close = getattr(self.__dict__.get("runner"), "close", None)
-        if close is not None:
-            close()
+        runner = self.__dict__.get("runner")
+        if runner is not None:
+            runner.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -298,10 +299,18 @@ class LLM:
 
         If the step raises, the requests it scheduled are aborted (their blocks freed) and
         :class:`StepFailed` is raised with their ids; a launched step before it is completed first, its
-        outputs carried by the exception. A device out-of-memory error also shrinks the scheduler's token
+        outputs carried by the exception. If scheduling itself raises, every running request is aborted and
+        named (the waiting ones stay queued). A device out-of-memory error also shrinks the scheduler's token
         budget, so the next steps are smaller. Other requests keep running."""
-        out = self.scheduler.schedule(self.decode_steps)
         previous, self._inflight = self._inflight, None
+        try:
+            out = self.scheduler.schedule(self.decode_steps)
+        except Exception as error:  # noqa: BLE001 - no step was formed: what ran is failed, nothing is lost unseen
+            outputs = self._read(previous) if previous is not None else []
+            running = [r.request_id for r in list(self.scheduler.running)]
+            for request_id in running:
+                self.scheduler.abort(request_id)
+            raise self._step_failed(error, running, outputs) from None
         if out.is_empty:
             if previous is None:
                 if self.scheduler.has_unfinished:
@@ -316,11 +325,12 @@ class LLM:
                 return early
             previous = None   # read: every input token of ``out`` is on the host now
         try:
+            launched = self.runner.launch(out.scheduled, None if previous is None else previous[1],
+                                          num_steps=out.num_steps)
             if self.overlap:
-                self._inflight = (out, self.runner.launch(out.scheduled, None if previous is None else previous[1],
-                                                          num_steps=out.num_steps))
+                self._inflight = (out, launched)
             else:
-                sampled = self.runner.execute(out.scheduled, num_steps=out.num_steps)
+                sampled = launched.sampled()
         except Exception as error:  # noqa: BLE001 - fails this step's requests only
             outputs = early or []
             try:

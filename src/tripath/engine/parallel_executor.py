@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from tripath import _env
 from tripath.engine.config import EngineConfig
-from tripath.engine.model_runner import SampledStep
+from tripath.engine.executor import ExecutorCapabilities
+from tripath.engine.launched_step import LaunchedStep, SampledStep
 from tripath.engine.worker import (RankSetup, StepEncoder, join_groups, leave_groups, rank_device, run_worker,
                                    spawned_worker, start_rank)
 
@@ -83,11 +84,12 @@ class _Shutdown:
 
 
 class ParallelExecutor:
-    """Rank 0's side of tensor parallelism, with the interface of a
-    :class:`~tripath.engine.model_runner.ModelRunner` (``execute``, ``num_blocks``, ``max_model_len``,
-    ``backend``, ...; everything but ``execute``/``num_blocks`` is rank 0's runner's). ``model``: a local
-    Hugging Face directory or a preset name (each rank loads its own shard). ``num_blocks`` is the smallest
-    KV cache of all ranks."""
+    """Rank 0's side of tensor parallelism, an :class:`~tripath.engine.executor.Executor`: ``launch``
+    broadcasts each step to the workers and runs rank 0's shard on its
+    :class:`~tripath.engine.model_runner.ModelRunner` (``runner``); the other attributes the engine reads
+    (``backend``, ``block_size``, ``max_model_len``, the memory plan and graphs) are rank 0's runner's.
+    ``model``: a local Hugging Face directory or a preset name (each rank loads its own shard). ``num_blocks``
+    is the smallest KV cache of all ranks."""
 
     def __init__(self, model, config: EngineConfig, tensor_parallel_size: int, *, rendezvous_timeout_s: float = 300.0):
         if not isinstance(model, (str, os.PathLike)):
@@ -133,34 +135,48 @@ class ParallelExecutor:
         self._shutdown.serving = True
         self.encoder = StepEncoder()
 
-    supports_overlap = False  # workers need each step's input tokens on the host
-    supports_multi_step = False  # likewise
+    # workers need each step's input tokens on the host: no overlap, one model step a launch
+    capabilities = ExecutorCapabilities(overlap=False, multi_step=False)
 
     @property
     def tensor_parallel_size(self) -> int:
         return self.parallel.world_size
 
-    def execute(self, scheduled, num_steps: int = 1) -> SampledStep:
-        """Broadcast the step to the workers, run rank 0's shard, return rank 0's samples (one model step:
-        ``supports_multi_step`` is False)."""
-        if num_steps != 1:
-            raise ValueError(f"a tensor-parallel engine runs one model step a launch, got num_steps={num_steps}")
-        if not scheduled:
-            return SampledStep.empty(0)
+    def launch(self, scheduled, previous=None, num_steps: int = 1) -> LaunchedStep:
+        """Broadcast the step to the workers and launch rank 0's shard (one model step, no step in flight:
+        ``capabilities`` declare neither)."""
+        if num_steps != 1 or previous is not None:
+            raise ValueError(f"a tensor-parallel engine runs one model step a launch with no step in flight, got "
+                             f"num_steps={num_steps}, previous={'set' if previous is not None else None}")
         if not self._finalizer.alive:
             raise RuntimeError("this tensor-parallel engine is closed")
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.processes) if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker ranks exited: {dead} (rank, exit code)")
         dist.broadcast_object_list([self.encoder.encode(scheduled)], src=0, group=self.control)
-        return self.runner.execute(scheduled)
+        return self.runner.launch(scheduled)
+
+    def execute(self, scheduled, num_steps: int = 1) -> SampledStep:
+        """:meth:`launch`, then its tokens."""
+        return self.launch(scheduled, num_steps=num_steps).sampled() if scheduled else SampledStep.empty(0)
 
     def close(self) -> None:
         """Stop the workers and leave the process groups (idempotent)."""
         self._finalizer()
 
-    def __getattr__(self, name):
-        runner = self.__dict__.get("runner")
-        if runner is None:
-            raise AttributeError(name)
-        return getattr(runner, name)
+    # rank 0's runner, as the engine and its reports read it
+    def logits_width(self) -> int:
+        return self.runner.logits_width()
+
+    def compute_logits(self, hidden):
+        return self.runner.compute_logits(hidden)
+
+    backend = property(lambda self: self.runner.backend)
+    block_size = property(lambda self: self.runner.block_size)
+    max_model_len = property(lambda self: self.runner.max_model_len)
+    config = property(lambda self: self.runner.config)
+    memory_plan = property(lambda self: self.runner.memory_plan)
+    warmup_report = property(lambda self: self.runner.warmup_report)
+    decode_graphs = property(lambda self: self.runner.decode_graphs)
+    mixed_graphs = property(lambda self: self.runner.mixed_graphs)
+    largest_step_host_share = property(lambda self: self.runner.largest_step_host_share)

@@ -2,7 +2,7 @@
 
 Triton compiles a kernel once per variant: the constexprs and launch options a launcher picks from the
 step's shape (tile sizes by sequence length, split-KV on or off, which pass runs beside which) and the
-specialisation of the other arguments (see :mod:`tripath.kernels.specialize`, which keeps the per-step
+specialisation of the other arguments (see :mod:`tripath.triton_internals.specialize`, which keeps the per-step
 integers and index pointers out of it). Which variants occur depends on the model's attention, the
 backend, the dtypes, the block size and the engine's limits (``max_num_seqs``, ``max_num_batched_tokens``,
 ``max_model_len``), so the warm-up derives them from those:
@@ -13,12 +13,12 @@ backend, the dtypes, the block size and the engine's limits (``max_num_seqs``, `
 2. **Probe** a deterministic set of synthetic steps (:func:`warmup_shapes`) spanning the limits: decode
    batches of every size class and context length, prefills, extends with one and with several context
    chunks, and mixes of the three. For each step the metadata is built as the engine builds it and the
-   recorded calls are replayed with launches captured (:func:`tripath.ops._launch.capture_launches`: the
+   recorded calls are replayed with launches captured (:func:`tripath.triton_internals.capture_launches`: the
    launchers validate and choose their variants, nothing runs), which yields the step's variant keys.
 3. **Compile** by running, for real, each probed step that brought a variant no earlier step had (its
    K/V writes go to slot −1, so the cache is untouched). Without a saved plan (below) the compilations
    are first made in parallel: steps 1 and 3 run once with compilations listed instead of made, child
-   processes compile the list into Triton's cache (:mod:`tripath.compile_pool`: the runner's pool of
+   processes compile the list into Triton's cache (:mod:`tripath.triton_internals.compile_pool`: the runner's pool of
    ``compile_workers``), and step 3's real run then loads each variant from there.
 
 Probing costs host time (a few thousand steps), so the steps of 3 are saved in Triton's cache directory
@@ -49,9 +49,9 @@ import torch
 
 from tripath import _env
 from tripath.attention import ForwardContext
-from tripath.compile_pool import CompilePool, PoolReport, collect_compilations
+from tripath.triton_internals import CompilePool, PoolReport, collect_compilations
 from tripath.engine.block_manager import blocks_needed
-from tripath.ops._launch import capture_launches, launch_key
+from tripath.triton_internals import capture_launches, launch_key
 from tripath.platform import current_platform
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
 
 @dataclass
 class WarmupReport:
-    """What the warm-up did: ``variants`` (launch keys, :func:`tripath.ops._launch.launch_key`) its probes
+    """What the warm-up did: ``variants`` (launch keys, :func:`tripath.triton_internals.launch_key`) its probes
     produced, how many steps it probed and ran, and the seconds it took."""
 
     variants: set = field(default_factory=set)
@@ -260,7 +260,7 @@ def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool =
     run each step that brings a new variant so it compiles. With ``use_saved_plan`` (and the default
     shapes) a plan saved by an earlier start with the same key replaces the probing. Without a saved plan
     (an empty or outdated Triton cache) and with a ``pool``, the compilations are first made there, in
-    parallel (:mod:`tripath.compile_pool`). Returns the report."""
+    parallel (:mod:`tripath.triton_internals.compile_pool`). Returns the report."""
     start = time.perf_counter()
     plan_path = saved_plan_path(runner) if use_saved_plan and shapes is None and run_kernels else None
     saved = _load_plan(plan_path)

@@ -157,7 +157,7 @@ def _failure(statuses: list, what: str) -> str | None:
 def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, control):
     """Phases 2 and 3 on this rank; returns ``(model, runner, num_blocks agreed by all ranks)`` or raises
     ``RuntimeError`` naming the ranks that failed (on every rank)."""
-    from tripath.compile_pool import default_workers
+    from tripath.triton_internals import default_workers
     from tripath.engine.model_runner import ModelRunner
     from tripath.models import load_model
 

@@ -7,7 +7,7 @@ the activation rounded to the tensor's dtype before the product, as the unfused 
 
 import triton
 import triton.language as tl
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit(**STEP_INVARIANT)

@@ -7,7 +7,7 @@ p % block_size``. One launch where the PyTorch graph of the same update runs eig
 
 import triton
 import triton.language as tl
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit(**STEP_INVARIANT)

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tripath.kernels.quant import fp8_round
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit

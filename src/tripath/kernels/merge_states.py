@@ -2,7 +2,7 @@
 
 import triton
 import triton.language as tl
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit(**STEP_INVARIANT)

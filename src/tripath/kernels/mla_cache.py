@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from tripath.kernels.kv_cache import find_sequence, quantize_keep_nan
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from tripath.kernels.attention_common import LOG2E, finalize, prefetch_l2
 from tripath.kernels.quant import round_to_fp8_grid
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit

@@ -28,12 +28,13 @@ Output: ``out [B, H, L]`` for one split, else fp32 partials ``[B, H, S, L]`` and
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
 from tripath.kernels.mla_decode_sm90 import zero_tail_rows
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.kernels.gluon_tma import tma_load
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -44,9 +45,9 @@ def _loader(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_sm
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The query rows once, then every cache tile of the split into the ring as its slot frees."""
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes + qpe_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_ready, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row, L_HALF], q_ready, q_smem.index(1))
-    tma.async_copy_global_to_shared(qpe_desc, [q_row, 2 * L_HALF], q_ready, qpe_smem)
+    tma_load(q_desc, [q_row, 0], q_ready, q_smem.index(0))
+    tma_load(q_desc, [q_row, L_HALF], q_ready, q_smem.index(1))
+    tma_load(qpe_desc, [q_row, 2 * L_HALF], q_ready, qpe_smem)
     PAGE_ROWS: gl.constexpr = c_desc.block_type.shape[0]  # rows per TMA copy: the block size, or BLOCK_N
     PAGES: gl.constexpr = BLOCK_N // PAGE_ROWS
     for i in range(num_tiles):
@@ -61,12 +62,12 @@ def _loader(q_desc, qpe_desc, c_desc, cpe_desc, q_smem, qpe_smem, c_smem, cpe_sm
             page = gl.load(block_table_ptr + seq.to(gl.int64) * stride_bt + start // block_size, mask=start < hi,
                            other=0)
             row = page * block_size + start % block_size
-            tma.async_copy_global_to_shared(c_desc, [row, 0], kv_ready.index(stage),
-                                            c_smem.index(2 * stage).slice(j * PAGE_ROWS, PAGE_ROWS))
-            tma.async_copy_global_to_shared(c_desc, [row, L_HALF], kv_ready.index(stage),
-                                            c_smem.index(2 * stage + 1).slice(j * PAGE_ROWS, PAGE_ROWS))
-            tma.async_copy_global_to_shared(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage),
-                                            cpe_smem.index(stage).slice(j * PAGE_ROWS, PAGE_ROWS))
+            tma_load(c_desc, [row, 0], kv_ready.index(stage),
+                     c_smem.index(2 * stage).slice(j * PAGE_ROWS, PAGE_ROWS))
+            tma_load(c_desc, [row, L_HALF], kv_ready.index(stage),
+                     c_smem.index(2 * stage + 1).slice(j * PAGE_ROWS, PAGE_ROWS))
+            tma_load(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage),
+                     cpe_smem.index(stage).slice(j * PAGE_ROWS, PAGE_ROWS))
 
 
 @gluon.jit

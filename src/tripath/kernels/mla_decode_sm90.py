@@ -51,7 +51,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.kernels.gluon_tma import tma_load, tma_store
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 LN2 = gl.constexpr(0.6931471805599453)
 HEADS = gl.constexpr(64)  # query heads per program: one warpgroup's wgmma rows
@@ -73,11 +74,11 @@ def _load_half(row, stage, half, c_desc, cpe_desc, c_smem, cpe_smem, kv_ready, L
     the rotary part) into ring slot ``stage``; ``kv_ready`` completes once both shares have landed."""
     if half == 0:
         mbarrier.expect(kv_ready.index(stage), c_desc.block_type.nbytes + cpe_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage), cpe_smem.index(stage))
+        tma_load(cpe_desc, [row, 2 * L_HALF], kv_ready.index(stage), cpe_smem.index(stage))
     else:
         mbarrier.expect(kv_ready.index(stage), c_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(c_desc, [row, half * L_HALF], kv_ready.index(stage),
-                                    c_smem.index(2 * stage + half))
+    tma_load(c_desc, [row, half * L_HALF], kv_ready.index(stage),
+             c_smem.index(2 * stage + half))
 
 
 @gluon.jit
@@ -120,7 +121,7 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
     per tile the scores, the online softmax, ``p`` and ``alpha`` handed on; at the end the row maxima and
     sums (``ml_smem [2, HEADS]``)."""
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, L_HALF], q_ready, q_smem)
+    tma_load(q_desc, [q_row, L_HALF], q_ready, q_smem)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     # The first latent half and the rotary part of the query live in registers (A operands of their score
@@ -258,7 +259,7 @@ def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr
     if not SPLIT and out_smem is not None:  # out [B·H, L] by TMA from out_smem [64, L/2]
         out_smem.store(out.to(out_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [seq * num_heads + head0, half * L_HALF], out_smem)
+        tma_store(out_desc, [seq * num_heads + head0, half * L_HALF], out_smem)
         if RETURN_LSE and half == 0:
             gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=heads < num_heads)
         tma.store_wait(0)

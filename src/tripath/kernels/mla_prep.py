@@ -18,7 +18,7 @@ import triton.language as tl
 
 from tripath.kernels.mla_cache import quantize
 from tripath.kernels.rotary import load_cos_sin, rope_pair_dims, rotate_interleaved, rotate_pairs
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit

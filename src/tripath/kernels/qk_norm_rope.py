@@ -16,7 +16,7 @@ read once and the result written once, where the two kernels read and write it t
 import triton
 import triton.language as tl
 from tripath.kernels.rotary import load_cos_sin, rope_pair_dims, rotate_interleaved, rotate_pairs
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit

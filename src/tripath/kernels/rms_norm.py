@@ -12,7 +12,7 @@ seven passes over fp32 copies of the row.
 
 import triton
 import triton.language as tl
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit(**STEP_INVARIANT)

@@ -9,7 +9,7 @@ table (cos 1, sin 0) serves NoPE models for every position.
 
 import triton
 import triton.language as tl
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from tripath.kernels.attention_common import (LOG2E, add_sinks, finalize, score_mods, softmax_update,
                                               softmax_update_raw)
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit

@@ -44,7 +44,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from tripath.kernels.specialize import STEP_INVARIANT
+from tripath.kernels.gluon_tma import tma_load, tma_store
+from tripath.triton_internals.specialize import STEP_INVARIANT
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -157,26 +158,26 @@ def _loader(descs, smem, bars, cu_seqlens_q_ptr, cu_seqlens_k_ptr, q_start_ptr, 
                 qbuf = (items_done % q_bufs) * 2 + wg
                 mbarrier.wait(q_empty.index(qbuf), q_phase)
                 mbarrier.expect(q_ready.index(qbuf), q_bytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row, q_head * stride_q_h], q_ready.index(qbuf),
-                                                q_smem.index(qbuf))
+                tma_load(q_desc, [q_row, q_head * stride_q_h], q_ready.index(qbuf),
+                         q_smem.index(qbuf))
                 if HAS_ROPE:
-                    tma.async_copy_global_to_shared(qr_desc, [q_row, q_head * stride_qr_h], q_ready.index(qbuf),
-                                                    qr_smem.index(qbuf))
+                    tma_load(qr_desc, [q_row, q_head * stride_qr_h], q_ready.index(qbuf),
+                             qr_smem.index(qbuf))
             for i in range(num_tiles):
                 stage = (tiles_done + i) % NUM_STAGES
                 free_phase = (((tiles_done + i) // NUM_STAGES) & 1) ^ 1
                 row = k_begin + i * BLOCK_N
                 mbarrier.wait(k_empty.index(stage), free_phase)
                 mbarrier.expect(k_ready.index(stage), k_bytes)
-                tma.async_copy_global_to_shared(k_desc, [row, kv_head * stride_k_h], k_ready.index(stage),
-                                                k_smem.index(stage))
+                tma_load(k_desc, [row, kv_head * stride_k_h], k_ready.index(stage),
+                         k_smem.index(stage))
                 if HAS_ROPE:
-                    tma.async_copy_global_to_shared(kr_desc, [row, kv_head * stride_kr_h], k_ready.index(stage),
-                                                    kr_smem.index(stage))
+                    tma_load(kr_desc, [row, kv_head * stride_kr_h], k_ready.index(stage),
+                             kr_smem.index(stage))
                 mbarrier.wait(v_empty.index(stage), free_phase)
                 mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, kv_head * stride_v_h], v_ready.index(stage),
-                                                v_smem.index(stage))
+                tma_load(v_desc, [row, kv_head * stride_v_h], v_ready.index(stage),
+                         v_smem.index(stage))
             tiles_done += num_tiles
             items_done += 1
 
@@ -388,7 +389,7 @@ def _attend(wg, smem, bars, o_desc, out_ptr, lse_ptr, items_done, tiles_done, pr
             o_buf = q_smem.index(qbuf)  # its scores are done; the loader waits for it (q_empty)
             o_buf.store(out)
             fence_async_shared()  # the tile is read by TMA (the async proxy)
-            tma.async_copy_shared_to_global(o_desc, [q_begin + first, head * stride_o_h], o_buf)
+            tma_store(o_desc, [q_begin + first, head * stride_o_h], o_buf)
         else:
             _store_rows(out, out_ptr, q_begin, first, seqlen_q, head, stride_o_t, stride_o_h, WG_ROWS, HEAD_D)
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from tripath.ops._checks import next_pow2
 from tripath.platform import Platform
+from tripath.triton_internals import versions
 
 FEW_HEADS = 32  # up to this many heads a request's heads fit in 16-row tiles cheaply
 
@@ -38,6 +39,11 @@ _DECODE_TABLE = {
     ("gfx950", True): {"bf16": (16, 16, 8, 2, 2), "fp8_kv": (16, 16, 4, 2, 1), "fp8_q": (16, 32, 8, 2, 2)},
     ("gfx950", False): {"bf16": (32, 16, 4, 2, 1), "fp8_kv": (32, 16, 4, 2, 1), "fp8_q": (64, 32, 8, 2, 1)},
 }
+# Triton 3.8 and newer spill the two-stage fp8-query rows on gfx950 (51-195 VGPRs, up to 672 B of scratch);
+# one stage compiles clean with the same tiles and occupancy (chosen as the other AMD rows: compiled, not timed).
+if (versions.installed() or (0, 0)) >= (3, 8):
+    _DECODE_TABLE[("gfx950", True)]["fp8_q"] = (16, 32, 8, 1, 2)
+    _DECODE_TABLE[("gfx950", False)]["fp8_q"] = (64, 32, 8, 1, 1)
 # (target, few heads, kind) whose pointer-load programs each produce half of the latent output columns.
 _VALUE_SPLIT = {("sm90", False, "bf16")}
 

@@ -113,7 +113,7 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
     program per work item, so SMs pass to the other launch as programs finish (the mixed step's GPU time
     is about 5% lower than with persistent extend and prefill launches side by side).
     ``q_rope``/``k_rope``: the scores' rotary part, or None. ``qk_scale`` is ``sm_scale · log2 e``;
-    ``launch`` is :func:`tripath.ops._launch.launch`."""
+    ``launch`` is :func:`tripath.triton_internals.launch`."""
     from tripath.kernels.varlen_attention_sm90 import varlen_attention_sm90_kernel
 
     num_seqs = cu_seqlens_q.shape[0] - 1

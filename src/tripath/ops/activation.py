@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from tripath.kernels.activation import silu_and_mul_kernel
 from tripath.ops._checks import FLOAT_DTYPES, check_tensor
-from tripath.ops._launch import launch, use_triton
+from tripath.triton_internals import launch, use_triton
 
 BLOCK = 1024  # values of a row per program
 

@@ -22,7 +22,7 @@ from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_cu_seqle
                                  check_head_size, check_options, check_out, check_per_head, check_scale,
                                  check_seq_lens_values, check_tensor, next_pow2, values_checked)
 from tripath.ops._descriptors import row_matrix, row_strides
-from tripath.ops._launch import launch, use_triton
+from tripath.triton_internals import launch, use_triton
 from tripath.ops._varlen_sm90 import launch_varlen_sm90, sm90_unsupported
 from tripath.ops.kv_cache import cache_geometry, cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform

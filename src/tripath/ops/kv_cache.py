@@ -22,7 +22,7 @@ from tripath.constants import KV_LAYOUTS
 from tripath.ops import _configs
 from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_gather_values, check_index, check_scale,
                                  check_slot_values, check_tensor, next_pow2, values_checked)
-from tripath.ops._launch import launch, use_triton
+from tripath.triton_internals import launch, use_triton
 from tripath.platform import FP8_DTYPES, fp8_max
 
 LAYOUTS = KV_LAYOUTS

@@ -27,7 +27,7 @@ from tripath.ops import _configs, _mla_configs, reference_mla
 from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_gather_values, check_index, check_out,
                                  check_scale, check_seq_lens_values, check_slot_values, check_sm_scale, check_tensor,
                                  next_pow2, values_checked)
-from tripath.ops._launch import launch, use_triton
+from tripath.triton_internals import launch, use_triton
 from tripath.ops._mla_decode_sm90 import block_n as gluon_block_n
 from tripath.ops._mla_decode_sm90 import gluon_unsupported, launch_mla_decode_sm90
 from tripath.ops.rotary import check_rotary_table

@@ -17,7 +17,7 @@ import torch
 from tripath.kernels.qk_norm_rope import rms_norm_rope_heads_kernel
 from tripath.kernels.rms_norm import rms_norm_kernel
 from tripath.ops._checks import FLOAT_DTYPES, check_tensor, next_pow2
-from tripath.ops._launch import launch, use_triton
+from tripath.triton_internals import launch, use_triton
 from tripath.ops._mla_configs import rotary_config
 from tripath.ops.reference_mla import rotary_embedding_ref
 from tripath.ops.rotary import check_rotary_table

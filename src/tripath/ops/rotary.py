@@ -14,7 +14,7 @@ import torch
 from tripath.kernels.rotary import rotary_embedding_kernel
 from tripath.ops import _mla_configs
 from tripath.ops._checks import FLOAT_DTYPES, check_tensor, next_pow2
-from tripath.ops._launch import launch, use_triton
+from tripath.triton_internals import launch, use_triton
 from tripath.platform import current_platform
 
 

@@ -25,7 +25,7 @@ def _backend(llm) -> str:
 
 def _graphs(llm) -> str:
     runner = llm.runner
-    decode = sorted(getattr(runner, "graphs", None) or ())
+    decode = sorted(runner.decode_graphs.graphs) if runner.decode_graphs is not None else []
     mixed = getattr(runner, "mixed_graphs", None)
     if not decode and mixed is None:
         reason = ("enforce_eager" if llm.config.enforce_eager else "not on a GPU" if llm.config.device.type != "cuda"

@@ -15,6 +15,8 @@ can explain itself.
 
 from __future__ import annotations
 
+import enum
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable, ClassVar
@@ -50,11 +52,18 @@ def attend_joined_chunks(e: ExtendMetadata, attend: Callable[..., object], out: 
     merge_states(acc, lse, part, part_lse, out=out)
 
 
+class GraphSupport(enum.Enum):
+    """Which of a backend's steps can be captured in a CUDA graph and replayed on other steps' metadata."""
+
+    NONE = "none"      # the forward reads the step's host values (the plan's lists): never captured
+    DECODE = "decode"  # a decode-only forward reads only device tensors: captured once, replayed after
+                       # AttentionMetadata.copy_ (and advanced on the device for multi-step decoding)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend supports. ``needs_triton``: its kernels need a GPU or ``TRITON_INTERPRET=1``;
-    ``cuda_graphs``: its decode-only forward has no host work that depends on the step's values, so it can
-    be captured once and replayed after :meth:`AttentionMetadata.copy_`.
+    ``graphs``: which steps it lets the engine capture (:class:`GraphSupport`).
 
     Block sizes (KV cache rows per block): ``block_sizes`` are the ones the backend takes (a spec with
     another is refused); ``cpu_block_size`` / ``gpu_block_size`` the one it prefers on the CPU / on a GPU,
@@ -69,7 +78,7 @@ class Capabilities:
     mha: bool = True
     mla: bool = False
     needs_triton: bool = True
-    cuda_graphs: bool = True
+    graphs: GraphSupport = GraphSupport.DECODE
     max_decode_threshold: int = 64
     block_sizes: tuple[int, ...] = BLOCK_SIZES
     cpu_block_size: int = DEFAULT_BLOCK_SIZE

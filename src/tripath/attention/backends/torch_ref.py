@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from tripath.attention.backends.base import Capabilities, MHAAttentionBackend, MLAAttentionBackend
+from tripath.attention.backends.base import Capabilities, GraphSupport, MHAAttentionBackend, MLAAttentionBackend
 from tripath.attention.spec import KVCache, MLACache, MLALayerWeights, RotaryTables
 from tripath.ops.kv_cache import as_nhd, dequantize
 from tripath.ops.reference import attend
@@ -45,7 +45,7 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
     every row, like the backends that attend through the cache (``unified``, ``two_path``)."""
 
     name = "torch"
-    capabilities = Capabilities(mla=True, needs_triton=False, cuda_graphs=False)
+    capabilities = Capabilities(mla=True, needs_triton=False, graphs=GraphSupport.NONE)
 
     def __init__(self, spec, device="cpu", *, new_kv_from_cache: bool = False):
         super().__init__(spec, device)

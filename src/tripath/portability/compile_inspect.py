@@ -30,6 +30,8 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tripath.triton_internals import current_adapter
+
 
 @dataclass(frozen=True)
 class TargetSpec:
@@ -146,9 +148,7 @@ def load_kernel(ref: str, path: str):
         sys.path.insert(0, os.path.dirname(path))
         module = importlib.import_module(module_name)
     kernel = getattr(module, name)
-    from triton.runtime.jit import JITFunction
-
-    if not isinstance(kernel, JITFunction):
+    if not isinstance(kernel, current_adapter().jit_function_type()):
         raise RuntimeError(f"{ref} is a {type(kernel).__name__}, not a JITFunction: Triton was imported with "
                            "TRITON_INTERPRET=1; compile in a process without it")
     return kernel
@@ -189,21 +189,17 @@ def compile_job(job: CompileJob) -> CompileResult:
         return result
     start = time.perf_counter()
     try:
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-
+        adapter = current_adapter()
         kernel = load_kernel(job.kernel, job.kernel_file)
-        if kernel.is_gluon():  # written in Gluon: it starts at TTGIR (layouts given), not TTIR
-            from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
-        source = ASTSource(kernel, dict(job.signature),
-                           {name: decode_value(v) for name, v in job.constexprs},
-                           {(index,): [list(a) for a in attr] for index, attr in job.attrs})
-        target = GPUTarget(job.gpu.backend, job.gpu.arch, job.gpu.warp_size)
+        # a Gluon kernel starts at TTGIR (layouts given), not TTIR
+        source = adapter.ast_source(kernel, dict(job.signature),
+                                    {name: decode_value(v) for name, v in job.constexprs},
+                                    {(index,): [list(a) for a in attr] for index, attr in job.attrs})
         # Triton prints the whole PTX when ptxas fails; keep it out of the report (the error says enough).
         with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("always")
-            compiled = triton.compile(source, target=target, options=dict(job.options))
+            compiled = adapter.compile(source, (job.gpu.backend, job.gpu.arch, job.gpu.warp_size),
+                                       dict(job.options))
         result.warnings = sorted({str(w.message).splitlines()[0] for w in caught})
     except Exception as exc:  # a failed compile is a finding, reported per kernel and target
         result.error = _error_text(exc)
@@ -333,14 +329,13 @@ def ptxas_injected_waits(text: str) -> int:
 
 
 def _fill_nvidia(result: CompileResult, ptx: str, cubin: bytes, arch: int) -> None:
-    import triton.knobs as knobs
-
+    adapter = current_adapter()
     result.matrix_instrs, result.matrix_kind = ptx_matrix_instrs(ptx)
     with tempfile.TemporaryDirectory() as tmp:
         cubin_path = os.path.join(tmp, "kernel.cubin")
         with open(cubin_path, "wb") as f:
             f.write(cubin)
-        dump = subprocess.run([knobs.nvidia.cuobjdump.path, "-res-usage", cubin_path], capture_output=True,
+        dump = subprocess.run([adapter.cuobjdump(), "-res-usage", cubin_path], capture_output=True,
                               text=True, check=True).stdout
         usage = cuobjdump_usage(dump)
         result.regs = usage.get("REG")
@@ -352,7 +347,8 @@ def _fill_nvidia(result: CompileResult, ptx: str, cubin: bytes, arch: int) -> No
             with open(ptx_path, "w") as f:
                 f.write(ptx)
             suffix = "a" if int(arch) >= 90 else ""
-            log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{arch}{suffix}", ptx_path, "-o",
+            ptxas, options = adapter.ptxas(int(arch))
+            log = subprocess.run([ptxas, "-v", *options, f"--gpu-name=sm_{arch}{suffix}", ptx_path, "-o",
                                   os.path.join(tmp, "kernel.o")], capture_output=True, text=True)
             result.spill_store_bytes = ptxas_spills(log.stderr + log.stdout) or 0
             result.serialised_wgmma = ptxas_wgmma_serialised(log.stderr + log.stdout)

@@ -8,7 +8,7 @@ are most of a start with an empty Triton cache. They are independent of each oth
    variant missing from its in-memory cache) is noted and skipped, through Triton's ``jit_cache_hook``: the
    launch that needed it launches nothing. Running the warm-up's steps inside it lists the compilations
    those steps need, each once.
-2. :meth:`CompilePool.compile` hands them to child processes (``python -m tripath.compile_pool``), each
+2. :meth:`CompilePool.compile` hands them to child processes (``python -m tripath.triton_internals.compile_pool``), each
    taking the next one from a shared queue until none is left. A child rebuilds the JIT's source from the
    kernel's module and name, signature, constexprs, attributes and options, exactly as the JIT would, and
    compiles it for the parent's GPU target into the parent's Triton cache directory, with the host-side
@@ -28,7 +28,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import importlib
-import json
 import logging
 import os
 import pickle
@@ -39,6 +38,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
+
+from tripath.triton_internals import interpreter, versions
 
 logger = logging.getLogger(__name__)
 
@@ -70,43 +71,33 @@ class PoolReport:
     seconds: float = 0.0
 
 
-def _options_from(specialization_data: str) -> dict:
-    """The full launch options of a compilation, from the JIT's serialised specialisation (JSON lists back
-    to tuples, as ``JITFunction.preload`` reads them)."""
-    options = json.loads(specialization_data)["options"]
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
-
-
 @contextlib.contextmanager
 def collect_compilations() -> Iterator[list[Compilation]]:
     """Within the block, this thread's Triton launches that would compile a new variant skip the compilation
     and launch nothing; the compilations are listed (each once) in the yielded list. Other threads compile
     and launch as usual."""
-    from triton import knobs
-
+    adapter = versions.current()
     found: list[Compilation] = []
     seen: set = set()
     owner = threading.get_ident()
-    previous = knobs.runtime.jit_cache_hook
+    previous = adapter.jit_cache_hook()
 
     def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if threading.get_ident() != owner:
             return previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                             already_compiled=already_compiled) if previous is not None else None
-        target = fn.jit_function.device_caches[compile["device"]][2]
-        ident = (fn.module, fn.name, key, target.backend, target.arch)
+        compilation = Compilation(**adapter.compilation_from_hook(fn, compile))
+        ident = (compilation.module, compilation.name, key, *compilation.target[:2])
         if ident not in seen:
             seen.add(ident)
-            found.append(Compilation(fn.module, fn.name, dict(compile["signature"]), dict(compile["constants"]),
-                                     dict(compile["configs"][0]), _options_from(compile["specialization_data"]),
-                                     (target.backend, target.arch, target.warp_size)))
+            found.append(compilation)
         return True  # skip: the compilation happens in a worker, the launch not at all
 
-    knobs.runtime.jit_cache_hook = hook
+    adapter.set_jit_cache_hook(hook)
     try:
         yield found
     finally:
-        knobs.runtime.jit_cache_hook = previous
+        adapter.set_jit_cache_hook(previous)
 
 
 def default_workers() -> int:
@@ -121,10 +112,7 @@ def default_workers() -> int:
 def _child_env() -> dict:
     """The children's environment: this process's, its Triton cache directory and import path made explicit
     (so the children write where this process reads and import the same kernel sources), no interpreter."""
-    from triton import knobs
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = knobs.cache.dir
+    env = interpreter.child_environment(interpret=False, cache_dir=versions.current().cache_dir())
     env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
     return env
 
@@ -148,7 +136,7 @@ class CompilePool:
         for _ in range(self.report.workers):
             log = tempfile.TemporaryFile()
             try:
-                proc = subprocess.Popen([sys.executable, "-m", "tripath.compile_pool"], env=env,
+                proc = subprocess.Popen([sys.executable, "-m", "tripath.triton_internals.compile_pool"], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
             except OSError as err:
                 log.close()
@@ -219,31 +207,18 @@ class CompilePool:
 def compile_one(item: Compilation):
     """Compile ``item`` in this process as the JIT would (its source, target and options), into Triton's
     cache directory; returns the compiled kernel."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.jit import JITFunction
-
+    adapter = versions.current()
     kernel = getattr(importlib.import_module(item.module), item.name)
-    if not isinstance(kernel, JITFunction):
+    if not isinstance(kernel, adapter.jit_function_type()):
         raise TypeError(f"{item.module}:{item.name} is a {type(kernel).__name__}, not a JITFunction")
-    if kernel.is_gluon():
-        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
-    else:
-        from triton.compiler import ASTSource
-    source = ASTSource(kernel, item.signature, item.constexprs, item.attrs)
-    return triton.compile(source, target=GPUTarget(*item.target), options=item.options)
-
-
-# The host-side launch stub Triton builds with the C compiler for each kernel signature at its first load.
-_LAUNCHERS = {"cuda": ("triton.backends.nvidia.driver", "CudaLauncher"),
-              "hip": ("triton.backends.amd.driver", "HIPLauncher")}
+    source = adapter.ast_source(kernel, item.signature, item.constexprs, item.attrs)
+    return adapter.compile(source, item.target, item.options)
 
 
 def build_launcher(compiled, backend: str) -> None:
     """Build ``compiled``'s launch stub into Triton's cache, as its first load in the engine would (a C
     compilation of about half a second): needs the GPU driver's library, not a GPU or a CUDA context."""
-    module, name = _LAUNCHERS[backend]
-    getattr(importlib.import_module(module), name)(compiled.src, compiled.metadata)
+    versions.current().build_launch_stub(compiled, backend)
 
 
 def _serve() -> int:

@@ -77,6 +77,34 @@ DELIBERATE: dict[tuple[str, str, str], str] = {}
 
 
 @dataclass(frozen=True)
+class SpillBound:
+    """The most a configuration may spill when compiled by another Triton than the one it was chosen on: AMD
+    VGPR spills and scratch bytes, NVIDIA local-memory and spill-store bytes (per thread)."""
+
+    vgpr_spills: int = 0
+    scratch_bytes: int = 0
+    spill_store_bytes: int = 0
+
+    def holds(self, vgpr_spills: int | None, scratch_bytes: int | None, spill_store_bytes: int | None) -> bool:
+        return ((vgpr_spills or 0) <= self.vgpr_spills and (scratch_bytes or 0) <= self.scratch_bytes
+                and (spill_store_bytes or 0) <= self.spill_store_bytes)
+
+
+# The launch configurations are chosen on Triton 3.6 (the GPU suite and the benchmarks run it). Another Triton
+# allocates registers differently (3.9 assembles sm_90 code with CUDA 13's ptxas), and a few configurations
+# then spill a little: within these bounds a spill under another Triton is reported (ok*), not failed.
+CONFIGURED_ON_TRITON = (3, 6)
+OTHER_TRITON_SPILLS = {"hip": SpillBound(vgpr_spills=8), "cuda": SpillBound(scratch_bytes=48, spill_store_bytes=48)}
+# Larger spills accepted under another Triton, each with why: (kernel, target) -> (from Triton, bound, reason).
+OTHER_TRITON_DELIBERATE: dict[tuple[str, str], tuple[tuple[int, int], SpillBound, str]] = {
+    ("mla_decode_kernel", "sm90"): (
+        (3, 9), SpillBound(scratch_bytes=160, spill_store_bytes=160),
+        "the 64-head descriptor tile (the fallback of the Gluon MLA decode) holds a [64, 512] accumulator at the "
+        "255-register cap; CUDA 13's ptxas spills up to 148 B there and no stage count avoids it"),
+}
+
+
+@dataclass(frozen=True)
 class Scenario:
     """One representative call: ``build(platform)`` calls a public op (launches are captured, not run)."""
 

@@ -2,8 +2,8 @@
 
 Every attention layer of a step runs the same launches with the same metadata: only the layer's cache (and
 its scales, sinks or ALiBi slopes) differ. :func:`record_launches` runs a function (the first layer's
-forward), lets each Triton launch of :func:`tripath.ops._launch.launch` run as usual and keeps it: the
-compiled kernel, its grid, its bound arguments and the positions where the *swappable* tensors sit.
+forward), lets each Triton launch of :func:`tripath.triton_internals.launches.launch` run as usual and keeps
+it: the compiled kernel, its grid, its bound arguments and the positions where the *swappable* tensors sit.
 :meth:`LaunchSequence.replay` then makes the same launches with other tensors in those positions and
 nothing else: no argument checks, configuration choices, binding or specialisation, about 10 µs a launch
 where the whole path takes 40–160 µs on an H200 host.
@@ -48,7 +48,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tripath.ops import _launch
+from tripath.triton_internals import launches
+from tripath.triton_internals import versions
 
 _aten = torch.ops.aten
 # Operations the recorded code may run on any tensor: allocations and views.
@@ -67,14 +68,8 @@ class _Launch:
     args: list  # positional arguments as called (interpreter replays)
     kwargs: dict
     values: list | None  # every parameter's bound value, in the kernel's order (compiled replays)
-    compiled: Any  # the CompiledKernel (None under the interpreter)
+    runner: Any  # the compiled kernel's (run, function, packed_metadata) (None under the interpreter)
     swaps: list[tuple[int, str, Any]]  # (swappable index, "value" | "arg" | "kwarg", position or name)
-
-
-def _hooks_attached(hook) -> bool:
-    """Whether a Triton launch hook (a chain of them in Triton 3.6, empty unless a profiler adds one) is set;
-    replays pass none."""
-    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -96,13 +91,13 @@ class _Recording(TorchDispatchMode):
         self._invariant = {_storage_ptr(t) for t in invariant if t.numel()} - self._storages
         first = next((t for t in self.swappable if t is not None), None)
         self.device = first.device if first is not None else None
+        self.adapter = None if interpreted else versions.current()
         self.stream = self._current_stream()
 
     def _current_stream(self) -> int | None:
         if self.interpreted or self.device is None or self.device.type != "cuda":
             return None
-        from triton.runtime import driver
-        return driver.active.get_current_stream(self.device.index)
+        return self.adapter.stream_getter()(self.device.index)
 
     def refuse(self, reason: str) -> None:
         if self.reason is None:
@@ -150,21 +145,19 @@ class _Recording(TorchDispatchMode):
             swaps += [(i, "kwarg", k) for i, k in self._slots(kwargs.items())]
             self.launches.append(_Launch(kernel, grid3, list(args), dict(kwargs), None, None, swaps))
             return
-        from triton import knobs
-
-        if _hooks_attached(knobs.runtime.launch_enter_hook) or _hooks_attached(knobs.runtime.launch_exit_hook):
+        adapter = self.adapter
+        if adapter.launch_hooks_attached():
             self.refuse("Triton launch hooks are set")
         if self._current_stream() != self.stream:
             self.refuse("a launch ran on a side stream")
-        if compiled is None or not hasattr(compiled, "packed_metadata"):
+        runner = adapter.compiled_launcher(compiled)
+        if runner is None:
             self.refuse(f"no compiled kernel came back from {getattr(kernel, '__name__', kernel)}")
             return
-        from triton.runtime import driver
-
-        binder = kernel.device_caches[driver.active.get_current_device()][4]
+        binder = adapter.binder(kernel, adapter.current_device())
         values = list(binder(*args, **kwargs)[0].values())
         swaps = [(i, "value", p) for i, p in self._slots(enumerate(values))]
-        self.launches.append(_Launch(kernel, grid3, [], {}, values, compiled, swaps))
+        self.launches.append(_Launch(kernel, grid3, [], {}, values, runner, swaps))
 
 
 class LaunchSequence:
@@ -177,8 +170,8 @@ class LaunchSequence:
         self._interpreted = recording.interpreted
         self._aligned = [t is not None and t.data_ptr() % 16 == 0 for t in self._swappable]
         self._device_index = recording.device.index if recording.device is not None else None
-        self._runs = [(launch.compiled.run, launch.compiled.function, launch.compiled.packed_metadata)
-                      if launch.compiled is not None else None for launch in self._launches]
+        self._runs = [launch.runner for launch in self._launches]
+        self._stream_of = recording.adapter.stream_getter() if recording.adapter is not None else None
 
     def __len__(self) -> int:
         return len(self._launches)
@@ -216,9 +209,7 @@ class LaunchSequence:
                     (args if where == "arg" else kwargs)[at] = swaps[index]
                 launch.kernel[launch.grid](*args, **kwargs)
             return True
-        from triton.runtime import driver
-
-        stream = driver.active.get_current_stream(self._device_index)
+        stream = self._stream_of(self._device_index)
         if stream != self._stream:
             return False
         for launch, (run, function, packed) in zip(self._launches, self._runs):
@@ -245,12 +236,12 @@ def record_launches(fn: Callable[[], Any], swappable: Sequence[torch.Tensor | No
     recording = _Recording(swappable, invariant if watch else (), interpreted)
     if not interpreted and torch.cuda.is_current_stream_capturing():
         return fn(), None, "a CUDA graph is being captured"
-    _launch._recordings.active.append(recording)
+    launches._recordings.active.append(recording)
     try:
         with recording if watch else contextlib.nullcontext():
             result = fn()
     finally:
-        _launch._recordings.active.pop()
+        launches._recordings.active.pop()
     if recording.reason is None and not recording.launches:
         recording.refuse("nothing was launched")
     if recording.reason is not None:

@@ -5,8 +5,9 @@ call is recorded rather than run, which lets the portability check compile exact
 types, constexprs and launch options that the launchers choose, for any target, without a GPU, and lets
 the engine's warm-up find which kernel variants a step needs (:func:`launch_key`).
 :func:`compiled_variants` counts the variants this process has compiled so far. Inside
-:func:`tripath.ops.replay.record_launches` each launch runs and is kept, so that it can be made again
+:func:`tripath.triton_internals.replay.record_launches` each launch runs and is kept, so that it can be made again
 cheaply with some tensor arguments swapped (one layer's attention replayed for the next layers of a step).
+:func:`use_triton` decides whether an op runs its Triton kernel at all.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from tripath import _env
+from tripath.triton_internals import interpreter, versions
 
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack", "num_ctas")
 
@@ -42,7 +44,7 @@ _captures: list[tuple[list, Callable | None]] = []  # (records, keep) of each ca
 
 
 class _ThreadRecordings(threading.local):
-    """The recordings in progress on this thread (:func:`tripath.ops.replay.record_launches`): only this
+    """The recordings in progress on this thread (:func:`tripath.triton_internals.replay.record_launches`): only this
     thread's launches belong to them, whatever other engines in the process launch meanwhile."""
 
     def __init__(self):
@@ -89,9 +91,15 @@ def capture_launches(keep: Callable[[LaunchRecord], Any] | None = None) -> Itera
 
 
 def use_triton(device: torch.device) -> bool:
-    """Whether ops on ``device`` run their Triton kernel: on a GPU, on the CPU under ``TRITON_INTERPRET=1``,
-    and always while launches are being captured (the compile check)."""
-    return device.type == "cuda" or _env.triton_interpret() or bool(_captures)
+    """Whether ops on ``device`` run their Triton kernel: on a GPU, on the CPU under ``TRITON_INTERPRET=1``
+    (the interpreter made ready first: :func:`tripath.triton_internals.interpreter.ready`), and always while
+    launches are being captured (the compile check)."""
+    if device.type == "cuda":
+        return True
+    if _env.triton_interpret():
+        interpreter.ready()
+        return True
+    return bool(_captures)
 
 
 _rebuilt: dict[int, Any] = {}
@@ -102,11 +110,11 @@ def _jit_function(kernel):
     if hasattr(kernel, "params"):
         return kernel
     if id(kernel) not in _rebuilt:
-        from triton.runtime.jit import JITFunction
-        options = getattr(kernel, "kwargs", {})
-        _rebuilt[id(kernel)] = (kernel, JITFunction(kernel.fn, **{
-            k: v for k, v in options.items() if k in ("do_not_specialize", "do_not_specialize_on_alignment")}))
+        _rebuilt[id(kernel)] = (kernel, versions.current().rebuild_jit_function(kernel))
     return _rebuilt[id(kernel)][1]
+
+
+_specialize: tuple | None = None  # the adapter's (specialize_impl, backend), looked up once
 
 
 def launch_key(record: LaunchRecord) -> tuple:
@@ -114,9 +122,10 @@ def launch_key(record: LaunchRecord) -> tuple:
     values; dtype, 16-divisibility and 1-ness of integers, 16-byte alignment of pointers, unless the kernel
     declares the argument step-varying) and the launch options. Two launches with equal keys share one
     compiled kernel; computed on the host, so it also works for recorded launches without a GPU."""
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import native_specialize_impl
-
+    global _specialize
+    if _specialize is None:
+        _specialize = versions.current().specialize_impl()
+    native_specialize_impl, backend = _specialize
     fn = _jit_function(record.kernel)
     names = list(fn.signature.parameters)
     bound = fn.signature.bind_partial(*record.args, **{k: v for k, v in record.kwargs.items() if k in names})
@@ -127,7 +136,7 @@ def launch_key(record: LaunchRecord) -> tuple:
         if param.is_constexpr:
             spec.append(repr(value))
         else:
-            spec.append(native_specialize_impl(BaseBackend, value, param.is_const, not param.do_not_specialize,
+            spec.append(native_specialize_impl(backend, value, param.is_const, not param.do_not_specialize,
                                                not param.do_not_specialize_on_alignment))
     options = tuple(sorted((k, repr(v)) for k, v in record.kwargs.items() if k not in names))
     return (record.name, tuple(spec), options)
@@ -136,9 +145,9 @@ def launch_key(record: LaunchRecord) -> tuple:
 def compiled_variants() -> int:
     """Kernel variants compiled (or loaded from Triton's disk cache) in this process so far, over every
     tripath kernel; 0 under the interpreter, which compiles nothing."""
-    from triton.runtime.jit import JITFunction
-
+    adapter = versions.current()
+    jit_function = adapter.jit_function_type()
     kernels = {id(obj): obj for name, module in list(sys.modules.items())
                if name.startswith("tripath.kernels.") and module is not None
-               for obj in vars(module).values() if isinstance(obj, JITFunction)}
-    return sum(len(caches[0]) for fn in kernels.values() for caches in fn.device_caches.values())
+               for obj in vars(module).values() if isinstance(obj, jit_function)}
+    return sum(adapter.variants_in_memory(fn) for fn in kernels.values())

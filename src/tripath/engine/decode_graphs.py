@@ -1,0 +1,86 @@
+"""CUDA graphs of decode-only steps: the whole model's forward captured once per padded batch size.
+
+A decode-only step of ``n`` requests replays the graph of the smallest captured size ``b >= n``: its ids
+and positions are copied into the graphs' static ``input_ids`` / ``positions`` rows, its metadata into the
+graph's captured metadata (:meth:`AttentionMetadata.copy_`), and the padding rows ``n .. b - 1`` keep the
+capture's inputs (one query token at position 1 reading block 0, slot −1: nothing is written). Every graph
+shares one memory pool (the largest is captured first) and is replayed once at capture, so the upload of
+its work to the device is not on a request's time. The backend must declare
+:attr:`~tripath.attention.backends.base.GraphSupport.DECODE` (its decode forward reads only device tensors).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tripath.attention import ForwardContext
+from tripath.engine.step_inputs import StepInputs
+
+
+def _capture(run, pool, device: torch.device):
+    """``(graph, static output, pool)`` of ``run`` captured after one eager call (kernels compile outside)."""
+    run()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = run()
+    torch.cuda.synchronize(device)
+    return graph, hidden, graph.pool()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class DecodeGraphs:
+    """The decode graphs of one engine (``sizes``: the padded batch sizes captured)."""
+
+    def __init__(self, model, backend, caches: list, sizes: list[int], max_blocks_per_seq: int,
+                 device: torch.device):
+        self.model, self.backend, self.caches = model, backend, caches
+        self.sizes = sorted(sizes)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.device = device
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        self.input_ids = torch.zeros(max(sizes), dtype=torch.int64, device=device)
+        self.positions = torch.ones(max(sizes), dtype=torch.int64, device=device)
+        self.pool = None
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size (largest first, in one pool), then replay each once on its padding metadata."""
+        pool = None
+        for bs in sorted(self.sizes, reverse=True):
+            plan = self.backend.plan([1] * bs, [1] * bs)
+            block_table = torch.zeros(bs, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
+            slots = torch.full((bs,), -1, dtype=torch.int64, device=self.device)
+            meta = self.backend.build_metadata(plan, block_table, slots)
+            ctx = ForwardContext(self.backend, meta, self.caches)
+            run = functools.partial(self.model, self.input_ids[:bs], self.positions[:bs], ctx)
+            graph, hidden, pool = _capture(run, pool, self.device)
+            self.graphs[bs] = (graph, meta, hidden)
+        self.pool = pool
+        for graph, _, _ in self.graphs.values():  # a graph's first launch uploads it: not on a request's time
+            graph.replay()
+        _synchronize(self.device)
+
+    def batch_size(self, num_requests: int) -> int | None:
+        """The captured size a decode-only step of ``num_requests`` replays, or None (larger than all)."""
+        return next((b for b in self.sizes if b >= num_requests and b in self.graphs), None)
+
+    def load(self, bs: int, inputs: StepInputs):
+        """``(graph, meta, hidden)`` of size ``bs`` with its captured metadata and input rows holding the
+        step's."""
+        graph, meta, hidden = self.graphs[bs]
+        meta.copy_(self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping))
+        self.input_ids[:bs].copy_(inputs.input_ids)
+        self.positions[:bs].copy_(inputs.positions)
+        return graph, meta, hidden
+
+    def replay(self, bs: int, inputs: StepInputs) -> torch.Tensor:
+        graph, _, hidden = self.load(bs, inputs)
+        graph.replay()
+        return hidden
