@@ -4,7 +4,10 @@ each (``--logprobs K``: with the top K log-probabilities of each token).
 
 Reported: the update's size; the core's cost to encode it (the outputs to tuples, pickled) and the HTTP
 process's to decode it (unpickled, to ``StepOutput``), medians; a round trip through a spawned echo process
-(p50 / p99); and the updates a second the pipe streams one way.
+(p50 / p99); the updates a second the pipe streams one way; and the server's work per step on the engine's
+own thread (CPU time, a stand-in engine whose step returns the outputs at once): the engine core's loop
+(:class:`~tripath.server.engine_core.EngineCore`: encode, send) against the in-process engine thread's
+(:class:`~tripath.server.engine_loop.EngineLoop`: metrics per token, the hand-over to the event loop).
 
     tripath bench core-transport --outputs 256 --tokens 8
 """
@@ -79,6 +82,96 @@ def _through_pipe(payload: bytes, count: int, mode: str) -> tuple[float, list[fl
     return elapsed, trips
 
 
+class _StandInEngine:
+    """An engine whose every step returns the same outputs at once."""
+
+    def __init__(self, outputs: list):
+        self.outputs, self.num_steps = outputs, 0
+
+    def step(self) -> list:
+        self.num_steps += 1
+        return self.outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        return True
+
+    def stats(self):
+        from tripath.engine.stats import EngineStats
+
+        return EngineStats(len(self.outputs), 0, 1, 2, 0, 0, 0, self.num_steps)
+
+
+def _drain(updates) -> None:
+    try:
+        while True:
+            updates.recv_bytes()
+    except EOFError:
+        pass
+
+
+def _core_step_cpu_s(outs: list, steps: int) -> float:
+    """CPU seconds per step of the engine core's loop (a spawned child reads its updates)."""
+    from tripath.server.core_wire import widen
+    from tripath.server.engine_core import EngineCore
+
+    context = multiprocessing.get_context("spawn")
+    commands, _ = context.Pipe(duplex=False)
+    reader, updates = context.Pipe(duplex=False)
+    widen(updates)
+    process = context.Process(target=_drain, args=(reader,))
+    process.start()
+    reader.close()
+    core = EngineCore(_StandInEngine(outs), commands, updates)
+    core._live.update((o.request_id, True) for o in outs)
+    start = time.thread_time()
+    for _ in range(steps):
+        core._step()
+        core._send_update()
+    elapsed = time.thread_time() - start
+    updates.close()
+    process.join()
+    return elapsed / steps
+
+
+def _thread_step_cpu_s(outs: list, steps: int) -> float:
+    """CPU seconds per step of the in-process engine thread's server work (an event loop on another thread
+    takes the handed-over items)."""
+    import asyncio
+    import threading
+
+    from tripath.engine.request import SamplingParams
+    from tripath.server.engine_loop import EngineLoop
+    from tripath.server.metrics import ServerMetrics
+    from tripath.server.submissions import Submission
+
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine = EngineLoop(None, ServerMetrics("bench"))
+    engine.llm = _StandInEngine(outs)
+    subs = [Submission(o.request_id, 0, [1], SamplingParams(max_tokens=1 << 40), loop, asyncio.Queue()) for o in outs]
+    for sub in subs:
+        engine._book.register(sub)
+        engine._book.accept(sub.request_id)
+
+    def take_all() -> None:
+        for sub in subs:
+            while not sub.events.empty():
+                sub.events.get_nowait()
+
+    start = time.thread_time()
+    for index in range(steps):
+        engine._step()
+        engine._book.flush()
+        if index % 16 == 0:
+            loop.call_soon_threadsafe(take_all)
+    elapsed = time.thread_time() - start
+    loop.call_soon_threadsafe(loop.stop)
+    return elapsed / steps
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tripath bench core-transport", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -109,6 +202,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           + f": {len(payload) / 1024:.1f} KiB; encode {encode_us:.0f} us (core), decode {decode_us:.0f} us (HTTP "
           f"process); pipe round trip p50 {statistics.median(trips) * 1e6:.0f} us, p99 "
           f"{trips[int(0.99 * (len(trips) - 1))] * 1e6:.0f} us; one way {args.messages / elapsed:.0f} updates/s")
+    steps = max(10, args.messages // 2)
+    print(f"server work per step on the engine's thread (CPU): engine core {_core_step_cpu_s(outs, steps) * 1e6:.0f} "
+          f"us, in-process engine thread {_thread_step_cpu_s(outs, steps) * 1e6:.0f} us")
     return 0
 
 
