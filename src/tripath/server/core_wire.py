@@ -16,7 +16,7 @@ Messages (core → HTTP process):
 
 - ``("ready", facts)`` once the engine is built: ``facts`` a dict of ``vocab_size``, ``max_model_len``,
   ``max_num_seqs``, ``generation_defaults``, ``summary`` (the start-up log line), ``tokenizer`` (how the HTTP
-  process gets its own, :func:`tokenizer_handle`), ``pid``.
+  process gets its own, :func:`tokenizer_handle`).
 - ``("start_failed", message)`` when it could not be built.
 - ``("update", accepted, refused, outputs, failed, stats, step_failures)`` after each pass of the core's
   loop that did anything: the request ids it added; ``(request_id, status, message, type)`` of the adds it

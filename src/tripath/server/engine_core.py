@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import signal
 import sys
 import traceback
@@ -71,8 +70,7 @@ def engine_facts(llm, describe) -> dict:
     return {"vocab_size": int(llm.model.config.vocab_size), "max_model_len": int(llm.runner.max_model_len),
             "max_num_seqs": int(llm.config.max_num_seqs),
             "generation_defaults": dict(getattr(llm, "generation_defaults", {})),
-            "summary": describe(llm) if describe is not None else "", "tokenizer": tokenizer_handle(llm.tokenizer),
-            "pid": os.getpid()}
+            "summary": describe(llm) if describe is not None else "", "tokenizer": tokenizer_handle(llm.tokenizer)}
 
 
 def core_main(spec: CoreSpec, commands, updates) -> None:
