@@ -370,11 +370,13 @@ def test_bench_serve_online_runs_an_offline_workload_and_compares(preset_server,
                                              "ttft_s": {"mean": 0.5, "p50": 0.5, "p99": 0.9}}]}))
     out = tmp_path / "online.json"
     assert main(["bench", "serve", "--url", preset_server.url, "--workload", "tiny", "--num-requests", "8",
-                 "--max-concurrency", "4", "--passes", "2", "--against", str(offline), "--json", str(out)]) == 0
+                 "--max-concurrency", "4", "--passes", "2", "--against", str(offline), "--json", str(out),
+                 "--csv", str(tmp_path / "online.csv")]) == 0
     report = json.loads(out.read_text())
     assert [p["total_output_tokens"] for p in report["passes"]] == [8 * 8, 8 * 8]
     server, against = report["rows"]
     assert server["num_failed"] == 0 and server["output_throughput"] > 0 and against["backend"] == "offline (torch)"
+    assert len((tmp_path / "online.csv").read_text().splitlines()) == 3   # header, server, offline
     printed = capsys.readouterr().out
     assert "server / offline: output tok/s" in printed and "TTFT p50" in printed
     assert _idle(preset_server) == (0, 0, 0, 0)

@@ -26,7 +26,7 @@ import sys
 from tripath.bench.serve import workload_from_args
 from tripath.bench.serve_online import Workload as Requests
 from tripath.bench.serve_online import run_benchmark, served_model
-from tripath.bench.serve_report import format_table, summarize, write_json
+from tripath.bench.serve_report import format_table, summarize, write_csv, write_json
 from tripath.bench.serve_rounds import median_pass
 from tripath.bench.serve_workloads import Workload, make_prompts
 
@@ -102,8 +102,9 @@ def main_workload(args, parser) -> int:
         return 2
     passes = run_passes(args, workload, model, vocab)
     row = server_row(args.workload, model, passes)
+    rows = [row] + ([against[0]] if against else [])
     print(f"\n{workload.description or args.workload} through {args.url}")
-    print(format_table([row] + ([against[0]] if against else []), TABLE))
+    print(format_table(rows, TABLE))
     if against:
         for difference in against[1]:
             print(f"note: the offline run's workload differs: {difference}")
@@ -113,5 +114,7 @@ def main_workload(args, parser) -> int:
             print(f"failure: {error}", file=sys.stderr)
     if args.json:
         write_json(args.json, {"workload": {"name": args.workload, **dataclasses.asdict(workload)}, "passes": passes,
-                               "rows": [row] + ([against[0]] if against else [])})
+                               "rows": rows})
+    if args.csv:
+        write_csv(args.csv, rows)
     return 1 if row["num_failed"] else 0

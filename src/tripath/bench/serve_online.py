@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt lengths vary by ± this fraction (default: 0, or the workload's)")
     parser.add_argument("--output-len", type=int, default=None, help="default: 64, or the workload's")
     parser.add_argument("--request-rate", type=_rates, default=[math.inf],
-                        help="requests per second, Poisson; a comma list runs each; inf = all at once (default)")
+                        help="requests per second, Poisson; a comma list runs each; inf = all at once (default; "
+                             "always with --workload, as the offline mode)")
     parser.add_argument("--max-concurrency", type=int, default=None,
                         help="at most this many requests in flight (default: no limit, or the workload's)")
     parser.add_argument("--passes", type=int, default=2,
