@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,7 +24,9 @@ def free_port() -> int:
 
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 120.0, log_level: str = "warning",
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, new_session: bool = False):
+        """``new_session``: the server leads its own process group (:meth:`signal_group` then signals it and
+        every process it started, as a terminal's Ctrl-C does)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -31,7 +34,8 @@ class ServerProcess:
                    PYTHONPATH=os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]), **(env or {}))
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "tripath.cli", "serve", *args, "--port", str(self.port),
-                                      "--log-level", log_level], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+                                      "--log-level", log_level], stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=new_session)
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -62,6 +66,17 @@ class ServerProcess:
 
     def signal(self, sig=signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
+
+    def signal_group(self, sig: int | None = None) -> None:
+        """Signal the server's process group (SIGINT by default; needs ``new_session``)."""
+        os.killpg(self.proc.pid, sig or signal.SIGINT)
+
+    def core_pid(self) -> int:
+        """The engine core's process id, from the log (``--log-level info`` or lower)."""
+        match = re.search(r"engine core process (\d+) started", self.log_path.read_text())
+        if match is None:
+            raise RuntimeError(f"the log names no engine core process:\n{self.log()}")
+        return int(match.group(1))
 
     def close(self, timeout_s: float = 20.0) -> int:
         if self.proc.poll() is None:

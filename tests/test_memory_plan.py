@@ -243,7 +243,7 @@ def test_the_server_answers_an_out_of_memory_step_503_and_serves_the_next_reques
         holder["state"] = _flaky_forward(llm)
         return llm
 
-    app = build_app(make, model_name="tiny")
+    app = build_app(make, model_name="tiny", engine_in_process=True)   # the test arms the engine it holds
     engine = app.state.server.engine
     engine.start()
     assert engine.wait_ready(120)

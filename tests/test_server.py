@@ -359,3 +359,24 @@ def test_bench_serve_online_against_the_server(preset_server, tmp_path, capsys):
     assert "TTFT mean (s)" in table and len(table.strip().splitlines()) == 4
     assert (tmp_path / "serve.csv").read_text().splitlines()[0].count("ttft_s.p99") == 1
     assert _idle(preset_server) == (0, 0, 0, 0)
+
+
+def test_bench_serve_online_runs_an_offline_workload_and_compares(preset_server, tmp_path, capsys):
+    from tripath.cli import main
+
+    offline = tmp_path / "offline.json"
+    offline.write_text(json.dumps({"workload": {"name": "tiny", "num_requests": 8, "output_len": 8},
+                                   "rows": [{"backend": "torch", "output_throughput": 100.0,
+                                             "ttft_s": {"mean": 0.5, "p50": 0.5, "p99": 0.9}}]}))
+    out = tmp_path / "online.json"
+    assert main(["bench", "serve", "--url", preset_server.url, "--workload", "tiny", "--num-requests", "8",
+                 "--max-concurrency", "4", "--passes", "2", "--against", str(offline), "--json", str(out),
+                 "--csv", str(tmp_path / "online.csv")]) == 0
+    report = json.loads(out.read_text())
+    assert [p["total_output_tokens"] for p in report["passes"]] == [8 * 8, 8 * 8]
+    server, against = report["rows"]
+    assert server["num_failed"] == 0 and server["output_throughput"] > 0 and against["backend"] == "offline (torch)"
+    assert len((tmp_path / "online.csv").read_text().splitlines()) == 3   # header, server, offline
+    printed = capsys.readouterr().out
+    assert "server / offline: output tok/s" in printed and "TTFT p50" in printed
+    assert _idle(preset_server) == (0, 0, 0, 0)

@@ -201,9 +201,12 @@ def _wait_for_requests_in_server(url: str, count: int, timeout: float = 60.0) ->
 
 
 def test_queue_depth_counts_beyond_the_running_and_shutdown_answers_503(tmp_path_factory):
+    """With the engine on a thread of the server (``--engine-in-process``; the other tests run it in its own
+    process)."""
     log = tmp_path_factory.mktemp("log") / "server.log"
     proc = ServerProcess(["--model", "tiny-llama", *ENGINE_ARGS, "--num-kv-blocks", "160", "--max-num-seqs", "2",
-                          "--max-queue-depth", "4", "--max-model-len", "2048", "--shutdown-timeout", "1"], log)
+                          "--max-queue-depth", "4", "--max-model-len", "2048", "--shutdown-timeout", "1",
+                          "--engine-in-process"], log)
     try:
         async def burst():
             async with httpx.AsyncClient(base_url=proc.url, timeout=120) as h:

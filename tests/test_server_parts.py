@@ -1,11 +1,14 @@
 """The server's parts without a server process: streamed detokenisation across multi-byte characters, stop
 strings, the chat template helper and ``LLM.chat``, the online benchmark's workload, and (in process, through
-ASGI) a failing engine step (500, the loop goes on) and a request timeout (504)."""
+ASGI, with the engine on a thread or in its own process) a failing engine step (500, 503 out of memory, the
+loop goes on) and a request timeout (504)."""
 
 import asyncio
+import functools
 import gc
 import math
 import statistics
+import time
 import weakref
 
 import pytest
@@ -16,6 +19,8 @@ from tripath.cli import main
 from tripath.engine import LLM, SamplingParams
 from tripath.engine.chat import ChatTemplateError, chat_token_ids, normalise_messages, render_chat
 from tripath.server.detokenize import IncrementalDetokenizer, StopMatcher
+
+from fault_engines import ADD_POISON, OOM_POISON, POISON, faulty_llm
 
 MULTIBYTE = "naïve café — 日本語 ✓ 🙂 done"
 
@@ -115,39 +120,15 @@ def test_bench_serve_refuses_an_unknown_workload(capsys):
     assert "--workload" in capsys.readouterr().err
 
 
-# ---- in process, through ASGI ------------------------------------------------------------------------
-POISON = [13, 13, 13]
+# ---- through ASGI: the engine on a thread of the test process, or in its own process (the default) --------
+ENGINES = pytest.mark.parametrize("in_process", [True, False], ids=["engine-thread", "engine-process"])
 
 
-def _app(slow_s=0.0, **kw):
+def _app(slow_s=0.0, in_process=True, **kw):
     pytest.importorskip("fastapi")
     from tripath.server.app import build_app
 
-    def make():
-        torch.set_num_threads(1)
-        llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
-        launch = llm.runner.launch
-
-        def faulty(scheduled, previous=None, num_steps=1):
-            if any(item.request.prompt_token_ids[:3] == POISON for item in scheduled):
-                raise RuntimeError("injected fault")
-            if slow_s:
-                import time
-                time.sleep(slow_s)
-            return launch(scheduled, previous, num_steps)
-
-        llm.runner.launch = faulty
-        add = llm.add_request
-
-        def faulty_add(prompt, params=None, request_id=None):
-            if list(prompt) == POISON[:2]:
-                raise RuntimeError("injected add fault")
-            return add(prompt, params, request_id)
-
-        llm.add_request = faulty_add
-        return llm
-
-    app = build_app(make, model_name="tiny", **kw)
+    app = build_app(functools.partial(faulty_llm, slow_s), model_name="tiny", engine_in_process=in_process, **kw)
     engine = app.state.server.engine
     engine.start()
     assert engine.wait_ready(120)
@@ -161,45 +142,55 @@ async def _post(app, body):
 
 
 def _idle(engine):
-    llm = engine.llm
-    return (len(llm.scheduler.running), len(llm.scheduler.waiting),
-            llm.block_manager.num_usable_blocks - llm.block_manager.num_free_blocks)
+    """Requests running and waiting, KV blocks held, as the engine last reported them."""
+    m = engine.metrics
+    return m.running._value.get(), m.waiting._value.get(), m.kv_blocks_used._value.get()
 
 
-def test_a_failing_step_fails_its_requests_with_500_and_the_loop_goes_on(monkeypatch):
+def _wait_idle(engine):
+    for _ in range(100):
+        if _idle(engine) == (0, 0, 0):
+            break
+        time.sleep(0.05)
+    return _idle(engine)
+
+
+@ENGINES
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(monkeypatch, in_process):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()
-    app, engine = _app()
+    app, engine = _app(in_process=in_process)
     try:
         r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON + [4], "max_tokens": 4}))
         assert r.status_code == 500, r.text
         assert r.json()["error"]["type"] == "server_error" and "injected fault" in r.json()["error"]["message"]
         r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON, "max_tokens": 4, "stream": True}))
         assert r.status_code == 200 and "injected fault" in r.text and r.text.rstrip().endswith("data: [DONE]")
-        r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON[:2], "max_tokens": 4}))
+        r = asyncio.run(_post(app, {"model": "tiny", "prompt": OOM_POISON, "max_tokens": 4}))
+        assert r.status_code == 503 and "out of memory" in r.json()["error"]["message"]
+        r = asyncio.run(_post(app, {"model": "tiny", "prompt": ADD_POISON, "max_tokens": 4}))
         assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
         good = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 5, "ignore_eos": True}))
         assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 5
-        assert engine.metrics.step_failures._value.get() == 2
-        assert _idle(engine) == (0, 0, 0)
+        assert engine.metrics.step_failures._value.get() == 3
+        assert _wait_idle(engine) == (0, 0, 0)
     finally:
         engine.stop()
         torch.set_num_threads(threads)
-    assert engine.llm is None and not engine.alive   # released
+    assert not engine.alive   # released
+    if in_process:
+        assert engine.llm is None
 
 
-def test_a_request_past_its_timeout_gets_504_and_is_aborted(monkeypatch):
+@ENGINES
+def test_a_request_past_its_timeout_gets_504_and_is_aborted(monkeypatch, in_process):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()
-    app, engine = _app(slow_s=0.02, request_timeout_s=0.3)
+    app, engine = _app(slow_s=0.02, in_process=in_process, request_timeout_s=0.3)
     try:
         r = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5], "max_tokens": 200, "ignore_eos": True}))
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
-        for _ in range(100):
-            if _idle(engine) == (0, 0, 0):
-                break
-            asyncio.run(asyncio.sleep(0.05))
-        assert _idle(engine) == (0, 0, 0)
+        assert _wait_idle(engine) == (0, 0, 0)
         quick = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5], "max_tokens": 3, "ignore_eos": True}))
         assert quick.status_code == 200
     finally:

@@ -39,6 +39,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
               "tripath.bench.serve:main_serve"),
     "host": ("host time of one mixed step's attention per MHA backend: forward, recording, replay, layers",
              "tripath.bench.host:main_host"),
+    "core-transport": ("the server's pipe to its engine core: one step's update encoded, sent, decoded",
+                       "tripath.bench.core_transport:main"),
 }
 DEFAULT_BENCH = "backends"
 # Commands whose Triton kernels run in Triton's interpreter when the machine has no GPU.

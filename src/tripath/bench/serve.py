@@ -75,17 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def workload_from_args(args) -> Workload:
+WORKLOAD_OPTIONS = ("model", "num_requests", "input_len", "input_len_spread", "output_len", "max_concurrency",
+                    "prefix_share", "max_num_batched_tokens", "logprobs", "logprobs_fraction")
+
+
+def workload_from_args(args, fields: tuple[str, ...] = WORKLOAD_OPTIONS) -> Workload:
+    """The built-in ``args.workload`` with the ``fields`` that ``args`` sets overridden (and ``args.backends``
+    where it has them)."""
     if args.workload not in WORKLOADS:
         raise SystemExit(f"tripath bench serve: unknown --workload {args.workload!r}; built in: {', '.join(WORKLOADS)}")
     base = WORKLOADS[args.workload]
-    overrides = {name: getattr(args, name) for name in ("model", "num_requests", "input_len", "input_len_spread",
-                                                         "output_len", "max_concurrency", "prefix_share",
-                                                         "max_num_batched_tokens", "logprobs", "logprobs_fraction")
-                 if getattr(args, name) is not None}
-    if args.logprobs is not None and args.logprobs_fraction is None:
+    overrides = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    if getattr(args, "logprobs", None) is not None and getattr(args, "logprobs_fraction", None) is None:
         overrides["logprobs_fraction"] = 1.0
-    if args.backends:
+    if getattr(args, "backends", None):
         overrides["backends"] = tuple(b.strip() for b in args.backends.split(",") if b.strip())
     try:
         return dataclasses.replace(base, **overrides)

@@ -2,6 +2,7 @@
 
     tripath bench serve --url http://127.0.0.1:8000 --num-requests 200 --input-len 512 --output-len 128 \\
         --request-rate 1,4,inf --json serve.json
+    tripath bench serve --url http://127.0.0.1:8000 --workload llama-8b --against offline.json   # the server's cost
 
 Prompts are random token ids (seeded; lengths ``--input-len`` ± ``--input-len-spread`` as a fraction), each
 asking for exactly ``--output-len`` tokens (``ignore_eos``), streamed from ``/v1/completions``. Requests start
@@ -9,7 +10,8 @@ at a Poisson rate (``--request-rate`` per second; ``inf`` sends them all at once
 ``--max-concurrency`` in flight; a list of rates runs one benchmark per rate. The client measures TTFT (until
 the first streamed token), the gaps between streamed tokens (ITL), TPOT and end-to-end latency per request,
 and the report (:mod:`tripath.bench.serve_report`) gives their mean / p50 / p90 / p99, request and token
-throughput, and failures.
+throughput, and failures. ``--workload`` sends an offline workload's requests instead, pass by pass, and
+reports them as the offline mode does (:mod:`tripath.bench.serve_compare`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tripath.bench.serve_report import RequestRecord, format_table, summarize, write_csv, write_json
 
@@ -31,6 +33,9 @@ TABLE = [("request_rate", "rate (req/s)"), ("max_concurrency", "max conc."), ("n
          ("ttft_s.mean", "TTFT mean (s)"), ("ttft_s.p99", "TTFT p99 (s)"), ("tpot_s.mean", "TPOT mean (s)"),
          ("itl_s.p50", "ITL p50 (s)"), ("itl_s.p99", "ITL p99 (s)"), ("e2e_s.p50", "e2e p50 (s)"),
          ("e2e_s.p99", "e2e p99 (s)")]
+
+
+PLAIN_DEFAULTS = {"num_requests": 200, "input_len": 256, "input_len_spread": 0.0, "output_len": 64}
 
 
 @dataclass
@@ -110,9 +115,10 @@ async def _one(client, url: str, body: dict, prompt_tokens: int) -> RequestRecor
 
 
 async def run_benchmark(base_url: str, model: str, workload: Workload, rate: float, max_concurrency: int | None,
-                        seed: int, temperature: float = 0.0) -> tuple[list[RequestRecord], float]:
+                        seed: int, temperature: float = 0.0, extra_fields: Callable[[int], dict] | None = None
+                        ) -> tuple[list[RequestRecord], float]:
     """Send the workload; returns each request's record and the wall time from the first start to the last
-    finish."""
+    finish. ``extra_fields(i)``: more body fields of request ``i``."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -123,23 +129,24 @@ async def run_benchmark(base_url: str, model: str, workload: Workload, rate: flo
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
         start = time.perf_counter()
 
-        async def launch(prompt, offset):
+        async def launch(index, prompt, offset):
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
             body = {"model": model, "prompt": prompt, "max_tokens": workload.output_len, "temperature": temperature,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                    **(extra_fields(index) if extra_fields is not None else {})}
             if limit is None:
                 return await _one(client, url, body, len(prompt))
             async with limit:
                 return await _one(client, url, body, len(prompt))
 
-        records = await asyncio.gather(*(launch(p, o) for p, o in zip(workload.prompts, offsets)))
+        records = await asyncio.gather(*(launch(i, p, o) for i, (p, o) in enumerate(zip(workload.prompts, offsets))))
         elapsed = time.perf_counter() - start
     return list(records), elapsed
 
 
-def _server_model(base_url: str) -> dict:
+def server_model(base_url: str) -> dict:
     import httpx
 
     response = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
@@ -148,6 +155,16 @@ def _server_model(base_url: str) -> dict:
     if not data:
         raise RuntimeError(f"{base_url}/v1/models lists no model")
     return data[0]
+
+
+def served_model(args) -> tuple[str, int]:
+    """The model name to send and the vocabulary to draw prompts from: ``--model`` / ``--vocab-size``, else the
+    server's first model and its ``vocab_size``."""
+    card = server_model(args.url)
+    vocab = args.vocab_size or card.get("vocab_size")
+    if not vocab:
+        raise ValueError("the server does not report vocab_size: pass --vocab-size")
+    return args.model or card["id"], int(vocab)
 
 
 def _rates(text: str) -> list[float]:
@@ -167,13 +184,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help="prompt tokens are drawn from [0, V) (default: the server's vocab_size)")
-    parser.add_argument("--num-requests", type=int, default=200)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--input-len-spread", type=float, default=0.0, help="prompt lengths vary by ± this fraction")
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--workload", default=None,
+                        help="a built-in workload of the offline mode (its prompts, passes and report; "
+                             "--against compares with the offline mode's --json): see tripath.bench.serve_compare")
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 200, or the workload's")
+    parser.add_argument("--input-len", type=int, default=None, help="default: 256, or the workload's")
+    parser.add_argument("--input-len-spread", type=float, default=None,
+                        help="prompt lengths vary by ± this fraction (default: 0, or the workload's)")
+    parser.add_argument("--output-len", type=int, default=None, help="default: 64, or the workload's")
     parser.add_argument("--request-rate", type=_rates, default=[math.inf],
-                        help="requests per second, Poisson; a comma list runs each; inf = all at once (default)")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+                        help="requests per second, Poisson; a comma list runs each; inf = all at once (default; "
+                             "always with --workload, as the offline mode)")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="at most this many requests in flight (default: no limit, or the workload's)")
+    parser.add_argument("--passes", type=int, default=2,
+                        help="with --workload: passes on fresh prompts, the first, then warm ones (reported: "
+                             "their median), as the offline mode")
+    parser.add_argument("--against", default=None,
+                        help="with --workload: the offline mode's --json of the same workload, shown beside")
+    parser.add_argument("--backend", default=None,
+                        help="with --against: the offline row to compare (default: the first)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the reports (a list, one per rate) to this file")
@@ -187,14 +217,16 @@ def main_online(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.workload is not None:
+        from tripath.bench.serve_compare import main_workload
+        return main_workload(args, parser)
+    for name, default in PLAIN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     try:
-        card = _server_model(args.url)
-        model = args.model or card["id"]
-        vocab = args.vocab_size or card.get("vocab_size")
-        if not vocab:
-            raise ValueError("the server does not report vocab_size: pass --vocab-size")
-        workload = make_workload(args.num_requests, args.input_len, args.input_len_spread, args.output_len,
-                                 int(vocab), args.seed)
+        model, vocab = served_model(args)
+        workload = make_workload(args.num_requests, args.input_len, args.input_len_spread, args.output_len, vocab,
+                                 args.seed)
     except Exception as error:  # noqa: BLE001 - unreachable server, bad arguments
         print(f"tripath bench serve: error: {error}", file=sys.stderr)
         return 2

@@ -113,7 +113,9 @@ class LLM:
     On a GPU the constructor returns once every kernel variant is compiled (:mod:`tripath.engine.warmup`);
     ``start_seconds`` is how long it took and :attr:`num_compiled_since_start` counts what compiled later.
     The start ends with a full garbage collection (:func:`gc.collect`), so that the collector's first pass
-    over the start's objects does not pause a step.
+    over the start's objects does not pause a step. ``detokenize_outputs`` (True): a finished output carries
+    its ``text`` and its log-probabilities' ``decoded_token``; a caller that detokenises itself (the server's
+    engine core) sets it False, keeping that work off the step loop (``text`` is then None).
     """
 
     def __init__(self, model, *, tokenizer=None, config: EngineConfig | None = None,
@@ -172,6 +174,7 @@ class LLM:
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        self.detokenize_outputs = True
         self.num_requests_added = 0
         self.num_steps = 0
         self.last_metrics: RunMetrics | None = None
@@ -412,7 +415,7 @@ class LLM:
                     request.grammar.accept(token)
             if new or id(request) in finished:
                 text = None
-                if request.is_finished:
+                if request.is_finished and self.detokenize_outputs:
                     text = self.decode(request.output_token_ids)
                     self._decode_logprobs(request)
                 outputs.append(RequestOutput.of(request, new, text, new_logprobs))

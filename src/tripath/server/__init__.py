@@ -1,10 +1,14 @@
 """``tripath serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the serving engine, started and
 answering as vLLM's does.
 
-Layers: :mod:`~tripath.server.protocol` (request / response bodies), :mod:`~tripath.server.engine_loop` (the
-one thread that owns the engine), :mod:`~tripath.server.generation` and :mod:`~tripath.server.detokenize`
-(a request's choices, streamed text, stop strings), :mod:`~tripath.server.sampling_defaults` (unset sampling
-fields), :mod:`~tripath.server.metrics` (Prometheus, vLLM's names under ``tripath:``),
+Layers: :mod:`~tripath.server.protocol` (request / response bodies); the engine, behind one interface
+(:mod:`~tripath.server.submissions`): :mod:`~tripath.server.engine_core` (its own process, the default) with
+:mod:`~tripath.server.engine_client` (its side in the HTTP process) and :mod:`~tripath.server.core_wire`
+(their messages), or :mod:`~tripath.server.engine_loop` (a thread of the HTTP process), both through
+:mod:`~tripath.server.engine_steps`; :mod:`~tripath.server.generation` and :mod:`~tripath.server.detokenize`
+(a request's choices, streamed text, stop strings), :mod:`~tripath.server.sse` (stream framing),
+:mod:`~tripath.server.sampling_defaults` (unset sampling fields), :mod:`~tripath.server.metrics` (Prometheus,
+vLLM's names under ``tripath:``),
 :mod:`~tripath.server.app` (routes), :mod:`~tripath.server.utility_routes` (``/tokenize``, ``/detokenize``,
 ``/version``), :mod:`~tripath.server.auth` (``--api-key``), :mod:`~tripath.server.listen` (the port, bound
 first), :mod:`~tripath.server.startup` (the start-up log line) and :mod:`~tripath.server.cli` (the command).

@@ -1,10 +1,12 @@
-"""The FastAPI application: OpenAI-compatible routes over an :class:`~tripath.server.engine_loop.EngineLoop`.
+"""The FastAPI application: OpenAI-compatible routes over an engine (:class:`~tripath.server.submissions.Engine`:
+the engine core in its own process, :mod:`~tripath.server.engine_client`, or in this one,
+:mod:`~tripath.server.engine_loop`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events
 ending in ``data: [DONE]``), ``GET /v1/models`` (every served name), ``GET /health`` and ``GET`` / ``POST
-/ping`` (200 once the engine is built, 503 before and while shutting down), ``GET /metrics`` (Prometheus text,
-:mod:`~tripath.server.metrics`), and vLLM's ``POST /tokenize``, ``POST /detokenize``, ``GET /version``
-(:mod:`~tripath.server.utility_routes`). With an ``api_key``, ``/v1/*`` requests need it as a bearer token
+/ping`` (200 once the engine is built; 503 before, while shutting down and once the engine has died; 500
+when it could not be built), ``GET /metrics`` (Prometheus text, :mod:`~tripath.server.metrics`), and vLLM's
+``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (:mod:`~tripath.server.utility_routes`). With an ``api_key``, ``/v1/*`` requests need it as a bearer token
 (401 otherwise; :mod:`~tripath.server.auth`). Errors carry the OpenAI body
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (malformed JSON, a field of the
 wrong type or out of range, a prompt the engine could never serve, more choices than the server could ever
@@ -36,11 +38,13 @@ from tripath.engine.request import SamplingParams
 from tripath.engine.structured_output import StructuredOutput
 from tripath.server import protocol as P
 from tripath.server.auth import APIKeyCheck
+from tripath.server.engine_client import EngineClient
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
 from tripath.server.responses import respond
 from tripath.server.metrics import ServerMetrics
 from tripath.server.sampling_defaults import defaulted_sampling
+from tripath.server.submissions import Engine
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 _Body = TypeVar("_Body", bound=pydantic.BaseModel)
@@ -65,7 +69,7 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 
 
 class ServerState:
-    def __init__(self, engine: EngineLoop, metrics: ServerMetrics, model_names: Sequence[str], max_queue_depth: int,
+    def __init__(self, engine: Engine, metrics: ServerMetrics, model_names: Sequence[str], max_queue_depth: int,
                  request_timeout_s: float | None, chat_template: str | None = None):
         self.engine, self.metrics = engine, metrics
         self.model_names = list(model_names)   # each accepted as a request's model; the first names the metrics
@@ -130,8 +134,10 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
               request_timeout_s: float | None = None, on_fatal: Callable[[BaseException], None] | None = None,
               shutdown_timeout_s: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               api_key: str | None = None, chat_template: str | None = None,
-              describe: Callable[[object], str] | None = None) -> FastAPI:
-    """The server for the engine ``make_llm()`` builds (called once, on the engine thread, at start-up).
+              describe: Callable[[object], str] | None = None, engine_in_process: bool = False) -> FastAPI:
+    """The server for the engine ``make_llm()`` builds at start-up: in the engine core process it spawns
+    (``make_llm`` and ``describe`` are pickled to it: top-level functions or ``functools.partial`` of them), or
+    with ``engine_in_process`` on a thread of this process (any callable).
 
     ``model_name``: the served name, or several (each accepted as a request's ``model``, all listed by
     ``/v1/models``; the first is the metrics' ``model_name``). ``api_key``: required on ``/v1/*``;
@@ -147,7 +153,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
     metrics = ServerMetrics(names[0])
-    engine = EngineLoop(make_llm, metrics, on_fatal, describe)
+    engine: Engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
     state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template)
 
     @contextlib.asynccontextmanager
@@ -180,10 +186,10 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     async def health():
         if engine.startup_error is not None:
             return JSONResponse({"status": "failed", "error": str(engine.startup_error)}, status_code=500)
-        if engine.ready and not engine.alive:
-            return JSONResponse({"status": "failed", "error": "the engine thread has stopped"}, status_code=500)
+        if engine.fatal_error is not None:
+            return JSONResponse({"status": "failed", "error": str(engine.fatal_error)}, status_code=503)
         if not engine.ready:
-            return JSONResponse({"status": "starting" if engine.llm is None else "stopping"}, status_code=503)
+            return JSONResponse({"status": "starting" if engine.starting else "stopping"}, status_code=503)
         return {"status": "ok"}
 
     app.add_api_route("/ping", health, methods=["GET", "POST"])
@@ -213,7 +219,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
         prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
-        structured = await _in_thread(_structured_output, state, body)
+        structured = await _structured_output(state, body)
         gen = _generation(state, body, prompts, body.max_tokens, structured)
         return await respond(state, gen, body, request, chat=False, echo=_echo_texts(state, body, raw_prompts, prompts))
 
@@ -226,7 +232,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt,
                                   _chat_template_kwargs(body))
-        structured = await _in_thread(_structured_output, state, body)
+        structured = await _structured_output(state, body)
         gen = _generation(state, body, [prompt], body.output_limit, structured)
         return await respond(state, gen, body, request, chat=True)
 
@@ -309,14 +315,16 @@ def _prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
     return ids
 
 
-def _structured_output(state: ServerState, body) -> StructuredOutput | None:
-    """The request's output constraint, compiled (so the engine thread finds it in the compiler's cache)."""
+async def _structured_output(state: ServerState, body) -> StructuredOutput | None:
+    """The request's output constraint, checked (and, with the engine in process, compiled) in a worker thread."""
     asked = body.structured_output()
-    if asked is None:
-        return None
+    return None if asked is None else await _in_thread(_constraint, state, asked)
+
+
+def _constraint(state: ServerState, asked: dict) -> StructuredOutput:
     try:
         spec = StructuredOutput(**{k: tuple(v) if k == "choice" else v for k, v in asked.items()})
-        state.engine.llm.grammar_compiler().compile(spec)
+        state.engine.prepare_structured_output(spec)
     except (ValueError, TypeError, ImportError) as error:
         raise APIError(400, str(error), param="response_format") from None
     return spec

@@ -5,15 +5,19 @@
     tripath serve tiny-llama --backend torch --num-kv-blocks 64     # a preset: token-id prompts only
 
 The port is bound first (a port in use fails at once) and answers while the engine builds; ``GET /health`` is
-200 once the engine is built (and warmed up). SIGINT / SIGTERM stop accepting connections, let in-flight
-requests finish for up to ``--shutdown-timeout`` seconds, then end the rest with 503 (a stream gets an error
-event and ``[DONE]``) and release the GPU.
+200 once the engine is built (and warmed up). The engine runs in its own process (the engine core,
+:mod:`tripath.server.engine_core`; ``--engine-in-process``: on a thread of the HTTP process). SIGINT / SIGTERM
+stop accepting connections, let in-flight requests finish for up to ``--shutdown-timeout`` seconds, then end
+the rest with 503 (a stream gets an error event and ``[DONE]``) and stop the engine, releasing the GPU. An
+engine core that dies fails the requests in flight, makes ``/health`` answer 503 and the server exit with
+status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -55,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds a request may take (504 and aborted after); default: no limit")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="seconds in-flight requests may still run after SIGINT / SIGTERM")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine on a thread of the HTTP process instead of its own process (the "
+                             "default splits them, so HTTP, JSON and detokenising do not hold up the engine's steps)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="log level of the server and uvicorn")
     add_engine_arguments(parser)
@@ -145,20 +152,16 @@ def _serve(argv: list[str], listener) -> int:
 
     api_key = args.api_key or _env.server_api_key()
     names = args.served_model_name or [model]
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    from tripath.engine.cli_options import engine_options
+    from tripath.server.engine_core import LOG_FORMAT, make_engine
+    from tripath.server.startup import startup_summary
+
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT,
                         force=True)   # `tripath` configured the root logger for its commands already
-
-    def make_llm():
-        from tripath.engine import LLM
-        from tripath.engine.cli_options import engine_options
-
-        return LLM(model, tokenizer=args.tokenizer, generation_config=args.generation_config, **engine_options(args))
-
-    def describe(llm) -> str:
-        from tripath.server.startup import startup_summary
-
-        return startup_summary(llm, model, names)
-
+    # picklable: the engine core process builds the engine and its start-up line with them
+    make_llm = functools.partial(make_engine, model, tokenizer=args.tokenizer,
+                                 generation_config=args.generation_config, **engine_options(args))
+    describe = functools.partial(startup_summary, model=model, served_names=names)
     server: uvicorn.Server | None = None
 
     def on_fatal(error: BaseException) -> None:
@@ -169,7 +172,8 @@ def _serve(argv: list[str], listener) -> int:
         app = build_app(make_llm, model_name=names, max_queue_depth=args.max_queue_depth,
                         request_timeout_s=args.request_timeout, on_fatal=on_fatal,
                         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
-                        api_key=api_key, chat_template=chat_template, describe=describe)
+                        api_key=api_key, chat_template=chat_template, describe=describe,
+                        engine_in_process=args.engine_in_process)
     except ValueError as error:
         return _usage_error(str(error))
     # uvicorn cancels the handlers still running at its graceful timeout; the engine ends them first (503s
@@ -188,6 +192,9 @@ def _serve(argv: list[str], listener) -> int:
     engine = app.state.server.engine
     if engine.startup_error is not None:
         print(f"tripath serve: error: the engine could not be built: {engine.startup_error}", file=sys.stderr)
+        return 1
+    if engine.fatal_error is not None:
+        print(f"tripath serve: error: the engine stopped serving: {engine.fatal_error}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
 

@@ -1,68 +1,28 @@
-"""The engine loop: one thread owns the :class:`~tripath.engine.LLM` (and so the GPU), builds it, and runs every
-``add_request`` / ``step`` / ``abort_request`` on itself, fed by a command queue.
+"""The in-process engine: one thread of the HTTP process owns the :class:`~tripath.engine.LLM` (and so the
+GPU), builds it, and runs every ``add_request`` / ``step`` / ``abort_request`` on itself, fed by a command
+queue (``tripath serve --engine-in-process``, and tests that patch the engine).
 
-HTTP handlers never touch the engine: they :meth:`EngineLoop.submit` a :class:`Submission` and read its
-asyncio queue, which the thread fills (through ``call_soon_threadsafe``) with :data:`ACCEPTED` or a
-:class:`Failure` for the add, then each step's :class:`~tripath.engine.RequestOutput` until the finished one.
-The loop blocks on the command queue while the engine is idle and steps while anything is in flight. A
-step that raises fails exactly the requests it scheduled (``LLM.step`` aborts them, freeing their blocks,
-and names them in :class:`~tripath.engine.StepFailed`): 503 when the device ran out of memory (the
-scheduler then takes smaller steps), 500 otherwise; the loop goes on. :meth:`EngineLoop.stop` aborts what is left, frees the model and
-the KV cache and ends the thread.
+It serves the handlers' :class:`~tripath.server.submissions.Engine` interface as
+:class:`~tripath.server.engine_client.EngineClient` (the default: the engine in its own process) does. The
+loop blocks on the command queue while the engine is idle and steps while anything is in flight; a step's
+outputs reach the handlers in one hand-over to the event loop (:class:`~tripath.server.submissions.SubmissionBook`).
+A failed step fails exactly its requests (:mod:`~tripath.server.engine_steps`) and the loop goes on.
+:meth:`EngineLoop.stop` aborts what is left (503), frees the model and the KV cache and ends the thread.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
 import queue
 import threading
-import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Callable
 
-from tripath.engine.errors import StepFailed
-from tripath.engine.request import SamplingParams
-from tripath.server.metrics import ChoiceTimes
+from tripath.server.engine_steps import add_request, close_engine, release_memory, take_step
+from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission, SubmissionBook
 
 log = logging.getLogger("tripath.server")
-
-ACCEPTED = "accepted"
-# the engine's finish reasons as the metrics name them (vLLM's)
-FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
-
-
-@dataclass
-class Failure:
-    """A request the engine refused (400) or lost to a failed step (500) or to shutdown (503)."""
-
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-
-
-@dataclass(eq=False)
-class Submission:
-    """One engine request of an HTTP request (``index``: its choice), and where its events go; ``arrival``:
-    when the HTTP request arrived (``perf_counter``), the start of its latency metrics."""
-
-    request_id: str
-    index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    arrival: float = field(default_factory=time.perf_counter)
-    times: ChoiceTimes | None = None   # set by the engine thread once the engine has accepted it
-
-    def deliver(self, item) -> None:
-        """From the engine thread: queue ``(index, item)`` for the handler."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, item))
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
 
 
 class EngineLoop:
@@ -75,9 +35,8 @@ class EngineLoop:
         self._on_fatal = on_fatal
         self._describe = describe   # the start-up log line of the built engine
         self._inbox: queue.Queue = queue.Queue()
-        self._subs: dict[str, Submission] = {}
+        self._book = SubmissionBook(metrics)
         self._ready = threading.Event()
-        self._done = threading.Event()
         self._stopping = False
         self.llm = None
         self.tokenizer = None          # read-only to the handlers once ready
@@ -86,8 +45,6 @@ class EngineLoop:
         self.max_num_seqs = 0
         self.generation_defaults: dict = {}   # the model's sampling defaults (LLM.generation_defaults)
         self.startup_error: BaseException | None = None
-        self.num_running = 0
-        self.num_waiting = 0
         self._thread = threading.Thread(target=self._run, name="tripath-engine", daemon=True)
 
     # ---- from the server ------------------------------------------------------------------------------
@@ -100,8 +57,18 @@ class EngineLoop:
         return self._ready.is_set() and not self._stopping
 
     @property
+    def starting(self) -> bool:
+        return not self._ready.is_set() and self.startup_error is None and not self._stopping
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        if self._ready.is_set() and not self._stopping and not self._thread.is_alive():
+            return RuntimeError("the engine thread has stopped")
+        return None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._ready.wait(timeout)
@@ -114,6 +81,11 @@ class EngineLoop:
         """Abort a request (``outcome`` is its finish reason in the metrics: ``abort``, or ``stop`` for a stop
         string)."""
         self._inbox.put(("abort", (request_id, outcome)))
+
+    def prepare_structured_output(self, spec) -> None:
+        """Compile ``spec`` (in the caller's thread: the engine thread then finds it in the compiler's cache);
+        ``ValueError`` when it does not compile."""
+        self.llm.grammar_compiler().compile(spec)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything in flight, release the engine and end the thread (waits up to ``timeout``)."""
@@ -138,7 +110,6 @@ class EngineLoop:
             log.error("building the engine failed:\n%s", traceback.format_exc())
             if self._on_fatal is not None:
                 self._on_fatal(error)
-            self._done.set()
             return
         # Every object alive now lives as long as the server: moved out of the collector's generations, the
         # full collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
@@ -153,25 +124,19 @@ class EngineLoop:
                         self._step()
                 except Exception as error:  # noqa: BLE001 - never leave requests hanging on a dead loop
                     log.error("the engine loop failed:\n%s", traceback.format_exc())
-                    self._fail_all(Failure(500, f"the engine failed: {type(error).__name__}: {error}",
-                                           "server_error"))
+                    self._abort_all(Failure(500, f"the engine failed: {type(error).__name__}: {error}",
+                                            "server_error"))
+                finally:
+                    self._book.flush()
         finally:
             self._shutdown()
 
-    def _fail_all(self, failure: Failure) -> None:
-        reason = "abort" if failure.status == 503 else "error"
-        for request_id in list(self._subs):
+    def _abort_all(self, failure: Failure) -> None:
+        for request_id in self._book.request_ids():
             try:
                 self.llm.abort_request(request_id)
             finally:
-                self._end(request_id, reason).deliver(failure)
-
-    def _end(self, request_id: str, reason: str) -> Submission | None:
-        """Forget a request that ended (``reason``: its finish reason in the metrics); its submission."""
-        sub = self._subs.pop(request_id, None)
-        if sub is not None and sub.times is not None:
-            self.metrics.observe_end(sub.times, reason, time.perf_counter())
-        return sub
+                self._book.fail([request_id], failure)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -188,91 +153,37 @@ class EngineLoop:
                 return
 
     def _handle(self, kind: str, arg) -> None:
-        llm = self.llm
         if kind == "add":
             sub: Submission = arg
-            try:
-                llm.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id)
-            except (ValueError, TypeError) as error:
-                sub.deliver(Failure(400, str(error)))
-                return
-            except Exception as error:  # noqa: BLE001 - the request fails, the engine goes on
-                log.error("adding a request failed:\n%s", traceback.format_exc())
-                sub.deliver(Failure(500, f"adding the request failed: {type(error).__name__}: {error}",
-                                    "server_error"))
-                return
-            sub.times = ChoiceTimes(sub.arrival, len(sub.prompt_token_ids), sub.params.max_tokens)
-            self._subs[sub.request_id] = sub
-            sub.deliver(ACCEPTED)
+            self._book.register(sub)
+            failure = add_request(self.llm, sub.request_id, sub.prompt_token_ids, sub.params)
+            if failure is None:
+                self._book.accept(sub.request_id)
+            else:
+                self._book.refuse(sub.request_id, failure)
         elif kind == "abort":
             request_id, outcome = arg
-            if request_id in self._subs:
-                llm.abort_request(request_id)
-                self._end(request_id, outcome)
-                self._publish()
+            if request_id in self._book:
+                self.llm.abort_request(request_id)
+                self._book.end(request_id, outcome)
+                self._book.publish(self.llm.stats())
         elif kind == "stop":
             self._stopping = True
 
     def _step(self) -> None:
-        llm = self.llm
-        try:
-            outputs = llm.step()
-        except StepFailed as error:  # the step's requests were aborted: fail exactly those, serve the rest
+        result = take_step(self.llm)
+        if result.failed:
             self.metrics.step_failures.inc()
-            num_new = self._deliver(error.outputs)
-            failure = Failure(503 if error.out_of_memory else 500, str(error), "server_error")
-            for request_id in error.request_ids:
-                sub = self._end(request_id, "error")
-                if sub is not None:
-                    sub.deliver(failure)
-            self._publish(num_new)
-            return
-        except Exception as error:  # noqa: BLE001 - one failed step must not stop the server
-            log.error("engine step failed:\n%s", traceback.format_exc())
-            self.metrics.step_failures.inc()
-            # A failure outside a step's run (in the scheduler) fails what was running, or else the queue.
-            victims = [r.request_id for r in llm.scheduler.running] or [r.request_id for r in llm.scheduler.waiting]
-            for request_id in victims:
-                llm.abort_request(request_id)
-                sub = self._end(request_id, "error")
-                if sub is not None:
-                    sub.deliver(Failure(500, f"the engine step failed: {type(error).__name__}: {error}",
-                                        "server_error"))
-            self._publish()
-            return
-        self._publish(self._deliver(outputs))
-
-    def _deliver(self, outputs) -> int:
-        """Hand each output to its request's subscriber (and its tokens and end to the metrics); the number
-        of new tokens."""
-        num_new, now = 0, time.perf_counter()
-        for out in outputs:
-            num_new += len(out.new_token_ids)
-            sub = self._subs.get(out.request_id)
-            if sub is None:
-                continue
-            self.metrics.observe_tokens(sub.times, len(out.new_token_ids), now)
-            if out.finished:
-                self._end(out.request_id, FINISH_REASONS.get(out.finish_reason.value, "error"))
-            sub.deliver(out)
-        return num_new
-
-    def _publish(self, num_new_tokens: int = 0) -> None:
-        stats = self.llm.stats()
-        self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
-        self.metrics.observe_engine(stats, num_new_tokens)
+        num_new = self._book.outputs(result.outputs)
+        for request_ids, failure in result.failed:
+            self._book.fail(request_ids, failure)
+        self._book.publish(self.llm.stats(), num_new)
 
     def _shutdown(self) -> None:
-        self._fail_all(Failure(503, "the server is shutting down", "server_error"))
-        self._publish()
-        device = getattr(getattr(self.llm, "config", None), "device", None)
+        self._abort_all(SHUTTING_DOWN)
+        self._book.publish(self.llm.stats())
+        self._book.flush()
+        device = close_engine(self.llm)
         self.llm = None
-        gc.unfreeze()  # the engine's objects may be in reference cycles: collectable again
-        gc.collect()
-        if device is not None and getattr(device, "type", None) == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        self._done.set()
+        release_memory(device)
         log.info("engine stopped")

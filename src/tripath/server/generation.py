@@ -2,10 +2,11 @@
 the events they bring back turned into text deltas, finish reasons and usage.
 
 :class:`Generation` submits, waits for the engine to accept every submission (a refusal is the request's
-error), then yields :class:`Delta` values until every choice has finished; a timeout, a disconnect (the
-consumer closing the iterator) or a stop string aborts the submissions still running in the engine. A
-choice with stop strings is matched in a worker thread (the strings are the client's: their work stays off
-the event loop).
+error), then yields :class:`Delta` values until every choice has finished: one per choice for whatever has
+arrived since the last one (one step's tokens, or several steps' when the consumer lags: a slow client gets
+fewer, larger events, never a backlog of them); a timeout, a disconnect (the consumer closing the iterator)
+or a stop string aborts the submissions still running in the engine. Choices with stop strings are matched
+in a worker thread (the strings are the client's: their work stays off the event loop).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import AsyncIterator
 
 from tripath.engine.request import FinishReason, PositionLogprobs, RequestOutput, SamplingParams
 from tripath.server.detokenize import IncrementalDetokenizer, StopMatcher
-from tripath.server.engine_loop import ACCEPTED, EngineLoop, Failure, Submission
+from tripath.server.submissions import ACCEPTED, Engine, Failure, Submission
 
 _ids = itertools.count()
 
@@ -43,6 +44,14 @@ class Delta:
     finish_reason: str | None = None
     logprobs: list[PositionLogprobs] | None = None
 
+    def extend(self, later: "Delta") -> None:
+        """Append the choice's next delta to this one."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.finish_reason = later.finish_reason or self.finish_reason
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+
 
 @dataclass
 class ChoiceState:
@@ -66,7 +75,8 @@ class ChoiceState:
         return sum(entry[t].logprob for t, entry in zip(self.token_ids, self.logprobs or ()))
 
     def consume(self, out: RequestOutput) -> Delta:
-        """The delta of one step's output (tokens after a stop string are dropped)."""
+        """The delta of one step's output (a ``RequestOutput``, or a ``StepOutput`` from the engine core; tokens
+        after a stop string are dropped)."""
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if self.hidden:
@@ -104,7 +114,7 @@ class ChoiceState:
 class Generation:
     """The engine side of one completions / chat request (``prompts`` x ``n`` choices)."""
 
-    def __init__(self, engine: EngineLoop, prompts: list[list[int]], params: list[SamplingParams],
+    def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
                  stops: list[str], timeout_s: float | None, prompt_tokens: int | None = None, *,
                  include_stop: bool = False, skip_special_tokens: bool = True, hidden: bool = False):
         self.engine = engine
@@ -170,29 +180,51 @@ class Generation:
             self.events.put_nowait(event)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Each step's output per choice, until all have finished. Raises APIError on a timeout or a failed
-        step; aborts what is still running when it stops early (closed by a disconnecting client)."""
+        """The choices' output until all have finished: per choice, one delta for what arrived since its last
+        one. Raises APIError on a timeout or a failed step; aborts what is still running when it stops early
+        (closed by a disconnecting client)."""
         try:
             while not self.finished:
                 try:
-                    index, item = await self._next()
+                    batch = [await self._next()]
                 except asyncio.TimeoutError:
                     raise APIError(504, "the request timed out", "timeout") from None
-                choice = self.choices[index]
-                if choice.finish_reason is not None or item is ACCEPTED:
-                    continue  # output queued before this choice's stop string was seen
-                if isinstance(item, Failure):
-                    raise APIError(item.status, item.message, item.type)
-                if choice.stops.stops:
-                    delta = await self.loop.run_in_executor(None, choice.consume, item)
+                while not self.events.empty():
+                    batch.append(self.events.get_nowait())
+                if any(self.choices[index].stops.stops for index, _ in batch):
+                    deltas, failure, stopped = await self.loop.run_in_executor(None, self._consume, batch)
                 else:
-                    delta = choice.consume(item)
-                if choice.finish_reason is not None and not item.finished:
+                    deltas, failure, stopped = self._consume(batch)
+                for choice in stopped:
                     self.engine.abort(choice.sub.request_id, "stop")  # a stop string ended it
-                if delta.text or delta.token_ids or delta.finish_reason:
+                for delta in deltas:
                     yield delta
+                if failure is not None:
+                    raise APIError(failure.status, failure.message, failure.type)
         finally:
             self.abort()
+
+    def _consume(self, batch: list) -> tuple[list[Delta], Failure | None, list[ChoiceState]]:
+        """A batch of events as one delta per choice (in the order they first appear, empty ones dropped), the
+        failure that ends the request (the events after it are moot) and the choices a stop string ended."""
+        merged: dict[int, Delta] = {}
+        stopped, failure = [], None
+        for index, item in batch:
+            choice = self.choices[index]
+            if choice.finish_reason is not None or item is ACCEPTED:
+                continue  # output queued before this choice's stop string was seen
+            if isinstance(item, Failure):
+                failure = item
+                break
+            delta = choice.consume(item)
+            if choice.finish_reason is not None and not item.finished:
+                stopped.append(choice)
+            if index in merged:
+                merged[index].extend(delta)
+            else:
+                merged[index] = delta
+        deltas = [d for d in merged.values() if d.text or d.token_ids or d.finish_reason]
+        return deltas, failure, stopped
 
     def abort(self) -> None:
         """Abort every choice that has not finished (a no-op for the engine once it has)."""

@@ -9,7 +9,8 @@ first token arrives (whatever ends it later: a stop string, a client that leaves
 then too, the inter-token latency of every later token (a step that brings several tokens of a request spreads
 the interval evenly over them), and when it ends, by any cause, its finish reason (``stop``, ``length``,
 ``abort``, ``error``), end-to-end latency, decode time, mean time per output token, prompt / generation
-token counts and ``max_tokens``. The engine loop observes them (``prometheus_client`` is thread-safe); the
+token counts and ``max_tokens``. The thread that delivers the engine's outputs observes them (the engine
+thread, or the reader of the engine core's updates; ``prometheus_client`` is thread-safe); the
 ``/metrics`` handler only renders. tripath's own extras (requests in the server, KV blocks, steps, step
 failures, refusals by reason, a generation rate) share the prefix.
 """
@@ -66,7 +67,7 @@ class _ByReason:
 
 
 class ServerMetrics:
-    """One registry per server. The engine loop calls :meth:`engine_ready` once, :meth:`observe_engine` after
+    """One registry per server. The engine's side calls :meth:`engine_ready` once, :meth:`observe_engine` after
     every step, :meth:`observe_tokens` per output with tokens, :meth:`observe_end` when a request ends."""
 
     def __init__(self, model_name: str = "", rate_window_s: float = 5.0):

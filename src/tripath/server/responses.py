@@ -4,7 +4,7 @@ A request's choices are its :class:`~tripath.server.generation.Generation`'s, pr
 ``p * n + j`` is completion ``j`` of prompt ``p``); with ``best_of`` the ``n`` best of each prompt's
 ``best_of`` completions (by cumulative log-probability) are returned, renumbered. With ``echo`` a
 completion's text (and ``logprobs``) starts with its prompt's. Log-probabilities take the API's shapes
-(:mod:`tripath.server.logprob_format`).
+(:mod:`tripath.server.logprob_format`); streamed events are framed by :mod:`tripath.server.sse`.
 """
 
 from __future__ import annotations
@@ -12,22 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 from typing import Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from tripath.server import protocol as P
+from tripath.server import sse
 from tripath.server.generation import APIError, ChoiceState, Delta, Generation
 from tripath.server.logprob_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 
 DISCONNECT_POLL_S = 0.25
-
-
-def _sse(payload) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
 
 
 async def respond(state, gen: Generation, body, request: Request, chat: bool, echo: list[str] | None = None):
@@ -92,9 +87,13 @@ def _returned(gen: Generation, body) -> list[tuple[int, ChoiceState]]:
     return out
 
 
+def _usage_fields(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens}
+
+
 def _usage(gen: Generation) -> P.Usage:
-    return P.Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                   total_tokens=gen.prompt_tokens + gen.completion_tokens)
+    return P.Usage(**_usage_fields(gen))
 
 
 def _completion_logprobs(tokenizer, body, c: ChoiceState, echo_text: str | None) -> dict | None:
@@ -145,7 +144,7 @@ class _EventStream(StreamingResponse):
             self._release()
 
 
-def _completion_chunk_choice(gen: Generation, body, tokenizer, echo, d: Delta, offsets: dict[int, int]):
+def _completion_chunk_choice(gen: Generation, body, tokenizer, echo, d: Delta, offsets: dict[int, int]) -> dict:
     """A completions chunk's choice for ``d``; its first chunk carries the echoed prompt. ``offsets``: each
     choice's text returned so far (for ``text_offset``), updated."""
     c = gen.choices[d.index]
@@ -164,45 +163,36 @@ def _completion_chunk_choice(gen: Generation, body, tokenizer, echo, d: Delta, o
                                          at + len(echo_text or "")))
         logprobs = merge_completion_logprobs(parts)
     offsets[d.index] = at + len(text)
-    return P.CompletionChoice(index=d.index, text=text, token_ids=d.token_ids, finish_reason=d.finish_reason,
-                              logprobs=logprobs)
+    return sse.completion_choice(d.index, text, d.token_ids, d.finish_reason, logprobs)
 
 
 async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: Callable[[], None]):
-    rid = P.new_id("chatcmpl" if chat else "cmpl")
-    model = body.model
+    framer = sse.ChunkFramer(P.new_id("chatcmpl" if chat else "cmpl"), body.model, chat)
     options = body.stream_options
     continuous = options is not None and options.continuous_usage_stats
     offsets: dict[int, int] = {}
     try:
         if chat:
             for i in range(len(gen.choices)):
-                first = P.ChatChunkChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
-                chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[first],
-                                              usage=_usage(gen) if continuous else None)
-                yield _sse(chunk.model_dump())
+                first = sse.chat_choice(i, "", [], None, role="assistant")
+                yield framer.chunk([first], _usage_fields(gen) if continuous else None)
         try:
             async for d in gen.deltas():
-                usage = _usage(gen) if continuous else None
+                usage = _usage_fields(gen) if continuous else None
                 if chat:
                     logprobs = chat_logprobs(tokenizer, d.token_ids, d.logprobs or [], body.top_logprobs or 0) \
                         if body.logprobs else None
-                    choice = P.ChatChunkChoice(index=d.index, delta=P.DeltaMessage(content=d.text),
-                                               token_ids=d.token_ids, finish_reason=d.finish_reason,
-                                               logprobs=logprobs)
-                    chunk = P.ChatCompletionChunk(id=rid, model=model, choices=[choice], usage=usage)
+                    choice = sse.chat_choice(d.index, d.text, d.token_ids, d.finish_reason, logprobs)
                 else:
                     choice = _completion_chunk_choice(gen, body, tokenizer, echo, d, offsets)
-                    chunk = P.CompletionResponse(id=rid, model=model, choices=[choice], usage=usage)
-                yield _sse(chunk.model_dump())
+                yield framer.chunk([choice], usage)
         except APIError as error:
             info = P.ErrorInfo(message=error.message, type=error.type, code=error.status)
-            yield _sse({"error": info.model_dump()})
-            yield _sse("[DONE]")
+            yield sse.event({"error": info.model_dump()})
+            yield sse.DONE
             return
         if options is not None and options.include_usage:
-            cls = P.ChatCompletionChunk if chat else P.CompletionResponse
-            yield _sse(cls(id=rid, model=model, choices=[], usage=_usage(gen)).model_dump())
-        yield _sse("[DONE]")
+            yield framer.chunk([], _usage_fields(gen))
+        yield sse.DONE
     finally:
         release()

@@ -1,0 +1,284 @@
+"""The engine seen from the HTTP process when it runs in its own process (the default of ``tripath serve``):
+:class:`EngineClient` starts the engine core (:mod:`~tripath.server.engine_core`, spawned) and serves the
+handlers' :class:`~tripath.server.submissions.Engine` interface as the in-process
+:class:`~tripath.server.engine_loop.EngineLoop` does, so the routes do not know which one they talk to.
+
+Two threads talk to the core over pipes (:mod:`~tripath.server.core_wire`): a writer sends the handlers'
+adds and aborts (whatever has queued up, in one message), so the event loop never waits on a pipe; a reader
+takes the core's messages — the engine's facts once it is built (the HTTP process then loads its own
+tokenizer, never the weights), then one update per step — and hands each update's items to the event loop
+in one ``call_soon_threadsafe`` (:class:`~tripath.server.submissions.SubmissionBook`), observing the metrics
+on the way.
+
+Failures keep the in-process semantics: a refused add or a failed step fails exactly its requests; ``stop``
+ends what is left with 503, tells the core to release the engine and waits for it (SIGKILL past the
+timeout). A core that dies (killed, crashed) closes its pipe: the reader fails every request in flight
+with 500, ``fatal_error`` names the exit, ``/health`` answers 503 and the server exits (``on_fatal``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from typing import Callable
+
+from tripath.server.core_wire import (decode_output, decode_stats, load_tokenizer_handle, receive, send,
+                                      widen)
+from tripath.server.engine_core import LOG_FORMAT, CoreSpec, core_main
+from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission, SubmissionBook
+
+log = logging.getLogger("tripath.server")
+
+KILL_GRACE_S = 5.0   # after stop's timeout, or at exit: how long a core may take to go before SIGKILL
+
+
+class EngineStartError(RuntimeError):
+    """The engine core could not build the engine (the message is the core's error)."""
+
+
+@contextlib.contextmanager
+def _stop_signals_ignored():
+    """SIGINT and SIGTERM ignored while the core is spawned (it inherits that, so a terminal's Ctrl-C cannot
+    kill it before it installs its own handlers); only the main thread may change them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is not responding"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+class EngineClient:
+    """The engine core process that ``make_llm()`` builds in, and the handlers' side of it. ``make_llm`` and
+    ``describe`` are pickled to the core: top-level functions, or ``functools.partial`` of them."""
+
+    def __init__(self, make_llm: Callable[[], object], metrics, on_fatal: Callable[[BaseException], None] | None = None,
+                 describe: Callable[[object], str] | None = None):
+        self._spec = CoreSpec(make_llm, describe, logging.getLogger().getEffectiveLevel(), LOG_FORMAT)
+        try:
+            pickle.dumps(self._spec)
+        except Exception as error:  # noqa: BLE001 - pickling raises many types
+            raise TypeError(f"the engine core process needs a picklable make_llm and describe (top-level functions "
+                            f"or functools.partial of them), got {make_llm!r}: {error}; run a closure in process "
+                            "(engine_in_process=True)") from None
+        self.metrics = metrics
+        self._on_fatal = on_fatal
+        self._book = SubmissionBook(metrics)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._settled = threading.Event()   # ready, or never going to be
+        self._stopping = False
+        self._closed = False                # nothing more comes from the core
+        self._stopped = False
+        self._stop_lock = threading.Lock()
+        self.process = None
+        self.tokenizer = None          # the HTTP process's own, once ready
+        self.vocab_size = 0
+        self.max_model_len = 0
+        self.max_num_seqs = 0
+        self.generation_defaults: dict = {}
+        self.startup_error: BaseException | None = None
+        self._fatal: BaseException | None = None
+        self._gone = Failure(500, "the engine core process has stopped", "server_error")   # set as it ends
+
+    # ---- the Engine interface ---------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and not self._stopping and not self._closed
+
+    @property
+    def starting(self) -> bool:
+        return not self._settled.is_set() and not self._stopping
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive() and not self._closed
+
+    @property
+    def fatal_error(self) -> BaseException | None:
+        return self._fatal
+
+    @property
+    def core_pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._settled.wait(timeout)
+        return self.ready
+
+    def start(self) -> None:
+        """Spawn the core (it builds the engine while the server answers ``/health`` with 503)."""
+        context = multiprocessing.get_context("spawn")   # CUDA forbids fork after it is initialised
+        commands_in, commands = context.Pipe(duplex=False)
+        updates, updates_out = context.Pipe(duplex=False)
+        widen(commands)
+        widen(updates)
+        self.process = context.Process(target=core_main, args=(self._spec, commands_in, updates_out),
+                                       name="tripath-engine-core")   # not daemonic: it spawns the TP ranks
+        with _stop_signals_ignored():
+            self.process.start()
+        commands_in.close()   # the core holds its ends: its exit closes them, and the reader sees EOF
+        updates_out.close()
+        self._commands, self._updates = commands, updates
+        self._reader = threading.Thread(target=self._read, name="tripath-core-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="tripath-core-writer", daemon=True)
+        self._reader.start()
+        self._writer.start()
+        atexit.register(self._kill)
+        log.info("engine core process %d started", self.process.pid)
+
+    def submit(self, sub: Submission) -> None:
+        self._book.register(sub)
+        if self._stopping or self._closed:   # checked after registering: see SubmissionBook
+            self._book.refuse(sub.request_id, SHUTTING_DOWN if self._stopping else self._gone)
+            self._book.flush()
+            return
+        self._outbox.put(("add", sub.request_id, sub.prompt_token_ids, sub.params))
+
+    def abort(self, request_id: str, outcome: str = "abort") -> None:
+        """Abort a request (``outcome``: its finish reason in the metrics, ``abort`` or ``stop``)."""
+        if self._book.end(request_id, outcome) is not None and not self._closed:
+            self._outbox.put(("abort", request_id))
+
+    def prepare_structured_output(self, spec) -> None:
+        """Nothing here: the core compiles the constraint when the request arrives (a constraint that does not
+        compile refuses the request with 400)."""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """End what is in flight (503), have the core release the engine, and wait for it up to ``timeout``
+        (then SIGKILL); idempotent."""
+        self._stopping = True
+        self._book.fail_all(SHUTTING_DOWN)
+        self._book.flush()
+        with self._stop_lock:   # a second call returns once the first is done
+            if self.process is None or self._stopped:
+                return
+            self._stopped = True
+            deadline = time.monotonic() + timeout
+            self._outbox.put(("stop",))
+            self._reader.join(timeout)
+            self.process.join(max(0.0, deadline - time.monotonic()))
+            if self.process.is_alive():
+                log.warning("the engine core did not stop within %.0f s: killing it", timeout)
+                self._kill(grace_s=0.0)
+            for conn in (self._commands, self._updates):
+                conn.close()
+            log.info("engine stopped")
+
+    # ---- the threads ------------------------------------------------------------------------------------
+    def _write(self) -> None:
+        while True:
+            batch = [self._outbox.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._outbox.get_nowait())
+            try:
+                send(self._commands, batch)
+            except OSError:   # the core is gone: the reader reports it
+                return
+            if any(command[0] == "stop" for command in batch):
+                return
+
+    def _read(self) -> None:
+        error: BaseException | None = None
+        try:
+            while True:
+                message = receive(self._updates)
+                if message[0] == "update":
+                    self._on_update(*message[1:])
+                elif message[0] == "ready":
+                    self._on_ready(message[1])
+                elif message[0] == "start_failed":
+                    self.startup_error = EngineStartError(message[1])
+                    break
+                elif message[0] == "stopped":
+                    break
+        except (EOFError, OSError):
+            pass
+        except Exception as failed:  # noqa: BLE001 - a reader that dies must not leave requests hanging
+            log.error("reading the engine core's messages failed:\n%s", traceback.format_exc())
+            error = failed
+        finally:
+            self._close(error)
+
+    def _on_ready(self, facts: dict) -> None:
+        try:
+            self.tokenizer = load_tokenizer_handle(facts["tokenizer"])
+        except Exception as error:  # noqa: BLE001 - the server cannot serve without it: a start failure
+            self.startup_error = EngineStartError(f"loading the tokenizer failed: {type(error).__name__}: {error}")
+            self._outbox.put(("stop",))
+            return
+        self.vocab_size, self.max_model_len = facts["vocab_size"], facts["max_model_len"]
+        self.max_num_seqs, self.generation_defaults = facts["max_num_seqs"], facts["generation_defaults"]
+        self.metrics.engine_ready(self.max_model_len)
+        self._ready.set()
+        self._settled.set()
+        log.info("engine ready: %s", facts["summary"])
+
+    def _on_update(self, accepted, refused, outputs, failed, stats, step_failures) -> None:
+        book = self._book
+        for request_id in accepted:
+            book.accept(request_id)
+        for request_id, status, message, kind in refused:
+            book.refuse(request_id, Failure(status, message, kind))
+        num_new = book.outputs([decode_output(item) for item in outputs], time.perf_counter())
+        if step_failures:
+            self.metrics.step_failures.inc(step_failures)
+        for request_ids, status, message, kind in failed:
+            book.fail(request_ids, Failure(status, message, kind))
+        book.publish(decode_stats(stats), num_new)
+        book.flush()
+
+    def _close(self, error: BaseException | None) -> None:
+        """The reader's end: nothing more comes from the core. Unless asked to stop, that is fatal."""
+        if self._stopping:
+            self._closed = True
+            self._settled.set()
+            return
+        self.process.join(KILL_GRACE_S)   # it is gone, or going: how it ended
+        failure = self._gone = Failure(500, f"the engine core process {_exit_text(self.process.exitcode)}",
+                                       "server_error")
+        self._closed = True   # after _gone: submit() reads it once it sees _closed
+        if self.startup_error is None and not self._ready.is_set():
+            self.startup_error = EngineStartError(failure.message + " before the engine was built")
+        cause = self.startup_error or error or RuntimeError(failure.message)
+        if self.startup_error is None:
+            self._fatal = cause
+            log.error("%s: failing the %d requests in flight", failure.message, len(self._book))
+        self._book.fail_all(failure)
+        self._book.flush()
+        self._settled.set()
+        if self._on_fatal is not None:
+            self._on_fatal(cause)
+
+    def _kill(self, grace_s: float = KILL_GRACE_S) -> None:
+        """At exit, or past stop's timeout: the core gets ``grace_s`` to see its command pipe close and stop,
+        then SIGKILL (it ignores SIGTERM)."""
+        process = self.process
+        if process is None or not process.is_alive():
+            return
+        with contextlib.suppress(OSError):
+            self._commands.close()
+        process.join(grace_s)
+        if process.is_alive():
+            process.kill()
+            process.join()

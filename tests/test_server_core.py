@@ -1,0 +1,223 @@
+"""The engine core in its own process (the default of ``tripath serve``): what crosses the pipes, the stream
+framing, coalescing for a lagging client, and the process split's failure semantics end to end on the tiny
+preset — a killed core fails the streams in flight, makes ``/health`` 503 and the server exit 1; Ctrl-C to
+the whole process group drains the streams, then stops both processes; a killed server takes its core with
+it."""
+
+import asyncio
+import functools
+import json
+import os
+import pickle
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+
+from tripath.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput, SamplingParams
+from tripath.engine.stats import EngineStats
+from tripath.server.core_wire import StepOutput, decode_output, decode_stats, encode_output, encode_stats
+
+pytest.importorskip("fastapi")
+
+from fault_engines import faulty_llm  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+from tripath.server import protocol as P  # noqa: E402
+from tripath.server import sse  # noqa: E402
+from tripath.server.generation import Generation  # noqa: E402
+from tripath.server.submissions import ACCEPTED  # noqa: E402
+
+SERVE = ["--model", "tiny-llama", "--backend", "torch", "--num-kv-blocks", "160", "--max-model-len", "2048"]
+
+
+def test_a_step_output_crosses_the_wire_whole():
+    logprobs = [{5: Logprob(-0.5, 1), 9: Logprob(-1.25, 2)}, {7: Logprob(-3.0, 4), 5: Logprob(-0.125, 1)}]
+    prompt_logprobs = [None, {3: Logprob(-2.0, 3)}]
+    out = RequestOutput("srv-1-0", None, [1, 3], [CompletionOutput(0, None, [5, 7], None, None, FinishReason.LENGTH)],
+                        True, [5, 7], logprobs, prompt_logprobs)
+    got = decode_output(pickle.loads(pickle.dumps(encode_output(out, True))))
+    assert (got.request_id, got.new_token_ids, got.finished, got.finish_reason) == ("srv-1-0", [5, 7], True,
+                                                                                    FinishReason.LENGTH)
+    assert got.new_logprobs == logprobs and got.prompt_logprobs == prompt_logprobs
+    assert decode_output(encode_output(out, False)).prompt_logprobs is None   # sent once, with the first output
+    running = RequestOutput("r", None, [1], [CompletionOutput(0, None, [4], None)], False, [4])
+    assert decode_output(encode_output(running, False)).finish_reason is None
+    stats = EngineStats(3, 1, 10, 63, 400, 128, 2, 99)
+    assert decode_stats(pickle.loads(pickle.dumps(encode_stats(stats)))) == stats
+
+
+def test_stream_events_are_the_api_chunks():
+    framer = sse.ChunkFramer("cmpl-1", "tiny", chat=False)
+    text = framer.chunk([sse.completion_choice(0, "naïve", [1, 2], "length")], {"prompt_tokens": 3,
+                                                                            "completion_tokens": 2, "total_tokens": 5})
+    assert text.startswith("data: {") and text.endswith("}\n\n")
+    got = json.loads(text[6:])
+    want = P.CompletionResponse(id="cmpl-1", model="tiny", created=got["created"], usage=P.Usage(
+        prompt_tokens=3, completion_tokens=2, total_tokens=5), choices=[P.CompletionChoice(
+            index=0, text="naïve", token_ids=[1, 2], finish_reason="length")]).model_dump()
+    assert got == want and list(got) == list(want) and list(got["choices"][0]) == list(want["choices"][0])
+    chat = sse.ChunkFramer("chatcmpl-1", "tiny", chat=True)
+    for choice, model_choice in ((sse.chat_choice(1, "", [], None, role="assistant"),
+                                  P.ChatChunkChoice(index=1, delta=P.DeltaMessage(role="assistant", content=""))),
+                                 (sse.chat_choice(0, "hi", [7], "stop"),
+                                  P.ChatChunkChoice(index=0, delta=P.DeltaMessage(content="hi"), token_ids=[7],
+                                                    finish_reason="stop"))):
+        got = json.loads(chat.chunk([choice])[6:])
+        want = P.ChatCompletionChunk(id="chatcmpl-1", model="tiny", created=got["created"],
+                                     choices=[model_choice]).model_dump()
+        assert got == want and list(got) == list(want)
+
+
+class _EchoEngine:
+    """Accepts every submission; the test plays the engine's outputs itself."""
+
+    tokenizer = None
+
+    def submit(self, sub):
+        sub.events.put_nowait((sub.index, ACCEPTED))
+
+    def abort(self, request_id, outcome="abort"):
+        pass
+
+
+def test_a_lagging_stream_gets_one_event_for_what_it_missed():
+    async def run():
+        gen = Generation(_EchoEngine(), [[1, 2], [1, 2]], [SamplingParams(max_tokens=3)] * 2, [], None)
+        await gen.start()
+        for k, token in enumerate([5, 6, 7]):   # three steps arrive before the stream is read
+            for choice in gen.choices:
+                reason = FinishReason.LENGTH if k == 2 else None
+                gen.events.put_nowait((choice.sub.index, StepOutput(choice.sub.request_id, [token + choice.sub.index],
+                                                                    k == 2, reason)))
+        return [d async for d in gen.deltas()]
+
+    deltas = asyncio.run(run())
+    assert [(d.index, d.token_ids, d.finish_reason) for d in deltas] == [(0, [5, 6, 7], "length"),
+                                                                        (1, [6, 7, 8], "length")]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def _post(app, path="/v1/completions", body=None):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as h:
+        return await (h.get(path) if body is None else h.post(path, json=body))
+
+
+def test_a_killed_core_fails_its_streams_and_health_answers_503(monkeypatch):
+    """In process through ASGI, the core spawned: SIGKILL it mid-stream."""
+    from tripath.server.app import build_app
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    fatal = []
+    app = build_app(functools.partial(faulty_llm, 0.01, 64), model_name="tiny", on_fatal=fatal.append)
+    engine = app.state.server.engine
+    engine.start()
+    try:
+        assert engine.wait_ready(120)
+        pid = engine.core_pid
+
+        async def scenario():   # ASGITransport answers once the response is whole: kill from beside it
+            body = {"model": "tiny", "prompt": [4, 5], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            response = asyncio.ensure_future(_post(app, body=body))
+            while engine.metrics.generation_tokens._value.get() == 0:
+                await asyncio.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+            return await response
+
+        events = [line for line in asyncio.run(scenario()).text.splitlines() if line.startswith("data:")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == 500 and "killed by SIGKILL" in error["message"], error
+        health = asyncio.run(_post(app, "/health"))
+        assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"], health.text
+        late = asyncio.run(_post(app, body={"model": "tiny", "prompt": [4, 5], "max_tokens": 2}))
+        assert late.status_code == 503
+        assert len(fatal) == 1 and not engine.alive
+    finally:
+        engine.stop(10)
+    assert not _running(pid)
+
+
+def _stream_first_event(url: str, max_tokens: int):
+    client = httpx.Client(base_url=url, timeout=60)
+    body = {"model": "tiny-llama", "prompt": [9, 9], "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    cm = client.stream("POST", "/v1/completions", json=body)
+    lines = cm.__enter__().iter_lines()
+    first = next(line for line in lines if line.startswith("data:"))
+    return client, cm, lines, first
+
+
+def test_the_server_exits_1_when_its_core_is_killed(tmp_path):
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
+    try:
+        client, cm, lines, _ = _stream_first_event(server.url, 2000)
+        os.kill(server.core_pid(), signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data:")]
+        cm.__exit__(None, None, None)
+        client.close()
+        assert rest[-1] == "data: [DONE]" and "killed by SIGKILL" in rest[-2]
+        assert server.proc.wait(30) == 1, server.log()
+        assert "the engine stopped serving: the engine core process was killed by SIGKILL" in server.log()
+    finally:
+        server.close()
+
+
+def test_ctrl_c_to_the_process_group_drains_then_stops_both_processes(tmp_path):
+    """SIGINT reaches the server and its core alike (a terminal's Ctrl-C): the core ignores it, the server
+    lets the stream finish, then stops the core."""
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info", new_session=True)
+    try:
+        core = server.core_pid()
+        client, cm, lines, first = _stream_first_event(server.url, 300)
+        server.signal_group(signal.SIGINT)
+        events = [first] + [line for line in lines if line.startswith("data:")]
+        cm.__exit__(None, None, None)
+        client.close()
+        tokens = sum(len(json.loads(e[6:])["choices"][0]["token_ids"]) for e in events[:-1])
+        assert tokens == 300 and events[-1] == "data: [DONE]", events[-2:]
+        server.proc.wait(30)
+        assert server.proc.returncode in (0, -signal.SIGINT), server.log()
+        log = server.log()
+        assert "engine core stopped" in log and "engine stopped" in log and "Traceback" not in log
+        for _ in range(50):
+            if not _running(core):
+                break
+            time.sleep(0.1)
+        assert not _running(core)
+    finally:
+        server.close()
+
+
+def test_a_killed_server_takes_its_core_with_it(tmp_path):
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
+    try:
+        core = server.core_pid()
+        server.proc.kill()   # SIGKILL: no shutdown of any kind; the core sees its command pipe close
+        server.proc.wait()
+        deadline = time.monotonic() + 20
+        while _running(core):
+            assert time.monotonic() < deadline, "the engine core outlived its server"
+            time.sleep(0.1)
+    finally:
+        server.close()
+
+
+def test_the_transport_benchmark_runs():
+    from tripath.bench.core_transport import main
+
+    assert main(["--outputs", "16", "--tokens", "2", "--messages", "50"]) == 0
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
