@@ -264,11 +264,11 @@ class EngineClient:
         if self.startup_error is None:
             self._fatal = cause
             log.error("%s: failing the %d requests in flight", failure.message, len(self._book))
+        if self._on_fatal is not None:   # before any request sees the failure: the exit is decided first
+            self._on_fatal(cause)
         self._book.fail_all(failure)
         self._book.flush()
         self._settled.set()
-        if self._on_fatal is not None:
-            self._on_fatal(cause)
 
     def _kill(self, grace_s: float = KILL_GRACE_S) -> None:
         """At exit, or past stop's timeout: the core gets ``grace_s`` to see its command pipe close and stop,
