@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import logging
 import time
 
@@ -98,6 +100,7 @@ def plan_memory(runner, pool: CompilePool | None = None) -> MemoryPlan:
     peaks = measure_step_peaks(runner, steps, scratch)
     del scratch
     torch.cuda.synchronize(device)
+    gc.collect()   # an engine the caller dropped may still hold its cache through a reference cycle
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     graph_pools = 0
