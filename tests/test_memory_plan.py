@@ -191,8 +191,10 @@ def test_the_token_budget_shrinks_to_a_floor_and_not_without_chunked_prefill():
 
 
 # ---- GPU: every GPU preset with its defaults --------------------------------------------------------------
-GPU_PRESETS = [("llama-3.1-8b", "three_path"), ("qwen3-235b-attn-tp8", "three_path"),
-               ("deepseek-r1-attn-tp8", "mla"), ("kimi-nope-attn-tp8", "mla")]
+GPU_PRESETS = [(preset, backend) for preset in ("llama-3.1-8b", "qwen3-235b-attn-tp8")
+               for backend in ("three_path", "two_path", "unified")]
+GPU_PRESETS += [(preset, backend) for preset in ("deepseek-r1-attn-tp8", "kimi-nope-attn-tp8")
+                for backend in ("mla", "mla_triton")]
 
 
 @pytest.mark.gpu
