@@ -12,7 +12,6 @@ verdicts on synthetic results, and the detectors on real compiler output of tiny
 from __future__ import annotations
 
 import importlib
-import inspect
 import pkgutil
 
 import pytest

@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from server_process import ServerProcess
 

@@ -13,7 +13,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from server_process import SRC, ServerProcess
 

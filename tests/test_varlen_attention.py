@@ -232,7 +232,6 @@ def test_hopper_fast_path_dispatch(monkeypatch):
                                           SINGLE_SHORT_BLOCK_N, SINGLE_SHORT_STAGES, WG_ROWS)
     from tripath.platform import H200, MI300X, override_platform
     lengths = [48, SHORT_KEYS + 76]
-    cu = cu_seqlens(lengths, DEVICE)
     bf16 = torch.bfloat16
 
     def qkv(hq=8, hkv=2, d=128, dtype=bf16):

@@ -13,7 +13,7 @@ from tripath.attention import default_block_size
 from tripath.engine import LLM, SamplingParams
 from tripath.engine.warmup import (WarmupLimits, levels, saved_plan_path, warm_up, warmup_shapes)
 from tripath.models import PRESETS, build_model, init_random_weights
-from tripath.triton_internals import LaunchRecord, capture_launches, launch_key
+from tripath.triton_internals import capture_launches, launch_key
 from tripath.platform import H200, override_platform
 
 from conftest import DEVICE, HAS_GPU

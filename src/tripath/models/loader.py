@@ -19,7 +19,6 @@ import os
 import re
 
 import torch
-from torch import nn
 
 from tripath.models.base import CausalLM
 from tripath.models.config import ModelConfig, config_from_hf
