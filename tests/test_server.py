@@ -20,7 +20,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
-from server_models import save_tiny_hf_llama  # noqa: E402  (needs transformers)
 from tripath.engine import LLM, SamplingParams  # noqa: E402
 
 PRESET = "tiny-llama"
@@ -37,29 +36,22 @@ else:
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf")
-    save_tiny_hf_llama(path)
-    return str(path)
-
-
 def _serve(args, tmp_path_factory, log_level="warning"):
     log = tmp_path_factory.mktemp("log") / "server.log"
     return ServerProcess(args, log, log_level=log_level)
 
 
 @pytest.fixture(scope="module")
-def hf_server(hf_dir, tmp_path_factory):
-    server = _serve(["--model", hf_dir, "--served-model-name", "tiny-hf", *ENGINE_ARGS,
+def hf_server(tiny_hf_dir, tmp_path_factory):
+    server = _serve(["--model", tiny_hf_dir, "--served-model-name", "tiny-hf", *ENGINE_ARGS,
                      "--num-kv-blocks", "64", "--max-model-len", "256"], tmp_path_factory)
     yield server
     server.close()
 
 
 @pytest.fixture(scope="module")
-def hf_llm(hf_dir):
-    return LLM(hf_dir, num_kv_blocks=64, max_model_len=256, **ENGINE)
+def hf_llm(tiny_hf_dir):
+    return LLM(tiny_hf_dir, num_kv_blocks=64, max_model_len=256, **ENGINE)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from server_process import ServerProcess
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
-from server_models import save_tiny_hf_llama  # noqa: E402  (needs transformers)
 from tripath.engine import LLM, SamplingParams  # noqa: E402
 from tripath.server import protocol as P  # noqa: E402
 
@@ -31,16 +30,9 @@ pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf")
-    save_tiny_hf_llama(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(hf_dir, tmp_path_factory):
+def server(tiny_hf_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "server.log"
-    proc = ServerProcess(["--model", hf_dir, "--served-model-name", "tiny-hf", *ENGINE_ARGS, "--num-kv-blocks",
+    proc = ServerProcess(["--model", tiny_hf_dir, "--served-model-name", "tiny-hf", *ENGINE_ARGS, "--num-kv-blocks",
                           "64", "--max-model-len", "256", "--max-num-seqs", "8", "--max-queue-depth", "24",
                           "--max-request-bytes", str(MAX_BYTES)], log)
     yield proc
@@ -113,7 +105,7 @@ def _hostile(model):
     ]
 
 
-def test_hostile_requests_beside_streams_in_flight(server, hf_dir):
+def test_hostile_requests_beside_streams_in_flight(server, tiny_hf_dir):
     prompts = [[5 + i, 9, 14, 3 + i] for i in range(3)]
     bodies = [{"model": "tiny-hf", "prompt": p, "max_tokens": 120, "temperature": 0, "stream": True,
                "ignore_eos": True} for p in prompts]
@@ -140,7 +132,7 @@ def test_hostile_requests_beside_streams_in_flight(server, hf_dir):
     finally:
         watch.stop()
     assert watch.slowest < 1.0 and not watch.failures, (watch.slowest, watch.failures)
-    llm = LLM(hf_dir, num_kv_blocks=64, max_model_len=256, backend="torch")
+    llm = LLM(tiny_hf_dir, num_kv_blocks=64, max_model_len=256, backend="torch")
     want = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True), use_tqdm=False)
     for (ids, finish), w in zip(results, want):
         assert ids == w.output_token_ids and finish == "length"

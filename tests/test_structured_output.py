@@ -10,7 +10,6 @@ import pytest
 pytest.importorskip("xgrammar")
 pytest.importorskip("transformers")
 
-from server_models import save_tiny_hf_llama  # noqa: E402
 from tripath.engine import LLM, SamplingParams  # noqa: E402
 from tripath.engine.structured_output import StructuredOutput  # noqa: E402
 
@@ -18,17 +17,10 @@ SCHEMA = {"type": "object", "properties": {"word": {"enum": ["fox", "dog", "serv
           "required": ["word", "ok"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hf")
-    save_tiny_hf_llama(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("async_scheduling,max_num_batched_tokens", [(False, 64), (True, 64), (True, 5)])
-def test_constrained_outputs_obey_and_unconstrained_neighbours_do_not_change(hf_dir, async_scheduling,
+def test_constrained_outputs_obey_and_unconstrained_neighbours_do_not_change(tiny_hf_dir, async_scheduling,
                                                                              max_num_batched_tokens):
-    llm = LLM(hf_dir, backend="torch", num_kv_blocks=64, max_model_len=256, async_scheduling=async_scheduling,
+    llm = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64, max_model_len=256, async_scheduling=async_scheduling,
               max_num_batched_tokens=max_num_batched_tokens)
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     alone = llm.generate(["Hello world", "The quick"], plain, use_tqdm=False)
@@ -50,7 +42,7 @@ def test_constrained_outputs_obey_and_unconstrained_neighbours_do_not_change(hf_
         assert isinstance(json.loads(object_out), dict)
 
 
-def test_bad_constraints_are_named(hf_dir):
+def test_bad_constraints_are_named(tiny_hf_dir):
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutput(regex="a", choice=("b",))
     with pytest.raises(ValueError, match="choice"):
@@ -59,7 +51,7 @@ def test_bad_constraints_are_named(hf_dir):
         StructuredOutput(json="{nope")
     with pytest.raises(TypeError, match="structured_output"):
         SamplingParams(structured_output={"regex": "a"})
-    llm = LLM(hf_dir, backend="torch", num_kv_blocks=16, max_model_len=128)
+    llm = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=16, max_model_len=128)
     with pytest.raises(ValueError, match="could not be compiled"):
         llm.generate(["x"], SamplingParams(structured_output=StructuredOutput(regex="(unclosed")), use_tqdm=False)
     assert not llm.has_unfinished_requests()
