@@ -347,6 +347,7 @@ def test_bench_serve_online_against_the_server(preset_server, tmp_path, capsys):
         assert r["num_requests"] == 24 and r["num_failed"] == 0 and r["total_output_tokens"] == 24 * 5
         assert r["model"] == PRESET and 0 < r["ttft_s"]["p50"] <= r["e2e_s"]["p50"] <= r["e2e_s"]["p99"]
         assert r["itl_s"]["mean"] > 0 and r["tpot_s"]["mean"] > 0 and r["output_throughput"] > 0
+        assert r["client_processes"] == 1 and 0 < r["server_ttft_mean_s"] <= r["ttft_s"]["mean"]
     table = capsys.readouterr().out
     assert "TTFT mean (s)" in table and len(table.strip().splitlines()) == 4
     assert (tmp_path / "serve.csv").read_text().splitlines()[0].count("ttft_s.p99") == 1
@@ -371,4 +372,18 @@ def test_bench_serve_online_runs_an_offline_workload_and_compares(preset_server,
     assert len((tmp_path / "online.csv").read_text().splitlines()) == 3   # header, server, offline
     printed = capsys.readouterr().out
     assert "server / offline: output tok/s" in printed and "TTFT p50" in printed
+    assert all(p["server_ttft_mean_s"] > 0 for p in report["passes"])
+    assert _idle(preset_server) == (0, 0, 0, 0)
+
+
+def test_the_benchmark_client_spread_over_processes_returns_every_record_in_request_order(preset_server):
+    from tripath.bench.serve_clients import ClientPool
+    from tripath.bench.serve_online import Workload
+
+    prompts = [[5 + i % 7] * (3 + i) for i in range(11)]   # a distinct length per request
+    with ClientPool(3) as pool:
+        records, elapsed = pool.run(preset_server.url, PRESET, Workload(prompts, 4), 200.0, 5, seed=1)
+    assert [r.prompt_tokens for r in records] == [len(p) for p in prompts]
+    assert all(r.ok and r.output_tokens == 4 for r in records)
+    assert elapsed >= max(r.e2e_s for r in records)
     assert _idle(preset_server) == (0, 0, 0, 0)

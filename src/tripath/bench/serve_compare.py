@@ -17,15 +17,15 @@ p50 against the offline mean TTFT.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
 import sys
 
 from tripath.bench.serve import workload_from_args
+from tripath.bench.serve_clients import ClientPool, default_client_processes, server_ttft_mean, server_ttft_totals
 from tripath.bench.serve_online import Workload as Requests
-from tripath.bench.serve_online import run_benchmark, served_model
+from tripath.bench.serve_online import served_model
 from tripath.bench.serve_report import format_table, summarize, write_csv, write_json
 from tripath.bench.serve_rounds import median_pass
 from tripath.bench.serve_workloads import Workload, make_prompts
@@ -33,26 +33,32 @@ from tripath.bench.serve_workloads import Workload, make_prompts
 ONLINE_FIELDS = ("num_requests", "input_len", "input_len_spread", "output_len", "max_concurrency")
 TABLE = [("backend", "run"), ("num_failed", "failed"), ("first_pass_s", "1st pass s"), ("warm_pass_s", "warm pass s"),
          ("output_throughput", "out tok/s"), ("total_throughput", "total tok/s"), ("ttft_s.mean", "TTFT mean"),
-         ("ttft_s.p50", "p50"), ("ttft_s.p99", "p99"), ("tpot_s.mean", "TPOT mean"), ("tpot_s.p50", "p50"),
+         ("ttft_s.p50", "p50"), ("ttft_s.p99", "p99"), ("server_ttft_mean_s", "server TTFT mean"),
+         ("tpot_s.mean", "TPOT mean"), ("tpot_s.p50", "p50"),
          ("tpot_s.p99", "p99")]
 SHAPE = ("num_requests", "input_len", "input_len_spread", "output_len", "max_concurrency", "prefix_share")
 
 
 def run_passes(args, workload: Workload, model: str, vocab: int) -> list[dict]:
-    """``args.passes`` passes of ``workload`` through the server; each pass's report."""
-    def extra_fields(index: int) -> dict:
-        return {"logprobs": workload.logprobs} if workload.asks_logprobs(index) else {}
-
+    """``args.passes`` passes of ``workload`` through the server (``args.client_processes`` client processes);
+    each pass's report, with the server's own mean TTFT (``server_ttft_mean_s``, from its ``/metrics``)."""
+    extras = [{"logprobs": workload.logprobs} if workload.asks_logprobs(i) else {}
+              for i in range(workload.num_requests)]
+    processes = args.client_processes or default_client_processes(workload.max_concurrency, workload.num_requests)
     passes = []
-    for index in range(args.passes):
-        requests = Requests(make_prompts(workload, vocab, args.seed + index), workload.output_len)
-        records, elapsed = asyncio.run(run_benchmark(args.url, model, requests, math.inf, workload.max_concurrency,
-                                                     args.seed, args.temperature, extra_fields))
-        report = summarize(records, elapsed)
-        report["errors"] = sorted({r.error for r in records if not r.ok})[:10]
-        passes.append(report)
-        print(f"pass {index + 1} of {args.passes}: {report['num_requests'] - report['num_failed']}/"
-              f"{report['num_requests']} ok in {elapsed:.2f} s", file=sys.stderr)
+    with ClientPool(processes) as pool:
+        for index in range(args.passes):
+            requests = Requests(make_prompts(workload, vocab, args.seed + index), workload.output_len)
+            before = server_ttft_totals(args.url)
+            records, elapsed = pool.run(args.url, model, requests, math.inf, workload.max_concurrency, args.seed,
+                                        args.temperature, extras)
+            report = summarize(records, elapsed)
+            report["server_ttft_mean_s"] = server_ttft_mean(before, server_ttft_totals(args.url))
+            report["client_processes"] = processes
+            report["errors"] = sorted({r.error for r in records if not r.ok})[:10]
+            passes.append(report)
+            print(f"pass {index + 1} of {args.passes}: {report['num_requests'] - report['num_failed']}/"
+                  f"{report['num_requests']} ok in {elapsed:.2f} s ({processes} client processes)", file=sys.stderr)
     return passes
 
 
@@ -63,7 +69,7 @@ def server_row(workload_name: str, model: str, passes: list[dict]) -> dict:
             "num_failed": sum(p["num_failed"] for p in passes), "first_pass_s": first["elapsed_s"],
             "warm_pass_s": warm["elapsed_s"], "warm_passes_s": [p["elapsed_s"] for p in passes[1:]],
             **{key: warm[key] for key in ("output_throughput", "total_throughput", "ttft_s", "tpot_s", "itl_s",
-                                          "e2e_s")}}
+                                          "e2e_s", "server_ttft_mean_s")}}
 
 
 def offline_row(path: str, backend: str | None, workload: Workload) -> tuple[dict, list[str]]:

@@ -24,13 +24,14 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tripath.bench.serve_report import RequestRecord, format_table, summarize, write_csv, write_json
 
 TABLE = [("request_rate", "rate (req/s)"), ("max_concurrency", "max conc."), ("num_requests", "requests"),
          ("num_failed", "failed"), ("request_throughput", "req/s"), ("output_throughput", "out tok/s"),
-         ("ttft_s.mean", "TTFT mean (s)"), ("ttft_s.p99", "TTFT p99 (s)"), ("tpot_s.mean", "TPOT mean (s)"),
+         ("ttft_s.mean", "TTFT mean (s)"), ("ttft_s.p99", "TTFT p99 (s)"),
+         ("server_ttft_mean_s", "server TTFT mean (s)"), ("tpot_s.mean", "TPOT mean (s)"),
          ("itl_s.p50", "ITL p50 (s)"), ("itl_s.p99", "ITL p99 (s)"), ("e2e_s.p50", "e2e p50 (s)"),
          ("e2e_s.p99", "e2e p99 (s)")]
 
@@ -115,18 +116,23 @@ async def _one(client, url: str, body: dict, prompt_tokens: int) -> RequestRecor
 
 
 async def run_benchmark(base_url: str, model: str, workload: Workload, rate: float, max_concurrency: int | None,
-                        seed: int, temperature: float = 0.0, extra_fields: Callable[[int], dict] | None = None
+                        seed: int, temperature: float = 0.0, extras: Sequence[dict] | None = None, *,
+                        offsets: Sequence[float] | None = None, start_at: float | None = None
                         ) -> tuple[list[RequestRecord], float]:
-    """Send the workload; returns each request's record and the wall time from the first start to the last
-    finish. ``extra_fields(i)``: more body fields of request ``i``."""
+    """Send the workload; returns each request's record and the wall time from the start to the last finish.
+    ``extras[i]``: more body fields of request ``i``; ``offsets``: the requests' start times (s from the
+    start; default: :func:`arrival_offsets` of ``rate``); ``start_at``: when to start (``time.time()``; default
+    now), so that several client processes (:mod:`tripath.bench.serve_clients`) start together."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
-    offsets = arrival_offsets(len(workload.prompts), rate, seed)
+    offsets = arrival_offsets(len(workload.prompts), rate, seed) if offsets is None else offsets
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connections = max_concurrency or len(workload.prompts)
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         start = time.perf_counter()
 
         async def launch(index, prompt, offset):
@@ -135,7 +141,7 @@ async def run_benchmark(base_url: str, model: str, workload: Workload, rate: flo
                 await asyncio.sleep(delay)
             body = {"model": model, "prompt": prompt, "max_tokens": workload.output_len, "temperature": temperature,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                    **(extra_fields(index) if extra_fields is not None else {})}
+                    **(extras[index] if extras is not None else {})}
             if limit is None:
                 return await _one(client, url, body, len(prompt))
             async with limit:
@@ -204,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --workload: the offline mode's --json of the same workload, shown beside")
     parser.add_argument("--backend", default=None,
                         help="with --against: the offline row to compare (default: the first)")
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help="spread the requests over this many client processes, so that the client is not "
+                             "what is measured (default: one per 16 streams in flight, at most half the CPUs)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the reports (a list, one per rate) to this file")
@@ -217,6 +226,8 @@ def main_online(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.client_processes is not None and args.client_processes < 1:
+        parser.error(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.workload is not None:
         from tripath.bench.serve_compare import main_workload
         return main_workload(args, parser)
@@ -230,20 +241,18 @@ def main_online(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - unreachable server, bad arguments
         print(f"tripath bench serve: error: {error}", file=sys.stderr)
         return 2
+    from tripath.bench.serve_clients import ClientPool, default_client_processes, server_ttft_mean, server_ttft_totals
+
+    processes = args.client_processes or default_client_processes(args.max_concurrency, args.num_requests)
     reports = []
-    for rate in args.request_rate:
-        records, elapsed = asyncio.run(run_benchmark(args.url, model, workload, rate, args.max_concurrency,
-                                                     args.seed, args.temperature))
-        report = {"mode": "online", "url": args.url, "model": model,
-                  "request_rate": rate if math.isfinite(rate) else "inf",
-                  "max_concurrency": args.max_concurrency, "input_len": args.input_len,
-                  "input_len_spread": args.input_len_spread, "output_len": args.output_len, "seed": args.seed,
-                  **summarize(records, elapsed)}
-        errors = sorted({r.error for r in records if not r.ok})
-        report["errors"] = errors[:10]
-        reports.append(report)
-        print(f"rate {rate:g} req/s: {report['num_requests'] - report['num_failed']}/{report['num_requests']} ok "
-              f"in {elapsed:.2f} s", file=sys.stderr)
+    with ClientPool(processes) as pool:
+        for rate in args.request_rate:
+            before = server_ttft_totals(args.url)
+            records, elapsed = pool.run(args.url, model, workload, rate, args.max_concurrency, args.seed,
+                                        args.temperature)
+            report = _rate_report(args, model, rate, processes, records, elapsed)
+            report["server_ttft_mean_s"] = server_ttft_mean(before, server_ttft_totals(args.url))
+            reports.append(report)
     print(format_table(reports, TABLE))
     for report in reports:
         for error in report["errors"]:
@@ -253,3 +262,14 @@ def main_online(argv: Sequence[str] | None = None) -> int:
     if args.csv:
         write_csv(args.csv, [{k: v for k, v in r.items() if k != "errors"} for r in reports])
     return 1 if any(r["num_failed"] for r in reports) else 0
+
+
+def _rate_report(args, model: str, rate: float, processes: int, records: list[RequestRecord], elapsed: float) -> dict:
+    report = {"mode": "online", "url": args.url, "model": model, "request_rate": rate if math.isfinite(rate) else "inf",
+              "max_concurrency": args.max_concurrency, "input_len": args.input_len,
+              "input_len_spread": args.input_len_spread, "output_len": args.output_len, "seed": args.seed,
+              "client_processes": processes, **summarize(records, elapsed)}
+    report["errors"] = sorted({r.error for r in records if not r.ok})[:10]
+    print(f"rate {rate:g} req/s: {report['num_requests'] - report['num_failed']}/{report['num_requests']} ok in "
+          f"{elapsed:.2f} s", file=sys.stderr)
+    return report
