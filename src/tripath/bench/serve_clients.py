@@ -26,7 +26,7 @@ from typing import Sequence
 from tripath.bench.serve_online import Workload, arrival_offsets, run_benchmark
 from tripath.bench.serve_report import RequestRecord
 
-STREAMS_PER_PROCESS = 16
+STREAMS_PER_PROCESS = 8
 START_MARGIN_S = 0.25   # the processes are told to start this far ahead of the moment they are sent the work
 TTFT_METRICS = ("tripath:time_to_first_token_seconds", "vllm:time_to_first_token_seconds")
 

@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --against: the offline row to compare (default: the first)")
     parser.add_argument("--client-processes", type=int, default=None,
                         help="spread the requests over this many client processes, so that the client is not "
-                             "what is measured (default: one per 16 streams in flight, at most half the CPUs)")
+                             "what is measured (default: one per 8 streams in flight, at most half the CPUs)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the reports (a list, one per rate) to this file")
