@@ -120,3 +120,35 @@ def test_metrics_count_every_choice_once(server):
     assert value(m, "tripath:kv_cache_blocks_total") == 15
     assert value(m, "tripath:engine_steps_total") > 0 and value(m, "tripath:engine_step_failures_total") == 0
     assert not [key for key in m if key[1] != "type" and not key[0].startswith(("tripath:", "python_", "process_"))]
+
+
+def test_a_counted_histogram_renders_as_the_same_observations_one_by_one():
+    """``CountedHistogram.observe(v, n)`` (one call for a step's tokens of a request) against
+    ``prometheus_client.Histogram`` given each observation: the same buckets, count and (to rounding) sum."""
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from tripath.server.metrics import LABELS, TOKEN_LATENCY_BUCKETS, CountedHistogram
+
+    name, doc = "tripath:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    reference = Histogram(name, doc, LABELS, buckets=TOKEN_LATENCY_BUCKETS, registry=theirs).labels(NAME, "0")
+    counted = CountedHistogram(name, doc, (NAME, "0"), TOKEN_LATENCY_BUCKETS, ours)
+    rng = random.Random(7)
+    for _ in range(400):
+        v = rng.choice([rng.random() * 3, rng.random() * 200, *TOKEN_LATENCY_BUCKETS, 0.0])  # bounds are "le"
+        n = rng.randint(1, 9)
+        for _ in range(n):
+            reference.observe(v)
+        counted.observe(v, n)
+
+    def samples(registry):
+        lines = generate_latest(registry).decode().splitlines()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines
+                if line and not line.startswith("#") and "_created" not in line}
+
+    expected, got = samples(theirs), samples(ours)
+    assert expected.keys() == got.keys() and len(got) == len(TOKEN_LATENCY_BUCKETS) + 3   # +Inf, _count, _sum
+    for key, number in expected.items():
+        assert got[key] == pytest.approx(number, rel=1e-12), key
