@@ -7,7 +7,8 @@
 Prompts are random token ids (seeded; lengths ``--input-len`` ± ``--input-len-spread`` as a fraction), each
 asking for exactly ``--output-len`` tokens (``ignore_eos``), streamed from ``/v1/completions``. Requests start
 at a Poisson rate (``--request-rate`` per second; ``inf`` sends them all at once), optionally capped at
-``--max-concurrency`` in flight; a list of rates runs one benchmark per rate. The client measures TTFT (until
+``--max-concurrency`` in flight (over ``--client-processes`` client processes:
+:mod:`tripath.bench.serve_clients`); a list of rates runs one benchmark per rate. The client measures TTFT (until
 the first streamed token), the gaps between streamed tokens (ITL), TPOT and end-to-end latency per request,
 and the report (:mod:`tripath.bench.serve_report`) gives their mean / p50 / p90 / p99, request and token
 throughput, and failures. ``--workload`` sends an offline workload's requests instead, pass by pass, and
