@@ -104,20 +104,17 @@ def server_ttft_totals(base_url: str) -> tuple[float, int] | None:
     import httpx
 
     try:
+        from prometheus_client.parser import text_string_to_metric_families
         response = httpx.get(base_url.rstrip("/") + "/metrics", timeout=10)
         response.raise_for_status()
-    except httpx.HTTPError:
+        families = list(text_string_to_metric_families(response.text))
+    except (ImportError, httpx.HTTPError, ValueError):   # no parser, no /metrics, not Prometheus text
         return None
-    total, count, seen = 0.0, 0, False
-    for line in response.text.splitlines():
-        name, _, value = line.partition("{") if "{" in line else line.partition(" ")
-        for metric in TTFT_METRICS:
-            if name == metric + "_sum":
-                total += float(value.rsplit(" ", 1)[-1])
-                seen = True
-            elif name == metric + "_count":
-                count += int(float(value.rsplit(" ", 1)[-1]))
-    return (total, count) if seen else None
+    samples = [s for f in families if f.name in TTFT_METRICS for s in f.samples]
+    if not samples:
+        return None
+    return (sum(s.value for s in samples if s.name.endswith("_sum")),
+            int(sum(s.value for s in samples if s.name.endswith("_count"))))
 
 
 def server_ttft_mean(before: tuple[float, int] | None, after: tuple[float, int] | None) -> float | None:
@@ -125,3 +122,12 @@ def server_ttft_mean(before: tuple[float, int] | None, after: tuple[float, int] 
     if before is None or after is None or after[1] <= before[1]:
         return None
     return (after[0] - before[0]) / (after[1] - before[1])
+
+
+def measured_run(pool: ClientPool, base_url: str, model: str, workload: Workload, rate: float,
+                 max_concurrency: int | None, seed: int, temperature: float = 0.0,
+                 extras: Sequence[dict] | None = None) -> tuple[list[RequestRecord], float, float | None]:
+    """:meth:`ClientPool.run`, and the server's own mean TTFT over it (None where its ``/metrics`` has none)."""
+    before = server_ttft_totals(base_url)
+    records, elapsed = pool.run(base_url, model, workload, rate, max_concurrency, seed, temperature, extras)
+    return records, elapsed, server_ttft_mean(before, server_ttft_totals(base_url))

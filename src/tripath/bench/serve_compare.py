@@ -23,7 +23,7 @@ import math
 import sys
 
 from tripath.bench.serve import workload_from_args
-from tripath.bench.serve_clients import ClientPool, default_client_processes, server_ttft_mean, server_ttft_totals
+from tripath.bench.serve_clients import ClientPool, default_client_processes, measured_run
 from tripath.bench.serve_online import Workload as Requests
 from tripath.bench.serve_online import served_model
 from tripath.bench.serve_report import format_table, summarize, write_csv, write_json
@@ -49,11 +49,10 @@ def run_passes(args, workload: Workload, model: str, vocab: int) -> list[dict]:
     with ClientPool(processes) as pool:
         for index in range(args.passes):
             requests = Requests(make_prompts(workload, vocab, args.seed + index), workload.output_len)
-            before = server_ttft_totals(args.url)
-            records, elapsed = pool.run(args.url, model, requests, math.inf, workload.max_concurrency, args.seed,
-                                        args.temperature, extras)
+            records, elapsed, server_ttft = measured_run(pool, args.url, model, requests, math.inf,
+                                                         workload.max_concurrency, args.seed, args.temperature, extras)
             report = summarize(records, elapsed)
-            report["server_ttft_mean_s"] = server_ttft_mean(before, server_ttft_totals(args.url))
+            report["server_ttft_mean_s"] = server_ttft
             report["client_processes"] = processes
             report["errors"] = sorted({r.error for r in records if not r.ok})[:10]
             passes.append(report)

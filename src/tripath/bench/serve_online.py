@@ -242,18 +242,15 @@ def main_online(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # noqa: BLE001 - unreachable server, bad arguments
         print(f"tripath bench serve: error: {error}", file=sys.stderr)
         return 2
-    from tripath.bench.serve_clients import ClientPool, default_client_processes, server_ttft_mean, server_ttft_totals
+    from tripath.bench.serve_clients import ClientPool, default_client_processes, measured_run
 
     processes = args.client_processes or default_client_processes(args.max_concurrency, args.num_requests)
     reports = []
     with ClientPool(processes) as pool:
         for rate in args.request_rate:
-            before = server_ttft_totals(args.url)
-            records, elapsed = pool.run(args.url, model, workload, rate, args.max_concurrency, args.seed,
-                                        args.temperature)
-            report = _rate_report(args, model, rate, processes, records, elapsed)
-            report["server_ttft_mean_s"] = server_ttft_mean(before, server_ttft_totals(args.url))
-            reports.append(report)
+            records, elapsed, server_ttft = measured_run(pool, args.url, model, workload, rate, args.max_concurrency,
+                                                         args.seed, args.temperature)
+            reports.append(_rate_report(args, model, rate, processes, records, elapsed, server_ttft))
     print(format_table(reports, TABLE))
     for report in reports:
         for error in report["errors"]:
@@ -265,11 +262,12 @@ def main_online(argv: Sequence[str] | None = None) -> int:
     return 1 if any(r["num_failed"] for r in reports) else 0
 
 
-def _rate_report(args, model: str, rate: float, processes: int, records: list[RequestRecord], elapsed: float) -> dict:
+def _rate_report(args, model: str, rate: float, processes: int, records: list[RequestRecord], elapsed: float,
+                 server_ttft: float | None) -> dict:
     report = {"mode": "online", "url": args.url, "model": model, "request_rate": rate if math.isfinite(rate) else "inf",
               "max_concurrency": args.max_concurrency, "input_len": args.input_len,
               "input_len_spread": args.input_len_spread, "output_len": args.output_len, "seed": args.seed,
-              "client_processes": processes, **summarize(records, elapsed)}
+              "client_processes": processes, **summarize(records, elapsed), "server_ttft_mean_s": server_ttft}
     report["errors"] = sorted({r.error for r in records if not r.ok})[:10]
     print(f"rate {rate:g} req/s: {report['num_requests'] - report['num_failed']}/{report['num_requests']} ok in "
           f"{elapsed:.2f} s", file=sys.stderr)
