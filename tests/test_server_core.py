@@ -106,43 +106,38 @@ def _running(pid: int) -> bool:
         return False
 
 
-async def _post(app, path="/v1/completions", body=None):
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as h:
-        return await (h.get(path) if body is None else h.post(path, json=body))
-
 
 def test_a_killed_core_fails_its_streams_and_health_answers_503(monkeypatch):
     """In process through ASGI, the core spawned: SIGKILL it mid-stream."""
+    from served_app import ServedApp
     from tripath.server.app import build_app
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     fatal = []
-    app = build_app(functools.partial(faulty_llm, 0.01, 64), model_name="tiny", on_fatal=fatal.append)
-    engine = app.state.server.engine
-    engine.start()
+    served = ServedApp(build_app(functools.partial(faulty_llm, 0.01, 64), model_name="tiny", on_fatal=fatal.append))
+    engine = served.engine
     try:
-        assert engine.wait_ready(120)
         pid = engine.core_pid
 
         async def scenario():   # ASGITransport answers once the response is whole: kill from beside it
             body = {"model": "tiny", "prompt": [4, 5], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-            response = asyncio.ensure_future(_post(app, body=body))
+            response = asyncio.ensure_future(served.request(body=body))
             while engine.metrics.generation_tokens._value.get() == 0:
                 await asyncio.sleep(0.01)
             os.kill(pid, signal.SIGKILL)
             return await response
 
-        events = [line for line in asyncio.run(scenario()).text.splitlines() if line.startswith("data:")]
+        events = [line for line in served.run(scenario()).text.splitlines() if line.startswith("data:")]
         assert events[-1] == "data: [DONE]"
         error = json.loads(events[-2][6:])["error"]
         assert error["code"] == 500 and "killed by SIGKILL" in error["message"], error
-        health = asyncio.run(_post(app, "/health"))
+        health = served.get("/health")
         assert health.status_code == 503 and "killed by SIGKILL" in health.json()["error"], health.text
-        late = asyncio.run(_post(app, body={"model": "tiny", "prompt": [4, 5], "max_tokens": 2}))
+        late = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 2})
         assert late.status_code == 503
         assert len(fatal) == 1 and not engine.alive
     finally:
-        engine.stop(10)
+        served.close(10)
     assert not _running(pid)
 
 

@@ -152,3 +152,26 @@ def test_a_counted_histogram_renders_as_the_same_observations_one_by_one():
     assert expected.keys() == got.keys() and len(got) == len(TOKEN_LATENCY_BUCKETS) + 3   # +Inf, _count, _sum
     for key, number in expected.items():
         assert got[key] == pytest.approx(number, rel=1e-12), key
+
+
+def test_the_tokens_per_second_gauge_counts_the_tokens_of_its_window_only(monkeypatch):
+    """``generation_tokens_per_second`` against the sum recomputed from every observation still inside the
+    window, over observations whose spacing leaves a few to several dozen inside it."""
+    import random
+
+    from tripath.engine.stats import EngineStats
+    from tripath.server import metrics as M
+
+    clock = [1000.0]
+    monkeypatch.setattr(M.time, "monotonic", lambda: clock[0])
+    metrics = M.ServerMetrics(NAME, rate_window_s=2.0)
+    stats = EngineStats(1, 0, 1, 10, 0, 0, 0, 0)
+    rng = random.Random(3)
+    seen = []
+    for _ in range(500):
+        clock[0] += rng.choice([0.001, 0.05, 0.3, 2.5])
+        n = rng.choice([0, 1, 8, 64])
+        metrics.observe_engine(stats, n)
+        seen.append((clock[0], n))
+        expected = sum(k for t, k in seen if t >= clock[0] - 2.0) / 2.0
+        assert metrics.tokens_per_s._value.get() == pytest.approx(expected, abs=1e-9)

@@ -3,7 +3,6 @@ strings, the chat template helper and ``LLM.chat``, the online benchmark's workl
 ASGI, with the engine on a thread or in its own process) a failing engine step (500, 503 out of memory, the
 loop goes on) and a request timeout (504)."""
 
-import asyncio
 import functools
 import gc
 import math
@@ -128,17 +127,11 @@ def _app(slow_s=0.0, in_process=True, **kw):
     pytest.importorskip("fastapi")
     from tripath.server.app import build_app
 
-    app = build_app(functools.partial(faulty_llm, slow_s), model_name="tiny", engine_in_process=in_process, **kw)
-    engine = app.state.server.engine
-    engine.start()
-    assert engine.wait_ready(120)
-    return app, engine
+    from served_app import ServedApp
 
-
-async def _post(app, body):
-    import httpx
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as h:
-        return await h.post("/v1/completions", json=body)
+    served = ServedApp(build_app(functools.partial(faulty_llm, slow_s), model_name="tiny",
+                                 engine_in_process=in_process, **kw))
+    return served, served.engine
 
 
 def _idle(engine):
@@ -159,23 +152,23 @@ def _wait_idle(engine):
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(monkeypatch, in_process):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()
-    app, engine = _app(in_process=in_process)
+    served, engine = _app(in_process=in_process)
     try:
-        r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON + [4], "max_tokens": 4}))
+        r = served.post({"model": "tiny", "prompt": POISON + [4], "max_tokens": 4})
         assert r.status_code == 500, r.text
         assert r.json()["error"]["type"] == "server_error" and "injected fault" in r.json()["error"]["message"]
-        r = asyncio.run(_post(app, {"model": "tiny", "prompt": POISON, "max_tokens": 4, "stream": True}))
+        r = served.post({"model": "tiny", "prompt": POISON, "max_tokens": 4, "stream": True})
         assert r.status_code == 200 and "injected fault" in r.text and r.text.rstrip().endswith("data: [DONE]")
-        r = asyncio.run(_post(app, {"model": "tiny", "prompt": OOM_POISON, "max_tokens": 4}))
+        r = served.post({"model": "tiny", "prompt": OOM_POISON, "max_tokens": 4})
         assert r.status_code == 503 and "out of memory" in r.json()["error"]["message"]
-        r = asyncio.run(_post(app, {"model": "tiny", "prompt": ADD_POISON, "max_tokens": 4}))
+        r = served.post({"model": "tiny", "prompt": ADD_POISON, "max_tokens": 4})
         assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
-        good = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 5, "ignore_eos": True}))
+        good = served.post({"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 5, "ignore_eos": True})
         assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 5
         assert engine.metrics.step_failures._value.get() == 3
         assert _wait_idle(engine) == (0, 0, 0)
     finally:
-        engine.stop()
+        served.close()
         torch.set_num_threads(threads)
     assert not engine.alive   # released
     if in_process:
@@ -186,15 +179,15 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(monkeypatch, in_
 def test_a_request_past_its_timeout_gets_504_and_is_aborted(monkeypatch, in_process):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()
-    app, engine = _app(slow_s=0.02, in_process=in_process, request_timeout_s=0.3)
+    served, engine = _app(slow_s=0.02, in_process=in_process, request_timeout_s=0.3)
     try:
-        r = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5], "max_tokens": 200, "ignore_eos": True}))
+        r = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 200, "ignore_eos": True})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
         assert _wait_idle(engine) == (0, 0, 0)
-        quick = asyncio.run(_post(app, {"model": "tiny", "prompt": [4, 5], "max_tokens": 3, "ignore_eos": True}))
+        quick = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 3, "ignore_eos": True})
         assert quick.status_code == 200
     finally:
-        engine.stop()
+        served.close()
         torch.set_num_threads(threads)
 
 
@@ -203,12 +196,12 @@ def test_the_server_freezes_the_heap_it_starts_with_and_releases_the_engine(monk
     shutdown it moves them back, so the engine (its launch is patched: a reference cycle) is collected."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()
-    app, engine = _app()
+    served, engine = _app()
     try:
         assert gc.get_freeze_count() > 0
         llm = weakref.ref(engine.llm)
     finally:
-        engine.stop()
+        served.close()
         torch.set_num_threads(threads)
     assert gc.get_freeze_count() == 0
     assert llm() is None

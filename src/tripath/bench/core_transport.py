@@ -43,19 +43,39 @@ def _median_us(fn, repeat: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _echo(commands, updates, mode: str) -> None:
-    while True:
-        data = commands.recv_bytes()
-        if data == b"stop":
-            break
+def _write_all(fd: int, data: bytes) -> None:
+    import os
+
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    import os
+
+    parts, left = [], size
+    while left:
+        part = os.read(fd, left)
+        if not part:
+            raise EOFError
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _echo(commands, updates, size: int, count: int, mode: str) -> None:
+    """Read ``count`` frames of ``size`` bytes, writing each back (``echo``) or not (``drain``); then one byte."""
+    for _ in range(count):
+        data = _read_exactly(commands.fileno(), size)
         if mode == "echo":
-            updates.send_bytes(data)
-    updates.send_bytes(b"done")
+            _write_all(updates.fileno(), data)
+    _write_all(updates.fileno(), b"!")
 
 
-def _through_pipe(payload: bytes, count: int, mode: str) -> tuple[float, list[float]]:
-    """A spawned child echoes (``echo``) or drains (``drain``) ``count`` messages: the wall time and each
-    round trip."""
+def _through_pipe(data: bytes, count: int, mode: str) -> tuple[float, list[float]]:
+    """A spawned child echoes (``echo``) or drains (``drain``) ``count`` frames ``data`` (the bytes of one
+    message as :func:`tripath.server.core_wire.frame` writes it): the wall time and each round trip."""
     from tripath.server.core_wire import widen
 
     context = multiprocessing.get_context("spawn")
@@ -63,7 +83,7 @@ def _through_pipe(payload: bytes, count: int, mode: str) -> tuple[float, list[fl
     updates, child_out = context.Pipe(duplex=False)
     widen(commands)
     widen(updates)
-    process = context.Process(target=_echo, args=(child_in, child_out, mode))
+    process = context.Process(target=_echo, args=(child_in, child_out, len(data), count, mode))
     process.start()
     child_in.close()
     child_out.close()
@@ -71,12 +91,11 @@ def _through_pipe(payload: bytes, count: int, mode: str) -> tuple[float, list[fl
     start = time.perf_counter()
     for _ in range(count):
         sent = time.perf_counter()
-        commands.send_bytes(payload)
+        _write_all(commands.fileno(), data)
         if mode == "echo":
-            updates.recv_bytes()
+            _read_exactly(updates.fileno(), len(data))
             trips.append(time.perf_counter() - sent)
-    commands.send_bytes(b"stop")
-    updates.recv_bytes()
+    _read_exactly(updates.fileno(), 1)
     elapsed = time.perf_counter() - start
     process.join()
     return elapsed, trips
@@ -105,10 +124,9 @@ class _StandInEngine:
 
 
 def _drain(updates) -> None:
-    try:
-        while True:
-            updates.recv_bytes()
-    except EOFError:
+    import os
+
+    while os.read(updates.fileno(), 1 << 20):
         pass
 
 
@@ -124,7 +142,7 @@ def _core_step_cpu_s(outs: list, steps: int) -> float:
     process = context.Process(target=_drain, args=(reader,))
     process.start()
     reader.close()
-    core = EngineCore(_StandInEngine(outs), commands, updates)
+    core = EngineCore(_StandInEngine(outs), commands.fileno(), updates.fileno())
     core._live.update((o.request_id, True) for o in outs)
     start = time.thread_time()
     for _ in range(steps):
@@ -182,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import pickle
 
-    from tripath.server.core_wire import decode_output, encode_output
+    from tripath.server.core_wire import decode_output, encode_output, frame
 
     outs = _outputs(args.outputs, args.tokens, args.logprobs)
     repeat = max(5, min(200, args.messages // 10))
@@ -194,8 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = encode()
     encode_us = _median_us(encode, repeat)
     decode_us = _median_us(lambda: [decode_output(item) for item in pickle.loads(payload)[3]], repeat)
-    _, trips = _through_pipe(payload, args.messages, "echo")
-    elapsed, _ = _through_pipe(payload, args.messages, "drain")
+    framed = frame(pickle.loads(payload))
+    _, trips = _through_pipe(framed, args.messages, "echo")
+    elapsed, _ = _through_pipe(framed, args.messages, "drain")
     trips.sort()
     print(f"update of {args.outputs} outputs x {args.tokens} tokens"
           + (f", top {args.logprobs} log-probabilities" if args.logprobs is not None else "")

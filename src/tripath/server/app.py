@@ -14,9 +14,11 @@ hold), 404 for a model name the server does not serve, 413 for a body over ``max
 ``max_queue_depth`` engine requests would wait beyond the ``max_num_seqs`` the engine runs at once, 504 past
 ``request_timeout_s``, 500 for a failed engine step.
 
-Work that grows with what a client sends (parsing and validating the body, tokenising prompts, rendering
-chat templates, matching stop strings) runs in worker threads, never on the event loop, so one large
-request does not stall the others or ``/health``.
+Python work that grows with what a client sends (tokenising text prompts, rendering chat templates,
+matching stop strings) runs in worker threads, so one large request does not stall the others or
+``/health``. The body is parsed on the event loop (pydantic holds the interpreter lock while it validates:
+a thread would stall the loop as long, and add two thread hops to every request), bounded by
+``max_request_bytes``; token-id prompts are checked there too, at C speed (``min`` / ``max``).
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ def _parse(model: type[_Body], body: bytes) -> _Body:
 
 
 async def _body(request: Request, model: type[_Body]) -> _Body:
-    """The request body as ``model``, parsed and validated in a worker thread."""
-    raw = await request.body()
-    return await asyncio.get_running_loop().run_in_executor(None, _parse, model, raw)
+    """The request body as ``model``, parsed and validated on the event loop: pydantic holds the interpreter
+    lock throughout, so a worker thread would stall the loop just as long and add two thread hops."""
+    return _parse(model, await request.body())
 
 
 def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str], max_queue_depth: int = 1024,
@@ -218,7 +220,10 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
             raw_prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
-        prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
+        if any(isinstance(p, str) for p in raw_prompts):   # tokenising text: in a worker thread
+            prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
+        else:   # token ids: a bounds check at C speed, here
+            prompts = [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)]
         structured = await _structured_output(state, body)
         gen = _generation(state, body, prompts, body.max_tokens, structured)
         return await respond(state, gen, body, request, chat=False, echo=_echo_texts(state, body, raw_prompts, prompts))
@@ -294,6 +299,8 @@ def _check_ids(state: ServerState, ids: list[int], param: str) -> None:
     if not ids:
         raise APIError(400, f"{param} is empty: a prompt needs at least one token", param=param)
     vocab = state.engine.vocab_size
+    if min(ids) >= 0 and max(ids) < vocab:
+        return
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"{param} holds token ids outside the vocabulary [0, {vocab}): {bad[:8]}", param=param)
@@ -310,7 +317,7 @@ def _prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
             raise APIError(400, f"{param} could not be tokenised: {type(error).__name__}: {error}",
                            param=param) from None
     else:
-        ids = [int(t) for t in prompt]
+        ids = prompt   # validated token ids (ints >= 0)
     _check_ids(state, ids, param)
     return ids
 

@@ -1,13 +1,17 @@
 """What crosses the pipes between the HTTP process and the engine core process, and how.
 
-Transport: two one-way ``multiprocessing`` pipes (commands to the core, updates from it), each message one
-``pickle`` of plain tuples and lists. Measured on the development machine (2 shared CPU cores;
-``python -m tripath.bench.core_transport`` measures it again anywhere): a step's update of 256 outputs of 8
-tokens is 12 KiB, pickled in about 50 µs and unpickled in 70 µs, and crosses a pipe in 18 µs (round trip
-p50); a pipe streams 29,000 such messages a second, where a server needs at most a few hundred (one per
-step). ZeroMQ moved the same message in 24 µs and msgspec's msgpack encoded it in 16 µs, but neither is a
-dependency the server has, and neither tells the HTTP process that the core died: a pipe's reader gets EOF
-the moment its writer's process is gone, whatever killed it.
+Transport: two one-way pipes (commands to the core, updates from it; ``multiprocessing`` pipes, whose
+descriptors the spawned core inherits), each message one frame: its length (8 bytes, big-endian) and a
+``pickle`` of plain tuples and lists (:func:`frame`, :class:`FrameReader`). The core reads and writes its
+ends blocking (:func:`send`, :meth:`FrameReader.receive`); the HTTP process reads and writes its ends from
+its event loop, non-blocking (:mod:`~tripath.server.engine_client`), so no thread of it waits on a pipe and
+no message waits for a thread to get the interpreter lock. Measured on the development machine (2 shared
+CPU cores; ``python -m tripath.bench.core_transport`` measures it again anywhere): a step's update of 256
+outputs of 8 tokens is 12 KiB, pickled in about 50 µs and unpickled in 70 µs, and crosses a pipe in 18 µs
+(round trip p50); a pipe streams 29,000 such messages a second, where a server needs at most a few hundred
+(one per step). ZeroMQ moved the same message in 24 µs and msgspec's msgpack encoded it in 16 µs, but
+neither is a dependency the server has, and neither tells the HTTP process that the core died: a pipe's
+reader gets EOF the moment its writer's process is gone, whatever killed it.
 
 Commands (HTTP process → core), a list per message (the writer sends what has queued up in one go):
 ``("add", request_id, prompt_token_ids, SamplingParams)``, ``("abort", request_id)``, ``("stop",)``.
@@ -30,6 +34,8 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
+import select
+import struct
 from dataclasses import fields
 
 from tripath.engine.request import FinishReason, Logprob, PositionLogprobs
@@ -40,12 +46,66 @@ _STATS_FIELDS = tuple(f.name for f in fields(EngineStats))
 _FINISH = {reason.value: reason for reason in FinishReason}
 
 
-def send(conn, message) -> None:
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+_LENGTH = struct.Struct("!Q")
+READ_BYTES = 1 << 18   # the most one read takes from a pipe
 
 
-def receive(conn):
-    return pickle.loads(conn.recv_bytes())
+def frame(message) -> bytes:
+    """One message as it crosses a pipe: its pickle's length, then the pickle."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(data)) + data
+
+
+def send(fd: int, message) -> None:
+    """Write one message to a blocking pipe end (``BrokenPipeError`` once its reader is gone)."""
+    data = memoryview(frame(message))
+    while data:
+        data = data[os.write(fd, data):]
+
+
+class FrameReader:
+    """The messages of a pipe end's byte stream. :meth:`feed` takes bytes as they arrive (a non-blocking
+    reader's); :meth:`receive` reads a blocking end until at least one whole message is in."""
+
+    def __init__(self):
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        """Add the bytes read; the messages they complete, in order."""
+        buffer = self._buffer
+        buffer += data
+        messages, start = [], 0
+        while len(buffer) - start >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(buffer, start)
+            end = start + _LENGTH.size + length
+            if len(buffer) < end:
+                break
+            messages.append(pickle.loads(bytes(buffer[start + _LENGTH.size:end])))
+            start = end
+        del buffer[:start]
+        return messages
+
+    @property
+    def partial(self) -> bool:
+        """Part of a message has arrived and the rest has not."""
+        return bool(self._buffer)
+
+    def receive(self, fd: int) -> list:
+        """The next messages of a blocking end (waits for the first); ``EOFError`` once its writer is gone."""
+        while True:
+            data = os.read(fd, READ_BYTES)
+            if not data:
+                raise EOFError("the pipe's writer has closed it")
+            messages = self.feed(data)
+            if messages:
+                return messages
+
+
+def readable(fd: int) -> bool:
+    """Whether a read of ``fd`` would return at once (data, or the end of the stream)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def widen(conn) -> None:

@@ -3,35 +3,40 @@
 handlers' :class:`~tripath.server.submissions.Engine` interface as the in-process
 :class:`~tripath.server.engine_loop.EngineLoop` does, so the routes do not know which one they talk to.
 
-Two threads talk to the core over pipes (:mod:`~tripath.server.core_wire`): a writer sends the handlers'
-adds and aborts (whatever has queued up, in one message), so the event loop never waits on a pipe; a reader
-takes the core's messages — the engine's facts once it is built (the HTTP process then loads its own
-tokenizer, never the weights), then one update per step — and hands each update's items to the event loop
-in one ``call_soon_threadsafe`` (:class:`~tripath.server.submissions.SubmissionBook`), observing the metrics
-on the way.
+The event loop that serves the requests talks to the core over two pipes (:mod:`~tripath.server.core_wire`),
+both non-blocking and watched by the loop itself (``add_reader`` / ``add_writer``), so no thread hands a
+message over: the handlers' adds and aborts of one pass of the loop go out as one message (what the pipe
+cannot take yet waits in a buffer the loop writes out as it drains, never blocking it); the core's
+messages — the engine's facts once it is built (the HTTP process then loads its own tokenizer, never the
+weights, in a worker thread), then one update per step — are read as they arrive, each update's items
+handed to the handlers (:class:`~tripath.server.submissions.SubmissionBook`) and its metrics observed.
+Under load a reader thread would wait for the interpreter lock at every read (the loop holds it about half
+the time on the TP-8 shape), and so would every add on a writer thread.
 
 Failures keep the in-process semantics: a refused add or a failed step fails exactly its requests; ``stop``
 ends what is left with 503, tells the core to release the engine and waits for it (SIGKILL past the
-timeout). A core that dies (killed, crashed) closes its pipe: the reader fails every request in flight
-with 500, ``fatal_error`` names the exit, ``/health`` answers 503 and the server exits (``on_fatal``).
+timeout). A core that dies (killed, crashed) closes its pipe: the loop reads the end of it, fails every
+request in flight with 500, ``fatal_error`` names the exit, ``/health`` answers 503 and the server exits
+(``on_fatal``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
 import multiprocessing
+import os
 import pickle
-import queue
 import signal
 import threading
 import time
 import traceback
 from typing import Callable
 
-from tripath.server.core_wire import (decode_output, decode_stats, load_tokenizer_handle, receive, send,
-                                      widen)
+from tripath.server.core_wire import (READ_BYTES, FrameReader, decode_output, decode_stats, frame,
+                                      load_tokenizer_handle, widen)
 from tripath.server.engine_core import LOG_FORMAT, CoreSpec, core_main
 from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission, SubmissionBook
 
@@ -83,7 +88,12 @@ class EngineClient:
         self.metrics = metrics
         self._on_fatal = on_fatal
         self._book = SubmissionBook(metrics)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._frames = FrameReader()
+        self._commands_out: list[tuple] = []   # commands of this pass of the loop, sent at its end
+        self._unsent = bytearray()             # what the command pipe could not take yet
+        self._reading = False
+        self._finished = threading.Event()     # nothing more will be read from the core
         self._ready = threading.Event()
         self._settled = threading.Event()   # ready, or never going to be
         self._stopping = False
@@ -126,7 +136,15 @@ class EngineClient:
         return self.ready
 
     def start(self) -> None:
-        """Spawn the core (it builds the engine while the server answers ``/health`` with 503)."""
+        """Spawn the core (it builds the engine while the server answers ``/health`` with 503). Called on the
+        event loop that serves the requests (the app's lifespan does): that loop reads and writes the pipes."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("EngineClient.start() must run on the event loop that serves the requests (the "
+                               "app's lifespan calls it); an engine without one runs in process "
+                               "(engine_in_process=True)") from None
+        self._loop_thread = threading.get_ident()
         context = multiprocessing.get_context("spawn")   # CUDA forbids fork after it is initialised
         commands_in, commands = context.Pipe(duplex=False)
         updates, updates_out = context.Pipe(duplex=False)
@@ -136,13 +154,13 @@ class EngineClient:
                                        name="tripath-engine-core")   # not daemonic: it spawns the TP ranks
         with _stop_signals_ignored():
             self.process.start()
-        commands_in.close()   # the core holds its ends: its exit closes them, and the reader sees EOF
+        commands_in.close()   # the core holds its ends: its exit closes them, and the loop reads EOF
         updates_out.close()
         self._commands, self._updates = commands, updates
-        self._reader = threading.Thread(target=self._read, name="tripath-core-reader", daemon=True)
-        self._writer = threading.Thread(target=self._write, name="tripath-core-writer", daemon=True)
-        self._reader.start()
-        self._writer.start()
+        os.set_blocking(commands.fileno(), False)
+        os.set_blocking(updates.fileno(), False)
+        self._loop.add_reader(updates.fileno(), self._on_readable)
+        self._reading = True
         atexit.register(self._kill)
         log.info("engine core process %d started", self.process.pid)
 
@@ -152,12 +170,12 @@ class EngineClient:
             self._book.refuse(sub.request_id, SHUTTING_DOWN if self._stopping else self._gone)
             self._book.flush()
             return
-        self._outbox.put(("add", sub.request_id, sub.prompt_token_ids, sub.params))
+        self._command(("add", sub.request_id, sub.prompt_token_ids, sub.params))
 
     def abort(self, request_id: str, outcome: str = "abort") -> None:
         """Abort a request (``outcome``: its finish reason in the metrics, ``abort`` or ``stop``)."""
         if self._book.end(request_id, outcome) is not None and not self._closed:
-            self._outbox.put(("abort", request_id))
+            self._command(("abort", request_id))
 
     def prepare_structured_output(self, spec) -> None:
         """Nothing here: the core compiles the constraint when the request arrives (a constraint that does not
@@ -165,7 +183,11 @@ class EngineClient:
 
     def stop(self, timeout: float = 30.0) -> None:
         """End what is in flight (503), have the core release the engine, and wait for it up to ``timeout``
-        (then SIGKILL); idempotent."""
+        (then SIGKILL); idempotent. Called off the event loop (the app's lifespan runs it in a worker thread):
+        the loop reads the core's last messages meanwhile."""
+        if self._loop is not None and threading.get_ident() == self._loop_thread and self._loop_running():
+            raise RuntimeError("EngineClient.stop() waits for the event loop: call it from another thread "
+                               "(loop.run_in_executor)")
         self._stopping = True
         self._book.fail_all(SHUTTING_DOWN)
         self._book.flush()
@@ -174,58 +196,112 @@ class EngineClient:
                 return
             self._stopped = True
             deadline = time.monotonic() + timeout
-            self._outbox.put(("stop",))
-            self._reader.join(timeout)
+            self._command(("stop",))
+            self._finished.wait(timeout)
             self.process.join(max(0.0, deadline - time.monotonic()))
             if self.process.is_alive():
                 log.warning("the engine core did not stop within %.0f s: killing it", timeout)
                 self._kill(grace_s=0.0)
+            if self._loop_running():   # the pipes leave the loop before they close
+                asyncio.run_coroutine_threadsafe(self._unwatch(), self._loop).result(timeout)
             for conn in (self._commands, self._updates):
                 conn.close()
             log.info("engine stopped")
 
-    # ---- the threads ------------------------------------------------------------------------------------
-    def _write(self) -> None:
-        while True:
-            batch = [self._outbox.get()]
-            with contextlib.suppress(queue.Empty):
-                while True:
-                    batch.append(self._outbox.get_nowait())
-            try:
-                send(self._commands, batch)
-            except OSError:   # the core is gone: the reader reports it
-                return
-            if any(command[0] == "stop" for command in batch):
-                return
+    # ---- the pipes, on the event loop ---------------------------------------------------------------------
+    def _loop_running(self) -> bool:
+        return self._loop is not None and self._loop.is_running() and not self._loop.is_closed()
 
-    def _read(self) -> None:
-        error: BaseException | None = None
+    def _command(self, command: tuple) -> None:
+        """Send a command: with the others of this pass of the loop, in one message at its end."""
+        if threading.get_ident() != self._loop_thread:
+            if self._loop_running():
+                self._loop.call_soon_threadsafe(self._command, command)
+            else:   # no loop to send it (it has stopped): straight to the pipe, if it takes it now
+                with contextlib.suppress(OSError):
+                    os.write(self._commands.fileno(), frame([command]))
+            return
+        self._commands_out.append(command)
+        if len(self._commands_out) == 1:
+            self._loop.call_soon(self._send_commands)
+
+    def _send_commands(self) -> None:
+        batch, self._commands_out = self._commands_out, []
+        if batch and not self._closed:
+            self._write(frame(batch))
+
+    def _write(self, data: bytes) -> None:
+        if self._unsent:   # the pipe is full: after what waits already
+            self._unsent += data
+            return
         try:
-            while True:
-                message = receive(self._updates)
+            written = os.write(self._commands.fileno(), data)
+        except BlockingIOError:
+            written = 0
+        except OSError:   # the core is gone: reading its pipe's end reports it
+            return
+        if written < len(data):
+            self._unsent += data[written:]
+            self._loop.add_writer(self._commands.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        try:
+            written = os.write(self._commands.fileno(), self._unsent)
+        except BlockingIOError:
+            return
+        except OSError:
+            written = len(self._unsent)
+        del self._unsent[:written]
+        if not self._unsent:
+            self._loop.remove_writer(self._commands.fileno())
+
+    async def _unwatch(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._updates.fileno())
+        self._loop.remove_writer(self._commands.fileno())
+
+    def _on_readable(self) -> None:
+        try:
+            data = os.read(self._updates.fileno(), READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        try:
+            if not data:
+                self._finish(None)
+                return
+            for message in self._frames.feed(data):
                 if message[0] == "update":
                     self._on_update(*message[1:])
                 elif message[0] == "ready":
-                    self._on_ready(message[1])
+                    self._loop.run_in_executor(None, self._on_ready, message[1])
                 elif message[0] == "start_failed":
                     self.startup_error = EngineStartError(message[1])
-                    break
+                    self._finish(None)
+                    return
                 elif message[0] == "stopped":
-                    break
-        except (EOFError, OSError):
-            pass
+                    self._finish(None)
+                    return
         except Exception as failed:  # noqa: BLE001 - a reader that dies must not leave requests hanging
             log.error("reading the engine core's messages failed:\n%s", traceback.format_exc())
-            error = failed
-        finally:
-            self._close(error)
+            self._finish(failed)
+
+    def _finish(self, error: BaseException | None) -> None:
+        """Nothing more is read from the core: stop watching its pipe, and close (in a worker thread: it
+        waits for the core's exit status)."""
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._updates.fileno())
+        self._loop.run_in_executor(None, self._close, error)
 
     def _on_ready(self, facts: dict) -> None:
         try:
             self.tokenizer = load_tokenizer_handle(facts["tokenizer"])
         except Exception as error:  # noqa: BLE001 - the server cannot serve without it: a start failure
             self.startup_error = EngineStartError(f"loading the tokenizer failed: {type(error).__name__}: {error}")
-            self._outbox.put(("stop",))
+            self._command(("stop",))
             return
         self.vocab_size, self.max_model_len = facts["vocab_size"], facts["max_model_len"]
         self.max_num_seqs, self.generation_defaults = facts["max_num_seqs"], facts["generation_defaults"]
@@ -249,7 +325,13 @@ class EngineClient:
         book.flush()
 
     def _close(self, error: BaseException | None) -> None:
-        """The reader's end: nothing more comes from the core. Unless asked to stop, that is fatal."""
+        """Nothing more comes from the core. Unless asked to stop, that is fatal."""
+        try:
+            self._close_down(error)
+        finally:
+            self._finished.set()
+
+    def _close_down(self, error: BaseException | None) -> None:
         if self._stopping:
             self._closed = True
             self._settled.set()

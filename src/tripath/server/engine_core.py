@@ -26,7 +26,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from tripath.server.core_wire import encode_output, encode_stats, receive, send, tokenizer_handle
+from tripath.server.core_wire import FrameReader, encode_output, encode_stats, readable, send, tokenizer_handle
 from tripath.server.engine_steps import add_request, close_engine, release_memory, take_step
 
 log = logging.getLogger("tripath.server")
@@ -74,7 +74,8 @@ def engine_facts(llm, describe) -> dict:
 
 
 def core_main(spec: CoreSpec, commands, updates) -> None:
-    """The core process: build, serve until stopped, release (``commands`` / ``updates``: its pipe ends)."""
+    """The core process: build, serve until stopped, release (``commands`` / ``updates``: its pipe ends, the
+    ``multiprocessing`` connections that carried them here; kept open until it returns)."""
     ignore_stop_signals()
     logging.basicConfig(level=spec.log_level, format=spec.log_format, force=True)
     try:
@@ -83,7 +84,7 @@ def core_main(spec: CoreSpec, commands, updates) -> None:
     except BaseException as error:  # noqa: BLE001 - reported to the HTTP process, which exits
         log.error("building the engine failed:\n%s", traceback.format_exc())
         try:
-            send(updates, ("start_failed", str(error) or type(error).__name__))
+            send(updates.fileno(), ("start_failed", str(error) or type(error).__name__))
         except OSError:
             pass
         sys.exit(1)
@@ -92,17 +93,19 @@ def core_main(spec: CoreSpec, commands, updates) -> None:
     # collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
     gc.freeze()
     try:
-        send(updates, ("ready", facts))
+        send(updates.fileno(), ("ready", facts))
     except OSError:   # the HTTP process is gone
         return
-    EngineCore(llm, commands, updates).run()
+    EngineCore(llm, commands.fileno(), updates.fileno()).run()
 
 
 class EngineCore:
-    """The core's loop over one built engine (see the module doc)."""
+    """The core's loop over one built engine (see the module doc); ``commands`` / ``updates``: the file
+    descriptors of its pipe ends (blocking)."""
 
-    def __init__(self, llm, commands, updates):
+    def __init__(self, llm, commands: int, updates: int):
         self.llm, self.commands, self.updates = llm, commands, updates
+        self._frames = FrameReader()
         self._live: dict[str, bool] = {}   # request id -> its prompt's log-probabilities were sent
         self._accepted: list[str] = []
         self._refused: list[tuple] = []
@@ -140,12 +143,13 @@ class EngineCore:
 
     def _receive(self, block: bool) -> bool:
         """Handle every command that has arrived (waiting for one when ``block``); whether there was any."""
-        if not block and not self.commands.poll(0):
+        if not block and not readable(self.commands):
             return False
         while True:
-            for command in receive(self.commands):   # blocks only when ``block``, for the first message
-                self._handle(command)
-            if self._stopping or not self.commands.poll(0):
+            for batch in self._frames.receive(self.commands):   # blocks only when ``block``, for the first
+                for command in batch:
+                    self._handle(command)
+            if self._stopping or not readable(self.commands):
                 return True
 
     def _handle(self, command: tuple) -> None:

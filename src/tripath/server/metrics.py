@@ -151,6 +151,7 @@ class ServerMetrics:
                                         f"Generated tokens per second over the last {rate_window_s:g} s.")
         self._window = rate_window_s
         self._recent: deque[tuple[float, int]] = deque()
+        self._recent_tokens = 0   # the sum of _recent's counts
         self._last = None   # the EngineStats of the previous observation
 
     def _gauge(self, name: str, doc: str):
@@ -191,9 +192,10 @@ class ServerMetrics:
         if num_new_tokens:
             self.generation_tokens.inc(num_new_tokens)
             self._recent.append((now, num_new_tokens))
+            self._recent_tokens += num_new_tokens
         while self._recent and self._recent[0][0] < now - self._window:
-            self._recent.popleft()
-        self.tokens_per_s.set(sum(n for _, n in self._recent) / self._window)
+            self._recent_tokens -= self._recent.popleft()[1]
+        self.tokens_per_s.set(self._recent_tokens / self._window)
 
     def observe_tokens(self, times: ChoiceTimes, num_new: int, now: float) -> None:
         """``num_new`` tokens of one request arrived at ``now``: its TTFT (and prompt tokens) with the first,

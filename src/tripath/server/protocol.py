@@ -245,8 +245,8 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         if not p:
             raise ValueError("prompt is empty")
-        if all(isinstance(t, int) for t in p):
-            return [list(p)]
+        if isinstance(p[0], int):   # the validated union: a list of token ids, not a list of prompts
+            return [p]
         return list(p)
 
 

@@ -9,10 +9,11 @@ until the finished one, or a :class:`Failure` that ends it. Every queue item is 
 the submission's choice.
 
 :class:`SubmissionBook` is the engine side's record of the submissions in flight and of their metrics; it
-queues the items of a step and hands them to the event loop in one ``call_soon_threadsafe`` per step (per
-event loop), not one per request. One thread (the engine's, or the reader of the core's messages) delivers;
-the event loop may :meth:`~SubmissionBook.register` and :meth:`~SubmissionBook.end` beside it (single dict
-operations, atomic in CPython), so a submission is ended exactly once, by whoever pops it.
+queues the items of a step and hands them to the event loop in one go per step (per event loop), not one
+per request: at once when it runs on that loop (the engine core's updates, read by the loop), else in one
+``call_soon_threadsafe`` (the in-process engine's thread, or a worker thread failing what is left). The
+event loop may :meth:`~SubmissionBook.register` and :meth:`~SubmissionBook.end` beside a delivering thread
+(single dict operations, atomic in CPython), so a submission is ended exactly once, by whoever pops it.
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ class SubmissionBook:
             self._pending.append((sub, item))
 
     def flush(self) -> None:
-        """Hand the queued items to their event loops: one ``call_soon_threadsafe`` per loop."""
+        """Hand the queued items to their event loops: at once to the running one, one
+        ``call_soon_threadsafe`` to each other."""
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
@@ -184,7 +186,14 @@ class SubmissionBook:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for sub, item in pending:
             by_loop.setdefault(sub.loop, []).append((sub, item))
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         for loop, items in by_loop.items():
+            if loop is here:   # delivered on the loop itself (the engine core's updates): at once
+                _put_all(items)
+                continue
             try:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
