@@ -153,6 +153,8 @@ def _stream_first_event(url: str, max_tokens: int):
 def test_the_server_exits_1_when_its_core_is_killed(tmp_path):
     server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
     try:
+        # tripath[serve] (and [test]) install uvloop and httptools: the server runs on them and says so
+        assert "(uvloop event loop, httptools HTTP parser)" in server.log(), server.log()
         client, cm, lines, _ = _stream_first_event(server.url, 2000)
         os.kill(server.core_pid(), signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data:")]
