@@ -37,6 +37,7 @@ TABLE = [("request_rate", "rate (req/s)"), ("max_concurrency", "max conc."), ("n
          ("e2e_s.p99", "e2e p99 (s)")]
 
 
+JSON_HEADERS = {"content-type": "application/json"}
 PLAIN_DEFAULTS = {"num_requests": 200, "input_len": 256, "input_len_spread": 0.0, "output_len": 64}
 
 
@@ -77,11 +78,11 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def _one(client, url: str, body: dict, prompt_tokens: int) -> RequestRecord:
+async def _one(client, url: str, body: bytes, prompt_tokens: int) -> RequestRecord:
     start = time.perf_counter()
     ttft, last, gaps, tokens = None, None, [], 0
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, content=body, headers=JSON_HEADERS) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 return RequestRecord(prompt_tokens, 0, None, time.perf_counter() - start, [], ok=False,
@@ -91,8 +92,8 @@ async def _one(client, url: str, body: dict, prompt_tokens: int) -> RequestRecor
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+                if data == "[DONE]":   # closes the connection: httpx's pool, reusing 64 of them, held some
+                    break              # next requests back by seconds (a raw keep-alive client does not)
                 event = json.loads(data)
                 if "error" in event:
                     return RequestRecord(prompt_tokens, tokens, ttft, time.perf_counter() - start, gaps, ok=False,
@@ -123,11 +124,18 @@ async def run_benchmark(base_url: str, model: str, workload: Workload, rate: flo
     """Send the workload; returns each request's record and the wall time from the start to the last finish.
     ``extras[i]``: more body fields of request ``i``; ``offsets``: the requests' start times (s from the
     start; default: :func:`arrival_offsets` of ``rate``); ``start_at``: when to start (``time.time()``; default
-    now), so that several client processes (:mod:`tripath.bench.serve_clients`) start together."""
+    now), so that several client processes (:mod:`tripath.bench.serve_clients`) start together. The bodies are
+    JSON-encoded before the clock starts: encoding a prompt of thousands of token ids is the client's work,
+    not the server's, and would otherwise count in every request's TTFT."""
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
     offsets = arrival_offsets(len(workload.prompts), rate, seed) if offsets is None else offsets
+    bodies = [json.dumps({"model": model, "prompt": prompt, "max_tokens": workload.output_len,
+                          "temperature": temperature, "ignore_eos": True, "stream": True,
+                          "stream_options": {"include_usage": True},
+                          **(extras[index] if extras is not None else {})}).encode()
+              for index, prompt in enumerate(workload.prompts)]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connections = max_concurrency or len(workload.prompts)
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
@@ -140,13 +148,10 @@ async def run_benchmark(base_url: str, model: str, workload: Workload, rate: flo
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = {"model": model, "prompt": prompt, "max_tokens": workload.output_len, "temperature": temperature,
-                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                    **(extras[index] if extras is not None else {})}
             if limit is None:
-                return await _one(client, url, body, len(prompt))
+                return await _one(client, url, bodies[index], len(prompt))
             async with limit:
-                return await _one(client, url, body, len(prompt))
+                return await _one(client, url, bodies[index], len(prompt))
 
         records = await asyncio.gather(*(launch(i, p, o) for i, (p, o) in enumerate(zip(workload.prompts, offsets))))
         elapsed = time.perf_counter() - start
