@@ -218,3 +218,43 @@ def _restore_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+
+
+def test_the_core_decodes_one_step_at_a_time_while_requests_arrive(monkeypatch):
+    """Multi-step decoding pauses from an accepted add until ``ARRIVAL_WINDOW_S`` passes without one (a
+    refused add does not count); an engine without multi-step is left alone."""
+    from tripath.server import engine_core as C
+
+    clock = [100.0]
+    monkeypatch.setattr(C.time, "monotonic", lambda: clock[0])
+
+    class StandIn:
+        def __init__(self, decode_steps):
+            self.decode_steps, self.seen = decode_steps, []
+
+        def add_request(self, prompt, params, request_id=None):
+            if not prompt:
+                raise ValueError("prompt is empty")
+
+        def step(self):
+            self.seen.append(self.decode_steps)
+            return []
+
+    llm = StandIn(8)
+    core = C.EngineCore(llm, -1, -1)   # the pipes are not used by _handle / _step
+    window = C.ARRIVAL_WINDOW_S
+    core._step()
+    core._handle(("add", "r1", [1, 2], SamplingParams(max_tokens=4)))
+    core._step()
+    clock[0] += window / 2
+    core._step()
+    clock[0] += window / 2 + 1e-4
+    core._step()
+    core._handle(("add", "r2", [], SamplingParams(max_tokens=4)))   # refused: not an arrival
+    core._step()
+    assert llm.seen == [8, 1, 1, 8, 8] and core._refused and core._accepted == ["r1"]
+    single = StandIn(1)
+    core = C.EngineCore(single, -1, -1)
+    core._handle(("add", "r3", [1], SamplingParams(max_tokens=4)))
+    core._step()
+    assert single.seen == [1]
