@@ -10,7 +10,7 @@ then too, the inter-token latency of every later token (a step that brings sever
 the interval evenly over them), and when it ends, by any cause, its finish reason (``stop``, ``length``,
 ``abort``, ``error``), end-to-end latency, decode time, mean time per output token, prompt / generation
 token counts and ``max_tokens``. The thread that delivers the engine's outputs observes them (the engine
-thread, or the reader of the engine core's updates; ``prometheus_client`` is thread-safe); the
+thread, or the event loop reading the engine core's updates; ``prometheus_client`` is thread-safe); the
 ``/metrics`` handler only renders. tripath's own extras (requests in the server, KV blocks, steps, step
 failures, refusals by reason, a generation rate) share the prefix.
 """
