@@ -258,3 +258,50 @@ def test_the_core_decodes_one_step_at_a_time_while_requests_arrive(monkeypatch):
     core._handle(("add", "r3", [1], SamplingParams(max_tokens=4)))
     core._step()
     assert single.seen == [1]
+
+
+def test_commands_a_full_pipe_cannot_take_wait_and_arrive_whole_and_in_order():
+    """The HTTP process never blocks on the command pipe: a message bigger than the pipe's buffer is written
+    as the reader drains it, later messages after it; the reader gets every frame whole, in order."""
+    import threading
+
+    from tripath.server.core_wire import FrameReader
+    from tripath.server.engine_client import EngineClient
+    from tripath.server.metrics import ServerMetrics
+
+    read_end, write_end = os.pipe()
+
+    class Conn:   # the commands end as EngineClient holds it
+        def fileno(self):
+            return write_end
+
+    async def scenario():
+        client = EngineClient(functools.partial(faulty_llm, 0.0), ServerMetrics("t"))
+        client._loop, client._loop_thread = asyncio.get_running_loop(), threading.get_ident()
+        client._commands = Conn()
+        os.set_blocking(write_end, False)
+        big = [("add", f"r{i}", list(range(2000)), None) for i in range(40)]   # a few hundred KiB pickled
+        for command in big:
+            client._command(command)
+        await asyncio.sleep(0)   # the loop pass ends: one message, most of it buffered
+        assert client._unsent, "the pipe took the whole message: make it bigger"
+        client._command(("abort", "r0"))
+        await asyncio.sleep(0)
+        frames, messages = FrameReader(), []
+        os.set_blocking(read_end, False)
+        deadline = time.monotonic() + 10
+        while len(messages) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+            try:
+                messages += frames.feed(os.read(read_end, 1 << 16))
+            except BlockingIOError:
+                pass
+        return messages, bool(client._unsent)
+
+    try:
+        messages, left = asyncio.run(scenario())
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert messages == [[("add", f"r{i}", list(range(2000)), None) for i in range(40)], [("abort", "r0")]]
+    assert not left
