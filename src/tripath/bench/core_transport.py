@@ -43,14 +43,6 @@ def _median_us(fn, repeat: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    import os
-
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _read_exactly(fd: int, size: int) -> bytes:
     import os
 
@@ -66,17 +58,19 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 def _echo(commands, updates, size: int, count: int, mode: str) -> None:
     """Read ``count`` frames of ``size`` bytes, writing each back (``echo``) or not (``drain``); then one byte."""
+    from tripath.server.core_wire import write_all
+
     for _ in range(count):
         data = _read_exactly(commands.fileno(), size)
         if mode == "echo":
-            _write_all(updates.fileno(), data)
-    _write_all(updates.fileno(), b"!")
+            write_all(updates.fileno(), data)
+    write_all(updates.fileno(), b"!")
 
 
 def _through_pipe(data: bytes, count: int, mode: str) -> tuple[float, list[float]]:
     """A spawned child echoes (``echo``) or drains (``drain``) ``count`` frames ``data`` (the bytes of one
     message as :func:`tripath.server.core_wire.frame` writes it): the wall time and each round trip."""
-    from tripath.server.core_wire import widen
+    from tripath.server.core_wire import widen, write_all
 
     context = multiprocessing.get_context("spawn")
     child_in, commands = context.Pipe(duplex=False)
@@ -91,7 +85,7 @@ def _through_pipe(data: bytes, count: int, mode: str) -> tuple[float, list[float
     start = time.perf_counter()
     for _ in range(count):
         sent = time.perf_counter()
-        _write_all(commands.fileno(), data)
+        write_all(commands.fileno(), data)
         if mode == "echo":
             _read_exactly(updates.fileno(), len(data))
             trips.append(time.perf_counter() - sent)

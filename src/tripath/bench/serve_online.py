@@ -79,11 +79,11 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-async def _one(session, url: str, body: bytes, prompt_tokens: int) -> RequestRecord:
+async def _one(client, url: str, body: bytes, prompt_tokens: int) -> RequestRecord:
     start = time.perf_counter()
     ttft, last, gaps, tokens = None, None, [], 0
     try:
-        async with session.post(url, data=body, headers=JSON_HEADERS) as response:
+        async with client.post(url, data=body, headers=JSON_HEADERS) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")
                 return RequestRecord(prompt_tokens, 0, None, time.perf_counter() - start, [], ok=False,

@@ -58,9 +58,14 @@ def frame(message) -> bytes:
 
 def send(fd: int, message) -> None:
     """Write one message to a blocking pipe end (``BrokenPipeError`` once its reader is gone)."""
-    data = memoryview(frame(message))
-    while data:
-        data = data[os.write(fd, data):]
+    write_all(fd, frame(message))
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write every byte of ``data`` to a blocking descriptor (a pipe may take a large write in parts)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 class FrameReader:
@@ -84,11 +89,6 @@ class FrameReader:
             start = end
         del buffer[:start]
         return messages
-
-    @property
-    def partial(self) -> bool:
-        """Part of a message has arrived and the rest has not."""
-        return bool(self._buffer)
 
     def receive(self, fd: int) -> list:
         """The next messages of a blocking end (waits for the first); ``EOFError`` once its writer is gone."""

@@ -256,10 +256,13 @@ class EngineClient:
             self._loop.remove_writer(self._commands.fileno())
 
     async def _unwatch(self) -> None:
+        self._stop_reading()
+        self._loop.remove_writer(self._commands.fileno())
+
+    def _stop_reading(self) -> None:
         if self._reading:
             self._reading = False
             self._loop.remove_reader(self._updates.fileno())
-        self._loop.remove_writer(self._commands.fileno())
 
     def _on_readable(self) -> None:
         try:
@@ -291,9 +294,7 @@ class EngineClient:
     def _finish(self, error: BaseException | None) -> None:
         """Nothing more is read from the core: stop watching its pipe, and close (in a worker thread: it
         waits for the core's exit status)."""
-        if self._reading:
-            self._reading = False
-            self._loop.remove_reader(self._updates.fileno())
+        self._stop_reading()
         self._loop.run_in_executor(None, self._close, error)
 
     def _on_ready(self, facts: dict) -> None:
