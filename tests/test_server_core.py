@@ -74,6 +74,7 @@ class _EchoEngine:
     """Accepts every submission; the test plays the engine's outputs itself."""
 
     tokenizer = None
+    request_id_prefix = "srv"
 
     def submit(self, sub):
         sub.events.put_nowait((sub.index, ACCEPTED))
@@ -241,21 +242,21 @@ def test_the_core_decodes_one_step_at_a_time_while_requests_arrive(monkeypatch):
             return []
 
     llm = StandIn(8)
-    core = C.EngineCore(llm, -1, -1)   # the pipes are not used by _handle / _step
+    core = C.EngineCore(llm, [(-1, -1)])   # the pipes are not used by _handle / _step
     window = C.ARRIVAL_WINDOW_S
     core._step()
-    core._handle(("add", "r1", [1, 2], SamplingParams(max_tokens=4)))
+    core._handle(0, ("add", "r1", [1, 2], SamplingParams(max_tokens=4)))
     core._step()
     clock[0] += window / 2
     core._step()
     clock[0] += window / 2 + 1e-4
     core._step()
-    core._handle(("add", "r2", [], SamplingParams(max_tokens=4)))   # refused: not an arrival
+    core._handle(0, ("add", "r2", [], SamplingParams(max_tokens=4)))   # refused: not an arrival
     core._step()
-    assert llm.seen == [8, 1, 1, 8, 8] and core._refused and core._accepted == ["r1"]
+    assert llm.seen == [8, 1, 1, 8, 8] and core._frontends[0].refused and core._frontends[0].accepted == ["r1"]
     single = StandIn(1)
-    core = C.EngineCore(single, -1, -1)
-    core._handle(("add", "r3", [1], SamplingParams(max_tokens=4)))
+    core = C.EngineCore(single, [(-1, -1)])
+    core._handle(0, ("add", "r3", [1], SamplingParams(max_tokens=4)))
     core._step()
     assert single.seen == [1]
 

@@ -136,12 +136,12 @@ def _core_step_cpu_s(outs: list, steps: int) -> float:
     process = context.Process(target=_drain, args=(reader,))
     process.start()
     reader.close()
-    core = EngineCore(_StandInEngine(outs), commands.fileno(), updates.fileno())
-    core._live.update((o.request_id, True) for o in outs)
+    core = EngineCore(_StandInEngine(outs), [(commands.fileno(), updates.fileno())])
+    core._live.update((o.request_id, [0, True]) for o in outs)
     start = time.thread_time()
     for _ in range(steps):
         core._step()
-        core._send_update()
+        core._send_update(0, 0.0)
     elapsed = time.thread_time() - start
     updates.close()
     process.join()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from typing import Callable, Sequence, TypeVar
 
 import pydantic
@@ -39,14 +40,18 @@ from tripath.engine.chat import chat_token_ids, encode_text
 from tripath.engine.request import SamplingParams
 from tripath.engine.structured_output import StructuredOutput
 from tripath.server import protocol as P
+from tripath.server.api_servers import ApiServerRole
 from tripath.server.auth import APIKeyCheck
 from tripath.server.engine_client import EngineClient
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
 from tripath.server.responses import respond
 from tripath.server.metrics import ServerMetrics
+from tripath.server.metrics_peers import MetricsPeers
 from tripath.server.sampling_defaults import defaulted_sampling
 from tripath.server.submissions import Engine
+
+log = logging.getLogger("tripath.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 _Body = TypeVar("_Body", bound=pydantic.BaseModel)
@@ -136,7 +141,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
               request_timeout_s: float | None = None, on_fatal: Callable[[BaseException], None] | None = None,
               shutdown_timeout_s: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               api_key: str | None = None, chat_template: str | None = None,
-              describe: Callable[[object], str] | None = None, engine_in_process: bool = False) -> FastAPI:
+              describe: Callable[[object], str] | None = None, engine_in_process: bool = False,
+              api_server: ApiServerRole | None = None) -> FastAPI:
     """The server for the engine ``make_llm()`` builds at start-up: in the engine core process it spawns
     (``make_llm`` and ``describe`` are pickled to it: top-level functions or ``functools.partial`` of them), or
     with ``engine_in_process`` on a thread of this process (any callable).
@@ -144,7 +150,9 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     ``model_name``: the served name, or several (each accepted as a request's ``model``, all listed by
     ``/v1/models``; the first is the metrics' ``model_name``). ``api_key``: required on ``/v1/*``;
     ``chat_template``: Jinja text used by chat requests instead of the tokenizer's; ``describe(llm)``: the
-    start-up log line of the built engine."""
+    start-up log line of the built engine. ``api_server``: this server is one of several in front of an engine
+    core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not used): it talks to
+    that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"model_name must be a non-empty name or list of names, got {model_name!r}")
@@ -155,14 +163,31 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
     metrics = ServerMetrics(names[0])
-    engine: Engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
+    if api_server is not None:
+        if engine_in_process:
+            raise ValueError("an API server of several talks to the engine core process: engine_in_process "
+                             "cannot be set with api_server")
+        engine: Engine = EngineClient(None, metrics, on_fatal, core=api_server.channel)
+    else:
+        engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
     state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template)
+    peers = None
+    if api_server is not None and api_server.count > 1:
+        peers = MetricsPeers(api_server.folder, api_server.index, api_server.count, metrics.registry,
+                             refresh=lambda: metrics.in_server.set(state.outstanding))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if peers is not None:
+            await peers.start()
         engine.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.stop, shutdown_timeout_s)
+        if peers is not None:
+            await peers.close()
+        if api_server is not None:
+            log.info("API server %d of %d stopped; it served %d engine requests", api_server.index,
+                     api_server.count, metrics.num_ended)
 
     app = FastAPI(title="tripath", lifespan=lifespan)
     app.state.server = state
@@ -200,8 +225,12 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
 
     @app.get("/metrics")
     async def prometheus():
-        metrics.in_server.set(state.outstanding)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        if peers is not None:
+            body = await peers.render()
+        else:
+            metrics.in_server.set(state.outstanding)
+            body = metrics.render()
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models():

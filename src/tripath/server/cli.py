@@ -63,19 +63,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-in-process", action="store_true",
                         help="run the engine on a thread of the HTTP process instead of its own process (the "
                              "default splits them, so HTTP, JSON and detokenising do not hold up the engine's steps)")
+    parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                        help="HTTP processes serving the API in front of the one engine core; each takes a share of "
+                             "the connections (the kernel spreads them), /metrics on any answers for all. More than "
+                             "1 helps at many concurrent streams, where one process's HTTP, JSON and detokenising "
+                             "is the bound")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="log level of the server and uvicorn")
     add_engine_arguments(parser)
     return parser
 
 
-def _listen_address(argv: list[str]) -> tuple[str, int]:
-    """``--host`` and ``--port`` of ``argv``, read without the full parser (which loads the engine's modules)."""
+def _listen_options(argv: list[str]) -> tuple[str, int, int]:
+    """``--host``, ``--port`` and ``--api-server-count`` of ``argv``, read without the full parser (which loads
+    the engine's modules)."""
     early = argparse.ArgumentParser(add_help=False)
     early.add_argument("--host", default=DEFAULT_HOST)
     early.add_argument("--port", default=str(DEFAULT_PORT))
+    early.add_argument("--api-server-count", default="1")
     known, _ = early.parse_known_args(argv)
-    return known.host, int(known.port)
+    return known.host, int(known.port), int(known.api_server_count)
 
 
 def _bind_early(argv: list[str]):
@@ -86,12 +93,12 @@ def _bind_early(argv: list[str]):
     from tripath.server.listen import bind_listener
 
     try:
-        host, port = _listen_address(argv)
+        host, port, api_servers = _listen_options(argv)
     except (ValueError, SystemExit):
         return None
     if not 0 <= port <= 65535:
         return None
-    return bind_listener(host, port)
+    return bind_listener(host, port, reuse_port=api_servers > 1)
 
 
 def _usage_error(message: str) -> int:
@@ -116,7 +123,10 @@ def main_serve(argv: Sequence[str] | None = None) -> int:
             listener.close()
 
 
-def _serve(argv: list[str], listener) -> int:
+def _serve(argv: list[str], listener, api_server=None) -> int:
+    """Serve ``argv`` on ``listener``: the one HTTP process (it starts the engine core), the supervisor of
+    ``--api-server-count`` > 1 (:func:`~tripath.server.api_servers.supervise`), or one of its API servers
+    (``api_server``: its :class:`~tripath.server.api_servers.ApiServerRole`)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model is not None and args.model_option is not None and args.model != args.model_option:
@@ -131,11 +141,14 @@ def _serve(argv: list[str], listener) -> int:
     except ImportError as error:
         return _usage_error(f"{error}; install the server's packages with pip install 'tripath[serve]'")
     for name, value, low in (("--port", args.port, 0), ("--max-queue-depth", args.max_queue_depth, 1),
-                             ("--max-request-bytes", args.max_request_bytes, 1)):
+                             ("--max-request-bytes", args.max_request_bytes, 1), ("--api-server-count",
+                                                                                  args.api_server_count, 1)):
         if value < low:
             return _usage_error(f"{name} must be >= {low}, got {value}")
     if args.port > 65535:
         return _usage_error(f"--port must be <= 65535, got {args.port}")
+    if args.api_server_count > 1 and args.engine_in_process:
+        return _usage_error("--api-server-count > 1 needs the engine in its own process: drop --engine-in-process")
     if args.served_model_name is not None and not all(args.served_model_name):
         return _usage_error("--served-model-name: a name may not be empty")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
@@ -163,6 +176,18 @@ def _serve(argv: list[str], listener) -> int:
     make_llm = functools.partial(make_engine, model, tokenizer=args.tokenizer,
                                  generation_config=args.generation_config, **engine_options(args))
     describe = functools.partial(startup_summary, model=model, served_names=names)
+    if api_server is None and args.api_server_count > 1:
+        from tripath.server.api_servers import supervise
+        from tripath.server.engine_core import CoreSpec
+
+        if listener is None:
+            return _usage_error("--api-server-count > 1 needs a valid --host and --port")
+        spec = CoreSpec(make_llm, describe, logging.getLogger().getEffectiveLevel(), LOG_FORMAT,
+                        max_waiting=args.max_queue_depth)
+        logging.getLogger("tripath.server").info("listening on http://%s:%d with %d API servers; building the "
+                                                 "engine for %s", args.host, listener.getsockname()[1],
+                                                 args.api_server_count, model)
+        return supervise(argv, args.api_server_count, listener, args.host, spec, args.shutdown_timeout)
     server: uvicorn.Server | None = None
 
     def on_fatal(error: BaseException) -> None:
@@ -174,7 +199,7 @@ def _serve(argv: list[str], listener) -> int:
                         request_timeout_s=args.request_timeout, on_fatal=on_fatal,
                         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
                         api_key=api_key, chat_template=chat_template, describe=describe,
-                        engine_in_process=args.engine_in_process)
+                        engine_in_process=args.engine_in_process, api_server=api_server)
     except ValueError as error:
         return _usage_error(str(error))
     # uvicorn cancels the handlers still running at its graceful timeout; the engine ends them first (503s
@@ -184,19 +209,27 @@ def _serve(argv: list[str], listener) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
     server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout)
     port = listener.getsockname()[1] if listener is not None else args.port   # --port 0: the one the system gave
-    logging.getLogger("tripath.server").info("listening on http://%s:%d (%s event loop, %s HTTP parser); building "
-                                             "the engine for %s", args.host, port, loop, http, model)
+    if api_server is None:
+        logging.getLogger("tripath.server").info("listening on http://%s:%d (%s event loop, %s HTTP parser); "
+                                                 "building the engine for %s", args.host, port, loop, http, model)
+    else:
+        logging.getLogger("tripath.server").info("API server %d of %d listening on http://%s:%d (%s event loop, %s "
+                                                 "HTTP parser)", api_server.index, api_server.count, args.host,
+                                                 port, loop, http)
     try:
         # after a graceful shutdown uvicorn re-raises the signal that asked for it
         server.run(sockets=[listener] if listener is not None else None)
     except KeyboardInterrupt:
         pass
     engine = app.state.server.engine
+    quiet = api_server is not None and api_server.index > 0   # API server 0 speaks for all
     if engine.startup_error is not None:
-        print(f"tripath serve: error: the engine could not be built: {engine.startup_error}", file=sys.stderr)
+        if not quiet:
+            print(f"tripath serve: error: the engine could not be built: {engine.startup_error}", file=sys.stderr)
         return 1
     if engine.fatal_error is not None:
-        print(f"tripath serve: error: the engine stopped serving: {engine.fatal_error}", file=sys.stderr)
+        if not quiet:
+            print(f"tripath serve: error: the engine stopped serving: {engine.fatal_error}", file=sys.stderr)
         return 1
     return 0 if server.started else 1
 

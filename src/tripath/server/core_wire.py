@@ -22,11 +22,13 @@ Messages (core → HTTP process):
   ``max_num_seqs``, ``generation_defaults``, ``summary`` (the start-up log line), ``tokenizer`` (how the HTTP
   process gets its own, :func:`tokenizer_handle`).
 - ``("start_failed", message)`` when it could not be built.
-- ``("update", accepted, refused, outputs, failed, stats, step_failures)`` after each pass of the core's
-  loop that did anything: the request ids it added; ``(request_id, status, message, type)`` of the adds it
-  refused; the step's outputs, :func:`encode_output` each; ``(request_ids, status, message, type)`` of each
-  failed step; :func:`encode_stats` of ``LLM.stats()``; the number of steps that failed.
-- ``("stopped",)`` when the core has released the engine and is about to exit.
+- ``("update", accepted, refused, outputs, failed, stats, step_failures)`` after a pass of the core's loop
+  (:mod:`~tripath.server.engine_core` says when): of the HTTP process's own requests, the ids the core
+  added; ``(request_id, status, message, type)`` of the adds it refused; the step's outputs,
+  :func:`encode_output` each; ``(request_ids, status, message, type)`` of each failed step; then
+  :func:`encode_stats` of ``LLM.stats()`` and the number of steps that failed since the core started.
+- ``("stopped",)`` when the core is done with that HTTP process: it has released the engine and is about to
+  exit, or (several HTTP processes) has ended this one's requests after its ``stop``.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import signal
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Callable
 
 from tripath.server.core_wire import (READ_BYTES, FrameReader, decode_output, decode_stats, frame,
@@ -72,19 +73,38 @@ def _exit_text(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+@dataclass(frozen=True)
+class CoreChannel:
+    """The pipe ends of one HTTP process to an engine core another process started (``--api-server-count``,
+    :mod:`~tripath.server.api_servers`): ``commands`` to write, ``updates`` to read (``multiprocessing``
+    connections), the core's process id, and the HTTP process's index among those the core serves (its
+    engine request ids start ``srv<index>-``, unique across them)."""
+
+    commands: object
+    updates: object
+    pid: int
+    index: int = 0
+
+
 class EngineClient:
     """The engine core process that ``make_llm()`` builds in, and the handlers' side of it. ``make_llm`` and
-    ``describe`` are pickled to the core: top-level functions, or ``functools.partial`` of them."""
+    ``describe`` are pickled to the core: top-level functions, or ``functools.partial`` of them. With ``core``
+    the client starts no core: it talks to the one at the other end of that channel, which its starter owns
+    (stops, kills, reports the exit of)."""
 
-    def __init__(self, make_llm: Callable[[], object], metrics, on_fatal: Callable[[BaseException], None] | None = None,
-                 describe: Callable[[object], str] | None = None):
+    def __init__(self, make_llm: Callable[[], object] | None, metrics,
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 describe: Callable[[object], str] | None = None, core: CoreChannel | None = None):
         self._spec = CoreSpec(make_llm, describe, logging.getLogger().getEffectiveLevel(), LOG_FORMAT)
-        try:
-            pickle.dumps(self._spec)
-        except Exception as error:  # noqa: BLE001 - pickling raises many types
-            raise TypeError(f"the engine core process needs a picklable make_llm and describe (top-level functions "
-                            f"or functools.partial of them), got {make_llm!r}: {error}; run a closure in process "
-                            "(engine_in_process=True)") from None
+        self._core = core
+        self.request_id_prefix = "srv" if core is None else f"srv{core.index}"   # engine request ids: prefix-n-choice
+        if core is None:
+            try:
+                pickle.dumps(self._spec)
+            except Exception as error:  # noqa: BLE001 - pickling raises many types
+                raise TypeError(f"the engine core process needs a picklable make_llm and describe (top-level "
+                                f"functions or functools.partial of them), got {make_llm!r}: {error}; run a closure "
+                                "in process (engine_in_process=True)") from None
         self.metrics = metrics
         self._on_fatal = on_fatal
         self._book = SubmissionBook(metrics)
@@ -108,6 +128,7 @@ class EngineClient:
         self.generation_defaults: dict = {}
         self.startup_error: BaseException | None = None
         self._fatal: BaseException | None = None
+        self._step_failures_seen = 0   # the core counts them since its start
         self._gone = Failure(500, "the engine core process has stopped", "server_error")   # set as it ends
 
     # ---- the Engine interface ---------------------------------------------------------------------------
@@ -121,7 +142,9 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self.process is not None and self.process.is_alive() and not self._closed
+        if self._closed:
+            return False
+        return self._core is not None if self.process is None else self.process.is_alive()
 
     @property
     def fatal_error(self) -> BaseException | None:
@@ -129,6 +152,8 @@ class EngineClient:
 
     @property
     def core_pid(self) -> int | None:
+        if self._core is not None:
+            return self._core.pid
         return None if self.process is None else self.process.pid
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -145,24 +170,31 @@ class EngineClient:
                                "app's lifespan calls it); an engine without one runs in process "
                                "(engine_in_process=True)") from None
         self._loop_thread = threading.get_ident()
+        if self._core is not None:
+            self._watch(self._core.commands, self._core.updates)
+            log.info("attached to the engine core process %d", self._core.pid)
+            return
         context = multiprocessing.get_context("spawn")   # CUDA forbids fork after it is initialised
         commands_in, commands = context.Pipe(duplex=False)
         updates, updates_out = context.Pipe(duplex=False)
         widen(commands)
         widen(updates)
-        self.process = context.Process(target=core_main, args=(self._spec, commands_in, updates_out),
+        self.process = context.Process(target=core_main, args=(self._spec, [(commands_in, updates_out)]),
                                        name="tripath-engine-core")   # not daemonic: it spawns the TP ranks
         with _stop_signals_ignored():
             self.process.start()
         commands_in.close()   # the core holds its ends: its exit closes them, and the loop reads EOF
         updates_out.close()
+        self._watch(commands, updates)
+        atexit.register(self._kill)
+        log.info("engine core process %d started", self.process.pid)
+
+    def _watch(self, commands, updates) -> None:
         self._commands, self._updates = commands, updates
         os.set_blocking(commands.fileno(), False)
         os.set_blocking(updates.fileno(), False)
         self._loop.add_reader(updates.fileno(), self._on_readable)
         self._reading = True
-        atexit.register(self._kill)
-        log.info("engine core process %d started", self.process.pid)
 
     def submit(self, sub: Submission) -> None:
         self._book.register(sub)
@@ -192,16 +224,17 @@ class EngineClient:
         self._book.fail_all(SHUTTING_DOWN)
         self._book.flush()
         with self._stop_lock:   # a second call returns once the first is done
-            if self.process is None or self._stopped:
+            if (self.process is None and self._core is None) or self._stopped:
                 return
             self._stopped = True
             deadline = time.monotonic() + timeout
             self._command(("stop",))
             self._finished.wait(timeout)
-            self.process.join(max(0.0, deadline - time.monotonic()))
-            if self.process.is_alive():
-                log.warning("the engine core did not stop within %.0f s: killing it", timeout)
-                self._kill(grace_s=0.0)
+            if self.process is not None:
+                self.process.join(max(0.0, deadline - time.monotonic()))
+                if self.process.is_alive():
+                    log.warning("the engine core did not stop within %.0f s: killing it", timeout)
+                    self._kill(grace_s=0.0)
             if self._loop_running():   # the pipes leave the loop before they close
                 asyncio.run_coroutine_threadsafe(self._unwatch(), self._loop).result(timeout)
             for conn in (self._commands, self._updates):
@@ -309,7 +342,8 @@ class EngineClient:
         self.metrics.engine_ready(self.max_model_len)
         self._ready.set()
         self._settled.set()
-        log.info("engine ready: %s", facts["summary"])
+        speaks = self._core is None or self._core.index == 0   # of several API servers, the first says it
+        log.log(logging.INFO if speaks else logging.DEBUG, "engine ready: %s", facts["summary"])
 
     def _on_update(self, accepted, refused, outputs, failed, stats, step_failures) -> None:
         book = self._book
@@ -318,8 +352,9 @@ class EngineClient:
         for request_id, status, message, kind in refused:
             book.refuse(request_id, Failure(status, message, kind))
         num_new = book.outputs([decode_output(item) for item in outputs], time.perf_counter())
-        if step_failures:
-            self.metrics.step_failures.inc(step_failures)
+        if step_failures > self._step_failures_seen:
+            self.metrics.step_failures.inc(step_failures - self._step_failures_seen)
+            self._step_failures_seen = step_failures
         for request_ids, status, message, kind in failed:
             book.fail(request_ids, Failure(status, message, kind))
         book.publish(decode_stats(stats), num_new)
@@ -337,9 +372,12 @@ class EngineClient:
             self._closed = True
             self._settled.set()
             return
-        self.process.join(KILL_GRACE_S)   # it is gone, or going: how it ended
-        failure = self._gone = Failure(500, f"the engine core process {_exit_text(self.process.exitcode)}",
-                                       "server_error")
+        if self.process is not None:
+            self.process.join(KILL_GRACE_S)   # it is gone, or going: how it ended
+            ending = _exit_text(self.process.exitcode)
+        else:   # its starter reports how it ended
+            ending = f"{self._core.pid} has stopped"
+        failure = self._gone = Failure(500, f"the engine core process {ending}", "server_error")
         self._closed = True   # after _gone: submit() reads it once it sees _closed
         if self.startup_error is None and not self._ready.is_set():
             self.startup_error = EngineStartError(failure.message + " before the engine was built")

@@ -32,6 +32,7 @@ class EngineLoop:
                  describe: Callable[[object], str] | None = None):
         self._make_llm = make_llm
         self.metrics = metrics
+        self.request_id_prefix = "srv"
         self._on_fatal = on_fatal
         self._describe = describe   # the start-up log line of the built engine
         self._inbox: queue.Queue = queue.Queue()

@@ -124,10 +124,10 @@ class Generation:
         self.arrival = time.perf_counter()
         # usage counts each prompt once, however many choices share it (OpenAI's count)
         self.prompt_tokens = sum(len(p) for p in prompts) if prompt_tokens is None else prompt_tokens
-        number = next(_ids)
+        number, prefix = next(_ids), engine.request_id_prefix
         self.choices: list[ChoiceState] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            sub = Submission(f"srv-{number}-{i}", i, prompt, sp, self.loop, self.events, arrival=self.arrival)
+            sub = Submission(f"{prefix}-{number}-{i}", i, prompt, sp, self.loop, self.events, arrival=self.arrival)
             self.choices.append(ChoiceState(sub, IncrementalDetokenizer(engine.tokenizer, skip_special_tokens),
                                             StopMatcher(stops, include_stop), len(prompt), hidden, sp.min_tokens))
         self._submitted = False

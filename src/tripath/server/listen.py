@@ -11,9 +11,14 @@ class ListenError(OSError):
     """The server cannot listen on the address it was given; the message says why and what to change."""
 
 
-def bind_listener(host: str, port: int, backlog: int = 2048) -> socket.socket:
+def bind_listener(host: str, port: int, backlog: int = 2048, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` and listening (connections queue until the server accepts them).
-    Raises :class:`ListenError` naming the address and, for a port in use, ``--port``."""
+    ``reuse_port``: with ``SO_REUSEPORT``, so other processes of this user may listen on the same address and
+    the kernel spreads the connections over them (the API servers of ``--api-server-count``). Raises
+    :class:`ListenError` naming the address and, for a port in use, ``--port``."""
+    if reuse_port and not hasattr(socket, "SO_REUSEPORT"):
+        raise ListenError("several API servers need SO_REUSEPORT, which this system does not have; use "
+                          "--api-server-count 1")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as error:
@@ -23,6 +28,8 @@ def bind_listener(host: str, port: int, backlog: int = 2048) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         if family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         sock.bind(address)

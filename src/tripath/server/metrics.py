@@ -153,6 +153,7 @@ class ServerMetrics:
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_tokens = 0   # the sum of _recent's counts
         self._last = None   # the EngineStats of the previous observation
+        self.num_ended = 0  # engine requests ended, by any cause
 
     def _gauge(self, name: str, doc: str):
         return Gauge(f"tripath:{name}", doc, LABELS, registry=self.registry).labels(*self._labels)
@@ -216,6 +217,7 @@ class ServerMetrics:
 
     def observe_end(self, times: ChoiceTimes, reason: str, now: float) -> None:
         """A request ended at ``now`` (``reason``: one of :data:`FINISH_REASONS`)."""
+        self.num_ended += 1
         self.request_success.labels(reason).inc()
         self.e2e.observe(now - times.arrival)
         if self.request_prompt_tokens is not None:

@@ -67,6 +67,7 @@ class Engine(Protocol):
     serving without being asked to (the server then exits)."""
 
     metrics: ServerMetrics
+    request_id_prefix: str   # engine request ids are ``<prefix>-<number>-<choice>``
     tokenizer: object
     vocab_size: int
     max_model_len: int

@@ -1,0 +1,191 @@
+"""Several API servers in front of one engine core: ``tripath serve --api-server-count N``.
+
+One HTTP process serves every request's HTTP, JSON, validation, detokenising and stream framing on one
+interpreter; at high concurrency that serial work delays the requests of a round of arrivals behind each
+other. With ``N`` > 1 the ``tripath serve`` process becomes a supervisor (:func:`supervise`): it spawns the
+engine core (:mod:`~tripath.server.engine_core`) with a pair of pipes per API server, then ``N`` API server
+processes (:func:`api_server_main`), each the whole OpenAI-compatible app on its own event loop, attached
+to the core over its pipes (:class:`~tripath.server.engine_client.CoreChannel`). They listen on the same
+address, each on its own ``SO_REUSEPORT`` socket (API server 0 on the one the supervisor bound before
+anything loaded), so the kernel spreads connections over them; the core routes each request's outputs to
+the API server that sent it. ``/metrics`` on any of them answers for all (:mod:`~tripath.server.metrics_peers`).
+
+Lifetime: SIGINT / SIGTERM to the supervisor reach every API server as SIGTERM (a terminal's Ctrl-C reaches
+them anyway): each drains as one server does (``--shutdown-timeout``), ends what is left with 503 and stops;
+the core releases the engine once the last has stopped, and the supervisor exits 0. An API server that
+exits on its own (crashed, killed, could not start) stops the others the same way and the supervisor exits
+1. A core that dies makes every API server fail its requests, answer ``/health`` with 503 and exit; the
+supervisor exits 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("tripath.server")
+
+EXIT_GRACE_S = 10.0   # beyond the drain: how long a stopping API server or core may take before SIGKILL
+
+
+@dataclass(frozen=True)
+class ApiServerRole:
+    """API server ``index`` of ``count`` (0-based), its ``channel`` to the engine core and the ``folder`` the
+    API servers share (their metrics sockets)."""
+
+    index: int
+    count: int
+    channel: object   # a CoreChannel
+    folder: str
+
+
+def api_server_main(argv: list[str], role: ApiServerRole, listener, address: tuple[str, int]) -> None:
+    """An API server process: ``tripath serve``'s app for ``argv`` on ``listener`` (None: bind its own
+    ``SO_REUSEPORT`` socket on ``address``, the supervisor's), attached to the core of ``role``; exits with
+    the server's status."""
+    from tripath.server.cli import _serve
+    from tripath.server.listen import ListenError, bind_listener
+
+    if listener is None:
+        host, port = address
+        try:
+            listener = bind_listener(host, port, reuse_port=True)
+        except ListenError as error:
+            print(f"tripath serve: error: API server {role.index}: {error}", file=sys.stderr)
+            sys.exit(1)
+    try:
+        code = _serve(argv, listener, role)
+    finally:
+        listener.close()
+    sys.exit(code)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "is still running"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
+def _clean_exit(code: int | None) -> bool:
+    """An API server's exit after it was asked to stop: 0, or the signal uvicorn re-raises once it has drained."""
+    return code in (0, -signal.SIGTERM, -signal.SIGINT)
+
+
+def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: float) -> int:
+    """Run the engine core (``spec``: its :class:`~tripath.server.engine_core.CoreSpec`) and ``count`` API
+    servers of ``argv`` until they stop (see the module doc); the exit status. ``listener``: the socket bound
+    at start on ``host`` (``SO_REUSEPORT``), handed to API server 0; ``drain_s``: ``--shutdown-timeout``."""
+    from tripath.server.core_wire import widen
+    from tripath.server.engine_client import CoreChannel, _stop_signals_ignored
+    from tripath.server.engine_core import core_main
+
+    context = multiprocessing.get_context("spawn")   # CUDA forbids fork after it is initialised
+    folder = tempfile.mkdtemp(prefix="tripath-api-servers-")
+    address = (host, listener.getsockname()[1])   # --port 0: the port the system gave
+    core_ends, channels = [], []
+    for _ in range(count):
+        commands_in, commands = context.Pipe(duplex=False)
+        updates, updates_out = context.Pipe(duplex=False)
+        widen(commands)
+        widen(updates)
+        core_ends.append((commands_in, updates_out))
+        channels.append((commands, updates))
+    core = context.Process(target=core_main, args=(spec, core_ends), name="tripath-engine-core")
+    with _stop_signals_ignored():
+        core.start()
+    for commands_in, updates_out in core_ends:   # the core holds them: its exit closes them
+        commands_in.close()
+        updates_out.close()
+    log.info("engine core process %d started", core.pid)
+    servers = []
+    for index, (commands, updates) in enumerate(channels):
+        role = ApiServerRole(index, count, CoreChannel(commands, updates, core.pid, index), folder)
+        server = context.Process(target=api_server_main, name=f"tripath-api-server-{index}",
+                                 args=(argv, role, listener if index == 0 else None, address))
+        server.start()
+        commands.close()   # the API server holds them: its exit closes them, and the core sees it go
+        updates.close()
+        servers.append(server)
+    listener.close()   # API server 0 has its own copy; one here would queue connections nobody accepts
+    log.info("%d API servers started: processes %s", count, ", ".join(str(s.pid) for s in servers))
+    try:
+        return _watch(servers, core, drain_s)
+    finally:
+        for process in (*servers, core):
+            if process.is_alive():
+                process.kill()
+                process.join()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _watch(servers: list, core, drain_s: float) -> int:
+    """Wait for the API servers and the core to end (the module doc says how); the exit status."""
+    stop_at: list[float] = []   # when the API servers were asked to stop
+    problems: list[str] = []
+
+    def stop_servers() -> None:
+        if not stop_at:
+            stop_at.append(time.monotonic())
+        for server in servers:
+            if server.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.pid, signal.SIGTERM)
+
+    def on_signal(signum, frame) -> None:
+        if not stop_at:
+            log.info("%s: stopping the API servers", signal.Signals(signum).name)
+        stop_servers()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        running, core_seen = set(servers), False
+        while running:
+            waited = None if not stop_at else max(0.0, stop_at[0] + drain_s + EXIT_GRACE_S - time.monotonic())
+            multiprocessing.connection.wait([s.sentinel for s in running] + ([] if core_seen else [core.sentinel]),
+                                            timeout=min(waited, 1.0) if waited is not None else None)
+            if not core_seen and core.exitcode is not None:
+                core_seen = True
+                if not stop_at:   # the API servers see it too: each fails its requests and exits
+                    problems.append(f"the engine core process {_exit_text(core.exitcode)}")
+                    stop_at.append(time.monotonic())
+                elif core.exitcode != 0:
+                    problems.append(f"the engine core process {_exit_text(core.exitcode)} while stopping")
+            for server in [s for s in running if s.exitcode is not None]:
+                running.discard(server)
+                index = servers.index(server)
+                if not stop_at:
+                    problems.append(f"API server {index} {_exit_text(server.exitcode)}: stopping the others")
+                    stop_servers()
+                elif not _clean_exit(server.exitcode):
+                    problems.append(f"API server {index} {_exit_text(server.exitcode)}")
+            if running and stop_at and time.monotonic() > stop_at[0] + drain_s + EXIT_GRACE_S:
+                problems.append(f"API servers {sorted(servers.index(s) for s in running)} did not stop in time: "
+                                "killed")
+                for server in running:
+                    server.kill()
+                    server.join()
+                running.clear()
+        core.join(drain_s + EXIT_GRACE_S)   # it stops once the last API server has stopped, or gone
+        if core.is_alive():
+            problems.append("the engine core did not stop in time: killed")
+            core.kill()
+            core.join()
+        elif not core_seen and core.exitcode != 0:
+            problems.append(f"the engine core process {_exit_text(core.exitcode)}")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for problem in problems:
+        log.error("%s", problem)
+    return 1 if problems else 0

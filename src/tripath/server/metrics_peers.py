@@ -1,0 +1,129 @@
+"""``/metrics`` across the API servers of one engine (``tripath serve --api-server-count N``,
+:mod:`~tripath.server.api_servers`): whichever of them a scrape reaches answers for all of them.
+
+Each API server observes its own requests (:class:`~tripath.server.metrics.ServerMetrics`) and answers its
+peers on a Unix socket of a folder they share (``<folder>/<index>.sock``) with a pickle of its registry's
+metric families. A scrape asks every peer, then merges: the families of the engine itself (its requests
+running / waiting, KV cache, prefix cache, preemptions, steps: :data:`ENGINE_FAMILIES`, which every API
+server reads from the same engine core) are the scraped server's own; every other sample is the sum over
+the API servers (request counts, token counts, every histogram bucket, the requests in the server, the
+generation rate), except a ``_created`` time, which is the earliest. A peer that does not answer within
+:data:`PEER_TIMEOUT_S` is left out (logged): it is stopping, or gone, and the server with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+from typing import Callable, Iterable
+
+from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
+
+log = logging.getLogger("tripath.server")
+
+PEER_TIMEOUT_S = 2.0
+ENGINE_FAMILIES = frozenset(f"tripath:{name}" for name in (
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
+    "prefix_cache_hits", "num_preemptions", "kv_cache_blocks_total", "kv_cache_blocks_used", "engine_steps",
+    "engine_step_failures"))
+
+
+def merge_families(own: list[Metric], peers: Iterable[list[Metric]]) -> list[Metric]:
+    """The families of one API server (``own``) merged with its peers' (see the module doc), in ``own``'s
+    order (a family only a peer has comes after)."""
+    merged: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, list]] = {}   # family -> (sample name, labels) -> [name, labels, value]
+    for index, families in enumerate([own, *peers]):
+        for family in families:
+            if index > 0 and family.name in ENGINE_FAMILIES:
+                continue
+            if family.name not in merged:
+                merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                values[family.name] = {}
+            samples = values[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                entry = samples.get(key)
+                if entry is None:
+                    samples[key] = [sample.name, sample.labels, sample.value]
+                elif sample.name.endswith("_created"):
+                    entry[2] = min(entry[2], sample.value)
+                else:
+                    entry[2] += sample.value
+    for name, family in merged.items():
+        for sample_name, labels, value in values[name].values():
+            family.add_sample(sample_name, labels, value)
+    return list(merged.values())
+
+
+class _Families:
+    """What ``generate_latest`` renders: a fixed list of families."""
+
+    def __init__(self, families: list[Metric]):
+        self._families = families
+
+    def collect(self):
+        return self._families
+
+
+class MetricsPeers:
+    """API server ``index`` of ``count`` sharing ``folder``: answers its peers with ``registry``'s families
+    (``refresh()`` first: the gauges set at scrape time) and renders the merged ``/metrics``. :meth:`start`
+    and :meth:`close` run on the serving event loop."""
+
+    def __init__(self, folder: str, index: int, count: int, registry, refresh: Callable[[], None] | None = None):
+        self.folder, self.index, self.count = folder, index, count
+        self._registry, self._refresh = registry, refresh
+        self._server: asyncio.AbstractServer | None = None
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.folder, f"{index}.sock")
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._answer, path=self.path(self.index))
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+            try:
+                os.unlink(self.path(self.index))
+            except FileNotFoundError:
+                pass
+
+    def _own(self) -> list[Metric]:
+        if self._refresh is not None:
+            self._refresh()
+        return list(self._registry.collect())
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(pickle.dumps(self._own(), protocol=pickle.HIGHEST_PROTOCOL))
+            await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def _ask(self, index: int) -> list[Metric] | None:
+        try:
+            return pickle.loads(await asyncio.wait_for(self._read(index), PEER_TIMEOUT_S))
+        except (OSError, asyncio.TimeoutError, EOFError, pickle.UnpicklingError) as error:
+            log.warning("API server %d's metrics are left out of this scrape: %s", index,
+                        type(error).__name__ if not str(error) else error)
+            return None
+
+    async def _read(self, index: int) -> bytes:
+        reader, writer = await asyncio.open_unix_connection(self.path(index))
+        try:
+            return await reader.read()
+        finally:
+            writer.close()
+
+    async def render(self) -> bytes:
+        own = self._own()
+        answers = await asyncio.gather(*(self._ask(i) for i in range(self.count) if i != self.index))
+        return generate_latest(_Families(merge_families(own, [a for a in answers if a is not None])))
