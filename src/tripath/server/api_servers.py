@@ -20,6 +20,7 @@ supervisor exits 1.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 log = logging.getLogger("tripath.server")
 
@@ -46,6 +48,23 @@ class ApiServerRole:
     count: int
     channel: object   # a CoreChannel
     folder: str
+
+
+def watch_supervisor(on_gone: Callable[[], None]) -> None:
+    """Call ``on_gone`` (on the running event loop) when the supervisor that started this API server is
+    gone, killed included (its sentinel, inherited at spawn, reads the end): the API servers do not outlive
+    it, and once they have stopped neither does the core."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+    loop = asyncio.get_running_loop()
+
+    def gone() -> None:
+        loop.remove_reader(parent.sentinel)
+        log.error("the tripath serve process that started this API server is gone: stopping")
+        on_gone()
+
+    loop.add_reader(parent.sentinel, gone)
 
 
 def api_server_main(argv: list[str], role: ApiServerRole, listener, address: tuple[str, int]) -> None:

@@ -40,7 +40,7 @@ from tripath.engine.chat import chat_token_ids, encode_text
 from tripath.engine.request import SamplingParams
 from tripath.engine.structured_output import StructuredOutput
 from tripath.server import protocol as P
-from tripath.server.api_servers import ApiServerRole
+from tripath.server.api_servers import ApiServerRole, watch_supervisor
 from tripath.server.auth import APIKeyCheck
 from tripath.server.engine_client import EngineClient
 from tripath.server.engine_loop import EngineLoop
@@ -180,6 +180,9 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     async def lifespan(app: FastAPI):
         if peers is not None:
             await peers.start()
+        if api_server is not None:
+            watch_supervisor(lambda: on_fatal(RuntimeError("the tripath serve supervisor is gone")) if on_fatal
+                             else None)
         engine.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.stop, shutdown_timeout_s)

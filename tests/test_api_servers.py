@@ -1,0 +1,290 @@
+"""``tripath serve --api-server-count N``: several API server processes in front of one engine core.
+
+The core routes each request's outputs to the API server that sent it, ends one API server's requests at its
+``stop`` while the others serve on, aborts the requests of one that is gone, and bounds the engine's waiting
+queue for all; ``/metrics`` merges the API servers' metrics. End to end on the tiny preset (real processes on
+loopback): concurrent streams spread over both API servers and match the in-process engine token for token,
+every scrape counts every request, SIGTERM drains and stops everything (exit 0), a killed API server or core
+stops the rest (exit 1), a killed supervisor takes everything with it."""
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from tripath.engine.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from tripath.engine.stats import EngineStats
+
+pytest.importorskip("fastapi")
+
+from server_process import ServerProcess  # noqa: E402
+from tripath.server.core_wire import FrameReader, frame  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
+
+PRESET = "tiny-llama"
+SERVE = ["--model", PRESET, "--backend", "torch", "--num-kv-blocks", "160", "--max-model-len", "2048",
+         "--api-server-count", "2"]
+
+
+# ---- the merged /metrics ----------------------------------------------------------------------------------
+def _samples(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_merged_metrics_add_up_the_requests_and_keep_the_engines_own():
+    from prometheus_client import generate_latest
+
+    from tripath.server.metrics import ChoiceTimes, ServerMetrics
+    from tripath.server.metrics_peers import _Families, merge_families
+
+    own, peer = ServerMetrics("m"), ServerMetrics("m")
+    for m in (own, peer):
+        m.engine_ready(2048)
+    for metrics, ttft, reason, count in ((own, 0.03, "length", 2), (peer, 0.3, "stop", 1)):
+        for _ in range(count):
+            times = ChoiceTimes(arrival=10.0, num_prompt_tokens=5, max_tokens=8)
+            metrics.observe_tokens(times, 1, 10.0 + ttft)
+            metrics.observe_tokens(times, 3, 10.0 + ttft + 0.03)
+            metrics.observe_end(times, reason, 11.0)
+    own.observe_engine(EngineStats(2, 1, 5, 100, 40, 10, 1, 30), num_new_tokens=8)
+    peer.observe_engine(EngineStats(3, 0, 7, 100, 30, 5, 0, 25), num_new_tokens=4)   # an older view of the engine
+    merged = _samples(generate_latest(_Families(merge_families(list(own.registry.collect()),
+                                                               [list(peer.registry.collect())]))).decode())
+    labels = 'engine="0",model_name="m"'
+    assert merged[f'tripath:request_success_total{{{labels[:10]},finished_reason="length",{labels[11:]}}}'] == 2
+    assert merged[f'tripath:request_success_total{{{labels[:10]},finished_reason="stop",{labels[11:]}}}'] == 1
+    assert merged[f"tripath:time_to_first_token_seconds_count{{{labels}}}"] == 3
+    assert merged[f'tripath:time_to_first_token_seconds_bucket{{{labels[:10]},le="0.04",{labels[11:]}}}'] == 2
+    assert merged[f'tripath:time_to_first_token_seconds_bucket{{{labels[:10]},le="0.5",{labels[11:]}}}'] == 3
+    assert merged[f'tripath:inter_token_latency_seconds_count{{{labels}}}'] == 9
+    assert merged[f"tripath:generation_tokens_total{{{labels}}}"] == 12
+    assert merged[f"tripath:prompt_tokens_total{{{labels}}}"] == 15
+    # the engine's own families: the scraped API server's view, not a sum
+    assert merged[f"tripath:num_requests_running{{{labels}}}"] == 2
+    assert merged[f"tripath:engine_steps_total{{{labels}}}"] == 30
+    assert merged[f"tripath:prefix_cache_hits_total{{{labels}}}"] == 10
+    created = f"tripath:generation_tokens_created{{{labels}}}"
+    assert merged[created] == min(_samples(own.render().decode())[created], _samples(peer.render().decode())[created])
+
+
+# ---- the core's routing -----------------------------------------------------------------------------------
+class _StandIn:
+    """An engine whose every step gives each live request one token (the request id's number); finished at 3."""
+
+    def __init__(self):
+        self.live, self.aborted, self.decode_steps = {}, [], 1
+        self.scheduler = type("S", (), {"waiting": []})()
+
+    def add_request(self, prompt, params, request_id=None):
+        self.live[request_id] = 0
+
+    def abort_request(self, request_id):
+        self.aborted.append(request_id)
+        self.live.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        outs = []
+        for request_id in list(self.live):
+            self.live[request_id] += 1
+            done = self.live[request_id] == 3
+            reason = FinishReason.LENGTH if done else None
+            outs.append(RequestOutput(request_id, None, [1], [CompletionOutput(0, "", [7], finish_reason=reason)], done,
+                                      new_token_ids=[7]))
+            if done:
+                del self.live[request_id]
+        return outs
+
+    def stats(self):
+        return EngineStats(len(self.live), len(self.scheduler.waiting), 0, 10, 0, 0, 0, 0)
+
+
+def _read_all(fd: int, reader: FrameReader) -> list:
+    os.set_blocking(fd, False)
+    messages = []
+    while True:
+        try:
+            data = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return messages
+        if not data:
+            return messages
+        messages += reader.feed(data)
+
+
+def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
+    from tripath.server.engine_core import EngineCore
+
+    pipes = [(os.pipe(), os.pipe()) for _ in range(2)]   # per API server: (commands r, w), (updates r, w)
+    llm = _StandIn()
+    core = EngineCore(llm, [(commands[0], updates[1]) for commands, updates in pipes], max_waiting=1)
+    readers = [FrameReader(), FrameReader()]
+    try:
+        core._handle(0, ("add", "srv0-1-0", [1, 2], SamplingParams(max_tokens=3)))
+        core._handle(1, ("add", "srv1-1-0", [1, 2], SamplingParams(max_tokens=3)))
+        core._handle(1, ("add", "srv0-1-0", [1], SamplingParams(max_tokens=3)))   # an id in flight: refused
+        core._handle(1, ("abort", "srv0-1-0"))   # not its request: ignored
+        core._step()
+        core._send_updates()
+        got = [_read_all(updates[0], readers[i]) for i, (_, updates) in enumerate(pipes)]
+        (kind0, accepted0, refused0, outputs0, *_), = got[0]
+        (kind1, accepted1, refused1, outputs1, *_), = got[1]
+        assert accepted0 == ["srv0-1-0"] and [o[0] for o in outputs0] == ["srv0-1-0"] and not refused0
+        assert accepted1 == ["srv1-1-0"] and [o[0] for o in outputs1] == ["srv1-1-0"]
+        assert refused1 == [("srv0-1-0", 400, "request id 'srv0-1-0' is in flight already", "invalid_request_error")]
+        assert llm.aborted == []
+        # the waiting queue is bounded for all API servers
+        llm.scheduler.waiting.append("someone")
+        core._handle(0, ("add", "srv0-2-0", [1], SamplingParams(max_tokens=3)))
+        assert core._frontends[0].refused[0][:2] == ("srv0-2-0", 503) and "--max-queue-depth 1" in \
+            core._frontends[0].refused[0][2]
+        llm.scheduler.waiting.clear()
+        core._frontends[0].refused.clear()
+        # API server 1 stops: its request ends with 503, it hears 'stopped', API server 0 serves on
+        core._handle(1, ("stop",))
+        *_, update, stopped = _read_all(pipes[1][1][0], readers[1])
+        assert update[4] == [(["srv1-1-0"], 503, "the server is shutting down", "server_error")]
+        assert stopped == ("stopped",) and not core._stopping and llm.aborted == ["srv1-1-0"]
+        core._step()
+        core._step()
+        core._send_updates()
+        (update,) = _read_all(pipes[0][1][0], readers[0])
+        assert [o[0] for o in update[3]] == ["srv0-1-0", "srv0-1-0"] and update[3][-1][2]   # finished
+        # API server 0 goes away (its command pipe closes): nobody is left, the core stops
+        core._handle(0, ("add", "srv0-3-0", [1], SamplingParams(max_tokens=3)))
+        os.close(pipes[0][0][1])
+        core._receive(block=False)
+        assert core._stopping and llm.aborted[-1] == "srv0-3-0"
+    finally:
+        for (commands, updates) in pipes:
+            for fd in (*commands, *updates):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+# ---- end to end -------------------------------------------------------------------------------------------
+def _pids(server: ServerProcess) -> list[int]:
+    match = re.search(r"API servers started: processes ([\d, ]+)", server.log_path.read_text())
+    assert match, server.log()
+    return [int(p) for p in match.group(1).split(", ")]
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(_running(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if _running(p)]}"
+        time.sleep(0.1)
+
+
+def test_streams_spread_over_the_api_servers_match_the_engine_and_every_scrape_counts_them(tmp_path):
+    from tripath.engine import LLM
+
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
+    try:
+        children = [server.core_pid(), *_pids(server)]
+        prompts = [[5 + i % 7, 3 + i % 5, 11] for i in range(24)]
+        lengths = [4 + i % 5 for i in range(24)]
+
+        async def one(client, prompt, n):
+            body = {"model": PRESET, "prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+            ids = []
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        ids += json.loads(line[6:])["choices"][0]["token_ids"]
+            return ids
+
+        async def run():
+            # a fresh connection per request: the kernel spreads connections over the API servers
+            async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                         limits=httpx.Limits(max_keepalive_connections=0)) as client:
+                return await asyncio.gather(*(one(client, p, n) for p, n in zip(prompts, lengths)))
+
+        results = asyncio.run(run())
+        llm = LLM(PRESET, backend="torch", num_kv_blocks=160, max_model_len=2048)
+        expected = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                          for n in lengths], use_tqdm=False)
+        assert results == [want.output_token_ids for want in expected]
+        length = f'tripath:request_success_total{{engine="0",finished_reason="length",model_name="{PRESET}"}}'
+        generated = f'tripath:generation_tokens_total{{engine="0",model_name="{PRESET}"}}'
+        for _ in range(6):   # whichever API server answers the scrape: all of them
+            with httpx.Client(timeout=10) as fresh:
+                text = fresh.get(server.url + "/metrics").text
+            samples = _samples(text)
+            assert samples[length] == 24 and samples[generated] == sum(lengths)
+        server.signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0, server.log()
+        log = server.log()
+        served = dict(re.findall(r"API server (\d) of 2 stopped; it served (\d+) engine requests", log))
+        assert set(served) == {"0", "1"} and all(int(n) > 0 for n in served.values()), log
+        assert sum(int(n) for n in served.values()) >= 24 and "Traceback" not in log
+        _wait_gone(children)
+    finally:
+        server.close()
+
+
+def test_sigterm_while_streaming_drains_every_api_server_then_stops_the_core(tmp_path):
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
+    try:
+        children = [server.core_pid(), *_pids(server)]
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            body = {"model": PRESET, "prompt": [9, 9], "max_tokens": 300, "stream": True, "ignore_eos": True}
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                first = next(line for line in lines if line.startswith("data:"))
+                server.signal(signal.SIGTERM)
+                events = [first] + [line for line in lines if line.startswith("data:")]
+        tokens = sum(len(json.loads(e[6:])["choices"][0]["token_ids"]) for e in events[:-1])
+        assert tokens == 300 and events[-1] == "data: [DONE]"
+        assert server.proc.wait(30) == 0, server.log()
+        assert "engine core stopped" in server.log()
+        _wait_gone(children)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("victim", ["api server", "core", "supervisor"])
+def test_a_killed_process_stops_the_rest(tmp_path, victim):
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
+    try:
+        core, servers = server.core_pid(), _pids(server)
+        if victim == "supervisor":
+            server.proc.kill()
+            server.proc.wait()
+        else:
+            os.kill(servers[1] if victim == "api server" else core, signal.SIGKILL)
+            assert server.proc.wait(60) == 1, server.log()
+            expected = ("API server 1 was killed by SIGKILL" if victim == "api server"
+                        else "the engine core process was killed by SIGKILL")
+            assert expected in server.log(), server.log()
+        _wait_gone([core, *servers])
+    finally:
+        server.close()
+
+
+def test_several_api_servers_need_the_engine_in_its_own_process(tmp_path):
+    from tripath.server.cli import main_serve
+
+    assert main_serve([PRESET, "--port", "0", "--api-server-count", "2", "--engine-in-process"]) == 2
+    assert main_serve([PRESET, "--port", "0", "--api-server-count", "0"]) == 2
