@@ -23,7 +23,7 @@ from tripath.engine.stats import EngineStats
 pytest.importorskip("fastapi")
 
 from server_process import ServerProcess  # noqa: E402
-from tripath.server.core_wire import FrameReader, frame  # noqa: E402
+from tripath.server.core_wire import FrameReader  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 

@@ -8,7 +8,8 @@ Layers: :mod:`~tripath.server.protocol` (request / response bodies); the engine,
 :mod:`~tripath.server.engine_steps`; :mod:`~tripath.server.generation` and :mod:`~tripath.server.detokenize`
 (a request's choices, streamed text, stop strings), :mod:`~tripath.server.sse` (stream framing),
 :mod:`~tripath.server.sampling_defaults` (unset sampling fields), :mod:`~tripath.server.metrics` (Prometheus,
-vLLM's names under ``tripath:``),
+vLLM's names under ``tripath:``) and :mod:`~tripath.server.metrics_peers` (merged across API servers),
+:mod:`~tripath.server.api_servers` (``--api-server-count``: several API server processes on one core),
 :mod:`~tripath.server.app` (routes), :mod:`~tripath.server.utility_routes` (``/tokenize``, ``/detokenize``,
 ``/version``), :mod:`~tripath.server.auth` (``--api-key``), :mod:`~tripath.server.listen` (the port, bound
 first), :mod:`~tripath.server.startup` (the start-up log line) and :mod:`~tripath.server.cli` (the command).

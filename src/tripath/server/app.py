@@ -5,7 +5,8 @@ the engine core in its own process, :mod:`~tripath.server.engine_client`, or in 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events
 ending in ``data: [DONE]``), ``GET /v1/models`` (every served name), ``GET /health`` and ``GET`` / ``POST
 /ping`` (200 once the engine is built; 503 before, while shutting down and once the engine has died; 500
-when it could not be built), ``GET /metrics`` (Prometheus text, :mod:`~tripath.server.metrics`), and vLLM's
+when it could not be built), ``GET /metrics`` (Prometheus text, :mod:`~tripath.server.metrics`; of every API server when this is one of
+several, :mod:`~tripath.server.metrics_peers`), and vLLM's
 ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (:mod:`~tripath.server.utility_routes`). With an ``api_key``, ``/v1/*`` requests need it as a bearer token
 (401 otherwise; :mod:`~tripath.server.auth`). Errors carry the OpenAI body
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (malformed JSON, a field of the

@@ -10,7 +10,8 @@ The port is bound first (a port in use fails at once) and answers while the engi
 stop accepting connections, let in-flight requests finish for up to ``--shutdown-timeout`` seconds, then end
 the rest with 503 (a stream gets an error event and ``[DONE]``) and stop the engine, releasing the GPU. An
 engine core that dies fails the requests in flight, makes ``/health`` answer 503 and the server exit with
-status 1.
+status 1. ``--api-server-count N`` > 1 serves through N API server processes in front of the one core, this
+process supervising them (:mod:`tripath.server.api_servers`).
 """
 
 from __future__ import annotations
