@@ -22,6 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 120.0, log_level: str = "warning",
                  env: dict[str, str] | None = None, new_session: bool = False):

@@ -22,7 +22,7 @@ from tripath.engine.stats import EngineStats
 
 pytest.importorskip("fastapi")
 
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, running  # noqa: E402
 from tripath.server.core_wire import FrameReader  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
@@ -180,18 +180,10 @@ def _pids(server: ServerProcess) -> list[int]:
     return [int(p) for p in match.group(1).split(", ")]
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pids: list[int], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
-    while any(_running(p) for p in pids):
-        assert time.monotonic() < deadline, f"still running: {[p for p in pids if _running(p)]}"
+    while any(running(p) for p in pids):
+        assert time.monotonic() < deadline, f"still running: {[p for p in pids if running(p)]}"
         time.sleep(0.1)
 
 

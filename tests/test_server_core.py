@@ -23,7 +23,7 @@ from tripath.server.core_wire import StepOutput, decode_output, decode_stats, en
 pytest.importorskip("fastapi")
 
 from fault_engines import faulty_llm  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from server_process import ServerProcess, running  # noqa: E402
 from tripath.server import protocol as P  # noqa: E402
 from tripath.server import sse  # noqa: E402
 from tripath.server.generation import Generation  # noqa: E402
@@ -42,8 +42,8 @@ def test_a_step_output_crosses_the_wire_whole():
                                                                                     FinishReason.LENGTH)
     assert got.new_logprobs == logprobs and got.prompt_logprobs == prompt_logprobs
     assert decode_output(encode_output(out, False)).prompt_logprobs is None   # sent once, with the first output
-    running = RequestOutput("r", None, [1], [CompletionOutput(0, None, [4], None)], False, [4])
-    assert decode_output(encode_output(running, False)).finish_reason is None
+    unfinished = RequestOutput("r", None, [1], [CompletionOutput(0, None, [4], None)], False, [4])
+    assert decode_output(encode_output(unfinished, False)).finish_reason is None
     stats = EngineStats(3, 1, 10, 63, 400, 128, 2, 99)
     assert decode_stats(pickle.loads(pickle.dumps(encode_stats(stats)))) == stats
 
@@ -99,14 +99,6 @@ def test_a_lagging_stream_gets_one_event_for_what_it_missed():
                                                                         (1, [6, 7, 8], "length")]
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 
 def test_a_killed_core_fails_its_streams_and_health_answers_503(monkeypatch):
     """In process through ASGI, the core spawned: SIGKILL it mid-stream."""
@@ -139,7 +131,7 @@ def test_a_killed_core_fails_its_streams_and_health_answers_503(monkeypatch):
         assert len(fatal) == 1 and not engine.alive
     finally:
         served.close(10)
-    assert not _running(pid)
+    assert not running(pid)
 
 
 def _stream_first_event(url: str, max_tokens: int):
@@ -186,10 +178,10 @@ def test_ctrl_c_to_the_process_group_drains_then_stops_both_processes(tmp_path):
         log = server.log()
         assert "engine core stopped" in log and "engine stopped" in log and "Traceback" not in log
         for _ in range(50):
-            if not _running(core):
+            if not running(core):
                 break
             time.sleep(0.1)
-        assert not _running(core)
+        assert not running(core)
     finally:
         server.close()
 
@@ -201,7 +193,7 @@ def test_a_killed_server_takes_its_core_with_it(tmp_path):
         server.proc.kill()   # SIGKILL: no shutdown of any kind; the core sees its command pipe close
         server.proc.wait()
         deadline = time.monotonic() + 20
-        while _running(core):
+        while running(core):
             assert time.monotonic() < deadline, "the engine core outlived its server"
             time.sleep(0.1)
     finally:

@@ -88,14 +88,6 @@ def api_server_main(argv: list[str], role: ApiServerRole, listener, address: tup
     sys.exit(code)
 
 
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "is still running"
-    if code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    return f"exited with status {code}"
-
-
 def _clean_exit(code: int | None) -> bool:
     """An API server's exit after it was asked to stop: 0, or the signal uvicorn re-raises once it has drained."""
     return code in (0, -signal.SIGTERM, -signal.SIGINT)
@@ -106,7 +98,7 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
     servers of ``argv`` until they stop (see the module doc); the exit status. ``listener``: the socket bound
     at start on ``host`` (``SO_REUSEPORT``), handed to API server 0; ``drain_s``: ``--shutdown-timeout``."""
     from tripath.server.core_wire import widen
-    from tripath.server.engine_client import CoreChannel, _stop_signals_ignored
+    from tripath.server.engine_client import CoreChannel, stop_signals_ignored
     from tripath.server.engine_core import core_main
 
     context = multiprocessing.get_context("spawn")   # CUDA forbids fork after it is initialised
@@ -121,7 +113,7 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
         core_ends.append((commands_in, updates_out))
         channels.append((commands, updates))
     core = context.Process(target=core_main, args=(spec, core_ends), name="tripath-engine-core")
-    with _stop_signals_ignored():
+    with stop_signals_ignored():
         core.start()
     for commands_in, updates_out in core_ends:   # the core holds them: its exit closes them
         commands_in.close()
@@ -150,6 +142,8 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
 
 def _watch(servers: list, core, drain_s: float) -> int:
     """Wait for the API servers and the core to end (the module doc says how); the exit status."""
+    from tripath.server.engine_client import exit_text
+
     stop_at: list[float] = []   # when the API servers were asked to stop
     problems: list[str] = []
 
@@ -176,18 +170,18 @@ def _watch(servers: list, core, drain_s: float) -> int:
             if not core_seen and core.exitcode is not None:
                 core_seen = True
                 if not stop_at:   # the API servers see it too: each fails its requests and exits
-                    problems.append(f"the engine core process {_exit_text(core.exitcode)}")
+                    problems.append(f"the engine core process {exit_text(core.exitcode)}")
                     stop_at.append(time.monotonic())
                 elif core.exitcode != 0:
-                    problems.append(f"the engine core process {_exit_text(core.exitcode)} while stopping")
+                    problems.append(f"the engine core process {exit_text(core.exitcode)} while stopping")
             for server in [s for s in running if s.exitcode is not None]:
                 running.discard(server)
                 index = servers.index(server)
                 if not stop_at:
-                    problems.append(f"API server {index} {_exit_text(server.exitcode)}: stopping the others")
+                    problems.append(f"API server {index} {exit_text(server.exitcode)}: stopping the others")
                     stop_servers()
                 elif not _clean_exit(server.exitcode):
-                    problems.append(f"API server {index} {_exit_text(server.exitcode)}")
+                    problems.append(f"API server {index} {exit_text(server.exitcode)}")
             if running and stop_at and time.monotonic() > stop_at[0] + drain_s + EXIT_GRACE_S:
                 problems.append(f"API servers {sorted(servers.index(s) for s in running)} did not stop in time: "
                                 "killed")
@@ -201,7 +195,7 @@ def _watch(servers: list, core, drain_s: float) -> int:
             core.kill()
             core.join()
         elif not core_seen and core.exitcode != 0:
-            problems.append(f"the engine core process {_exit_text(core.exitcode)}")
+            problems.append(f"the engine core process {exit_text(core.exitcode)}")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -51,7 +51,7 @@ class EngineStartError(RuntimeError):
 
 
 @contextlib.contextmanager
-def _stop_signals_ignored():
+def stop_signals_ignored():
     """SIGINT and SIGTERM ignored while the core is spawned (it inherits that, so a terminal's Ctrl-C cannot
     kill it before it installs its own handlers); only the main thread may change them."""
     if threading.current_thread() is not threading.main_thread():
@@ -65,7 +65,7 @@ def _stop_signals_ignored():
             signal.signal(sig, handler)
 
 
-def _exit_text(code: int | None) -> str:
+def exit_text(code: int | None) -> str:
     if code is None:
         return "is not responding"
     if code < 0:
@@ -181,7 +181,7 @@ class EngineClient:
         widen(updates)
         self.process = context.Process(target=core_main, args=(self._spec, [(commands_in, updates_out)]),
                                        name="tripath-engine-core")   # not daemonic: it spawns the TP ranks
-        with _stop_signals_ignored():
+        with stop_signals_ignored():
             self.process.start()
         commands_in.close()   # the core holds its ends: its exit closes them, and the loop reads EOF
         updates_out.close()
@@ -374,7 +374,7 @@ class EngineClient:
             return
         if self.process is not None:
             self.process.join(KILL_GRACE_S)   # it is gone, or going: how it ended
-            ending = _exit_text(self.process.exitcode)
+            ending = exit_text(self.process.exitcode)
         else:   # its starter reports how it ended
             ending = f"{self._core.pid} has stopped"
         failure = self._gone = Failure(500, f"the engine core process {ending}", "server_error")

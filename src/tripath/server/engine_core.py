@@ -196,7 +196,10 @@ class EngineCore:
                 index = self._by_fd.get(fd)
                 if index is None:
                     continue
-                data = os.read(fd, READ_BYTES)
+                try:
+                    data = os.read(fd, READ_BYTES)
+                except OSError:
+                    data = b""
                 if not data:   # that HTTP process is gone: nobody to answer
                     self._detach(index)
                     continue
