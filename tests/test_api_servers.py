@@ -74,6 +74,38 @@ def test_merged_metrics_add_up_the_requests_and_keep_the_engines_own():
     assert merged[created] == min(_samples(own.render().decode())[created], _samples(peer.render().decode())[created])
 
 
+def test_a_scrape_asks_its_peers_over_their_sockets_and_leaves_out_one_that_is_gone(tmp_path, caplog):
+    from tripath.server.metrics import ChoiceTimes, ServerMetrics
+    from tripath.server.metrics_peers import MetricsPeers
+
+    registries = [ServerMetrics("m") for _ in range(3)]
+    for count, metrics in enumerate(registries[:2], start=1):
+        for _ in range(count):
+            times = ChoiceTimes(arrival=1.0, num_prompt_tokens=2, max_tokens=4)
+            metrics.observe_tokens(times, 2, 1.5)
+            metrics.observe_end(times, "length", 2.0)
+    refreshed = []
+
+    async def scrape():
+        peers = [MetricsPeers(str(tmp_path), i, 3, m.registry, refresh=lambda i=i: refreshed.append(i))
+                 for i, m in enumerate(registries)]
+        for p in peers[:2]:   # API server 2 is gone: no socket
+            await p.start()
+        try:
+            return await peers[0].render(), await peers[1].render()
+        finally:
+            for p in peers[:2]:
+                await p.close()
+
+    with caplog.at_level("WARNING", logger="tripath.server"):
+        first, second = asyncio.run(scrape())
+    success = 'tripath:request_success_total{engine="0",finished_reason="length",model_name="m"}'
+    assert _samples(first.decode())[success] == 3 and _samples(second.decode())[success] == 3
+    assert sorted(refreshed) == [0, 0, 1, 1]   # each answered once for itself and once for its peer
+    assert "API server 2's metrics are left out of this scrape" in caplog.text
+    assert not list(tmp_path.iterdir())   # closed: the sockets are gone
+
+
 # ---- the core's routing -----------------------------------------------------------------------------------
 class _StandIn:
     """An engine whose every step gives each live request one token (the request id's number); finished at 3."""
