@@ -128,7 +128,7 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
         commands.close()   # the API server holds them: its exit closes them, and the core sees it go
         updates.close()
         servers.append(server)
-    listener.close()   # API server 0 has its own copy; one here would queue connections nobody accepts
+    listener.close()   # API server 0 holds it now; kept here, it would queue connections after that one's exit
     log.info("%d API servers started: processes %s", count, ", ".join(str(s.pid) for s in servers))
     try:
         return _watch(servers, core, drain_s)
