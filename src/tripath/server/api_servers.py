@@ -97,27 +97,12 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
     """Run the engine core (``spec``: its :class:`~tripath.server.engine_core.CoreSpec`) and ``count`` API
     servers of ``argv`` until they stop (see the module doc); the exit status. ``listener``: the socket bound
     at start on ``host`` (``SO_REUSEPORT``), handed to API server 0; ``drain_s``: ``--shutdown-timeout``."""
-    from tripath.server.core_wire import widen
-    from tripath.server.engine_client import CoreChannel, stop_signals_ignored
-    from tripath.server.engine_core import core_main
+    from tripath.server.engine_client import CoreChannel, start_core
 
-    context = multiprocessing.get_context("spawn")   # CUDA forbids fork after it is initialised
+    context = multiprocessing.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="tripath-api-servers-")
     address = (host, listener.getsockname()[1])   # --port 0: the port the system gave
-    core_ends, channels = [], []
-    for _ in range(count):
-        commands_in, commands = context.Pipe(duplex=False)
-        updates, updates_out = context.Pipe(duplex=False)
-        widen(commands)
-        widen(updates)
-        core_ends.append((commands_in, updates_out))
-        channels.append((commands, updates))
-    core = context.Process(target=core_main, args=(spec, core_ends), name="tripath-engine-core")
-    with stop_signals_ignored():
-        core.start()
-    for commands_in, updates_out in core_ends:   # the core holds them: its exit closes them
-        commands_in.close()
-        updates_out.close()
+    core, channels = start_core(spec, count)
     log.info("engine core process %d started", core.pid)
     servers = []
     for index, (commands, updates) in enumerate(channels):

@@ -181,9 +181,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     async def lifespan(app: FastAPI):
         if peers is not None:
             await peers.start()
-        if api_server is not None:
-            watch_supervisor(lambda: on_fatal(RuntimeError("the tripath serve supervisor is gone")) if on_fatal
-                             else None)
+        if api_server is not None and on_fatal is not None:
+            watch_supervisor(lambda: on_fatal(RuntimeError("the tripath serve supervisor is gone")))
         engine.start()
         yield
         await asyncio.get_running_loop().run_in_executor(None, engine.stop, shutdown_timeout_s)

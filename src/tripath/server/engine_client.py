@@ -73,6 +73,30 @@ def exit_text(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+def start_core(spec: CoreSpec, count: int):
+    """Spawn the engine core for ``count`` HTTP processes: the core's ``multiprocessing.Process`` and, for each
+    HTTP process, its ``(commands, updates)`` pipe ends (the core's ends are closed here: the core holds them,
+    so its exit closes them and a reader sees EOF; an HTTP end handed to another process is closed by its
+    sender once that process has started, so the core sees that one go)."""
+    context = multiprocessing.get_context("spawn")   # CUDA forbids fork after it is initialised
+    core_ends, channels = [], []
+    for _ in range(count):
+        commands_in, commands = context.Pipe(duplex=False)
+        updates, updates_out = context.Pipe(duplex=False)
+        widen(commands)
+        widen(updates)
+        core_ends.append((commands_in, updates_out))
+        channels.append((commands, updates))
+    process = context.Process(target=core_main, args=(spec, core_ends),
+                              name="tripath-engine-core")   # not daemonic: it spawns the TP ranks
+    with stop_signals_ignored():
+        process.start()
+    for commands_in, updates_out in core_ends:
+        commands_in.close()
+        updates_out.close()
+    return process, channels
+
+
 @dataclass(frozen=True)
 class CoreChannel:
     """The pipe ends of one HTTP process to an engine core another process started (``--api-server-count``,
@@ -174,17 +198,7 @@ class EngineClient:
             self._watch(self._core.commands, self._core.updates)
             log.info("attached to the engine core process %d", self._core.pid)
             return
-        context = multiprocessing.get_context("spawn")   # CUDA forbids fork after it is initialised
-        commands_in, commands = context.Pipe(duplex=False)
-        updates, updates_out = context.Pipe(duplex=False)
-        widen(commands)
-        widen(updates)
-        self.process = context.Process(target=core_main, args=(self._spec, [(commands_in, updates_out)]),
-                                       name="tripath-engine-core")   # not daemonic: it spawns the TP ranks
-        with stop_signals_ignored():
-            self.process.start()
-        commands_in.close()   # the core holds its ends: its exit closes them, and the loop reads EOF
-        updates_out.close()
+        self.process, [(commands, updates)] = start_core(self._spec, 1)
         self._watch(commands, updates)
         atexit.register(self._kill)
         log.info("engine core process %d started", self.process.pid)

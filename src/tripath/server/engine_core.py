@@ -132,15 +132,16 @@ class _Frontend:
     def __init__(self, commands: int, updates: int):
         self.commands, self.updates = commands, updates
         self.frames = FrameReader()
-        self.accepted: list[str] = []
-        self.refused: list[tuple] = []
-        self.outputs: list[tuple] = []
-        self.failed: list[tuple] = []
+        self.clear()
         self.sent_stats = None
         self.sent_at = float("-inf")
 
     def has_items(self) -> bool:
         return bool(self.accepted or self.refused or self.outputs or self.failed)
+
+    def clear(self) -> None:
+        """Empty this pass's items: the ids added, the adds refused, the outputs, the requests failed."""
+        self.accepted, self.refused, self.outputs, self.failed = [], [], [], []
 
 
 class EngineCore:
@@ -307,7 +308,7 @@ class EngineCore:
         stats = encode_stats(self.llm.stats()) if stats is None else stats
         sent = self._send(index, ("update", frontend.accepted, frontend.refused, frontend.outputs, frontend.failed,
                                   stats, self._step_failures))
-        frontend.accepted, frontend.refused, frontend.outputs, frontend.failed = [], [], [], []
+        frontend.clear()
         if sent:
             frontend.sent_stats, frontend.sent_at = stats, now
 
@@ -338,7 +339,7 @@ class EngineCore:
         frontend = self._frontends[index]
         if self._by_fd.pop(frontend.commands, None) is not None:
             self._poller.unregister(frontend.commands)
-        frontend.accepted, frontend.refused, frontend.outputs, frontend.failed = [], [], [], []
+        frontend.clear()
 
     def _release(self) -> None:
         device = close_engine(self.llm)
