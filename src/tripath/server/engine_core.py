@@ -16,9 +16,11 @@ its own requests and the core bounds the engine's waiting queue for all (``CoreS
 
 While requests arrive the core decodes one step at a time: an add that finds a group of multi-step decode
 steps launched waits for it (and, with overlapped scheduling, for the group after it: 13 ms on the TP-8
-shape), and on a server whose streams end and restart together the adds of one round trickle in over
-50-130 ms. Once no request has arrived for :data:`ARRIVAL_WINDOW_S` the engine's ``decode_steps`` apply
-again (offline, ``LLM.generate`` adds its requests at step boundaries and keeps them).
+shape), and on a server whose streams end and restart together the adds of one round reach the core over
+100-300 ms (the round's prefills stagger the streams' ends). Once no request has arrived for
+:data:`ARRIVAL_WINDOW_S` the engine's ``decode_steps`` apply again (offline, ``LLM.generate`` adds its
+requests at step boundaries and keeps them). Measured against no window, the window's gain is within the
+noise of a run (docs/BENCHMARKS.md).
 
 The core ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process group; so does a service
 manager's SIGTERM): each HTTP process drains, then sends ``stop``, which ends what it still has in the
