@@ -85,17 +85,19 @@ def test_a_scrape_asks_its_peers_over_their_sockets_and_leaves_out_one_that_is_g
             metrics.observe_tokens(times, 2, 1.5)
             metrics.observe_end(times, "length", 2.0)
     refreshed = []
+    folder = tmp_path / "sockets"
 
     async def scrape():
-        peers = [MetricsPeers(str(tmp_path), i, 3, m.registry, refresh=lambda i=i: refreshed.append(i))
+        peers = [MetricsPeers(str(folder), i, 3, m.registry, refresh=lambda i=i: refreshed.append(i))
                  for i, m in enumerate(registries)]
         for p in peers[:2]:   # API server 2 is gone: no socket
             await p.start()
         try:
             return await peers[0].render(), await peers[1].render()
         finally:
-            for p in peers[:2]:
-                await p.close()
+            await peers[0].close()
+            assert [f.name for f in folder.iterdir()] == ["1.sock"]   # API server 1 still serves: kept
+            await peers[1].close()
 
     with caplog.at_level("WARNING", logger="tripath.server"):
         first, second = asyncio.run(scrape())
@@ -103,7 +105,7 @@ def test_a_scrape_asks_its_peers_over_their_sockets_and_leaves_out_one_that_is_g
     assert _samples(first.decode())[success] == 3 and _samples(second.decode())[success] == 3
     assert sorted(refreshed) == [0, 0, 1, 1]   # each answered once for itself and once for its peer
     assert "API server 2's metrics are left out of this scrape" in caplog.text
-    assert not list(tmp_path.iterdir())   # closed: the sockets are gone
+    assert not folder.exists()   # the last one closed: its socket and the folder are gone
 
 
 # ---- the core's routing -----------------------------------------------------------------------------------
@@ -290,7 +292,9 @@ def test_sigterm_while_streaming_drains_every_api_server_then_stops_the_core(tmp
 
 @pytest.mark.parametrize("victim", ["api server", "core", "supervisor"])
 def test_a_killed_process_stops_the_rest(tmp_path, victim):
-    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info", env={"TMPDIR": str(temp)})
     try:
         core, servers = server.core_pid(), _pids(server)
         if victim == "supervisor":
@@ -303,6 +307,7 @@ def test_a_killed_process_stops_the_rest(tmp_path, victim):
                         else "the engine core process was killed by SIGKILL")
             assert expected in server.log(), server.log()
         _wait_gone([core, *servers])
+        assert not list(temp.iterdir())   # the metrics sockets' folder went with the API servers
     finally:
         server.close()
 

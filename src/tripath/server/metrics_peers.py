@@ -14,6 +14,7 @@ generation rate), except a ``_created`` time, which is the earliest. A peer that
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -83,16 +84,19 @@ class MetricsPeers:
         return os.path.join(self.folder, f"{index}.sock")
 
     async def start(self) -> None:
+        os.makedirs(self.folder, exist_ok=True)   # a peer that stopped early may have removed it
         self._server = await asyncio.start_unix_server(self._answer, path=self.path(self.index))
 
     async def close(self) -> None:
+        """Stop answering and remove this API server's socket, and the folder once it is empty: the last API
+        server to close removes it, so nothing is left when the supervisor could not (killed)."""
         if self._server is not None:
             self._server.close()
             self._server = None
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(self.index))
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(OSError):   # not empty yet (a peer still serves), or gone already
+                os.rmdir(self.folder)
 
     def _own(self) -> list[Metric]:
         if self._refresh is not None:
