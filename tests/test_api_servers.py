@@ -11,8 +11,11 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -292,8 +295,7 @@ def test_sigterm_while_streaming_drains_every_api_server_then_stops_the_core(tmp
 
 @pytest.mark.parametrize("victim", ["api server", "core", "supervisor"])
 def test_a_killed_process_stops_the_rest(tmp_path, victim):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
+    temp = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))   # short: a socket's path must fit AF_UNIX
     server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info", env={"TMPDIR": str(temp)})
     try:
         core, servers = server.core_pid(), _pids(server)
@@ -307,9 +309,27 @@ def test_a_killed_process_stops_the_rest(tmp_path, victim):
                         else "the engine core process was killed by SIGKILL")
             assert expected in server.log(), server.log()
         _wait_gone([core, *servers])
-        assert not list(temp.iterdir())   # the metrics sockets' folder went with the API servers
+        assert not list(temp.glob("tripath-api-servers-*"))   # the metrics sockets' folder went with them
     finally:
         server.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def test_the_sockets_folder_leaves_a_temp_folder_too_long_for_a_socket(tmp_path, monkeypatch):
+    from tripath.server.api_servers import UNIX_PATH_MAX, socket_folder
+
+    deep = tmp_path / ("x" * 100)
+    deep.mkdir()
+    short = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))
+    try:
+        for base, expected in ((deep, "/tmp"), (short, str(short))):
+            monkeypatch.setattr(tempfile, "tempdir", str(base))
+            folder = socket_folder()
+            assert os.path.dirname(folder) == expected
+            assert len(os.path.join(folder, "1000.sock")) <= UNIX_PATH_MAX
+            os.rmdir(folder)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def test_several_api_servers_need_the_engine_in_its_own_process(tmp_path):

@@ -37,6 +37,7 @@ from typing import Callable
 log = logging.getLogger("tripath.server")
 
 EXIT_GRACE_S = 10.0   # beyond the drain: how long a stopping API server or core may take before SIGKILL
+UNIX_PATH_MAX = 107     # the longest socket path AF_UNIX takes (Linux: 108 bytes with the terminating NUL)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
     from tripath.server.engine_client import CoreChannel, start_core
 
     context = multiprocessing.get_context("spawn")
-    folder = tempfile.mkdtemp(prefix="tripath-api-servers-")
+    folder = socket_folder()
     address = (host, listener.getsockname()[1])   # --port 0: the port the system gave
     core, channels = start_core(spec, count)
     log.info("engine core process %d started", core.pid)
@@ -123,6 +124,15 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
                 process.kill()
                 process.join()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def socket_folder() -> str:
+    """A new folder for the API servers' metrics sockets, in the temp folder; in ``/tmp`` where the temp
+    folder's path is so long that a socket's path would pass what ``AF_UNIX`` takes (107 bytes on Linux)."""
+    base = tempfile.gettempdir()
+    if len(os.path.join(base, "tripath-api-servers-12345678", "1000.sock")) > UNIX_PATH_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"
+    return tempfile.mkdtemp(prefix="tripath-api-servers-", dir=base)
 
 
 def _watch(servers: list, core, drain_s: float) -> int:
