@@ -210,6 +210,62 @@ def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
                     pass
 
 
+class _Talkative(_StandIn):
+    """A stand-in whose requests never finish and bring 2,000 tokens a step (big updates)."""
+
+    def step(self):
+        return [RequestOutput(request_id, None, [1], [CompletionOutput(0, "", [7])], False,
+                              new_token_ids=list(range(2000))) for request_id in self.live]
+
+
+def test_a_core_never_waits_for_an_api_server_that_stops_reading(monkeypatch):
+    """API server 1 reads nothing: the core goes on stepping and writing API server 0's updates; once API
+    server 1's unread updates pass ``MAX_UNSENT_BYTES`` its requests end (aborted in the engine), and when it
+    reads again it gets every update that waited, then the failure."""
+    import threading
+
+    from tripath.server import engine_core as C
+
+    monkeypatch.setattr(C, "MAX_UNSENT_BYTES", 1 << 20)
+    pipes = [(os.pipe(), os.pipe()) for _ in range(2)]
+    llm = _Talkative()
+    core = C.EngineCore(llm, [(commands[0], updates[1]) for commands, updates in pipes])
+    reader0, reader1 = FrameReader(), FrameReader()
+    got0 = []
+    try:
+        core._handle(0, ("add", "a", [1], SamplingParams(max_tokens=10 ** 6)))
+        core._handle(1, ("add", "b", [1], SamplingParams(max_tokens=10 ** 6)))
+
+        def steps():
+            for _ in range(400):   # ~2.4 MB for each API server
+                core._step()
+                core._send_updates()
+                got0.extend(_read_all(pipes[0][1][0], reader0))
+
+        worker = threading.Thread(target=steps, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert not worker.is_alive(), "the core blocked on API server 1's full pipe"
+        outputs0 = [o for message in got0 if message[0] == "update" for o in message[3]]
+        assert len(outputs0) == 400 and not any(message[4] for message in got0)   # API server 0: every step
+        assert llm.aborted == ["b"] and "a" in llm.live
+        got1 = []
+        for _ in range(100):   # API server 1 reads again: what waited, then why its request ended
+            got1 += _read_all(pipes[1][1][0], reader1)
+            core._receive(block=False)   # writes what waits where the pipe has room
+        failed = [f for message in got1 if message[0] == "update" for f in message[4]]
+        assert failed and failed[0][0] == ["b"] and failed[0][1] == 503 and "fell too far behind" in failed[0][2]
+        outputs1 = [o for message in got1 if message[0] == "update" for o in message[3]]
+        assert 0 < len(outputs1) < 400 and not core._frontends[1].unsent and not core._frontends[1].overflowed
+    finally:
+        for (commands, updates) in pipes:
+            for fd in (*commands, *updates):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
 # ---- end to end -------------------------------------------------------------------------------------------
 def _wait_gone(pids: list[int], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s

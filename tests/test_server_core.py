@@ -258,7 +258,7 @@ def test_commands_a_full_pipe_cannot_take_wait_and_arrive_whole_and_in_order():
     as the reader drains it, later messages after it; the reader gets every frame whole, in order."""
     import threading
 
-    from tripath.server.core_wire import FrameReader
+    from tripath.server.core_wire import FrameReader, Outbox
     from tripath.server.engine_client import EngineClient
     from tripath.server.metrics import ServerMetrics
 
@@ -271,13 +271,13 @@ def test_commands_a_full_pipe_cannot_take_wait_and_arrive_whole_and_in_order():
     async def scenario():
         client = EngineClient(functools.partial(faulty_llm, 0.0), ServerMetrics("t"))
         client._loop, client._loop_thread = asyncio.get_running_loop(), threading.get_ident()
-        client._commands = Conn()
+        client._commands, client._outbox = Conn(), Outbox(write_end)
         os.set_blocking(write_end, False)
         big = [("add", f"r{i}", list(range(2000)), None) for i in range(40)]   # a few hundred KiB pickled
         for command in big:
             client._command(command)
         await asyncio.sleep(0)   # the loop pass ends: one message, most of it buffered
-        assert client._unsent, "the pipe took the whole message: make it bigger"
+        assert len(client._outbox), "the pipe took the whole message: make it bigger"
         client._command(("abort", "r0"))
         await asyncio.sleep(0)
         frames, messages = FrameReader(), []
@@ -289,7 +289,7 @@ def test_commands_a_full_pipe_cannot_take_wait_and_arrive_whole_and_in_order():
                 messages += frames.feed(os.read(read_end, 1 << 16))
             except BlockingIOError:
                 pass
-        return messages, bool(client._unsent)
+        return messages, len(client._outbox) > 0
 
     try:
         messages, left = asyncio.run(scenario())

@@ -208,8 +208,8 @@ def test_an_api_server_that_stops_reading_never_pauses_another_api_servers_strea
     end. The KV cache holds
     every stream whole (no preemption pauses the victim)."""
     server = ServerProcess(["--model", "tiny-llama", "--served-model-name", "m", *BASE, "--num-kv-blocks", "1100",
-                            "--max-model-len", "2048", "--decode-steps", "1", "--api-server-count", "2"], tmp_path / "server.log",
-                           log_level="info")
+                            "--max-model-len", "2048", "--decode-steps", "1", "--api-server-count", "2"],
+                           tmp_path / "server.log", log_level="info")
     heavy_body = {"model": "m", "prompt": [9, 10, 11], "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
                   "logprobs": 20}
     streams = []

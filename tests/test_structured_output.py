@@ -67,7 +67,8 @@ def _compiler(tokenizer, **options):
 
 
 def _enum_schema(i: int, n: int = 40) -> StructuredOutput:
-    return StructuredOutput(json={"type": "object", "properties": {"w": {"enum": [f"s{i}-{j}-value" for j in range(n)]}}})
+    words = [f"s{i}-{j}-value" for j in range(n)]
+    return StructuredOutput(json={"type": "object", "properties": {"w": {"enum": words}}})
 
 
 def test_the_grammar_cache_keeps_the_most_recently_used_within_its_bytes(tiny_hf_dir):
@@ -134,4 +135,5 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(tiny_hf_dir)
     assert out.finish_reason is FinishReason.ERROR and out.finished
     assert "min_tokens (12)" in out.outputs[0].error and "does not allow token" in out.outputs[0].error
     assert re.fullmatch(r"[0-9]{1,3}", out.outputs[0].text), out.outputs[0].text
-    assert not llm.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks
+    blocks = llm.block_manager
+    assert not llm.has_unfinished_requests() and blocks.num_free_blocks == blocks.num_usable_blocks

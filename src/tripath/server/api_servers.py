@@ -96,7 +96,7 @@ def _clean_exit(code: int | None) -> bool:
 
 
 def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: float) -> int:
-    """Run the engine core (``spec``: its :class:`~tripath.server.engine_core.CoreSpec`) and ``count`` API
+    """Run the engine core (``spec``: its :class:`~tripath.server.core_process.CoreSpec`) and ``count`` API
     servers of ``argv`` until they stop (see the module doc); the exit status. ``listener``: the socket bound
     at start on ``host`` (``SO_REUSEPORT``), handed to API server 0; ``drain_s``: ``--shutdown-timeout``."""
     from tripath.server.engine_client import CoreChannel, start_core

@@ -168,7 +168,7 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     api_key = args.api_key or _env.server_api_key()
     names = args.served_model_name or [model]
     from tripath.engine.cli_options import engine_options
-    from tripath.server.engine_core import LOG_FORMAT, make_engine
+    from tripath.server.core_process import LOG_FORMAT, make_engine
     from tripath.server.startup import startup_summary
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT,
@@ -179,7 +179,7 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     describe = functools.partial(startup_summary, model=model, served_names=names)
     if api_server is None and args.api_server_count > 1:
         from tripath.server.api_servers import supervise
-        from tripath.server.engine_core import CoreSpec
+        from tripath.server.core_process import CoreSpec
 
         if listener is None:
             return _usage_error("--api-server-count > 1 needs a valid --host and --port")

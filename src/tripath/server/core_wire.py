@@ -70,6 +70,37 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+class Outbox:
+    """Whole frames for a non-blocking pipe end, written as the pipe takes them: :meth:`put` queues a message
+    (or a frame), :meth:`write` writes what the pipe takes now and says whether bytes still wait — while they
+    do, the owner watches the end for room and writes again. ``OSError`` (``BrokenPipeError``) from
+    :meth:`write` once the reader is gone."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._unsent = bytearray()
+
+    def __len__(self) -> int:
+        return len(self._unsent)
+
+    def put(self, message) -> None:
+        self._unsent += frame(message)
+
+    def put_frame(self, data: bytes) -> None:
+        self._unsent += data
+
+    def write(self) -> bool:
+        try:
+            while self._unsent:
+                del self._unsent[:os.write(self.fd, self._unsent)]
+        except BlockingIOError:
+            pass
+        return bool(self._unsent)
+
+    def clear(self) -> None:
+        self._unsent.clear()
+
+
 class FrameReader:
     """The messages of a pipe end's byte stream. :meth:`feed` takes bytes as they arrive (a non-blocking
     reader's); :meth:`receive` reads a blocking end until at least one whole message is in."""

@@ -36,9 +36,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
-from tripath.server.core_wire import (READ_BYTES, FrameReader, decode_output, decode_stats, frame,
+from tripath.server.core_wire import (READ_BYTES, FrameReader, Outbox, decode_output, decode_stats, frame,
                                       load_tokenizer_handle, widen)
-from tripath.server.engine_core import LOG_FORMAT, CoreSpec, core_main
+from tripath.server.core_process import LOG_FORMAT, CoreSpec, core_main
 from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission, SubmissionBook
 
 log = logging.getLogger("tripath.server")
@@ -135,7 +135,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._frames = FrameReader()
         self._commands_out: list[tuple] = []   # commands of this pass of the loop, sent at its end
-        self._unsent = bytearray()             # what the command pipe could not take yet
+        self._outbox: Outbox | None = None     # what the command pipe has not taken yet
         self._reading = False
         self._finished = threading.Event()     # nothing more will be read from the core
         self._ready = threading.Event()
@@ -205,6 +205,7 @@ class EngineClient:
 
     def _watch(self, commands, updates) -> None:
         self._commands, self._updates = commands, updates
+        self._outbox = Outbox(commands.fileno())
         os.set_blocking(commands.fileno(), False)
         os.set_blocking(updates.fileno(), False)
         self._loop.add_reader(updates.fileno(), self._on_readable)
@@ -274,28 +275,21 @@ class EngineClient:
             self._write(frame(batch))
 
     def _write(self, data: bytes) -> None:
-        if self._unsent:   # the pipe is full: after what waits already
-            self._unsent += data
-            return
-        try:
-            written = os.write(self._commands.fileno(), data)
-        except BlockingIOError:
-            written = 0
-        except OSError:   # the core is gone: reading its pipe's end reports it
-            return
-        if written < len(data):
-            self._unsent += data[written:]
-            self._loop.add_writer(self._commands.fileno(), self._on_writable)
+        """Queue a frame and write what the pipe takes now; the rest as it drains (the loop watches it)."""
+        waited = len(self._outbox) > 0
+        self._outbox.put_frame(data)
+        if not waited:
+            self._on_writable(watched=False)
 
-    def _on_writable(self) -> None:
+    def _on_writable(self, watched: bool = True) -> None:
         try:
-            written = os.write(self._commands.fileno(), self._unsent)
-        except BlockingIOError:
-            return
-        except OSError:
-            written = len(self._unsent)
-        del self._unsent[:written]
-        if not self._unsent:
+            waiting = self._outbox.write()
+        except OSError:   # the core is gone: reading its pipe's end reports it
+            self._outbox.clear()
+            waiting = False
+        if waiting and not watched:
+            self._loop.add_writer(self._commands.fileno(), self._on_writable)
+        elif watched and not waiting:
             self._loop.remove_writer(self._commands.fileno())
 
     async def _unwatch(self) -> None:

@@ -3,8 +3,8 @@ which it spawns) for ``tripath serve``, and only schedules and steps; the HTTP p
 with ``--api-server-count`` (:mod:`~tripath.server.api_servers`) — tokenise, validate, detokenise and frame
 the streams (:mod:`~tripath.server.engine_client`).
 
-:func:`core_main` (the spawned process's entry) builds the engine with ``spec.make_llm()``, sends the
-engine's facts to every HTTP process (``ready``, :mod:`~tripath.server.core_wire`), then loops: take every
+:class:`EngineCore` sends the engine's facts to every HTTP process (``ready``,
+:mod:`~tripath.server.core_wire`), then loops: take every
 command that has arrived from any of them (adds, aborts, stop) — waiting for one only while nothing runs —,
 take a step (:mod:`~tripath.server.engine_steps`), and send each HTTP process ONE update with what that pass
 produced for its requests: the adds it took or refused, every output of the step (new tokens, finish, new
@@ -14,6 +14,14 @@ once when the engine goes idle. The engine does not decode finished outputs here
 (``LLM.detokenize_outputs`` off): the HTTP processes detokenise. With several HTTP processes each bounds
 its own requests and the core bounds the engine's waiting queue for all (``CoreSpec.max_waiting``).
 
+No request and no HTTP process holds the loop up. A request with a structured output waits for its grammar
+off the loop (:mod:`~tripath.server.grammar_waits`: compiled on the engine's compiler threads, added once
+compiled, refused past ``--grammar-compile-timeout``), the loop waking when a compile is done. Updates are
+written without blocking: what an HTTP process's pipe cannot take yet waits in that process's own buffer and
+is written as the pipe drains (the loop watches it), so an HTTP process whose event loop stalls pauses no
+other's streams; once :data:`MAX_UNSENT_BYTES` wait for it, its requests end (503) and it reads why after
+the rest.
+
 While requests arrive the core decodes one step at a time: an add that finds a group of multi-step decode
 steps launched waits for it (and, with overlapped scheduling, for the group after it: 13 ms on the TP-8
 shape), and on a server whose streams end and restart together the adds of one round reach the core over
@@ -22,114 +30,39 @@ shape), and on a server whose streams end and restart together the adds of one r
 requests at step boundaries and keeps them). Measured against no window, the window's gain is within the
 noise of a run (docs/BENCHMARKS.md).
 
-The core ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process group; so does a service
-manager's SIGTERM): each HTTP process drains, then sends ``stop``, which ends what it still has in the
-engine (503) and, while others serve on, answers ``stopped`` at once. An HTTP process that is gone (its end
-of the command pipe closes) has its requests aborted. The core stops, releasing the engine, at the last
-HTTP process's ``stop`` or exit, then says ``stopped`` to whoever is left; a core that does not stop in time
-is killed (SIGKILL).
+Each HTTP process drains at its stop, then sends ``stop``, which ends what it still has in the engine (503)
+and, while others serve on, answers ``stopped`` at once. An HTTP process that is gone (its end of the command
+pipe closes) has its requests aborted. The core stops, releasing the engine, at the last HTTP process's
+``stop`` or exit, then says ``stopped`` to whoever is left (the process around it: :mod:`~tripath.server.
+core_process`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import select
-import signal
-import sys
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
-from tripath.server.core_wire import (READ_BYTES, FrameReader, encode_output, encode_stats, frame, send,
-                                      tokenizer_handle)
+from tripath.server.core_wire import READ_BYTES, FrameReader, Outbox, encode_output, encode_stats
 from tripath.server.engine_steps import add_request, close_engine, release_memory, take_step
 from tripath.server.grammar_waits import GrammarWaits
 from tripath.server.submissions import Failure
 
 log = logging.getLogger("tripath.server")
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ARRIVAL_WINDOW_S = 0.01   # decode one step at a time until no request has arrived for this long (module doc)
 STATS_REFRESH_S = 0.05    # how old the engine's stats may get at an HTTP process that has nothing else to read
 MAX_UNSENT_BYTES = 64 << 20   # updates an HTTP process may leave unread before its requests are ended
 FINAL_FLUSH_S = 5.0       # at stop, how long the core waits for the HTTP processes to read their last updates
 
 
-@dataclass(frozen=True)
-class CoreSpec:
-    """What the core process is started with (pickled to it): ``make_llm`` builds the engine (a top-level
-    function or a ``functools.partial`` of one, e.g. :func:`make_engine`), ``describe(llm)`` its start-up log
-    line; the HTTP process's log level and format."""
-
-    make_llm: Callable[[], object]
-    describe: Callable[[object], str] | None = None
-    log_level: int = logging.WARNING
-    log_format: str = LOG_FORMAT
-    max_waiting: int | None = None
-
-
-def make_engine(model, **options):
-    """``LLM(model, **options)``: the engine of ``tripath serve`` (a picklable ``make_llm`` with
-    ``functools.partial``)."""
-    from tripath.engine import LLM
-
-    return LLM(model, **options)
-
-
-def ignore_stop_signals() -> None:
-    """SIGINT and SIGTERM do nothing to this process. SIGINT is ignored outright, so the processes it starts
-    (tensor-parallel ranks, warm-up compilers) inherit that and a Ctrl-C lets the server drain with them;
-    SIGTERM through a Python handler, so they keep its default (``multiprocessing`` stops them with it)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _ignored)
-
-
-def _ignored(signum, frame) -> None:
-    log.debug("engine core: %s ignored (the server stops the engine)", signal.Signals(signum).name)
-
-
-def engine_facts(llm, describe) -> dict:
-    return {"vocab_size": int(llm.model.config.vocab_size), "max_model_len": int(llm.runner.max_model_len),
-            "max_num_seqs": int(llm.config.max_num_seqs),
-            "generation_defaults": dict(getattr(llm, "generation_defaults", {})),
-            "summary": describe(llm) if describe is not None else "", "tokenizer": tokenizer_handle(llm.tokenizer)}
-
-
-def core_main(spec: CoreSpec, frontends) -> None:
-    """The core process: build, serve until stopped, release. ``frontends``: ``(commands, updates)`` pipe ends
-    of each HTTP process (the ``multiprocessing`` connections that carried them here; kept open until it
-    returns)."""
-    ignore_stop_signals()
-    logging.basicConfig(level=spec.log_level, format=spec.log_format, force=True)
-    try:
-        llm = spec.make_llm()
-        facts = engine_facts(llm, spec.describe)
-    except BaseException as error:  # noqa: BLE001 - reported to the HTTP processes, which exit
-        log.error("building the engine failed:\n%s", traceback.format_exc())
-        for pair in frontends:   # a few bytes into an empty pipe: never waits
-            try:
-                send(pair[1].fileno(), ("start_failed", str(error) or type(error).__name__))
-            except OSError:   # that HTTP process is gone
-                pass
-        sys.exit(1)
-    llm.detokenize_outputs = False   # the HTTP processes detokenise
-    # Every object alive now lives as long as the server: moved out of the collector's generations, the full
-    # collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
-    gc.freeze()
-    core = EngineCore(llm, [(commands.fileno(), update.fileno()) for commands, update in frontends],
-                      spec.max_waiting)
-    for index in range(len(frontends)):   # one that is gone already is detached here
-        core._send(index, ("ready", facts))
-    core.run()
-
-
 class _Frontend:
     """One HTTP process the core serves: its pipe ends (descriptors), what the current pass has for it, and
-    the bytes its update pipe has not taken yet (``unsent``: whole frames, written as the pipe drains)."""
+    the updates its pipe has not taken yet (``unsent``, written as the pipe drains)."""
 
     __slots__ = ("commands", "updates", "frames", "accepted", "refused", "outputs", "failed", "sent_stats",
                  "sent_at", "unsent", "overflowed")
@@ -140,7 +73,7 @@ class _Frontend:
         self.clear()
         self.sent_stats = None
         self.sent_at = float("-inf")
-        self.unsent = bytearray()
+        self.unsent = Outbox(updates)
         self.overflowed = False   # its requests were ended for falling MAX_UNSENT_BYTES behind
 
     def has_items(self) -> bool:
@@ -182,7 +115,11 @@ class EngineCore:
         self._decode_steps = getattr(llm, "decode_steps", 1)   # the engine's multi-step decoding, between arrivals
         self._last_arrival = float("-inf")
 
-    def run(self) -> None:
+    def run(self, facts: dict) -> None:
+        """Tell every HTTP process the engine is ``ready`` (with ``facts``), then serve until stopped and release
+        the engine."""
+        for index in range(len(self._frontends)):   # one that is gone already is detached here
+            self._send(index, ("ready", facts))
         try:
             while not self._stopping:
                 try:
@@ -246,7 +183,6 @@ class EngineCore:
 
     def _handle(self, index: int, command: tuple) -> None:
         kind = command[0]
-        frontend = self._frontends[index]
         if kind == "add":
             _, request_id, prompt_token_ids, params = command
             in_flight = request_id in self._live or request_id in self._grammars
@@ -357,7 +293,8 @@ class EngineCore:
         idle = final or self.llm is None or not self.llm.has_unfinished_requests()
         for index in list(self._open):
             frontend = self._frontends[index]
-            if not frontend.has_items() and (frontend.unsent or not idle and now - frontend.sent_at < STATS_REFRESH_S):
+            recent = not idle and now - frontend.sent_at < STATS_REFRESH_S
+            if not frontend.has_items() and (len(frontend.unsent) > 0 or recent):
                 continue
             stats = encode_stats(self.llm.stats()) if stats is None else stats
             if frontend.has_items() or stats != frontend.sent_stats:
@@ -371,20 +308,17 @@ class EngineCore:
         frontend.clear()
         if sent:
             frontend.sent_stats, frontend.sent_at = stats, now
+            if len(frontend.unsent) > MAX_UNSENT_BYTES and not frontend.overflowed:
+                self._overflow(index)
 
     def _send(self, index: int, message) -> bool:
         """Queue a message to one frontend and write what its pipe takes now, never waiting for it (the rest
-        is written as the pipe drains); False if its process is gone (it is detached). One that has fallen
-        :data:`MAX_UNSENT_BYTES` behind has its requests ended (:meth:`_overflow`)."""
+        is written as the pipe drains); False if its process is gone (it is detached)."""
         frontend = self._frontends[index]
         if frontend.updates < 0:
             return True
-        frontend.unsent += frame(message)
-        if not self._flush(index):
-            return False
-        if len(frontend.unsent) > MAX_UNSENT_BYTES and not frontend.overflowed:
-            self._overflow(index)
-        return True
+        frontend.unsent.put(message)
+        return self._flush(index)
 
     def _flush(self, index: int, event: int = 0) -> bool:
         """Write what waits for one frontend's update pipe, as much as it takes; watch the pipe for room while
@@ -394,28 +328,24 @@ class EngineCore:
             self._lost(index)
             return False
         try:
-            while frontend.unsent:
-                written = os.write(frontend.updates, frontend.unsent)
-                del frontend.unsent[:written]
-        except BlockingIOError:
-            pass
+            waiting = frontend.unsent.write()
         except OSError:
             self._lost(index)
             return False
         watched = frontend.updates in self._by_update_fd
-        if frontend.unsent and not watched:
+        if waiting and not watched:
             self._poller.register(frontend.updates, select.POLLOUT)
             self._by_update_fd[frontend.updates] = index
-        elif not frontend.unsent and watched:
+        elif not waiting and watched:
             self._unwatch_updates(frontend)
             frontend.overflowed = False
         return True
 
     def _overflow(self, index: int) -> None:
-        """A frontend that reads nothing (its event loop stalled) while ``MAX_UNSENT_BYTES`` of updates wait: its
-        requests end (aborted in the engine; it reads why after the updates that wait), so a stalled HTTP
-        process costs the engine no more work and the core no more memory; it serves new requests once it
-        reads again."""
+        """A frontend that reads nothing (its event loop stalled) while :data:`MAX_UNSENT_BYTES` of updates wait:
+        its requests end (aborted in the engine; it reads why in the update after those that wait), so a
+        stalled HTTP process costs the engine no more work and the core no more memory; it serves new
+        requests once it reads again."""
         self._frontends[index].overflowed = True
         log.warning("HTTP process %d has not read %d MiB of updates: ending its requests", index,
                     MAX_UNSENT_BYTES >> 20)
