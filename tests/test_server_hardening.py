@@ -188,3 +188,53 @@ def test_large_texts_are_tokenised_one_at_a_time():
 
     large, small = asyncio.run(run())
     assert large == 1 and small == 5
+
+
+def test_the_bodies_in_flight_are_bounded_together():
+    """In process, the middleware alone: bodies held by requests still being served count together."""
+    from starlette.exceptions import HTTPException
+
+    from tripath.server.request_body import BodyLimit
+
+    async def run():
+        release = asyncio.Event()
+
+        async def app(scope, receive, send):
+            while (await receive()).get("more_body"):
+                pass
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        limit = BodyLimit(app, max_bytes=10, max_total_bytes=25)
+
+        async def request(*chunks: bytes, length: bool = True):
+            headers = [(b"content-length", str(sum(map(len, chunks))).encode())] if length else []
+            messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                        for i, c in enumerate(chunks)]
+            sent = []
+
+            async def receive():
+                return messages.pop(0)
+
+            async def send(message):
+                sent.append(message)
+
+            await limit({"type": "http", "headers": headers}, receive, send)
+            return sent[0]["status"], json.loads(sent[1]["body"]) if sent[0]["status"] != 200 else None
+
+        held = [asyncio.ensure_future(request(b"a" * 10)) for _ in range(2)]
+        while limit.in_flight < 20:
+            await asyncio.sleep(0)
+        status, body = await request(b"b" * 10)   # by its Content-Length: at once
+        assert status == 503 and body["error"]["code"] == "overloaded" and "--max-request-bytes" in \
+            body["error"]["message"]
+        with pytest.raises(HTTPException) as error:   # chunked: when the chunk that passes the limit arrives
+            await request(b"c" * 5, b"c" * 5, length=False)
+        assert error.value.status_code == 503
+        assert limit.in_flight == 20
+        release.set()
+        assert [s for s, _ in await asyncio.gather(*held)] == [200, 200] and limit.in_flight == 0
+        assert (await request(b"d" * 10))[0] == 200
+
+    asyncio.run(run())

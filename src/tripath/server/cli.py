@@ -244,8 +244,9 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     # uvicorn cancels the handlers still running at its graceful timeout; the engine ends them first (503s
     # that reach the clients), so uvicorn's timeout leaves them time to answer.
     loop, http = _fast_or_default()
+    # ws="none": the app has no WebSocket routes, and an upgraded connection would leave the guarded protocol
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop,
-                            http=guarded_protocol(http, limits),
+                            http=guarded_protocol(http, limits), ws="none",
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
     server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout)
     port = listener.getsockname()[1] if listener is not None else args.port   # --port 0: the one the system gave

@@ -1,7 +1,8 @@
 """Request bodies: how much of one the server holds, which it accepts, and how it parses them.
 
 - Size: :class:`BodyLimit` answers 413 to a body over ``--max-request-bytes`` on every route, by its
-  ``Content-Length`` or as it streams in, before the server holds more of it.
+  ``Content-Length`` or as it streams in, before the server holds more of it; and 503 to one that would take
+  the bodies held for the requests in flight past 64 times that (1 GiB by default).
 - Type: the routes that read a body take JSON only, sent as ``Content-Type: application/json`` (parameters
   such as ``; charset=utf-8`` allowed; a charset other than UTF-8 is not). Anything else, a missing
   Content-Type included, is a 415 naming what is supported. This is what stops a web page from making a
@@ -28,6 +29,7 @@ from tripath.server import protocol as P
 from tripath.server.generation import APIError
 
 JSON_MEDIA_TYPE = "application/json"
+IN_FLIGHT_BODIES = 64   # the bodies of the requests in flight together: at most this many of the largest size
 _Body = TypeVar("_Body", bound=pydantic.BaseModel)
 
 
@@ -37,14 +39,22 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` (by its Content-Length, or as it streams in) gets
-    413 before the server holds more of it."""
+    """ASGI middleware: a request body over ``max_bytes`` (by its Content-Length, or as it streams in) gets 413
+    before the server holds more of it; one that would take the bodies of the requests in flight together
+    past ``max_total_bytes`` (default :data:`IN_FLIGHT_BODIES` x ``max_bytes``) gets 503, so many large bodies
+    at once cannot take the process's memory. A request's body counts until its handler returns."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, max_total_bytes: int | None = None):
         self.app, self.max_bytes = app, max_bytes
+        self.max_total_bytes = IN_FLIGHT_BODIES * max_bytes if max_total_bytes is None else max_total_bytes
+        self.in_flight = 0   # bytes of the bodies of the requests being served
 
     def _message(self) -> str:
         return f"the request body is larger than the server's limit of {self.max_bytes} bytes (--max-request-bytes)"
+
+    def _busy(self) -> str:
+        return (f"the server is holding {self.in_flight} bytes of request bodies, near its limit of "
+                f"{self.max_total_bytes} ({IN_FLIGHT_BODIES} x --max-request-bytes); retry later")
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -53,18 +63,28 @@ class BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             response = JSONResponse(error_body(self._message(), code="request_too_large"), status_code=413)
             return await response(scope, receive, send)
-        received = 0
+        if length is not None and self.in_flight + int(length) > self.max_total_bytes:
+            response = JSONResponse(error_body(self._busy(), "server_error", code="overloaded"), status_code=503)
+            return await response(scope, receive, send)
+        held = 0
 
         async def limited():
-            nonlocal received
+            nonlocal held
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                size = len(message.get("body", b""))
+                if held + size > self.max_bytes:
                     raise StarletteHTTPException(413, self._message())
+                if self.in_flight + size > self.max_total_bytes:
+                    raise StarletteHTTPException(503, self._busy())
+                held += size
+                self.in_flight += size
             return message
 
-        await self.app(scope, limited, send)
+        try:
+            await self.app(scope, limited, send)
+        finally:
+            self.in_flight -= held
 
 
 def content_type_problem(content_type: str | None) -> str | None:
