@@ -1,8 +1,8 @@
-"""Clients that hold connections, on real sockets: slow headers ("slowloris"), slow bodies, oversized headers,
-more connections than the cap. uvicorn's two HTTP protocols (httptools, h11) with the guard of
-:mod:`tripath.server.connections`, served on a thread of this process with a small app; then ``tripath serve``
-itself as a process started with a soft open-file limit below the number of slow connections, which it serves
-beside them only because it raises that limit."""
+"""Clients that hold connections, on real sockets: slow headers ("slowloris"), slow bodies, answers left
+unread, oversized headers, more connections than the cap. uvicorn's two HTTP protocols (httptools, h11) with
+the guard of :mod:`tripath.server.connections`, served on a thread of this process with a small app; then
+``tripath serve`` itself as a process started with a soft open-file limit below the number of slow
+connections, which it serves beside them only because it raises that limit."""
 
 import json
 import select
@@ -20,14 +20,16 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from tripath.server.connections import ConnectionLimits, fitted_max_connections, guarded_protocol  # noqa: E402
 
-QUICK = ConnectionLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=8, max_header_bytes=4096)
+QUICK = ConnectionLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=8, max_header_bytes=4096,
+                         send_timeout_s=0.5)
+BIG_CHUNKS = 256   # /big streams this many MiB
 WAIT_S = 60   # how long a test waits for an answer that must come: generous, a busy machine is slow
 
 
 def _app(seen: dict):
     from starlette.applications import Starlette
     from starlette.requests import ClientDisconnect, Request
-    from starlette.responses import PlainTextResponse
+    from starlette.responses import PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
     async def echo(request: Request):
@@ -37,17 +39,32 @@ def _app(seen: dict):
             seen["disconnected"] = seen.get("disconnected", 0) + 1
             return PlainTextResponse("gone", status_code=400)
 
-    return Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/ok", lambda r: PlainTextResponse("ok"))])
+    async def big(request: Request):
+        async def chunks():
+            try:
+                for _ in range(BIG_CHUNKS):
+                    yield b"x" * (1 << 20)
+            finally:
+                seen["big_ended"] = time.monotonic()
+
+        return StreamingResponse(chunks())
+
+    return Starlette(routes=[Route("/echo", echo, methods=["POST"]), Route("/ok", lambda r: PlainTextResponse("ok")),
+                             Route("/big", big)])
 
 
 @pytest.fixture(params=["httptools", "h11"])
 def guarded(request):
-    """``(port, seen)``: a guarded uvicorn serving :func:`_app` on a thread, with :data:`QUICK` limits."""
-    if request.param == "httptools":
+    """``(port, seen)``: a guarded uvicorn serving :func:`_app` on a thread, with :data:`QUICK` limits
+    (httptools on uvloop, h11 on asyncio's loop)."""
+    import importlib.util
+
+    if request.param == "httptools":   # as tripath serve runs: httptools on uvloop (where installed)
         pytest.importorskip("httptools")
+    loop = "uvloop" if request.param == "httptools" and importlib.util.find_spec("uvloop") else "asyncio"
     seen: dict = {}
     sock = socket.create_server(("127.0.0.1", 0))
-    config = uvicorn.Config(_app(seen), loop="asyncio", http=guarded_protocol(request.param, QUICK), log_level="error")
+    config = uvicorn.Config(_app(seen), loop=loop, http=guarded_protocol(request.param, QUICK), log_level="error")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -115,6 +132,20 @@ def test_a_slow_body_gets_408_and_its_handler_sees_the_client_gone(guarded):
     whole = _connect(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\nConnection: close\r\n\r\n"
                            b"0123456789")
     assert _read_until_closed(whole).endswith(b"\r\n\r\n10")
+
+
+def test_an_answer_left_unread_ends_its_connection_and_its_stream(guarded):
+    port, seen = guarded
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # the server's send buffer fills soon
+    s.connect(("127.0.0.1", port))
+    start = time.monotonic()
+    s.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")   # and never read
+    deadline = time.monotonic() + WAIT_S
+    while "big_ended" not in seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen["big_ended"] - start >= QUICK.send_timeout_s
+    assert 0 < len(_read_until_closed(s)) < BIG_CHUNKS << 20   # what was sent before, then the end
 
 
 def test_oversized_headers_are_refused(guarded, request):

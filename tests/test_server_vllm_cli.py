@@ -236,6 +236,7 @@ def test_a_hub_id_missing_from_the_offline_cache_is_named(tmp_path):
     (["tiny-llama", "--public-paths", "health"], "a public path must be an absolute path such as /health"),
     (["tiny-llama", "--header-timeout", "0"], "--header-timeout must be a positive number of seconds, got 0.0"),
     (["tiny-llama", "--body-timeout", "inf"], "--body-timeout must be a positive number of seconds, got inf"),
+    (["tiny-llama", "--send-timeout", "-1"], "--send-timeout must be a positive number of seconds, got -1.0"),
     (["tiny-llama", "--max-connections", "0"], "--max-connections must be >= 1, got 0"),
     (["tiny-llama", "--max-structured-output-bytes", "0"], "--max-structured-output-bytes must be >= 1, got 0"),
 ])
@@ -255,8 +256,8 @@ def test_help_shows_the_defaults(capsys):
                  "-tp TENSOR_PARALLEL_SIZE, --tensor-parallel-size", "--api-key", "--generation-config",
                  "(default: auto)", "k = 1000 and K = 1024", "Prefer the environment variable",
                  "default: /health /ping /version /metrics", "--disable-fastapi-docs", "--header-timeout SECONDS",
-                 "(default: 10.0)", "--body-timeout SECONDS", "(default: 60.0)", "--max-connections N",
-                 "--max-structured-output-bytes BYTES", "(default: 65536)"):
+                 "(default: 10.0)", "--body-timeout SECONDS", "(default: 60.0)", "--send-timeout SECONDS",
+                 "--max-connections N", "--max-structured-output-bytes BYTES", "(default: 65536)"):
         assert part in out, part
 
 

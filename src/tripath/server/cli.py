@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tripath.engine.cli_options import HelpFormatter, add_engine_arguments
     from tripath.server.auth import DEFAULT_PUBLIC_PATHS
     from tripath.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
-                                            DEFAULT_MAX_CONNECTIONS, FILES_KEPT)
+                                            DEFAULT_MAX_CONNECTIONS, DEFAULT_SEND_TIMEOUT_S, FILES_KEPT)
 
     parser = argparse.ArgumentParser(prog="tripath serve", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
                         help="seconds a client has to send a request's body once its headers arrived (408 and "
                              "closed after)")
+    parser.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT_S, metavar="SECONDS",
+                        help="seconds a client may leave the server's answer unread (its send buffer full) before "
+                             "the connection is dropped (a stream's generation then aborted)")
     parser.add_argument("--max-connections", type=int, default=None, metavar="N",
                         help=f"open connections each API server holds; one more is answered 503 at once and "
                              f"closed; default: {DEFAULT_MAX_CONNECTIONS}, lowered to leave {FILES_KEPT} of the "
@@ -172,7 +175,8 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
                              ("--max-connections", 1 if args.max_connections is None else args.max_connections, 1)):
         if value < low:
             return _usage_error(f"{name} must be >= {low}, got {value}")
-    for name, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+    for name, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--send-timeout", args.send_timeout)):
         if not 0 < value < float("inf"):
             return _usage_error(f"{name} must be a positive number of seconds, got {value}")
     if args.api_key == "":
@@ -240,7 +244,8 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
                                             raise_open_file_limit)
 
     limits = ConnectionLimits(args.header_timeout, args.body_timeout,
-                              fitted_max_connections(args.max_connections, raise_open_file_limit()))
+                              fitted_max_connections(args.max_connections, raise_open_file_limit()),
+                              send_timeout_s=args.send_timeout)
     # uvicorn cancels the handlers still running at its graceful timeout; the engine ends them first (503s
     # that reach the clients), so uvicorn's timeout leaves them time to answer.
     loop, http = _fast_or_default()
@@ -250,10 +255,11 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
     server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout)
     port = listener.getsockname()[1] if listener is not None else args.port   # --port 0: the one the system gave
+    key = f"API key from {key_source}, public paths: {' '.join(args.public_paths) or 'none'}" if api_key else \
+        "no API key"
     guards = (f"at most {limits.max_connections} connections, headers within {limits.header_timeout_s:g} s, "
-              f"bodies within {limits.body_timeout_s:g} s; " + (f"API key from {key_source}, public paths: "
-                                                               f"{' '.join(args.public_paths) or 'none'}"
-                                                               if api_key else "no API key"))
+              f"bodies within {limits.body_timeout_s:g} s, answers unread for {limits.send_timeout_s:g} s dropped; "
+              f"{key}")
     if api_server is None or api_server.index == 0:
         logging.getLogger("tripath.server").info("%s", guards)
     if api_server is None:

@@ -12,6 +12,10 @@ in) is held to:
   without an answer when it sent nothing at all). Headers larger than ``max_header_bytes`` get ``431``.
 - ``body_timeout_s``: the body complete within this many seconds of the headers; past it ``408`` (unless the
   app has begun its answer) and the connection closes; the handler reading it sees the client gone.
+- ``send_timeout_s``: an answer the client leaves unread — the connection's send buffer full, the handler
+  waiting to write more — for this many seconds in a row ends the connection (dropping what is unsent; the
+  handler sees the client gone, so a stream's generation is aborted). Without it a client that never reads
+  held its connection, and its stream's handler, for ever.
 - ``max_connections``: a connection opened while this many are open is answered ``503`` at once and closed,
   so clients beyond the cap are told, not left waiting. Each API server process (``--api-server-count``)
   holds its own cap.
@@ -32,6 +36,7 @@ log = logging.getLogger("tripath.server")
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_SEND_TIMEOUT_S = 60.0
 DEFAULT_MAX_CONNECTIONS = 4096
 MAX_HEADER_BYTES = 64 << 10   # a request line and headers (h11 itself stops at 16 KiB; httptools has no limit)
 FILES_KEPT = 256              # open files the default cap leaves to the server itself (pipes, logs, model files)
@@ -46,9 +51,10 @@ class ConnectionLimits:
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     max_header_bytes: int = MAX_HEADER_BYTES
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
 
     def __post_init__(self):
-        for name in ("header_timeout_s", "body_timeout_s", "max_connections", "max_header_bytes"):
+        for name in ("header_timeout_s", "body_timeout_s", "max_connections", "max_header_bytes", "send_timeout_s"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{name} must be a positive finite number, got {value}")
@@ -117,6 +123,7 @@ class _Guard:
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._timer, self._phase, self._cycle, self._header_bytes, self._refused = None, None, None, 0, False
+        self._unread_timer = None
         if len(self.connections) > self.limits.max_connections:   # this one is counted already
             self._refuse()
         else:
@@ -136,7 +143,28 @@ class _Guard:
 
     def connection_lost(self, exc) -> None:
         self._enter(None)
+        self._written()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._unread_timer is None:
+            self._unread_timer = self.loop.call_later(self.limits.send_timeout_s, self._unread)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._written()
+
+    def _written(self) -> None:
+        if self._unread_timer is not None:
+            self._unread_timer.cancel()
+            self._unread_timer = None
+
+    def _unread(self) -> None:
+        """The client left the answer unread for ``send_timeout_s``: drop the connection and what is unsent."""
+        self._unread_timer = None
+        self._enter(None)
+        self.transport.abort()
 
     def _follow(self, received: int) -> None:
         """Move to the phase the parser has reached after ``received`` more bytes."""
