@@ -15,15 +15,16 @@ out of range, a prompt the engine could never serve, more choices than the serve
 constraint over ``max_structured_output_bytes``), 404 for a model name the server does not serve, 413 for a
 body over ``max_request_bytes``, 415 for a body not sent as JSON (:mod:`~tripath.server.request_body`), 503
 when more than ``max_queue_depth`` engine requests would wait beyond the ``max_num_seqs`` the engine runs at
-once, 504 past ``request_timeout_s``, 500 for a failed engine step.
+once (or the bodies in flight would pass 64 x ``max_request_bytes``), 504 past ``request_timeout_s``, 500 for
+a failed engine step.
 
 Python work that grows with what a client sends (tokenising text prompts, rendering chat templates,
 matching stop strings, decoding echoed prompts, building large replies) runs in worker threads, so one large
 request does not stall the others or ``/health``. The body is parsed on the event loop (pydantic holds the
 interpreter lock while it validates: a thread would stall the loop as long, and add two thread hops to every
 request), bounded by ``max_request_bytes``; token-id prompts are checked there too, at C speed (``min`` /
-``max``). Connections themselves (header and body timeouts, a connection cap) are bounded below the app, in
-:mod:`~tripath.server.connections`.
+``max``). Connections themselves (header, body and send timeouts, a connection cap) are bounded below the
+app, in :mod:`~tripath.server.connections`.
 """
 
 from __future__ import annotations
