@@ -166,6 +166,20 @@ def test_bad_values_are_400s_naming_the_parameter(server):
     assert "Traceback" not in server.log()
 
 
+def test_a_reply_of_many_tokens_is_whole(server):
+    """More than LARGE_REPLY_TOKENS tokens: the reply is built and encoded in a worker thread."""
+    from tripath.server.responses import LARGE_REPLY_TOKENS
+
+    n, tokens = 17, 250
+    assert n * tokens > LARGE_REPLY_TOKENS
+    r = _post(server, "/v1/completions", json={"model": "tiny-hf", "prompt": [5, 6], "n": n, "max_tokens": tokens,
+                                               "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    reply = r.json()
+    assert reply["usage"]["completion_tokens"] == n * tokens and len(reply["choices"]) == n
+    assert all(len(c["token_ids"]) == tokens and c["text"] for c in reply["choices"])
+
+
 def test_large_texts_are_tokenised_one_at_a_time():
     from tripath.server.large_texts import LargeTextGate
 
