@@ -25,6 +25,7 @@ pytest.importorskip("xgrammar")
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 BASE = ["--backend", "torch", "--max-num-seqs", "16"]
+LARGE_SCHEMAS = ["--max-structured-output-bytes", str(1 << 20)]   # the 30,000-word enum: 0.5 MB
 
 
 class Stream:
@@ -108,7 +109,7 @@ def test_a_grammar_that_compiles_for_seconds_stalls_no_other_stream(tiny_hf_dir,
     streams: the victim keeps its pace, ``/health`` answers; the request is refused (400) when its compile
     outlasts ``--grammar-compile-timeout``, naming it."""
     server = ServerProcess(["--model", tiny_hf_dir, "--served-model-name", "m", *BASE,
-                            "--grammar-compile-timeout", "1"], tmp_path / "server.log")
+                            "--grammar-compile-timeout", "1", *LARGE_SCHEMAS], tmp_path / "server.log")
     try:
         baseline = Stream(server.port, _victim_body("m"))
         assert baseline.done.wait(120) and baseline.completed
@@ -266,7 +267,7 @@ def test_grammars_wait_off_the_engine_loop_in_either_mode(tiny_hf_dir, tmp_path,
     ``--grammar-compile-timeout``); a token the grammar rejects (``min_tokens`` past where the grammar must end)
     ends the request with a 400 naming ``min_tokens`` — as an error event once the stream has begun."""
     server = ServerProcess(["--model", tiny_hf_dir, "--served-model-name", "m", *BASE, "--grammar-compile-timeout",
-                            "1", *mode], tmp_path / "server.log")
+                            "1", *LARGE_SCHEMAS, *mode], tmp_path / "server.log")
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             ok = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8, "temperature": 0,

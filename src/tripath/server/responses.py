@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 from typing import Callable
 
 from fastapi import Request
@@ -23,6 +24,7 @@ from tripath.server.generation import APIError, ChoiceState, Delta, Generation
 from tripath.server.logprob_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
 
 DISCONNECT_POLL_S = 0.25
+LARGE_REPLY_TOKENS = 4096   # a whole reply of more tokens is built and encoded in a worker thread
 
 
 async def respond(state, gen: Generation, body, request: Request, chat: bool, echo: list[str] | None = None):
@@ -60,9 +62,17 @@ async def respond(state, gen: Generation, body, request: Request, chat: bool, ec
     finally:
         state.outstanding -= n
     build = functools.partial(_chat_response if chat else _completion_response, gen, body, tokenizer, echo)
-    if _wants_logprobs(body, chat):   # per-token text of every position: off the event loop
-        return await asyncio.get_running_loop().run_in_executor(None, build)
+    if _wants_logprobs(body, chat) or gen.completion_tokens + (gen.prompt_tokens if echo else 0) > LARGE_REPLY_TOKENS:
+        # per-token text of every position, or just many tokens: built and encoded off the event loop
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: _encoded(build()))
     return build()
+
+
+def _encoded(reply: dict) -> Response:
+    """``reply`` as a JSON response, encoded here (as Starlette's JSONResponse encodes; FastAPI would first copy
+    a returned dict element by element on the event loop)."""
+    return Response(json.dumps(reply, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8"),
+                    media_type="application/json")
 
 
 async def _collect(gen: Generation) -> None:
