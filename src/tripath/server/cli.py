@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request body accepted on any route, in bytes (413 above)")
     parser.add_argument("--max-structured-output-bytes", type=int, default=64 << 10, metavar="BYTES",
                         help="largest output constraint a request may send (a JSON schema, regex, grammar, or "
-                             "choices together), in bytes (400 above); compiling one holds the engine for up to "
-                             "seconds at this size")
+                             "choices together), in bytes (400 above); one this size compiles in up to seconds "
+                             "(off the engine's loop)")
     parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
                         help="seconds a client has to send a request's headers (408 and closed after)")
     parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
