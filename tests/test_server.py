@@ -184,6 +184,7 @@ BAD_BODIES = [
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "presence_penalty": 2.5}), "presence_penalty"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "logit_bias": {"99999": 1}}), "logit_bias"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "stop_token_ids": [3, 99999]}), "stop_token_ids"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "logprobs": 21}), "logprobs"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "best_of": 2, "n": 3}), "best_of"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "best_of": 2, "stream": True}), "best_of"),
