@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -109,6 +110,45 @@ def test_a_scrape_asks_its_peers_over_their_sockets_and_leaves_out_one_that_is_g
     assert sorted(refreshed) == [0, 0, 1, 1]   # each answered once for itself and once for its peer
     assert "API server 2's metrics are left out of this scrape" in caplog.text
     assert not folder.exists()   # the last one closed: its socket and the folder are gone
+
+
+def _abstract_names() -> set[str]:
+    """The names of the abstract Unix sockets that exist now (``@name`` in ``/proc/net/unix``)."""
+    with open("/proc/net/unix") as f:
+        return {fields[-1] for fields in (line.split() for line in f.readlines()[1:])
+                if len(fields) == 8 and fields[-1].startswith("@")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+def test_abstract_metrics_sockets_put_nothing_on_disk_and_read_only_this_users_peers(caplog, monkeypatch):
+    from tripath.server.api_servers import socket_folder
+    from tripath.server.metrics import ServerMetrics
+    from tripath.server.metrics_peers import MetricsPeers
+
+    folder = socket_folder()
+    assert folder.startswith("\0tripath-api-servers-") and socket_folder() != folder   # fresh, random
+    registries = [ServerMetrics("m") for _ in range(2)]
+
+    async def scrape(uid_seen: int):
+        peers = [MetricsPeers(folder, i, 2, m.registry) for i, m in enumerate(registries)]
+        for p in peers:
+            await p.start()
+        names = _abstract_names()
+        try:
+            with monkeypatch.context() as mp:
+                mp.setattr(os, "getuid", lambda: uid_seen)
+                return names, await peers[0].render()
+        finally:
+            for p in peers:
+                await p.close()
+
+    names, _ = asyncio.run(scrape(os.getuid()))
+    assert {"@" + folder[1:] + "/0.sock", "@" + folder[1:] + "/1.sock"} <= names
+    assert not os.path.exists(folder[1:]) and "left out" not in caplog.text
+    assert not {n for n in _abstract_names() if n.startswith("@" + folder[1:])}   # gone once closed
+    with caplog.at_level("WARNING", logger="tripath.server"):
+        asyncio.run(scrape(os.getuid() + 1))   # as if another user had taken the peer's name
+    assert "the socket of API server 1 belongs to user" in caplog.text
 
 
 # ---- the core's routing -----------------------------------------------------------------------------------
@@ -293,13 +333,21 @@ def test_sigterm_while_streaming_drains_every_api_server_then_stops_the_core(tmp
         server.close()
 
 
-@pytest.mark.parametrize("victim", ["api server", "core", "supervisor"])
+@pytest.mark.parametrize("victim", ["api server", "core", "supervisor", "process group"])
 def test_a_killed_process_stops_the_rest(tmp_path, victim):
     temp = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))   # short: a socket's path must fit AF_UNIX
-    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info", env={"TMPDIR": str(temp)})
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info", env={"TMPDIR": str(temp)},
+                           new_session=victim == "process group")
     try:
         core, servers = server.core_pid(), _pids(server)
-        if victim == "supervisor":
+        sockets = re.search(r"their metrics sockets: (\S+)/<index>\.sock", server.log_path.read_text()).group(1)
+        if sys.platform.startswith("linux"):   # abstract sockets: nothing on disk, gone with their processes
+            assert sockets.startswith("@tripath-api-servers-") and not list(temp.glob("tripath-*"))
+            assert {f"{sockets}/0.sock", f"{sockets}/1.sock"} <= _abstract_names()
+        if victim == "process group":   # SIGKILL to every process at once: none of them cleans up
+            server.signal_group(signal.SIGKILL)
+            server.proc.wait()
+        elif victim == "supervisor":
             server.proc.kill()
             server.proc.wait()
         else:
@@ -309,7 +357,9 @@ def test_a_killed_process_stops_the_rest(tmp_path, victim):
                         else "the engine core process was killed by SIGKILL")
             assert expected in server.log(), server.log()
         _wait_gone([core, *servers])
-        assert not list(temp.glob("tripath-api-servers-*"))   # the metrics sockets' folder went with them
+        assert not list(temp.glob("tripath-*"))   # the metrics sockets (or their folder) went with them
+        if sys.platform.startswith("linux"):
+            assert not {n for n in _abstract_names() if n.startswith(sockets)}
     finally:
         server.close()
         shutil.rmtree(temp, ignore_errors=True)
@@ -324,7 +374,7 @@ def test_the_sockets_folder_leaves_a_temp_folder_too_long_for_a_socket(tmp_path,
     try:
         for base, expected in ((deep, "/tmp"), (short, str(short))):
             monkeypatch.setattr(tempfile, "tempdir", str(base))
-            folder = socket_folder()
+            folder = socket_folder(abstract=False)   # the fallback where there are no abstract sockets
             assert os.path.dirname(folder) == expected
             assert len(os.path.join(folder, "1000.sock")) <= UNIX_PATH_MAX
             os.rmdir(folder)
