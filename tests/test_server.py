@@ -6,7 +6,6 @@ strings and stop tokens; usage; 400s beside a running request; 200 concurrent st
 import asyncio
 import json
 import random
-import signal
 import threading
 import time
 
@@ -327,9 +326,7 @@ def test_overload_gets_503_and_graceful_shutdown(tmp_path_factory):
                 events += [line for line in lines if line.startswith("data:")]
         tokens = sum(len(json.loads(e[5:])["choices"][0]["token_ids"]) for e in events if e != "data: [DONE]")
         assert tokens == 150 and events[-1] == "data: [DONE]"
-        server.proc.wait(30)
-        # uvicorn re-raises the signal once it has shut down gracefully: a SIGTERM exit, after the engine stopped
-        assert server.proc.returncode in (0, -signal.SIGTERM), server.log()
+        assert server.proc.wait(30) == 0, server.log()   # a drained stop: 0, whichever the signal
         assert "engine stopped" in server.log()
     finally:
         server.close()
