@@ -7,11 +7,13 @@ registry's metric families. On Linux the "folder" is a name in the abstract sock
 NUL byte, :func:`is_abstract`): nothing on the filesystem, and each socket is gone with its process, however
 it ends (a whole process group killed at once included); a peer's socket is read only when its owner is this
 server's user (``SO_PEERCRED``: the name is visible to every local user, the pickle must come from a peer).
-Elsewhere it is a real folder of the temp folder (mode 0700), whose last API server to close removes it. A scrape asks every peer, then merges: the families of the engine itself (its requests
-running / waiting, KV cache, prefix cache, preemptions, steps: :data:`ENGINE_FAMILIES`, which every API
-server reads from the same engine core) are the scraped server's own; every other sample is the sum over
-the API servers (request counts, token counts, every histogram bucket, the requests in the server, the
-generation rate), except a ``_created`` time, which is the earliest. A peer that does not answer within
+Elsewhere it is a real folder of the temp folder (mode 0700), whose last API server to close removes it.
+
+A scrape asks every peer, then merges: the families of the engine itself (its requests running / waiting, KV
+cache, prefix cache, preemptions, steps: :data:`ENGINE_FAMILIES`, which every API server reads from the same
+engine core) are the scraped server's own; every other sample is the sum over the API servers (request
+counts, token counts, every histogram bucket, the requests in the server, the generation rate), except a
+``_created`` time, which is the earliest. A peer that does not answer within
 :data:`PEER_TIMEOUT_S` is left out (logged): it is stopping, or gone, and the server with it.
 """
 
@@ -136,10 +138,19 @@ class MetricsPeers:
             return None
 
     async def _read(self, index: int) -> bytes:
-        reader, writer = await asyncio.open_unix_connection(self.path(index))
+        # connected here, not by the event loop: uvloop connects to a path as a C string, which an abstract
+        # name (a leading NUL) cuts to nothing (EINVAL)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, self.path(index))
             if is_abstract(self.folder):
-                _check_owner(writer.get_extra_info("socket"), index)
+                _check_owner(sock, index)
+        except BaseException:
+            sock.close()
+            raise
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        try:
             return await reader.read()
         finally:
             writer.close()
