@@ -120,7 +120,8 @@ def _abstract_names() -> set[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
-def test_abstract_metrics_sockets_put_nothing_on_disk_and_read_only_this_users_peers(caplog, monkeypatch):
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])   # the server runs on uvloop where it is installed
+def test_abstract_metrics_sockets_put_nothing_on_disk_and_read_only_this_users_peers(caplog, monkeypatch, loop):
     from tripath.server.api_servers import socket_folder
     from tripath.server.metrics import ServerMetrics
     from tripath.server.metrics_peers import MetricsPeers
@@ -142,12 +143,15 @@ def test_abstract_metrics_sockets_put_nothing_on_disk_and_read_only_this_users_p
             for p in peers:
                 await p.close()
 
-    names, _ = asyncio.run(scrape(os.getuid()))
+    run = pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run
+    with caplog.at_level("WARNING", logger="tripath.server"):
+        names, text = run(scrape(os.getuid()))
     assert {"@" + folder[1:] + "/0.sock", "@" + folder[1:] + "/1.sock"} <= names
     assert not os.path.exists(folder[1:]) and "left out" not in caplog.text
+    assert b"tripath:num_requests_in_server" in text
     assert not {n for n in _abstract_names() if n.startswith("@" + folder[1:])}   # gone once closed
     with caplog.at_level("WARNING", logger="tripath.server"):
-        asyncio.run(scrape(os.getuid() + 1))   # as if another user had taken the peer's name
+        run(scrape(os.getuid() + 1))   # as if another user had taken the peer's name
     assert "the socket of API server 1 belongs to user" in caplog.text
 
 
@@ -217,13 +221,14 @@ def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
         (kind1, accepted1, refused1, outputs1, *_), = got[1]
         assert accepted0 == ["srv0-1-0"] and [o[0] for o in outputs0] == ["srv0-1-0"] and not refused0
         assert accepted1 == ["srv1-1-0"] and [o[0] for o in outputs1] == ["srv1-1-0"]
-        assert refused1 == [("srv0-1-0", 400, "request id 'srv0-1-0' is in flight already", "invalid_request_error")]
+        assert refused1 == [("srv0-1-0", 400, "request id 'srv0-1-0' is in flight already", "invalid_request_error",
+                             "duplicate_request_id")]
         assert llm.aborted == []
         # the waiting queue is bounded for all API servers
         llm.scheduler.waiting.append("someone")
         core._handle(0, ("add", "srv0-2-0", [1], SamplingParams(max_tokens=3)))
         assert core._frontends[0].refused[0][:2] == ("srv0-2-0", 503) and "--max-queue-depth 1" in \
-            core._frontends[0].refused[0][2]
+            core._frontends[0].refused[0][2] and core._frontends[0].refused[0][4] == "queue_full"
         llm.scheduler.waiting.clear()
         core._frontends[0].refused.clear()
         # API server 1 stops: its request ends with 503, it hears 'stopped', API server 0 serves on
@@ -329,6 +334,25 @@ def test_sigterm_while_streaming_drains_every_api_server_then_stops_the_core(tmp
         assert server.proc.wait(30) == 0, server.log()
         assert "engine core stopped" in server.log()
         _wait_gone(children)
+    finally:
+        server.close()
+
+
+def test_a_refusal_by_the_shared_queue_counts_as_a_rejection_not_an_abort(tmp_path):
+    """Two choices reach the core in one message; with one engine request waiting allowed, it takes the first
+    and refuses the second: the HTTP request is one ``queue_full`` rejection, its first choice is withdrawn
+    (it used to count as an aborted request)."""
+    server = ServerProcess(SERVE + ["--max-queue-depth", "1"], tmp_path / "server.log")
+    try:
+        body = {"model": PRESET, "prompt": [5, 6], "max_tokens": 4, "n": 2}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "(--max-queue-depth 1)" in r.json()["error"]["message"], r.text
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        lines = [line for line in text.splitlines() if line.startswith(("tripath:requests_rejected_total{",
+                                                                        "tripath:request_success_total{"))]
+        assert [line for line in lines if line.startswith("tripath:requests_rejected")] == \
+            [f'tripath:requests_rejected_total{{engine="0",model_name="{PRESET}",reason="queue_full"}} 1.0'], lines
+        assert all(line.endswith(" 0.0") for line in lines if line.startswith("tripath:request_success")), lines
     finally:
         server.close()
 

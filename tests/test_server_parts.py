@@ -175,6 +175,39 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(monkeypatch, in_
         assert engine.llm is None
 
 
+def _sample(text: str, name: str, **labels) -> float:
+    """The value of the ``/metrics`` sample ``name`` with ``labels`` (among others), 0 when there is none."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@ENGINES
+def test_a_refused_add_counts_as_one_rejection_by_reason_not_as_an_abort(monkeypatch, in_process):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    threads = torch.get_num_threads()
+    served, engine = _app(in_process=in_process)
+    try:
+        r = served.post({"model": "tiny", "prompt": ADD_POISON, "max_tokens": 4})
+        assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
+        # two prompts: the engine takes the first and refuses the second; the first is withdrawn, not aborted
+        r = served.post({"model": "tiny", "prompt": [[4, 5, 6], ADD_POISON], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
+        r = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 300})   # more KV blocks than it has
+        assert r.status_code == 400 and "needs more KV blocks" in r.json()["error"]["message"]
+        assert _wait_idle(engine) == (0, 0, 0)
+        text = served.get("/metrics").text
+        rejected = "tripath:requests_rejected_total"
+        assert _sample(text, rejected, reason="engine_error") == 2, text
+        assert _sample(text, rejected, reason="invalid_request") == 1, text
+        for reason in ("abort", "error", "stop", "length"):   # no request ran to an end
+            assert _sample(text, "tripath:request_success_total", finished_reason=reason) == 0, (reason, text)
+    finally:
+        served.close()
+        torch.set_num_threads(threads)
+
+
 @ENGINES
 def test_a_request_past_its_timeout_gets_504_and_is_aborted(monkeypatch, in_process):
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -216,7 +216,7 @@ class EngineCore:
         if kind == "add":
             _, request_id, prompt_token_ids, params = command
             failure = self._overloaded() if request_id not in self._live else \
-                Failure(400, f"request id {request_id!r} is in flight already")
+                Failure(400, f"request id {request_id!r} is in flight already", reason="duplicate_request_id")
             if failure is None:
                 failure = add_request(self.llm, request_id, prompt_token_ids, params)
             if failure is None:
@@ -224,7 +224,7 @@ class EngineCore:
                 frontend.accepted.append(request_id)
                 self._last_arrival = time.monotonic()
             else:
-                frontend.refused.append((request_id, failure.status, failure.message, failure.type))
+                frontend.refused.append((request_id, failure.status, failure.message, failure.type, failure.reason))
         elif kind == "abort":
             entry = self._live.get(command[1])
             if entry is not None and entry[0] == index:
@@ -246,7 +246,7 @@ class EngineCore:
         if waiting < self._max_waiting:
             return None
         return Failure(503, f"the server is overloaded: {waiting} engine requests wait for a place in the batch "
-                            f"(--max-queue-depth {self._max_waiting}); retry later", "server_error")
+                            f"(--max-queue-depth {self._max_waiting}); retry later", "server_error", "queue_full")
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def _step(self) -> None:
