@@ -140,10 +140,10 @@ def _idle(engine):
     return m.running._value.get(), m.waiting._value.get(), m.kv_blocks_used._value.get()
 
 
-def _wait_idle(engine):
-    for _ in range(100):
-        if _idle(engine) == (0, 0, 0):
-            break
+def _wait_idle(engine, timeout_s: float = 60.0):
+    """The engine's last report once it is idle, or after ``timeout_s`` (generous: only a leak waits that long)."""
+    deadline = time.monotonic() + timeout_s
+    while _idle(engine) != (0, 0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
     return _idle(engine)
 
@@ -212,7 +212,8 @@ def test_a_refused_add_counts_as_one_rejection_by_reason_not_as_an_abort(monkeyp
 def test_a_request_past_its_timeout_gets_504_and_is_aborted(monkeypatch, in_process):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()
-    served, engine = _app(slow_s=0.02, in_process=in_process, request_timeout_s=0.3)
+    # 200 steps of at least 20 ms (4 s) pass the 2 s timeout on any machine; 3 steps come well within it
+    served, engine = _app(slow_s=0.02, in_process=in_process, request_timeout_s=2.0)
     try:
         r = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 200, "ignore_eos": True})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"
