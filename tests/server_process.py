@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -89,6 +90,13 @@ class ServerProcess:
             raise RuntimeError(f"the log names no engine core process:\n{self.log()}")
         return int(match.group(1))
 
+    def api_server_pids(self) -> list[int]:
+        """The API server processes of ``--api-server-count N``, from the log (``--log-level info``)."""
+        match = re.search(r"API servers started: processes ([\d, ]+)", self.log_path.read_text())
+        if match is None:
+            raise RuntimeError(f"the log names no API server processes:\n{self.log()}")
+        return [int(p) for p in match.group(1).split(", ")]
+
     def close(self, timeout_s: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -99,3 +107,27 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+class HealthWatch:
+    """Polls ``/health`` every 50 ms on its own thread and keeps the slowest answer."""
+
+    def __init__(self, url):
+        self.url, self.slowest, self.failures = url, 0.0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self):
+        with httpx.Client(timeout=10) as h:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                r = h.get(self.url + "/health")
+                self.slowest = max(self.slowest, time.perf_counter() - start)
+                if r.status_code != 200:
+                    self.failures.append(r.status_code)
+                self._stop.wait(0.05)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(30)

@@ -256,12 +256,6 @@ def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
 
 
 # ---- end to end -------------------------------------------------------------------------------------------
-def _pids(server: ServerProcess) -> list[int]:
-    match = re.search(r"API servers started: processes ([\d, ]+)", server.log_path.read_text())
-    assert match, server.log()
-    return [int(p) for p in match.group(1).split(", ")]
-
-
 def _wait_gone(pids: list[int], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while any(running(p) for p in pids):
@@ -274,7 +268,7 @@ def test_streams_spread_over_the_api_servers_match_the_engine_and_every_scrape_c
 
     server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
     try:
-        children = [server.core_pid(), *_pids(server)]
+        children = [server.core_pid(), *server.api_server_pids()]
         prompts = [[5 + i % 7, 3 + i % 5, 11] for i in range(24)]
         lengths = [4 + i % 5 for i in range(24)]
 
@@ -321,7 +315,7 @@ def test_streams_spread_over_the_api_servers_match_the_engine_and_every_scrape_c
 def test_sigterm_while_streaming_drains_every_api_server_then_stops_the_core(tmp_path):
     server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
     try:
-        children = [server.core_pid(), *_pids(server)]
+        children = [server.core_pid(), *server.api_server_pids()]
         with httpx.Client(base_url=server.url, timeout=60) as client:
             body = {"model": PRESET, "prompt": [9, 9], "max_tokens": 300, "stream": True, "ignore_eos": True}
             with client.stream("POST", "/v1/completions", json=body) as response:
@@ -363,7 +357,7 @@ def test_a_killed_process_stops_the_rest(tmp_path, victim):
     server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info", env={"TMPDIR": str(temp)},
                            new_session=victim == "process group")
     try:
-        core, servers = server.core_pid(), _pids(server)
+        core, servers = server.core_pid(), server.api_server_pids()
         sockets = re.search(r"their metrics sockets: (\S+)/<index>\.sock", server.log_path.read_text()).group(1)
         if sys.platform.startswith("linux"):   # abstract sockets: nothing on disk, gone with their processes
             assert sockets.startswith("@tripath-api-servers-") and not list(temp.glob("tripath-*"))

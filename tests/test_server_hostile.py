@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from server_process import ServerProcess
+from server_process import HealthWatch, ServerProcess
 
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
@@ -37,30 +37,6 @@ def server(tiny_hf_dir, tmp_path_factory):
                           "--max-request-bytes", str(MAX_BYTES)], log)
     yield proc
     proc.close()
-
-
-class HealthWatch:
-    """Polls ``/health`` every 50 ms on its own thread and keeps the slowest answer."""
-
-    def __init__(self, url):
-        self.url, self.slowest, self.failures = url, 0.0, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run)
-        self._thread.start()
-
-    def _run(self):
-        with httpx.Client(timeout=10) as h:
-            while not self._stop.is_set():
-                start = time.perf_counter()
-                r = h.get(self.url + "/health")
-                self.slowest = max(self.slowest, time.perf_counter() - start)
-                if r.status_code != 200:
-                    self.failures.append(r.status_code)
-                self._stop.wait(0.05)
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(30)
 
 
 def _stream_ids(url, body, started: threading.Event | None = None):

@@ -58,3 +58,80 @@ def test_bad_constraints_are_named(tiny_hf_dir):
     preset = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
     with pytest.raises(ValueError, match="tokenizer"):
         preset.generate([[1, 2]], SamplingParams(structured_output=StructuredOutput(regex="a")), use_tqdm=False)
+
+
+def _compiler(tokenizer, **options):
+    from tripath.engine.structured_output import GrammarCompiler
+
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], **options)
+
+
+def _enum_schema(i: int, n: int = 40) -> StructuredOutput:
+    return StructuredOutput(json={"type": "object", "properties": {"w": {"enum": [f"s{i}-{j}-value" for j in range(n)]}}})
+
+
+def test_the_grammar_cache_keeps_the_most_recently_used_within_its_bytes(tiny_hf_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hf_dir)
+    one = _compiler(tokenizer).compile(_enum_schema(0)).memory_size_bytes
+    compiler = _compiler(tokenizer, cache_bytes=int(3.5 * one))   # room for three
+    specs = [_enum_schema(i) for i in range(5)]
+    first = compiler.compile(specs[0])
+    for spec in specs[1:3]:
+        compiler.compile(spec)
+    assert compiler.compile(specs[0]) is first            # a hit, now the most recently used
+    compiler.compile(specs[3])                             # evicts specs[1], the least recently used
+    assert len(compiler) == 3 and compiler.cached_bytes <= compiler.cache_bytes
+    assert compiler.compile(specs[0]) is first
+    assert compiler.compile(specs[1]) is not None and len(compiler) == 3   # compiled again, evicting specs[2]
+    for i in range(5, 60):   # many distinct schemas: the cache never grows past its bytes
+        compiler.compile(_enum_schema(i))
+        assert compiler.cached_bytes <= compiler.cache_bytes and len(compiler) <= 3
+    none_kept = _compiler(tokenizer, cache_bytes=0)
+    none_kept.compile(specs[0])
+    assert len(none_kept) == 0 and none_kept.cached_bytes == 0
+
+
+def test_submitted_compiles_run_off_the_callers_thread_and_share_one_future(tiny_hf_dir):
+    import threading
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hf_dir)
+    compiler = _compiler(tokenizer)
+    threads = []
+    compile_ = compiler._compile
+    compiler._compile = lambda spec: (threads.append(threading.current_thread().name), compile_(spec))[1]
+    try:
+        spec = _enum_schema(1, 400)
+        futures = [compiler.submit(spec) for _ in range(3)]
+        assert futures[0] is futures[1] is futures[2] or all(f.done() for f in futures)
+        grammar = futures[0].result(timeout=60)
+        assert threads and all(name.startswith("tripath-grammar") for name in threads)
+        assert compiler.submit(spec).result() is grammar       # cached: done at once
+        bad = compiler.submit(StructuredOutput(regex="(unclosed"))
+        with pytest.raises(ValueError, match="could not be compiled"):
+            bad.result(timeout=60)
+        assert len(threads) == 2   # the shared and the bad one; the cached one compiled nothing
+    finally:
+        compiler.close()
+
+
+def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(tiny_hf_dir):
+    """min_tokens past where the grammar must end leaves no allowed token: the request ends with finish reason
+    ``error`` and a message naming min_tokens, the rejected token not in its output; its neighbours run on."""
+    from tripath.engine.request import FinishReason
+
+    llm = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64, max_model_len=256)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = llm.generate(["The quick"], plain, use_tqdm=False)[0]
+    bad = SamplingParams(max_tokens=20, temperature=0, min_tokens=12,
+                         structured_output=StructuredOutput(regex="[0-9]{3}"))
+    outs = llm.generate(["The quick", "A prompt"], [plain, bad], use_tqdm=False)
+    assert outs[0].output_token_ids == alone.output_token_ids
+    out = outs[1]
+    assert out.finish_reason is FinishReason.ERROR and out.finished
+    assert "min_tokens (12)" in out.outputs[0].error and "does not allow token" in out.outputs[0].error
+    assert re.fullmatch(r"[0-9]{1,3}", out.outputs[0].text), out.outputs[0].text
+    assert not llm.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks

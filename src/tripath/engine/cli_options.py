@@ -13,6 +13,7 @@ import argparse
 import re
 
 from tripath.constants import KV_CACHE_DTYPES
+from tripath.engine.config import DEFAULT_GRAMMAR_CACHE_MB, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
 DECIMAL_SUFFIXES = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
 BINARY_SUFFIXES = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
@@ -93,6 +94,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="processes that compile the warm-up's kernels with an empty Triton cache (default: "
                             "one per CPU core less one, at most 16; 1: in the engine's process)")
     group.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    group.add_argument("--grammar-cache-mb", type=int, default=DEFAULT_GRAMMAR_CACHE_MB, metavar="MB",
+                       help="structured output: compiled grammars kept for reuse, least recently used evicted "
+                            "(0: none)")
+    group.add_argument("--grammar-compile-timeout", type=float, default=DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
+                       metavar="SECONDS",
+                       help="structured output: a request whose grammar has not compiled in this time is refused "
+                            "(400); grammars compile on their own threads while the engine serves the others")
     group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
 
@@ -107,4 +115,5 @@ def engine_options(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager, mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
                 async_scheduling=not args.no_async_scheduling,
                 decode_steps=args.decode_steps, compile_workers=args.compile_workers, seed=args.seed,
+                grammar_cache_mb=args.grammar_cache_mb, grammar_compile_timeout_s=args.grammar_compile_timeout,
                 tensor_parallel_size=args.tensor_parallel_size)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS
+from tripath.engine.structured_output import DEFAULT_CACHE_MB as DEFAULT_GRAMMAR_CACHE_MB
+from tripath.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S as DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
 DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -70,6 +72,9 @@ class EngineConfig:
     of it for nothing. 1 turns it off. ``generation_config``: where the defaults of unset sampling fields come
     from — ``"auto"``, the model's ``generation_config.json``; ``"vllm"``, none (``SamplingParams``' own); or a
     folder holding a ``generation_config.json`` (:mod:`tripath.engine.generation_defaults`).
+    ``grammar_cache_mb``: the structured outputs' compiled grammars kept for reuse (least recently used
+    evicted; 0: none kept); ``grammar_compile_timeout_s``: how long a server lets a request wait for its
+    grammar to compile before refusing it (:class:`tripath.engine.structured_output.GrammarCompiler`).
     """
 
     backend: str = "auto"
@@ -95,6 +100,8 @@ class EngineConfig:
     decode_steps: int = 8
     seed: int = 0
     generation_config: str = "auto"
+    grammar_cache_mb: int = DEFAULT_GRAMMAR_CACHE_MB
+    grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -131,6 +138,14 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if not isinstance(self.seed, int):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if isinstance(self.grammar_cache_mb, bool) or not isinstance(self.grammar_cache_mb, int) or \
+                self.grammar_cache_mb < 0:
+            raise ValueError(f"grammar_cache_mb must be an int >= 0, got {self.grammar_cache_mb!r}")
+        if isinstance(self.grammar_compile_timeout_s, bool) or \
+                not isinstance(self.grammar_compile_timeout_s, (int, float)) or \
+                not 0 < self.grammar_compile_timeout_s < float("inf"):
+            raise ValueError(f"grammar_compile_timeout_s must be a finite number of seconds > 0, got "
+                             f"{self.grammar_compile_timeout_s!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 

@@ -208,10 +208,14 @@ class LLM:
         return self.runner.backend.name
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to do for one rank); idempotent."""
+        """Stop the tensor-parallel worker processes (nothing to do for one rank) and the grammar compiler's
+        threads; idempotent."""
         runner = self.__dict__.get("runner")
         if runner is not None:
             runner.close()
+        compiler = self.__dict__.get("_grammar_compiler")
+        if compiler is not None:
+            compiler.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -225,26 +229,32 @@ class LLM:
     # ---- step API -----------------------------------------------------------------------------------
     @serialised
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, *, grammar=None) -> str:
         """Queue a prompt (text, with the model's tokenizer, or token ids: a sequence of ints or a 1-D integer
         tensor/array); returns its request id. Nothing is queued when it raises: ``TypeError`` for a prompt
         that is not text or integer ids, ``ValueError`` for an empty prompt, ids outside the vocabulary (in
-        the prompt, ``stop_token_ids`` or ``logit_bias``), a request id already queued or running, or a
-        request that could never be served (see :class:`Scheduler`)."""
+        the prompt, ``stop_token_ids`` or ``logit_bias``), a request id already queued or running, a structured
+        output that does not compile, or a request that could never be served (see :class:`Scheduler`).
+
+        A structured output's grammar is compiled here, in the caller's thread, unless cached or given:
+        ``grammar``, the compiled grammar of ``sampling_params.structured_output`` (from
+        ``grammar_compiler().submit(...)``, which compiles off the caller's thread)."""
         if sampling_params is not None and isinstance(sampling_params, SamplingParams) and \
                 sampling_params.num_choices > 1:
             raise ValueError(f"sampling_params asks for {sampling_params.num_choices} completions (n / best_of): "
                              "the step API runs one completion per request; add one request per completion "
                              "(seed + i for choice i), or use generate()")
-        request = self._make_request(prompt, sampling_params, request_id, "prompt", self.num_requests_added)
+        request = self._make_request(prompt, sampling_params, request_id, "prompt", self.num_requests_added,
+                                     grammar=grammar)
         self.scheduler.add(request)
         self.num_requests_added += 1
         return request.request_id
 
     def _make_request(self, prompt: Prompt, sampling_params: SamplingParams | None, request_id: str | None,
-                      name: str, number: int, taken: set[str] = frozenset()) -> Request:
+                      name: str, number: int, taken: set[str] = frozenset(), grammar=None) -> Request:
         """A validated request (``name`` names the prompt in errors) that :meth:`Scheduler.add` will accept;
-        ``taken``: request ids claimed by requests about to be queued with it."""
+        ``taken``: request ids claimed by requests about to be queued with it; ``grammar``: its structured
+        output's compiled grammar, when compiled already."""
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -271,19 +281,21 @@ class LLM:
         request = Request(token_ids, params, request_id=request_id, prompt=text, eos_token_ids=self.eos_token_ids)
         self.scheduler.check(request)
         if params.structured_output is not None:
-            request.grammar = self.grammar_compiler().state(params.structured_output)
+            request.grammar = self.grammar_compiler().state(params.structured_output, grammar)
         if not params.greedy:
             seed = params.seed if params.seed is not None else hash((self.config.seed, number))
             request.generator = make_generator(seed, self.config.device)
         return request
 
     def grammar_compiler(self) -> GrammarCompiler:
-        """The structured-output compiler of this engine's tokenizer (built on first use; thread-safe, so a
-        server may compile a request's grammar in a worker thread before adding it, and hit the cache)."""
+        """The structured-output compiler of this engine's tokenizer (built on first use; thread-safe): its
+        cache holds ``grammar_cache_mb``, its ``submit`` compiles on its own threads and ``timeout_s`` is
+        ``grammar_compile_timeout_s``."""
         with self._grammar_lock:
             if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.runner.logits_width(),
-                                                         self.eos_token_ids)
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer, self.runner.logits_width(), self.eos_token_ids,
+                    cache_bytes=self.config.grammar_cache_mb << 20, timeout_s=self.config.grammar_compile_timeout_s)
         return self._grammar_compiler
 
     @serialised
@@ -421,9 +433,6 @@ class LLM:
                 request.cumulative_logprob += sum(entry[token].logprob for token, entry in zip(new, new_logprobs))
             if sampled.prompt_logprobs[i] is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.extend(sampled.prompt_logprobs[i])
-            if request.grammar is not None:
-                for token in new:
-                    request.grammar.accept(token)
             if new or id(request) in finished:
                 text = None
                 if request.is_finished and self.detokenize_outputs:

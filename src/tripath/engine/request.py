@@ -222,6 +222,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"        # max_tokens reached
     STOP = "stop"            # an end-of-sequence or stop token was sampled
     ABORTED = "aborted"      # the caller aborted it
+    ERROR = "error"          # it cannot go on (``Request.error`` says why): the token sampled was dropped
 
 
 _request_counter = itertools.count()
@@ -253,6 +254,7 @@ class Request:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token, when prompt_logprobs
     cumulative_logprob: float | None = None                  # with logprobs: the sum over the output tokens
     grammar: GrammarState | None = None                      # with structured_output: its matcher
+    error: str | None = None                                 # why it finished with FinishReason.ERROR
 
     def __post_init__(self):
         self.prompt_token_ids = token_ids_of(self.prompt_token_ids, "prompt_token_ids")
@@ -308,10 +310,17 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_token(self, token_id: int, now: float | None = None) -> None:
-        """Record a sampled token and finish the request when it hits a stop condition."""
+        """Record a sampled token and finish the request when it hits a stop condition. A token its structured
+        output's grammar does not allow (the request's other settings left the grammar no token, e.g.
+        ``min_tokens`` past where the grammar must end) is not recorded: the request finishes with
+        :attr:`FinishReason.ERROR` and :attr:`error` says why."""
         now = time.perf_counter() if now is None else now
         if self.first_token_time is None:
             self.first_token_time = now
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.error = self._grammar_error(int(token_id))
+            self.finish(FinishReason.ERROR, now)
+            return
         self.output_token_ids.append(int(token_id))
         params = self.sampling_params
         if self.num_output_tokens >= params.min_tokens and (token_id in params.stop_token_ids or (
@@ -319,6 +328,15 @@ class Request:
             self.finish(FinishReason.STOP, now)
         elif self.num_output_tokens >= params.max_tokens:
             self.finish(FinishReason.LENGTH, now)
+
+    def _grammar_error(self, token_id: int) -> str:
+        params = self.sampling_params
+        why = ""
+        if self.num_output_tokens < params.min_tokens:
+            why = (f"; min_tokens ({params.min_tokens}) keeps the end of the sequence out where the grammar "
+                   "must end")
+        return (f"the structured output's grammar does not allow token {token_id} at output position "
+                f"{self.num_output_tokens}: the request's settings left no allowed token to sample{why}")
 
     def finish(self, reason: FinishReason, now: float | None = None) -> None:
         self.status = RequestStatus.FINISHED
@@ -356,7 +374,7 @@ class CompletionOutput:
     """One completion of a prompt (as vLLM's): ``token_ids`` so far, ``text`` (decoded once finished; None
     without a tokenizer), ``logprobs`` one :data:`PositionLogprobs` per token when asked for, the sum of the
     chosen tokens' log-probabilities (``cumulative_logprob``, None when not asked for), and ``finish_reason``
-    (None while running)."""
+    (None while running; ``error`` says why for :attr:`FinishReason.ERROR`)."""
 
     index: int
     text: str | None
@@ -364,6 +382,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: FinishReason | None = None
+    error: str | None = None   # with finish_reason ERROR: why
 
     @property
     def finished(self) -> bool:
@@ -413,7 +432,7 @@ class RequestOutput:
         """The output of ``request`` after a step that added ``new_token_ids`` (and ``new_logprobs``)."""
         completion = CompletionOutput(0, text, list(request.output_token_ids), request.cumulative_logprob,
                                       None if request.logprobs is None else list(request.logprobs),
-                                      request.finish_reason)
+                                      request.finish_reason, request.error)
         return cls(request.request_id, request.prompt, request.prompt_token_ids, [completion], request.is_finished,
                    list(new_token_ids), new_logprobs, request.prompt_logprobs, request.ttft, request.tpot,
                    request.num_preemptions)

@@ -18,15 +18,22 @@ several decode steps in one launch; other steps are unaffected.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+DEFAULT_CACHE_MB = 512            # the compiled grammars kept (LRU), as vLLM's VLLM_XGRAMMAR_CACHE_MB
+DEFAULT_COMPILE_TIMEOUT_S = 30.0  # how long a request may wait for its grammar before it is refused
+WORKER_NICENESS = 10              # the compile workers' priority below the engine's (Linux nice levels)
 
 
 @dataclass(frozen=True)
@@ -84,45 +91,147 @@ def _xgrammar():
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary width (the logits' columns), with a cache;
-    safe to call from several threads."""
+    """Compiles constraints for one tokenizer and vocabulary width (the logits' columns); safe to call from
+    several threads.
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
+    ``compile`` compiles in the caller's thread; ``submit`` on the compiler's own pool of ``workers`` threads,
+    which run at a lower CPU priority than the engine (Linux: ``nice`` +:data:`WORKER_NICENESS`), so a long
+    compile slows no step of the engine's; each compile uses ``threads_per_compile`` threads of xgrammar's.
+    Compiled grammars are kept in a least-recently-used cache of at most ``cache_bytes`` (by xgrammar's
+    ``memory_size_bytes``; a grammar larger than the whole cache is not kept); requests of one constraint
+    submitted while it compiles share that compile. ``timeout_s`` is the compile-time budget a caller of
+    ``submit`` enforces (a running compile cannot be interrupted: one past its budget finishes on its
+    worker, and its grammar is cached)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], *,
+                 cache_bytes: int = DEFAULT_CACHE_MB << 20, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 workers: int | None = None, threads_per_compile: int | None = None):
         if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
             raise ValueError("structured output needs the model's Hugging Face tokenizer; this model has none")
+        if cache_bytes < 0:
+            raise ValueError(f"the grammar cache size must be >= 0 bytes, got {cache_bytes}")
+        if not timeout_s > 0:
+            raise ValueError(f"the grammar compile timeout must be > 0 s, got {timeout_s}")
         xgr = _xgrammar()
+        cores = os.cpu_count() or 2
         self.vocab_size = vocab_size
+        self.cache_bytes = cache_bytes
+        self.timeout_s = float(timeout_s)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
-        self._compiler = xgr.GrammarCompiler(info)
-        self._cache: dict[tuple[str, str], object] = {}
+        threads = threads_per_compile or max(1, min(8, cores // 2))
+        # xgrammar's own cache never evicts: this class keeps the compiled grammars instead.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._cached_bytes = 0
+        self._compiling: dict[tuple[str, str], Future] = {}
         self._lock = threading.Lock()
+        self._workers = workers or max(2, min(8, cores // 4))
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def cached_bytes(self) -> int:
+        """The compiled grammars' bytes the cache holds now."""
+        return self._cached_bytes
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
     def compile(self, spec: StructuredOutput):
-        """The compiled grammar of ``spec``; ``ValueError`` naming the field when it does not compile."""
+        """The compiled grammar of ``spec``, compiled in this thread unless cached; ``ValueError`` naming the
+        field when it does not compile."""
         key = spec.key
         with self._lock:
             if key in self._cache:
+                self._cache.move_to_end(key)
                 return self._cache[key]
-        try:
-            if spec.kind == "json":
-                compiled = self._compiler.compile_json_schema(spec.key[1], any_whitespace=False)
-            elif spec.kind == "json_object":   # OpenAI's json_object: an object, not any JSON value
-                compiled = self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            elif spec.kind == "regex":
-                compiled = self._compiler.compile_regex(spec.regex)
-            elif spec.kind == "choice":
-                compiled = self._compiler.compile_regex("|".join(f"({re.escape(c)})" for c in spec.choice))
-            else:
-                compiled = self._compiler.compile_grammar(spec.grammar)
-        except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad input
-            raise ValueError(f"structured_output.{spec.kind} could not be compiled: {error}") from None
-        with self._lock:
-            self._cache[key] = compiled
+        compiled = self._compile(spec)
+        self._keep(key, compiled)
         return compiled
 
-    def state(self, spec: StructuredOutput) -> "GrammarState":
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(spec)), self.vocab_size)
+    def submit(self, spec: StructuredOutput) -> Future:
+        """A future of ``spec``'s compiled grammar, compiled on the pool (done at once when cached); its
+        exception is the ``ValueError`` of :meth:`compile`. Submits of one constraint while it compiles share
+        one future: cancel it only when no other caller waits for it."""
+        key = spec.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                done: Future = Future()
+                done.set_result(self._cache[key])
+                return done
+            running = self._compiling.get(key)
+            if running is not None and not running.cancelled():
+                return running
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="tripath-grammar",
+                                                initializer=_lower_priority)
+            future = self._pool.submit(self._compile_and_keep, spec)
+            self._compiling[key] = future
+        future.add_done_callback(lambda done: self._compiled(key, done))
+        return future
+
+    def close(self) -> None:
+        """Stop the pool (compiles queued and not started are cancelled; running ones finish on their own)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def state(self, spec: StructuredOutput, compiled=None) -> "GrammarState":
+        """A new matcher of ``spec`` (of its ``compiled`` grammar when given, else compiled or cached now)."""
+        compiled = self.compile(spec) if compiled is None else compiled
+        return GrammarState(_xgrammar().GrammarMatcher(compiled), self.vocab_size)
+
+    def _compile_and_keep(self, spec: StructuredOutput):
+        compiled = self._compile(spec)
+        self._keep(spec.key, compiled)
+        return compiled
+
+    def _compiled(self, key: tuple[str, str], future: Future) -> None:
+        """A submitted compile is over (done, failed or cancelled): later submits of it start anew or hit the
+        cache."""
+        with self._lock:
+            if self._compiling.get(key) is future:
+                del self._compiling[key]
+
+    def _compile(self, spec: StructuredOutput):
+        try:
+            if spec.kind == "json":
+                return self._compiler.compile_json_schema(spec.key[1], any_whitespace=False)
+            if spec.kind == "json_object":   # OpenAI's json_object: an object, not any JSON value
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.kind == "regex":
+                return self._compiler.compile_regex(spec.regex)
+            if spec.kind == "choice":
+                return self._compiler.compile_regex("|".join(f"({re.escape(c)})" for c in spec.choice))
+            return self._compiler.compile_grammar(spec.grammar)
+        except RecursionError:
+            raise ValueError(f"structured_output.{spec.kind} is nested too deeply to compile") from None
+        except Exception as error:  # noqa: BLE001 - xgrammar raises RuntimeError / its own types for bad input
+            raise ValueError(f"structured_output.{spec.kind} could not be compiled: {error}") from None
+
+    def _keep(self, key: tuple[str, str], compiled) -> None:
+        """Cache ``compiled`` as the most recently used, evicting the least recently used past the budget."""
+        size = int(compiled.memory_size_bytes)
+        if size > self.cache_bytes:
+            return
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return
+            self._cache[key] = compiled
+            self._cached_bytes += size
+            while self._cached_bytes > self.cache_bytes:
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_bytes -= int(evicted.memory_size_bytes)
+
+
+def _lower_priority() -> None:
+    """A compile worker's initializer: this thread (and the threads it starts) below the engine's priority."""
+    with contextlib.suppress(AttributeError, OSError):   # no per-thread priority outside Linux
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + WORKER_NICENESS)
 
 
 class GrammarState:
@@ -131,11 +240,10 @@ class GrammarState:
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size
-        self.failed: str | None = None
 
     @property
     def done(self) -> bool:
-        return self.matcher.is_terminated() or self.failed is not None
+        return self.matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row ``row`` of the host ``bitmask``: the allowed next tokens (all, once the matcher is done)."""
@@ -144,9 +252,9 @@ class GrammarState:
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
 
-    def accept(self, token: int) -> None:
-        if not self.done and not self.matcher.accept_token(int(token)):
-            self.failed = f"token {token} is not allowed by the grammar"
+    def accept(self, token: int) -> bool:
+        """Advance past ``token``; False (nothing changes) when the grammar does not allow it next."""
+        return self.done or bool(self.matcher.accept_token(int(token)))
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -355,7 +355,8 @@ def _prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
 
 
 async def _structured_output(state: ServerState, body) -> StructuredOutput | None:
-    """The request's output constraint, checked (and, with the engine in process, compiled) in a worker thread."""
+    """The request's output constraint, checked in a worker thread (the engine compiles it off its loop when the
+    request arrives, and refuses the request with 400 if it does not compile)."""
     asked = body.structured_output()
     return None if asked is None else await _in_thread(_constraint, state, asked)
 
@@ -363,7 +364,6 @@ async def _structured_output(state: ServerState, body) -> StructuredOutput | Non
 def _constraint(state: ServerState, asked: dict) -> StructuredOutput:
     try:
         spec = StructuredOutput(**{k: tuple(v) if k == "choice" else v for k, v in asked.items()})
-        state.engine.prepare_structured_output(spec)
     except (ValueError, TypeError, ImportError) as error:
         raise APIError(400, str(error), param="response_format") from None
     return spec

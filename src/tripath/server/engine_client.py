@@ -225,10 +225,6 @@ class EngineClient:
         if self._book.end(request_id, outcome) is not None and not self._closed:
             self._command(("abort", request_id))
 
-    def prepare_structured_output(self, spec) -> None:
-        """Nothing here: the core compiles the constraint when the request arrives (a constraint that does not
-        compile refuses the request with 400)."""
-
     def stop(self, timeout: float = 30.0) -> None:
         """End what is in flight (503), have the core release the engine, and wait for it up to ``timeout``
         (then SIGKILL); idempotent. Called off the event loop (the app's lifespan runs it in a worker thread):

@@ -32,6 +32,7 @@ is killed (SIGKILL).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -43,8 +44,10 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from tripath.server.core_wire import READ_BYTES, FrameReader, encode_output, encode_stats, send, tokenizer_handle
+from tripath.server.core_wire import (READ_BYTES, FrameReader, encode_output, encode_stats, frame, send,
+                                      tokenizer_handle)
 from tripath.server.engine_steps import add_request, close_engine, release_memory, take_step
+from tripath.server.grammar_waits import GrammarWaits
 from tripath.server.submissions import Failure
 
 log = logging.getLogger("tripath.server")
@@ -52,6 +55,8 @@ log = logging.getLogger("tripath.server")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 ARRIVAL_WINDOW_S = 0.01   # decode one step at a time until no request has arrived for this long (module doc)
 STATS_REFRESH_S = 0.05    # how old the engine's stats may get at an HTTP process that has nothing else to read
+MAX_UNSENT_BYTES = 64 << 20   # updates an HTTP process may leave unread before its requests are ended
+FINAL_FLUSH_S = 5.0       # at stop, how long the core waits for the HTTP processes to read their last updates
 
 
 @dataclass(frozen=True)
@@ -100,36 +105,34 @@ def core_main(spec: CoreSpec, frontends) -> None:
     returns)."""
     ignore_stop_signals()
     logging.basicConfig(level=spec.log_level, format=spec.log_format, force=True)
-    updates = [pair[1].fileno() for pair in frontends]
     try:
         llm = spec.make_llm()
         facts = engine_facts(llm, spec.describe)
     except BaseException as error:  # noqa: BLE001 - reported to the HTTP processes, which exit
         log.error("building the engine failed:\n%s", traceback.format_exc())
-        _tell_all(updates, ("start_failed", str(error) or type(error).__name__))
+        for pair in frontends:   # a few bytes into an empty pipe: never waits
+            try:
+                send(pair[1].fileno(), ("start_failed", str(error) or type(error).__name__))
+            except OSError:   # that HTTP process is gone
+                pass
         sys.exit(1)
     llm.detokenize_outputs = False   # the HTTP processes detokenise
     # Every object alive now lives as long as the server: moved out of the collector's generations, the full
     # collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
     gc.freeze()
-    _tell_all(updates, ("ready", facts))   # one that is gone already is detached at the first update
-    EngineCore(llm, [(commands.fileno(), update.fileno()) for commands, update in frontends],
-               spec.max_waiting).run()
-
-
-def _tell_all(fds: list[int], message) -> None:
-    for fd in fds:
-        try:
-            send(fd, message)
-        except OSError:   # that HTTP process is gone
-            pass
+    core = EngineCore(llm, [(commands.fileno(), update.fileno()) for commands, update in frontends],
+                      spec.max_waiting)
+    for index in range(len(frontends)):   # one that is gone already is detached here
+        core._send(index, ("ready", facts))
+    core.run()
 
 
 class _Frontend:
-    """One HTTP process the core serves: its pipe ends (descriptors) and what the current pass has for it."""
+    """One HTTP process the core serves: its pipe ends (descriptors), what the current pass has for it, and
+    the bytes its update pipe has not taken yet (``unsent``: whole frames, written as the pipe drains)."""
 
     __slots__ = ("commands", "updates", "frames", "accepted", "refused", "outputs", "failed", "sent_stats",
-                 "sent_at")
+                 "sent_at", "unsent", "overflowed")
 
     def __init__(self, commands: int, updates: int):
         self.commands, self.updates = commands, updates
@@ -137,6 +140,8 @@ class _Frontend:
         self.clear()
         self.sent_stats = None
         self.sent_at = float("-inf")
+        self.unsent = bytearray()
+        self.overflowed = False   # its requests were ended for falling MAX_UNSENT_BYTES behind
 
     def has_items(self) -> bool:
         return bool(self.accepted or self.refused or self.outputs or self.failed)
@@ -148,19 +153,28 @@ class _Frontend:
 
 class EngineCore:
     """The core's loop over one built engine (see the module doc). ``frontends``: ``(commands, updates)`` file
-    descriptors (blocking) of each HTTP process's pipe ends; ``max_waiting``: with several, the most requests
-    the engine may hold waiting (an add beyond it is refused with 503), None for no bound here."""
+    descriptors of each HTTP process's pipe ends (the update ends are made non-blocking; -1: not used);
+    ``max_waiting``: with several, the most requests the engine may hold waiting (an add beyond it is refused
+    with 503), None for no bound here."""
 
     def __init__(self, llm, frontends: Sequence[tuple[int, int]], max_waiting: int | None = None):
         self.llm = llm
         self._frontends = [_Frontend(commands, updates) for commands, updates in frontends]
         self._open = set(range(len(self._frontends)))
         self._poller = select.poll()
-        self._by_fd: dict[int, int] = {}
+        self._by_fd: dict[int, int] = {}          # a command pipe's descriptor -> its frontend
+        self._by_update_fd: dict[int, int] = {}   # an update pipe watched for room -> its frontend
         for index, frontend in enumerate(self._frontends):
             if frontend.commands >= 0:
                 self._poller.register(frontend.commands, select.POLLIN)
                 self._by_fd[frontend.commands] = index
+            if frontend.updates >= 0:
+                os.set_blocking(frontend.updates, False)
+        self._wake_read, self._wake_write = os.pipe()   # a grammar compile is done
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._poller.register(self._wake_read, select.POLLIN)
+        self._grammars = GrammarWaits(lambda: self.llm.grammar_compiler(), self._wake)
         self._max_waiting = max_waiting
         self._live: dict[str, list] = {}   # request id -> [its frontend, its prompt's log-probabilities were sent]
         self._step_failures = 0            # since start
@@ -173,6 +187,7 @@ class EngineCore:
             while not self._stopping:
                 try:
                     self._receive(block=not self.llm.has_unfinished_requests())
+                    self._add_compiled()
                     if not self._stopping and self.llm.has_unfinished_requests():
                         self._step()
                 except Exception as error:  # noqa: BLE001 - never leave requests hanging on a dead loop
@@ -185,17 +200,26 @@ class EngineCore:
             self._release()
         for index in list(self._open):
             self._send(index, ("stopped",))
+        self._flush_before_exit()
 
     # ---- commands -------------------------------------------------------------------------------------------
     def _receive(self, block: bool) -> None:
-        """Handle every command that has arrived (waiting for the first when ``block``)."""
-        timeout = None if block else 0
+        """Handle every command that has arrived (waiting for the first when ``block``, or until a grammar's
+        compile is done or due); write what waits for room in an update pipe that has some."""
+        timeout = self._block_ms() if block else 0
         while self._open and not self._stopping:
             events = self._poller.poll(timeout)
             if not events:
                 return
             timeout = 0
-            for fd, _ in events:
+            for fd, event in events:
+                if fd == self._wake_read:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(fd, READ_BYTES)
+                    continue
+                if fd in self._by_update_fd:
+                    self._flush(self._by_update_fd[fd], event)
+                    continue
                 index = self._by_fd.get(fd)
                 if index is None:
                     continue
@@ -210,26 +234,38 @@ class EngineCore:
                     for command in batch:
                         self._handle(index, command)
 
+    def _block_ms(self) -> int | None:
+        """How long an idle engine waits for a command: until the next grammar is due, else for ever."""
+        due = self._grammars.seconds_to_deadline()
+        return None if due is None else int(due * 1000) + 1
+
+    def _wake(self) -> None:
+        """(A compiler thread:) a grammar's compile is done; the loop takes it at its next pass."""
+        with contextlib.suppress(BlockingIOError, OSError):   # full: a wake is pending anyway; closed: stopping
+            os.write(self._wake_write, b"\0")
+
     def _handle(self, index: int, command: tuple) -> None:
         kind = command[0]
         frontend = self._frontends[index]
         if kind == "add":
             _, request_id, prompt_token_ids, params = command
-            failure = self._overloaded() if request_id not in self._live else \
+            in_flight = request_id in self._live or request_id in self._grammars
+            failure = self._overloaded() if not in_flight else \
                 Failure(400, f"request id {request_id!r} is in flight already", reason="duplicate_request_id")
+            if failure is None and params.structured_output is not None:
+                failure = self._grammars.start(request_id, prompt_token_ids, params, index)
+                if failure is None:
+                    return   # added once its grammar has compiled (_add_compiled)
             if failure is None:
                 failure = add_request(self.llm, request_id, prompt_token_ids, params)
-            if failure is None:
-                self._live[request_id] = [index, False]
-                frontend.accepted.append(request_id)
-                self._last_arrival = time.monotonic()
-            else:
-                frontend.refused.append((request_id, failure.status, failure.message, failure.type, failure.reason))
+            self._added(index, request_id, failure)
         elif kind == "abort":
             entry = self._live.get(command[1])
             if entry is not None and entry[0] == index:
                 del self._live[command[1]]
                 self.llm.abort_request(command[1])
+            elif command[1] in self._grammars and self._grammars.owner(command[1]) == index:
+                self._grammars.cancel(command[1])
         elif kind == "stop":
             if len(self._open) > 1:   # the others serve on: this one's requests end, it hears no more
                 self._end_requests_of(index, "the server is shutting down", 503)
@@ -239,10 +275,28 @@ class EngineCore:
             else:
                 self._stopping = True
 
+    def _added(self, index: int, request_id: str, failure: Failure | None) -> None:
+        frontend = self._frontends[index]
+        if failure is None:
+            self._live[request_id] = [index, False]
+            frontend.accepted.append(request_id)
+            self._last_arrival = time.monotonic()
+        else:
+            frontend.refused.append((request_id, failure.status, failure.message, failure.type, failure.reason))
+
+    def _add_compiled(self) -> None:
+        """Add the requests whose grammars have compiled; refuse those whose compile failed or is overdue."""
+        for wait, grammar, failure in self._grammars.settled():
+            if wait.owner not in self._open:
+                continue
+            if failure is None:
+                failure = add_request(self.llm, wait.request_id, wait.prompt_token_ids, wait.params, grammar)
+            self._added(wait.owner, wait.request_id, failure)
+
     def _overloaded(self) -> Failure | None:
         if self._max_waiting is None:
             return None
-        waiting = len(self.llm.scheduler.waiting)
+        waiting = len(self.llm.scheduler.waiting) + len(self._grammars)
         if waiting < self._max_waiting:
             return None
         return Failure(503, f"the server is overloaded: {waiting} engine requests wait for a place in the batch "
@@ -265,7 +319,7 @@ class EngineCore:
                 del live[out.request_id]
             elif first_prompt_logprobs:
                 entry[1] = True
-        if result.failed:
+        if any(failure.status >= 500 for _, failure in result.failed):
             self._step_failures += 1
         for request_ids, failure in result.failed:
             by_frontend: dict[int, list[str]] = {}
@@ -277,13 +331,16 @@ class EngineCore:
                 frontends[index].failed.append((ids, failure.status, failure.message, failure.type))
 
     def _end_requests_of(self, index: int | None, message: str, status: int) -> None:
-        """Abort the requests of one frontend (``index``), or of all (None), failing them with ``message``."""
+        """Abort the requests of one frontend (``index``), or of all (None), failing them with ``message``
+        (those waiting for their grammars too)."""
         by_frontend: dict[int, list[str]] = {}
         for request_id, entry in list(self._live.items()):
             if index is None or entry[0] == index:
                 del self._live[request_id]
                 self.llm.abort_request(request_id)
                 by_frontend.setdefault(entry[0], []).append(request_id)
+        for wait in self._grammars.cancel_all(owner=index):
+            by_frontend.setdefault(wait.owner, []).append(wait.request_id)
         for owner, ids in by_frontend.items():
             self._frontends[owner].failed.append((ids, status, message, "server_error"))
 
@@ -293,13 +350,14 @@ class EngineCore:
     # ---- updates --------------------------------------------------------------------------------------------
     def _send_updates(self, final: bool = False) -> None:
         """Each frontend's update of this pass: to one with items; with the engine's stats alone to one whose
-        stats are :data:`STATS_REFRESH_S` old, or at once when the engine goes idle (or ``final``)."""
+        stats are :data:`STATS_REFRESH_S` old, or at once when the engine goes idle (or ``final``) — never to
+        one whose pipe has not taken the last update yet."""
         stats = None
         now = time.monotonic()
         idle = final or self.llm is None or not self.llm.has_unfinished_requests()
         for index in list(self._open):
             frontend = self._frontends[index]
-            if not frontend.has_items() and not idle and now - frontend.sent_at < STATS_REFRESH_S:
+            if not frontend.has_items() and (frontend.unsent or not idle and now - frontend.sent_at < STATS_REFRESH_S):
                 continue
             stats = encode_stats(self.llm.stats()) if stats is None else stats
             if frontend.has_items() or stats != frontend.sent_stats:
@@ -315,13 +373,75 @@ class EngineCore:
             frontend.sent_stats, frontend.sent_at = stats, now
 
     def _send(self, index: int, message) -> bool:
-        """Send to one frontend; a frontend whose process is gone is detached (False)."""
-        try:
-            send(self._frontends[index].updates, message)
+        """Queue a message to one frontend and write what its pipe takes now, never waiting for it (the rest
+        is written as the pipe drains); False if its process is gone (it is detached). One that has fallen
+        :data:`MAX_UNSENT_BYTES` behind has its requests ended (:meth:`_overflow`)."""
+        frontend = self._frontends[index]
+        if frontend.updates < 0:
             return True
-        except OSError:
-            self._detach(index)
+        frontend.unsent += frame(message)
+        if not self._flush(index):
             return False
+        if len(frontend.unsent) > MAX_UNSENT_BYTES and not frontend.overflowed:
+            self._overflow(index)
+        return True
+
+    def _flush(self, index: int, event: int = 0) -> bool:
+        """Write what waits for one frontend's update pipe, as much as it takes; watch the pipe for room while
+        bytes wait. False when its reader is gone (the frontend is detached)."""
+        frontend = self._frontends[index]
+        if event & (select.POLLERR | select.POLLHUP):
+            self._lost(index)
+            return False
+        try:
+            while frontend.unsent:
+                written = os.write(frontend.updates, frontend.unsent)
+                del frontend.unsent[:written]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self._lost(index)
+            return False
+        watched = frontend.updates in self._by_update_fd
+        if frontend.unsent and not watched:
+            self._poller.register(frontend.updates, select.POLLOUT)
+            self._by_update_fd[frontend.updates] = index
+        elif not frontend.unsent and watched:
+            self._unwatch_updates(frontend)
+            frontend.overflowed = False
+        return True
+
+    def _overflow(self, index: int) -> None:
+        """A frontend that reads nothing (its event loop stalled) while ``MAX_UNSENT_BYTES`` of updates wait: its
+        requests end (aborted in the engine; it reads why after the updates that wait), so a stalled HTTP
+        process costs the engine no more work and the core no more memory; it serves new requests once it
+        reads again."""
+        self._frontends[index].overflowed = True
+        log.warning("HTTP process %d has not read %d MiB of updates: ending its requests", index,
+                    MAX_UNSENT_BYTES >> 20)
+        self._end_requests_of(index, "the server's HTTP process fell too far behind the engine (it did not read "
+                                     f"{MAX_UNSENT_BYTES >> 20} MiB of updates); retry", 503)
+
+    def _unwatch_updates(self, frontend: _Frontend) -> None:
+        if self._by_update_fd.pop(frontend.updates, None) is not None:
+            self._poller.unregister(frontend.updates)
+
+    def _lost(self, index: int) -> None:
+        frontend = self._frontends[index]
+        frontend.unsent.clear()
+        self._unwatch_updates(frontend)
+        self._detach(index)
+
+    def _flush_before_exit(self) -> None:
+        """At stop: give the HTTP processes :data:`FINAL_FLUSH_S` to take what waits for them."""
+        for fd in self._by_fd:
+            self._poller.unregister(fd)
+        self._by_fd.clear()
+        self._poller.unregister(self._wake_read)
+        deadline = time.monotonic() + FINAL_FLUSH_S
+        while self._by_update_fd and time.monotonic() < deadline:
+            for fd, event in self._poller.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                self._flush(self._by_update_fd[fd], event)
 
     def _detach(self, index: int) -> None:
         """A frontend's process is gone: its requests are aborted (nobody reads them), the rest serve on; with
@@ -333,10 +453,12 @@ class EngineCore:
             if entry[0] == index:
                 del self._live[request_id]
                 self.llm.abort_request(request_id)
+        self._grammars.cancel_all(owner=index)
         if not self._open:
             self._stopping = True
 
     def _forget(self, index: int) -> None:
+        """Hear no more commands of one frontend (what waits for its update pipe is still written)."""
         self._open.discard(index)
         frontend = self._frontends[index]
         if self._by_fd.pop(frontend.commands, None) is not None:
@@ -344,7 +466,11 @@ class EngineCore:
         frontend.clear()
 
     def _release(self) -> None:
+        self._grammars.cancel_all()
         device = close_engine(self.llm)
         self.llm = None
         release_memory(device)
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         log.info("engine core stopped")

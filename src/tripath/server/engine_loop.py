@@ -20,6 +20,7 @@ import traceback
 from typing import Callable
 
 from tripath.server.engine_steps import add_request, close_engine, release_memory, take_step
+from tripath.server.grammar_waits import GrammarWaits
 from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission, SubmissionBook
 
 log = logging.getLogger("tripath.server")
@@ -47,6 +48,7 @@ class EngineLoop:
         self.generation_defaults: dict = {}   # the model's sampling defaults (LLM.generation_defaults)
         self.startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tripath-engine", daemon=True)
+        self._grammars = GrammarWaits(lambda: self.llm.grammar_compiler(), lambda: self._inbox.put(("grammars", None)))
 
     # ---- from the server ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -82,11 +84,6 @@ class EngineLoop:
         """Abort a request (``outcome`` is its finish reason in the metrics: ``abort``, or ``stop`` for a stop
         string)."""
         self._inbox.put(("abort", (request_id, outcome)))
-
-    def prepare_structured_output(self, spec) -> None:
-        """Compile ``spec`` (in the caller's thread: the engine thread then finds it in the compiler's cache);
-        ``ValueError`` when it does not compile."""
-        self.llm.grammar_compiler().compile(spec)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Abort everything in flight, release the engine and end the thread (waits up to ``timeout``)."""
@@ -133,6 +130,7 @@ class EngineLoop:
             self._shutdown()
 
     def _abort_all(self, failure: Failure) -> None:
+        self._grammars.cancel_all()
         for request_id in self._book.request_ids():
             try:
                 self.llm.abort_request(request_id)
@@ -141,8 +139,13 @@ class EngineLoop:
 
     def _drain(self, block: bool) -> None:
         try:
-            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            if block:
+                due = self._grammars.seconds_to_deadline()
+                command = self._inbox.get(timeout=0.5 if due is None else min(0.5, due + 1e-3))
+            else:
+                command = self._inbox.get_nowait()
         except queue.Empty:
+            self._add_compiled()
             return
         while True:
             self._handle(*command)
@@ -151,19 +154,24 @@ class EngineLoop:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
+                self._add_compiled()
                 return
 
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":
             sub: Submission = arg
             self._book.register(sub)
-            failure = add_request(self.llm, sub.request_id, sub.prompt_token_ids, sub.params)
+            failure = None
+            if sub.params.structured_output is not None:
+                failure = self._grammars.start(sub.request_id, sub.prompt_token_ids, sub.params, sub)
+                if failure is None:
+                    return   # added once its grammar has compiled (_add_compiled)
             if failure is None:
-                self._book.accept(sub.request_id)
-            else:
-                self._book.refuse(sub.request_id, failure)
+                failure = add_request(self.llm, sub.request_id, sub.prompt_token_ids, sub.params)
+            self._added(sub, failure)
         elif kind == "abort":
             request_id, outcome = arg
+            self._grammars.cancel(request_id)   # if it waits for its grammar
             if request_id in self._book:
                 self.llm.abort_request(request_id)
                 self._book.end(request_id, outcome)
@@ -171,9 +179,22 @@ class EngineLoop:
         elif kind == "stop":
             self._stopping = True
 
+    def _added(self, sub: Submission, failure: Failure | None) -> None:
+        if failure is None:
+            self._book.accept(sub.request_id)
+        else:
+            self._book.refuse(sub.request_id, failure)
+
+    def _add_compiled(self) -> None:
+        """Add the requests whose grammars have compiled; refuse those whose compile failed or is overdue."""
+        for wait, grammar, failure in self._grammars.settled():
+            if failure is None:
+                failure = add_request(self.llm, wait.request_id, wait.prompt_token_ids, wait.params, grammar)
+            self._added(wait.owner, failure)
+
     def _step(self) -> None:
         result = take_step(self.llm)
-        if result.failed:
+        if any(failure.status >= 500 for _, failure in result.failed):
             self.metrics.step_failures.inc()
         num_new = self._book.outputs(result.outputs)
         for request_ids, failure in result.failed:

@@ -14,18 +14,23 @@ from __future__ import annotations
 import gc
 import logging
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tripath.engine.errors import StepFailed
+from tripath.engine.request import FinishReason
 from tripath.server.submissions import Failure
 
 log = logging.getLogger("tripath.server")
 
 
-def add_request(llm, request_id: str, prompt_token_ids: list[int], params) -> Failure | None:
-    """Add one request; None when the engine took it, else why not."""
+def add_request(llm, request_id: str, prompt_token_ids: list[int], params, grammar=None) -> Failure | None:
+    """Add one request (``grammar``: its structured output's compiled grammar, :mod:`~tripath.server.
+    grammar_waits`); None when the engine took it, else why not."""
     try:
-        llm.add_request(prompt_token_ids, params, request_id=request_id)
+        if grammar is None:
+            llm.add_request(prompt_token_ids, params, request_id=request_id)
+        else:
+            llm.add_request(prompt_token_ids, params, request_id=request_id, grammar=grammar)
     except (ValueError, TypeError, ImportError) as error:   # ImportError: structured output without xgrammar
         return Failure(400, str(error))
     except Exception as error:  # noqa: BLE001 - the request fails, the engine goes on
@@ -43,12 +48,16 @@ class StepResult:
 
 
 def take_step(llm) -> StepResult:
-    """``llm.step()``, its failure turned into the requests it failed (see the module doc)."""
+    """``llm.step()``, its failure turned into the requests it failed (see the module doc). A request the
+    step ended with an error (``FinishReason.ERROR``: a token its grammar does not allow) is failed with 400
+    and its error, after the tokens the step gave it before that."""
     try:
-        return StepResult(llm.step())
+        return _errors_as_failures(llm.step())
     except StepFailed as error:   # the step's requests were aborted: fail exactly those, serve the rest
         failure = Failure(503 if error.out_of_memory else 500, str(error), "server_error")
-        return StepResult(error.outputs, [(list(error.request_ids), failure)])
+        result = _errors_as_failures(error.outputs)
+        result.failed.append((list(error.request_ids), failure))
+        return result
     except Exception as error:  # noqa: BLE001 - one failed step must not stop the server
         log.error("engine step failed:\n%s", traceback.format_exc())
         victims = [r.request_id for r in llm.scheduler.running] or [r.request_id for r in llm.scheduler.waiting]
@@ -76,3 +85,15 @@ def release_memory(device) -> None:
 
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def _errors_as_failures(outputs: list) -> StepResult:
+    result = StepResult()
+    for out in outputs:
+        if out.finish_reason is not FinishReason.ERROR:
+            result.outputs.append(out)
+            continue
+        if out.new_token_ids:
+            result.outputs.append(replace(out, finished=False))
+        result.failed.append(([out.request_id], Failure(400, out.outputs[0].error or "the request failed")))
+    return result

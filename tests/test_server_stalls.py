@@ -1,0 +1,291 @@
+"""No request stalls the others (``tripath serve`` as real processes on loopback, CPU, torch backend): a
+structured output whose grammar takes seconds to compile, thousands of distinct schemas, and an API server
+whose event loop stops reading — while victim streams run. A victim's longest gap between two events stays
+within twice its unattacked value (or a second, whichever is larger: a busy test machine's own pauses), and
+``/health`` answers within a second throughout."""
+
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_process import HealthWatch, ServerProcess
+
+pytest.importorskip("fastapi")
+pytest.importorskip("transformers")
+pytest.importorskip("xgrammar")
+
+pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
+
+BASE = ["--backend", "torch", "--max-num-seqs", "16"]
+
+
+class Stream:
+    """One streamed completion on a connection of its own, read on a thread with plain socket reads (no HTTP
+    parsing, so a stream with large events costs the test process little): when each event arrived."""
+
+    def __init__(self, port: int, body: dict):
+        data = json.dumps({**body, "stream": True}).encode()
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=300)
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        self.local_port = self.sock.getsockname()[1]
+        self.times: list[float] = []
+        self.status: int | None = None
+        self.completed = False   # the stream's [DONE] arrived
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        tail = b""
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    return
+                now = time.monotonic()
+                if self.status is None:
+                    self.status = int(data.split(b" ", 2)[1])
+                chunk = tail + data
+                self.times += [now] * chunk.count(b"data: {")
+                if b"data: [DONE]" in chunk:
+                    self.completed = True
+                    return
+                tail = chunk[-16:]
+        except OSError:
+            pass
+        finally:
+            self.done.set()
+
+    def wait_events(self, count: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.times) < count and not self.done.is_set():
+            assert time.monotonic() < deadline, f"{len(self.times)} events of {count} in {timeout_s} s"
+            time.sleep(0.01)
+
+    def longest_gap(self, since: float = float("-inf"), until: float | None = None) -> float:
+        """The longest time between two events after ``since``; with ``until``, the time from the last event
+        to then counts too (a stream that stopped has a gap up to now)."""
+        times = [t for t in self.times if t >= since]
+        if until is not None:
+            times.append(until)
+        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self._thread.join(30)
+
+
+def _victim_body(model: str, max_tokens: int = 480) -> dict:
+    return {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def _large_enum_schema(count: int) -> dict:
+    """An enum of ``count`` distinct 16-letter strings (its grammar takes seconds to compile at 30,000)."""
+    import random
+
+    rng = random.Random(count)
+    words = {"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(16)) for _ in range(count)}
+    return {"type": "object", "properties": {"word": {"enum": sorted(words)}}, "required": ["word"]}
+
+
+def _gap_limit(unattacked: float) -> float:
+    return max(2 * unattacked, 1.0)
+
+
+def test_a_grammar_that_compiles_for_seconds_stalls_no_other_stream(tiny_hf_dir, tmp_path):
+    """A schema that takes seconds to compile (an enum of 30,000 strings: about 4 s on one core) while a victim
+    streams: the victim keeps its pace, ``/health`` answers; the request is refused (400) when its compile
+    outlasts ``--grammar-compile-timeout``, naming it."""
+    server = ServerProcess(["--model", tiny_hf_dir, "--served-model-name", "m", *BASE,
+                            "--grammar-compile-timeout", "1"], tmp_path / "server.log")
+    try:
+        baseline = Stream(server.port, _victim_body("m"))
+        assert baseline.done.wait(120) and baseline.completed
+        unattacked = baseline.longest_gap(since=baseline.times[1])
+
+        attack = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "deep", "schema": _large_enum_schema(30000)}}}
+        answers = []
+        attacker = threading.Thread(target=lambda: answers.append(
+            httpx.post(server.url + "/v1/chat/completions", timeout=300, json=attack)))
+        watch = HealthWatch(server.url)
+        victim = Stream(server.port, _victim_body("m"))
+        victim.wait_events(20)
+        attacker.start()   # while the victim streams
+        assert victim.done.wait(120) and victim.completed
+        attacker.join(120)
+        watch.stop()
+        victim.close()
+        attacked = victim.longest_gap(since=victim.times[1])
+        assert attacked <= _gap_limit(unattacked), (attacked, unattacked)
+        assert watch.slowest < 1.0 and not watch.failures, (watch.slowest, watch.failures)
+        (answer,) = answers
+        assert answer.status_code == 400, answer.text
+        assert "--grammar-compile-timeout" in answer.json()["error"]["message"]
+    finally:
+        server.close()
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_the_cores_memory_stays_flat_over_a_thousand_distinct_schemas(tiny_hf_dir, tmp_path):
+    """1,000 distinct JSON schemas (each grammar about 0.5 MB compiled, 0.5 GB together): with a 16 MB grammar
+    cache the core's resident memory after the last is within 10% of its value after the first 200 (the cache
+    full)."""
+    server = ServerProcess(["--model", tiny_hf_dir, "--served-model-name", "m", *BASE, "--grammar-cache-mb", "16"],
+                           tmp_path / "server.log", log_level="info")
+    try:
+        core = server.core_pid()
+
+        def schema(i: int) -> dict:   # random words: about 0.5 MB compiled each
+            rng = random.Random(i)
+            words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(12)) for _ in range(200)]
+            return {"type": "object", "properties": {"w": {"enum": words}}}
+
+        def send(numbers) -> None:
+            with httpx.Client(base_url=server.url, timeout=120) as client:
+                for i in numbers:
+                    r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2,
+                                                             "guided_json": schema(i)})
+                    assert r.status_code == 200, r.text
+
+        def send_all(start: int, stop: int) -> None:
+            workers = [threading.Thread(target=send, args=(range(start + k, stop, 4),)) for k in range(4)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+
+        send_all(0, 200)
+        after_200 = _rss_bytes(core)
+        send_all(200, 1000)
+        after_1000 = _rss_bytes(core)
+        assert abs(after_1000 - after_200) <= 0.1 * after_200, (after_200 >> 20, after_1000 >> 20)
+    finally:
+        server.close()
+
+
+def _server_of(local_port: int, server_port: int, pids: list[int]) -> int | None:
+    """Which process holds the server end of the connection from ``local_port`` (Linux: /proc)."""
+    inode = None
+    with open("/proc/net/tcp") as f:
+        for line in list(f)[1:]:
+            fields = line.split()
+            local, remote = fields[1], fields[2]
+            if int(local.split(":")[1], 16) == server_port and int(remote.split(":")[1], 16) == local_port:
+                inode = fields[9]
+    if inode is None or inode == "0":
+        return None
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return pid
+            except OSError:
+                pass
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="maps connections to processes through /proc")
+def test_an_api_server_that_stops_reading_never_pauses_another_api_servers_streams(tmp_path):
+    """Two API servers; heavy streams (20 log-probabilities a token) on one, a victim on the other. The first
+    is stopped (SIGSTOP: its event loop reads nothing, so its update pipe fills within seconds): the victim's
+    stream keeps its pace for 8 s (or to its end), and once the stopped one goes on, its streams run to their
+    end. The KV cache holds
+    every stream whole (no preemption pauses the victim)."""
+    server = ServerProcess(["--model", "tiny-llama", "--served-model-name", "m", *BASE, "--num-kv-blocks", "1100",
+                            "--max-model-len", "2048", "--decode-steps", "1", "--api-server-count", "2"], tmp_path / "server.log",
+                           log_level="info")
+    heavy_body = {"model": "m", "prompt": [9, 10, 11], "max_tokens": 2000, "temperature": 0, "ignore_eos": True,
+                  "logprobs": 20}
+    streams = []
+    try:
+        pids = server.api_server_pids()
+        placed: dict[int, list[Stream]] = {pid: [] for pid in pids}
+        while not all(placed.values()) or sum(map(len, placed.values())) < 6:
+            stream = Stream(server.port, heavy_body)
+            streams.append(stream)
+            stream.wait_events(1)
+            owner = _server_of(stream.local_port, server.port, pids)
+            assert owner is not None
+            placed[owner].append(stream)
+            assert len(streams) < 40, "the kernel sent every connection to one API server"
+        stalled, other = sorted(pids, key=lambda pid: -len(placed[pid]))
+        for stream in placed[other]:   # the other API server keeps only the victim
+            stream.close()
+        victim = None
+        while victim is None:
+            stream = Stream(server.port, _victim_body("m", 2000))
+            streams.append(stream)
+            stream.wait_events(1)
+            if _server_of(stream.local_port, server.port, pids) == other:
+                victim = stream
+            else:
+                stream.close()
+        victim.wait_events(60)
+        unattacked = victim.longest_gap(since=victim.times[1])
+        heavy = placed[stalled]
+        os.kill(stalled, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            watch_until = stopped_at + 8
+            while time.monotonic() < watch_until and not victim.done.is_set():
+                time.sleep(0.1)
+            attacked = victim.longest_gap(since=stopped_at, until=None if victim.done.is_set() else watch_until)
+            events_while_stopped = sum(1 for t in victim.times if t >= stopped_at)
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+        assert attacked <= _gap_limit(unattacked), (attacked, unattacked)
+        assert events_while_stopped > 100
+        for stream in heavy:   # the stopped one's streams go on to their end
+            assert stream.done.wait(120) and stream.completed
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        for stream in streams:
+            stream.close()
+        server.close()
+
+
+@pytest.mark.parametrize("mode", [[], ["--engine-in-process"]], ids=["engine-process", "engine-thread"])
+def test_grammars_wait_off_the_engine_loop_in_either_mode(tiny_hf_dir, tmp_path, mode):
+    """Both engine loops add a structured request once its grammar has compiled (and refuse it past
+    ``--grammar-compile-timeout``); a token the grammar rejects (``min_tokens`` past where the grammar must end)
+    ends the request with a 400 naming ``min_tokens`` — as an error event once the stream has begun."""
+    server = ServerProcess(["--model", tiny_hf_dir, "--served-model-name", "m", *BASE, "--grammar-compile-timeout",
+                            "1", *mode], tmp_path / "server.log")
+    try:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            ok = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8, "temperature": 0,
+                                                      "guided_regex": "[0-9]{3}"})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["text"].isdigit(), ok.text
+            slow = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8,
+                                                        "guided_json": _large_enum_schema(30000)})
+            assert slow.status_code == 400 and "--grammar-compile-timeout" in slow.json()["error"]["message"]
+            body = {"model": "m", "prompt": "x", "max_tokens": 12, "temperature": 0, "min_tokens": 8,
+                    "guided_regex": "[0-9]{3}"}
+            rejected = client.post("/v1/completions", json=body)
+            assert rejected.status_code == 400, rejected.text
+            assert "min_tokens (8)" in rejected.json()["error"]["message"]
+            streamed = client.post("/v1/completions", json={**body, "stream": True})
+            events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                      if line.startswith("data: {")]
+            assert streamed.status_code == 200 and "min_tokens (8)" in events[-1]["error"]["message"]
+            assert "".join(e["choices"][0]["text"] for e in events[:-1]).isdigit()
+            assert streamed.text.rstrip().endswith("data: [DONE]")
+            assert client.get("/health").status_code == 200
+    finally:
+        server.close()
