@@ -96,6 +96,23 @@ def test_the_step_api_refuses_bad_prompts_and_duplicate_ids(model, fresh_tokens)
     assert_idle_and_whole(llm)
 
 
+@pytest.mark.parametrize("field,value,bad", [("stop_token_ids", (3, 61), 61), ("stop_token_ids", [10 ** 6], 10 ** 6),
+                                             ("logit_bias", {5: 1.0, 61: -100.0}, 61), ("logit_bias", {70: 2.0}, 70)])
+def test_sampling_token_ids_outside_the_vocabulary_are_refused(model, fresh_tokens, field, value, bad):
+    llm = engine(model)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, **{field: value})
+    message = rf"sampling_params\.{field} for %s holds token id {bad}, outside the model's vocabulary \[0, 61\) of 61 "
+    with pytest.raises(ValueError, match=message % r"prompt\b"):
+        llm.add_request(GOOD[0], params)
+    with pytest.raises(ValueError, match=message % r"prompts\[1\]"):
+        llm.generate(GOOD, [GREEDY, params], use_tqdm=False)
+    assert_idle_and_whole(llm)
+    assert tokens(llm, GOOD) == fresh_tokens
+    ok = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[60],
+                        logit_bias={0: 1.0, 60: -1.0})
+    assert len(tokens(llm, GOOD, ok)) == 2   # the vocabulary's edges are in it
+
+
 def test_integer_tensors_and_arrays_are_prompts(model, fresh_tokens):
     llm = engine(model)
     assert tokens(llm, [torch.tensor(GOOD[0]), np.array(GOOD[1], dtype=np.int32)]) == fresh_tokens

@@ -206,13 +206,13 @@ def test_a_port_in_use_fails_at_once_before_the_engine_builds():
         taken.listen()
         port = taken.getsockname()[1]
         start = time.perf_counter()
-        result = _serve("tiny-llama", "--backend", "torch", "--port", str(port))
+        result = _serve("tiny-llama", "--backend", "torch", "--port", str(port), "--log-level", "info")
         elapsed = time.perf_counter() - start
     assert result.returncode == 1, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use by another process" in result.stderr
-    assert "--port" in result.stderr and "engine" not in result.stderr
+    # at once: before anything of the engine (its core process, the model) started, whatever the machine's speed
+    assert "--port" in result.stderr and "engine" not in result.stderr and "tiny-llama" not in result.stderr
     print(f"a port in use: exit after {elapsed:.2f} s (interpreter start included)")
-    assert elapsed < 5
 
 
 def test_a_hub_id_missing_from_the_offline_cache_is_named(tmp_path):

@@ -8,7 +8,8 @@ The port is bound first (a port in use fails at once) and answers while the engi
 200 once the engine is built (and warmed up). The engine runs in its own process (the engine core,
 :mod:`tripath.server.engine_core`; ``--engine-in-process``: on a thread of the HTTP process). SIGINT / SIGTERM
 stop accepting connections, let in-flight requests finish for up to ``--shutdown-timeout`` seconds, then end
-the rest with 503 (a stream gets an error event and ``[DONE]``) and stop the engine, releasing the GPU. An
+the rest with 503 (a stream gets an error event and ``[DONE]``) and stop the engine, releasing the GPU; the
+exit status is then 0, whichever the signal (:mod:`tripath.server.stop_signals`). An
 engine core that dies fails the requests in flight, makes ``/health`` answer 503 and the server exit with
 status 1. ``--api-server-count N`` > 1 serves through N API server processes in front of the one core, this
 process supervising them (:mod:`tripath.server.api_servers`).
@@ -269,11 +270,10 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
         logging.getLogger("tripath.server").info("API server %d of %d listening on http://%s:%d (%s event loop, %s "
                                                  "HTTP parser)", api_server.index, api_server.count, args.host,
                                                  port, loop, http)
-    try:
-        # after a graceful shutdown uvicorn re-raises the signal that asked for it
+    from tripath.server.stop_signals import signals_ask_to_exit
+
+    with signals_ask_to_exit(server):   # a drained SIGTERM exits 0, as a drained SIGINT does
         server.run(sockets=[listener] if listener is not None else None)
-    except KeyboardInterrupt:
-        pass
     engine = app.state.server.engine
     quiet = api_server is not None and api_server.index > 0   # API server 0 speaks for all
     if engine.startup_error is not None:
