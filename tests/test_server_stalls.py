@@ -276,6 +276,8 @@ def test_grammars_wait_off_the_engine_loop_in_either_mode(tiny_hf_dir, tmp_path,
             slow = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8,
                                                         "guided_json": _large_enum_schema(30000)})
             assert slow.status_code == 400 and "--grammar-compile-timeout" in slow.json()["error"]["message"]
+            rejected = server.metrics()['tripath:requests_rejected_total{engine="0",model_name="m",reason="grammar_timeout"}']
+            assert rejected == 1
             body = {"model": "m", "prompt": "x", "max_tokens": 12, "temperature": 0, "min_tokens": 8,
                     "guided_regex": "[0-9]{3}"}
             rejected = client.post("/v1/completions", json=body)

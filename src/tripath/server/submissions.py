@@ -40,8 +40,8 @@ REFUSAL_REASONS = {400: "invalid_request", 500: "engine_error", 503: "unavailabl
 class Failure:
     """A request the engine refused (400) or lost to a failed step (500 / 503 out of memory) or to shutdown
     (503). ``reason``: for a refused add, why, as ``tripath:requests_rejected_total{reason}`` counts it
-    (``queue_full``, ``duplicate_request_id``, ``shutting_down``, ``engine_gone``; by default from the
-    status: :data:`REFUSAL_REASONS`)."""
+    (``queue_full``, ``duplicate_request_id``, ``grammar_timeout``, ``shutting_down``, ``engine_gone``; by
+    default from the status: :data:`REFUSAL_REASONS`)."""
 
     status: int
     message: str
