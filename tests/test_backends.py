@@ -38,7 +38,7 @@ def _run(backend, step):
 
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("name", ["three_path", "unified", "two_path"])
+@pytest.mark.parametrize("name", ["three_path", "unified", "two_path", "sdpa"])
 def test_backend_matches_torch(name, batch, spec_name):
     # a 24-token chunk budget: the extends' contexts take several chunks
     spec = AttentionSpec(dtype=torch.float16, extend_chunk_budget=24, **SPECS[spec_name])
@@ -46,7 +46,7 @@ def test_backend_matches_torch(name, batch, spec_name):
     step = make_step(spec, BATCHES[batch], backend, device=DEVICE, seed=hash((batch, spec_name)) % 1000)
     if batch in ("extend_only", "mixed"):
         assert step.plan.extend_chunks.num_chunks >= 2
-    reference = TorchBackend(spec, DEVICE, new_kv_from_cache=name != "three_path")
+    reference = TorchBackend(spec, DEVICE, new_kv_from_cache=name not in ("three_path", "sdpa"))
     got, got_cache = _run(backend, step)
     want, want_cache = _run(reference, step)
     tol = FP8_TOL if spec.kv_cache_dtype == "fp8" else TOL[spec.dtype]
@@ -56,7 +56,7 @@ def test_backend_matches_torch(name, batch, spec_name):
     assert torch.equal(got_cache.v_cache.view(torch.uint8), want_cache.v_cache.view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["three_path", "unified", "two_path", "torch"])
+@pytest.mark.parametrize("name", ["three_path", "unified", "two_path", "sdpa", "torch"])
 def test_layer_window_overrides_the_spec(name):
     """A layer's ``window_left`` (models mixing sliding-window and full-attention layers): −1 on a windowed
     spec gives full attention, and 5 gives what a spec with window 5 gives; bad values are refused."""
@@ -191,7 +191,7 @@ def test_auto_selection_and_reasons(monkeypatch):
     monkeypatch.delenv("TRIPATH_ATTENTION_BACKEND")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cpu = select_backend(spec, "auto", "cpu")
-    assert cpu.name == "torch"
+    assert cpu.name == "sdpa"
     assert "need a CUDA/ROCm device or TRITON_INTERPRET=1" in cpu.rejected["three_path"][0]
     with pytest.raises(BackendUnavailableError, match="three_path: its Triton kernels need"):
         select_backend(spec, "three_path", "cpu")

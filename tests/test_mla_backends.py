@@ -68,7 +68,7 @@ def check_against_torch(name, spec, requests, *, seed=0, rope="gptj", q_scale=No
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("name", ["mla", "mla_triton"])
+@pytest.mark.parametrize("name", ["mla", "mla_triton", "sdpa"])
 def test_mla_backend_matches_torch(name, batch, kv_cache_dtype):
     spec = mla_spec(kv_cache_dtype=kv_cache_dtype, extend_chunk_budget=48)
     check_against_torch(name, spec, BATCHES[batch], seed=len(batch))

@@ -313,3 +313,45 @@ def test_multi_step_falls_back_to_one_step_without_blocks_for_every_step():
     out = sched.schedule(4)  # 4 steps each need a block each: 2 > 1 free
     assert out.num_steps == 1
     assert sched.block_manager.num_free_blocks == 1
+
+
+def test_pacing_sets_the_budget_within_the_cap_and_above_the_running_decodes():
+    """``pace`` (step pacing) never goes past ``max_num_batched_tokens`` or the budget an out-of-memory step
+    left, nor below the running requests or 16; a long prompt paced to 16 tokens a step gives the tokens of
+    an unpaced run; without chunked prefill the budget stays."""
+    from tripath.engine.scheduler import MIN_PACED_BUDGET
+
+    sched = make_scheduler(budget=256, seqs=32, num_blocks=256)
+    assert sched.pace(64) == 64 and sched.pace(10 ** 6) == 256 and sched.pace(1) == MIN_PACED_BUDGET
+    sched.running.extend(object() for _ in range(20))   # 20 running requests: each decode stays in the step
+    assert sched.pace(1) == 20
+    sched.running.clear()
+    sched.pace(256)
+    assert sched.shrink_token_budget() == 128 and sched.pace(10 ** 6) == 128   # the out-of-memory cap holds
+    prompts = random_prompts(3, seed=5, lo=60, hi=90)
+    want, _ = run(make_scheduler(budget=256, num_blocks=256), [make_request(p) for p in prompts])
+    paced = make_scheduler(budget=256, num_blocks=256)
+    paced.pace(16)
+    got, steps = run(paced, [make_request(p) for p in prompts],
+                     check=lambda s, out: sum(x.num_new_tokens for x in out.scheduled) <= 16)
+    assert list(got.values()) == list(want.values()) and len(steps) > sum(map(len, prompts)) // 16
+    whole = make_scheduler(budget=256, chunked=False)
+    assert whole.pace(16) == 256
+
+
+def test_the_step_pacer_fits_a_power_of_two_of_tokens_to_its_target():
+    from tripath.engine.step_pacing import StepPacer
+
+    sched = make_scheduler(budget=8192, num_blocks=256)
+    pacer = StepPacer(sched, target_s=0.25)
+    pacer.observe(8, 100.0)              # too few tokens to learn from
+    assert sched.token_budget == 8192
+    pacer.observe(1000, 2.0)             # 2 ms a token: 125 fit in 0.25 s -> 64
+    assert sched.token_budget == 64
+    for _ in range(30):                  # the machine gets faster: 0.1 ms a token -> 2500 fit -> 2048
+        pacer.observe(64, 0.0064)
+    assert sched.token_budget == 2048
+    pacer.observe(2048, 0.0001)          # far faster still: capped at max_num_batched_tokens in time
+    for _ in range(30):
+        pacer.observe(2048, 0.0001)
+    assert sched.token_budget == 8192

@@ -41,6 +41,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
              "tripath.bench.host:main_host"),
     "core-transport": ("the server's pipe to its engine core: one step's update encoded, sent, decoded",
                        "tripath.bench.core_transport:main"),
+    "cpu-prefill": ("a long prompt's prefill on the CPU: tripath's CPU backends against transformers",
+                    "tripath.bench.cpu_prefill:main"),
 }
 DEFAULT_BENCH = "backends"
 # Commands whose Triton kernels run in Triton's interpreter when the machine has no GPU.

@@ -1,7 +1,7 @@
 """Backend selection: validate candidates against the spec and the device, keep why each was rejected.
 
-``auto`` tries ``three_path, unified, two_path, torch`` for MHA/GQA specs and ``mla, mla_triton, torch``
-for MLA specs, in that order. ``TRIPATH_ATTENTION_BACKEND`` overrides the ``name`` argument.
+``auto`` tries ``three_path, unified, two_path, sdpa, torch`` for MHA/GQA specs and ``mla, mla_triton, sdpa,
+torch`` for MLA specs, in that order (without a GPU: ``sdpa``, PyTorch's fused attention). ``TRIPATH_ATTENTION_BACKEND`` overrides the ``name`` argument.
 
 The spec carries the KV block size and the backend is chosen from the spec, so a caller that has no block
 size asks first: :func:`default_block_size` gives the size that the backend ``name`` (for ``auto``, its
@@ -23,12 +23,13 @@ BACKENDS = {
     "three_path": "tripath.attention.backends.three_path:ThreePathBackend",
     "unified": "tripath.attention.backends.unified:UnifiedBackend",
     "two_path": "tripath.attention.backends.two_path:TwoPathBackend",
+    "sdpa": "tripath.attention.backends.sdpa:SdpaBackend",
     "torch": "tripath.attention.backends.torch_ref:TorchBackend",
     "mla": "tripath.attention.backends.mla:MLABackend",
     "mla_triton": "tripath.attention.backends.mla_triton:MLATritonBackend",
 }
-AUTO_MHA = ("three_path", "unified", "two_path", "torch")
-AUTO_MLA = ("mla", "mla_triton", "torch")
+AUTO_MHA = ("three_path", "unified", "two_path", "sdpa", "torch")
+AUTO_MLA = ("mla", "mla_triton", "sdpa", "torch")
 
 
 class BackendUnavailableError(ValueError):

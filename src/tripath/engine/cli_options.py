@@ -93,6 +93,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--compile-workers", type=int, default=None,
                        help="processes that compile the warm-up's kernels with an empty Triton cache (default: "
                             "one per CPU core less one, at most 16; 1: in the engine's process)")
+    group.add_argument("--step-time-target", type=float, default=None, metavar="SECONDS",
+                       help="fit the token budget of each step to about this time, chunking long prompts (default: "
+                            "0.25 on the CPU, off on a GPU; 0: off)")
     group.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     group.add_argument("--grammar-cache-mb", type=int, default=DEFAULT_GRAMMAR_CACHE_MB, metavar="MB",
                        help="structured output: compiled grammars kept for reuse, least recently used evicted "
@@ -116,4 +119,5 @@ def engine_options(args: argparse.Namespace) -> dict:
                 async_scheduling=not args.no_async_scheduling,
                 decode_steps=args.decode_steps, compile_workers=args.compile_workers, seed=args.seed,
                 grammar_cache_mb=args.grammar_cache_mb, grammar_compile_timeout_s=args.grammar_compile_timeout,
+                step_time_target_s=args.step_time_target,
                 tensor_parallel_size=args.tensor_parallel_size)

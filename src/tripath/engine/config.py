@@ -8,6 +8,7 @@ import torch
 
 from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS
 from tripath.engine.structured_output import DEFAULT_CACHE_MB as DEFAULT_GRAMMAR_CACHE_MB
+from tripath.engine.step_pacing import DEFAULT_CPU_TARGET_S
 from tripath.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S as DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
 DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -75,6 +76,9 @@ class EngineConfig:
     ``grammar_cache_mb``: the structured outputs' compiled grammars kept for reuse (least recently used
     evicted; 0: none kept); ``grammar_compile_timeout_s``: how long a server lets a request wait for its
     grammar to compile before refusing it (:class:`tripath.engine.structured_output.GrammarCompiler`).
+    ``step_time_target_s``: the step time the token budget is fitted to (:mod:`tripath.engine.step_pacing`:
+    long prompts chunked so that one step takes about this long, never more tokens than
+    ``max_num_batched_tokens``); None: 0.25 s on the CPU, off on a GPU; 0: off.
     """
 
     backend: str = "auto"
@@ -102,6 +106,7 @@ class EngineConfig:
     generation_config: str = "auto"
     grammar_cache_mb: int = DEFAULT_GRAMMAR_CACHE_MB
     grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+    step_time_target_s: float | None = None
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -146,8 +151,21 @@ class EngineConfig:
                 not 0 < self.grammar_compile_timeout_s < float("inf"):
             raise ValueError(f"grammar_compile_timeout_s must be a finite number of seconds > 0, got "
                              f"{self.grammar_compile_timeout_s!r}")
+        target = self.step_time_target_s
+        if target is not None and (isinstance(target, bool) or not isinstance(target, (int, float))
+                                   or not 0 <= target < float("inf")):
+            raise ValueError(f"step_time_target_s must be a finite number of seconds >= 0 (0: off) or None, got "
+                             f"{target!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+
+    @property
+    def step_pacing_s(self) -> float:
+        """The step time the token budget is fitted to (0: none): ``step_time_target_s``, by default
+        :data:`~tripath.engine.step_pacing.DEFAULT_CPU_TARGET_S` on the CPU."""
+        if self.step_time_target_s is not None:
+            return float(self.step_time_target_s)
+        return DEFAULT_CPU_TARGET_S if self.device.type == "cpu" else 0.0
 
     @property
     def use_cuda_graphs(self) -> bool:

@@ -49,6 +49,7 @@ from tripath.engine.sampler import make_generator
 from tripath.engine.stats import EngineStats
 from tripath.triton_internals import compiled_variants
 from tripath.engine.scheduler import Scheduler, SchedulerOutput
+from tripath.engine.step_pacing import StepPacer
 from tripath.engine.structured_output import GrammarCompiler
 
 Prompt = str | Sequence[int]
@@ -175,6 +176,11 @@ class LLM:
                                    max_model_len=self.runner.max_model_len,
                                    enable_chunked_prefill=self.config.enable_chunked_prefill)
         self.overlap = self.config.async_scheduling and self.runner.capabilities.overlap
+        pacing = self.config.step_pacing_s
+        if pacing > 0 and self.overlap and self.config.device.type != "cpu":
+            raise ValueError("step_time_target_s on a GPU needs async_scheduling=False: with overlapped steps the "
+                             "host does not wait for a step, so it cannot time one")
+        self._pacer = StepPacer(self.scheduler, pacing) if pacing > 0 else None   # on the CPU a launch computes
         # model steps a step of decodes alone may take (multi-step decoding), where the executor can
         self.decode_steps = self.config.decode_steps if self.runner.capabilities.multi_step else 1
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
@@ -348,12 +354,15 @@ class LLM:
                 return early
             previous = None   # read: every input token of ``out`` is on the host now
         try:
+            started = time.perf_counter()
             launched = self.runner.launch(out.scheduled, None if previous is None else previous[1],
                                           num_steps=out.num_steps)
             if self.overlap:
                 self._inflight = (out, launched)
             else:
                 sampled = launched.sampled()
+            if self._pacer is not None and out.num_steps == 1:
+                self._pacer.observe(sum(item.num_new_tokens for item in out.scheduled), time.perf_counter() - started)
         except Exception as error:  # noqa: BLE001 - fails this step's requests only
             outputs = early or []
             try:

@@ -1,8 +1,8 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute.
 
 Each step the scheduler picks, within its token budget (``max_num_batched_tokens``, halved after a step
-that ran out of device memory: :meth:`Scheduler.shrink_token_budget`) and ``max_num_seqs`` running
-requests:
+that ran out of device memory: :meth:`Scheduler.shrink_token_budget`; fitted to a step time on the CPU:
+:meth:`Scheduler.pace`) and ``max_num_seqs`` running requests:
 
 1. every running *decode* (one pending token), oldest first;
 2. running requests part-way through their prompt (chunked prefill: the next chunk, an *extend*);
@@ -43,6 +43,7 @@ from tripath.engine.block_manager import BlockManager, blocks_needed
 from tripath.engine.request import FinishReason, Request, RequestStatus
 
 MIN_TOKEN_BUDGET = 64  # the smallest step budget an out-of-memory step shrinks it to (shrink_token_budget)
+MIN_PACED_BUDGET = 16  # the smallest step budget step pacing sets (pace)
 
 
 @dataclass
@@ -86,7 +87,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.token_budget = max_num_batched_tokens  # new tokens a step takes: shrinks after an out-of-memory step
+        self.token_budget = max_num_batched_tokens  # new tokens a step takes (pace, shrink_token_budget)
+        self._budget_cap = max_num_batched_tokens   # the most pace may set: lowered after an out-of-memory step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -132,7 +134,18 @@ class Scheduler:
         the new budget."""
         if self.enable_chunked_prefill:
             floor = min(self.max_num_batched_tokens, max(MIN_TOKEN_BUDGET, self.max_num_seqs))
-            self.token_budget = max(floor, self.token_budget // 2)
+            self.token_budget = self._budget_cap = max(floor, self.token_budget // 2)
+        return self.token_budget
+
+    def pace(self, tokens: int) -> int:
+        """Set the tokens a step takes to ``tokens`` (the engine's step pacing,
+        :mod:`~tripath.engine.step_pacing`), within ``max_num_batched_tokens`` or the smaller budget an
+        out-of-memory step left, and never below the running requests (each decode stays in every step) or
+        ``MIN_PACED_BUDGET``; with chunked prefill off a whole prompt must fit in a step, so the budget
+        stays. Returns the budget."""
+        if self.enable_chunked_prefill:
+            floor = min(self._budget_cap, max(MIN_PACED_BUDGET, len(self.running)))
+            self.token_budget = max(floor, min(tokens, self._budget_cap))
         return self.token_budget
 
     @property

@@ -91,8 +91,8 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
             if not from_cache:
                 keys = torch.cat([keys, k[start:start + qlen].float()])
                 vals = torch.cat([vals, v[start:start + qlen].float()])
-            o, _ = attend(q[start:start + qlen], keys, vals, q_start=ctx, causal=True, sm_scale=sm_scale, **opts)
-            out[start:start + qlen] = o.to(out.dtype)
+            out[start:start + qlen] = self._attend(q[start:start + qlen], keys, vals, q_start=ctx, sm_scale=sm_scale,
+                                                   **opts)
             start += qlen
         return out
 
@@ -124,10 +124,17 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
             k_nope = torch.einsum("sl,hpl->shp", latent[:, :lat], w_uk)
             keys = torch.cat([k_nope, latent[:, None, lat:].expand(-1, num_heads, -1)], dim=-1)
             vals = torch.einsum("sl,hlv->shv", latent[:, :lat], w_uv)
-            o, _ = attend(q_full[start:start + qlen], keys, vals, q_start=ctx, causal=True, sm_scale=sm_scale)
-            out[start:start + qlen] = o.to(out.dtype)
+            out[start:start + qlen] = self._attend(q_full[start:start + qlen], keys, vals, q_start=ctx,
+                                                   sm_scale=sm_scale)
             start += qlen
         return out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, q_start: int, sm_scale: float,
+                **opts) -> torch.Tensor:
+        """One request's causal attention: ``q [Sq, Hq, Dqk]`` at positions ``q_start ..`` over ``keys [Sk, Hkv,
+        Dqk]`` / ``values [Sk, Hkv, Dv]`` at positions ``0 ..`` (fp32, :func:`~tripath.ops.reference.attend`);
+        ``[Sq, Hq, Dv]``."""
+        return attend(q, keys, values, q_start=q_start, causal=True, sm_scale=sm_scale, **opts)[0]
 
     def _write_mla(self, rows: torch.Tensor, cache: MLACache, slot_mapping: torch.Tensor) -> None:
         keep = slot_mapping >= 0
