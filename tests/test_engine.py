@@ -185,7 +185,7 @@ def test_generate_command_line(pure_torch, capsys):
     assert status == 0
     expected = no_cache_greedy(preset("tiny-llama"), [5, 6, 7], 4)
     assert f"[1] tokens: {expected} (length)" in out
-    assert "[0] prompt: 'Hi'" in out and "backend torch" in out and "output tok/s" in out
+    assert "[0] prompt: 'Hi'" in out and "backend sdpa" in out and "output tok/s" in out
     assert main_generate(["--model", "no-such-model", "--prompt", "x", "--device", "cpu"]) == 2
     assert "neither a local model directory nor a preset" in capsys.readouterr().err
     with pytest.raises(SystemExit):
