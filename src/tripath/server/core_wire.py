@@ -20,7 +20,7 @@ Messages (core → HTTP process):
 
 - ``("ready", facts)`` once the engine is built: ``facts`` a dict of ``vocab_size``, ``max_model_len``,
   ``max_num_seqs``, ``generation_defaults``, ``summary`` (the start-up log line), ``tokenizer`` (how the HTTP
-  process gets its own, :func:`tokenizer_handle`).
+  process gets its own, :func:`tokenizer_handle`), ``cache_config`` (the labels of ``vllm:cache_config_info``).
 - ``("start_failed", message)`` when it could not be built.
 - ``("update", accepted, refused, outputs, failed, stats, step_failures)`` after a pass of the core's loop
   (:mod:`~tripath.server.engine_core` says when): of the HTTP process's own requests, the ids the core
