@@ -35,7 +35,8 @@ DASHBOARD = [
     ("Token Throughput", f"rate(vllm:prompt_tokens_total{SEL})", "positive"),
     ("Token Throughput", f"rate(vllm:generation_tokens_total{SEL})", "positive"),
     *[("Inter Token Latency", q, "positive") for q in _quantiles("vllm:inter_token_latency_seconds")],
-    *[("Time Per Output Token (TPOT)", q, "positive") for q in _quantiles("vllm:request_time_per_output_token_seconds")],
+    *[("Time Per Output Token (TPOT)", q, "positive")
+      for q in _quantiles("vllm:request_time_per_output_token_seconds")],
     ("Scheduler State", 'vllm:num_requests_running{model_name="$model_name"}', "exists"),
     ("Scheduler State", 'vllm:num_requests_waiting{model_name="$model_name"}', "exists"),
     *[("Time To First Token Latency", q, "positive") for q in _quantiles("vllm:time_to_first_token_seconds")],

@@ -403,10 +403,11 @@ class RequestOutput:
     token when asked for.
 
     ``new_token_ids`` are the tokens this step added to ``outputs[0]`` (streaming) and ``new_logprobs`` their
-    log-probabilities. ``ttft`` (arrival to first token), ``queue_time`` (arrival to first scheduled) and
-    ``prefill_time`` (first scheduled to first token) are the engine's own, in seconds (None until known). ``prompt_token_ids`` is the request's own list (not a copy: streaming steps report
+    log-probabilities. ``prompt_token_ids`` is the request's own list (not a copy: streaming steps report
     thousands of requests a second); treat it as read-only. ``text``, ``output_token_ids`` and
-    ``finish_reason`` are shortcuts to ``outputs[0]``.
+    ``finish_reason`` are shortcuts to ``outputs[0]``. ``ttft`` (arrival to first token), ``queue_time``
+    (arrival to first scheduled) and ``prefill_time`` (first scheduled to first token): the engine's, in
+    seconds (None until known).
     """
 
     request_id: str

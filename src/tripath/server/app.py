@@ -204,6 +204,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         yield
         if stats is not None:
             stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats
         await asyncio.get_running_loop().run_in_executor(None, engine.stop, shutdown_timeout_s)
         if peers is not None:
             await peers.close()

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tripath.server.metric_kinds import (LABELS, METRIC_NAMES, N_BUCKETS, REQUEST_LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS,
-                                         TTFT_BUCKETS, CountedHistogram, StepTokensHistogram, one_two_five_buckets,
-                                         render)
+from tripath.server.metric_kinds import (LABELS, METRIC_NAMES, N_BUCKETS, REQUEST_LATENCY_BUCKETS,
+                                         TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, CountedHistogram, StepTokensHistogram,
+                                         one_two_five_buckets, render)
 
 __all__ = ["LABELS", "FINISH_REASONS", "TOKEN_LATENCY_BUCKETS", "ChoiceTimes", "CountedHistogram", "PromptGroup",
            "ServerMetrics", "one_two_five_buckets"]
