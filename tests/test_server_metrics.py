@@ -221,3 +221,35 @@ def test_metric_names_choose_how_vllms_families_are_named(names, prefixes):
     assert "tripath:num_requests_in_server" in families and "vllm:num_requests_in_server" not in families
     with pytest.raises(ValueError, match="metric names must be one of both, vllm, tripath, got 'tgi'"):
         ServerMetrics(NAME, names="tgi")
+
+
+def test_the_engine_reports_tokens_per_model_step_and_queue_times(pure_torch_one_thread):
+    """``EngineStats.step_token_counts``: every model step's new tokens (a launch of k decode steps is k steps),
+    so their sum is the prompts' tokens and one per later token; ``RequestOutput.queue_time`` / ``prefill_time``
+    split the engine's time to first token at the first step that scheduled the request."""
+    from tripath.engine import LLM, SamplingParams
+    from tripath.engine.stats import STEP_TOKEN_BUCKETS, StepTokenCounts
+
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=64, decode_steps=4, enable_prefix_caching=False)
+    prompts = {"a": [5] * 9, "b": [7] * 30, "c": [3] * 2}
+    for request_id, prompt in prompts.items():
+        llm.add_request(prompt, SamplingParams(max_tokens=11, ignore_eos=True), request_id=request_id)
+    first = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.queue_time is not None and out.queue_time >= 0
+            if out.new_token_ids and len(out.output_token_ids) == len(out.new_token_ids):
+                first[out.request_id] = out
+    stats = llm.stats()
+    assert len(stats.step_token_counts) == len(STEP_TOKEN_BUCKETS) + 1
+    assert stats.step_tokens_sum == sum(len(p) for p in prompts.values()) + 3 * (11 - 1)
+    assert sum(stats.step_token_counts) >= stats.num_steps   # (more: a launch of k decode steps on a GPU)
+    assert stats.step_token_counts[1] > 0 and stats.step_token_counts[-1] == 0   # 3 decodes (<= 8); none > 16384
+    assert sorted(first) == sorted(prompts)
+    for out in first.values():
+        assert out.prefill_time > 0 and out.queue_time + out.prefill_time == pytest.approx(out.ttft)
+    counts = StepTokenCounts()   # the CPU runs no multi-step launches: their counting alone
+    counts.observe(3, 4)   # a launch of 4 decode steps of 3 requests
+    counts.observe(16)     # a bucket holds its upper bound
+    counts.observe(17)
+    assert counts.counts[1] == 4 and counts.counts[2] == 1 and counts.counts[3] == 1 and counts.total == 45
