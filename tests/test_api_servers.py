@@ -43,24 +43,27 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_merged_metrics_add_up_the_requests_and_keep_the_engines_own():
-    from prometheus_client import generate_latest
-
+    from tripath.server.metric_kinds import render
     from tripath.server.metrics import ChoiceTimes, ServerMetrics
-    from tripath.server.metrics_peers import _Families, merge_families
+    from tripath.server.metrics_peers import merge_families
 
     own, peer = ServerMetrics("m"), ServerMetrics("m")
     for m in (own, peer):
-        m.engine_ready(2048)
+        m.engine_ready(2048, {"block_size": "16"})
     for metrics, ttft, reason, count in ((own, 0.03, "length", 2), (peer, 0.3, "stop", 1)):
         for _ in range(count):
             times = ChoiceTimes(arrival=10.0, num_prompt_tokens=5, max_tokens=8)
             metrics.observe_tokens(times, 1, 10.0 + ttft)
             metrics.observe_tokens(times, 3, 10.0 + ttft + 0.03)
             metrics.observe_end(times, reason, 11.0)
-    own.observe_engine(EngineStats(2, 1, 5, 100, 40, 10, 1, 30), num_new_tokens=8)
-    peer.observe_engine(EngineStats(3, 0, 7, 100, 30, 5, 0, 25), num_new_tokens=4)   # an older view of the engine
-    merged = _samples(generate_latest(_Families(merge_families(list(own.registry.collect()),
-                                                               [list(peer.registry.collect())]))).decode())
+    steps = (0, 20, 10) + (0,) * 11
+    own.observe_engine(EngineStats(2, 1, 5, 100, 40, 10, 1, 30, steps, 400), num_new_tokens=8)
+    peer.observe_engine(EngineStats(3, 0, 7, 100, 30, 5, 0, 25, steps[:-1] + (1,), 300),
+                        num_new_tokens=4)   # an older view of the engine
+    families = merge_families(own.families(), [peer.families()])
+    merged = _samples(render(families, "tripath").decode())
+    theirs = {k: v for k, v in _samples(render(families, "vllm").decode()).items() if k.startswith("vllm:")}
+    assert len(theirs) > 100 and all(merged[k.replace("vllm:", "tripath:", 1)] == v for k, v in theirs.items())
     labels = 'engine="0",model_name="m"'
     assert merged[f'tripath:request_success_total{{{labels[:10]},finished_reason="length",{labels[11:]}}}'] == 2
     assert merged[f'tripath:request_success_total{{{labels[:10]},finished_reason="stop",{labels[11:]}}}'] == 1
@@ -74,6 +77,9 @@ def test_merged_metrics_add_up_the_requests_and_keep_the_engines_own():
     assert merged[f"tripath:num_requests_running{{{labels}}}"] == 2
     assert merged[f"tripath:engine_steps_total{{{labels}}}"] == 30
     assert merged[f"tripath:prefix_cache_hits_total{{{labels}}}"] == 10
+    assert merged[f"tripath:iteration_tokens_total_count{{{labels}}}"] == 30
+    assert merged[f"tripath:iteration_tokens_total_sum{{{labels}}}"] == 400
+    assert merged['tripath:cache_config_info{block_size="16",engine="0"}'] == 1
     created = f"tripath:generation_tokens_created{{{labels}}}"
     assert merged[created] == min(_samples(own.render().decode())[created], _samples(peer.render().decode())[created])
 

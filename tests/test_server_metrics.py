@@ -1,6 +1,7 @@
 """``/metrics`` of a real ``tripath serve`` process after a scripted mix of requests — a stop string, ``n=2``,
 a client that leaves mid-stream, preemptions on a tiny KV cache — counts every engine request (choice) once
-everywhere, with vLLM's names, types, labels and buckets under ``tripath:``."""
+everywhere, with vLLM's names, types, labels and buckets (``vllm:``), each also served as ``tripath:`` with the
+same samples; ``--metric-names`` picks one of the two."""
 
 import asyncio
 import re
@@ -72,10 +73,10 @@ def test_metrics_count_every_choice_once(server):
         with h.stream("POST", "/v1/completions", json=body) as r:
             assert next(line for line in r.iter_lines() if line.startswith("data:"))
     deadline = time.monotonic() + 30
-    while value(scrape(server), "tripath:request_success_total", finished_reason="abort") == 0:
+    while value(scrape(server), "vllm:request_success_total", finished_reason="abort") == 0:
         assert time.monotonic() < deadline, "the abort was not counted"
         time.sleep(0.05)
-    assert value(before, "tripath:request_success_total", finished_reason="abort") == 0
+    assert value(before, "vllm:request_success_total", finished_reason="abort") == 0
     # 5. four requests of 80 tokens each on a cache of 15 blocks of 16: preemptions
 
     async def crowd():
@@ -89,37 +90,65 @@ def test_metrics_count_every_choice_once(server):
     assert all(len(out.choices[0].model_extra["token_ids"]) == 60 for out in asyncio.run(crowd()))
 
     m = scrape(server)
-    success = {reason: value(m, "tripath:request_success_total", finished_reason=reason)
+    success = {reason: value(m, "vllm:request_success_total", finished_reason=reason)
                for reason in ("stop", "length", "abort", "error")}
     assert success == {"stop": 1, "length": 1 + 2 + 4, "abort": 1, "error": 0}
     choices = 9
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_decode_time_seconds",
                  "request_prompt_tokens", "request_generation_tokens", "request_params_max_tokens"):
-        assert value(m, f"tripath:{name}_count") == choices, name
-        assert m[(f"tripath:{name}", "type")] == "histogram"
-    assert value(m, "tripath:time_to_first_token_seconds_bucket", le="2560.0") == choices   # vLLM's buckets
-    assert value(m, "tripath:inter_token_latency_seconds_bucket", le="80.0") == \
-        value(m, "tripath:inter_token_latency_seconds_count")
+        assert value(m, f"vllm:{name}_count") == choices, name
+        assert m[(f"vllm:{name}", "type")] == "histogram"
+    assert value(m, "vllm:time_to_first_token_seconds_bucket", le="2560.0") == choices   # vLLM's buckets
+    assert value(m, "vllm:inter_token_latency_seconds_bucket", le="80.0") == \
+        value(m, "vllm:inter_token_latency_seconds_count")
     prompt_tokens = 2 * len(ids("Hello world")) + 2 * len(ids("The quick brown fox")) + 20 + 4 * 20
-    assert value(m, "tripath:prompt_tokens_total") == prompt_tokens
-    assert value(m, "tripath:request_prompt_tokens_sum") == prompt_tokens
-    assert value(m, "tripath:request_params_max_tokens_sum") == 200 + 200 + 2 * 6 + 200 + 4 * 60
-    generated = value(m, "tripath:generation_tokens_total")
-    assert value(m, "tripath:request_generation_tokens_sum") == generated
+    assert value(m, "vllm:prompt_tokens_total") == prompt_tokens
+    assert value(m, "vllm:request_prompt_tokens_sum") == prompt_tokens
+    assert value(m, "vllm:request_params_max_tokens_sum") == 200 + 200 + 2 * 6 + 200 + 4 * 60
+    generated = value(m, "vllm:generation_tokens_total")
+    assert value(m, "vllm:request_generation_tokens_sum") == generated
     assert generated >= 200 + len(stopped.model_extra["token_ids"]) + 12 + 1 + 240
-    assert value(m, "tripath:inter_token_latency_seconds_count") == generated - choices   # every later token
-    assert value(m, "tripath:request_time_per_output_token_seconds_count") in (choices - 1, choices)
-    assert value(m, "tripath:num_preemptions_total") > 0
-    assert m[("tripath:num_preemptions_total", "type")] == "counter"
-    queried, hit = value(m, "tripath:prefix_cache_queries_total"), value(m, "tripath:prefix_cache_hits_total")
+    assert value(m, "vllm:inter_token_latency_seconds_count") == generated - choices   # every later token
+    assert value(m, "vllm:request_time_per_output_token_seconds_count") in (choices - 1, choices)
+    assert value(m, "vllm:num_preemptions_total") > 0
+    assert m[("vllm:num_preemptions_total", "type")] == "counter"
+    queried, hit = value(m, "vllm:prefix_cache_queries_total"), value(m, "vllm:prefix_cache_hits_total")
     assert queried >= prompt_tokens and 0 <= hit <= queried   # every admission looks its tokens up
-    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_blocks_used",
-                  "num_requests_in_server"):
-        assert value(m, f"tripath:{gauge}") == 0, gauge
-        assert m[(f"tripath:{gauge}", "type")] == "gauge"
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "tripath:kv_cache_blocks_used", "tripath:num_requests_in_server"):
+        assert value(m, gauge) == 0, gauge
+        assert m[(gauge, "type")] == "gauge"
     assert value(m, "tripath:kv_cache_blocks_total") == 15
-    assert value(m, "tripath:engine_steps_total") > 0 and value(m, "tripath:engine_step_failures_total") == 0
-    assert not [key for key in m if key[1] != "type" and not key[0].startswith(("tripath:", "python_", "process_"))]
+    steps = value(m, "tripath:engine_steps_total")
+    assert steps > 0 and value(m, "tripath:engine_step_failures_total") == 0
+    # the families vLLM added since: queue, prefill and inference times of every choice that had a token ...
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_inference_time_seconds"):
+        assert value(m, f"vllm:{name}_count") == choices, name
+        assert value(m, f"vllm:{name}_bucket", le="7680.0") == choices, name   # vLLM's request latency buckets
+    assert value(m, "vllm:request_inference_time_seconds_sum") == pytest.approx(
+        value(m, "vllm:request_prefill_time_seconds_sum") + value(m, "vllm:request_decode_time_seconds_sum"))
+    assert 0 < value(m, "vllm:request_queue_time_seconds_sum") + value(m, "vllm:request_prefill_time_seconds_sum") \
+        <= value(m, "vllm:time_to_first_token_seconds_sum")   # the engine's part of the time to first token
+    # ... n and the longest choice per prompt (8 prompts: one of them with n=2) ...
+    assert value(m, "vllm:request_params_n_count") == 8 and value(m, "vllm:request_params_n_sum") == 9
+    assert value(m, "vllm:request_params_n_bucket", le="1.0") == 7 and value(m, "vllm:request_params_n_bucket",
+                                                                             le="2.0") == 8
+    assert value(m, "vllm:request_max_num_generation_tokens_count") == 8
+    # ... tokens per model step, counted by the engine (a launch of k decode steps is k of them) ...
+    assert value(m, "vllm:iteration_tokens_total_count") >= steps
+    assert value(m, "vllm:iteration_tokens_total_sum") >= generated - choices   # every decode's input token
+    assert value(m, "vllm:iteration_tokens_total_bucket", le="1.0") > 0   # lone decodes
+    # ... and the KV cache's configuration
+    info = [labels for name, labels in m if name == "vllm:cache_config_info" and labels != "type"]
+    assert len(info) == 1 and m[("vllm:cache_config_info", info[0])] == 1
+    assert {"block_size": "16", "num_gpu_blocks": "16", "num_gpu_blocks_override": "16", "cache_dtype": "auto",
+            "enable_prefix_caching": "True", "engine": "0"}.items() <= dict(info[0]).items()
+    # every vllm: sample is served as tripath: too, with the same value; nothing else but the process's own
+    ours = {(name.replace("vllm:", "tripath:", 1), labels): v for (name, labels), v in m.items()
+            if labels != "type" and name.startswith("vllm:")}
+    assert ours and all(m[key] == v for key, v in ours.items())
+    assert not [key for key in m if key[1] != "type" and not key[0].startswith(("vllm:", "tripath:", "python_",
+                                                                                   "process_"))]
 
 
 def test_a_counted_histogram_renders_as_the_same_observations_one_by_one():
@@ -131,7 +160,7 @@ def test_a_counted_histogram_renders_as_the_same_observations_one_by_one():
 
     from tripath.server.metrics import LABELS, TOKEN_LATENCY_BUCKETS, CountedHistogram
 
-    name, doc = "tripath:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."
+    name, doc = "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."
     theirs, ours = CollectorRegistry(), CollectorRegistry()
     reference = Histogram(name, doc, LABELS, buckets=TOKEN_LATENCY_BUCKETS, registry=theirs).labels(NAME, "0")
     counted = CountedHistogram(name, doc, (NAME, "0"), TOKEN_LATENCY_BUCKETS, ours)
@@ -175,3 +204,52 @@ def test_the_tokens_per_second_gauge_counts_the_tokens_of_its_window_only(monkey
         seen.append((clock[0], n))
         expected = sum(k for t, k in seen if t >= clock[0] - 2.0) / 2.0
         assert metrics.tokens_per_s._value.get() == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.mark.parametrize("names, prefixes", [("both", {"vllm:", "tripath:"}), ("vllm", {"vllm:", "tripath:"}),
+                                             ("tripath", {"tripath:"})])
+def test_metric_names_choose_how_vllms_families_are_named(names, prefixes):
+    """``--metric-names``: vLLM's families as ``vllm:``, ``tripath:`` or both; tripath's own stay ``tripath:``."""
+    from tripath.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(NAME, names=names)
+    metrics.engine_ready(256, {"block_size": "16"})
+    families = {line.split(" ")[2] for line in metrics.render().decode().splitlines() if line.startswith("# TYPE ")}
+    assert {f.split(":")[0] + ":" for f in families if ":" in f} == prefixes
+    assert ("vllm:time_to_first_token_seconds" in families) == (names != "tripath")
+    assert ("tripath:time_to_first_token_seconds" in families) == (names != "vllm")
+    assert "tripath:num_requests_in_server" in families and "vllm:num_requests_in_server" not in families
+    with pytest.raises(ValueError, match="metric names must be one of both, vllm, tripath, got 'tgi'"):
+        ServerMetrics(NAME, names="tgi")
+
+
+def test_the_engine_reports_tokens_per_model_step_and_queue_times(pure_torch_one_thread):
+    """``EngineStats.step_token_counts``: every model step's new tokens (a launch of k decode steps is k steps),
+    so their sum is the prompts' tokens and one per later token; ``RequestOutput.queue_time`` / ``prefill_time``
+    split the engine's time to first token at the first step that scheduled the request."""
+    from tripath.engine import LLM, SamplingParams
+    from tripath.engine.stats import STEP_TOKEN_BUCKETS, StepTokenCounts
+
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=64, decode_steps=4, enable_prefix_caching=False)
+    prompts = {"a": [5] * 9, "b": [7] * 30, "c": [3] * 2}
+    for request_id, prompt in prompts.items():
+        llm.add_request(prompt, SamplingParams(max_tokens=11, ignore_eos=True), request_id=request_id)
+    first = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            assert out.queue_time is not None and out.queue_time >= 0
+            if out.new_token_ids and len(out.output_token_ids) == len(out.new_token_ids):
+                first[out.request_id] = out
+    stats = llm.stats()
+    assert len(stats.step_token_counts) == len(STEP_TOKEN_BUCKETS) + 1
+    assert stats.step_tokens_sum == sum(len(p) for p in prompts.values()) + 3 * (11 - 1)
+    assert sum(stats.step_token_counts) >= stats.num_steps   # (more: a launch of k decode steps on a GPU)
+    assert stats.step_token_counts[1] > 0 and stats.step_token_counts[-1] == 0   # 3 decodes (<= 8); none > 16384
+    assert sorted(first) == sorted(prompts)
+    for out in first.values():
+        assert out.prefill_time > 0 and out.queue_time + out.prefill_time == pytest.approx(out.ttft)
+    counts = StepTokenCounts()   # the CPU runs no multi-step launches: their counting alone
+    counts.observe(3, 4)   # a launch of 4 decode steps of 3 requests
+    counts.observe(16)     # a bucket holds its upper bound
+    counts.observe(17)
+    assert counts.counts[1] == 4 and counts.counts[2] == 1 and counts.counts[3] == 1 and counts.total == 45

@@ -28,7 +28,7 @@ from tripath.bench.serve_report import RequestRecord
 
 STREAMS_PER_PROCESS = 8
 START_MARGIN_S = 0.25   # the processes are told to start this far ahead of the moment they are sent the work
-TTFT_METRICS = ("tripath:time_to_first_token_seconds", "vllm:time_to_first_token_seconds")
+TTFT_METRICS = ("vllm:time_to_first_token_seconds", "tripath:time_to_first_token_seconds")   # the first served
 
 
 def default_client_processes(max_concurrency: int | None, num_requests: int) -> int:
@@ -110,9 +110,11 @@ def server_ttft_totals(base_url: str) -> tuple[float, int] | None:
         families = list(text_string_to_metric_families(response.text))
     except (ImportError, httpx.HTTPError, ValueError):   # no parser, no /metrics, not Prometheus text
         return None
-    samples = [s for f in families if f.name in TTFT_METRICS for s in f.samples]
-    if not samples:
+    by_name = {f.name: f for f in families}
+    name = next((n for n in TTFT_METRICS if n in by_name), None)   # tripath serves both names by default
+    if name is None:
         return None
+    samples = by_name[name].samples
     return (sum(s.value for s in samples if s.name.endswith("_sum")),
             int(sum(s.value for s in samples if s.name.endswith("_count"))))
 

@@ -46,7 +46,7 @@ from tripath.engine.llm_guards import EngineLock, check_sampling_token_ids, seri
 from tripath.engine.model_runner import ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
-from tripath.engine.stats import EngineStats
+from tripath.engine.stats import EngineStats, StepTokenCounts
 from tripath.triton_internals import compiled_variants
 from tripath.engine.scheduler import Scheduler, SchedulerOutput
 from tripath.engine.step_pacing import StepPacer
@@ -190,6 +190,7 @@ class LLM:
         self.detokenize_outputs = True
         self.num_requests_added = 0
         self.num_steps = 0
+        self.step_tokens = StepTokenCounts()   # new tokens per model step, for stats()
         self.last_metrics: RunMetrics | None = None
         self._compiled_at_start = compiled_variants()
         # The start leaves a few hundred thousand objects to the garbage collector (compiled kernels, the
@@ -319,7 +320,7 @@ class LLM:
         total = blocks.num_usable_blocks
         return EngineStats(len(scheduler.running), len(scheduler.waiting), total - blocks.num_free_blocks, total,
                            blocks.num_queried_tokens, blocks.num_hit_tokens, scheduler.num_preemptions,
-                           self.num_steps)
+                           self.num_steps, tuple(self.step_tokens.counts), self.step_tokens.total)
 
     @serialised
     def step(self) -> list[RequestOutput]:
@@ -379,6 +380,7 @@ class LLM:
                 self._abort_scheduled(out)
             raise
         self.num_steps += 1
+        self.step_tokens.observe(out.num_tokens, out.num_steps)
         if not self.overlap:
             return self._complete(out, sampled)
         if early is not None:

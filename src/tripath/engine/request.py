@@ -256,6 +256,7 @@ class Request:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    scheduled_time: float | None = None   # when a step first scheduled it (``perf_counter``)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     index: int = field(default_factory=lambda: next(_request_counter))
@@ -364,6 +365,11 @@ class Request:
             return None
         return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
 
+    @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to the first step that scheduled it (None until then)."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
 
 @dataclass
 class Logprob:
@@ -408,7 +414,9 @@ class RequestOutput:
     ``new_token_ids`` are the tokens this step added to ``outputs[0]`` (streaming) and ``new_logprobs`` their
     log-probabilities. ``prompt_token_ids`` is the request's own list (not a copy: streaming steps report
     thousands of requests a second); treat it as read-only. ``text``, ``output_token_ids`` and
-    ``finish_reason`` are shortcuts to ``outputs[0]``.
+    ``finish_reason`` are shortcuts to ``outputs[0]``. ``ttft`` (arrival to first token), ``queue_time``
+    (arrival to first scheduled) and ``prefill_time`` (first scheduled to first token): the engine's, in
+    seconds (None until known).
     """
 
     request_id: str
@@ -422,6 +430,11 @@ class RequestOutput:
     ttft: float | None = None
     tpot: float | None = None
     num_preemptions: int = 0
+    queue_time: float | None = None
+
+    @property
+    def prefill_time(self) -> float | None:
+        return None if self.ttft is None or self.queue_time is None else self.ttft - self.queue_time
 
     @property
     def text(self) -> str | None:
@@ -444,4 +457,4 @@ class RequestOutput:
                                       request.finish_reason, request.error)
         return cls(request.request_id, request.prompt, request.prompt_token_ids, [completion], request.is_finished,
                    list(new_token_ids), new_logprobs, request.prompt_logprobs, request.ttft, request.tpot,
-                   request.num_preemptions)
+                   request.num_preemptions, request.queue_time)

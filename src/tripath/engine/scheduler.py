@@ -36,6 +36,7 @@ that meets a stop token inside such a step keeps its tokens up to the stop; the 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -187,6 +188,7 @@ class Scheduler:
             self._add(out, request, num_new)
         # 3. waiting requests, in order, while the budget, the sequence limit and the free blocks allow.
         #    Nothing is admitted in a step that had to preempt: the memory is short already.
+        now = time.perf_counter()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
             if request.num_inflight_tokens:
@@ -196,6 +198,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            if request.scheduled_time is None:   # the end of its queue time (metrics)
+                request.scheduled_time = now
             self.running.append(request)
             budget -= num_new
             scheduled.add(id(request))

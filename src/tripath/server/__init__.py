@@ -8,7 +8,9 @@ Layers: :mod:`~tripath.server.protocol` (request / response bodies); the engine,
 :mod:`~tripath.server.engine_steps`; :mod:`~tripath.server.generation` and :mod:`~tripath.server.detokenize`
 (a request's choices, streamed text, stop strings), :mod:`~tripath.server.sse` (stream framing),
 :mod:`~tripath.server.sampling_defaults` (unset sampling fields), :mod:`~tripath.server.metrics` (Prometheus,
-vLLM's names under ``tripath:``) and :mod:`~tripath.server.metrics_peers` (merged across API servers),
+vLLM's names, also as ``tripath:``; :mod:`~tripath.server.metric_kinds`) and :mod:`~tripath.server.metrics_peers`
+(merged across API servers), :mod:`~tripath.server.observability` (the metrics and logs options, the access
+log), :mod:`~tripath.server.stats_log` (the periodic stats line), :mod:`~tripath.server.request_log`,
 :mod:`~tripath.server.api_servers` (``--api-server-count``: several API server processes on one core),
 :mod:`~tripath.server.app` (routes), :mod:`~tripath.server.utility_routes` (``/tokenize``, ``/detokenize``,
 ``/version``), :mod:`~tripath.server.auth` (``--api-key``), :mod:`~tripath.server.listen` (the port, bound

@@ -53,11 +53,15 @@ from tripath.server.engine_client import EngineClient
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
 from tripath.server.large_texts import LargeTextGate
-from tripath.server.request_body import BodyLimit, error_body, read_json
-from tripath.server.responses import respond
+from tripath.server.metric_kinds import render as render_families
 from tripath.server.metrics import ServerMetrics
 from tripath.server.metrics_peers import MetricsPeers
+from tripath.server.observability import Observability
+from tripath.server.request_body import BodyLimit, error_body, read_json
+from tripath.server.request_log import RequestLog
+from tripath.server.responses import respond
 from tripath.server.sampling_defaults import defaulted_sampling
+from tripath.server.stats_log import log_engine_stats
 from tripath.server.submissions import Engine
 
 log = logging.getLogger("tripath.server")
@@ -89,8 +93,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 class ServerState:
     def __init__(self, engine: Engine, metrics: ServerMetrics, model_names: Sequence[str], max_queue_depth: int,
                  request_timeout_s: float | None, chat_template: str | None = None,
-                 max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES):
-        self.engine, self.metrics = engine, metrics
+                 max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES, request_log=None):
+        self.engine, self.metrics, self.request_log = engine, metrics, request_log
         self.model_names = list(model_names)   # each accepted as a request's model; the first names the metrics
         self.model_name = self.model_names[0]
         self.chat_template = chat_template     # Jinja text in place of the tokenizer's, or None
@@ -113,7 +117,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
               api_key: str | None = None, chat_template: str | None = None,
               describe: Callable[[object], str] | None = None, engine_in_process: bool = False,
               api_server: ApiServerRole | None = None, public_paths: Sequence[str] = DEFAULT_PUBLIC_PATHS,
-              docs: bool = True, max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES) -> FastAPI:
+              docs: bool = True, max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES,
+              observability: Observability | None = None) -> FastAPI:
     """The server for the engine ``make_llm()`` builds at start-up: in the engine core process it spawns
     (``make_llm`` and ``describe`` are pickled to it: top-level functions or ``functools.partial`` of them), or
     with ``engine_in_process`` on a thread of this process (any callable).
@@ -125,7 +130,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     may send; ``chat_template``: Jinja text used by chat requests instead of the tokenizer's; ``describe(llm)``:
     the start-up log line of the built engine. ``api_server``: this server is one of several in front of an engine
     core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not used): it talks to
-    that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`)."""
+    that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`).
+    ``observability``: metric names, the stats line and the request log (default: :class:`Observability`'s)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"model_name must be a non-empty name or list of names, got {model_name!r}")
@@ -138,7 +144,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     if max_structured_output_bytes < 1:
         raise ValueError(f"max_structured_output_bytes must be >= 1, got {max_structured_output_bytes}")
     public_paths = check_public_paths(public_paths)
-    metrics = ServerMetrics(names[0])
+    obs = observability or Observability()
+    metrics = ServerMetrics(names[0], names=obs.metric_names)
     if api_server is not None:
         if engine_in_process:
             raise ValueError("an API server of several talks to the engine core process: engine_in_process "
@@ -147,11 +154,17 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     else:
         engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
     state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template,
-                        max_structured_output_bytes)
+                        max_structured_output_bytes, RequestLog(obs.max_log_len) if obs.log_requests else None)
     peers = None
     if api_server is not None and api_server.count > 1:
         peers = MetricsPeers(api_server.folder, api_server.index, api_server.count, metrics.registry,
-                             refresh=lambda: metrics.in_server.set(state.outstanding))
+                             refresh=lambda: metrics.in_server.set(state.outstanding), names=obs.metric_names)
+
+    async def families() -> list:   # this server's metrics, or every API server's
+        if peers is not None:
+            return await peers.families()
+        metrics.in_server.set(state.outstanding)
+        return metrics.families()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -160,7 +173,15 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         if api_server is not None and on_fatal is not None:
             watch_supervisor(lambda: on_fatal(RuntimeError("the tripath serve supervisor is gone")))
         engine.start()
+        stats = None
+        if obs.log_stats_interval_s is not None and (api_server is None or api_server.index == 0):
+            log.info("engine stats every %g s (--log-stats-interval)", obs.log_stats_interval_s)
+            stats = asyncio.ensure_future(log_engine_stats(obs.log_stats_interval_s, families))
         yield
+        if stats is not None:
+            stats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stats
         await asyncio.get_running_loop().run_in_executor(None, engine.stop, shutdown_timeout_s)
         if peers is not None:
             await peers.close()
@@ -205,11 +226,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
 
     @app.get("/metrics")
     async def prometheus():
-        if peers is not None:
-            body = await peers.render()
-        else:
-            metrics.in_server.set(state.outstanding)
-            body = metrics.render()
+        body = render_families(await families(), obs.metric_names)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -409,7 +426,8 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
                             f"{state.max_queue_depth}); retry later", "server_error", code="overloaded")
     return Generation(state.engine, choice_prompts, params, body.stop_strings(), state.request_timeout_s,
                       prompt_tokens=sum(len(p) for p in prompts), include_stop=body.include_stop_str_in_output,
-                      skip_special_tokens=body.skip_special_tokens, hidden=hidden)
+                      skip_special_tokens=body.skip_special_tokens, hidden=hidden,
+                      choices_per_prompt=body.num_choices, n=body.n, request_log=state.request_log)
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))

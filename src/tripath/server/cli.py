@@ -22,6 +22,7 @@ import asyncio
 import functools
 import importlib.util
 import logging
+import math
 import os
 import sys
 from typing import Sequence
@@ -99,8 +100,49 @@ def build_parser() -> argparse.ArgumentParser:
                              "is the bound")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="log level of the server and uvicorn")
+    add_log_arguments(parser)
     add_engine_arguments(parser)
     return parser
+
+
+def add_log_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``/metrics``, the stats line, the request log and the access log (vLLM's spellings)."""
+    from tripath.server.observability import QUIET_PATHS
+
+    group = parser.add_argument_group("metrics and logs")
+    group.add_argument("--metric-names", default="both", choices=("both", "vllm", "tripath"),
+                       help="how /metrics names the families vLLM also serves: vllm:* (what vLLM's dashboards "
+                            "read), tripath:* (tripath's names before), or both, one beside the other")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic engine stats line (throughputs, requests running and waiting, KV cache)")
+    group.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                       help="seconds between engine stats lines, logged while the engine is busy")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request when it arrives (id, prompt, sampling parameters) and when it ends")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="the old spelling of the default: no request log")
+    group.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                       help="the request log keeps N characters and N token ids of a prompt (default: all)")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true", help="no HTTP access log")
+    group.add_argument("--disable-access-log-for-endpoints", default=",".join(QUIET_PATHS), metavar="PATHS",
+                       help="comma-separated paths whose access log lines are DEBUG, not INFO (monitors poll them; "
+                            "'' for none)")
+
+
+def _observability(args):
+    """The metrics and logs options of ``args`` (an :class:`~tripath.server.observability.Observability`);
+    ``ValueError`` naming the option that is wrong."""
+    from tripath.server.observability import Observability, endpoint_paths
+
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other: give one")
+    if not (math.isfinite(args.log_stats_interval) and args.log_stats_interval > 0):
+        raise ValueError(f"--log-stats-interval must be > 0 seconds, got {args.log_stats_interval}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    endpoint_paths(args.disable_access_log_for_endpoints)
+    return Observability(args.metric_names, None if args.disable_log_stats else args.log_stats_interval,
+                         args.enable_log_requests, args.max_log_len)
 
 
 def _listen_options(argv: list[str]) -> tuple[str, int, int]:
@@ -191,6 +233,10 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         return _usage_error(f"--generation-config: {args.generation_config!r} is neither 'auto', 'vllm' nor a "
                             "folder")
+    try:
+        observability = _observability(args)
+    except ValueError as error:
+        return _usage_error(str(error))
     chat_template = None
     if args.chat_template is not None:
         from tripath.engine.chat import load_chat_template
@@ -238,7 +284,7 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
                         api_key=api_key, chat_template=chat_template, describe=describe,
                         engine_in_process=args.engine_in_process, api_server=api_server,
                         public_paths=args.public_paths, docs=not args.disable_fastapi_docs,
-                        max_structured_output_bytes=args.max_structured_output_bytes)
+                        max_structured_output_bytes=args.max_structured_output_bytes, observability=observability)
     except ValueError as error:
         return _usage_error(str(error))
     from tripath.server.connections import (ConnectionLimits, fitted_max_connections, guarded_protocol,
@@ -253,7 +299,11 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     # ws="none": the app has no WebSocket routes, and an upgraded connection would leave the guarded protocol
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop,
                             http=guarded_protocol(http, limits), ws="none",
-                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S,
+                            access_log=not args.disable_uvicorn_access_log)
+    from tripath.server.observability import endpoint_paths, quiet_access_log
+
+    quiet_access_log(endpoint_paths(args.disable_access_log_for_endpoints))   # uvicorn's loggers are set up now
     server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout)
     port = listener.getsockname()[1] if listener is not None else args.port   # --port 0: the one the system gave
     key = f"API key from {key_source}, public paths: {' '.join(args.public_paths) or 'none'}" if api_key else \

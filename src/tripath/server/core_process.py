@@ -20,6 +20,7 @@ from typing import Callable
 
 from tripath.server.core_wire import send, tokenizer_handle
 from tripath.server.engine_core import EngineCore
+from tripath.server.startup import cache_config
 
 log = logging.getLogger("tripath.server")
 
@@ -63,7 +64,8 @@ def engine_facts(llm, describe) -> dict:
     return {"vocab_size": int(llm.model.config.vocab_size), "max_model_len": int(llm.runner.max_model_len),
             "max_num_seqs": int(llm.config.max_num_seqs),
             "generation_defaults": dict(getattr(llm, "generation_defaults", {})),
-            "summary": describe(llm) if describe is not None else "", "tokenizer": tokenizer_handle(llm.tokenizer)}
+            "summary": describe(llm) if describe is not None else "", "tokenizer": tokenizer_handle(llm.tokenizer),
+            "cache_config": cache_config(llm)}
 
 
 def core_main(spec: CoreSpec, frontends) -> None:

@@ -20,13 +20,14 @@ Messages (core → HTTP process):
 
 - ``("ready", facts)`` once the engine is built: ``facts`` a dict of ``vocab_size``, ``max_model_len``,
   ``max_num_seqs``, ``generation_defaults``, ``summary`` (the start-up log line), ``tokenizer`` (how the HTTP
-  process gets its own, :func:`tokenizer_handle`).
+  process gets its own, :func:`tokenizer_handle`), ``cache_config`` (the labels of ``vllm:cache_config_info``).
 - ``("start_failed", message)`` when it could not be built.
 - ``("update", accepted, refused, outputs, failed, stats, step_failures)`` after a pass of the core's loop
   (:mod:`~tripath.server.engine_core` says when): of the HTTP process's own requests, the ids the core
   added; ``(request_id, status, message, type, reason)`` of the adds it refused (``reason``: why, as
   ``/metrics`` counts the rejection: :class:`~tripath.server.submissions.Failure`); the step's outputs,
-  :func:`encode_output` each; ``(request_ids, status, message, type)`` of each failed step; then
+  :func:`encode_output` each (the output that brings a request's first tokens carries the engine's queue
+  and prefill times); ``(request_ids, status, message, type)`` of each failed step; then
   :func:`encode_stats` of ``LLM.stats()`` and the number of steps that failed since the core started.
 - ``("stopped",)`` when the core is done with that HTTP process: it has released the engine and is about to
   exit, or (several HTTP processes) has ended this one's requests after its ``stop``.
@@ -152,15 +153,19 @@ def widen(conn) -> None:
 
 class StepOutput:
     """One request's output of a step, as the HTTP process reads it (the fields of
-    :class:`~tripath.engine.RequestOutput` the handlers use)."""
+    :class:`~tripath.engine.RequestOutput` the handlers and the metrics use; ``queue_time`` and
+    ``prefill_time`` only on the output that brings the request's first tokens, else None)."""
 
-    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "new_logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "new_token_ids", "finished", "finish_reason", "new_logprobs", "prompt_logprobs",
+                 "queue_time", "prefill_time")
 
     def __init__(self, request_id: str, new_token_ids: list[int], finished: bool,
                  finish_reason: FinishReason | None, new_logprobs: list[PositionLogprobs] | None = None,
-                 prompt_logprobs: list[PositionLogprobs | None] | None = None):
+                 prompt_logprobs: list[PositionLogprobs | None] | None = None, queue_time: float | None = None,
+                 prefill_time: float | None = None):
         self.request_id, self.new_token_ids, self.finished = request_id, new_token_ids, finished
         self.finish_reason, self.new_logprobs, self.prompt_logprobs = finish_reason, new_logprobs, prompt_logprobs
+        self.queue_time, self.prefill_time = queue_time, prefill_time
 
 
 def encode_logprobs(positions) -> list[tuple | None] | None:
@@ -181,16 +186,20 @@ def decode_logprobs(positions) -> list[PositionLogprobs | None] | None:
 
 def encode_output(out, with_prompt_logprobs: bool) -> tuple:
     """A :class:`~tripath.engine.RequestOutput` as a tuple; its prompt's log-probabilities only when
-    ``with_prompt_logprobs`` (the first output that has them: they do not change afterwards)."""
-    reason = out.finish_reason
-    return (out.request_id, out.new_token_ids, out.finished, None if reason is None else reason.value,
-            encode_logprobs(out.new_logprobs), encode_logprobs(out.prompt_logprobs) if with_prompt_logprobs else None)
+    ``with_prompt_logprobs`` (the first output that has them: they do not change afterwards); the engine's
+    ``(queue_time, prefill_time)`` only when it brings the request's first tokens (None otherwise)."""
+    reason, new = out.finish_reason, out.new_token_ids
+    first = bool(new) and len(out.outputs[0].token_ids) == len(new) and out.queue_time is not None
+    return (out.request_id, new, out.finished, None if reason is None else reason.value,
+            encode_logprobs(out.new_logprobs), encode_logprobs(out.prompt_logprobs) if with_prompt_logprobs else None,
+            (out.queue_time, out.prefill_time) if first else None)
 
 
 def decode_output(item: tuple) -> StepOutput:
-    request_id, tokens, finished, reason, logprobs, prompt_logprobs = item
+    request_id, tokens, finished, reason, logprobs, prompt_logprobs, times = item
+    queue_time, prefill_time = times if times is not None else (None, None)
     return StepOutput(request_id, tokens, finished, None if reason is None else _FINISH[reason],
-                      decode_logprobs(logprobs), decode_logprobs(prompt_logprobs))
+                      decode_logprobs(logprobs), decode_logprobs(prompt_logprobs), queue_time, prefill_time)
 
 
 def encode_stats(stats: EngineStats) -> tuple:

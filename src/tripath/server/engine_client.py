@@ -345,7 +345,7 @@ class EngineClient:
             return
         self.vocab_size, self.max_model_len = facts["vocab_size"], facts["max_model_len"]
         self.max_num_seqs, self.generation_defaults = facts["max_num_seqs"], facts["generation_defaults"]
-        self.metrics.engine_ready(self.max_model_len)
+        self.metrics.engine_ready(self.max_model_len, facts.get("cache_config"))
         self._ready.set()
         self._settled.set()
         speaks = self._core is None or self._core.index == 0   # of several API servers, the first says it

@@ -19,6 +19,7 @@ from typing import AsyncIterator
 
 from tripath.engine.request import FinishReason, PositionLogprobs, RequestOutput, SamplingParams
 from tripath.server.detokenize import IncrementalDetokenizer, StopMatcher
+from tripath.server.metrics import PromptGroup
 from tripath.server.submissions import ACCEPTED, Engine, Failure, Submission
 
 _ids = itertools.count()
@@ -112,11 +113,15 @@ class ChoiceState:
 
 
 class Generation:
-    """The engine side of one completions / chat request (``prompts`` x ``n`` choices)."""
+    """The engine side of one completions / chat request (``prompts`` x ``n`` choices: ``prompts`` and
+    ``params`` hold one entry per choice, each prompt's ``choices_per_prompt`` choices one after the other, of
+    which the client asked for ``n``). ``request_log``: says when each choice is submitted and ends
+    (:class:`~tripath.server.request_log.RequestLog`)."""
 
     def __init__(self, engine: Engine, prompts: list[list[int]], params: list[SamplingParams],
                  stops: list[str], timeout_s: float | None, prompt_tokens: int | None = None, *,
-                 include_stop: bool = False, skip_special_tokens: bool = True, hidden: bool = False):
+                 include_stop: bool = False, skip_special_tokens: bool = True, hidden: bool = False,
+                 choices_per_prompt: int = 1, n: int | None = None, request_log=None):
         self.engine = engine
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
@@ -126,8 +131,13 @@ class Generation:
         self.prompt_tokens = sum(len(p) for p in prompts) if prompt_tokens is None else prompt_tokens
         number, prefix = next(_ids), engine.request_id_prefix
         self.choices: list[ChoiceState] = []
+        self.request_log = request_log
+        group = None
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            sub = Submission(f"{prefix}-{number}-{i}", i, prompt, sp, self.loop, self.events, arrival=self.arrival)
+            if i % choices_per_prompt == 0:
+                group = PromptGroup(choices_per_prompt if n is None else n, choices_per_prompt)
+            sub = Submission(f"{prefix}-{number}-{i}", i, prompt, sp, self.loop, self.events, arrival=self.arrival,
+                             group=group, request_log=request_log)
             self.choices.append(ChoiceState(sub, IncrementalDetokenizer(engine.tokenizer, skip_special_tokens),
                                             StopMatcher(stops, include_stop), len(prompt), hidden, sp.min_tokens))
         self._submitted = False
@@ -155,6 +165,8 @@ class Generation:
         """Submit every choice and wait until the engine has accepted all of them (else raise APIError)."""
         self._submitted = True
         for c in self.choices:
+            if self.request_log is not None:
+                self.request_log.received(c.sub, self.engine.tokenizer)
             self.engine.submit(c.sub)
         pending = len(self.choices)
         error = None

@@ -1,56 +1,48 @@
-"""The server's Prometheus metrics (``GET /metrics``), with vLLM's names, types, units, labels and buckets
-under the prefix ``tripath:`` (replace ``vllm:`` by ``tripath:`` in a vLLM dashboard's queries).
+"""The server's Prometheus metrics (``GET /metrics``): vLLM's families with vLLM's names, types, units, labels
+and buckets (``vllm:...``, so vLLM's Grafana dashboards, alerts and autoscalers read them), each also shown
+as ``tripath:...`` unless ``--metric-names`` says otherwise (:mod:`~tripath.server.metric_kinds`), and
+tripath's own extras (``tripath:...`` only).
 
-Every metric carries the labels ``model_name`` (the first served model name) and ``engine`` (``"0"``).
-Engine state after each step: requests running / waiting, KV-cache usage, and the cumulative prefix-cache
-queries / hits (prompt tokens), preemptions and steps, from :meth:`tripath.engine.LLM.stats`. Per engine
-request — one per choice, so a request with ``n=2`` counts twice everywhere: time to first token when its
-first token arrives (whatever ends it later: a stop string, a client that leaves), the prompt tokens counted
-then too, the inter-token latency of every later token (a step that brings several tokens of a request spreads
-the interval evenly over them), and when it ends, by any cause, its finish reason (``stop``, ``length``,
-``abort``, ``error``), end-to-end latency, decode time, mean time per output token, prompt / generation
-token counts and ``max_tokens``. The thread that delivers the engine's outputs observes them (the engine
-thread, or the event loop reading the engine core's updates; ``prometheus_client`` is thread-safe); the
-``/metrics`` handler only renders. tripath's own extras (requests in the server, KV blocks, steps, step
-failures, refusals by reason, a generation rate) share the prefix.
+Every metric carries the labels ``model_name`` (the first served model name) and ``engine`` (``"0"``), except
+``vllm:cache_config_info``, whose labels are the KV cache's settings and ``engine``, as vLLM's. Engine state
+after each step: requests running / waiting, KV-cache usage, and the cumulative prefix-cache queries / hits
+(prompt tokens), preemptions, steps and tokens per step (``iteration_tokens_total``), from
+:meth:`tripath.engine.LLM.stats`. Per engine request — one per choice, so a request with ``n=2`` counts twice
+everywhere: time to first token when its first token arrives (whatever ends it later: a stop string, a client
+that leaves), the prompt tokens counted then too, the inter-token latency of every later token (a step that
+brings several tokens of a request spreads the interval evenly over them), and when it ends, by any cause,
+its finish reason (``stop``, ``length``, ``abort``, ``error``), end-to-end latency, token counts and
+``max_tokens``, and, once it had a first token, its decode time (first to last token), queue time (engine
+arrival to first scheduled) and prefill time (first scheduled to first token) as the engine measured them,
+and inference time (prefill + decode). Per prompt (its ``n`` choices: a :class:`PromptGroup`), once all
+its choices have ended: ``n`` and the most tokens one of them generated. The thread that delivers the
+engine's outputs observes them (the engine thread, or the event loop reading the engine core's updates;
+``prometheus_client`` is thread-safe); the ``/metrics`` handler only renders.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LABELS = ("model_name", "engine")
+from tripath.server.metric_kinds import (LABELS, METRIC_NAMES, N_BUCKETS, REQUEST_LATENCY_BUCKETS,
+                                         TOKEN_LATENCY_BUCKETS, TTFT_BUCKETS, CountedHistogram, StepTokensHistogram,
+                                         one_two_five_buckets, render)
+
+__all__ = ["LABELS", "FINISH_REASONS", "TOKEN_LATENCY_BUCKETS", "ChoiceTimes", "CountedHistogram", "PromptGroup",
+           "ServerMetrics", "one_two_five_buckets"]
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                         20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-def one_two_five_buckets(top: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to ``top`` (the token-count buckets, up to ``max_model_len``)."""
-    buckets, scale = [], 1
-    while True:
-        for mantissa in (1, 2, 5):
-            if mantissa * scale > top:
-                return buckets
-            buckets.append(mantissa * scale)
-        scale *= 10
 
 
 @dataclass
 class ChoiceTimes:
-    """The timeline of one engine request (``perf_counter`` seconds): from the HTTP request's ``arrival``."""
+    """The timeline of one engine request (``perf_counter`` seconds): from the HTTP request's ``arrival``;
+    ``queue_time`` and ``prefill_time``: the engine's, with its first tokens."""
 
     arrival: float
     num_prompt_tokens: int
@@ -58,37 +50,20 @@ class ChoiceTimes:
     first_token: float | None = None
     last_token: float | None = None
     num_generated: int = 0
+    queue_time: float | None = None
+    prefill_time: float | None = None
 
 
-class CountedHistogram:
-    """A Prometheus histogram that takes ``count`` equal observations in one call (``observe(value, count)``:
-    a bisection and two additions, where ``prometheus_client.Histogram.observe`` takes a lock per call): the
-    inter-token latency of a step's 8 tokens x 256 requests is one call per request. One thread observes (the
-    one that delivers the engine's outputs); ``/metrics`` reads it from another, a bucket at a time."""
+@dataclass(eq=False)
+class PromptGroup:
+    """The ``size`` engine requests of one prompt of an HTTP request (``n`` asked for; ``size`` is ``best_of``
+    when given): observed once every one has ended or been refused, if any ran."""
 
-    def __init__(self, name: str, doc: str, label_values: tuple[str, ...], buckets, registry: CollectorRegistry):
-        self._name, self._doc, self._label_values = name, doc, list(label_values)
-        self._upper = [float(b) for b in buckets] + [math.inf]
-        self._le = [floatToGoString(b) for b in self._upper]
-        self._counts = [0] * len(self._upper)
-        self._sum = 0.0
-        registry.register(self)
-
-    def observe(self, value: float, count: int = 1) -> None:
-        self._counts[bisect.bisect_left(self._upper, value)] += count   # "le": a bucket holds its upper bound
-        self._sum += value * count
-
-    def collect(self):
-        family = HistogramMetricFamily(self._name, self._doc, labels=LABELS)
-        cumulative, total = [], 0
-        for le, n in zip(self._le, self._counts):
-            total += n
-            cumulative.append((le, total))
-        family.add_metric(self._label_values, cumulative, self._sum)
-        yield family
-
-    def describe(self):
-        return [HistogramMetricFamily(self._name, self._doc, labels=LABELS)]
+    n: int
+    size: int
+    settled: int = 0
+    ran: bool = False
+    max_generated: int = 0
 
 
 class _ByReason:
@@ -103,76 +78,101 @@ class _ByReason:
 
 class ServerMetrics:
     """One registry per server. The engine's side calls :meth:`engine_ready` once, :meth:`observe_engine` after
-    every step, :meth:`observe_tokens` per output with tokens, :meth:`observe_end` when a request ends."""
+    every step, :meth:`observe_tokens` per output with tokens, :meth:`observe_end` when a request ends and
+    :meth:`observe_refused` when the engine refused one. ``names``: how a scrape names vLLM's families
+    (:data:`~tripath.server.metric_kinds.METRIC_NAMES`)."""
 
-    def __init__(self, model_name: str = "", rate_window_s: float = 5.0):
+    def __init__(self, model_name: str = "", rate_window_s: float = 5.0, names: str = "both"):
         self.registry = CollectorRegistry()
-        self.model_name = model_name
+        self.model_name, self.names = model_name, names
+        if names not in METRIC_NAMES:
+            raise ValueError(f"metric names must be one of {', '.join(METRIC_NAMES)}, got {names!r}")
         self._labels = (model_name, "0")
-        self.running = self._gauge("num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = self._gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_queries = self._counter("prefix_cache_queries",
+        self.running = self._gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = self._gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = self._counter("vllm:prefix_cache_queries",
                                             "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_hits = self._counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
-                                         "tokens.")
-        self.preemptions = self._counter("num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = self._counter("generation_tokens", "Number of generation tokens processed.")
-        success = Counter("tripath:request_success", "Count of successfully processed requests.",
+        self.prefix_hits = self._counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = self._counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [*LABELS, "finished_reason"], registry=self.registry)
         self.request_success = _ByReason(success, self._labels)
         for reason in FINISH_REASONS:
             self.request_success.labels(reason)
-        self.ttft = self._histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+        self.iteration_tokens = StepTokensHistogram(self._labels, self.registry)
+        self.request_n = self._histogram("vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                                     TTFT_BUCKETS)
-        self.itl = CountedHistogram("tripath:inter_token_latency_seconds",
-                                    "Histogram of inter-token latency in seconds.", self._labels,
-                                    TOKEN_LATENCY_BUCKETS, self.registry)
-        self.tpot = self._histogram("request_time_per_output_token_seconds",
+        self.itl = CountedHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                                    self._labels, TOKEN_LATENCY_BUCKETS, self.registry)
+        self.tpot = self._histogram("vllm:request_time_per_output_token_seconds",
                                     "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
-        self.e2e = self._histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                                   REQUEST_LATENCY_BUCKETS)
-        self.decode_time = self._histogram("request_decode_time_seconds",
-                                           "Histogram of time spent in DECODE phase for request.",
-                                           REQUEST_LATENCY_BUCKETS)
+        self.e2e = self._latency("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.")
+        self.queue_time = self._latency("request_queue_time_seconds",
+                                        "Histogram of time spent in WAITING phase for request.")
+        self.inference_time = self._latency("request_inference_time_seconds",
+                                            "Histogram of time spent in RUNNING phase for request.")
+        self.prefill_time = self._latency("request_prefill_time_seconds",
+                                          "Histogram of time spent in PREFILL phase for request.")
+        self.decode_time = self._latency("request_decode_time_seconds",
+                                         "Histogram of time spent in DECODE phase for request.")
         self.request_prompt_tokens = self.request_generation_tokens = self.request_max_tokens = None
+        self.max_generation_tokens = None
+        self._cache_config_set = False
         # tripath's own
-        self.in_server = self._gauge("num_requests_in_server", "Engine requests accepted by the server and not "
-                                     "finished (running, waiting, or about to be added).")
-        self.kv_blocks_total = self._gauge("kv_cache_blocks_total", "Usable KV-cache blocks.")
-        self.kv_blocks_used = self._gauge("kv_cache_blocks_used", "KV-cache blocks held by requests.")
-        self.steps = self._counter("engine_steps", "Engine steps since start.")
-        self.step_failures = self._counter("engine_step_failures", "Engine steps that raised.")
+        self.in_server = self._gauge("tripath:num_requests_in_server", "Engine requests accepted by the server and "
+                                     "not finished (running, waiting, or about to be added).")
+        self.kv_blocks_total = self._gauge("tripath:kv_cache_blocks_total", "Usable KV-cache blocks.")
+        self.kv_blocks_used = self._gauge("tripath:kv_cache_blocks_used", "KV-cache blocks held by requests.")
+        self.steps = self._counter("tripath:engine_steps", "Engine steps since start.")
+        self.step_failures = self._counter("tripath:engine_step_failures", "Engine steps that raised.")
         rejected = Counter("tripath:requests_rejected", "Requests refused by the server or the engine, by reason.",
                            [*LABELS, "reason"], registry=self.registry)
         self.rejected = _ByReason(rejected, self._labels)
-        self.tokens_per_s = self._gauge("generation_tokens_per_second",
+        self.tokens_per_s = self._gauge("tripath:generation_tokens_per_second",
                                         f"Generated tokens per second over the last {rate_window_s:g} s.")
         self._window = rate_window_s
         self._recent: deque[tuple[float, int]] = deque()
         self._recent_tokens = 0   # the sum of _recent's counts
         self._last = None   # the EngineStats of the previous observation
+        self._groups = threading.Lock()   # PromptGroup counts: a group's requests may end on two threads
         self.num_ended = 0  # engine requests ended, by any cause
 
     def _gauge(self, name: str, doc: str):
-        return Gauge(f"tripath:{name}", doc, LABELS, registry=self.registry).labels(*self._labels)
+        return Gauge(name, doc, LABELS, registry=self.registry).labels(*self._labels)
 
     def _counter(self, name: str, doc: str):
-        return Counter(f"tripath:{name}", doc, LABELS, registry=self.registry).labels(*self._labels)
+        return Counter(name, doc, LABELS, registry=self.registry).labels(*self._labels)
 
     def _histogram(self, name: str, doc: str, buckets):
-        return Histogram(f"tripath:{name}", doc, LABELS, buckets=buckets, registry=self.registry).labels(*self._labels)
+        return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*self._labels)
 
-    def engine_ready(self, max_model_len: int) -> None:
-        """Once the engine is built: the token-count histograms, whose buckets go up to ``max_model_len``."""
-        buckets = one_two_five_buckets(max_model_len)
-        self.request_prompt_tokens = self._histogram("request_prompt_tokens", "Number of prefill tokens processed.",
-                                                     buckets)
-        self.request_generation_tokens = self._histogram("request_generation_tokens",
-                                                         "Number of generation tokens processed.", buckets)
-        self.request_max_tokens = self._histogram("request_params_max_tokens",
-                                                  "Histogram of the max_tokens request parameter.", buckets)
+    def _latency(self, name: str, doc: str):
+        return self._histogram(f"vllm:{name}", doc, REQUEST_LATENCY_BUCKETS)
+
+    def engine_ready(self, max_model_len: int, cache_config: dict[str, str] | None = None) -> None:
+        """Once the engine is built: the token-count histograms, whose buckets go up to ``max_model_len``, and
+        ``vllm:cache_config_info`` with ``cache_config``'s labels (:func:`~tripath.server.startup.cache_config`)."""
+        if self.request_prompt_tokens is None:
+            buckets = one_two_five_buckets(max_model_len)
+            self.request_prompt_tokens = self._histogram("vllm:request_prompt_tokens",
+                                                         "Number of prefill tokens processed.", buckets)
+            self.request_generation_tokens = self._histogram("vllm:request_generation_tokens",
+                                                             "Number of generation tokens processed.", buckets)
+            self.request_max_tokens = self._histogram("vllm:request_params_max_tokens",
+                                                      "Histogram of the max_tokens request parameter.", buckets)
+            self.max_generation_tokens = self._histogram(
+                "vllm:request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.", buckets)
+        if cache_config is not None and not self._cache_config_set:
+            self._cache_config_set = True
+            info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                         [*cache_config, "engine"], registry=self.registry)
+            info.labels(**cache_config, engine="0").set(1)
 
     def observe_engine(self, stats, num_new_tokens: int = 0) -> None:
         """After a step: the engine's :class:`~tripath.engine.stats.EngineStats` and the tokens it generated."""
@@ -181,6 +181,7 @@ class ServerMetrics:
         self.kv_usage.set(stats.kv_cache_usage)
         self.kv_blocks_total.set(stats.num_kv_blocks_total)
         self.kv_blocks_used.set(stats.num_kv_blocks_used)
+        self.iteration_tokens.update(stats.step_token_counts, stats.step_tokens_sum)
         last = self._last
         for counter, name in ((self.prefix_queries, "prefix_cache_queried_tokens"),
                               (self.prefix_hits, "prefix_cache_hit_tokens"), (self.preemptions, "num_preemptions"),
@@ -215,8 +216,18 @@ class ServerMetrics:
         times.last_token = now
         times.num_generated += num_new
 
-    def observe_end(self, times: ChoiceTimes, reason: str, now: float) -> None:
-        """A request ended at ``now`` (``reason``: one of :data:`FINISH_REASONS`)."""
+    def observe_end(self, times: ChoiceTimes | None, reason: str, now: float, group: PromptGroup | None = None) -> None:
+        """A request ended at ``now`` (``reason``: one of :data:`FINISH_REASONS`; ``times`` None: the engine never
+        accepted it, nothing is observed but its part of ``group``)."""
+        if times is not None:
+            self._observe_request(times, reason, now)
+        self._settle(group, times)
+
+    def observe_refused(self, group: PromptGroup | None) -> None:
+        """The engine refused a request (it never ran): its part of ``group``."""
+        self._settle(group, None)
+
+    def _observe_request(self, times: ChoiceTimes, reason: str, now: float) -> None:
         self.num_ended += 1
         self.request_success.labels(reason).inc()
         self.e2e.observe(now - times.arrival)
@@ -224,10 +235,34 @@ class ServerMetrics:
             self.request_prompt_tokens.observe(times.num_prompt_tokens)
             self.request_generation_tokens.observe(times.num_generated)
             self.request_max_tokens.observe(times.max_tokens)
-        if times.first_token is not None:
-            self.decode_time.observe(times.last_token - times.first_token)
-            if times.num_generated > 1:
-                self.tpot.observe((times.last_token - times.first_token) / (times.num_generated - 1))
+        if times.first_token is None:
+            return
+        decode = times.last_token - times.first_token
+        self.decode_time.observe(decode)
+        if times.num_generated > 1:
+            self.tpot.observe(decode / (times.num_generated - 1))
+        if times.prefill_time is not None:
+            self.queue_time.observe(times.queue_time)
+            self.prefill_time.observe(times.prefill_time)
+            self.inference_time.observe(times.prefill_time + decode)
+
+    def _settle(self, group: PromptGroup | None, times: ChoiceTimes | None) -> None:
+        if group is None:
+            return
+        with self._groups:
+            group.settled += 1
+            if times is not None:
+                group.ran = True
+                group.max_generated = max(group.max_generated, times.num_generated)
+            done = group.settled == group.size and group.ran
+        if done:
+            self.request_n.observe(group.n)
+            if self.max_generation_tokens is not None:
+                self.max_generation_tokens.observe(group.max_generated)
+
+    def families(self) -> list:
+        """The registry's families, vLLM's under their ``vllm:`` names (what API servers exchange)."""
+        return list(self.registry.collect())
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.families(), self.names)

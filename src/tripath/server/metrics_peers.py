@@ -3,18 +3,20 @@
 
 Each API server observes its own requests (:class:`~tripath.server.metrics.ServerMetrics`) and answers its
 peers on a Unix socket named after a folder they share (``<folder>/<index>.sock``) with a pickle of its
-registry's metric families. On Linux the "folder" is a name in the abstract socket namespace (it starts with a
-NUL byte, :func:`is_abstract`): nothing on the filesystem, and each socket is gone with its process, however
-it ends (a whole process group killed at once included); a peer's socket is read only when its owner is this
-server's user (``SO_PEERCRED``: the name is visible to every local user, the pickle must come from a peer).
-Elsewhere it is a real folder of the temp folder (mode 0700), whose last API server to close removes it.
+registry's metric families (vLLM's under their ``vllm:`` names only). On Linux the "folder" is a name in the
+abstract socket namespace (it starts with a NUL byte, :func:`is_abstract`): nothing on the filesystem, and each
+socket is gone with its process, however it ends (a whole process group killed at once included); a peer's
+socket is read only when its owner is this server's user (``SO_PEERCRED``: the name is visible to every local
+user, the pickle must come from a peer). Elsewhere it is a real folder of the temp folder (mode 0700), whose
+last API server to close removes it.
 
 A scrape asks every peer, then merges: the families of the engine itself (its requests running / waiting, KV
-cache, prefix cache, preemptions, steps: :data:`ENGINE_FAMILIES`, which every API server reads from the same
-engine core) are the scraped server's own; every other sample is the sum over the API servers (request
-counts, token counts, every histogram bucket, the requests in the server, the generation rate), except a
-``_created`` time, which is the earliest. A peer that does not answer within
-:data:`PEER_TIMEOUT_S` is left out (logged): it is stopping, or gone, and the server with it.
+cache, prefix cache, preemptions, steps and tokens per step, cache configuration: :data:`ENGINE_FAMILIES`,
+which every API server reads from the same engine core) are the scraped server's own; every other sample is
+the sum over the API servers (request counts, token counts, every histogram bucket, the requests in the
+server, the generation rate), except a ``_created`` time, which is the earliest. The merged families are then
+named as the scraped server names them (:func:`~tripath.server.metric_kinds.render`). A peer that does not
+answer within :data:`PEER_TIMEOUT_S` is left out (logged): it is stopping, or gone, and the server with it.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ import socket
 import struct
 from typing import Callable, Iterable
 
-from prometheus_client import generate_latest
 from prometheus_client.metrics_core import Metric
+
+from tripath.server.metric_kinds import render as render_families
 
 log = logging.getLogger("tripath.server")
 
 PEER_TIMEOUT_S = 2.0
-ENGINE_FAMILIES = frozenset(f"tripath:{name}" for name in (
+ENGINE_FAMILIES = frozenset([*(f"vllm:{name}" for name in (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
-    "prefix_cache_hits", "num_preemptions", "kv_cache_blocks_total", "kv_cache_blocks_used", "engine_steps",
-    "engine_step_failures"))
+    "prefix_cache_hits", "num_preemptions", "iteration_tokens_total", "cache_config_info")), *(
+    f"tripath:{name}" for name in ("kv_cache_blocks_total", "kv_cache_blocks_used", "engine_steps",
+                                   "engine_step_failures"))])
 
 
 def is_abstract(folder: str) -> bool:
@@ -73,24 +77,16 @@ def merge_families(own: list[Metric], peers: Iterable[list[Metric]]) -> list[Met
     return list(merged.values())
 
 
-class _Families:
-    """What ``generate_latest`` renders: a fixed list of families."""
-
-    def __init__(self, families: list[Metric]):
-        self._families = families
-
-    def collect(self):
-        return self._families
-
-
 class MetricsPeers:
     """API server ``index`` of ``count`` sharing ``folder``: answers its peers with ``registry``'s families
-    (``refresh()`` first: the gauges set at scrape time) and renders the merged ``/metrics``. :meth:`start`
-    and :meth:`close` run on the serving event loop."""
+    (``refresh()`` first: the gauges set at scrape time) and renders the merged ``/metrics``, vLLM's families
+    named as ``names`` says (:data:`~tripath.server.metric_kinds.METRIC_NAMES`). :meth:`start` and
+    :meth:`close` run on the serving event loop."""
 
-    def __init__(self, folder: str, index: int, count: int, registry, refresh: Callable[[], None] | None = None):
+    def __init__(self, folder: str, index: int, count: int, registry, refresh: Callable[[], None] | None = None,
+                 names: str = "both"):
         self.folder, self.index, self.count = folder, index, count
-        self._registry, self._refresh = registry, refresh
+        self._registry, self._refresh, self.names = registry, refresh, names
         self._server: asyncio.AbstractServer | None = None
 
     def path(self, index: int) -> str:
@@ -155,10 +151,14 @@ class MetricsPeers:
         finally:
             writer.close()
 
-    async def render(self) -> bytes:
+    async def families(self) -> list[Metric]:
+        """Every API server's families merged (the module doc), under their registry names."""
         own = self._own()
         answers = await asyncio.gather(*(self._ask(i) for i in range(self.count) if i != self.index))
-        return generate_latest(_Families(merge_families(own, [a for a in answers if a is not None])))
+        return merge_families(own, [a for a in answers if a is not None])
+
+    async def render(self) -> bytes:
+        return render_families(await self.families(), self.names)
 
 
 def _check_owner(sock, index: int) -> None:

@@ -76,3 +76,15 @@ def startup_summary(llm, model: str, served_names: Sequence[str]) -> str:
         sampling_defaults_text(llm.generation_defaults, config.generation_config),
     ]
     return " | ".join(parts)
+
+
+def cache_config(llm) -> dict[str, str]:
+    """The KV cache's settings as the labels of ``vllm:cache_config_info`` (vLLM's label names; values as
+    vLLM writes them: ``str()`` of each, ``None`` for unset). ``num_gpu_blocks`` counts every block allocated,
+    the reserved block 0 included (vLLM's counts its null block too), on whatever device the cache lives."""
+    config, runner = llm.config, llm.runner
+    return {"block_size": str(runner.block_size), "cache_dtype": str(config.kv_cache_dtype),
+            "calculate_kv_scales": str(config.calculate_kv_scales),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization), "num_gpu_blocks": str(runner.num_blocks),
+            "num_gpu_blocks_override": str(config.num_kv_blocks)}

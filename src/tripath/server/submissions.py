@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
 from tripath.engine.request import SamplingParams
-from tripath.server.metrics import ChoiceTimes, ServerMetrics
+from tripath.server.metrics import ChoiceTimes, PromptGroup, ServerMetrics
 
 ACCEPTED = "accepted"
 # the engine's finish reasons as the metrics name them (vLLM's)
@@ -59,7 +59,9 @@ SHUTTING_DOWN = Failure(503, "the server is shutting down", "server_error", "shu
 @dataclass(eq=False)
 class Submission:
     """One engine request of an HTTP request (``index``: its choice), and where its events go; ``arrival``:
-    when the HTTP request arrived (``perf_counter``), the start of its latency metrics."""
+    when the HTTP request arrived (``perf_counter``), the start of its latency metrics; ``group``: the
+    choices of its prompt (per-prompt metrics); ``request_log``: the request log that says when it ends
+    (:class:`~tripath.server.request_log.RequestLog`, with ``--enable-log-requests``)."""
 
     request_id: str
     index: int
@@ -69,6 +71,8 @@ class Submission:
     events: asyncio.Queue
     arrival: float = field(default_factory=time.perf_counter)
     times: ChoiceTimes | None = None   # set once the engine has accepted it
+    group: PromptGroup | None = None
+    request_log: object | None = None
 
 
 class Engine(Protocol):
@@ -141,6 +145,9 @@ class SubmissionBook:
         counts its HTTP request as rejected, :meth:`~tripath.server.generation.Generation.start`)."""
         sub = self._subs.pop(request_id, None)
         if sub is not None:
+            self.metrics.observe_refused(sub.group)
+            if sub.request_log is not None:
+                sub.request_log.refused(sub, failure)
             self._queue(sub, failure)
 
     def end(self, request_id: str, reason: str | None) -> Submission | None:
@@ -148,8 +155,14 @@ class SubmissionBook:
         HTTP request that was refused, which the metrics count as a rejection, not as an ended request); its
         submission, or None when it had ended already."""
         sub = self._subs.pop(request_id, None)
-        if sub is not None and sub.times is not None and reason is not None:
-            self.metrics.observe_end(sub.times, reason, time.perf_counter())
+        if sub is not None:
+            now = time.perf_counter()
+            if reason is None:   # withdrawn with a refused HTTP request: a rejection, not an ended request
+                self.metrics.observe_refused(sub.group)
+            else:
+                self.metrics.observe_end(sub.times, reason, now, sub.group)
+            if sub.request_log is not None:
+                sub.request_log.finished(sub, reason or "withdrawn", now)
         return sub
 
     def outputs(self, outputs: Iterable, now: float | None = None) -> int:
@@ -163,8 +176,12 @@ class SubmissionBook:
             if sub is None:
                 continue
             num_new += len(out.new_token_ids)
-            if sub.times is not None:
-                self.metrics.observe_tokens(sub.times, len(out.new_token_ids), now)
+            times = sub.times
+            if times is not None:
+                if times.first_token is None:   # the engine's timeline comes with the first tokens
+                    times.queue_time = getattr(out, "queue_time", None)
+                    times.prefill_time = getattr(out, "prefill_time", None)
+                self.metrics.observe_tokens(times, len(out.new_token_ids), now)
             if out.finished:
                 self.end(out.request_id, FINISH_REASONS.get(out.finish_reason.value, "error"))
             self._queue(sub, out)
