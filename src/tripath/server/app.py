@@ -3,7 +3,8 @@ the engine core in its own process, :mod:`~tripath.server.engine_client`, or in 
 :mod:`~tripath.server.engine_loop`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events
-ending in ``data: [DONE]``), ``GET /v1/models`` (every served name), ``GET /health`` and ``GET`` / ``POST
+ending in ``data: [DONE]``; tools and tool calls: :mod:`~tripath.server.tools`), ``POST /v1/responses``
+(:mod:`~tripath.server.openai_responses`), ``GET /v1/models`` (every served name), ``GET /health`` and ``GET`` / ``POST
 /ping`` (200 once the engine is built; 503 before, while shutting down and once the engine has died; 500
 when it could not be built), ``GET /metrics`` (Prometheus text, :mod:`~tripath.server.metrics`; of every API server when this is one of
 several, :mod:`~tripath.server.metrics_peers`), and vLLM's
@@ -43,6 +44,7 @@ from tripath.engine.structured_output import StructuredOutput
 from tripath.server import protocol as P
 from tripath.server.api_servers import ApiServerRole, watch_supervisor
 from tripath.server.auth import APIKeyCheck
+from tripath.server.chat_prepare import prepare_chat
 from tripath.server.engine_client import EngineClient
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
@@ -51,6 +53,7 @@ from tripath.server.metrics import ServerMetrics
 from tripath.server.metrics_peers import MetricsPeers
 from tripath.server.sampling_defaults import defaulted_sampling
 from tripath.server.submissions import Engine
+from tripath.server.tools import ToolSettings
 
 log = logging.getLogger("tripath.server")
 
@@ -143,7 +146,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
               shutdown_timeout_s: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               api_key: str | None = None, chat_template: str | None = None,
               describe: Callable[[object], str] | None = None, engine_in_process: bool = False,
-              api_server: ApiServerRole | None = None) -> FastAPI:
+              api_server: ApiServerRole | None = None, tool_settings: ToolSettings | None = None) -> FastAPI:
     """The server for the engine ``make_llm()`` builds at start-up: in the engine core process it spawns
     (``make_llm`` and ``describe`` are pickled to it: top-level functions or ``functools.partial`` of them), or
     with ``engine_in_process`` on a thread of this process (any callable).
@@ -153,7 +156,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     ``chat_template``: Jinja text used by chat requests instead of the tokenizer's; ``describe(llm)``: the
     start-up log line of the built engine. ``api_server``: this server is one of several in front of an engine
     core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not used): it talks to
-    that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`)."""
+    that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`).
+    ``tool_settings``: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"model_name must be a non-empty name or list of names, got {model_name!r}")
@@ -172,6 +176,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     else:
         engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
     state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template)
+    state.tool_settings = tool_settings or ToolSettings()
     peers = None
     if api_server is not None and api_server.count > 1:
         peers = MetricsPeers(api_server.folder, api_server.index, api_server.count, metrics.registry,
@@ -225,6 +230,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     app.add_api_route("/ping", health, methods=["GET", "POST"])
     from tripath.server.utility_routes import add_utility_routes   # it uses this module's helpers
     add_utility_routes(app, state)
+    from tripath.server.openai_responses import add_responses_routes
+    add_responses_routes(app, state)
 
     @app.get("/metrics")
     async def prometheus():
@@ -266,12 +273,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         _check_ready(state)
         _check_model(state, body.model)
         _check_fits(state, body.n)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt,
-                                  _chat_template_kwargs(body))
-        structured = await _structured_output(state, body)
-        gen = _generation(state, body, [prompt], body.output_limit, structured)
-        return await respond(state, gen, body, request, chat=True)
+        gen, tools = await prepare_chat(state, body)
+        return await respond(state, gen, body, request, chat=True, tools=tools)
 
     return app
 

@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "the connections (the kernel spreads them), /metrics on any answers for all. More than "
                              "1 helps at many concurrent streams, where one process's HTTP, JSON and detokenising "
                              "is the bound")
+    from tripath.server.tools.formats import PARSERS
+
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let tool_choice 'auto' (the default when a chat sends tools) parse the model's tool "
+                             "calls, with --tool-call-parser; without it such requests get 400")
+    parser.add_argument("--tool-call-parser", default=None, choices=tuple(PARSERS),
+                        help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, "
+                             "Qwen), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), pythonic ([f(a=1)])")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="log level of the server and uvicorn")
     add_engine_arguments(parser)
@@ -155,6 +163,12 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         return _usage_error(f"--generation-config: {args.generation_config!r} is neither 'auto', 'vllm' nor a "
                             "folder")
+    from tripath.server.tools import ToolSettings
+
+    try:
+        tool_settings = ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
+    except ValueError as error:
+        return _usage_error(str(error))
     chat_template = None
     if args.chat_template is not None:
         from tripath.engine.chat import load_chat_template
@@ -200,7 +214,8 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
                         request_timeout_s=args.request_timeout, on_fatal=on_fatal,
                         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
                         api_key=api_key, chat_template=chat_template, describe=describe,
-                        engine_in_process=args.engine_in_process, api_server=api_server)
+                        engine_in_process=args.engine_in_process, api_server=api_server,
+                        tool_settings=tool_settings)
     except ValueError as error:
         return _usage_error(str(error))
     # uvicorn cancels the handlers still running at its graceful timeout; the engine ends them first (503s
