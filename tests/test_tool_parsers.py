@@ -42,6 +42,7 @@ WELL_FORMED = [
     (PythonicParser, '[get_weather(city="Pa]ris", days=-3, x=[1, (2, 3)], y={"k": None}), add(a=true)]', "",
      [("get_weather", {"city": "Pa]ris", "days": -3, "x": [1, [2, 3]], "y": {"k": None}}), ("add", {"a": True})]),
     (PythonicParser, "<|python_start|>[no_args()]<|python_end|>", "", [("no_args", {})]),
+    (PythonicParser, "[get_weather(city='a\\'] \"b')] then text", "then text", [("get_weather", {"city": "a'] \"b"})]),
 ]
 
 MALFORMED = [   # (parser, text): all content, and no call announced while streaming

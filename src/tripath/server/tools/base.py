@@ -71,7 +71,7 @@ class _Open:
     index: int
     id: str
     name: str
-    sent: str = ""
+    sent: int = 0   # characters of its arguments sent
 
 
 def chat_tool_id() -> str:
@@ -172,14 +172,18 @@ class ToolParser:
         self._open = _Open(self.started, self.new_id(), name)
         self._events.append(CallStart(self._open.index, self._open.id, name))
 
-    def _send(self, arguments: str) -> None:
+    def _send(self, start: int, end: int) -> None:
+        """The open call's arguments are ``text[start:end]`` so far: send what was not sent."""
         call = self._open
-        if len(arguments) > len(call.sent) and arguments.startswith(call.sent):
-            self._events.append(CallArgs(call.index, arguments[len(call.sent):]))
-            call.sent = arguments
+        if end - start > call.sent:
+            self._events.append(CallArgs(call.index, self.text[start + call.sent:end]))
+            call.sent = end - start
 
     def _end(self, arguments: str) -> None:
-        self._send(arguments)
+        """The open call ends with ``arguments`` (its text sent so far is a prefix of them)."""
+        call = self._open
+        if len(arguments) > call.sent:
+            self._events.append(CallArgs(call.index, arguments[call.sent:]))
         call, self._open = self._open, None
         self.calls.append(ToolCall(call.id, call.name, arguments))
         self._events.append(CallEnd(call.index, arguments))
@@ -244,7 +248,7 @@ class ToolParser:
             return "broken"
         if self._scanner_name is not None:   # the object is the arguments
             if scanner.end is None:
-                self._send(text[scanner.start:scanner.pos])
+                self._send(scanner.start, scanner.pos)
                 return "open"
             raw = text[scanner.start:scanner.end]
             if not isinstance(_loads(raw), dict):
@@ -263,7 +267,7 @@ class ToolParser:
         if self._name is not None and self._open is None and streams:
             self._start(self._name)
         if self._open is not None and streams:
-            self._send(text[args.value_start:args.value_end if args.value_end is not None else scanner.pos])
+            self._send(args.value_start, args.value_end if args.value_end is not None else scanner.pos)
         if scanner.end is None:
             return "open"
         obj = _loads(text[scanner.start:scanner.end])

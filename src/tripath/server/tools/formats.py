@@ -203,7 +203,7 @@ class PythonicParser(ToolParser):
         while True:
             match = self._quote.search(text, self.pos)
             if match is None:
-                self.pos = len(text)
+                self.pos = max(self.pos, len(text))   # past an escape at the end: its character is skipped
                 return self.final and self._break()
             char, self.pos = match.group(), match.end()
             if char == "\\":
