@@ -32,11 +32,18 @@ def running(pid: int) -> bool:
         return False
 
 
+def _soft_open_files(limit: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+
 class ServerProcess:
     def __init__(self, args: list[str], log_path: Path, startup_timeout_s: float = 120.0, log_level: str = "warning",
-                 env: dict[str, str] | None = None, new_session: bool = False):
+                 env: dict[str, str] | None = None, new_session: bool = False, open_files: int | None = None):
         """``new_session``: the server leads its own process group (:meth:`signal_group` then signals it and
-        every process it started, as a terminal's Ctrl-C does)."""
+        every process it started, as a terminal's Ctrl-C does). ``open_files``: the server starts with this soft
+        limit on open files (its hard limit unchanged)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -45,7 +52,8 @@ class ServerProcess:
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "tripath.cli", "serve", *args, "--port", str(self.port),
                                       "--log-level", log_level], stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=new_session)
+                                     start_new_session=new_session,
+                                     preexec_fn=None if open_files is None else lambda: _soft_open_files(open_files))
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -62,7 +70,9 @@ class ServerProcess:
             time.sleep(0.2)
 
     def log(self) -> str:
-        return self.log_path.read_text()[-4000:]
+        """The whole log so far. Never a tail: how much a start writes (its /health polls among it) depends on
+        the machine's speed, and an assertion about the log must not."""
+        return self.log_path.read_text()
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` samples by name, labels kept in the name as the server writes them (sorted), e.g.

@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -111,6 +112,49 @@ def test_a_scrape_asks_its_peers_over_their_sockets_and_leaves_out_one_that_is_g
     assert not folder.exists()   # the last one closed: its socket and the folder are gone
 
 
+def _abstract_names() -> set[str]:
+    """The names of the abstract Unix sockets that exist now (``@name`` in ``/proc/net/unix``)."""
+    with open("/proc/net/unix") as f:
+        return {fields[-1] for fields in (line.split() for line in f.readlines()[1:])
+                if len(fields) == 8 and fields[-1].startswith("@")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])   # the server runs on uvloop where it is installed
+def test_abstract_metrics_sockets_put_nothing_on_disk_and_read_only_this_users_peers(caplog, monkeypatch, loop):
+    from tripath.server.api_servers import socket_folder
+    from tripath.server.metrics import ServerMetrics
+    from tripath.server.metrics_peers import MetricsPeers
+
+    folder = socket_folder()
+    assert folder.startswith("\0tripath-api-servers-") and socket_folder() != folder   # fresh, random
+    registries = [ServerMetrics("m") for _ in range(2)]
+
+    async def scrape(uid_seen: int):
+        peers = [MetricsPeers(folder, i, 2, m.registry) for i, m in enumerate(registries)]
+        for p in peers:
+            await p.start()
+        names = _abstract_names()
+        try:
+            with monkeypatch.context() as mp:
+                mp.setattr(os, "getuid", lambda: uid_seen)
+                return names, await peers[0].render()
+        finally:
+            for p in peers:
+                await p.close()
+
+    run = pytest.importorskip("uvloop").run if loop == "uvloop" else asyncio.run
+    with caplog.at_level("WARNING", logger="tripath.server"):
+        names, text = run(scrape(os.getuid()))
+    assert {"@" + folder[1:] + "/0.sock", "@" + folder[1:] + "/1.sock"} <= names
+    assert not os.path.exists(folder[1:]) and "left out" not in caplog.text
+    assert b"tripath:num_requests_in_server" in text
+    assert not {n for n in _abstract_names() if n.startswith("@" + folder[1:])}   # gone once closed
+    with caplog.at_level("WARNING", logger="tripath.server"):
+        run(scrape(os.getuid() + 1))   # as if another user had taken the peer's name
+    assert "the socket of API server 1 belongs to user" in caplog.text
+
+
 # ---- the core's routing -----------------------------------------------------------------------------------
 class _StandIn:
     """An engine whose every step gives each live request one token (the request id's number); finished at 3."""
@@ -177,13 +221,14 @@ def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
         (kind1, accepted1, refused1, outputs1, *_), = got[1]
         assert accepted0 == ["srv0-1-0"] and [o[0] for o in outputs0] == ["srv0-1-0"] and not refused0
         assert accepted1 == ["srv1-1-0"] and [o[0] for o in outputs1] == ["srv1-1-0"]
-        assert refused1 == [("srv0-1-0", 400, "request id 'srv0-1-0' is in flight already", "invalid_request_error")]
+        assert refused1 == [("srv0-1-0", 400, "request id 'srv0-1-0' is in flight already", "invalid_request_error",
+                             "duplicate_request_id")]
         assert llm.aborted == []
         # the waiting queue is bounded for all API servers
         llm.scheduler.waiting.append("someone")
         core._handle(0, ("add", "srv0-2-0", [1], SamplingParams(max_tokens=3)))
         assert core._frontends[0].refused[0][:2] == ("srv0-2-0", 503) and "--max-queue-depth 1" in \
-            core._frontends[0].refused[0][2]
+            core._frontends[0].refused[0][2] and core._frontends[0].refused[0][4] == "queue_full"
         llm.scheduler.waiting.clear()
         core._frontends[0].refused.clear()
         # API server 1 stops: its request ends with 503, it hears 'stopped', API server 0 serves on
@@ -343,13 +388,40 @@ def test_sigterm_while_streaming_drains_every_api_server_then_stops_the_core(tmp
         server.close()
 
 
-@pytest.mark.parametrize("victim", ["api server", "core", "supervisor"])
+def test_a_refusal_by_the_shared_queue_counts_as_a_rejection_not_an_abort(tmp_path):
+    """Two choices reach the core in one message; with one engine request waiting allowed, it takes the first
+    and refuses the second: the HTTP request is one ``queue_full`` rejection, its first choice is withdrawn
+    (it used to count as an aborted request)."""
+    server = ServerProcess(SERVE + ["--max-queue-depth", "1"], tmp_path / "server.log")
+    try:
+        body = {"model": PRESET, "prompt": [5, 6], "max_tokens": 4, "n": 2}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 503 and "(--max-queue-depth 1)" in r.json()["error"]["message"], r.text
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        lines = [line for line in text.splitlines() if line.startswith(("tripath:requests_rejected_total{",
+                                                                        "tripath:request_success_total{"))]
+        assert [line for line in lines if line.startswith("tripath:requests_rejected")] == \
+            [f'tripath:requests_rejected_total{{engine="0",model_name="{PRESET}",reason="queue_full"}} 1.0'], lines
+        assert all(line.endswith(" 0.0") for line in lines if line.startswith("tripath:request_success")), lines
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("victim", ["api server", "core", "supervisor", "process group"])
 def test_a_killed_process_stops_the_rest(tmp_path, victim):
     temp = Path(tempfile.mkdtemp(prefix="tp-", dir="/tmp"))   # short: a socket's path must fit AF_UNIX
-    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info", env={"TMPDIR": str(temp)})
+    server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info", env={"TMPDIR": str(temp)},
+                           new_session=victim == "process group")
     try:
         core, servers = server.core_pid(), server.api_server_pids()
-        if victim == "supervisor":
+        sockets = re.search(r"their metrics sockets: (\S+)/<index>\.sock", server.log_path.read_text()).group(1)
+        if sys.platform.startswith("linux"):   # abstract sockets: nothing on disk, gone with their processes
+            assert sockets.startswith("@tripath-api-servers-") and not list(temp.glob("tripath-*"))
+            assert {f"{sockets}/0.sock", f"{sockets}/1.sock"} <= _abstract_names()
+        if victim == "process group":   # SIGKILL to every process at once: none of them cleans up
+            server.signal_group(signal.SIGKILL)
+            server.proc.wait()
+        elif victim == "supervisor":
             server.proc.kill()
             server.proc.wait()
         else:
@@ -359,7 +431,9 @@ def test_a_killed_process_stops_the_rest(tmp_path, victim):
                         else "the engine core process was killed by SIGKILL")
             assert expected in server.log(), server.log()
         _wait_gone([core, *servers])
-        assert not list(temp.glob("tripath-api-servers-*"))   # the metrics sockets' folder went with them
+        assert not list(temp.glob("tripath-*"))   # the metrics sockets (or their folder) went with them
+        if sys.platform.startswith("linux"):
+            assert not {n for n in _abstract_names() if n.startswith(sockets)}
     finally:
         server.close()
         shutil.rmtree(temp, ignore_errors=True)
@@ -374,7 +448,7 @@ def test_the_sockets_folder_leaves_a_temp_folder_too_long_for_a_socket(tmp_path,
     try:
         for base, expected in ((deep, "/tmp"), (short, str(short))):
             monkeypatch.setattr(tempfile, "tempdir", str(base))
-            folder = socket_folder()
+            folder = socket_folder(abstract=False)   # the fallback where there are no abstract sockets
             assert os.path.dirname(folder) == expected
             assert len(os.path.join(folder, "1000.sock")) <= UNIX_PATH_MAX
             os.rmdir(folder)

@@ -96,6 +96,23 @@ def test_the_step_api_refuses_bad_prompts_and_duplicate_ids(model, fresh_tokens)
     assert_idle_and_whole(llm)
 
 
+@pytest.mark.parametrize("field,value,bad", [("stop_token_ids", (3, 61), 61), ("stop_token_ids", [10 ** 6], 10 ** 6),
+                                             ("logit_bias", {5: 1.0, 61: -100.0}, 61), ("logit_bias", {70: 2.0}, 70)])
+def test_sampling_token_ids_outside_the_vocabulary_are_refused(model, fresh_tokens, field, value, bad):
+    llm = engine(model)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, **{field: value})
+    message = rf"sampling_params\.{field} for %s holds token id {bad}, outside the model's vocabulary \[0, 61\) of 61 "
+    with pytest.raises(ValueError, match=message % r"prompt\b"):
+        llm.add_request(GOOD[0], params)
+    with pytest.raises(ValueError, match=message % r"prompts\[1\]"):
+        llm.generate(GOOD, [GREEDY, params], use_tqdm=False)
+    assert_idle_and_whole(llm)
+    assert tokens(llm, GOOD) == fresh_tokens
+    ok = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[60],
+                        logit_bias={0: 1.0, 60: -1.0})
+    assert len(tokens(llm, GOOD, ok)) == 2   # the vocabulary's edges are in it
+
+
 def test_integer_tensors_and_arrays_are_prompts(model, fresh_tokens):
     llm = engine(model)
     assert tokens(llm, [torch.tensor(GOOD[0]), np.array(GOOD[1], dtype=np.int32)]) == fresh_tokens
@@ -159,6 +176,41 @@ def test_sampling_parameters_at_the_edges():
     with pytest.raises(TypeError, match=r"stop_token_ids\[1\] must be an integer token id, got float"):
         SamplingParams(stop_token_ids=[2, 3.5])
     assert SamplingParams(stop_token_ids=4).stop_token_ids == (4,)
+    # float32 holes: 1e-300 is 0 in float32 (x / 0), 1e-40 a denormal (10 / 1e-40 = inf); 1e300 is inf
+    for bad in (1e-300, 1e-40, 0.0, 1e31, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"repetition_penalty must be in \[1e-30, 1e\+30\] \(1 = off"):
+            SamplingParams(repetition_penalty=bad)
+    assert SamplingParams(repetition_penalty=1e-30).repetition_penalty == 1e-30
+    for bad in (1e300, -1e9, math.inf):
+        with pytest.raises(ValueError, match=r"logit_bias\[5\] must be a number in \[-1e\+08, 1e\+08\]"):
+            SamplingParams(logit_bias={5: bad})
+
+
+def test_the_extreme_sampling_values_allowed_keep_the_logits_finite():
+    """The bounds SamplingParams holds keep every transform finite in float32 for logits up to 1e8: a bias of
+    1e8 on a logit of 1e8, divided by the smallest repetition penalty or multiplied by the largest, then the
+    largest frequency and presence penalties."""
+    from types import SimpleNamespace
+
+    from tripath.engine.logits_transforms import StepTransforms
+    from tripath.engine.request import MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+
+    logits = torch.tensor([[1e8, -1e8, 3.0, 0.0, -2.0]] * 2)
+    bias = SamplingParams(logit_bias={0: MAX_LOGIT_BIAS_VALUE, 1: -MAX_LOGIT_BIAS_VALUE}).logit_bias
+    seen = SimpleNamespace(counts=torch.full((2, 5), 3, dtype=torch.int32),
+                           in_prompt=torch.ones(2, 5, dtype=torch.bool))
+    penalties = [SamplingParams(repetition_penalty=r, frequency_penalty=2, presence_penalty=-2)
+                 for r in (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)]
+    transforms = StepTransforms(
+        bias_rows=torch.tensor([0, 0, 1, 1]), bias_tokens=torch.tensor(list(bias) * 2),
+        bias_values=torch.tensor(list(bias.values()) * 2, dtype=torch.float32), penalty_rows=torch.tensor([0, 1]),
+        slots=torch.tensor([0, 1]), state=seen,
+        repetition=torch.tensor([p.repetition_penalty for p in penalties], dtype=torch.float32),
+        frequency=torch.tensor([2.0, 2.0]), presence=torch.tensor([-2.0, -2.0]))
+    out = transforms.apply(logits)
+    assert torch.isfinite(out).all(), out
+    probs = filtered_probs(out, torch.ones(2), torch.full((2,), -1), torch.ones(2))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 1e-40, 1e-38, 1e-30, 1e-6])

@@ -313,4 +313,4 @@ def test_serve_with_default_settings_answers_health_and_a_completion(tmp_path):
         assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 8, r.text
         print(server.log())
     finally:
-        assert server.close() in (0, -15)   # uvicorn re-raises the SIGTERM it shut down for
+        assert server.close() == 0   # a drained SIGTERM exits 0

@@ -6,7 +6,6 @@ strings and stop tokens; usage; 400s beside a running request; 200 concurrent st
 import asyncio
 import json
 import random
-import signal
 import threading
 import time
 
@@ -184,6 +183,7 @@ BAD_BODIES = [
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "presence_penalty": 2.5}), "presence_penalty"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "logit_bias": {"x": 1}}), "logit_bias"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "logit_bias": {"99999": 1}}), "logit_bias"),
+    (json.dumps({"model": "tiny-hf", "prompt": "hi", "stop_token_ids": [3, 99999]}), "stop_token_ids"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "logprobs": 21}), "logprobs"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "best_of": 2, "n": 3}), "best_of"),
     (json.dumps({"model": "tiny-hf", "prompt": "hi", "best_of": 2, "stream": True}), "best_of"),
@@ -290,9 +290,8 @@ def test_disconnect_mid_stream_frees_blocks(preset_server):
         assert preset_server.metrics()[f'tripath:kv_cache_blocks_used{{engine="0",model_name="{PRESET}"}}'] > 0
         for cm in streams:
             cm.__exit__(None, None, None)   # the client goes away mid-stream
-    for _ in range(100):
-        if _idle(preset_server) == (0, 0, 0, 0):
-            break
+    deadline = time.monotonic() + 60   # generous: only a leak waits this long
+    while _idle(preset_server) != (0, 0, 0, 0) and time.monotonic() < deadline:
         threading.Event().wait(0.1)
     assert _idle(preset_server) == (0, 0, 0, 0)
     assert preset_server.metrics()[aborted] - before == 3
@@ -302,20 +301,31 @@ def test_overload_gets_503_and_graceful_shutdown(tmp_path_factory):
     server = _serve(["--model", PRESET, *ENGINE_ARGS, "--num-kv-blocks", "32", "--max-num-seqs", "1",
                      "--max-queue-depth", "2", "--max-model-len", "256"], tmp_path_factory, log_level="info")
     try:
+        body = {"model": PRESET, "prompt": [5, 6, 7], "max_tokens": 60, "ignore_eos": True}
+
         async def burst():
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as h:
-                body = {"model": PRESET, "prompt": [5, 6, 7], "max_tokens": 60, "ignore_eos": True}
                 return await asyncio.gather(*(h.post("/v1/completions", json=body) for _ in range(12)))
 
-        responses = asyncio.run(burst())
-        codes = sorted(r.status_code for r in responses)
-        assert codes.count(200) >= 2 and codes.count(503) >= 1 and set(codes) == {200, 503}, codes
-        for r in responses:
-            if r.status_code == 503:
-                assert "overloaded" in r.json()["error"]["message"]
-            else:
-                assert len(r.json()["choices"][0]["token_ids"]) == 60
+        # max_num_seqs 1 + depth 2: three long streams fill the server (whatever the machine's speed), then a
+        # burst is refused whole
+        with httpx.Client(base_url=server.url, timeout=60) as h:
+            held = [h.stream("POST", "/v1/completions", json={**body, "max_tokens": 200, "stream": True})
+                    for _ in range(3)]
+            try:
+                assert [cm.__enter__().status_code for cm in held] == [200] * 3
+                responses = asyncio.run(burst())
+            finally:
+                for cm in held:
+                    cm.__exit__(None, None, None)   # the client goes: its request is aborted
+        assert [r.status_code for r in responses] == [503] * 12
+        assert all("overloaded" in r.json()["error"]["message"] for r in responses)
+        deadline = time.monotonic() + 60   # generous: only a leak waits this long
+        while _idle(server) != (0, 0, 0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _idle(server) == (0, 0, 0, 0)
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)   # served again
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 60
         # SIGTERM with a stream in flight: it still completes, then the process exits cleanly
         with httpx.Client(base_url=server.url, timeout=60) as h:
             body = {"model": PRESET, "prompt": [9, 9], "max_tokens": 150, "stream": True, "ignore_eos": True}
@@ -326,9 +336,7 @@ def test_overload_gets_503_and_graceful_shutdown(tmp_path_factory):
                 events += [line for line in lines if line.startswith("data:")]
         tokens = sum(len(json.loads(e[5:])["choices"][0]["token_ids"]) for e in events if e != "data: [DONE]")
         assert tokens == 150 and events[-1] == "data: [DONE]"
-        server.proc.wait(30)
-        # uvicorn re-raises the signal once it has shut down gracefully: a SIGTERM exit, after the engine stopped
-        assert server.proc.returncode in (0, -signal.SIGTERM), server.log()
+        assert server.proc.wait(30) == 0, server.log()   # a drained stop: 0, whichever the signal
         assert "engine stopped" in server.log()
     finally:
         server.close()

@@ -39,11 +39,14 @@ def server(tiny_hf_dir, tmp_path_factory):
     proc.close()
 
 
-def _stream_ids(url, body):
+def _stream_ids(url, body, started: threading.Event | None = None):
+    """The token ids and finish reason of a streamed completion; ``started`` is set at its first event."""
     ids, finish = [], None
     with httpx.Client(timeout=120) as h, h.stream("POST", url + "/v1/completions", json=body) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
+            if started is not None and line.startswith("data: "):
+                started.set()
             if line.startswith("data: ") and line != "data: [DONE]":
                 for choice in json.loads(line[6:])["choices"]:
                     ids += choice["token_ids"]
@@ -86,16 +89,20 @@ def test_hostile_requests_beside_streams_in_flight(server, tiny_hf_dir):
     bodies = [{"model": "tiny-hf", "prompt": p, "max_tokens": 120, "temperature": 0, "stream": True,
                "ignore_eos": True} for p in prompts]
     results = [None] * len(bodies)
+    started = [threading.Event() for _ in bodies]
 
     def stream(i):
-        results[i] = _stream_ids(server.url, bodies[i])
+        try:
+            results[i] = _stream_ids(server.url, bodies[i], started[i])
+        finally:
+            started[i].set()   # a failed stream does not hold the test up; its result fails it
 
     watch = HealthWatch(server.url)
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(bodies))]
     try:
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        assert all(event.wait(120) for event in started)   # the streams are in flight
         with httpx.Client(base_url=server.url, timeout=60) as h:
             for what, kwargs, status, word in _hostile("tiny-hf"):
                 r = h.post("/v1/completions", **kwargs)
@@ -107,7 +114,9 @@ def test_hostile_requests_beside_streams_in_flight(server, tiny_hf_dir):
             t.join(120)
     finally:
         watch.stop()
-    assert watch.slowest < 1.0 and not watch.failures, (watch.slowest, watch.failures)
+    # /health never failed, and was never held for the seconds a body parsed or tokenised on the event loop
+    # would hold it (the bound is generous: the test shares a machine with others)
+    assert watch.slowest < 5.0 and not watch.failures, (watch.slowest, watch.failures)
     llm = LLM(tiny_hf_dir, num_kv_blocks=64, max_model_len=256, backend="torch")
     want = llm.generate(prompts, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True), use_tqdm=False)
     for (ids, finish), w in zip(results, want):
@@ -157,16 +166,18 @@ def test_usage_chunk_shapes_and_schema_policy(server):
     assert server.log().count("'bogus_field'") <= 1
 
 
-def _wait_for_requests_in_server(url: str, count: int, timeout: float = 60.0) -> None:
-    """Until the server's /metrics reports ``count`` requests accepted and not finished (bounded)."""
+def _wait_for_requests_in_server(url: str, count: int, timeout: float = 60.0, at_most: bool = False) -> None:
+    """Until the server's /metrics reports at least (``at_most``: at most) ``count`` requests accepted and not
+    finished (bounded)."""
     deadline = time.monotonic() + timeout
     with httpx.Client(base_url=url, timeout=10) as h:
         while time.monotonic() < deadline:
             found = re.search(r"^tripath:num_requests_in_server\{[^}]*\} (\S+)$", h.get("/metrics").text, re.M)
-            if found and float(found.group(1)) >= count:
+            if found and (float(found.group(1)) <= count if at_most else float(found.group(1)) >= count):
                 return
             time.sleep(0.02)
-    raise AssertionError(f"the server did not hold {count} requests within {timeout} s")
+    raise AssertionError(f"the server did not hold {'at most' if at_most else 'at least'} {count} requests "
+                         f"within {timeout} s")
 
 
 def test_queue_depth_counts_beyond_the_running_and_shutdown_answers_503(tmp_path_factory):
@@ -180,10 +191,22 @@ def test_queue_depth_counts_beyond_the_running_and_shutdown_answers_503(tmp_path
         async def burst():
             async with httpx.AsyncClient(base_url=proc.url, timeout=120) as h:
                 body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True}
-                return await asyncio.gather(*(h.post("/v1/completions", json=body) for _ in range(20)))
+                return await asyncio.gather(*(h.post("/v1/completions", json=body) for _ in range(14)))
 
-        codes = sorted(r.status_code for r in asyncio.run(burst()))
-        assert codes.count(200) == 6 and codes.count(503) == 14, codes   # max_num_seqs 2 + depth 4
+        # max_num_seqs 2 + depth 4: six long streams fill the server (whatever the machine's speed), then a
+        # burst is refused whole
+        with httpx.Client(base_url=proc.url, timeout=60) as h:
+            body = {"model": "tiny-llama", "prompt": [5, 6, 7], "max_tokens": 1000, "stream": True,
+                    "ignore_eos": True}
+            held = [h.stream("POST", "/v1/completions", json=body) for _ in range(6)]
+            try:
+                assert [cm.__enter__().status_code for cm in held] == [200] * 6
+                codes = [r.status_code for r in asyncio.run(burst())]
+            finally:
+                for cm in held:
+                    cm.__exit__(None, None, None)   # the client goes: its request is aborted
+        assert codes == [503] * 14, codes
+        _wait_for_requests_in_server(proc.url, 0, at_most=True)
         with httpx.Client(base_url=proc.url, timeout=60) as h:
             body = {"model": "tiny-llama", "prompt": [5, 6], "max_tokens": 2, "n": 7}
             r = h.post("/v1/completions", json=body)

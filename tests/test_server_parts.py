@@ -140,10 +140,10 @@ def _idle(engine):
     return m.running._value.get(), m.waiting._value.get(), m.kv_blocks_used._value.get()
 
 
-def _wait_idle(engine):
-    for _ in range(100):
-        if _idle(engine) == (0, 0, 0):
-            break
+def _wait_idle(engine, timeout_s: float = 60.0):
+    """The engine's last report once it is idle, or after ``timeout_s`` (generous: only a leak waits that long)."""
+    deadline = time.monotonic() + timeout_s
+    while _idle(engine) != (0, 0, 0) and time.monotonic() < deadline:
         time.sleep(0.05)
     return _idle(engine)
 
@@ -175,11 +175,45 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(monkeypatch, in_
         assert engine.llm is None
 
 
+def _sample(text: str, name: str, **labels) -> float:
+    """The value of the ``/metrics`` sample ``name`` with ``labels`` (among others), 0 when there is none."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@ENGINES
+def test_a_refused_add_counts_as_one_rejection_by_reason_not_as_an_abort(monkeypatch, in_process):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    threads = torch.get_num_threads()
+    served, engine = _app(in_process=in_process)
+    try:
+        r = served.post({"model": "tiny", "prompt": ADD_POISON, "max_tokens": 4})
+        assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
+        # two prompts: the engine takes the first and refuses the second; the first is withdrawn, not aborted
+        r = served.post({"model": "tiny", "prompt": [[4, 5, 6], ADD_POISON], "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
+        r = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 300})   # more KV blocks than it has
+        assert r.status_code == 400 and "needs more KV blocks" in r.json()["error"]["message"]
+        assert _wait_idle(engine) == (0, 0, 0)
+        text = served.get("/metrics").text
+        rejected = "tripath:requests_rejected_total"
+        assert _sample(text, rejected, reason="engine_error") == 2, text
+        assert _sample(text, rejected, reason="invalid_request") == 1, text
+        for reason in ("abort", "error", "stop", "length"):   # no request ran to an end
+            assert _sample(text, "tripath:request_success_total", finished_reason=reason) == 0, (reason, text)
+    finally:
+        served.close()
+        torch.set_num_threads(threads)
+
+
 @ENGINES
 def test_a_request_past_its_timeout_gets_504_and_is_aborted(monkeypatch, in_process):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()
-    served, engine = _app(slow_s=0.02, in_process=in_process, request_timeout_s=0.3)
+    # 200 steps of at least 20 ms (4 s) pass the 2 s timeout on any machine; 3 steps come well within it
+    served, engine = _app(slow_s=0.02, in_process=in_process, request_timeout_s=2.0)
     try:
         r = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 200, "ignore_eos": True})
         assert r.status_code == 504 and r.json()["error"]["type"] == "timeout"

@@ -2,7 +2,7 @@
 structured output whose grammar takes seconds to compile, thousands of distinct schemas, and an API server
 whose event loop stops reading — while victim streams run. A victim's longest gap between two events stays
 within twice its unattacked value (or a second, whichever is larger: a busy test machine's own pauses), and
-``/health`` answers within a second throughout."""
+``/health`` answers throughout."""
 
 import contextlib
 import json
@@ -25,6 +25,8 @@ pytest.importorskip("xgrammar")
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 BASE = ["--backend", "torch", "--max-num-seqs", "16"]
+HEALTH_S = 3.0   # /health answers within this (about 10 ms here; a busy 2-core test machine has its own pauses)
+LARGE_SCHEMAS = ["--max-structured-output-bytes", str(1 << 20)]   # the 30,000-word enum: 0.5 MB
 
 
 class Stream:
@@ -108,7 +110,7 @@ def test_a_grammar_that_compiles_for_seconds_stalls_no_other_stream(tiny_hf_dir,
     streams: the victim keeps its pace, ``/health`` answers; the request is refused (400) when its compile
     outlasts ``--grammar-compile-timeout``, naming it."""
     server = ServerProcess(["--model", tiny_hf_dir, "--served-model-name", "m", *BASE,
-                            "--grammar-compile-timeout", "1"], tmp_path / "server.log")
+                            "--grammar-compile-timeout", "1", *LARGE_SCHEMAS], tmp_path / "server.log")
     try:
         baseline = Stream(server.port, _victim_body("m"))
         assert baseline.done.wait(120) and baseline.completed
@@ -129,7 +131,7 @@ def test_a_grammar_that_compiles_for_seconds_stalls_no_other_stream(tiny_hf_dir,
         victim.close()
         attacked = victim.longest_gap(since=victim.times[1])
         assert attacked <= _gap_limit(unattacked), (attacked, unattacked)
-        assert watch.slowest < 1.0 and not watch.failures, (watch.slowest, watch.failures)
+        assert watch.slowest < HEALTH_S and not watch.failures, (watch.slowest, watch.failures)
         (answer,) = answers
         assert answer.status_code == 400, answer.text
         assert "--grammar-compile-timeout" in answer.json()["error"]["message"]
@@ -266,7 +268,7 @@ def test_grammars_wait_off_the_engine_loop_in_either_mode(tiny_hf_dir, tmp_path,
     ``--grammar-compile-timeout``); a token the grammar rejects (``min_tokens`` past where the grammar must end)
     ends the request with a 400 naming ``min_tokens`` — as an error event once the stream has begun."""
     server = ServerProcess(["--model", tiny_hf_dir, "--served-model-name", "m", *BASE, "--grammar-compile-timeout",
-                            "1", *mode], tmp_path / "server.log")
+                            "1", *LARGE_SCHEMAS, *mode], tmp_path / "server.log")
     try:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             ok = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8, "temperature": 0,
@@ -275,6 +277,8 @@ def test_grammars_wait_off_the_engine_loop_in_either_mode(tiny_hf_dir, tmp_path,
             slow = client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 8,
                                                         "guided_json": _large_enum_schema(30000)})
             assert slow.status_code == 400 and "--grammar-compile-timeout" in slow.json()["error"]["message"]
+            metric = 'tripath:requests_rejected_total{engine="0",model_name="m",reason="grammar_timeout"}'
+            assert server.metrics()[metric] == 1
             body = {"model": "m", "prompt": "x", "max_tokens": 12, "temperature": 0, "min_tokens": 8,
                     "guided_regex": "[0-9]{3}"}
             rejected = client.post("/v1/completions", json=body)

@@ -163,6 +163,13 @@ def test_responses_api(client):
         kinds = [event.type for event in stream]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
     assert "response.output_text.delta" in kinds and "response.output_text.done" in kinds
+    events = list(client.responses.create(model=NAME, input="Hello world", max_output_tokens=4, stream=True,
+                                          extra_body={"ignore_eos": True}))
+    assert type(events[0]).__name__ == "ResponseCreatedEvent" and events[0].response.status == "in_progress"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    last = events[-1]
+    assert type(last).__name__ == "ResponseIncompleteEvent" and last.response.usage.output_tokens == 4
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == last.response.output_text
     # structured output: a tool call is forced, then the conversation continues with its result
     tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
              for t in TOOLS]
@@ -206,3 +213,14 @@ def test_responses_api_refuses_what_it_does_not_do(server):
         assert r.status_code == 400 and word in r.json()["error"]["message"], (extra, r.text)
     assert httpx.post(url, json={"model": "other", "input": "hi"}, timeout=60).status_code == 404
     assert httpx.get(url + "/resp_123", timeout=60).status_code == 404
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser (one of hermes, "),
+    (["--tool-call-parser", "nope"], "argument --tool-call-parser: invalid choice: 'nope'"),
+])
+def test_tool_flags_usage_errors(capsys, argv, message):
+    from tripath.cli import main
+
+    assert main(["serve", "tiny-llama", *argv, "--port", "0"]) == 2
+    assert message in capsys.readouterr().err

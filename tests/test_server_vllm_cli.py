@@ -26,6 +26,7 @@ from tripath.engine import LLM, SamplingParams  # noqa: E402
 MODEL_ID, TOKENIZER_ID = "tripath-test/tiny-llama", "tripath-test/tiny-tokenizer"
 NAMES = ["tiny", "tiny-alias"]
 API_KEY = "sk-test-123"
+KEY = {"Authorization": f"Bearer {API_KEY}"}
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}[ASSISTANT]{% endif %}")
 GENERATION_CONFIG = {"temperature": 0, "top_k": 50, "max_new_tokens": 5, "min_p": 0.05, "do_sample": True}
@@ -91,7 +92,7 @@ def client(server, key=API_KEY):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
-def test_api_key_guards_v1_only(server):
+def test_api_key_guards_every_path_but_the_public_ones(server):
     with pytest.raises(openai.AuthenticationError) as error:
         client(server, "wrong").models.list()
     assert error.value.status_code == 401 and error.value.body["code"] == "invalid_api_key"
@@ -103,6 +104,18 @@ def test_api_key_guards_v1_only(server):
         assert httpx.request(method, server.url + path).status_code == 200, path
     import tripath
     assert httpx.get(server.url + "/version").json() == {"version": tripath.__version__}
+    # vLLM leaves /tokenize, /detokenize and FastAPI's docs open; here they need the key, as does a path that
+    # matches no route (a 401, not a 404 that would map the routes)
+    for method, path, body in (("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [5]}),
+                               ("GET", "/docs", None), ("GET", "/redoc", None), ("GET", "/openapi.json", None),
+                               ("GET", "/no/such/path", None), ("GET", "/health/", None)):
+        r = httpx.request(method, server.url + path, json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+    for method, path, body, status in (("POST", "/tokenize", {"prompt": "hi"}, 200), ("GET", "/docs", None, 200),
+                                       ("GET", "/openapi.json", None, 200), ("GET", "/no/such/path", None, 404)):
+        r = httpx.request(method, server.url + path, json=body, headers=KEY)
+        assert r.status_code == status, (path, r.text)
+    assert "/tokenize" in httpx.get(server.url + "/openapi.json", headers=KEY).json()["paths"]
 
 
 def test_every_served_name_is_accepted_and_the_first_names_the_metrics(server):
@@ -119,20 +132,22 @@ def test_every_served_name_is_accepted_and_the_first_names_the_metrics(server):
 def test_tokenize_and_detokenize_round_trip(server, hub_cache):
     _, tokenizer = hub_cache
     text = "The quick brown fox, naïve café ✓"
-    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True})
+    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True},
+                   headers=KEY)
     body = r.json()
     assert r.status_code == 200 and body["tokens"] == tokenizer.encode(text)
     assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 300
     assert body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
-    back = httpx.post(server.url + "/detokenize", json={"model": "tiny-alias", "tokens": body["tokens"]})
+    back = httpx.post(server.url + "/detokenize", json={"model": "tiny-alias", "tokens": body["tokens"]},
+                      headers=KEY)
     assert back.status_code == 200 and back.json() == {"prompt": text}
     usage = client(server).completions.create(model="tiny", prompt=text, max_tokens=1).usage
     assert usage.prompt_tokens == body["count"]   # the ids a completions request uses
-    bad = httpx.post(server.url + "/detokenize", json={"tokens": [1, 10 ** 6]})
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [1, 10 ** 6]}, headers=KEY)
     assert bad.status_code == 400 and "tokens" in bad.json()["error"]["message"]
-    missing = httpx.post(server.url + "/tokenize", json={"model": "tiny"})
+    missing = httpx.post(server.url + "/tokenize", json={"model": "tiny"}, headers=KEY)
     assert missing.status_code == 400 and "prompt" in missing.json()["error"]["message"]
-    other = httpx.post(server.url + "/tokenize", json={"model": "nope", "prompt": "x"})
+    other = httpx.post(server.url + "/tokenize", json={"model": "nope", "prompt": "x"}, headers=KEY)
     assert other.status_code == 404
 
 
@@ -142,7 +157,7 @@ def test_chat_template_is_applied_exactly(server, hub_cache, llm):
     text = tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False, add_generation_prompt=True)
     assert text.startswith("[SYSTEM] Be brief.\n[USER] Hello server!\n[ASSISTANT]")
     want = tokenizer(text, add_special_tokens=False)["input_ids"]
-    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": messages})
+    r = httpx.post(server.url + "/tokenize", json={"model": "tiny", "messages": messages}, headers=KEY)
     assert r.status_code == 200 and r.json()["tokens"] == want
     reply = client(server).chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)
     assert reply.usage.prompt_tokens == len(want)
@@ -191,13 +206,13 @@ def test_a_port_in_use_fails_at_once_before_the_engine_builds():
         taken.listen()
         port = taken.getsockname()[1]
         start = time.perf_counter()
-        result = _serve("tiny-llama", "--backend", "torch", "--port", str(port))
+        result = _serve("tiny-llama", "--backend", "torch", "--port", str(port), "--log-level", "info")
         elapsed = time.perf_counter() - start
     assert result.returncode == 1, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use by another process" in result.stderr
-    assert "--port" in result.stderr and "engine" not in result.stderr
+    # at once: before anything of the engine (its core process, the model) started, whatever the machine's speed
+    assert "--port" in result.stderr and "engine" not in result.stderr and "tiny-llama" not in result.stderr
     print(f"a port in use: exit after {elapsed:.2f} s (interpreter start included)")
-    assert elapsed < 5
 
 
 def test_a_hub_id_missing_from_the_offline_cache_is_named(tmp_path):
@@ -217,6 +232,13 @@ def test_a_hub_id_missing_from_the_offline_cache_is_named(tmp_path):
     (["tiny-llama", "--chat-template", "missing.jinja"], "--chat-template: chat template 'missing.jinja' is "
                                                           "neither a file that exists nor a Jinja template"),
     (["tiny-llama", "--generation-config", "no/such/folder"], "--generation-config: 'no/such/folder' is neither"),
+    (["tiny-llama", "--api-key", ""], "--api-key is empty: give a key, or leave the option out"),
+    (["tiny-llama", "--public-paths", "health"], "a public path must be an absolute path such as /health"),
+    (["tiny-llama", "--header-timeout", "0"], "--header-timeout must be a positive number of seconds, got 0.0"),
+    (["tiny-llama", "--body-timeout", "inf"], "--body-timeout must be a positive number of seconds, got inf"),
+    (["tiny-llama", "--send-timeout", "-1"], "--send-timeout must be a positive number of seconds, got -1.0"),
+    (["tiny-llama", "--max-connections", "0"], "--max-connections must be >= 1, got 0"),
+    (["tiny-llama", "--max-structured-output-bytes", "0"], "--max-structured-output-bytes must be >= 1, got 0"),
 ])
 def test_usage_errors_name_the_flag(capsys, argv, message):
     from tripath.cli import main
@@ -232,7 +254,10 @@ def test_help_shows_the_defaults(capsys):
     out = " ".join(capsys.readouterr().out.split())
     for part in ("[model]", "--max-queue-depth MAX_QUEUE_DEPTH engine requests allowed", "(default: 1024)",
                  "-tp TENSOR_PARALLEL_SIZE, --tensor-parallel-size", "--api-key", "--generation-config",
-                 "(default: auto)", "k = 1000 and K = 1024"):
+                 "(default: auto)", "k = 1000 and K = 1024", "Prefer the environment variable",
+                 "default: /health /ping /version /metrics", "--disable-fastapi-docs", "--header-timeout SECONDS",
+                 "(default: 10.0)", "--body-timeout SECONDS", "(default: 60.0)", "--send-timeout SECONDS",
+                 "--max-connections N", "--max-structured-output-bytes BYTES", "(default: 65536)"):
         assert part in out, part
 
 
@@ -248,27 +273,37 @@ def test_token_counts_read_as_vllm_reads_them():
             token_count(bad)
 
 
-def test_the_api_key_middleware_and_its_environment_variable(monkeypatch):
-    """In process, without an engine: the key check alone, and TRIPATH_API_KEY read in tripath._env."""
+def test_the_api_key_middleware_and_its_environment_variables(monkeypatch):
+    """In process, without an engine: the key check alone (public paths are exact matches, configurable), and
+    TRIPATH_API_KEY before VLLM_API_KEY, read in tripath._env."""
     from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
+    from starlette.testclient import TestClient
 
     from tripath import _env
     from tripath.server.auth import APIKeyCheck
 
-    ok = Starlette(routes=[Route("/v1/models", lambda r: PlainTextResponse("ok")),
-                           Route("/v10", lambda r: PlainTextResponse("open")),
-                           Route("/health", lambda r: PlainTextResponse("open"))])
-    from starlette.testclient import TestClient
-
+    ok = Starlette(routes=[Route(path, lambda r: PlainTextResponse("ok")) for path in
+                           ("/v1/models", "/v10", "/health", "/tokenize", "/custom")])
     with TestClient(APIKeyCheck(ok, "k1")) as h:
         assert h.get("/v1/models").status_code == 401
         assert h.get("/v1/models", headers={"Authorization": "Bearer k2"}).json()["error"]["code"] == \
             "invalid_api_key"
         assert h.get("/v1/models", headers={"Authorization": "Bearer k1"}).text == "ok"
-        assert h.get("/health").text == "open" and h.get("/v10").text == "open"
+        assert h.get("/health").text == "ok"
+        for path in ("/v10", "/tokenize", "/custom", "/health/x"):
+            assert h.get(path).status_code == 401, path
+    with TestClient(APIKeyCheck(ok, "k1", public_paths=["/custom"])) as h:
+        assert h.get("/custom").text == "ok" and h.get("/health").status_code == 401
+    with TestClient(APIKeyCheck(ok, "k1", public_paths=[])) as h:
+        assert h.get("/health").status_code == 401
+    with pytest.raises(ValueError, match="a public path must be an absolute path such as /health, got 'health'"):
+        APIKeyCheck(ok, "k1", public_paths=["health"])
     monkeypatch.delenv("TRIPATH_API_KEY", raising=False)
-    assert _env.server_api_key() is None
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert _env.server_api_key() == (None, None)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _env.server_api_key() == ("from-vllm", "VLLM_API_KEY")
     monkeypatch.setenv("TRIPATH_API_KEY", "from-env")
-    assert _env.server_api_key() == "from-env"
+    assert _env.server_api_key() == ("from-env", "TRIPATH_API_KEY")

@@ -137,3 +137,35 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(tiny_hf_dir)
     assert re.fullmatch(r"[0-9]{1,3}", out.outputs[0].text), out.outputs[0].text
     blocks = llm.block_manager
     assert not llm.has_unfinished_requests() and blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_schemas_are_held_to_one_nesting_limit_as_dicts_and_as_text():
+    from tripath.engine.structured_output import MAX_SCHEMA_DEPTH, constraint_size
+
+    deepest = _nested(MAX_SCHEMA_DEPTH - 1)   # each level an object; the innermost one too
+    for form in (deepest, json.dumps(deepest)):
+        assert StructuredOutput(json=form).kind == "json"
+    for form in (_nested(MAX_SCHEMA_DEPTH), json.dumps(_nested(MAX_SCHEMA_DEPTH)), '[' * 100_000 + ']' * 100_000):
+        with pytest.raises(ValueError, match=f"structured_output.json is nested deeper than {MAX_SCHEMA_DEPTH}"):
+            StructuredOutput(json=form)   # the text one past Python's recursion limit: a ValueError all the same
+    cycle: dict = {"type": "object"}
+    cycle["properties"] = {"self": cycle}
+    with pytest.raises(ValueError, match="nested deeper"):
+        StructuredOutput(json=cycle)
+    shared: list = []
+    for _ in range(30):   # 2**30 paths through 30 lists: walked without following them all
+        shared = [shared, shared]
+    with pytest.raises(ValueError, match="holds more than"):
+        StructuredOutput(json={"enum": shared})
+    # size: the constraint's text in UTF-8 bytes
+    assert StructuredOutput(json={"type": "string"}).size == len('{"type":"string"}')
+    assert StructuredOutput(json='{"type": "string"}').size == 18
+    assert StructuredOutput(choice=("é", "ab")).size == 4 and StructuredOutput(regex="a+").size == 2
+    assert StructuredOutput(json_object=True).size == 0 == constraint_size(True)

@@ -72,7 +72,15 @@ def validate() -> bool:
     return os.environ.get("TRIPATH_VALIDATE", "0") not in ("", "0", "false", "False")
 
 
-def server_api_key() -> str | None:
-    """``TRIPATH_API_KEY``: the key ``tripath serve`` requires on ``/v1/*`` requests (``Authorization: Bearer
-    <key>``) when ``--api-key`` is not given; unset or empty: no key."""
-    return os.environ.get("TRIPATH_API_KEY") or None
+API_KEY_VARIABLES = ("TRIPATH_API_KEY", "VLLM_API_KEY")
+
+
+def server_api_key() -> tuple[str | None, str | None]:
+    """The key ``tripath serve`` requires (``Authorization: Bearer <key>``) when ``--api-key`` is not given, and
+    the variable it came from: ``TRIPATH_API_KEY``, else vLLM's ``VLLM_API_KEY`` (so a deployment written for
+    ``vllm serve`` keeps its key); ``(None, None)`` when neither is set (or both are empty)."""
+    for name in API_KEY_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            return value, name
+    return None, None

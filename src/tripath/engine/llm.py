@@ -42,6 +42,7 @@ from tripath.engine.errors import StepFailed
 from tripath.engine.choices import choice_params, group_choices
 from tripath.engine.generation_defaults import load_generation_defaults, usable_defaults
 from tripath.engine.launched_step import LaunchedStep, SampledStep
+from tripath.engine.llm_guards import EngineLock, check_sampling_token_ids, serialised
 from tripath.engine.model_runner import ModelRunner
 from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
@@ -116,6 +117,11 @@ class LLM:
     over the start's objects does not pause a step. ``detokenize_outputs`` (True): a finished output carries
     its ``text`` and its log-probabilities' ``decoded_token``; a caller that detokenises itself (the server's
     engine core) sets it False, keeping that work off the step loop (``text`` is then None).
+
+    One thread at a time: ``generate``, ``chat``, ``stream`` and the step API (``add_request``, ``step``,
+    ``abort_request``) hold the engine's lock (:mod:`tripath.engine.llm_guards`), so calls from several
+    threads run one after the other, each whole and with its own results; a thread's call waits while
+    another thread's runs. A ``stream`` holds the lock from its first item until it is exhausted or closed.
     """
 
     def __init__(self, model, *, tokenizer=None, config: EngineConfig | None = None,
@@ -174,6 +180,7 @@ class LLM:
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        self._engine_lock = EngineLock()
         self.detokenize_outputs = True
         self.num_requests_added = 0
         self.num_steps = 0
@@ -220,13 +227,14 @@ class LLM:
         self.close()
 
     # ---- step API -----------------------------------------------------------------------------------
+    @serialised
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, *, grammar=None) -> str:
         """Queue a prompt (text, with the model's tokenizer, or token ids: a sequence of ints or a 1-D integer
         tensor/array); returns its request id. Nothing is queued when it raises: ``TypeError`` for a prompt
-        that is not text or integer ids, ``ValueError`` for an empty prompt, ids outside the vocabulary, a
-        request id already queued or running, a structured output that does not compile, or a request that
-        could never be served (see :class:`Scheduler`).
+        that is not text or integer ids, ``ValueError`` for an empty prompt, ids outside the vocabulary (in
+        the prompt, ``stop_token_ids`` or ``logit_bias``), a request id already queued or running, a structured
+        output that does not compile, or a request that could never be served (see :class:`Scheduler`).
 
         A structured output's grammar is compiled here, in the caller's thread, unless cached or given:
         ``grammar``, the compiled grammar of ``sampling_params.structured_output`` (from
@@ -259,6 +267,7 @@ class LLM:
         else:
             text, token_ids = None, prompt
         token_ids = token_ids_of(token_ids, name, getattr(self.model.config, "vocab_size", None))
+        check_sampling_token_ids(params, getattr(self.model.config, "vocab_size", None), name)
         live = {r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)} | set(taken)
         if request_id is None:
             request_id, n = f"req-{number}", 0
@@ -289,6 +298,7 @@ class LLM:
                     cache_bytes=self.config.grammar_cache_mb << 20, timeout_s=self.config.grammar_compile_timeout_s)
         return self._grammar_compiler
 
+    @serialised
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when no such request is queued or running."""
         return self.scheduler.abort(request_id) is not None
@@ -305,6 +315,7 @@ class LLM:
                            blocks.num_queried_tokens, blocks.num_hit_tokens, scheduler.num_preemptions,
                            self.num_steps)
 
+    @serialised
     def step(self) -> list[RequestOutput]:
         """One scheduling step and one model run; outputs of the requests that gained a token or finished
         (with overlapped scheduling, in the step launched by the call before this one).
@@ -461,12 +472,30 @@ class LLM:
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Add ``prompts`` and yield each step's outputs until all of them finish."""
-        for request in self._make_requests(*self._normalise(prompts, sampling_params)):
-            self.scheduler.add(request)
-            self.num_requests_added += 1
-        while self.has_unfinished_requests():
-            yield from self.step()
+        """Add ``prompts`` and yield each step's outputs until all of them finish. It holds the engine from
+        its first item until it is exhausted or closed: other threads' calls wait meanwhile, so close a stream
+        left unfinished (``with contextlib.closing(llm.stream(...))``); closing it, or an exception in a step,
+        aborts its unfinished requests."""
+        lock = self._engine_lock
+        taken = lock.take()
+        added: list[str] = []
+        try:
+            for request in self._make_requests(*self._normalise(prompts, sampling_params)):
+                self.scheduler.add(request)
+                self.num_requests_added += 1
+                added.append(request.request_id)
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    yield out
+                    if taken:
+                        lock.adopt()   # resumed, perhaps by another thread: its step() calls re-enter
+        except BaseException:
+            for request_id in added:
+                self.scheduler.abort(request_id)
+            raise
+        finally:
+            if taken:
+                lock.release()
 
     def decode(self, token_ids: Sequence[int]) -> str | None:
         if self.tokenizer is None:
@@ -474,6 +503,7 @@ class LLM:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     # ---- offline ------------------------------------------------------------------------------------
+    @serialised
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -485,7 +515,8 @@ class LLM:
 
         Every prompt is checked before any is queued (see :meth:`add_request`), so a bad one raises alone and
         touches nothing. If a step raises, this run's requests are aborted first: the engine is left idle,
-        every block back in the free pool.
+        every block back in the free pool. Calls from several threads run one after the other (see
+        :class:`LLM`); ``RuntimeError`` when requests added with :meth:`add_request` are unfinished.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("generate() needs an idle engine: finish or abort the requests added with "

@@ -87,7 +87,11 @@ class SamplingParams:
 
     Every field is range-checked against what the sampler holds: ``top_k``, ``max_tokens`` and token ids fit
     in int64, ``seed`` in ``[-2**63, 2**63 - 1]`` (distinct seeds give distinct generators), ``temperature``
-    and ``repetition_penalty`` <= 1e30, the other penalties in [-2, 2], ``logit_bias`` values finite.
+    <= 1e30, ``repetition_penalty`` in [1e-30, 1e30], the other penalties in [-2, 2], ``logit_bias`` values
+    in [-1e8, 1e8]. The sampler computes in float32: with these bounds no transform of a logit up to 1e8 in
+    size overflows to inf (which would turn the softmax into NaN), whereas a ``repetition_penalty`` of
+    1e-300 would be 0 in float32 and 1e-40 would overflow a logit of 10 divided by it. A temperature or
+    ``top_p`` that is 0 in float32 samples the most likely token, as the smallest positive values do.
     """
 
     max_tokens: int = 16
@@ -141,9 +145,10 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens ({self.max_tokens})], got "
                              f"{self.min_tokens!r}")
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE):
-            raise ValueError(f"repetition_penalty must be finite and in (0, {MAX_TEMPERATURE:g}] (1 = off), got "
-                             f"{self.repetition_penalty}")
+        if not (math.isfinite(self.repetition_penalty) and
+                MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                             f"(1 = off; the sampler divides logits by it in float32), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -2 <= value <= 2):
@@ -195,14 +200,18 @@ def _logit_bias(bias) -> dict[int, float] | None:
     for token, value in bias.items():
         if not _is_int(token) or not 0 <= token <= INT64_MAX:
             raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ValueError(f"logit_bias[{token}] must be a finite number, got {value!r}")
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not (
+                math.isfinite(value) and abs(value) <= MAX_LOGIT_BIAS_VALUE):
+            raise ValueError(f"logit_bias[{token}] must be a number in [{-MAX_LOGIT_BIAS_VALUE:g}, "
+                             f"{MAX_LOGIT_BIAS_VALUE:g}], got {value!r}")
         out[int(token)] = float(value)
     return out or None
 
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1   # the sampler's int64 tensors and 64-bit generator seeds
 MAX_TEMPERATURE = 1e30   # logits are divided by it in float32
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30   # positive logits / r, negative ones * r, in float32
+MAX_LOGIT_BIAS_VALUE = 1e8   # |bias|: (logit + bias) / MIN_REPETITION_PENALTY stays below float32's 3.4e38
 MAX_LOGPROBS = 20        # most likely tokens reported per position (vLLM's default max_logprobs)
 MAX_CHOICES = 64         # n and best_of
 MAX_LOGIT_BIAS = 1024    # entries of logit_bias

@@ -34,13 +34,19 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 DEFAULT_CACHE_MB = 512            # the compiled grammars kept (LRU), as vLLM's VLLM_XGRAMMAR_CACHE_MB
 DEFAULT_COMPILE_TIMEOUT_S = 30.0  # how long a request may wait for its grammar before it is refused
 WORKER_NICENESS = 10              # the compile workers' priority below the engine's (Linux nice levels)
+MAX_SCHEMA_DEPTH = 128        # nesting of a JSON schema, given as a dict or as text: deeper ones are refused
+MAX_SCHEMA_VALUES = 1 << 20   # objects and arrays walked in a schema (so a dict that shares its parts ends)
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """One constraint (exactly one field set): ``json`` a JSON schema (a dict or its JSON text),
     ``json_object`` any JSON object, ``regex`` a regular expression the whole output matches, ``choice``
-    one of these strings exactly, ``grammar`` an EBNF grammar (xgrammar's / GBNF dialect, ``root`` rule)."""
+    one of these strings exactly, ``grammar`` an EBNF grammar (xgrammar's / GBNF dialect, ``root`` rule).
+
+    A schema nested deeper than :data:`MAX_SCHEMA_DEPTH` levels (as a dict or as text) is refused with
+    ``ValueError``: the grammar compiler's time grows faster than the depth, and the JSON walks recurse.
+    :attr:`size` is the constraint's text in UTF-8 bytes, what a server bounds."""
 
     json: dict | str | None = None
     json_object: bool = False
@@ -56,10 +62,15 @@ class StructuredOutput:
             object.__setattr__(self, "choice", choice)
         if isinstance(self.json, str):
             try:
-                json.loads(self.json)
+                schema = json.loads(self.json)
             except json.JSONDecodeError as error:
                 raise ValueError(f"structured_output.json is not valid JSON: {error}") from None
-        elif self.json is not None and not isinstance(self.json, dict):
+            except RecursionError:   # json's parser recurses: past Python's limit, the nesting is far too deep
+                raise ValueError(f"structured_output.json is nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
+            _check_nesting(schema)
+        elif isinstance(self.json, dict):
+            _check_nesting(self.json)
+        elif self.json is not None:
             raise TypeError(f"structured_output.json must be a JSON schema (dict or str), got {type(self.json).__name__}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
@@ -76,9 +87,41 @@ class StructuredOutput:
 
     @property
     def key(self) -> tuple[str, str]:
-        """A hashable identity of the constraint (the compiled grammars' cache key)."""
+        """A hashable identity of the constraint: its kind and text (the schema's JSON for a dict)."""
         value = getattr(self, self.kind)
         return self.kind, value if isinstance(value, str) else json.dumps(value)   # keeps property order
+
+    @property
+    def size(self) -> int:
+        """The constraint's text in UTF-8 bytes (:func:`constraint_size`)."""
+        return constraint_size(getattr(self, self.kind))
+
+
+def constraint_size(value) -> int:
+    """A constraint's text in UTF-8 bytes: a schema's JSON (compact, for a dict), a regex or grammar, choices
+    together; 0 for ``json_object`` (``True``: a fixed grammar). Cheap for text, so a server can bound a
+    constraint before parsing it."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, (list, tuple)):
+        return sum(len(c.encode("utf-8", "surrogatepass")) for c in value)
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _check_nesting(schema) -> None:
+    """``ValueError`` when ``schema`` (a dict, or parsed JSON) nests deeper than :data:`MAX_SCHEMA_DEPTH`
+    levels or holds more than :data:`MAX_SCHEMA_VALUES` objects and arrays; walked without recursion."""
+    pending, walked = [(schema, 1)], 0
+    while pending:
+        value, depth = pending.pop()
+        walked += 1
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"structured_output.json is nested deeper than {MAX_SCHEMA_DEPTH} levels")
+        if walked > MAX_SCHEMA_VALUES:
+            raise ValueError(f"structured_output.json holds more than {MAX_SCHEMA_VALUES} objects and arrays")
+        children = value.values() if isinstance(value, dict) else value
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list, tuple)))
 
 
 def _xgrammar():

@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -35,8 +36,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from tripath.server.metrics_peers import is_abstract
+
 log = logging.getLogger("tripath.server")
 
+ABSTRACT_SOCKETS = sys.platform.startswith("linux")   # the metrics sockets in Linux's abstract namespace
 EXIT_GRACE_S = 10.0   # beyond the drain: how long a stopping API server or core may take before SIGKILL
 UNIX_PATH_MAX = 107     # the longest socket path AF_UNIX takes (Linux: 108 bytes with the terminating NUL)
 
@@ -44,7 +48,7 @@ UNIX_PATH_MAX = 107     # the longest socket path AF_UNIX takes (Linux: 108 byte
 @dataclass(frozen=True)
 class ApiServerRole:
     """API server ``index`` of ``count`` (0-based), its ``channel`` to the engine core and the ``folder`` the
-    API servers share (their metrics sockets)."""
+    API servers share (their metrics sockets: see :func:`socket_folder`)."""
 
     index: int
     count: int
@@ -117,6 +121,7 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
         servers.append(server)
     listener.close()   # API server 0 holds it now; kept here, it would queue connections after that one's exit
     log.info("%d API servers started: processes %s", count, ", ".join(str(s.pid) for s in servers))
+    log.info("their metrics sockets: %s/<index>.sock", "@" + folder[1:] if is_abstract(folder) else folder)
     try:
         return _watch(servers, core, drain_s)
     finally:
@@ -124,12 +129,18 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
             if process.is_alive():
                 process.kill()
                 process.join()
-        shutil.rmtree(folder, ignore_errors=True)
+        if not is_abstract(folder):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
-def socket_folder() -> str:
-    """A new folder for the API servers' metrics sockets, in the temp folder; in ``/tmp`` where the temp
-    folder's path is so long that a socket's path would pass what ``AF_UNIX`` takes (107 bytes on Linux)."""
+def socket_folder(abstract: bool = ABSTRACT_SOCKETS) -> str:
+    """Where the API servers' metrics sockets live (:mod:`~tripath.server.metrics_peers`). ``abstract`` (on
+    Linux): a fresh random name in the abstract socket namespace, ``"\\0tripath-api-servers-<hex>"``, which
+    puts nothing on the filesystem, so nothing is left however the processes end. Else a new folder in the
+    temp folder; in ``/tmp`` where the temp folder's path is so long that a socket's path would pass what
+    ``AF_UNIX`` takes (107 bytes on Linux)."""
+    if abstract:
+        return "\0tripath-api-servers-" + secrets.token_hex(8)
     base = tempfile.gettempdir()
     if len(os.path.join(base, "tripath-api-servers-12345678", "1000.sock")) > UNIX_PATH_MAX and os.path.isdir("/tmp"):
         base = "/tmp"

@@ -6,30 +6,36 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`
 ending in ``data: [DONE]``; tools and tool calls: :mod:`~tripath.server.tools`), ``POST /v1/responses``
 (:mod:`~tripath.server.openai_responses`), ``GET /v1/models`` (every served name), ``GET /health`` and ``GET`` / ``POST
 /ping`` (200 once the engine is built; 503 before, while shutting down and once the engine has died; 500
-when it could not be built), ``GET /metrics`` (Prometheus text, :mod:`~tripath.server.metrics`; of every API server when this is one of
-several, :mod:`~tripath.server.metrics_peers`), and vLLM's
-``POST /tokenize``, ``POST /detokenize``, ``GET /version`` (:mod:`~tripath.server.utility_routes`). With an ``api_key``, ``/v1/*`` requests need it as a bearer token
-(401 otherwise; :mod:`~tripath.server.auth`). Errors carry the OpenAI body
-``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (malformed JSON, a field of the
-wrong type or out of range, a prompt the engine could never serve, more choices than the server could ever
-hold), 404 for a model name the server does not serve, 413 for a body over ``max_request_bytes``, 503 when more than
-``max_queue_depth`` engine requests would wait beyond the ``max_num_seqs`` the engine runs at once, 504 past
-``request_timeout_s``, 500 for a failed engine step.
+when it could not be built), ``GET /metrics`` (Prometheus text, :mod:`~tripath.server.metrics`; of every API
+server when this is one of several, :mod:`~tripath.server.metrics_peers`), vLLM's ``POST /tokenize``, ``POST
+/detokenize``, ``GET /version`` (:mod:`~tripath.server.utility_routes`), and FastAPI's ``/docs``, ``/redoc``,
+``/openapi.json`` unless ``docs`` is off. With an ``api_key`` every path but the public ones needs it as a
+bearer token (401 otherwise; :mod:`~tripath.server.auth`). Errors carry the OpenAI body ``{"error":
+{"message", "type", "param", "code"}}``: 400 for a bad request (malformed JSON, a field of the wrong type or
+out of range, a prompt the engine could never serve, more choices than the server could ever hold, an output
+constraint over ``max_structured_output_bytes``), 404 for a model name the server does not serve, 413 for a
+body over ``max_request_bytes``, 415 for a body not sent as JSON (:mod:`~tripath.server.request_body`), 503
+when more than ``max_queue_depth`` engine requests would wait beyond the ``max_num_seqs`` the engine runs at
+once (or the bodies in flight would pass 64 x ``max_request_bytes``), 504 past ``request_timeout_s``, 500 for
+a failed engine step.
 
 Python work that grows with what a client sends (tokenising text prompts, rendering chat templates,
-matching stop strings) runs in worker threads, so one large request does not stall the others or
-``/health``. The body is parsed on the event loop (pydantic holds the interpreter lock while it validates:
-a thread would stall the loop as long, and add two thread hops to every request), bounded by
-``max_request_bytes``; token-id prompts are checked there too, at C speed (``min`` / ``max``).
+matching stop strings, decoding echoed prompts, building large replies) runs in worker threads, so one large
+request does not stall the others or ``/health``. The body is parsed on the event loop (pydantic holds the
+interpreter lock while it validates: a thread would stall the loop as long, and add two thread hops to every
+request), bounded by ``max_request_bytes``; token-id prompts are checked there too, at C speed (``min`` /
+``max``). Connections themselves (header, body and send timeouts, a connection cap) are bounded below the
+app, in :mod:`~tripath.server.connections`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Sequence
 
 import pydantic
 
@@ -40,14 +46,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tripath.engine.chat import chat_token_ids, encode_text
 from tripath.engine.request import SamplingParams
-from tripath.engine.structured_output import StructuredOutput
+from tripath.engine.structured_output import StructuredOutput, constraint_size
 from tripath.server import protocol as P
 from tripath.server.api_servers import ApiServerRole, watch_supervisor
-from tripath.server.auth import APIKeyCheck
+from tripath.server.auth import DEFAULT_PUBLIC_PATHS, APIKeyCheck, check_public_paths
 from tripath.server.chat_prepare import prepare_chat
 from tripath.server.engine_client import EngineClient
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
+from tripath.server.large_texts import LargeTextGate
+from tripath.server.request_body import BodyLimit, error_body, read_json
 from tripath.server.responses import respond
 from tripath.server.metrics import ServerMetrics
 from tripath.server.metrics_peers import MetricsPeers
@@ -58,16 +66,17 @@ from tripath.server.tools import ToolSettings
 log = logging.getLogger("tripath.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
-_Body = TypeVar("_Body", bound=pydantic.BaseModel)
+DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES = 64 << 10
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
            code=None) -> JSONResponse:
-    body = P.ErrorResponse(error=P.ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """A pydantic error as ``(message, param)``: each problem as ``field: what`` (the field named once), the
+    first field as ``param``."""
     parts, param = [], None
     for e in error.errors():
         if e.get("type") == "json_invalid":
@@ -75,20 +84,24 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         where = ".".join(loc)
         param = param or (where or None)
-        parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        msg = str(e.get("msg")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}" if where and not msg.startswith(loc[-1]) else msg)
     return "; ".join(parts) or "invalid request", param
 
 
 class ServerState:
     def __init__(self, engine: Engine, metrics: ServerMetrics, model_names: Sequence[str], max_queue_depth: int,
-                 request_timeout_s: float | None, chat_template: str | None = None):
+                 request_timeout_s: float | None, chat_template: str | None = None,
+                 max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES):
         self.engine, self.metrics = engine, metrics
         self.model_names = list(model_names)   # each accepted as a request's model; the first names the metrics
         self.model_name = self.model_names[0]
         self.chat_template = chat_template     # Jinja text in place of the tokenizer's, or None
         self.max_queue_depth = max_queue_depth
         self.request_timeout_s = request_timeout_s
+        self.max_structured_output_bytes = max_structured_output_bytes
         self.outstanding = 0   # engine submissions of live HTTP requests (handler side)
+        self.large_texts = LargeTextGate()
 
     @property
     def capacity(self) -> int:
@@ -97,64 +110,24 @@ class ServerState:
         return self.engine.max_num_seqs + self.max_queue_depth
 
 
-class _BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` (by its Content-Length, or as it streams in) gets
-    413 before the server holds more of it."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    def _message(self) -> str:
-        return f"the request body is larger than the server's limit of {self.max_bytes} bytes (--max-request-bytes)"
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            response = _error(413, self._message(), code="request_too_large")
-            return await response(scope, receive, send)
-        received = 0
-
-        async def limited():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise StarletteHTTPException(413, self._message())
-            return message
-
-        await self.app(scope, limited, send)
-
-
-def _parse(model: type[_Body], body: bytes) -> _Body:
-    try:
-        return model.model_validate_json(body)
-    except pydantic.ValidationError as error:
-        raise RequestValidationError(error.errors(include_url=False)) from None
-
-
-async def _body(request: Request, model: type[_Body]) -> _Body:
-    """The request body as ``model``, parsed and validated on the event loop: pydantic holds the interpreter
-    lock throughout, so a worker thread would stall the loop just as long and add two thread hops."""
-    return _parse(model, await request.body())
-
-
 def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str], max_queue_depth: int = 1024,
               request_timeout_s: float | None = None, on_fatal: Callable[[BaseException], None] | None = None,
               shutdown_timeout_s: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               api_key: str | None = None, chat_template: str | None = None,
               describe: Callable[[object], str] | None = None, engine_in_process: bool = False,
-              api_server: ApiServerRole | None = None, tool_settings: ToolSettings | None = None) -> FastAPI:
+              api_server: ApiServerRole | None = None, public_paths: Sequence[str] = DEFAULT_PUBLIC_PATHS,
+              docs: bool = True, max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES,
+              tool_settings: ToolSettings | None = None) -> FastAPI:
     """The server for the engine ``make_llm()`` builds at start-up: in the engine core process it spawns
     (``make_llm`` and ``describe`` are pickled to it: top-level functions or ``functools.partial`` of them), or
     with ``engine_in_process`` on a thread of this process (any callable).
 
     ``model_name``: the served name, or several (each accepted as a request's ``model``, all listed by
-    ``/v1/models``; the first is the metrics' ``model_name``). ``api_key``: required on ``/v1/*``;
-    ``chat_template``: Jinja text used by chat requests instead of the tokenizer's; ``describe(llm)``: the
-    start-up log line of the built engine. ``api_server``: this server is one of several in front of an engine
+    ``/v1/models``; the first is the metrics' ``model_name``). ``api_key``: required on every path but
+    ``public_paths`` (:mod:`~tripath.server.auth`); ``docs``: serve ``/docs``, ``/redoc`` and ``/openapi.json``;
+    ``max_structured_output_bytes``: the largest output constraint (schema, regex, grammar, choices) a request
+    may send; ``chat_template``: Jinja text used by chat requests instead of the tokenizer's; ``describe(llm)``:
+    the start-up log line of the built engine. ``api_server``: this server is one of several in front of an engine
     core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not used): it talks to
     that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`).
     ``tool_settings``: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither)."""
@@ -167,6 +140,9 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if request_timeout_s is not None and not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0 or None, got {request_timeout_s}")
+    if max_structured_output_bytes < 1:
+        raise ValueError(f"max_structured_output_bytes must be >= 1, got {max_structured_output_bytes}")
+    public_paths = check_public_paths(public_paths)
     metrics = ServerMetrics(names[0])
     if api_server is not None:
         if engine_in_process:
@@ -175,7 +151,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         engine: Engine = EngineClient(None, metrics, on_fatal, core=api_server.channel)
     else:
         engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
-    state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template)
+    state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template,
+                        max_structured_output_bytes)
     state.tool_settings = tool_settings or ToolSettings()
     peers = None
     if api_server is not None and api_server.count > 1:
@@ -197,11 +174,12 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
             log.info("API server %d of %d stopped; it served %d engine requests", api_server.index,
                      api_server.count, metrics.num_ended)
 
-    app = FastAPI(title="tripath", lifespan=lifespan)
+    off = {} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="tripath", lifespan=lifespan, **off)
     app.state.server = state
-    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
-    if api_key:
-        app.add_middleware(APIKeyCheck, api_key=api_key)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:   # added last: it runs first
+        app.add_middleware(APIKeyCheck, api_key=api_key, public_paths=public_paths)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request, exc: RequestValidationError):
@@ -250,7 +228,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
 
     @app.post("/v1/completions", openapi_extra=_schema(P.CompletionRequest))
     async def completions(request: Request):
-        body = await _body(request, P.CompletionRequest)
+        body = await read_json(request, P.CompletionRequest)
         _check_ready(state)
         _check_model(state, body.model)
         _check_fits(state, body.n * (1 if isinstance(body.prompt, str) or isinstance(body.prompt[0], int)
@@ -260,20 +238,22 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
         if any(isinstance(p, str) for p in raw_prompts):   # tokenising text: in a worker thread
-            prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
+            async with state.large_texts.admit(sum(len(p) for p in raw_prompts if isinstance(p, str))):
+                prompts = await _in_thread(lambda: [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
         else:   # token ids: a bounds check at C speed, here
             prompts = [_prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)]
         structured = await _structured_output(state, body)
-        gen = _generation(state, body, prompts, body.max_tokens, structured)
-        return await respond(state, gen, body, request, chat=False, echo=_echo_texts(state, body, raw_prompts, prompts))
+        echo = await _in_thread(_echo_texts, state, raw_prompts, prompts) if body.echo else None
+        gen = _generation(state, body, prompts, body.max_tokens, structured)   # no await from here to respond
+        return await respond(state, gen, body, request, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", openapi_extra=_schema(P.ChatCompletionRequest))
     async def chat_completions(request: Request):
-        body = await _body(request, P.ChatCompletionRequest)
+        body = await read_json(request, P.ChatCompletionRequest)
         _check_ready(state)
         _check_model(state, body.model)
         _check_fits(state, body.n)
-        gen, tools = await prepare_chat(state, body)
+        gen, tools = await prepare_chat(state, body, len(await request.body()))
         return await respond(state, gen, body, request, chat=True, tools=tools)
 
     return app
@@ -361,14 +341,24 @@ async def _structured_output(state: ServerState, body) -> StructuredOutput | Non
     """The request's output constraint, checked in a worker thread (the engine compiles it off its loop when the
     request arrives, and refuses the request with 400 if it does not compile)."""
     asked = body.structured_output()
-    return None if asked is None else await _in_thread(_constraint, state, asked)
+    return None if asked is None else await _in_thread(_constraint, state, *asked)
 
 
-def _constraint(state: ServerState, asked: dict) -> StructuredOutput:
+def _constraint(state: ServerState, param: str, asked: dict) -> StructuredOutput:
+    """``asked`` (``StructuredOutput`` keyword arguments from the request field ``param``) as a checked
+    constraint: 400 naming ``param`` when it is larger than ``--max-structured-output-bytes``, nested too
+    deep, or does not compile."""
+    size, limit = constraint_size(next(iter(asked.values()))), state.max_structured_output_bytes
+    if size > limit:
+        raise APIError(400, f"{param} is {size} bytes; this server takes output constraints (a schema, regex, "
+                            f"grammar or choices) of at most {limit} bytes (--max-structured-output-bytes)",
+                       param=param, code="structured_output_too_large")
     try:
         spec = StructuredOutput(**{k: tuple(v) if k == "choice" else v for k, v in asked.items()})
     except (ValueError, TypeError, ImportError) as error:
-        raise APIError(400, str(error), param="response_format") from None
+        raise APIError(400, f"{param}: {error}", param=param) from None
+    except RecursionError:   # a defence: StructuredOutput bounds the nesting before anything recurses
+        raise APIError(400, f"{param} is nested too deeply", param=param) from None
     return spec
 
 
@@ -409,8 +399,8 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
                     frequency_penalty=body.frequency_penalty, logit_bias=bias,
                     logprobs=0 if ranked and logprobs is None else logprobs, prompt_logprobs=prompt_logprobs,
                     structured_output=structured)
-            except (ValueError, TypeError) as error:
-                raise APIError(400, str(error)) from None
+            except (ValueError, TypeError) as error:   # SamplingParams' messages start with the field
+                raise APIError(400, str(error), param=_named_field(str(error))) from None
             params.append(sp)
             choice_prompts.append(prompt)
     _check_fits(state, len(params))
@@ -425,10 +415,17 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
                       skip_special_tokens=body.skip_special_tokens, hidden=hidden)
 
 
-def _echo_texts(state: ServerState, body, raw_prompts, prompts: list[list[int]]) -> list[str] | None:
-    """With ``echo``: each prompt's text as the response repeats it (text prompts as sent, token ids decoded)."""
-    if not body.echo:
-        return None
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def _named_field(message: str) -> str | None:
+    """The ``SamplingParams`` field a message of its checks opens with (``logit_bias[5] must ...``), else None."""
+    word = message.split(" ", 1)[0].split("[", 1)[0]
+    return word if word in _SAMPLING_FIELDS else None
+
+
+def _echo_texts(state: ServerState, raw_prompts, prompts: list[list[int]]) -> list[str]:
+    """Each prompt's text as a response with ``echo`` repeats it (text prompts as sent, token ids decoded)."""
     tokenizer = state.engine.tokenizer
     return [p if isinstance(p, str) else ("" if tokenizer is None else tokenizer.decode(ids))
             for p, ids in zip(raw_prompts, prompts)]

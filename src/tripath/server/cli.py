@@ -8,7 +8,8 @@ The port is bound first (a port in use fails at once) and answers while the engi
 200 once the engine is built (and warmed up). The engine runs in its own process (the engine core,
 :mod:`tripath.server.engine_core`; ``--engine-in-process``: on a thread of the HTTP process). SIGINT / SIGTERM
 stop accepting connections, let in-flight requests finish for up to ``--shutdown-timeout`` seconds, then end
-the rest with 503 (a stream gets an error event and ``[DONE]``) and stop the engine, releasing the GPU. An
+the rest with 503 (a stream gets an error event and ``[DONE]``) and stop the engine, releasing the GPU; the
+exit status is then 0, whichever the signal (:mod:`tripath.server.stop_signals`). An
 engine core that dies fails the requests in flight, makes ``/health`` answer 503 and the server exit with
 status 1. ``--api-server-count N`` > 1 serves through N API server processes in front of the one core, this
 process supervising them (:mod:`tripath.server.api_servers`).
@@ -31,6 +32,9 @@ MODEL_HELP = "a local Hugging Face model directory, a Hugging Face hub id (org/n
 
 def build_parser() -> argparse.ArgumentParser:
     from tripath.engine.cli_options import HelpFormatter, add_engine_arguments
+    from tripath.server.auth import DEFAULT_PUBLIC_PATHS
+    from tripath.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
+                                            DEFAULT_MAX_CONNECTIONS, DEFAULT_SEND_TIMEOUT_S, FILES_KEPT)
 
     parser = argparse.ArgumentParser(prog="tripath serve", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
@@ -43,8 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--api-key", default=None,
-                        help="the key /v1/* requests must send as 'Authorization: Bearer <key>' (401 otherwise; "
-                             "/health, /ping, /metrics, /version stay open); default: $TRIPATH_API_KEY, else none")
+                        help="the key every request must send as 'Authorization: Bearer <key>' (401 otherwise), "
+                             "but on the --public-paths; default: $TRIPATH_API_KEY, else $VLLM_API_KEY, else no "
+                             "key. Prefer the environment variable: an option is visible to every user of the "
+                             "machine (ps)")
+    parser.add_argument("--public-paths", nargs="*", default=list(DEFAULT_PUBLIC_PATHS), metavar="PATH",
+                        help=f"paths served without the API key when one is set, exact matches; default: "
+                             f"{' '.join(DEFAULT_PUBLIC_PATHS)}; none (the option alone): every path needs the key")
+    parser.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="serve no API docs: /docs, /redoc and /openapi.json are gone (404); without it they "
+                             "need the API key like any other path")
     parser.add_argument("--chat-template", default=None,
                         help="a chat template for chat requests instead of the tokenizer's: a file, or the Jinja "
                              "template itself")
@@ -56,7 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="engine requests allowed to wait beyond the --max-num-seqs running ones (>= 1); "
                              "more get 503 at once")
     parser.add_argument("--max-request-bytes", type=int, default=16 << 20,
-                        help="largest request body accepted, in bytes (413 above)")
+                        help="largest request body accepted on any route, in bytes (413 above)")
+    parser.add_argument("--max-structured-output-bytes", type=int, default=64 << 10, metavar="BYTES",
+                        help="largest output constraint a request may send (a JSON schema, regex, grammar, or "
+                             "choices together), in bytes (400 above); one this size compiles in up to seconds "
+                             "(off the engine's loop)")
+    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                        help="seconds a client has to send a request's headers (408 and closed after)")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                        help="seconds a client has to send a request's body once its headers arrived (408 and "
+                             "closed after)")
+    parser.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT_S, metavar="SECONDS",
+                        help="seconds a client may leave the server's answer unread (its send buffer full) before "
+                             "the connection is dropped (a stream's generation then aborted)")
+    parser.add_argument("--max-connections", type=int, default=None, metavar="N",
+                        help=f"open connections each API server holds; one more is answered 503 at once and "
+                             f"closed; default: {DEFAULT_MAX_CONNECTIONS}, lowered to leave {FILES_KEPT} of the "
+                             f"open-file limit (raised to its hard limit at start) to the server")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="seconds a request may take (504 and aborted after); default: no limit")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -151,9 +179,17 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
         return _usage_error(f"{error}; install the server's packages with pip install 'tripath[serve]'")
     for name, value, low in (("--port", args.port, 0), ("--max-queue-depth", args.max_queue_depth, 1),
                              ("--max-request-bytes", args.max_request_bytes, 1), ("--api-server-count",
-                                                                                  args.api_server_count, 1)):
+                                                                                  args.api_server_count, 1),
+                             ("--max-structured-output-bytes", args.max_structured_output_bytes, 1),
+                             ("--max-connections", 1 if args.max_connections is None else args.max_connections, 1)):
         if value < low:
             return _usage_error(f"{name} must be >= {low}, got {value}")
+    for name, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--send-timeout", args.send_timeout)):
+        if not 0 < value < float("inf"):
+            return _usage_error(f"{name} must be a positive number of seconds, got {value}")
+    if args.api_key == "":
+        return _usage_error("--api-key is empty: give a key, or leave the option out")
     if args.port > 65535:
         return _usage_error(f"--port must be <= 65535, got {args.port}")
     if args.api_server_count > 1 and args.engine_in_process:
@@ -179,7 +215,7 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
             return _usage_error(f"--chat-template: {error}")
     from tripath import _env
 
-    api_key = args.api_key or _env.server_api_key()
+    api_key, key_source = (args.api_key, "--api-key") if args.api_key is not None else _env.server_api_key()
     names = args.served_model_name or [model]
     from tripath.engine.cli_options import engine_options
     from tripath.server.core_process import LOG_FORMAT, make_engine
@@ -215,16 +251,32 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
                         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
                         api_key=api_key, chat_template=chat_template, describe=describe,
                         engine_in_process=args.engine_in_process, api_server=api_server,
-                        tool_settings=tool_settings)
+                        public_paths=args.public_paths, docs=not args.disable_fastapi_docs,
+                        max_structured_output_bytes=args.max_structured_output_bytes, tool_settings=tool_settings)
     except ValueError as error:
         return _usage_error(str(error))
+    from tripath.server.connections import (ConnectionLimits, fitted_max_connections, guarded_protocol,
+                                            raise_open_file_limit)
+
+    limits = ConnectionLimits(args.header_timeout, args.body_timeout,
+                              fitted_max_connections(args.max_connections, raise_open_file_limit()),
+                              send_timeout_s=args.send_timeout)
     # uvicorn cancels the handlers still running at its graceful timeout; the engine ends them first (503s
     # that reach the clients), so uvicorn's timeout leaves them time to answer.
     loop, http = _fast_or_default()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop, http=http,
+    # ws="none": the app has no WebSocket routes, and an upgraded connection would leave the guarded protocol
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop,
+                            http=guarded_protocol(http, limits), ws="none",
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S)
     server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout)
     port = listener.getsockname()[1] if listener is not None else args.port   # --port 0: the one the system gave
+    key = f"API key from {key_source}, public paths: {' '.join(args.public_paths) or 'none'}" if api_key else \
+        "no API key"
+    guards = (f"at most {limits.max_connections} connections, headers within {limits.header_timeout_s:g} s, "
+              f"bodies within {limits.body_timeout_s:g} s, answers unread for {limits.send_timeout_s:g} s dropped; "
+              f"{key}")
+    if api_server is None or api_server.index == 0:
+        logging.getLogger("tripath.server").info("%s", guards)
     if api_server is None:
         logging.getLogger("tripath.server").info("listening on http://%s:%d (%s event loop, %s HTTP parser); "
                                                  "building the engine for %s", args.host, port, loop, http, model)
@@ -232,11 +284,10 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
         logging.getLogger("tripath.server").info("API server %d of %d listening on http://%s:%d (%s event loop, %s "
                                                  "HTTP parser)", api_server.index, api_server.count, args.host,
                                                  port, loop, http)
-    try:
-        # after a graceful shutdown uvicorn re-raises the signal that asked for it
+    from tripath.server.stop_signals import signals_ask_to_exit
+
+    with signals_ask_to_exit(server):   # a drained SIGTERM exits 0, as a drained SIGINT does
         server.run(sockets=[listener] if listener is not None else None)
-    except KeyboardInterrupt:
-        pass
     engine = app.state.server.engine
     quiet = api_server is not None and api_server.index > 0   # API server 0 speaks for all
     if engine.startup_error is not None:

@@ -24,7 +24,8 @@ Messages (core → HTTP process):
 - ``("start_failed", message)`` when it could not be built.
 - ``("update", accepted, refused, outputs, failed, stats, step_failures)`` after a pass of the core's loop
   (:mod:`~tripath.server.engine_core` says when): of the HTTP process's own requests, the ids the core
-  added; ``(request_id, status, message, type)`` of the adds it refused; the step's outputs,
+  added; ``(request_id, status, message, type, reason)`` of the adds it refused (``reason``: why, as
+  ``/metrics`` counts the rejection: :class:`~tripath.server.submissions.Failure`); the step's outputs,
   :func:`encode_output` each; ``(request_ids, status, message, type)`` of each failed step; then
   :func:`encode_stats` of ``LLM.stats()`` and the number of steps that failed since the core started.
 - ``("stopped",)`` when the core is done with that HTTP process: it has released the engine and is about to

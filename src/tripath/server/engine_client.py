@@ -153,7 +153,8 @@ class EngineClient:
         self.startup_error: BaseException | None = None
         self._fatal: BaseException | None = None
         self._step_failures_seen = 0   # the core counts them since its start
-        self._gone = Failure(500, "the engine core process has stopped", "server_error")   # set as it ends
+        self._gone = Failure(500, "the engine core process has stopped", "server_error",   # set as it ends
+                             "engine_gone")
 
     # ---- the Engine interface ---------------------------------------------------------------------------
     @property
@@ -219,8 +220,9 @@ class EngineClient:
             return
         self._command(("add", sub.request_id, sub.prompt_token_ids, sub.params))
 
-    def abort(self, request_id: str, outcome: str = "abort") -> None:
-        """Abort a request (``outcome``: its finish reason in the metrics, ``abort`` or ``stop``)."""
+    def abort(self, request_id: str, outcome: str | None = "abort") -> None:
+        """Abort a request (``outcome``: its finish reason in the metrics, ``abort`` or ``stop``; None:
+        withdrawn, see :meth:`SubmissionBook.end`)."""
         if self._book.end(request_id, outcome) is not None and not self._closed:
             self._command(("abort", request_id))
 
@@ -353,8 +355,8 @@ class EngineClient:
         book = self._book
         for request_id in accepted:
             book.accept(request_id)
-        for request_id, status, message, kind in refused:
-            book.refuse(request_id, Failure(status, message, kind))
+        for request_id, status, message, kind, reason in refused:
+            book.refuse(request_id, Failure(status, message, kind, reason))
         num_new = book.outputs([decode_output(item) for item in outputs], time.perf_counter())
         if step_failures > self._step_failures_seen:
             self.metrics.step_failures.inc(step_failures - self._step_failures_seen)
@@ -381,7 +383,7 @@ class EngineClient:
             ending = exit_text(self.process.exitcode)
         else:   # its starter reports how it ended
             ending = f"{self._core.pid} has stopped"
-        failure = self._gone = Failure(500, f"the engine core process {ending}", "server_error")
+        failure = self._gone = Failure(500, f"the engine core process {ending}", "server_error", "engine_gone")
         self._closed = True   # after _gone: submit() reads it once it sees _closed
         if self.startup_error is None and not self._ready.is_set():
             self.startup_error = EngineStartError(failure.message + " before the engine was built")

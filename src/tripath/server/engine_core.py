@@ -187,7 +187,7 @@ class EngineCore:
             _, request_id, prompt_token_ids, params = command
             in_flight = request_id in self._live or request_id in self._grammars
             failure = self._overloaded() if not in_flight else \
-                Failure(400, f"request id {request_id!r} is in flight already")
+                Failure(400, f"request id {request_id!r} is in flight already", reason="duplicate_request_id")
             if failure is None and params.structured_output is not None:
                 failure = self._grammars.start(request_id, prompt_token_ids, params, index)
                 if failure is None:
@@ -218,7 +218,7 @@ class EngineCore:
             frontend.accepted.append(request_id)
             self._last_arrival = time.monotonic()
         else:
-            frontend.refused.append((request_id, failure.status, failure.message, failure.type))
+            frontend.refused.append((request_id, failure.status, failure.message, failure.type, failure.reason))
 
     def _add_compiled(self) -> None:
         """Add the requests whose grammars have compiled; refuse those whose compile failed or is overdue."""
@@ -236,7 +236,7 @@ class EngineCore:
         if waiting < self._max_waiting:
             return None
         return Failure(503, f"the server is overloaded: {waiting} engine requests wait for a place in the batch "
-                            f"(--max-queue-depth {self._max_waiting}); retry later", "server_error")
+                            f"(--max-queue-depth {self._max_waiting}); retry later", "server_error", "queue_full")
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def _step(self) -> None:

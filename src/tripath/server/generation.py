@@ -179,8 +179,9 @@ class Generation:
         except asyncio.TimeoutError:
             self.abort()
             raise APIError(504, "the request timed out before the engine accepted it", "timeout") from None
-        if error is not None:
-            self.abort()
+        if error is not None:   # one HTTP request refused: one rejection; its accepted choices are withdrawn
+            self.engine.metrics.rejected.labels(error.reason).inc()
+            self.abort(None)
             raise APIError(error.status, error.message, error.type)
         for event in early:
             self.events.put_nowait(event)
@@ -232,11 +233,12 @@ class Generation:
         deltas = [d for d in merged.values() if d.text or d.token_ids or d.finish_reason]
         return deltas, failure, stopped
 
-    def abort(self) -> None:
-        """Abort every choice that has not finished (a no-op for the engine once it has)."""
+    def abort(self, outcome: str | None = "abort") -> None:
+        """Abort every choice that has not finished (a no-op for the engine once it has); ``outcome``: their
+        finish reason in the metrics (None: none, the request was refused)."""
         if not self._submitted:
             return
         for c in self.choices:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
-                self.engine.abort(c.sub.request_id)
+                self.engine.abort(c.sub.request_id, outcome)

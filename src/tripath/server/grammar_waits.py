@@ -105,7 +105,8 @@ class GrammarWaits:
             elif now >= wait.deadline:
                 compiled, failure = None, Failure(
                     400, f"the structured output did not compile within {self._compiler().timeout_s:g} s (the "
-                         "server's --grammar-compile-timeout); simplify the schema or grammar")
+                         "server's --grammar-compile-timeout); simplify the schema or grammar",
+                    reason="grammar_timeout")
             else:
                 continue
             del self._waits[request_id]

@@ -144,7 +144,7 @@ class ServerMetrics:
         self.kv_blocks_used = self._gauge("kv_cache_blocks_used", "KV-cache blocks held by requests.")
         self.steps = self._counter("engine_steps", "Engine steps since start.")
         self.step_failures = self._counter("engine_step_failures", "Engine steps that raised.")
-        rejected = Counter("tripath:requests_rejected", "Requests refused before reaching the engine, by reason.",
+        rejected = Counter("tripath:requests_rejected", "Requests refused by the server or the engine, by reason.",
                            [*LABELS, "reason"], registry=self.registry)
         self.rejected = _ByReason(rejected, self._labels)
         self.tokens_per_s = self._gauge("generation_tokens_per_second",

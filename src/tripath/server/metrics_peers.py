@@ -2,12 +2,18 @@
 :mod:`~tripath.server.api_servers`): whichever of them a scrape reaches answers for all of them.
 
 Each API server observes its own requests (:class:`~tripath.server.metrics.ServerMetrics`) and answers its
-peers on a Unix socket of a folder they share (``<folder>/<index>.sock``) with a pickle of its registry's
-metric families. A scrape asks every peer, then merges: the families of the engine itself (its requests
-running / waiting, KV cache, prefix cache, preemptions, steps: :data:`ENGINE_FAMILIES`, which every API
-server reads from the same engine core) are the scraped server's own; every other sample is the sum over
-the API servers (request counts, token counts, every histogram bucket, the requests in the server, the
-generation rate), except a ``_created`` time, which is the earliest. A peer that does not answer within
+peers on a Unix socket named after a folder they share (``<folder>/<index>.sock``) with a pickle of its
+registry's metric families. On Linux the "folder" is a name in the abstract socket namespace (it starts with a
+NUL byte, :func:`is_abstract`): nothing on the filesystem, and each socket is gone with its process, however
+it ends (a whole process group killed at once included); a peer's socket is read only when its owner is this
+server's user (``SO_PEERCRED``: the name is visible to every local user, the pickle must come from a peer).
+Elsewhere it is a real folder of the temp folder (mode 0700), whose last API server to close removes it.
+
+A scrape asks every peer, then merges: the families of the engine itself (its requests running / waiting, KV
+cache, prefix cache, preemptions, steps: :data:`ENGINE_FAMILIES`, which every API server reads from the same
+engine core) are the scraped server's own; every other sample is the sum over the API servers (request
+counts, token counts, every histogram bucket, the requests in the server, the generation rate), except a
+``_created`` time, which is the earliest. A peer that does not answer within
 :data:`PEER_TIMEOUT_S` is left out (logged): it is stopping, or gone, and the server with it.
 """
 
@@ -18,6 +24,8 @@ import contextlib
 import logging
 import os
 import pickle
+import socket
+import struct
 from typing import Callable, Iterable
 
 from prometheus_client import generate_latest
@@ -30,6 +38,11 @@ ENGINE_FAMILIES = frozenset(f"tripath:{name}" for name in (
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
     "prefix_cache_hits", "num_preemptions", "kv_cache_blocks_total", "kv_cache_blocks_used", "engine_steps",
     "engine_step_failures"))
+
+
+def is_abstract(folder: str) -> bool:
+    """Whether ``folder`` names sockets in Linux's abstract namespace rather than a folder on disk."""
+    return folder.startswith("\0")
 
 
 def merge_families(own: list[Metric], peers: Iterable[list[Metric]]) -> list[Metric]:
@@ -84,15 +97,19 @@ class MetricsPeers:
         return os.path.join(self.folder, f"{index}.sock")
 
     async def start(self) -> None:
-        os.makedirs(self.folder, exist_ok=True)   # a peer that stopped early may have removed it
+        if not is_abstract(self.folder):
+            os.makedirs(self.folder, exist_ok=True)   # a peer that stopped early may have removed it
         self._server = await asyncio.start_unix_server(self._answer, path=self.path(self.index))
 
     async def close(self) -> None:
-        """Stop answering and remove this API server's socket, and the folder once it is empty: the last API
-        server to close removes it, so nothing is left when the supervisor could not (killed)."""
+        """Stop answering. A socket on disk is removed, and its folder once empty: the last API server to close
+        removes it, so nothing is left when the supervisor could not (killed); an abstract one has nothing to
+        remove."""
         if self._server is not None:
             self._server.close()
             self._server = None
+            if is_abstract(self.folder):
+                return
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path(self.index))
             with contextlib.suppress(OSError):   # not empty yet (a peer still serves), or gone already
@@ -121,7 +138,18 @@ class MetricsPeers:
             return None
 
     async def _read(self, index: int) -> bytes:
-        reader, writer = await asyncio.open_unix_connection(self.path(index))
+        # connected here, not by the event loop: uvloop connects to a path as a C string, which an abstract
+        # name (a leading NUL) cuts to nothing (EINVAL)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, self.path(index))
+            if is_abstract(self.folder):
+                _check_owner(sock, index)
+        except BaseException:
+            sock.close()
+            raise
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
         try:
             return await reader.read()
         finally:
@@ -131,3 +159,11 @@ class MetricsPeers:
         own = self._own()
         answers = await asyncio.gather(*(self._ask(i) for i in range(self.count) if i != self.index))
         return generate_latest(_Families(merge_families(own, [a for a in answers if a is not None])))
+
+
+def _check_owner(sock, index: int) -> None:
+    """Raise ``PermissionError`` unless the process at the other end of ``sock`` runs as this one's user."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+    if uid != os.getuid():
+        raise PermissionError(f"the socket of API server {index} belongs to user {uid}, not to this server's")

@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationInfo,
+                      field_validator, model_validator)
+
+from tripath.engine.request import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_REPETITION_PENALTY
 
 log = logging.getLogger("tripath.server")
 
@@ -37,7 +41,14 @@ MAX_CHOICES = 64               # n
 MAX_MESSAGES = 4096
 MAX_NAME_CHARS = 1024          # model, user, message names and ids
 MAX_LOGIT_BIAS = 1024
-MAX_TEMPERATURE = 1e30         # the sampler divides float32 logits by it
+MAX_BIAS = 100.0               # |logit_bias| values, as OpenAI's API
+# the sampling fields' ranges (low, high, low excluded), as SamplingParams holds them (float32 logits)
+_RANGES = {"temperature": (0.0, MAX_TEMPERATURE, False), "top_p": (0.0, 1.0, True), "min_p": (0.0, 1.0, False),
+           "presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False),
+           "repetition_penalty": (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY, False)}
+# a logit_bias key: ASCII digits, no sign, no leading zero, so each id has one spelling (str.isdigit() passes
+# "²", which int() refuses; int() reads " 7", "+7", "0_7" and "٧" as 7)
+_DECIMAL_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")
 MAX_LOGPROBS = 20              # the engine's (vLLM's default max_logprobs)
 MAX_CHOICE_STRINGS = 1024      # guided_choice / structured_outputs.choice
 MAX_TOOL_CALLS = 1024          # tool calls of one assistant message
@@ -69,11 +80,6 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: Bool = False
     continuous_usage_stats: Bool = False
-
-
-def _finite(name: str, value: float | None, low: float, high: float) -> None:
-    if value is not None and not (math.isfinite(value) and low <= value <= high):
-        raise ValueError(f"{name} must be a finite number in [{low:g}, {high:g}], got {value}")
 
 
 class JsonSchemaFormat(_Request):
@@ -130,9 +136,9 @@ class _SamplingRequest(_Request):
     guided_choice: Annotated[list[StrictStr], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
     guided_grammar: StrictStr | None = None
 
-    def structured_output(self) -> dict[str, Any] | None:
-        """The constraint asked for, as ``StructuredOutput`` keyword arguments (None: unconstrained); a
-        request naming more than one is refused."""
+    def structured_output(self) -> tuple[str, dict[str, Any]] | None:
+        """The constraint asked for: the request field that holds it (the error's ``param``) and
+        ``StructuredOutput`` keyword arguments; None: unconstrained. A request naming more than one is refused."""
         asked = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -140,7 +146,7 @@ class _SamplingRequest(_Request):
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise ValueError("response_format json_schema needs json_schema.schema")
-            asked.append(("response_format", {"json": rf.json_schema.schema_}))
+            asked.append(("response_format.json_schema.schema", {"json": rf.json_schema.schema_}))
         so = self.structured_outputs
         if so is not None:
             fields = {"json": so.json_, "json_object": so.json_object or None, "regex": so.regex,
@@ -148,31 +154,39 @@ class _SamplingRequest(_Request):
             fields = {k: v for k, v in fields.items() if v is not None}
             if len(fields) != 1:
                 raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, grammar")
-            asked.append(("structured_outputs", fields))
+            asked.append((f"structured_outputs.{next(iter(fields))}", fields))
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                           ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
                 asked.append((name, {key: getattr(self, name)}))
         if len(asked) > 1:
             raise ValueError(f"more than one output constraint: {', '.join(n for n, _ in asked)}; send one")
-        return asked[0][1] if asked else None
+        return asked[0] if asked else None
+
+    @field_validator(*_RANGES)
+    @classmethod
+    def _in_range(cls, value, info: ValidationInfo):
+        low, high, low_open = _RANGES[info.field_name]
+        if value is not None and not (math.isfinite(value) and (low < value if low_open else low <= value) and
+                                      value <= high):
+            raise ValueError(f"{info.field_name} must be a finite number in {'(' if low_open else '['}{low:g}, "
+                             f"{high:g}], got {value}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias):
+        for key, value in (bias or {}).items():
+            if not _DECIMAL_TOKEN_ID.fullmatch(key):
+                raise ValueError(f"logit_bias keys must be token ids written as plain decimal numbers (\"1234\"), "
+                                 f"got {key!r}")
+            if not (math.isfinite(value) and -MAX_BIAS <= value <= MAX_BIAS):
+                raise ValueError(f"logit_bias[{key}] must be a finite number in [{-MAX_BIAS:g}, {MAX_BIAS:g}], "
+                                 f"got {value}")
+        return bias
 
     @model_validator(mode="after")
-    def _check_ranges(self):
-        _finite("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
-        if self.top_p is not None and not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        _finite("min_p", self.min_p, 0.0, 1.0)
-        _finite("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _finite("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.repetition_penalty is not None and not (
-                math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_TEMPERATURE):
-            raise ValueError(f"repetition_penalty must be a finite number in (0, {MAX_TEMPERATURE:g}] (1 = off), "
-                             f"got {self.repetition_penalty}")
-        for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids (decimal strings), got {key!r}")
-            _finite(f"logit_bias[{key}]", value, -100.0, 100.0)
+    def _check_together(self):
         if self.seed is not None and self.seed + self.num_choices - 1 > INT64_MAX:
             raise ValueError(f"seed + {'best_of' if self.num_choices > self.n else 'n'} - 1 must fit in a signed "
                              f"64-bit integer (choice i draws with seed + i), got seed {self.seed}")

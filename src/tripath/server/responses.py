@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
@@ -27,6 +28,7 @@ from tripath.server.logprob_format import chat_logprobs, completion_logprobs, me
 from tripath.server.tools import ChoiceToolStream, ToolPlan, chat_message
 
 DISCONNECT_POLL_S = 0.25
+LARGE_REPLY_TOKENS = 4096   # a whole reply of more tokens is built and encoded in a worker thread
 
 
 class Render(Protocol):
@@ -76,12 +78,22 @@ async def respond(state, gen: Generation, body, request: Request, chat: bool, ec
     finally:
         state.outstanding -= n
     if render is not None:
-        return render.response(gen)
-    build = functools.partial(_chat_response, gen, body, tokenizer, tools) if chat else \
-        functools.partial(_completion_response, gen, body, tokenizer, echo)
-    if _wants_logprobs(body, chat):   # per-token text of every position: off the event loop
-        return await asyncio.get_running_loop().run_in_executor(None, build)
+        build = functools.partial(render.response, gen)
+    elif chat:
+        build = functools.partial(_chat_response, gen, body, tokenizer, tools)
+    else:
+        build = functools.partial(_completion_response, gen, body, tokenizer, echo)
+    if _wants_logprobs(body, chat) or gen.completion_tokens + (gen.prompt_tokens if echo else 0) > LARGE_REPLY_TOKENS:
+        # per-token text of every position, or just many tokens: built and encoded off the event loop
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: _encoded(build()))
     return build()
+
+
+def _encoded(reply: dict) -> Response:
+    """``reply`` as a JSON response, encoded here (as Starlette's JSONResponse encodes; FastAPI would first copy
+    a returned dict element by element on the event loop)."""
+    return Response(json.dumps(reply, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8"),
+                    media_type="application/json")
 
 
 async def _collect(gen: Generation) -> None:

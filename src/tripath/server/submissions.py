@@ -32,17 +32,28 @@ ACCEPTED = "accepted"
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 
 
+# why an add was refused, by status, where the refusal names no reason of its own
+REFUSAL_REASONS = {400: "invalid_request", 500: "engine_error", 503: "unavailable"}
+
+
 @dataclass
 class Failure:
     """A request the engine refused (400) or lost to a failed step (500 / 503 out of memory) or to shutdown
-    (503)."""
+    (503). ``reason``: for a refused add, why, as ``tripath:requests_rejected_total{reason}`` counts it
+    (``queue_full``, ``duplicate_request_id``, ``grammar_timeout``, ``shutting_down``, ``engine_gone``; by
+    default from the status: :data:`REFUSAL_REASONS`)."""
 
     status: int
     message: str
     type: str = "invalid_request_error"
+    reason: str | None = None
+
+    def __post_init__(self):
+        if self.reason is None:
+            self.reason = REFUSAL_REASONS.get(self.status, "error")
 
 
-SHUTTING_DOWN = Failure(503, "the server is shutting down", "server_error")
+SHUTTING_DOWN = Failure(503, "the server is shutting down", "server_error", "shutting_down")
 
 
 @dataclass(eq=False)
@@ -86,7 +97,7 @@ class Engine(Protocol):
     def start(self) -> None: ...
     def wait_ready(self, timeout: float | None = None) -> bool: ...
     def submit(self, sub: Submission) -> None: ...
-    def abort(self, request_id: str, outcome: str = "abort") -> None: ...
+    def abort(self, request_id: str, outcome: str | None = "abort") -> None: ...
     def stop(self, timeout: float = 30.0) -> None: ...
 
 
@@ -126,16 +137,18 @@ class SubmissionBook:
             self._queue(sub, ACCEPTED)
 
     def refuse(self, request_id: str, failure: Failure) -> None:
-        """The engine did not take the request: its handler gets ``failure`` (no metrics: it never ran)."""
+        """The engine did not take the request: its handler gets ``failure`` (no metrics here: the handler
+        counts its HTTP request as rejected, :meth:`~tripath.server.generation.Generation.start`)."""
         sub = self._subs.pop(request_id, None)
         if sub is not None:
             self._queue(sub, failure)
 
-    def end(self, request_id: str, reason: str) -> Submission | None:
-        """Forget a request that ended (``reason``: its finish reason in the metrics); its submission, or None
-        when it had ended already."""
+    def end(self, request_id: str, reason: str | None) -> Submission | None:
+        """Forget a request that ended (``reason``: its finish reason in the metrics; None: withdrawn with an
+        HTTP request that was refused, which the metrics count as a rejection, not as an ended request); its
+        submission, or None when it had ended already."""
         sub = self._subs.pop(request_id, None)
-        if sub is not None and sub.times is not None:
+        if sub is not None and sub.times is not None and reason is not None:
             self.metrics.observe_end(sub.times, reason, time.perf_counter())
         return sub
 

@@ -6,21 +6,31 @@ would use) or ``{"model"?, "messages": [...], "add_generation_prompt"?: true, "a
 "tokens", "token_strs"}`` (``token_strs`` with ``"return_token_strs": true``, else null). ``/detokenize``
 takes ``{"model"?, "tokens": [...]}`` and answers ``{"prompt": str}`` (special tokens kept). A ``model`` that
 is given must be one of the served names (404 otherwise); a model without a tokenizer gets 400.
+
+Both read JSON bodies as the OpenAI routes do (bounded by ``--max-request-bytes``, 415 unless sent as
+``application/json``) and sit behind the API key when one is set. A 16 MiB prompt is 3-4 million tokens: the
+tokenising, the decoding and the encoding of the reply all run in a worker thread, the reply's lists encoded
+a slice at a time so the event loop gets the interpreter lock between slices, and ``/health`` and the
+streams in flight keep answering; large texts are tokenised one at a time (:mod:`~tripath.server.large_texts`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictStr, model_validator
 
 import tripath
 from tripath.engine.chat import render_chat
 from tripath.server import protocol as P
 from tripath.server.generation import APIError
+from tripath.server.request_body import read_json
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
+ENCODE_SLICE = 1 << 15   # list items per json.dumps call: each holds the interpreter lock for a few ms at most
 
 
 class TokenizeRequest(P._Request):
@@ -63,7 +73,7 @@ def _tokenizer(state):
     return tokenizer
 
 
-def _tokenize(state, body: TokenizeRequest) -> TokenizeResponse:
+def _tokenize(state, body: TokenizeRequest) -> Response:
     from tripath.server.app import _chat_template_kwargs
 
     tokenizer = _tokenizer(state)
@@ -84,42 +94,59 @@ def _tokenize(state, body: TokenizeRequest) -> TokenizeResponse:
     except (ValueError, TypeError, UnicodeError) as error:
         raise APIError(400, f"{param} could not be tokenised: {type(error).__name__}: {error}", param=param) from None
     ids = [int(t) for t in getattr(encoded, "ids", encoded)]   # `tokenizers` returns an Encoding
+    del encoded   # the tokenizer's own copy (offsets, masks): gone before the reply is built
     strs = None
     if body.return_token_strs:
         convert = getattr(tokenizer, "convert_ids_to_tokens", None) or tokenizer.id_to_token
         strs = [convert(t) for t in ids]
-    return TokenizeResponse(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids, token_strs=strs)
+    return _json_reply(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids, token_strs=strs)
 
 
-def _detokenize(state, body: DetokenizeRequest) -> DetokenizeResponse:
+def _detokenize(state, body: DetokenizeRequest) -> Response:
     from tripath.server.app import _check_ids
 
     tokenizer = _tokenizer(state)
     if body.tokens:
         _check_ids(state, body.tokens, "tokens")
-    return DetokenizeResponse(prompt=tokenizer.decode(list(body.tokens), skip_special_tokens=False))
+    return _json_reply(prompt=tokenizer.decode(list(body.tokens), skip_special_tokens=False))
+
+
+def _json_list(values: Sequence) -> str:
+    """``json.dumps(values)``, a slice at a time (see :data:`ENCODE_SLICE`)."""
+    return "[" + ",".join(json.dumps(values[i:i + ENCODE_SLICE], separators=(",", ":"))[1:-1]
+                          for i in range(0, len(values), ENCODE_SLICE)) + "]"
+
+
+def _json_reply(**fields) -> Response:
+    """A JSON response of ``fields`` in order (lists encoded by :func:`_json_list`), encoded here: in the worker
+    thread that built it, not on the event loop."""
+    parts = [f"{json.dumps(k)}:{_json_list(v) if isinstance(v, list) else json.dumps(v)}"
+             for k, v in fields.items()]
+    return Response(("{" + ",".join(parts) + "}").encode("ascii"),   # json.dumps escapes what is not ASCII
+                    media_type="application/json")
 
 
 def add_utility_routes(app: FastAPI, state) -> None:
     """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app`` (served by ``state``)."""
-    from tripath.server.app import _body, _check_model, _check_ready, _in_thread
+    from tripath.server.app import _check_model, _check_ready, _in_thread, _schema
 
     async def _checked(request: Request, model: type[P._Request]):
-        body = await _body(request, model)
+        body = await read_json(request, model)
         _check_ready(state)
         if body.model is not None:
             _check_model(state, body.model)
         return body
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, openapi_extra=_schema(TokenizeRequest))
     async def tokenize(request: Request):
         body = await _checked(request, TokenizeRequest)
-        return (await _in_thread(_tokenize, state, body)).model_dump()
+        async with state.large_texts.admit(len(await request.body())):   # the body bounds the text
+            return await _in_thread(_tokenize, state, body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=_schema(DetokenizeRequest))
     async def detokenize(request: Request):
         body = await _checked(request, DetokenizeRequest)
-        return (await _in_thread(_detokenize, state, body)).model_dump()
+        return await _in_thread(_detokenize, state, body)
 
     @app.get("/version")
     async def version():
