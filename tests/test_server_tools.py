@@ -26,7 +26,8 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": [
            "required": ["city", "days"], "additionalProperties": False}
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
         "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER}},
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The forecast",
+                                           "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "Hello world"}]
