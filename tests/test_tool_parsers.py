@@ -293,3 +293,30 @@ def test_tool_history_reaches_the_template():
             ({"role": "tool", "content": "x", "tool_call_id": 5}, r"messages\[0\].tool_call_id")):
         with pytest.raises((ValueError, TypeError), match=where):
             normalise_messages([bad])
+
+
+SOUP = ['<tool_call>', '</tool_call>', '[TOOL_CALLS]', '[ARGS]', '<|python_tag|>', '<|python_start|>', '{', '}',
+        '[', ']', '(', ')', '"', "'", '\\', ':', ',', ';', ' ', '\n', '"name"', '"arguments"', '"parameters"',
+        '"add"', '"get_weather"', 'add', 'get_weather', 'a=', '1', '-2.5e3', 'true', 'null', 'x', 'é', '"s"']
+
+
+@pytest.mark.parametrize("cls", [*PARSERS.values(), RequiredParser])
+def test_random_text_parses_the_same_whole_and_streamed(cls):
+    """Whatever the text (a soup of the formats' pieces), no parser raises, and feeding it whole or in any
+    chunking gives the same content and calls; every call's arguments is the JSON text of an object."""
+    rng = random.Random(sum(map(ord, cls.__name__)))
+    for _ in range(300):
+        text = "".join(rng.choice(SOUP) for _ in range(rng.randint(0, 30)))
+        if rng.random() < 0.3:   # a well-formed call among the soup
+            text += rng.choice(['<tool_call>{"name": "add", "arguments": {"a": [1, "}"]}}</tool_call>',
+                                '{"name": "add", "parameters": {"a": 1}}', '[add(a=1)]',
+                                '[TOOL_CALLS][{"name": "add", "arguments": {}}]',
+                                '[{"name": "add", "parameters": {"a": 1}}]'])
+            text += "".join(rng.choice(SOUP) for _ in range(rng.randint(0, 5)))
+        whole = parse(cls, text)[:2]
+        for chunking in (list(text), random_chunks(text, rng)):
+            assert parse(cls, text, chunking)[:2] == whole, (text, chunking)
+        for _, arguments in whole[1]:
+            assert isinstance(json.loads(arguments), dict)
+        if not whole[1] and "[]" not in text.replace(" ", "").replace("\n", ""):   # an empty call list is dropped
+            assert whole[0] == text   # no call: the text is the content, all of it
