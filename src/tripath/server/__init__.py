@@ -10,7 +10,9 @@ Layers: :mod:`~tripath.server.protocol` (request / response bodies); the engine,
 :mod:`~tripath.server.sampling_defaults` (unset sampling fields), :mod:`~tripath.server.metrics` (Prometheus,
 vLLM's names under ``tripath:``) and :mod:`~tripath.server.metrics_peers` (merged across API servers),
 :mod:`~tripath.server.api_servers` (``--api-server-count``: several API server processes on one core),
-:mod:`~tripath.server.app` (routes), :mod:`~tripath.server.utility_routes` (``/tokenize``, ``/detokenize``,
-``/version``), :mod:`~tripath.server.auth` (``--api-key``), :mod:`~tripath.server.listen` (the port, bound
+:mod:`~tripath.server.app` (routes), :mod:`~tripath.server.chat_prepare` (the chat path of chats and
+responses), :mod:`~tripath.server.tools` (tools, ``tool_choice`` and the tool-call parsers),
+:mod:`~tripath.server.openai_responses` and :mod:`~tripath.server.responses_output` (``/v1/responses``),
+:mod:`~tripath.server.utility_routes` (``/tokenize``, ``/detokenize``, ``/version``), :mod:`~tripath.server.auth` (``--api-key``), :mod:`~tripath.server.listen` (the port, bound
 first), :mod:`~tripath.server.startup` (the start-up log line) and :mod:`~tripath.server.cli` (the command).
 """
