@@ -97,16 +97,21 @@ def test_required_makes_valid_calls(client, parallel):
 
 
 def test_named_function_makes_a_valid_call(client):
-    kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=100,
+    kw = dict(model=NAME, messages=ASK, tools=TOOLS, max_tokens=100, temperature=1.0,
               tool_choice={"type": "function", "function": {"name": "get_time"}})
     for seed in (1, 2):
-        reply = client.chat.completions.create(seed=seed, temperature=1.0, **kw)
+        reply = client.chat.completions.create(seed=seed, **kw)
         calls = reply.choices[0].message.tool_calls
         _check_calls(calls, ["get_time"])
         assert len(calls) == 1 and reply.choices[0].finish_reason == "tool_calls"
-        content, streamed, finish = _streamed_chat(client, seed=seed, temperature=1.0, **kw)
+        content, streamed, finish = _streamed_chat(client, seed=seed, **kw)
         assert finish == "tool_calls" and content == ""
         assert [(c["name"], c["arguments"]) for c in streamed] == [("get_time", calls[0].function.arguments)]
+    with client.chat.completions.stream(seed=2, **kw) as stream:   # the SDK's accumulating helper
+        final = stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls
+    assert (call.id.startswith("chatcmpl-tool-"), call.function.name) == (True, "get_time")
+    assert call.function.arguments == calls[0].function.arguments
 
 
 def test_tool_choice_errors_and_none(client, server):
