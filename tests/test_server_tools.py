@@ -230,3 +230,16 @@ def test_tool_flags_usage_errors(capsys, argv, message):
 
     assert main(["serve", "tiny-llama", *argv, "--port", "0"]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_stop_token_adds_no_text(client, server):
+    """The token that ends a choice (here a stop_token_ids entry) is in token_ids but not in the text, unless
+    include_stop_str_in_output (as vLLM; what keeps an EOS out of the text when a tool parser keeps special
+    tokens)."""
+    [token] = httpx.post(server.url + "/tokenize", json={"prompt": "g", "add_special_tokens": False},
+                         timeout=60).json()["tokens"]
+    for include, text in ((False, ""), (True, "g")):
+        choice = client.completions.create(model=NAME, prompt="Hello world", max_tokens=5, extra_body={
+            "ignore_eos": True, "stop_token_ids": [token], "logit_bias": {str(token): 100},
+            "include_stop_str_in_output": include}).choices[0]
+        assert (choice.model_extra["token_ids"], choice.finish_reason, choice.text) == ([token], "stop", text)
