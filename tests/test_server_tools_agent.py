@@ -89,6 +89,7 @@ def test_agent_loop(client, server, tool_choice, stream):
             choice = client.chat.completions.create(**kw).choices[0]
             message, finish = choice.message.model_dump(exclude_none=True), choice.finish_reason
         assert message["role"] == "assistant"
+        assert "<|im_end|>" not in (message.get("content") or "")   # special tokens kept (hermes), the EOS not
         if not message.get("tool_calls"):
             assert finish in ("stop", "length") and isinstance(message.get("content"), str)
             break
