@@ -150,14 +150,16 @@ def test_usage_chunk_shapes_and_schema_policy(server):
         assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] > 0 for c in chunks)
         assert completions == sorted(completions) and completions[-1] == 5
         assert chunks[-1]["choices"] == []   # include_usage's final chunk
-        # vLLM's fields: chat_template_kwargs reach the template, tools are accepted, forced tool calls are not
+        # vLLM's fields: chat_template_kwargs reach the template, tools are accepted (tool_choice "auto" needs
+        # --enable-auto-tool-choice, a named function one of the tools)
         base = {"model": "tiny-hf", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        tools = [{"type": "function", "function": {"name": "f"}}]
         r = h.post("/v1/chat/completions", json={**base, "chat_template_kwargs": {"enable_thinking": False},
-                                                 "tools": [{"type": "function", "function": {"name": "f"}}],
-                                                 "tool_choice": "auto", "unknown_extra": 1})
+                                                 "tools": tools, "tool_choice": "none", "unknown_extra": 1})
         assert r.status_code == 200, r.text
-        for choice in ("required", {"type": "function", "function": {"name": "f"}}):
-            r = h.post("/v1/chat/completions", json={**base, "tool_choice": choice})
+        for extra in ({"tools": tools, "tool_choice": "auto"}, {"tool_choice": "auto"},
+                      {"tool_choice": {"type": "function", "function": {"name": "f"}}}):
+            r = h.post("/v1/chat/completions", json={**base, **extra})
             assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"], r.text
         r = h.post("/v1/chat/completions", json={**base, "chat_template_kwargs": {"tokenize": True}})
         assert r.status_code == 400 and "tokenize" in r.json()["error"]["message"]

@@ -1,7 +1,12 @@
 """Chat conversations to prompt token ids through the tokenizer's chat template (``LLM.chat`` and the server).
 
 A conversation is a list of messages ``{"role": ..., "content": ...}``; ``content`` is text or a list of
-OpenAI content parts of which only ``{"type": "text", "text": ...}`` is supported. The template (Jinja, from
+OpenAI content parts of which only ``{"type": "text", "text": ...}`` is supported. Tool use follows the
+OpenAI / Hugging Face convention: an assistant message may carry ``tool_calls`` (``[{"id", "type": "function",
+"function": {"name", "arguments"}}]``, its ``content`` then often null) and a ``tool`` message answers one with
+``tool_call_id``; the template gets the calls with ``arguments`` as a dict (a JSON string is parsed, as vLLM
+does: templates render it with ``tojson``), ``content`` null as ``""``, and ``name`` / ``tool_call_id`` as
+given. The template (Jinja, from
 the model's tokenizer files, or given: :func:`load_chat_template` reads it from a file or takes it inline)
 renders the conversation with the assistant's turn opened, and the text is encoded without adding special
 tokens again (templates write their own BOS).
@@ -9,6 +14,7 @@ tokens again (templates write their own BOS).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Mapping, Sequence
 
@@ -36,9 +42,9 @@ def message_text(content: Any, where: str) -> str:
     raise TypeError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")
 
 
-def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
-    """Check a conversation and flatten content parts to text; raises ``ValueError``/``TypeError`` naming the
-    bad message."""
+def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check a conversation and flatten content parts to text (keeping ``name``, ``tool_call_id`` and an
+    assistant's ``tool_calls``); raises ``ValueError``/``TypeError`` naming the bad message."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TypeError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
     if not messages:
@@ -51,7 +57,53 @@ def normalise_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         role = message.get("role")
         if role not in ROLES:
             raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
-        out.append({"role": role, "content": message_text(message.get("content"), where)})
+        entry = {"role": role, "content": message_text(message.get("content"), where)}
+        for key in ("name", "tool_call_id"):
+            value = message.get(key)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise TypeError(f"{where}.{key} must be a string, got {type(value).__name__}")
+                entry[key] = value
+        if message.get("tool_calls") is not None:
+            if role != "assistant":
+                raise ValueError(f"{where}.tool_calls: only assistant messages carry tool calls (role is {role!r})")
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+        out.append(entry)
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's tool calls as templates take them: ``arguments`` a dict."""
+    if isinstance(calls, (str, bytes)) or not isinstance(calls, Sequence):
+        raise TypeError(f"{where} must be a list of tool calls, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise ValueError(f"{at} must be {{'id': str, 'type': 'function', 'function': {{'name': str, "
+                             "'arguments': str}}}}")
+        if call.get("type", "function") != "function":
+            raise ValueError(f"{at}.type must be 'function', got {call.get('type')!r}")
+        name, arguments = function.get("name"), function.get("arguments")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{at}.function.name must be a non-empty string, got {name!r}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as error:
+                raise ValueError(f"{at}.function.arguments is not valid JSON: {error}") from None
+        elif arguments is None:
+            arguments = {}
+        if not isinstance(arguments, Mapping):
+            raise ValueError(f"{at}.function.arguments must be a JSON object (or its JSON text), got "
+                             f"{type(arguments).__name__}")
+        entry = {"type": "function", "function": {"name": name, "arguments": dict(arguments)}}
+        if call.get("id") is not None:
+            if not isinstance(call["id"], str):
+                raise TypeError(f"{at}.id must be a string, got {type(call['id']).__name__}")
+            entry["id"] = call["id"]
+        out.append(entry)
     return out
 
 

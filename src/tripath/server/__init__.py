@@ -12,7 +12,9 @@ vLLM's names, also as ``tripath:``; :mod:`~tripath.server.metric_kinds`) and :mo
 (merged across API servers), :mod:`~tripath.server.observability` (the metrics and logs options, the access
 log), :mod:`~tripath.server.stats_log` (the periodic stats line), :mod:`~tripath.server.request_log`,
 :mod:`~tripath.server.api_servers` (``--api-server-count``: several API server processes on one core),
-:mod:`~tripath.server.app` (routes), :mod:`~tripath.server.utility_routes` (``/tokenize``, ``/detokenize``,
-``/version``), :mod:`~tripath.server.auth` (``--api-key``), :mod:`~tripath.server.listen` (the port, bound
+:mod:`~tripath.server.app` (routes), :mod:`~tripath.server.chat_prepare` (the chat path of chats and
+responses), :mod:`~tripath.server.tools` (tools, ``tool_choice`` and the tool-call parsers),
+:mod:`~tripath.server.openai_responses` and :mod:`~tripath.server.responses_output` (``/v1/responses``),
+:mod:`~tripath.server.utility_routes` (``/tokenize``, ``/detokenize``, ``/version``), :mod:`~tripath.server.auth` (``--api-key``), :mod:`~tripath.server.listen` (the port, bound
 first), :mod:`~tripath.server.startup` (the start-up log line) and :mod:`~tripath.server.cli` (the command).
 """

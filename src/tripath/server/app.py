@@ -3,7 +3,8 @@ the engine core in its own process, :mod:`~tripath.server.engine_client`, or in 
 :mod:`~tripath.server.engine_loop`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events
-ending in ``data: [DONE]``), ``GET /v1/models`` (every served name), ``GET /health`` and ``GET`` / ``POST
+ending in ``data: [DONE]``; tools and tool calls: :mod:`~tripath.server.tools`), ``POST /v1/responses``
+(:mod:`~tripath.server.openai_responses`), ``GET /v1/models`` (every served name), ``GET /health`` and ``GET`` / ``POST
 /ping`` (200 once the engine is built; 503 before, while shutting down and once the engine has died; 500
 when it could not be built), ``GET /metrics`` (Prometheus text, :mod:`~tripath.server.metrics`; of every API
 server when this is one of several, :mod:`~tripath.server.metrics_peers`), vLLM's ``POST /tokenize``, ``POST
@@ -49,6 +50,7 @@ from tripath.engine.structured_output import StructuredOutput, constraint_size
 from tripath.server import protocol as P
 from tripath.server.api_servers import ApiServerRole, watch_supervisor
 from tripath.server.auth import DEFAULT_PUBLIC_PATHS, APIKeyCheck, check_public_paths
+from tripath.server.chat_prepare import prepare_chat
 from tripath.server.engine_client import EngineClient
 from tripath.server.engine_loop import EngineLoop
 from tripath.server.generation import APIError, Generation
@@ -63,6 +65,7 @@ from tripath.server.responses import respond
 from tripath.server.sampling_defaults import defaulted_sampling
 from tripath.server.stats_log import log_engine_stats
 from tripath.server.submissions import Engine
+from tripath.server.tools import ToolSettings
 
 log = logging.getLogger("tripath.server")
 
@@ -118,7 +121,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
               describe: Callable[[object], str] | None = None, engine_in_process: bool = False,
               api_server: ApiServerRole | None = None, public_paths: Sequence[str] = DEFAULT_PUBLIC_PATHS,
               docs: bool = True, max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES,
-              observability: Observability | None = None) -> FastAPI:
+              observability: Observability | None = None, tool_settings: ToolSettings | None = None) -> FastAPI:
     """The server for the engine ``make_llm()`` builds at start-up: in the engine core process it spawns
     (``make_llm`` and ``describe`` are pickled to it: top-level functions or ``functools.partial`` of them), or
     with ``engine_in_process`` on a thread of this process (any callable).
@@ -131,7 +134,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     the start-up log line of the built engine. ``api_server``: this server is one of several in front of an engine
     core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not used): it talks to
     that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`).
-    ``observability``: metric names, the stats line and the request log (default: :class:`Observability`'s)."""
+    ``observability``: metric names, the stats line and the request log (default: :class:`Observability`'s);
+    ``tool_settings``: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"model_name must be a non-empty name or list of names, got {model_name!r}")
@@ -155,6 +159,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
     state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template,
                         max_structured_output_bytes, RequestLog(obs.max_log_len) if obs.log_requests else None)
+    state.tool_settings = tool_settings or ToolSettings()
     peers = None
     if api_server is not None and api_server.count > 1:
         peers = MetricsPeers(api_server.folder, api_server.index, api_server.count, metrics.registry,
@@ -223,6 +228,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     app.add_api_route("/ping", health, methods=["GET", "POST"])
     from tripath.server.utility_routes import add_utility_routes   # it uses this module's helpers
     add_utility_routes(app, state)
+    from tripath.server.openai_responses import add_responses_routes
+    add_responses_routes(app, state)
 
     @app.get("/metrics")
     async def prometheus():
@@ -262,13 +269,8 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         _check_ready(state)
         _check_model(state, body.model)
         _check_fits(state, body.n)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        async with state.large_texts.admit(len(await request.body())):   # the body bounds the messages' text
-            prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt,
-                                      _chat_template_kwargs(body))
-        structured = await _structured_output(state, body)
-        gen = _generation(state, body, [prompt], body.output_limit, structured)
-        return await respond(state, gen, body, request, chat=True)
+        gen, tools = await prepare_chat(state, body, len(await request.body()))
+        return await respond(state, gen, body, request, chat=True, tools=tools)
 
     return app
 

@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "the connections (the kernel spreads them), /metrics on any answers for all. More than "
                              "1 helps at many concurrent streams, where one process's HTTP, JSON and detokenising "
                              "is the bound")
+    from tripath.server.tools.formats import PARSERS
+
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="let tool_choice 'auto' (the default when a chat sends tools) parse the model's tool "
+                             "calls, with --tool-call-parser; without it such requests get 400")
+    parser.add_argument("--tool-call-parser", default=None, choices=tuple(PARSERS),
+                        help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, "
+                             "Qwen), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), pythonic ([f(a=1)])")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="log level of the server and uvicorn")
     add_log_arguments(parser)
@@ -233,8 +241,11 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         return _usage_error(f"--generation-config: {args.generation_config!r} is neither 'auto', 'vllm' nor a "
                             "folder")
+    from tripath.server.tools import ToolSettings
+
     try:
         observability = _observability(args)
+        tool_settings = ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser)
     except ValueError as error:
         return _usage_error(str(error))
     chat_template = None
@@ -284,7 +295,8 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
                         api_key=api_key, chat_template=chat_template, describe=describe,
                         engine_in_process=args.engine_in_process, api_server=api_server,
                         public_paths=args.public_paths, docs=not args.disable_fastapi_docs,
-                        max_structured_output_bytes=args.max_structured_output_bytes, observability=observability)
+                        max_structured_output_bytes=args.max_structured_output_bytes, observability=observability,
+                        tool_settings=tool_settings)
     except ValueError as error:
         return _usage_error(str(error))
     from tripath.server.connections import (ConnectionLimits, fitted_max_connections, guarded_protocol,

@@ -77,7 +77,9 @@ class ChoiceState:
 
     def consume(self, out: RequestOutput) -> Delta:
         """The delta of one step's output (a ``RequestOutput``, or a ``StepOutput`` from the engine core; tokens
-        after a stop string are dropped)."""
+        after a stop string are dropped). The stop token that ended the choice (EOS, ``stop_token_ids``) stays in
+        ``token_ids`` but adds no text unless ``include_stop_str_in_output`` (as vLLM: it shows when special
+        tokens are kept, ``skip_special_tokens: false``)."""
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if self.hidden:
@@ -89,6 +91,8 @@ class ChoiceState:
         logprobs = [] if wants_logprobs else None
         if wants_logprobs and self.logprobs is None:
             self.logprobs = []
+        stop_token = len(out.new_token_ids) - 1 if out.finished and out.finish_reason is FinishReason.STOP \
+            and not self.stops.include_stop else -1
         for j, token in enumerate(out.new_token_ids):
             if self.finish_reason is not None:
                 break
@@ -97,6 +101,8 @@ class ChoiceState:
             if wants_logprobs:
                 logprobs.append(out.new_logprobs[j])
                 self.logprobs.append(out.new_logprobs[j])
+            if j == stop_token:
+                break
             piece = self.detokenizer.push(token)
             if len(self.token_ids) <= self.min_tokens:
                 text.append(piece)   # no stop string before min_tokens

@@ -6,8 +6,9 @@ takes vLLM's ``top_k``, ``min_p``, ``min_tokens``, ``repetition_penalty``, ``ign
 ``include_stop_str_in_output``, ``skip_special_tokens``, ``prompt_logprobs`` and ``chat_template_kwargs``;
 ``stop`` may hold strings or token ids. Completions take ``logprobs`` (0-20), ``echo`` and ``max_tokens`` 0
 (the prompt scored, nothing generated); chats ``logprobs`` / ``top_logprobs``. Fields of the API that the
-engine does not implement (``suffix``, a forced ``tool_choice``) are a 400 naming them. Response choices
-carry the generated ``token_ids`` as well as the text.
+engine does not implement (``suffix``) are a 400 naming them. ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` are checked and planned by :mod:`tripath.server.tools`. Response choices carry the
+generated ``token_ids`` as well as the text.
 
 Types are strict: a number is a JSON number (``"3"`` is no integer, ``true`` no 1), a flag a JSON boolean.
 Every numeric field has a range the engine holds (64-bit integers for ``seed`` and ``top_k``), every list a
@@ -50,6 +51,7 @@ _RANGES = {"temperature": (0.0, MAX_TEMPERATURE, False), "top_p": (0.0, 1.0, Tru
 _DECIMAL_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")
 MAX_LOGPROBS = 20              # the engine's (vLLM's default max_logprobs)
 MAX_CHOICE_STRINGS = 1024      # guided_choice / structured_outputs.choice
+MAX_TOOL_CALLS = 1024          # tool calls of one assistant message
 
 Int = StrictInt
 Float = Union[StrictInt, StrictFloat]   # a JSON number (an integer is a float too), never a string or a bool
@@ -264,11 +266,31 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
+class FunctionCall(_Request):
+    name: Name
+    arguments: Union[StrictStr, dict[str, Any], None] = None   # JSON text of an object (a dict accepted)
+
+
+class ToolCallMessage(_Request):
+    """A tool call of an assistant message in the history."""
+
+    id: Name | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[dict], None] = None
     name: Name | None = None
     tool_call_id: Name | None = None
+    tool_calls: Annotated[list[ToolCallMessage], Field(max_length=MAX_TOOL_CALLS)] | None = None
+
+    @model_validator(mode="after")
+    def _tool_calls_on_assistant(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry tool calls (role is {self.role!r})")
+        return self
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -280,14 +302,12 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: Bool | None = None
 
     @model_validator(mode="after")
-    def _no_forced_tool_calls(self):
+    def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
-            raise ValueError(f"tool_choice {self.tool_choice!r} needs tool-call parsing, which this server does "
-                             "not support; send tool_choice 'none' or 'auto' (the tools reach the chat template)")
         return self
 
     @property
@@ -325,7 +345,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] = []
 
 
 class ChatChoice(BaseModel):

@@ -4,7 +4,10 @@ A request's choices are its :class:`~tripath.server.generation.Generation`'s, pr
 ``p * n + j`` is completion ``j`` of prompt ``p``); with ``best_of`` the ``n`` best of each prompt's
 ``best_of`` completions (by cumulative log-probability) are returned, renumbered. With ``echo`` a
 completion's text (and ``logprobs``) starts with its prompt's. Log-probabilities take the API's shapes
-(:mod:`tripath.server.logprob_format`); streamed events are framed by :mod:`tripath.server.sse`.
+(:mod:`tripath.server.logprob_format`); streamed events are framed by :mod:`tripath.server.sse`. A chat with
+tools (a :class:`~tripath.server.tools.ToolPlan` that parses) answers each choice's output as content and
+``tool_calls`` (:mod:`tripath.server.tools.plan`). Another API's shapes (``render``: the Responses API,
+:mod:`tripath.server.openai_responses`) take the same run, accounting and disconnect handling.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import contextlib
 import functools
 import json
-from typing import Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -22,14 +25,25 @@ from tripath.server import protocol as P
 from tripath.server import sse
 from tripath.server.generation import APIError, ChoiceState, Delta, Generation
 from tripath.server.logprob_format import chat_logprobs, completion_logprobs, merge_completion_logprobs
+from tripath.server.tools import ChoiceToolStream, ToolPlan, chat_message
 
 DISCONNECT_POLL_S = 0.25
 LARGE_REPLY_TOKENS = 4096   # a whole reply of more tokens is built and encoded in a worker thread
 
 
-async def respond(state, gen: Generation, body, request: Request, chat: bool, echo: list[str] | None = None):
+class Render(Protocol):
+    """An API's answer to a finished generation (``response``) or its stream of server-sent events."""
+
+    def response(self, gen: Generation) -> dict: ...
+
+    def events(self, gen: Generation, release: Callable[[], None]) -> AsyncIterator[str]: ...
+
+
+async def respond(state, gen: Generation, body, request: Request, chat: bool, echo: list[str] | None = None,
+                  tools: ToolPlan | None = None, render: Render | None = None):
     """Run ``gen`` and answer: a stream when ``body.stream``, else the whole response (499 when the client
-    left first). ``echo``: the prompts' texts to repeat (completions with ``echo``)."""
+    left first). ``echo``: the prompts' texts to repeat (completions with ``echo``); ``tools``: a chat's tool
+    plan; ``render``: another API's shapes in place of completions' / chat's."""
     n = len(gen.choices)
     state.outstanding += n
     try:
@@ -48,7 +62,9 @@ async def respond(state, gen: Generation, body, request: Request, chat: bool, ec
                 gen.abort()
                 state.outstanding -= n
 
-        return _EventStream(_stream(gen, body, chat, echo, tokenizer, release), release)
+        events = render.events(gen, release) if render is not None else \
+            _stream(gen, body, chat, echo, tokenizer, release, tools)
+        return _EventStream(events, release)
     try:
         collect = asyncio.ensure_future(_collect(gen))
         while not collect.done():
@@ -61,7 +77,12 @@ async def respond(state, gen: Generation, body, request: Request, chat: bool, ec
         collect.result()
     finally:
         state.outstanding -= n
-    build = functools.partial(_chat_response if chat else _completion_response, gen, body, tokenizer, echo)
+    if render is not None:
+        build = functools.partial(render.response, gen)
+    elif chat:
+        build = functools.partial(_chat_response, gen, body, tokenizer, tools)
+    else:
+        build = functools.partial(_completion_response, gen, body, tokenizer, echo)
     if _wants_logprobs(body, chat) or gen.completion_tokens + (gen.prompt_tokens if echo else 0) > LARGE_REPLY_TOKENS:
         # per-token text of every position, or just many tokens: built and encoded off the event loop
         return await asyncio.get_running_loop().run_in_executor(None, lambda: _encoded(build()))
@@ -128,13 +149,14 @@ def _completion_response(gen: Generation, body, tokenizer, echo: list[str] | Non
     return P.CompletionResponse(id=P.new_id("cmpl"), model=body.model, choices=choices, usage=_usage(gen)).model_dump()
 
 
-def _chat_response(gen: Generation, body, tokenizer, echo) -> dict:
+def _chat_response(gen: Generation, body, tokenizer, tools: ToolPlan | None) -> dict:
     choices = []
     for i, (_, c) in enumerate(_returned(gen, body)):
         logprobs = chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0) \
             if body.logprobs else None
-        choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), token_ids=c.token_ids,
-                                    finish_reason=c.finish_reason, logprobs=logprobs))
+        content, tool_calls, finish_reason = chat_message(tools, c.text, c.finish_reason)
+        choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=content, tool_calls=tool_calls),
+                                    token_ids=c.token_ids, finish_reason=finish_reason, logprobs=logprobs))
     return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=body.model, choices=choices,
                                     usage=_usage(gen)).model_dump()
 
@@ -176,8 +198,11 @@ def _completion_chunk_choice(gen: Generation, body, tokenizer, echo, d: Delta, o
     return sse.completion_choice(d.index, text, d.token_ids, d.finish_reason, logprobs)
 
 
-async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: Callable[[], None]):
+async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: Callable[[], None],
+                  tools: ToolPlan | None = None):
     framer = sse.ChunkFramer(P.new_id("chatcmpl" if chat else "cmpl"), body.model, chat)
+    parsing = tools is not None and tools.parses
+    streams = [ChoiceToolStream(tools.parser()) for _ in gen.choices] if parsing else None
     options = body.stream_options
     continuous = options is not None and options.continuous_usage_stats
     offsets: dict[int, int] = {}
@@ -192,7 +217,14 @@ async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: C
                 if chat:
                     logprobs = chat_logprobs(tokenizer, d.token_ids, d.logprobs or [], body.top_logprobs or 0) \
                         if body.logprobs else None
-                    choice = sse.chat_choice(d.index, d.text, d.token_ids, d.finish_reason, logprobs)
+                    if streams is None:
+                        choice = sse.chat_choice(d.index, d.text, d.token_ids, d.finish_reason, logprobs)
+                    else:
+                        tool_stream = streams[d.index]
+                        content, tool_calls = tool_stream.push(d.text, d.finish_reason is not None)
+                        choice = sse.chat_choice(d.index, content if content or not tool_calls else None,
+                                                 d.token_ids, tool_stream.finish_reason(d.finish_reason), logprobs,
+                                                 tool_calls=tool_calls or None)
                 else:
                     choice = _completion_chunk_choice(gen, body, tokenizer, echo, d, offsets)
                 yield framer.chunk([choice], usage)
