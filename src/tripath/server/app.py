@@ -89,7 +89,8 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
 class ServerState:
     def __init__(self, engine: Engine, metrics: ServerMetrics, model_names: Sequence[str], max_queue_depth: int,
                  request_timeout_s: float | None, chat_template: str | None = None,
-                 max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES):
+                 max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES,
+                 response_role: str = "assistant", max_logprobs: int = P.MAX_LOGPROBS, tokenizer_info: bool = False):
         self.engine, self.metrics = engine, metrics
         self.model_names = list(model_names)   # each accepted as a request's model; the first names the metrics
         self.model_name = self.model_names[0]
@@ -97,6 +98,9 @@ class ServerState:
         self.max_queue_depth = max_queue_depth
         self.request_timeout_s = request_timeout_s
         self.max_structured_output_bytes = max_structured_output_bytes
+        self.response_role = response_role     # the role of a chat completion's message
+        self.max_logprobs = max_logprobs       # the most log-probabilities a request may ask for per token
+        self.tokenizer_info = tokenizer_info   # serve GET /tokenizer_info
         self.outstanding = 0   # engine submissions of live HTTP requests (handler side)
         self.large_texts = LargeTextGate()
 
@@ -113,7 +117,9 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
               api_key: str | None = None, chat_template: str | None = None,
               describe: Callable[[object], str] | None = None, engine_in_process: bool = False,
               api_server: ApiServerRole | None = None, public_paths: Sequence[str] = DEFAULT_PUBLIC_PATHS,
-              docs: bool = True, max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES) -> FastAPI:
+              docs: bool = True, max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES,
+              response_role: str = "assistant", max_logprobs: int = P.MAX_LOGPROBS,
+              tokenizer_info: bool = False) -> FastAPI:
     """The server for the engine ``make_llm()`` builds at start-up: in the engine core process it spawns
     (``make_llm`` and ``describe`` are pickled to it: top-level functions or ``functools.partial`` of them), or
     with ``engine_in_process`` on a thread of this process (any callable).
@@ -122,8 +128,10 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     ``/v1/models``; the first is the metrics' ``model_name``). ``api_key``: required on every path but
     ``public_paths`` (:mod:`~tripath.server.auth`); ``docs``: serve ``/docs``, ``/redoc`` and ``/openapi.json``;
     ``max_structured_output_bytes``: the largest output constraint (schema, regex, grammar, choices) a request
-    may send; ``chat_template``: Jinja text used by chat requests instead of the tokenizer's; ``describe(llm)``:
-    the start-up log line of the built engine. ``api_server``: this server is one of several in front of an engine
+    may send; ``response_role``: the role of a chat completion's message; ``max_logprobs``: the most
+    log-probabilities a request may ask for per token (400 beyond); ``tokenizer_info``: serve
+    ``GET /tokenizer_info``; ``chat_template``: Jinja text used by chat requests instead of the tokenizer's;
+    ``describe(llm)``: the start-up log line of the built engine. ``api_server``: this server is one of several in front of an engine
     core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not used): it talks to
     that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)
@@ -146,8 +154,10 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
         engine: Engine = EngineClient(None, metrics, on_fatal, core=api_server.channel)
     else:
         engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
+    if not 0 <= max_logprobs <= P.MAX_LOGPROBS:
+        raise ValueError(f"max_logprobs must be in [0, {P.MAX_LOGPROBS}], got {max_logprobs}")
     state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template,
-                        max_structured_output_bytes)
+                        max_structured_output_bytes, response_role, max_logprobs, tokenizer_info)
     peers = None
     if api_server is not None and api_server.count > 1:
         peers = MetricsPeers(api_server.folder, api_server.index, api_server.count, metrics.registry,
@@ -359,6 +369,18 @@ def _constraint(state: ServerState, param: str, asked: dict) -> StructuredOutput
     return spec
 
 
+def _check_logprobs(state: ServerState, body, chat: bool) -> None:
+    """The request's log-probabilities within ``--max-logprobs``; ``prompt_logprobs`` not streamed (as vLLM)."""
+    asked = (("top_logprobs", body.top_logprobs) if chat else ("logprobs", body.logprobs),
+             ("prompt_logprobs", body.prompt_logprobs))
+    for name, value in asked:
+        if value is not None and value > state.max_logprobs:
+            raise APIError(400, f"{name} ({value}) is more than the server's --max-logprobs ({state.max_logprobs})",
+                           param=name)
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs cannot be streamed: ask for them without stream", param="prompt_logprobs")
+
+
 def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: int | None,
                 structured: StructuredOutput | None = None) -> Generation:
     """The engine submissions of a request: ``prompts`` x ``num_choices`` (``n``, or ``best_of``), choice
@@ -374,8 +396,9 @@ def _generation(state: ServerState, body, prompts: list[list[int]], max_tokens: 
     if bias:
         _check_ids(state, list(bias), "logit_bias")
     hidden = max_tokens == 0
+    _check_logprobs(state, body, chat)
     if chat:
-        logprobs, prompt_logprobs = ((body.top_logprobs or 0) if body.logprobs else None), None
+        logprobs, prompt_logprobs = ((body.top_logprobs or 0) if body.logprobs else None), body.prompt_logprobs
     else:
         logprobs, prompt_logprobs = body.logprobs, body.scores_prompt
     ranked = body.num_choices > body.n   # best_of: the choices keep their log-probabilities to be ranked

@@ -48,7 +48,7 @@ async def respond(state, gen: Generation, body, request: Request, chat: bool, ec
                 gen.abort()
                 state.outstanding -= n
 
-        return _EventStream(_stream(gen, body, chat, echo, tokenizer, release), release)
+        return _EventStream(_stream(gen, body, chat, echo, tokenizer, release, state.response_role), release)
     try:
         collect = asyncio.ensure_future(_collect(gen))
         while not collect.done():
@@ -61,8 +61,10 @@ async def respond(state, gen: Generation, body, request: Request, chat: bool, ec
         collect.result()
     finally:
         state.outstanding -= n
-    build = functools.partial(_chat_response if chat else _completion_response, gen, body, tokenizer, echo)
-    if _wants_logprobs(body, chat) or gen.completion_tokens + (gen.prompt_tokens if echo else 0) > LARGE_REPLY_TOKENS:
+    build = functools.partial(_chat_response, gen, body, tokenizer, state.response_role) if chat else \
+        functools.partial(_completion_response, gen, body, tokenizer, echo)
+    tokens = gen.completion_tokens + (gen.prompt_tokens if echo else 0)
+    if _wants_logprobs(body, chat) or body.prompt_logprobs is not None or tokens > LARGE_REPLY_TOKENS:
         # per-token text of every position, or just many tokens: built and encoded off the event loop
         return await asyncio.get_running_loop().run_in_executor(None, lambda: _encoded(build()))
     return build()
@@ -118,25 +120,38 @@ def _completion_logprobs(tokenizer, body, c: ChoiceState, echo_text: str | None)
     return merge_completion_logprobs(parts)
 
 
+def _prompt_logprobs(tokenizer, body, c: ChoiceState) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs`` of a choice's prompt: per position None (the first) or ``{token id: {logprob,
+    rank, decoded_token}}``, the prompt's token and the top ``prompt_logprobs``."""
+    if body.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                      "decoded_token": None if tokenizer is None else tokenizer.decode([t])}
+             for t, lp in entry.items()} for entry in (c.prompt_logprobs or [None])]
+
+
 def _completion_response(gen: Generation, body, tokenizer, echo: list[str] | None) -> dict:
     choices = []
     for i, (p, c) in enumerate(_returned(gen, body)):
         echo_text = None if echo is None else echo[p]
         choices.append(P.CompletionChoice(index=i, text=(echo_text or "") + c.text, token_ids=c.token_ids,
-                                          finish_reason=c.finish_reason,
-                                          logprobs=_completion_logprobs(tokenizer, body, c, echo_text)))
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                          logprobs=_completion_logprobs(tokenizer, body, c, echo_text),
+                                          prompt_logprobs=_prompt_logprobs(tokenizer, body, c)))
     return P.CompletionResponse(id=P.new_id("cmpl"), model=body.model, choices=choices, usage=_usage(gen)).model_dump()
 
 
-def _chat_response(gen: Generation, body, tokenizer, echo) -> dict:
+def _chat_response(gen: Generation, body, tokenizer, role: str) -> dict:
     choices = []
     for i, (_, c) in enumerate(_returned(gen, body)):
         logprobs = chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0) \
             if body.logprobs else None
-        choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=c.text), token_ids=c.token_ids,
-                                    finish_reason=c.finish_reason, logprobs=logprobs))
-    return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=body.model, choices=choices,
-                                    usage=_usage(gen)).model_dump()
+        choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(role=role, content=c.text),
+                                    token_ids=c.token_ids, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                    logprobs=logprobs))
+    return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=body.model, choices=choices, usage=_usage(gen),
+                                    prompt_logprobs=_prompt_logprobs(tokenizer, body, gen.choices[0])).model_dump()
 
 
 class _EventStream(StreamingResponse):
@@ -173,10 +188,11 @@ def _completion_chunk_choice(gen: Generation, body, tokenizer, echo, d: Delta, o
                                          at + len(echo_text or "")))
         logprobs = merge_completion_logprobs(parts)
     offsets[d.index] = at + len(text)
-    return sse.completion_choice(d.index, text, d.token_ids, d.finish_reason, logprobs)
+    return sse.completion_choice(d.index, text, d.token_ids, d.finish_reason, logprobs,
+                                 c.stop_reason if d.finish_reason else None)
 
 
-async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: Callable[[], None]):
+async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: Callable[[], None], role: str):
     framer = sse.ChunkFramer(P.new_id("chatcmpl" if chat else "cmpl"), body.model, chat)
     options = body.stream_options
     continuous = options is not None and options.continuous_usage_stats
@@ -184,7 +200,7 @@ async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: C
     try:
         if chat:
             for i in range(len(gen.choices)):
-                first = sse.chat_choice(i, "", [], None, role="assistant")
+                first = sse.chat_choice(i, "", [], None, role=role)
                 yield framer.chunk([first], _usage_fields(gen) if continuous else None)
         try:
             async for d in gen.deltas():
@@ -192,7 +208,9 @@ async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: C
                 if chat:
                     logprobs = chat_logprobs(tokenizer, d.token_ids, d.logprobs or [], body.top_logprobs or 0) \
                         if body.logprobs else None
-                    choice = sse.chat_choice(d.index, d.text, d.token_ids, d.finish_reason, logprobs)
+                    stop_reason = gen.choices[d.index].stop_reason if d.finish_reason else None
+                    choice = sse.chat_choice(d.index, d.text, d.token_ids, d.finish_reason, logprobs,
+                                             stop_reason=stop_reason)
                 else:
                     choice = _completion_chunk_choice(gen, body, tokenizer, echo, d, offsets)
                 yield framer.chunk([choice], usage)

@@ -1,4 +1,6 @@
-"""vLLM's utility routes beside the OpenAI API: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+"""vLLM's utility routes beside the OpenAI API: ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and,
+with ``--enable-tokenizer-info-endpoint``, ``GET /tokenizer_info`` (the tokenizer's class, special tokens,
+maximum length and chat template: what lm-eval's remote tokenizer reads).
 
 ``/tokenize`` takes ``{"model"?, "prompt": str, "add_special_tokens"?: true}`` (the ids a completions request
 would use) or ``{"model"?, "messages": [...], "add_generation_prompt"?: true, "add_special_tokens"?: false,
@@ -127,7 +129,8 @@ def _json_reply(**fields) -> Response:
 
 
 def add_utility_routes(app: FastAPI, state) -> None:
-    """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app`` (served by ``state``)."""
+    """Add ``/tokenize``, ``/detokenize``, ``/version`` and (``state.tokenizer_info``) ``/tokenizer_info`` to
+    ``app`` (served by ``state``)."""
     from tripath.server.app import _check_model, _check_ready, _in_thread, _schema
 
     async def _checked(request: Request, model: type[P._Request]):
@@ -151,3 +154,29 @@ def add_utility_routes(app: FastAPI, state) -> None:
     @app.get("/version")
     async def version():
         return {"version": tripath.__version__}
+
+    if state.tokenizer_info:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            _check_ready(state)
+            return await _in_thread(_tokenizer_info, state)
+
+
+TOKENIZER_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length", "add_bos_token",
+                    "add_eos_token", "clean_up_tokenization_spaces")
+
+
+def _tokenizer_info(state) -> dict:
+    """The tokenizer's facts a remote client needs to tokenise as the server does (``--enable-tokenizer-info-
+    endpoint``): its class, special tokens as text, ``model_max_length`` (the server's ``max_model_len``),
+    vocabulary size and chat template (the server's ``--chat-template`` when given)."""
+    tokenizer = _tokenizer(state)
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+    for name in TOKENIZER_FIELDS:
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, (str, bool)) or value is None:
+            info[name] = value
+    info["model_max_length"] = state.engine.max_model_len
+    info["vocab_size"] = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size()
+    info["chat_template"] = state.chat_template or getattr(tokenizer, "chat_template", None)
+    return info
