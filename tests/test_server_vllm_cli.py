@@ -209,7 +209,7 @@ def test_a_port_in_use_fails_at_once_before_the_engine_builds():
         result = _serve("tiny-llama", "--backend", "torch", "--port", str(port), "--log-level", "info")
         elapsed = time.perf_counter() - start
     assert result.returncode == 1, result.stderr
-    assert f"cannot listen on 127.0.0.1:{port}: the port is in use by another process" in result.stderr
+    assert f"cannot listen on 0.0.0.0:{port}: the port is in use by another process" in result.stderr
     # at once: before anything of the engine (its core process, the model) started, whatever the machine's speed
     assert "--port" in result.stderr and "engine" not in result.stderr and "tiny-llama" not in result.stderr
     print(f"a port in use: exit after {elapsed:.2f} s (interpreter start included)")

@@ -21,7 +21,7 @@ import random
 import sys
 from typing import Sequence
 
-from tripath.engine.cli_options import HelpFormatter, add_engine_arguments, engine_options
+from tripath.engine.cli_options import HelpFormatter, add_engine_arguments, check_engine_arguments, engine_options
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,9 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--prompt: {args.model} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                          "give the prompts as token ids with --prompt-ids")
 
+    refused = check_engine_arguments(args)
+    if refused is not None:
+        parser.error(refused)
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)

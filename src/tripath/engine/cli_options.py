@@ -13,8 +13,9 @@ import argparse
 import re
 
 from tripath.constants import KV_CACHE_DTYPES
-from tripath.engine.config import DEFAULT_GRAMMAR_CACHE_MB, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+from tripath.engine.config import DEFAULT_GRAMMAR_CACHE_MB, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DTYPES
 
+FP8_KV_ALIASES = ("fp8_e4m3",)   # vLLM's name of tripath's fp8 KV cache
 DECIMAL_SUFFIXES = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
 BINARY_SUFFIXES = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
@@ -62,9 +63,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a tokenizer directory or Hugging Face hub id to use instead of the model's own")
     group.add_argument("--backend", default="auto",
                        help="attention backend: auto, three_path, unified, two_path, torch, mla, mla_triton")
-    group.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float16, ...")
+    group.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                       help="weights' and activations' type: auto (bfloat16 on a GPU, float32 on the CPU), vLLM's "
+                            "names (half, float16, bfloat16, float, float32) or fp16 / bf16 / fp32")
     group.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu")
-    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache element type")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=(*KV_CACHE_DTYPES, *FP8_KV_ALIASES, "fp8_e5m2"),
+                       help="KV cache element type: auto (the model's), fp8 (e4m3, per-tensor scales; fp8_e4m3 "
+                            "is the same)")
     group.add_argument("--calculate-kv-scales", action="store_true",
                        help="fp8 KV cache: set each layer's scales from the first step (default: 1.0)")
     group.add_argument("--block-size", type=int, default=None,
@@ -81,7 +86,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=token_count, default=None,
                        help="longest prompt + output, in tokens: an integer or a size, k = 1000 and K = 1024 as "
                             "in vLLM (4k = 4000, 32K = 32768, 1M = 1048576; default: the model's max position)")
-    group.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="reuse the KV blocks of prompts' common prefixes (vLLM's flag; "
+                            "--no-enable-prefix-caching or --no-prefix-caching turn it off)")
+    group.add_argument("--no-prefix-caching", action="store_false", dest="enable_prefix_caching",
+                       help="turn the prefix cache off")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="split long prompts over steps within --max-num-batched-tokens (vLLM's flag; "
+                            "--no-enable-chunked-prefill: a prompt runs whole in one step)")
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--no-mixed-cuda-graphs", action="store_true",
                        help="run steps with prompt tokens eagerly (default: piecewise CUDA graphs around attention)")
@@ -106,15 +118,78 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "(400); grammars compile on their own threads while the engine serves the others")
     group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
+    add_vllm_loading_arguments(parser)
+
+
+def add_vllm_loading_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's options for where a model comes from and how it runs that tripath takes with vLLM's meaning, or
+    accepts and refuses the values it cannot honour (:func:`check_engine_arguments`)."""
+    group = parser.add_argument_group("model loading (vLLM's options)")
+    group.add_argument("--revision", default=None,
+                       help="the Hugging Face hub repository's branch, tag or commit to load (default: main)")
+    group.add_argument("--download-dir", default=None,
+                       help="the Hugging Face cache to read hub models from and download them into (default: "
+                            "HF_HUB_CACHE)")
+    group.add_argument("--load-format", default="auto", help="auto or safetensors: the weights tripath reads")
+    group.add_argument("--tokenizer-mode", default="auto", help="auto (or hf): the model's Hugging Face tokenizer")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM's command lines: tripath runs its own model code, never a "
+                            "repository's, so it changes nothing")
+    group.add_argument("-q", "--quantization", default=None,
+                       help="none only: tripath runs the weights as they are stored (an fp8 KV cache: "
+                            "--kv-cache-dtype fp8)")
+    group.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                       help="1 only: tripath shards models by tensor parallelism (--tensor-parallel-size)")
+    group.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                       help="1 only: run one tripath server per replica behind a load balancer")
+    group.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                       help="accepted for vLLM's command lines: a preempted request is recomputed, never "
+                            "swapped, so it changes nothing")
+    group.add_argument("--distributed-executor-backend", default=None,
+                       help="mp (tripath's own processes) or uni; ray is not supported")
+
+
+LOAD_FORMATS = ("auto", "safetensors")
+TOKENIZER_MODES = ("auto", "hf")
+EXECUTOR_BACKENDS = ("mp", "uni")
+
+
+def check_engine_arguments(args: argparse.Namespace) -> str | None:
+    """Why the engine options of ``args`` cannot be honoured (a message naming the option and what tripath
+    does instead), or None."""
+    if args.kv_cache_dtype == "fp8_e5m2":
+        return "--kv-cache-dtype fp8_e5m2 is not supported: tripath's fp8 KV cache is e4m3 (fp8, fp8_e4m3)"
+    if args.load_format not in LOAD_FORMATS:
+        return (f"--load-format {args.load_format} is not supported: tripath reads safetensors weights "
+                f"({', '.join(LOAD_FORMATS)}); for random weights of a model's shapes, use a preset")
+    if args.tokenizer_mode not in TOKENIZER_MODES:
+        return (f"--tokenizer-mode {args.tokenizer_mode} is not supported: tripath uses the model's Hugging Face "
+                f"tokenizer ({', '.join(TOKENIZER_MODES)})")
+    if args.quantization not in (None, "none", "None"):
+        return (f"--quantization {args.quantization} is not supported: tripath runs the weights as they are "
+                "stored (float16, bfloat16, float32); an fp8 KV cache is --kv-cache-dtype fp8")
+    if args.pipeline_parallel_size != 1:
+        return (f"--pipeline-parallel-size {args.pipeline_parallel_size} is not supported: tripath shards a model "
+                "by tensor parallelism (--tensor-parallel-size)")
+    if args.data_parallel_size != 1:
+        return (f"--data-parallel-size {args.data_parallel_size} is not supported: run one tripath server per "
+                "replica behind a load balancer")
+    if args.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+        return (f"--distributed-executor-backend {args.distributed_executor_backend} is not supported: tripath "
+                f"starts its own rank processes ({', '.join(EXECUTOR_BACKENDS)})")
+    return None
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """``LLM(model, tokenizer=args.tokenizer, **engine_options(args))``."""
-    return dict(backend=args.backend, dtype=args.dtype, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
+    kv_cache_dtype = "fp8" if args.kv_cache_dtype in FP8_KV_ALIASES else args.kv_cache_dtype
+    return dict(backend=args.backend, dtype=args.dtype, device=args.device, kv_cache_dtype=kv_cache_dtype,
                 calculate_kv_scales=args.calculate_kv_scales, block_size=args.block_size,
                 num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+                enable_chunked_prefill=args.enable_chunked_prefill, revision=args.revision,
+                download_dir=args.download_dir,
                 enforce_eager=args.enforce_eager, mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
                 async_scheduling=not args.no_async_scheduling,
                 decode_steps=args.decode_steps, compile_workers=args.compile_workers, seed=args.seed,

@@ -12,7 +12,8 @@ from tripath.engine.step_pacing import DEFAULT_CPU_TARGET_S
 from tripath.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S as DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
 DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}   # vLLM's names and short ones
 CPU_DEFAULT_KV_BLOCKS = 1024  # without a GPU to measure, the cache size when num_kv_blocks is not given
 
 

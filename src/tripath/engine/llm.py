@@ -108,6 +108,8 @@ class LLM:
     preset; see :mod:`tripath.engine.parallel_executor`); close such an engine with :meth:`close` or a
     ``with`` block to stop its worker processes (garbage collection and interpreter exit also do).
     ``tokenizer``: a tokenizer object, or a tokenizer's directory or hub id, in place of the model's own.
+    ``revision``: the hub repository's branch, tag or commit to load (default: main); ``download_dir``: the
+    Hugging Face cache to read hub ids from and download them into (default: ``HF_HUB_CACHE``).
     Requests without sampling parameters take :meth:`get_default_sampling_params` (the model's
     ``generation_config.json`` defaults, per ``EngineConfig.generation_config``).
     The engine's settings are an :class:`EngineConfig` (``config=``) or its fields as keyword arguments
@@ -126,7 +128,8 @@ class LLM:
     """
 
     def __init__(self, model, *, tokenizer=None, config: EngineConfig | None = None,
-                 tensor_parallel_size: int = 1, **engine_options):
+                 tensor_parallel_size: int = 1, revision: str | None = None, download_dir: str | None = None,
+                 **engine_options):
         if config is not None and engine_options:
             raise TypeError(f"pass either config= or engine options ({', '.join(engine_options)}), not both")
         if config is None:
@@ -143,10 +146,13 @@ class LLM:
         self.model_path = None   # the local directory or preset a model given by name loads from
         if isinstance(model, (str, os.PathLike)):
             from tripath.models.hub import resolve_model_path
-            model = self.model_path = resolve_model_path(os.fspath(model))
+            model = self.model_path = resolve_model_path(os.fspath(model), revision=revision,
+                                                         cache_dir=download_dir)
         if isinstance(tokenizer, (str, os.PathLike)):
             from tripath.models import load_tokenizer
-            tokenizer = load_tokenizer(tokenizer)
+            from tripath.models.hub import resolve_model_path
+            tokenizer = load_tokenizer(resolve_model_path(os.fspath(tokenizer), weights=False,
+                                                          cache_dir=download_dir))
         self.generation_defaults = load_generation_defaults(
             self.model_path if self.model_path is not None and os.path.isdir(self.model_path) else None,
             config.generation_config)

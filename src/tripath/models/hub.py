@@ -24,12 +24,15 @@ def _not_found(name: str, weights: bool, reason: str) -> str:
     return f"{name!r} {where}; {reason}"
 
 
-def resolve_model_path(name: str, *, weights: bool = True, revision: str | None = None) -> str:
+def resolve_model_path(name: str, *, weights: bool = True, revision: str | None = None,
+                       cache_dir: str | None = None) -> str:
     """The local directory (or preset name) ``name`` stands for.
 
     ``name``: a local directory or a preset, returned as they are (a path to a file too: the loader names
     it), or a hub id, whose snapshot directory is returned (from the cache, or downloaded). ``weights``:
-    False fetches only the tokenizer and config files. Raises ``FileNotFoundError`` naming ``name`` when it is
+    False fetches only the tokenizer and config files. ``revision``: a branch, tag or commit of the hub
+    repository (default: its main branch); ``cache_dir``: the Hugging Face cache to read and download into
+    instead of ``HF_HUB_CACHE``. Raises ``FileNotFoundError`` naming ``name`` when it is
     none of these, when the hub does not know it, or when it is offline and not cached; ``PermissionError``
     for a gated or private repository without a token that may read it.
     """
@@ -52,9 +55,9 @@ def resolve_model_path(name: str, *, weights: bool = True, revision: str | None 
     except errors.HFValidationError as error:
         reason = f"nor is it a valid Hugging Face hub id ({error})"
         raise FileNotFoundError(_not_found(name, weights, reason)) from None
-    cache = constants.HF_HUB_CACHE
+    cache = cache_dir or constants.HF_HUB_CACHE
     try:
-        return huggingface_hub.snapshot_download(name, revision=revision,
+        return huggingface_hub.snapshot_download(name, revision=revision, cache_dir=cache_dir,
                                                  allow_patterns=list(MODEL_PATTERNS if weights else TOKENIZER_PATTERNS))
     except (errors.GatedRepoError, errors.DisabledRepoError) as error:
         raise PermissionError(f"{name!r}: the Hugging Face repository is gated or disabled for this user (set "

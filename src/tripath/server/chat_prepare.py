@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 
+from tripath.server.engine_requests import chat_prompt, constraint, generation, in_thread, structured_output
 from tripath.server.generation import APIError, Generation
 from tripath.server.tools import ToolError, ToolPlan, plan_tools
 
@@ -29,8 +30,6 @@ async def prepare_chat(state, body, body_bytes: int) -> tuple[Generation, ToolPl
     """``body``: a :class:`~tripath.server.protocol.ChatCompletionRequest` the route has checked (ready, model,
     fits); ``body_bytes``: the size of the HTTP body it came in (it bounds the messages' text). Raises
     :class:`~tripath.server.generation.APIError`."""
-    from tripath.server.app import _chat_prompt, _generation, _in_thread, _structured_output
-
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_settings,
                           constrained=body.structured_output() is not None)
@@ -41,24 +40,22 @@ async def prepare_chat(state, body, body_bytes: int) -> tuple[Generation, ToolPl
     if plan is not None and plan.tools and "tools" not in template_kwargs:
         template_kwargs["tools"] = plan.template_tools()
     async with state.large_texts.admit(body_bytes):
-        prompt = await _in_thread(_chat_prompt, state, messages, body.add_generation_prompt, template_kwargs)
+        prompt = await in_thread(chat_prompt, state, messages, body.add_generation_prompt, template_kwargs)
     if plan is not None and plan.tools and not getattr(state, "tools_template_checked", False):
         state.tools_template_checked = True
-        await _in_thread(_check_template_renders_tools, state, prompt, plan)
+        await in_thread(_check_template_renders_tools, state, prompt, plan)
     if plan is not None and plan.schema is not None:
-        structured = await _in_thread(_tool_constraint, state, plan)
+        structured = await in_thread(_tool_constraint, state, plan)
     else:
-        structured = await _structured_output(state, body)
+        structured = await structured_output(state, body)
     if plan is not None and plan.keeps_special_tokens and body.skip_special_tokens:
         body = body.model_copy(update={"skip_special_tokens": False})
-    return _generation(state, body, [prompt], body.output_limit, structured), plan
+    return generation(state, body, [prompt], body.output_limit, structured), plan
 
 
 def _tool_constraint(state, plan: ToolPlan):
-    from tripath.server.app import _constraint
-
     text = json.dumps(plan.schema)
-    spec = _constraint(state, "tools", {"json": text})   # the size limit and the nesting bound
+    spec = constraint(state, "tools", {"json": text})   # the size limit and the nesting bound
     try:
         import xgrammar
 

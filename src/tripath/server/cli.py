@@ -27,12 +27,13 @@ import os
 import sys
 from typing import Sequence
 
-DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+DEFAULT_HOST, DEFAULT_PORT = "0.0.0.0", 8000   # every interface, as vLLM (a container's port is reachable)
 MODEL_HELP = "a local Hugging Face model directory, a Hugging Face hub id (org/name) or a preset name"
 
 
 def build_parser() -> argparse.ArgumentParser:
     from tripath.engine.cli_options import HelpFormatter, add_engine_arguments
+    from tripath.server.protocol import MAX_LOGPROBS
     from tripath.server.auth import DEFAULT_PUBLIC_PATHS
     from tripath.server.connections import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEADER_TIMEOUT_S,
                                             DEFAULT_MAX_CONNECTIONS, DEFAULT_SEND_TIMEOUT_S, FILES_KEPT)
@@ -45,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                         help="the names clients pass as 'model' (each accepted, all listed by /v1/models; the "
                              "first names the metrics); default: the model as given")
-    parser.add_argument("--host", default=DEFAULT_HOST, help="address to listen on")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="address to listen on (default: every interface, as vLLM; 127.0.0.1 for this machine "
+                             "only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
     parser.add_argument("--api-key", default=None,
                         help="the key every request must send as 'Authorization: Bearer <key>' (401 otherwise), "
@@ -107,7 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the format of the model's tool calls: hermes (<tool_call>{...}</tool_call>: Hermes, "
                              "Qwen), llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), pythonic ([f(a=1)])")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-                        help="log level of the server and uvicorn")
+                        help="log level of the server (and of uvicorn, unless --uvicorn-log-level)")
+    parser.add_argument("--uvicorn-log-level", default=None,
+                        choices=("critical", "error", "warning", "info", "debug", "trace"),
+                        help="log level of uvicorn (its access log is at info); default: --log-level")
+    parser.add_argument("--response-role", default="assistant",
+                        help="the role of the message a chat completion returns")
+    parser.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                        help=f"the most log-probabilities a request may ask for per token (logprobs, top_logprobs, "
+                             f"prompt_logprobs; 400 above), at most {MAX_LOGPROBS}")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                        help="serve GET /tokenizer_info: the tokenizer's special tokens, class, maximum length and "
+                             "chat template (what lm-eval's remote tokenizer reads)")
+    parser.add_argument("--enable-lora", action="store_true", help="not supported: refused (see --lora-modules)")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="not supported: tripath serves one model's weights; merge an adapter into them first")
     add_log_arguments(parser)
     add_engine_arguments(parser)
     return parser
@@ -180,6 +197,21 @@ def _bind_early(argv: list[str]):
     return bind_listener(host, port, reuse_port=api_servers > 1)
 
 
+def _refused(args: argparse.Namespace) -> str | None:
+    """Why vLLM options of ``args`` cannot be honoured (naming the option and what tripath does instead)."""
+    from tripath.engine.cli_options import check_engine_arguments
+    from tripath.server.protocol import MAX_LOGPROBS
+
+    if args.enable_lora or args.lora_modules:
+        return ("--enable-lora / --lora-modules are not supported: tripath serves one model's weights; merge the "
+                "adapter into them (peft's merge_and_unload) and serve the merged model")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        return f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the most the engine computes), got {args.max_logprobs}"
+    if not args.response_role:
+        return "--response-role may not be empty"
+    return check_engine_arguments(args)
+
+
 def _usage_error(message: str) -> int:
     print(f"tripath serve: error: {message}", file=sys.stderr)
     return 2
@@ -232,6 +264,9 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
             return _usage_error(f"{name} must be a positive number of seconds, got {value}")
     if args.api_key == "":
         return _usage_error("--api-key is empty: give a key, or leave the option out")
+    refused = _refused(args)
+    if refused is not None:
+        return _usage_error(refused)
     if args.port > 65535:
         return _usage_error(f"--port must be <= 65535, got {args.port}")
     if args.api_server_count > 1 and args.engine_in_process:
@@ -296,7 +331,8 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
                         engine_in_process=args.engine_in_process, api_server=api_server,
                         public_paths=args.public_paths, docs=not args.disable_fastapi_docs,
                         max_structured_output_bytes=args.max_structured_output_bytes, observability=observability,
-                        tool_settings=tool_settings)
+                        tool_settings=tool_settings, response_role=args.response_role,
+                        max_logprobs=args.max_logprobs, tokenizer_info=args.enable_tokenizer_info_endpoint)
     except ValueError as error:
         return _usage_error(str(error))
     from tripath.server.connections import (ConnectionLimits, fitted_max_connections, guarded_protocol,
@@ -309,8 +345,8 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     # that reach the clients), so uvicorn's timeout leaves them time to answer.
     loop, http = _fast_or_default()
     # ws="none": the app has no WebSocket routes, and an upgraded connection would leave the guarded protocol
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, loop=loop,
-                            http=guarded_protocol(http, limits), ws="none",
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level or args.log_level,
+                            loop=loop, http=guarded_protocol(http, limits), ws="none",
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_ANSWER_S,
                             access_log=not args.disable_uvicorn_access_log)
     from tripath.server.observability import endpoint_paths, quiet_access_log

@@ -113,6 +113,7 @@ class StopMatcher:
         self._state = [0] * len(self.stops)
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None   # the stop string that stopped the text
 
     def feed(self, text: str, final: bool = False) -> str:
         """Add text; returns what may be emitted. After a stop string (``stopped``) nothing more comes out.
@@ -133,7 +134,7 @@ class StopMatcher:
                 if stop[k] == char:
                     k += 1
                 if k == len(stop):   # a whole stop string ends here: cut before it (or after it)
-                    self.stopped = True
+                    self.stopped, self.matched = True, stop
                     out = self.pending[:base + offset + 1 - (0 if self.include_stop else k)]
                     self.pending = ""
                     return out

@@ -70,6 +70,7 @@ class ChoiceState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it (None: EOS, length)
 
     @property
     def cumulative_logprob(self) -> float:
@@ -109,10 +110,15 @@ class ChoiceState:
                 continue
             text.append(self.stops.feed(piece))
             if self.stops.stopped:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_reason = "stop", self.stops.matched
         if out.finished and self.finish_reason is None:
             text.append(self.stops.feed(self.detokenizer.flush(), final=True))
             self.finish_reason = "stop" if self.stops.stopped or out.finish_reason is FinishReason.STOP else "length"
+            if self.stops.stopped:
+                self.stop_reason = self.stops.matched
+            elif out.finish_reason is FinishReason.STOP and self.token_ids and \
+                    self.token_ids[-1] in self.sub.params.stop_token_ids:
+                self.stop_reason = self.token_ids[-1]
         piece = "".join(text)
         self.text += piece
         return Delta(self.sub.index, piece, ids, self.finish_reason, logprobs)

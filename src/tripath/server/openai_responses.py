@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from pydantic import Field, StrictStr, model_validator
 
 from tripath.server import protocol as P
+from tripath.server.engine_requests import check_model, check_ready, openapi_body
 from tripath.server.generation import APIError
 from tripath.server.responses import respond
 from tripath.server.tools import ToolError, plan_tools
@@ -201,16 +202,15 @@ def chat_request(state, body: ResponsesRequest) -> P.ChatCompletionRequest:
 
 def add_responses_routes(app: FastAPI, state) -> None:
     """Add ``POST /v1/responses`` and ``GET /v1/responses/{id}`` (always 404) to ``app``."""
-    from tripath.server.app import _check_model, _check_ready, _schema
     from tripath.server.request_body import read_json
     from tripath.server.chat_prepare import prepare_chat
     from tripath.server.responses_output import ResponsesRender
 
-    @app.post("/v1/responses", openapi_extra=_schema(ResponsesRequest))
+    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
     async def create_response(request: Request):
         body = await read_json(request, ResponsesRequest)
-        _check_ready(state)
-        _check_model(state, body.model)
+        check_ready(state)
+        check_model(state, body.model)
         chat = chat_request(state, body)
         gen, plan = await prepare_chat(state, chat, len(await request.body()))
         return await respond(state, gen, chat, request, chat=True, render=ResponsesRender(body, plan))

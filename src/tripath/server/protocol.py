@@ -298,6 +298,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None
     logprobs: Bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -331,7 +332,9 @@ class CompletionChoice(BaseModel):
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it (vLLM's field)
     logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None   # vLLM's field, when asked for
 
 
 class CompletionResponse(BaseModel):
@@ -344,7 +347,7 @@ class CompletionResponse(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"   # the server's --response-role
     content: str | None
     tool_calls: list[dict[str, Any]] = []
 
@@ -354,6 +357,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     token_ids: list[int]
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: dict[str, Any] | None = None
 
 
@@ -364,10 +368,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, Any] | None] | None = None   # vLLM's field, when asked for
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
 
 
@@ -376,6 +381,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     token_ids: list[int] = []
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: dict[str, Any] | None = None
 
 

@@ -63,7 +63,7 @@ async def respond(state, gen: Generation, body, request: Request, chat: bool, ec
                 state.outstanding -= n
 
         events = render.events(gen, release) if render is not None else \
-            _stream(gen, body, chat, echo, tokenizer, release, tools)
+            _stream(gen, body, chat, echo, tokenizer, release, tools, state.response_role)
         return _EventStream(events, release)
     try:
         collect = asyncio.ensure_future(_collect(gen))
@@ -80,10 +80,12 @@ async def respond(state, gen: Generation, body, request: Request, chat: bool, ec
     if render is not None:
         build = functools.partial(render.response, gen)
     elif chat:
-        build = functools.partial(_chat_response, gen, body, tokenizer, tools)
+        build = functools.partial(_chat_response, gen, body, tokenizer, tools, state.response_role)
     else:
         build = functools.partial(_completion_response, gen, body, tokenizer, echo)
-    if _wants_logprobs(body, chat) or gen.completion_tokens + (gen.prompt_tokens if echo else 0) > LARGE_REPLY_TOKENS:
+    tokens = gen.completion_tokens + (gen.prompt_tokens if echo else 0)
+    scores_prompt = getattr(body, "prompt_logprobs", None) is not None
+    if _wants_logprobs(body, chat) or scores_prompt or tokens > LARGE_REPLY_TOKENS:
         # per-token text of every position, or just many tokens: built and encoded off the event loop
         return await asyncio.get_running_loop().run_in_executor(None, lambda: _encoded(build()))
     return build()
@@ -139,26 +141,39 @@ def _completion_logprobs(tokenizer, body, c: ChoiceState, echo_text: str | None)
     return merge_completion_logprobs(parts)
 
 
+def _prompt_logprobs(tokenizer, body, c: ChoiceState) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs`` of a choice's prompt: per position None (the first) or ``{token id: {logprob,
+    rank, decoded_token}}``, the prompt's token and the top ``prompt_logprobs``."""
+    if body.prompt_logprobs is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                      "decoded_token": None if tokenizer is None else tokenizer.decode([t])}
+             for t, lp in entry.items()} for entry in (c.prompt_logprobs or [None])]
+
+
 def _completion_response(gen: Generation, body, tokenizer, echo: list[str] | None) -> dict:
     choices = []
     for i, (p, c) in enumerate(_returned(gen, body)):
         echo_text = None if echo is None else echo[p]
         choices.append(P.CompletionChoice(index=i, text=(echo_text or "") + c.text, token_ids=c.token_ids,
-                                          finish_reason=c.finish_reason,
-                                          logprobs=_completion_logprobs(tokenizer, body, c, echo_text)))
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                          logprobs=_completion_logprobs(tokenizer, body, c, echo_text),
+                                          prompt_logprobs=_prompt_logprobs(tokenizer, body, c)))
     return P.CompletionResponse(id=P.new_id("cmpl"), model=body.model, choices=choices, usage=_usage(gen)).model_dump()
 
 
-def _chat_response(gen: Generation, body, tokenizer, tools: ToolPlan | None) -> dict:
+def _chat_response(gen: Generation, body, tokenizer, tools: ToolPlan | None, role: str) -> dict:
     choices = []
     for i, (_, c) in enumerate(_returned(gen, body)):
         logprobs = chat_logprobs(tokenizer, c.token_ids, c.logprobs or [], body.top_logprobs or 0) \
             if body.logprobs else None
         content, tool_calls, finish_reason = chat_message(tools, c.text, c.finish_reason)
-        choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=content, tool_calls=tool_calls),
-                                    token_ids=c.token_ids, finish_reason=finish_reason, logprobs=logprobs))
-    return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=body.model, choices=choices,
-                                    usage=_usage(gen)).model_dump()
+        message = P.AssistantMessage(role=role, content=content, tool_calls=tool_calls)
+        choices.append(P.ChatChoice(index=i, message=message, token_ids=c.token_ids, finish_reason=finish_reason,
+                                    stop_reason=c.stop_reason, logprobs=logprobs))
+    return P.ChatCompletionResponse(id=P.new_id("chatcmpl"), model=body.model, choices=choices, usage=_usage(gen),
+                                    prompt_logprobs=_prompt_logprobs(tokenizer, body, gen.choices[0])).model_dump()
 
 
 class _EventStream(StreamingResponse):
@@ -195,11 +210,12 @@ def _completion_chunk_choice(gen: Generation, body, tokenizer, echo, d: Delta, o
                                          at + len(echo_text or "")))
         logprobs = merge_completion_logprobs(parts)
     offsets[d.index] = at + len(text)
-    return sse.completion_choice(d.index, text, d.token_ids, d.finish_reason, logprobs)
+    return sse.completion_choice(d.index, text, d.token_ids, d.finish_reason, logprobs,
+                                 c.stop_reason if d.finish_reason else None)
 
 
 async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: Callable[[], None],
-                  tools: ToolPlan | None = None):
+                  tools: ToolPlan | None = None, role: str = "assistant"):
     framer = sse.ChunkFramer(P.new_id("chatcmpl" if chat else "cmpl"), body.model, chat)
     parsing = tools is not None and tools.parses
     streams = [ChoiceToolStream(tools.parser()) for _ in gen.choices] if parsing else None
@@ -209,7 +225,7 @@ async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: C
     try:
         if chat:
             for i in range(len(gen.choices)):
-                first = sse.chat_choice(i, "", [], None, role="assistant")
+                first = sse.chat_choice(i, "", [], None, role=role)
                 yield framer.chunk([first], _usage_fields(gen) if continuous else None)
         try:
             async for d in gen.deltas():
@@ -217,14 +233,16 @@ async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: C
                 if chat:
                     logprobs = chat_logprobs(tokenizer, d.token_ids, d.logprobs or [], body.top_logprobs or 0) \
                         if body.logprobs else None
+                    stop_reason = gen.choices[d.index].stop_reason if d.finish_reason else None
                     if streams is None:
-                        choice = sse.chat_choice(d.index, d.text, d.token_ids, d.finish_reason, logprobs)
+                        choice = sse.chat_choice(d.index, d.text, d.token_ids, d.finish_reason, logprobs,
+                                                 stop_reason=stop_reason)
                     else:
                         tool_stream = streams[d.index]
                         content, tool_calls = tool_stream.push(d.text, d.finish_reason is not None)
                         choice = sse.chat_choice(d.index, content if content or not tool_calls else None,
                                                  d.token_ids, tool_stream.finish_reason(d.finish_reason), logprobs,
-                                                 tool_calls=tool_calls or None)
+                                                 tool_calls=tool_calls or None, stop_reason=stop_reason)
                 else:
                     choice = _completion_chunk_choice(gen, body, tokenizer, echo, d, offsets)
                 yield framer.chunk([choice], usage)

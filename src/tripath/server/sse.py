@@ -4,8 +4,8 @@ A stream's chunks repeat ``id``, ``object``, ``created`` and ``model``: :class:`
 per stream, so each event encodes only its choices (and usage). The chunks are those of OpenAI's API (the
 same fields, in the same order, as :class:`~tripath.server.protocol.CompletionResponse` and
 :class:`~tripath.server.protocol.ChatCompletionChunk` give): a completions choice ``{"index", "text",
-"token_ids", "finish_reason", "logprobs"}``, a chat choice ``{"index", "delta": {"role", "content",
-"tool_calls"?}, "token_ids", "finish_reason", "logprobs"}``.
+"token_ids", "finish_reason", "stop_reason", "logprobs"}``, a chat choice ``{"index", "delta": {"role",
+"content", "tool_calls"?}, "token_ids", "finish_reason", "stop_reason", "logprobs"}``.
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ class ChunkFramer:
 
 
 def completion_choice(index: int, text: str, token_ids: list[int], finish_reason: str | None,
-                      logprobs: dict | None = None) -> dict:
+                      logprobs: dict | None = None, stop_reason: int | str | None = None) -> dict:
     return {"index": index, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
-            "logprobs": logprobs}
+            "stop_reason": stop_reason, "logprobs": logprobs}
 
 
 def chat_choice(index: int, content: str | None, token_ids: list[int], finish_reason: str | None,
-                logprobs: dict | None = None, role: str | None = None, tool_calls: list[dict] | None = None) -> dict:
+                logprobs: dict | None = None, role: str | None = None, tool_calls: list[dict] | None = None,
+                stop_reason: int | str | None = None) -> dict:
     """A chat chunk's choice; ``tool_calls``: the ``delta.tool_calls`` entries of a chat with tools."""
     delta = {"role": role, "content": content}
     if tool_calls:
         delta["tool_calls"] = tool_calls
     return {"index": index, "delta": delta, "token_ids": token_ids, "finish_reason": finish_reason,
-            "logprobs": logprobs}
+            "stop_reason": stop_reason, "logprobs": logprobs}

@@ -1,4 +1,6 @@
-"""vLLM's utility routes beside the OpenAI API: ``POST /tokenize``, ``POST /detokenize``, ``GET /version``.
+"""vLLM's utility routes beside the OpenAI API: ``POST /tokenize``, ``POST /detokenize``, ``GET /version`` and,
+with ``--enable-tokenizer-info-endpoint``, ``GET /tokenizer_info`` (the tokenizer's class, special tokens,
+maximum length and chat template: what lm-eval's remote tokenizer reads).
 
 ``/tokenize`` takes ``{"model"?, "prompt": str, "add_special_tokens"?: true}`` (the ids a completions request
 would use) or ``{"model"?, "messages": [...], "add_generation_prompt"?: true, "add_special_tokens"?: false,
@@ -26,6 +28,8 @@ from pydantic import BaseModel, Field, StrictStr, model_validator
 import tripath
 from tripath.engine.chat import render_chat
 from tripath.server import protocol as P
+from tripath.server.engine_requests import (chat_template_kwargs, check_ids, check_model, check_ready, in_thread,
+                                            openapi_body)
 from tripath.server.generation import APIError
 from tripath.server.request_body import read_json
 
@@ -74,8 +78,6 @@ def _tokenizer(state):
 
 
 def _tokenize(state, body: TokenizeRequest) -> Response:
-    from tripath.server.app import _chat_template_kwargs
-
     tokenizer = _tokenizer(state)
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
@@ -84,7 +86,7 @@ def _tokenize(state, body: TokenizeRequest) -> Response:
         special = bool(body.add_special_tokens)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            text = render_chat(tokenizer, messages, body.add_generation_prompt, _chat_template_kwargs(body),
+            text = render_chat(tokenizer, messages, body.add_generation_prompt, chat_template_kwargs(body),
                                state.chat_template)
         except Exception as error:  # noqa: BLE001 - as chat completions: the template refused the messages
             raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
@@ -103,11 +105,9 @@ def _tokenize(state, body: TokenizeRequest) -> Response:
 
 
 def _detokenize(state, body: DetokenizeRequest) -> Response:
-    from tripath.server.app import _check_ids
-
     tokenizer = _tokenizer(state)
     if body.tokens:
-        _check_ids(state, body.tokens, "tokens")
+        check_ids(state, body.tokens, "tokens")
     return _json_reply(prompt=tokenizer.decode(list(body.tokens), skip_special_tokens=False))
 
 
@@ -127,27 +127,52 @@ def _json_reply(**fields) -> Response:
 
 
 def add_utility_routes(app: FastAPI, state) -> None:
-    """Add ``/tokenize``, ``/detokenize`` and ``/version`` to ``app`` (served by ``state``)."""
-    from tripath.server.app import _check_model, _check_ready, _in_thread, _schema
-
+    """Add ``/tokenize``, ``/detokenize``, ``/version`` and (``state.tokenizer_info``) ``/tokenizer_info`` to
+    ``app`` (served by ``state``)."""
     async def _checked(request: Request, model: type[P._Request]):
         body = await read_json(request, model)
-        _check_ready(state)
+        check_ready(state)
         if body.model is not None:
-            _check_model(state, body.model)
+            check_model(state, body.model)
         return body
 
-    @app.post("/tokenize", response_model=TokenizeResponse, openapi_extra=_schema(TokenizeRequest))
+    @app.post("/tokenize", response_model=TokenizeResponse, openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request):
         body = await _checked(request, TokenizeRequest)
         async with state.large_texts.admit(len(await request.body())):   # the body bounds the text
-            return await _in_thread(_tokenize, state, body)
+            return await in_thread(_tokenize, state, body)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=_schema(DetokenizeRequest))
+    @app.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request):
         body = await _checked(request, DetokenizeRequest)
-        return await _in_thread(_detokenize, state, body)
+        return await in_thread(_detokenize, state, body)
 
     @app.get("/version")
     async def version():
         return {"version": tripath.__version__}
+
+    if state.tokenizer_info:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            check_ready(state)
+            return await in_thread(_tokenizer_info, state)
+
+
+TOKENIZER_FIELDS = ("bos_token", "eos_token", "pad_token", "unk_token", "model_max_length", "add_bos_token",
+                    "add_eos_token", "clean_up_tokenization_spaces")
+
+
+def _tokenizer_info(state) -> dict:
+    """The tokenizer's facts a remote client needs to tokenise as the server does (``--enable-tokenizer-info-
+    endpoint``): its class, special tokens as text, ``model_max_length`` (the server's ``max_model_len``),
+    vocabulary size and chat template (the server's ``--chat-template`` when given)."""
+    tokenizer = _tokenizer(state)
+    info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+    for name in TOKENIZER_FIELDS:
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, (str, bool)) or value is None:
+            info[name] = value
+    info["model_max_length"] = state.engine.max_model_len
+    info["vocab_size"] = len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.get_vocab_size()
+    info["chat_template"] = state.chat_template or getattr(tokenizer, "chat_template", None)
+    return info
