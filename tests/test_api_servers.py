@@ -208,6 +208,15 @@ def _read_all(fd: int, reader: FrameReader) -> list:
         messages += reader.feed(data)
 
 
+def _close_pipes(pipes) -> None:
+    for (commands, updates) in pipes:
+        for fd in (*commands, *updates):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
     from tripath.server.engine_core import EngineCore
 
@@ -253,12 +262,7 @@ def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
         core._receive(block=False)
         assert core._stopping and llm.aborted[-1] == "srv0-3-0"
     finally:
-        for (commands, updates) in pipes:
-            for fd in (*commands, *updates):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_pipes(pipes)
 
 
 class _Talkative(_StandIn):
@@ -309,12 +313,7 @@ def test_a_core_never_waits_for_an_api_server_that_stops_reading(monkeypatch):
         outputs1 = [o for message in got1 if message[0] == "update" for o in message[3]]
         assert 0 < len(outputs1) < 400 and not core._frontends[1].unsent and not core._frontends[1].overflowed
     finally:
-        for (commands, updates) in pipes:
-            for fd in (*commands, *updates):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        _close_pipes(pipes)
 
 
 # ---- end to end -------------------------------------------------------------------------------------------

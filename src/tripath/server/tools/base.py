@@ -312,11 +312,22 @@ class ToolParser:
         if self.text[pos] == "]":
             self.pos, self.state, self._after_call = pos + 1, self.after_array, True
             return True
+        return self._object_at(pos, "array_next")
+
+    def _object_at(self, pos: int, after: str) -> bool:
+        """A call object starts at ``pos`` (else the attempt breaks): read it, then go to state ``after``."""
         if self.text[pos] != "{":
             return self._break()
         self._begin_object(pos)
-        self.state, self.after_object = "object", "array_next"
+        self.state, self.after_object = "object", after
         return True
+
+    def _object_next(self, after: str) -> bool:
+        """A call object after optional white space (see :meth:`_object_at`)."""
+        pos = self._skip_space()
+        if pos is None:
+            return self.final and self._break()
+        return self._object_at(pos, after)
 
     def _s_array_next(self) -> bool:
         pos = self._skip_space()

@@ -34,14 +34,7 @@ class HermesParser(ToolParser):
     marker, closer = "<tool_call>", "</tool_call>"
 
     def _s_after_marker(self) -> bool:
-        pos = self._skip_space()
-        if pos is None:
-            return self.final and self._break()
-        if self.text[pos] != "{":
-            return self._break()
-        self._begin_object(pos)
-        self.state, self.after_object = "object", "closing"
-        return True
+        return self._object_next("closing")
 
     def _s_closing(self) -> bool:
         text = self.text
@@ -74,14 +67,7 @@ class Llama3JsonParser(ToolParser):
         return True
 
     def _s_call(self) -> bool:
-        pos = self._skip_space()
-        if pos is None:
-            return self.final and self._break()
-        if self.text[pos] != "{":
-            return self._break()
-        self._begin_object(pos)
-        self.state, self.after_object = "object", "separator"
-        return True
+        return self._object_next("separator")
 
     def _s_separator(self) -> bool:
         pos = self._skip_space()
