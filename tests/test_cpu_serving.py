@@ -1,4 +1,4 @@
-"""Serving on the CPU under load: the engine paces its steps (the token budget fitted to about 0.25 s a step,
+"""Serving on the CPU under load: the engine paces its steps (the token budget fitted to about 0.5 s a step,
 long prompts chunked) and attends through PyTorch's fused attention (``sdpa``), so a long prompt prefills as
 fast as transformers does and a disconnected client's work is dropped at the next step — a fresh request is
 answered while orphaned work would still be running."""
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 def test_the_cpu_engine_paces_its_steps_and_its_tokens_do_not_change():
     default = LLM("tiny-llama", num_kv_blocks=64)
-    assert default.config.step_pacing_s == 0.25 and default.backend_name == "sdpa"
+    assert default.config.step_pacing_s == 0.5 and default.backend_name == "sdpa"
     prompt = [(7 * i) % 250 + 1 for i in range(300)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     unpaced = LLM("tiny-llama", num_kv_blocks=64, step_time_target_s=0)

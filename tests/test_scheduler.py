@@ -339,19 +339,24 @@ def test_pacing_sets_the_budget_within_the_cap_and_above_the_running_decodes():
     assert whole.pace(16) == 256
 
 
-def test_the_step_pacer_fits_a_power_of_two_of_tokens_to_its_target():
+def test_the_step_pacer_fits_the_tokens_a_target_holds_from_a_fixed_and_a_per_token_cost():
+    """Steps of varied sizes timed as 60 ms + 2 ms a token: the fit finds both, and the budget is what fills
+    0.5 s, in multiples of 64 (220 tokens -> 192); one size alone: seconds per token; a faster machine: more."""
     from tripath.engine.step_pacing import StepPacer
 
     sched = make_scheduler(budget=8192, num_blocks=256)
-    pacer = StepPacer(sched, target_s=0.25)
-    pacer.observe(8, 100.0)              # too few tokens to learn from
-    assert sched.token_budget == 8192
-    pacer.observe(1000, 2.0)             # 2 ms a token: 125 fit in 0.25 s -> 64
-    assert sched.token_budget == 64
-    for _ in range(30):                  # the machine gets faster: 0.1 ms a token -> 2500 fit -> 2048
-        pacer.observe(64, 0.0064)
-    assert sched.token_budget == 2048
-    pacer.observe(2048, 0.0001)          # far faster still: capped at max_num_batched_tokens in time
-    for _ in range(30):
-        pacer.observe(2048, 0.0001)
-    assert sched.token_budget == 8192
+    pacer = StepPacer(sched, target_s=0.5)
+    for tokens in (1, 8, 300, 1, 64, 200, 3, 500):
+        pacer.observe(tokens, 0.06 + 0.002 * tokens)
+    fixed, per_token = pacer.model()
+    assert fixed == pytest.approx(0.06, rel=1e-6) and per_token == pytest.approx(0.002, rel=1e-6)
+    assert sched.token_budget == 192
+    alone = StepPacer(make_scheduler(budget=8192, num_blocks=256), target_s=0.5)
+    alone.observe(100, 0.5)                  # one step: 5 ms a token, no fixed part known -> 100 fit -> 64
+    assert alone.model() == (0.0, 0.005) and alone.scheduler.token_budget == 64
+    for _ in range(60):                      # the machine gets faster: 0.1 ms a token, 10 ms a step
+        for tokens in (1, 500):
+            pacer.observe(tokens, 0.01 + 0.0001 * tokens)
+    assert sched.token_budget == 4864        # (0.5 - 0.01) / 0.0001 = 4900 -> 4864
+    pacer.observe(5, 10.0)                   # one slow step moves the fit, it does not stop the engine
+    assert sched.token_budget >= 16

@@ -1,7 +1,7 @@
 """``tripath bench cpu-prefill MODEL_DIR``: a long prompt's prefill on the CPU through the engine — each CPU
-attention backend (``sdpa``, the default there, and the ``torch`` reference) with the engine's default step
-pacing — against transformers' own forward (``attn_implementation="sdpa"``) on the same prompt, same
-threads, float32. Each is timed ``--repeats`` times after a warm-up; the median is reported, and the first
+attention backend (``sdpa``, the default there, and the ``torch`` reference) with the engine's step pacing
+(``--step-time-target``; default the engine's) — against transformers' own forward
+(``attn_implementation="sdpa"``) on the same prompt, same threads, float32. Each is timed ``--repeats`` times after a warm-up; the median is reported, and the first
 token each produces, which should agree.
 """
 
@@ -29,10 +29,11 @@ def _time(run, repeats: int) -> tuple[float, int]:
     return statistics.median(times), token
 
 
-def _engine(model: str, backend: str, prompt: list[int], repeats: int):
+def _engine(model: str, backend: str, prompt: list[int], repeats: int, step_time_target: float | None):
     from tripath.engine import LLM, SamplingParams
 
-    llm = LLM(model, backend=backend, device="cpu", max_model_len=len(prompt) + 16, enable_prefix_caching=False)
+    llm = LLM(model, backend=backend, device="cpu", max_model_len=len(prompt) + 16, enable_prefix_caching=False,
+              step_time_target_s=step_time_target)
     params = SamplingParams(max_tokens=1, temperature=0)
     return _time(lambda: llm.generate([prompt], params, use_tqdm=False)[0].output_token_ids[0], repeats)
 
@@ -57,6 +58,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompt-len", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--step-time-target", type=float, default=None, metavar="SECONDS",
+                        help="the engine's step pacing (default: the engine's, 0.5 s on the CPU; 0: off, the prompt "
+                             "in one step)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -65,10 +69,11 @@ def main(argv: list[str]) -> int:
     prompt = _prompt(args.prompt_len, AutoConfig.from_pretrained(args.model).vocab_size)
     rows = [("transformers (sdpa)", *_transformers(args.model, prompt, args.repeats))]
     for backend in ("sdpa", "torch"):
-        rows.append((f"tripath {backend}", *_engine(args.model, backend, prompt, args.repeats)))
+        rows.append((f"tripath {backend}", *_engine(args.model, backend, prompt, args.repeats, args.step_time_target)))
     base = rows[0][1]
-    print(f"prefill of {args.prompt_len} tokens on the CPU, {torch.get_num_threads()} threads, float32, median of "
-          f"{args.repeats}")
+    pacing = "default" if args.step_time_target is None else f"{args.step_time_target:g} s"
+    print(f"prefill of {args.prompt_len} tokens on the CPU, {torch.get_num_threads()} threads, float32, step pacing "
+          f"{pacing}, median of {args.repeats}")
     print(f"{'':24}{'seconds':>9}{'tokens/s':>10}{'vs transformers':>17}{'first token':>13}")
     for name, seconds, token in rows:
         print(f"{name:24}{seconds:9.2f}{args.prompt_len / seconds:10.0f}{base / seconds:16.2f}x{token:13d}")

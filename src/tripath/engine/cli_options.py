@@ -107,7 +107,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "one per CPU core less one, at most 16; 1: in the engine's process)")
     group.add_argument("--step-time-target", type=float, default=None, metavar="SECONDS",
                        help="fit the token budget of each step to about this time, chunking long prompts (default: "
-                            "0.25 on the CPU, off on a GPU; 0: off)")
+                            "0.5 on the CPU, off on a GPU; 0: off)")
     group.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     group.add_argument("--grammar-cache-mb", type=int, default=DEFAULT_GRAMMAR_CACHE_MB, metavar="MB",
                        help="structured output: compiled grammars kept for reuse, least recently used evicted "

@@ -79,7 +79,7 @@ class EngineConfig:
     grammar to compile before refusing it (:class:`tripath.engine.structured_output.GrammarCompiler`).
     ``step_time_target_s``: the step time the token budget is fitted to (:mod:`tripath.engine.step_pacing`:
     long prompts chunked so that one step takes about this long, never more tokens than
-    ``max_num_batched_tokens``); None: 0.25 s on the CPU, off on a GPU; 0: off.
+    ``max_num_batched_tokens``); None: 0.5 s on the CPU, off on a GPU; 0: off.
     """
 
     backend: str = "auto"
