@@ -134,8 +134,9 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     log-probabilities a request may ask for per token (400 beyond); ``tokenizer_info``: serve
     ``GET /tokenizer_info``; ``chat_template``: Jinja text used by chat requests instead of the tokenizer's;
     ``describe(llm)``: the start-up log line of the built engine. ``api_server``: this server is one of several
-    in front of an engine core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not used): it talks to
-    that core, and its ``/metrics`` answers for all of them (:mod:`~tripath.server.metrics_peers`).
+    in front of an engine core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not
+    used): it talks to that core, and its ``/metrics`` answers for all of them
+    (:mod:`~tripath.server.metrics_peers`).
     ``observability``: metric names, the stats line and the request log (default: :class:`Observability`'s);
     ``tool_settings``: ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither)."""
     names = [model_name] if isinstance(model_name, str) else list(model_name)

@@ -20,6 +20,7 @@ from typing import Callable
 
 from tripath.server.core_wire import send, tokenizer_handle
 from tripath.server.engine_core import EngineCore
+from tripath.server.engine_steps import prepare_grammars
 from tripath.server.startup import cache_config
 
 log = logging.getLogger("tripath.server")
@@ -86,6 +87,7 @@ def core_main(spec: CoreSpec, frontends) -> None:
                 pass
         sys.exit(1)
     llm.detokenize_outputs = False   # the HTTP processes detokenise
+    prepare_grammars(llm)
     # Every object alive now lives as long as the server: moved out of the collector's generations, the full
     # collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
     gc.freeze()

@@ -19,7 +19,7 @@ import threading
 import traceback
 from typing import Callable
 
-from tripath.server.engine_steps import add_request, close_engine, release_memory, take_step
+from tripath.server.engine_steps import add_request, close_engine, prepare_grammars, release_memory, take_step
 from tripath.server.grammar_waits import GrammarWaits
 from tripath.server.startup import cache_config
 from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission, SubmissionBook
@@ -102,6 +102,7 @@ class EngineLoop:
             self.max_model_len = int(self.llm.runner.max_model_len)
             self.max_num_seqs = int(self.llm.config.max_num_seqs)
             self.generation_defaults = dict(getattr(self.llm, "generation_defaults", {}))
+            prepare_grammars(self.llm)
             self.metrics.engine_ready(self.max_model_len, cache_config(self.llm))
             self.metrics.observe_engine(self.llm.stats())
         except BaseException as error:  # noqa: BLE001 - reported to the server, which exits
