@@ -25,6 +25,7 @@ pytest.importorskip("xgrammar")
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
 BASE = ["--backend", "torch", "--max-num-seqs", "16"]
+WINDOW_S = 4.0   # how long the stopped API server's victim is watched, and before the stop
 HEALTH_S = 3.0   # /health answers within this (about 10 ms here; a busy 2-core test machine has its own pauses)
 LARGE_SCHEMAS = ["--max-structured-output-bytes", str(1 << 20)]   # the 30,000-word enum: 0.5 MB
 
@@ -219,9 +220,8 @@ def _server_of(local_port: int, server_port: int, pids: list[int]) -> int | None
 def test_an_api_server_that_stops_reading_never_pauses_another_api_servers_streams(tmp_path):
     """Two API servers; heavy streams (20 log-probabilities a token) on one, a victim on the other. The first
     is stopped (SIGSTOP: its event loop reads nothing, so its update pipe fills within seconds): the victim's
-    stream keeps its pace for 8 s (or to its end), and once the stopped one goes on, its streams run to their
-    end. The KV cache holds
-    every stream whole (no preemption pauses the victim)."""
+    stream keeps, for 4 s (or to its end), the pace it had the 4 s before; once the stopped one goes on, its
+    streams run to their end. The KV cache holds every stream whole (no preemption pauses the victim)."""
     server = ServerProcess(["--model", "tiny-llama", "--served-model-name", "m", *BASE, "--num-kv-blocks", "1100",
                             "--max-model-len", "2048", "--decode-steps", "1", "--api-server-count", "2"],
                            tmp_path / "server.log", log_level="info")
@@ -251,13 +251,15 @@ def test_an_api_server_that_stops_reading_never_pauses_another_api_servers_strea
                 victim = stream
             else:
                 stream.close()
-        victim.wait_events(60)
-        unattacked = victim.longest_gap(since=victim.times[1])
+        victim.wait_events(2)
+        watched_from = victim.times[1]
+        time.sleep(WINDOW_S)   # the victim's unattacked pace, over as long as it is watched attacked
+        unattacked = victim.longest_gap(since=watched_from)
         heavy = placed[stalled]
         os.kill(stalled, signal.SIGSTOP)
         stopped_at = time.monotonic()
         try:
-            watch_until = stopped_at + 8
+            watch_until = stopped_at + WINDOW_S
             while time.monotonic() < watch_until and not victim.done.is_set():
                 time.sleep(0.1)
             attacked = victim.longest_gap(since=stopped_at, until=None if victim.done.is_set() else watch_until)
@@ -267,7 +269,7 @@ def test_an_api_server_that_stops_reading_never_pauses_another_api_servers_strea
         print(f"victim's longest gap {attacked * 1e3:.1f} ms with the other API server stopped, "
               f"{unattacked * 1e3:.1f} ms before; {events_while_stopped} events meanwhile")
         assert attacked <= _gap_limit(unattacked), (attacked, unattacked)
-        assert events_while_stopped > 100
+        assert events_while_stopped > 50
         for stream in heavy:   # the stopped one's streams go on to their end
             assert stream.done.wait(120) and stream.completed
         assert httpx.get(server.url + "/health", timeout=10).status_code == 200
