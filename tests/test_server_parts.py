@@ -187,12 +187,13 @@ def _sample(text: str, name: str, **labels) -> float:
 def test_a_refused_add_counts_as_one_rejection_by_reason_not_as_an_abort(monkeypatch, in_process):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()
-    served, engine = _app(in_process=in_process)
+    served, engine = _app(slow_s=0.01, in_process=in_process)   # 200 steps: 2 s at least, on any machine
     try:
         r = served.post({"model": "tiny", "prompt": ADD_POISON, "max_tokens": 4})
         assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
         # two prompts: the engine takes the first and refuses the second; the first is withdrawn, not aborted
-        r = served.post({"model": "tiny", "prompt": [[4, 5, 6], ADD_POISON], "max_tokens": 4, "ignore_eos": True})
+        # (long enough that it cannot end first, whatever the machine)
+        r = served.post({"model": "tiny", "prompt": [[4, 5, 6], ADD_POISON], "max_tokens": 200, "ignore_eos": True})
         assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
         r = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 300})   # more KV blocks than it has
         assert r.status_code == 400 and "needs more KV blocks" in r.json()["error"]["message"]

@@ -218,7 +218,7 @@ async def _stream(gen: Generation, body, chat: bool, echo, tokenizer, release: C
                   tools: ToolPlan | None = None, role: str = "assistant"):
     framer = sse.ChunkFramer(P.new_id("chatcmpl" if chat else "cmpl"), body.model, chat)
     parsing = tools is not None and tools.parses
-    streams = [ChoiceToolStream(tools.parser()) for _ in gen.choices] if parsing else None
+    streams = [ChoiceToolStream(tools.parser(), tools.mode == "named") for _ in gen.choices] if parsing else None
     options = body.stream_options
     continuous = options is not None and options.continuous_usage_stats
     offsets: dict[int, int] = {}

@@ -16,7 +16,8 @@ named          constrained to its arguments         one call of that function
 =============  ==================================  ===========================================================
 
 Unset, ``tool_choice`` is ``auto`` when tools are sent (vLLM's default). A choice whose output made calls
-finishes with ``finish_reason: "tool_calls"`` (a truncated one keeps ``"length"``).
+finishes with ``finish_reason: "tool_calls"`` (a truncated one keeps ``"length"``; a named function's,
+``"stop"``, as vLLM and OpenAI answer it).
 """
 
 from __future__ import annotations
@@ -117,9 +118,10 @@ def plan_tools(tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, s
 
 
 # ---- the chat API's shapes ---------------------------------------------------------------------------------
-def finish_reason(reason: str | None, made_calls: bool) -> str | None:
-    """A choice that made calls and stopped finishes with ``"tool_calls"``."""
-    return "tool_calls" if made_calls and reason == "stop" else reason
+def finish_reason(reason: str | None, made_calls: bool, named: bool = False) -> str | None:
+    """A choice that made calls and stopped finishes with ``"tool_calls"``; one forced to a named function
+    keeps ``"stop"`` (as vLLM and OpenAI answer it)."""
+    return "tool_calls" if made_calls and reason == "stop" and not named else reason
 
 
 def chat_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple[str | None, list[dict], str | None]:
@@ -129,7 +131,7 @@ def chat_message(plan: ToolPlan | None, text: str, reason: str | None) -> tuple[
     content, calls = plan.extract(text)
     if not calls:
         return content, [], reason
-    return content or None, [c.openai() for c in calls], finish_reason(reason, True)
+    return content or None, [c.openai() for c in calls], finish_reason(reason, True, plan.mode == "named")
 
 
 class ChoiceToolStream:
@@ -137,8 +139,8 @@ class ChoiceToolStream:
     ``delta.tool_calls`` entries it completes (``index``; ``id``, ``type`` and ``function.name`` once, then
     ``function.arguments`` fragments)."""
 
-    def __init__(self, parser: ToolParser):
-        self.parser = parser
+    def __init__(self, parser: ToolParser, named: bool = False):
+        self.parser, self.named = parser, named
 
     def push(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         events = self.parser.feed(text) if text else []
@@ -157,7 +159,7 @@ class ChoiceToolStream:
         return "".join(content), list(calls.values())
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return finish_reason(reason, self.parser.started > 0)
+        return finish_reason(reason, self.parser.started > 0, self.named)
 
 
 __all__ = ["AUTO_FLAGS", "ChoiceToolStream", "ToolError", "ToolPlan", "ToolSettings", "chat_message",
