@@ -192,7 +192,7 @@ MODES = {"one API server": [], "engine in process": ["--engine-in-process"],
 @pytest.mark.parametrize("stop", ["SIGTERM to the server", "SIGINT to the process group"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_drained_stop_exits_0_whichever_the_signal_in_every_mode(tmp_path, mode, stop):
-    """README, Serving: a service manager's SIGTERM and a terminal's Ctrl-C (SIGINT to the whole group) both
+    """docs/SERVING.md: a service manager's SIGTERM and a terminal's Ctrl-C (SIGINT to the whole group) both
     drain and exit 0 (a SIGTERM used to end one API server with -15 after a clean drain)."""
     server = ServerProcess(SERVE + MODES[mode], tmp_path / "server.log", new_session=True)
     try:
