@@ -40,10 +40,6 @@ class Platform:
         return self.backend == "cuda"
 
     @property
-    def is_cdna(self) -> bool:
-        return self.is_hip and str(self.arch).startswith("gfx9")
-
-    @property
     def is_hopper(self) -> bool:
         return self.is_cuda and self.arch == 90
 

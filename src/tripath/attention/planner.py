@@ -111,10 +111,6 @@ class BatchPlan:
         return self._token_range(self.num_decodes + self.num_extends, self.num_prefills)
 
     @property
-    def kinds(self) -> list[str]:
-        return [DECODE] * self.num_decodes + [EXTEND] * self.num_extends + [PREFILL] * self.num_prefills
-
-    @property
     def is_decode_only(self) -> bool:
         return self.num_decodes == self.num_requests
 

@@ -22,7 +22,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-STAT_KEYS = ("mean", "p50", "p90", "p99")
 
 
 @dataclass

@@ -46,10 +46,6 @@ class PenaltyState:
         self.owner: list[Request | None] = [None] * num_slots
         self._slot_of: dict[int, int] = {}          # id(request) -> slot
 
-    @staticmethod
-    def bytes_needed(num_slots: int, vocab_size: int) -> int:
-        return num_slots * vocab_size * (4 + 1)
-
     def allocate(self, vocab_size: int) -> None:
         """The device rows for a vocabulary of ``vocab_size`` (the logits' width), if not there yet."""
         if self.counts is None:

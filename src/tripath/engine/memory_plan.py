@@ -91,13 +91,6 @@ class MemoryPlan:
         """The most the engine's steps should ever hold: everything but the headroom."""
         return self.in_use + self.kv_cache + self.step_peak + self.graph_pools
 
-    def as_dict(self) -> dict:
-        return {"total": self.total, "budget": self.budget, "in_use": self.in_use, "weights": self.weights,
-                "step_peaks": dict(self.step_peaks), "step_peak": self.step_peak, "graph_pools": self.graph_pools,
-                "headroom": self.headroom, "kv_cache": self.kv_cache, "num_blocks": self.num_blocks,
-                "bytes_per_block": self.bytes_per_block, "planned_peak": self.planned_peak,
-                "measured": dict(self.measured)}
-
     def summary(self) -> str:
         lines = [f"GPU memory plan: {self.budget / GiB:.2f} GiB budget of {self.total / GiB:.2f} GiB",
                  f"  in use at start   {self.in_use / GiB:8.2f} GiB (weights {self.weights / GiB:.2f} GiB)",

@@ -38,7 +38,6 @@ from __future__ import annotations
 import fcntl
 import os
 import pickle
-import select
 import struct
 from dataclasses import fields
 
@@ -134,13 +133,6 @@ class FrameReader:
             messages = self.feed(data)
             if messages:
                 return messages
-
-
-def readable(fd: int) -> bool:
-    """Whether a read of ``fd`` would return at once (data, or the end of the stream)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def widen(conn) -> None:

@@ -158,11 +158,6 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 
-    def best(self, n: int) -> list[ChoiceState]:
-        """The ``n`` choices of highest cumulative log-probability, best first (``best_of``)."""
-        order = sorted(range(len(self.choices)), key=lambda i: (-self.choices[i].cumulative_logprob, i))
-        return [self.choices[i] for i in order[:n]]
-
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)

@@ -23,7 +23,6 @@ import torch
 from tripath import _env
 from tripath.triton_internals import interpreter, versions
 
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim", "kpack", "num_ctas")
 
 
 @dataclass
