@@ -22,12 +22,13 @@ def test_the_cpu_engine_paces_its_steps_and_its_tokens_do_not_change():
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     unpaced = LLM("tiny-llama", num_kv_blocks=64, step_time_target_s=0)
     want = unpaced.generate([prompt], params, use_tqdm=False)[0].output_token_ids
-    paced = LLM("tiny-llama", num_kv_blocks=64, step_time_target_s=1e-9)   # every step: the smallest budget
-    paced.generate([prompt[:20]], params, use_tqdm=False)   # a step of 20 tokens: the pacer learns
-    assert paced.scheduler.token_budget == 16
+    paced = LLM("tiny-llama", num_kv_blocks=64, step_time_target_s=1e-9)   # every step over its target
+    assert paced.scheduler.token_budget == 256   # before any step: the start budget
+    paced.generate([[t + 1 for t in prompt[:200]]], params, use_tqdm=False)   # 200 tokens: shrunk to the grain
+    assert paced.scheduler.token_budget == 64
     steps = paced.num_steps
     got = paced.generate([prompt], params, use_tqdm=False)[0].output_token_ids
-    assert got == want and paced.num_steps - steps >= 300 // 16 + 5
+    assert got == want and paced.num_steps - steps >= 300 // 64 + 5
     with pytest.raises(ValueError, match="step_time_target_s"):
         LLM("tiny-llama", num_kv_blocks=64, step_time_target_s=-1)
 

@@ -339,24 +339,26 @@ def test_pacing_sets_the_budget_within_the_cap_and_above_the_running_decodes():
     assert whole.pace(16) == 256
 
 
-def test_the_step_pacer_fits_the_tokens_a_target_holds_from_a_fixed_and_a_per_token_cost():
-    """Steps of varied sizes timed as 60 ms + 2 ms a token: the fit finds both, and the budget is what fills
-    0.5 s, in multiples of 64 (220 tokens -> 192); one size alone: seconds per token; a faster machine: more."""
+def test_the_step_pacer_follows_the_steps_its_budget_bounds():
+    """The budget starts at 256 tokens; a bounded step under half the target doubles it (up to the cap), one
+    over the target shrinks it in proportion (in multiples of 64); a step the budget did not bound (fewer
+    tokens than half of it), however slow, changes nothing."""
     from tripath.engine.step_pacing import StepPacer
 
-    sched = make_scheduler(budget=8192, num_blocks=256)
+    sched = make_scheduler(budget=4096, num_blocks=256)
     pacer = StepPacer(sched, target_s=0.5)
-    for tokens in (1, 8, 300, 1, 64, 200, 3, 500):
-        pacer.observe(tokens, 0.06 + 0.002 * tokens)
-    fixed, per_token = pacer.model()
-    assert fixed == pytest.approx(0.06, rel=1e-6) and per_token == pytest.approx(0.002, rel=1e-6)
-    assert sched.token_budget == 192
-    alone = StepPacer(make_scheduler(budget=8192, num_blocks=256), target_s=0.5)
-    alone.observe(100, 0.5)                  # one step: 5 ms a token, no fixed part known -> 100 fit -> 64
-    assert alone.model() == (0.0, 0.005) and alone.scheduler.token_budget == 64
-    for _ in range(60):                      # the machine gets faster: 0.1 ms a token, 10 ms a step
-        for tokens in (1, 500):
-            pacer.observe(tokens, 0.01 + 0.0001 * tokens)
-    assert sched.token_budget == 4864        # (0.5 - 0.01) / 0.0001 = 4900 -> 4864
-    pacer.observe(5, 10.0)                   # one slow step moves the fit, it does not stop the engine
-    assert sched.token_budget >= 16
+    assert sched.token_budget == 256
+    pacer.observe(8, 30.0)                 # a few decodes during a pause of the machine: nothing
+    assert sched.token_budget == 256
+    for budget in (512, 1024, 2048, 4096, 4096):   # fast steps that fill the budget: doubled to the cap
+        pacer.observe(sched.token_budget, 0.1)
+        assert sched.token_budget == budget
+    pacer.observe(4096, 2.0)               # 4x the target: a quarter of the tokens
+    assert sched.token_budget == 1024
+    pacer.observe(1000, 0.6)               # 1.2x: 853 -> 832, a multiple of 64
+    assert sched.token_budget == 832
+    pacer.observe(600, 0.4)                # within [target / 2, target]: held
+    assert sched.token_budget == 832
+    pacer.observe(800, 100.0)              # far over: the grain at least
+    assert sched.token_budget == 64
+    assert StepPacer(make_scheduler(budget=128, num_blocks=256), 0.5).budget == 128   # the cap from the start

@@ -77,9 +77,9 @@ class EngineConfig:
     ``grammar_cache_mb``: the structured outputs' compiled grammars kept for reuse (least recently used
     evicted; 0: none kept); ``grammar_compile_timeout_s``: how long a server lets a request wait for its
     grammar to compile before refusing it (:class:`tripath.engine.structured_output.GrammarCompiler`).
-    ``step_time_target_s``: the step time the token budget is fitted to (:mod:`tripath.engine.step_pacing`:
-    long prompts chunked so that one step takes about this long, never more tokens than
-    ``max_num_batched_tokens``); None: 0.5 s on the CPU, off on a GPU; 0: off.
+    ``step_time_target_s``: the step time the token budget follows (:mod:`tripath.engine.step_pacing`: it
+    starts at 256 tokens and long prompts are chunked so that one step takes about this long, never more
+    tokens than ``max_num_batched_tokens``); None: 0.5 s on the CPU, off on a GPU; 0: off.
     """
 
     backend: str = "auto"
@@ -162,7 +162,7 @@ class EngineConfig:
 
     @property
     def step_pacing_s(self) -> float:
-        """The step time the token budget is fitted to (0: none): ``step_time_target_s``, by default
+        """The step time the token budget follows (0: none): ``step_time_target_s``, by default
         :data:`~tripath.engine.step_pacing.DEFAULT_CPU_TARGET_S` on the CPU."""
         if self.step_time_target_s is not None:
             return float(self.step_time_target_s)

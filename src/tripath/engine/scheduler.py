@@ -1,7 +1,7 @@
 """Continuous batching under a per-step token budget, with chunked prefill and preemption by recompute.
 
 Each step the scheduler picks, within its token budget (``max_num_batched_tokens``, halved after a step
-that ran out of device memory: :meth:`Scheduler.shrink_token_budget`; fitted to a step time on the CPU:
+that ran out of device memory: :meth:`Scheduler.shrink_token_budget`; kept to a step time on the CPU:
 :meth:`Scheduler.pace`) and ``max_num_seqs`` running requests:
 
 1. every running *decode* (one pending token), oldest first;
