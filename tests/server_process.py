@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
@@ -118,10 +120,12 @@ class ServerProcess:
 
 
 class HealthWatch:
-    """Polls ``/health`` every 50 ms on its own thread and keeps the slowest answer."""
+    """Polls ``/health`` every ``interval_s`` on its own thread and keeps the slowest answer, the polls and the
+    statuses that were not 200."""
 
-    def __init__(self, url):
-        self.url, self.slowest, self.failures = url, 0.0, []
+    def __init__(self, url, interval_s: float = 0.05):
+        self.url, self.interval_s = url, interval_s
+        self.slowest, self.polls, self.failures = 0.0, 0, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run)
         self._thread.start()
@@ -131,11 +135,71 @@ class HealthWatch:
             while not self._stop.is_set():
                 start = time.perf_counter()
                 r = h.get(self.url + "/health")
-                self.slowest = max(self.slowest, time.perf_counter() - start)
+                self.slowest, self.polls = max(self.slowest, time.perf_counter() - start), self.polls + 1
                 if r.status_code != 200:
                     self.failures.append(r.status_code)
-                self._stop.wait(0.05)
+                self._stop.wait(self.interval_s)
 
     def stop(self):
         self._stop.set()
+        self._thread.join(30)
+
+
+class Stream:
+    """One streamed completion on a connection of its own, read on a thread with plain socket reads (no HTTP
+    parsing, so a stream with large events costs the test process little): when each event arrived."""
+
+    def __init__(self, port: int, body: dict, headers: dict[str, str] | None = None):
+        data = json.dumps({**body, "stream": True}).encode()
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=300)
+        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"%sContent-Length: %d\r\n\r\n%s" % (extra, len(data), data))
+        self.local_port = self.sock.getsockname()[1]
+        self.times: list[float] = []
+        self.status: int | None = None
+        self.completed = False   # the stream's [DONE] arrived
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        tail = b""
+        try:
+            while True:
+                data = self.sock.recv(1 << 16)
+                if not data:
+                    return
+                now = time.monotonic()
+                if self.status is None:
+                    self.status = int(data.split(b" ", 2)[1])
+                chunk = tail + data
+                self.times += [now] * chunk.count(b"data: {")
+                if b"data: [DONE]" in chunk:
+                    self.completed = True
+                    return
+                tail = chunk[-16:]
+        except OSError:
+            pass
+        finally:
+            self.done.set()
+
+    def wait_events(self, count: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.times) < count and not self.done.is_set():
+            assert time.monotonic() < deadline, f"{len(self.times)} events of {count} in {timeout_s} s"
+            time.sleep(0.01)
+
+    def longest_gap(self, since: float = float("-inf"), until: float | None = None) -> float:
+        """The longest time between two events after ``since``; with ``until``, the time from the last event
+        to then counts too (a stream that stopped has a gap up to now)."""
+        times = [t for t in self.times if t >= since]
+        if until is not None:
+            times.append(until)
+        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
         self._thread.join(30)

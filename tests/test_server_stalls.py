@@ -4,19 +4,17 @@ server whose event loop stops reading — while victim streams run. A victim's l
 stays within twice its unattacked value (or half a second, whichever is larger: a busy test machine's own
 pauses), and ``/health`` answers throughout."""
 
-import contextlib
 import json
 import os
 import random
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 
-from server_process import HealthWatch, ServerProcess
+from server_process import HealthWatch, ServerProcess, Stream
 
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
@@ -28,65 +26,6 @@ BASE = ["--backend", "torch", "--max-num-seqs", "16"]
 WINDOW_S = 4.0   # how long the stopped API server's victim is watched, and before the stop
 HEALTH_S = 3.0   # /health answers within this (about 10 ms here; a busy 2-core test machine has its own pauses)
 LARGE_SCHEMAS = ["--max-structured-output-bytes", str(1 << 20)]   # the 30,000-word enum: 0.5 MB
-
-
-class Stream:
-    """One streamed completion on a connection of its own, read on a thread with plain socket reads (no HTTP
-    parsing, so a stream with large events costs the test process little): when each event arrived."""
-
-    def __init__(self, port: int, body: dict):
-        data = json.dumps({**body, "stream": True}).encode()
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=300)
-        self.sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
-        self.local_port = self.sock.getsockname()[1]
-        self.times: list[float] = []
-        self.status: int | None = None
-        self.completed = False   # the stream's [DONE] arrived
-        self.done = threading.Event()
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self):
-        tail = b""
-        try:
-            while True:
-                data = self.sock.recv(1 << 16)
-                if not data:
-                    return
-                now = time.monotonic()
-                if self.status is None:
-                    self.status = int(data.split(b" ", 2)[1])
-                chunk = tail + data
-                self.times += [now] * chunk.count(b"data: {")
-                if b"data: [DONE]" in chunk:
-                    self.completed = True
-                    return
-                tail = chunk[-16:]
-        except OSError:
-            pass
-        finally:
-            self.done.set()
-
-    def wait_events(self, count: int, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.times) < count and not self.done.is_set():
-            assert time.monotonic() < deadline, f"{len(self.times)} events of {count} in {timeout_s} s"
-            time.sleep(0.01)
-
-    def longest_gap(self, since: float = float("-inf"), until: float | None = None) -> float:
-        """The longest time between two events after ``since``; with ``until``, the time from the last event
-        to then counts too (a stream that stopped has a gap up to now)."""
-        times = [t for t in self.times if t >= since]
-        if until is not None:
-            times.append(until)
-        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
-
-    def close(self):
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self._thread.join(30)
 
 
 def _victim_body(model: str, max_tokens: int = 480) -> dict:
