@@ -21,7 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tripath.engine.request import CompletionOutput, FinishReason, RequestOutput, SamplingParams
+from tripath.engine.request import CompletionOutput, FinishReason, RequestOutput
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.stats import EngineStats
 
 pytest.importorskip("fastapi")

@@ -193,7 +193,7 @@ def test_the_extreme_sampling_values_allowed_keep_the_logits_finite():
     from types import SimpleNamespace
 
     from tripath.engine.logits_transforms import StepTransforms
-    from tripath.engine.request import MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+    from tripath.engine.sampling_params import MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
     logits = torch.tensor([[1e8, -1e8, 3.0, 0.0, -2.0]] * 2)
     bias = SamplingParams(logit_bias={0: MAX_LOGIT_BIAS_VALUE, 1: -MAX_LOGIT_BIAS_VALUE}).logit_bias

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tripath.engine.request import SamplingParams
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.sampler import filtered_probs, make_generator, sample
 
 

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from tripath.engine.block_manager import BlockManager
-from tripath.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from tripath.engine.request import FinishReason, Request, RequestStatus
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.scheduler import Scheduler
 
 VOCAB = 50

@@ -16,7 +16,8 @@ import httpx
 import pytest
 import torch
 
-from tripath.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput, SamplingParams
+from tripath.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.stats import EngineStats
 from tripath.server.core_wire import StepOutput, decode_output, decode_stats, encode_output, encode_stats
 

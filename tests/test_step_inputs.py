@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tripath.attention.planner import plan_batch
-from tripath.engine.request import Request, SamplingParams
+from tripath.engine.request import Request
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_inputs import StepInputBuilder
 

@@ -154,7 +154,7 @@ def _thread_step_cpu_s(outs: list, steps: int) -> float:
     import asyncio
     import threading
 
-    from tripath.engine.request import SamplingParams
+    from tripath.engine.sampling_params import SamplingParams
     from tripath.server.engine_loop import EngineLoop
     from tripath.server.metrics import ServerMetrics
     from tripath.server.submissions import Submission

@@ -8,8 +8,8 @@ from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
 from tripath.engine.errors import StepFailed
 from tripath.engine.llm import LLM, RunMetrics
-from tripath.engine.request import (CompletionOutput, FinishReason, Logprob, Request, RequestOutput, RequestStatus,
-                                    SamplingParams)
+from tripath.engine.request import CompletionOutput, FinishReason, Logprob, Request, RequestOutput, RequestStatus
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 __all__ = [

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tripath.engine.request import RequestOutput, SamplingParams
+from tripath.engine.request import RequestOutput
+from tripath.engine.sampling_params import SamplingParams
 
 
 def choice_params(params: SamplingParams) -> list[SamplingParams]:

@@ -4,7 +4,7 @@
 ``"vllm"`` ignores it (the engine's own defaults), any other value is a folder holding a
 ``generation_config.json`` (which must exist). Of the file, the sampling fields ``temperature``, ``top_p``,
 ``top_k``, ``repetition_penalty``, ``min_p`` and ``max_new_tokens`` (as ``max_tokens``) are taken, keyed by
-:class:`~tripath.engine.request.SamplingParams` field names; as in vLLM, a value equal to the default of
+:class:`~tripath.engine.sampling_params.SamplingParams` field names; as in vLLM, a value equal to the default of
 ``transformers``' ``GenerationConfig`` (temperature 1, top_p 1, top_k 50, repetition_penalty 1) is not taken,
 and ``do_sample`` is ignored. They are the defaults of requests that leave those fields unset.
 
@@ -18,7 +18,7 @@ import dataclasses
 import numbers
 import os
 
-from tripath.engine.request import SamplingParams
+from tripath.engine.sampling_params import SamplingParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json key -> (SamplingParams field, transformers' GenerationConfig default)

@@ -44,7 +44,8 @@ from tripath.engine.generation_defaults import load_generation_defaults, usable_
 from tripath.engine.launched_step import LaunchedStep, SampledStep
 from tripath.engine.llm_guards import EngineLock, check_sampling_token_ids, serialised
 from tripath.engine.model_runner import ModelRunner
-from tripath.engine.request import Request, RequestOutput, SamplingParams, token_ids_of
+from tripath.engine.request import Request, RequestOutput
+from tripath.engine.sampling_params import SamplingParams, token_ids_of
 from tripath.engine.sampler import make_generator
 from tripath.engine.stats import EngineStats, StepTokenCounts
 from tripath.triton_internals import compiled_variants

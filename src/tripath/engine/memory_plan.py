@@ -132,7 +132,8 @@ def run_synthetic_step(runner, step: Step, caches: list) -> None:
     from tripath.attention import ForwardContext
     from tripath.attention.validate import cache_geometry
     from tripath.engine.logprobs import prompt_logprobs
-    from tripath.engine.request import MAX_LOGPROBS, Request, RequestStatus, SamplingParams
+    from tripath.engine.request import Request, RequestStatus
+    from tripath.engine.sampling_params import MAX_LOGPROBS, SamplingParams
     from tripath.engine.sampler import make_generator
     from tripath.engine.step_sampling import LaunchSampler
 

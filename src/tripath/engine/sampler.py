@@ -17,7 +17,7 @@ import torch
 
 from tripath.attention.metadata import to_device
 from tripath.engine.logits_transforms import StepTransforms
-from tripath.engine.request import SamplingParams
+from tripath.engine.sampling_params import SamplingParams
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

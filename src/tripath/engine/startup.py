@@ -30,7 +30,7 @@ from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
 from tripath.engine.memory_plan import (HEADROOM_FRACTION, MIN_HEADROOM, SCRATCH_BLOCKS, MemoryPlan, check_fits,
                                        kv_blocks_left, measure_step_peaks, run_synthetic_step, worst_steps)
 from tripath.engine.mixed_graphs import MixedStepGraphs
-from tripath.engine.request import SamplingParams
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.sampler import make_generator, sample
 from tripath.engine.warmup import runner_limits, saved_plan_path, warm_up
 

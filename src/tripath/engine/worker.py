@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from tripath.engine.config import EngineConfig
-from tripath.engine.request import RequestStatus, SamplingParams
+from tripath.engine.request import RequestStatus
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.scheduler import ScheduledRequest
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pydantic
 
 from tripath.engine.chat import chat_token_ids, encode_text
-from tripath.engine.request import SamplingParams
+from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.structured_output import StructuredOutput, constraint_size
 from tripath.server import protocol as P
 from tripath.server.generation import APIError, Generation

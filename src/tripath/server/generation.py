@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from tripath.engine.request import FinishReason, PositionLogprobs, RequestOutput, SamplingParams
+from tripath.engine.request import FinishReason, PositionLogprobs, RequestOutput
+from tripath.engine.sampling_params import SamplingParams
 from tripath.server.detokenize import IncrementalDetokenizer, StopMatcher
 from tripath.server.metrics import PromptGroup
 from tripath.server.submissions import ACCEPTED, Engine, Failure, Submission

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from tripath.engine.generation_defaults import usable_defaults
-from tripath.engine.request import SamplingParams
+from tripath.engine.sampling_params import SamplingParams
 from tripath.server import protocol as P
 
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

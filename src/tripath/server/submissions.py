@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
-from tripath.engine.request import SamplingParams
+from tripath.engine.sampling_params import SamplingParams
 from tripath.server.metrics import ChoiceTimes, PromptGroup, ServerMetrics
 
 ACCEPTED = "accepted"
