@@ -37,6 +37,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
              "tripath.bench.tune:main_tune"),
     "serve": ("whole requests through the engine per backend: start, passes, TTFT/TPOT, the roofline floor",
               "tripath.bench.serve:main_serve"),
+    "decode-step": ("a decode step's GPU time against its floor, its kernels, and cuBLAS's skinny GEMMs (GPU)",
+                    "tripath.bench.decode_step:main"),
     "host": ("host time of one mixed step's attention per MHA backend: forward, recording, replay, layers",
              "tripath.bench.host:main_host"),
     "core-transport": ("the server's pipe to its engine core: one step's update encoded, sent, decoded",
