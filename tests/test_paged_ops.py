@@ -70,6 +70,58 @@ def test_paged_decode_default_splits_and_empty_split():
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
+@pytest.mark.parametrize("features", [{}, {"sinks": True}, {"window_left": 100}])
+def test_paged_decode_splits_follow_each_request_on_a_wide_table(monkeypatch, features):
+    """A block table far wider than the contexts (a CUDA graph's spans the longest context served): the
+    launch's split count is an upper bound, each request takes the splits its own length calls for (decided
+    in the kernel), one-split requests are written without the merge, and every output is right."""
+    import tripath.ops.attention as attention_ops
+    from tripath.ops import _configs
+
+    seq_lens = [3, 40, 700, 16, 257]
+    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, 2, 64, device=DEVICE)
+    wide = torch.zeros(len(seq_lens), 256, dtype=torch.int32, device=DEVICE)  # 4096 tokens a row
+    wide[:, :bt.shape[1]] = bt
+    q = torch.randn(len(seq_lens), 4, 64, dtype=torch.float16, device=DEVICE)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    opts = {}
+    if features.get("sinks"):
+        opts["sinks"] = torch.randn(4, device=DEVICE)
+    if "window_left" in features:
+        opts["window_left"] = features["window_left"]
+    want = R.paged_decode_ref(q, k_cache, v_cache, bt, sl, **opts)
+    launched = []
+    real = attention_ops.launch
+    monkeypatch.setattr(attention_ops, "launch", lambda kernel, grid, *a, **k: launched.append((kernel, k)) or
+                        real(kernel, grid, *a, **k))
+    got = paged_decode(q, k_cache, v_cache, wide, sl, out=poison(q.shape, q.dtype, DEVICE), **opts)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    kwargs = launched[0][1]
+    block_n, num_splits = kwargs["BLOCK_N"], kwargs["num_splits"]
+    assert num_splits > 1 and (kwargs["fill_splits"], kwargs["min_split_tiles"]) == (1, _configs.MIN_SPLIT_TILES)
+    first = [max(n - 1 - features["window_left"], 0) // block_n * block_n if "window_left" in features else 0
+             for n in seq_lens]
+    tiles = [-(-(n - f) // block_n) for n, f in zip(seq_lens, first)]
+    expected = [min(num_splits, max(1, t // _configs.MIN_SPLIT_TILES)) for t in tiles]
+    assert kwargs["splits_used_ptr"].tolist() == expected and 1 in expected and max(expected) > 1
+    # The caller's own count is every request's.
+    launched.clear()
+    got = paged_decode(q, k_cache, v_cache, wide, sl, num_splits=3, out=poison(q.shape, q.dtype, DEVICE), **opts)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
+    assert launched[0][1]["splits_used_ptr"].tolist() == [3] * len(seq_lens)
+
+
+def test_device_split_bounds_on_the_h200():
+    """128-token tiles: the fewest splits that fill 2.5 waves of the H200's 132 SMs, 16 tiles a split; 64-token
+    tiles: the request's own length alone."""
+    from tripath.ops import _configs
+    from tripath.platform import H200
+
+    assert _configs.device_split_bounds(H200, 64, 8, True) == (1, 16)   # 512 programs fill it already
+    assert _configs.device_split_bounds(H200, 64, 1, True) == (6, 16)   # 64 programs: 6 splits each
+    assert _configs.device_split_bounds(H200, 64, 1, False) == (1, 4)
+
+
 def test_paged_decode_long_tiles_chosen_and_correct(monkeypatch):
     """The 128-token tiles: chosen for the H200 where the rule says so (launch recorded, a cache of one
     block standing in for 64 × 16384 tokens), and correct on ragged lengths (run with those tiles here)."""

@@ -5,6 +5,14 @@ of one ``[BLOCK_G, D]`` tile, and walks its share of request ``b``'s context in 
 tokens gathered through the block table, so each cache row is read once for all its query heads. With one
 split the program writes the output; otherwise it writes an fp32 partial ``(o_s, lse_s)`` and
 :func:`reduce_splits_kernel` merges ``o = Σ_s e^{lse_s - lse} o_s`` (sinks counted once, there).
+
+The launch's ``num_splits`` is an upper bound chosen on the host from the batch and the block table's
+width (which, in a CUDA graph, is the longest context the engine serves). Each request decides on the
+device how many of them it uses, from its own number of tiles ``T``:
+``used = min(num_splits, max(fill_splits, T // min_split_tiles))`` — enough splits to keep the GPU busy
+(``fill_splits``, from the batch), and no split shorter than ``min_split_tiles`` tiles beyond that. The
+programs past ``used`` return at once; with ``used == 1`` split 0 writes the output itself and the merge
+skips the request (``splits_used[b]`` tells it).
 """
 
 import triton
@@ -25,15 +33,17 @@ def paged_decode_kernel(
     stride_v0, stride_v1, stride_v2, stride_v3,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     num_heads, num_queries_per_kv, head_size, head_size_v, block_size,
-    num_splits, SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    num_splits, fill_splits, min_split_tiles, splits_used_ptr,
+    SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     SHUFFLED: tl.constexpr, X: tl.constexpr, KV_FP8: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     """Program ``(b, kv_head, split)``: the GQA group of ``kv_head`` (one ``[BLOCK_G, D]`` query tile) against
-    the split's share of request ``b``'s paged context; ``out`` for one split, else fp32 partials for
-    :func:`reduce_splits_kernel`."""
+    the split's share of request ``b``'s paged context (of the ``used`` splits the request takes, see the
+    module doc); ``out`` where the request uses one split, else fp32 partials for :func:`reduce_splits_kernel`
+    and, from split 0, ``splits_used[b]``."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -45,7 +55,14 @@ def paged_decode_kernel(
     if HAS_WINDOW:
         first = (tl.maximum(q_pos_scalar - window_left, 0) // BLOCK_N) * BLOCK_N
     num_tiles = tl.cdiv(seq_len - first, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    used = 1
+    if SPLIT:
+        used = tl.maximum(tl.minimum(num_splits, tl.maximum(fill_splits, num_tiles // min_split_tiles)), 1)
+        if split == 0:
+            tl.store(splits_used_ptr + seq, used)
+        if split >= used:
+            return
+    tiles_per_split = tl.cdiv(num_tiles, used)
     lo = first + split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
@@ -75,7 +92,7 @@ def paged_decode_kernel(
                                        BLOCK_G, BLOCK_N, BLOCK_DV, False, SHUFFLED, X,
                                        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
 
-    if not SPLIT:
+    if used == 1:  # the whole context in this program (always without SPLIT)
         if HAS_SINKS:
             sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
             m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)
@@ -94,19 +111,25 @@ def paged_decode_kernel(
 
 @triton.jit(**STEP_INVARIANT)
 def reduce_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, sinks_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, sinks_ptr, splits_used_ptr,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     num_heads, head_size_v,
     num_splits, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr, SPLITS_USED: tl.constexpr,
 ):
-    """Merge the split partials of one (request, head): ``o = Σ e^{lse_s - lse} o_s``."""
+    """Merge the split partials of one (request, head): ``o = Σ e^{lse_s - lse} o_s``. With ``SPLITS_USED``
+    the first ``splits_used[b]`` partials of request ``b`` (none where it is 1: its output is written)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    used = num_splits
+    if SPLITS_USED:
+        used = tl.load(splits_used_ptr + seq)
+        if used == 1:
+            return
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_DV)
     base = (seq.to(tl.int64) * num_heads + head) * num_splits
-    lse_s = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    lse_s = tl.load(part_lse_ptr + base + splits, mask=splits < used, other=float("-inf"))
     m = tl.max(lse_s, 0)
     if HAS_SINKS:
         m = tl.maximum(m, tl.load(sinks_ptr + head).to(tl.float32))
@@ -116,7 +139,7 @@ def reduce_splits_kernel(
     if HAS_SINKS:
         denom += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m_use)
     o_s = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_DV + dims[None, :],
-                  mask=(splits[:, None] < num_splits) & (dims[None, :] < head_size_v), other=0.0)
+                  mask=(splits[:, None] < used) & (dims[None, :] < head_size_v), other=0.0)
     safe = tl.where(denom > 0.0, denom, 1.0)
     out = tl.sum(o_s * (w / safe)[:, None], 0)
     tl.store(out_ptr + seq.to(tl.int64) * stride_o_b + head * stride_o_h + dims,

@@ -106,6 +106,24 @@ def long_tile_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_s
     return None
 
 
+LONG_TILE_MIN_SPLIT_TILES = 16  # a split of 128-token tiles keeps at least this many (long_tile_splits)
+MIN_SPLIT_TILES = 4  # a split of 64-token tiles keeps at least about this many (default_num_splits)
+
+
+def device_split_bounds(platform: Platform, num_seqs: int, num_kv_heads: int, long_tiles: bool) -> tuple[int, int]:
+    """``(fill_splits, min_split_tiles)`` for the paged-decode kernel's own choice of splits per request
+    (:mod:`tripath.kernels.paged_decode`: ``used = min(num_splits, max(fill_splits, T // min_split_tiles))``
+    for a request of ``T`` tiles). With the 128-token tiles, ``fill_splits`` is the fewest splits that give
+    the launch ``2.5 · SMs`` programs (:func:`long_tile_splits`'s bound) and a split keeps 16 tiles; with the
+    64-token tiles, 1 and 4 (:func:`default_num_splits` with the request's own length). So a request whose
+    context is far shorter than the block table's width (a CUDA graph's table spans the longest context the
+    engine serves) uses the splits its length calls for, not the width's."""
+    if long_tiles:
+        programs = max(1, num_seqs * num_kv_heads)
+        return max(1, -(-int(2.5 * platform.num_sms) // programs)), LONG_TILE_MIN_SPLIT_TILES
+    return 1, MIN_SPLIT_TILES
+
+
 def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
     """Unified: ``BLOCK_M = BLOCK_Q · BLOCK_G`` rows of (token, head) pairs."""
     if platform.backend == "cpu":

@@ -305,6 +305,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits is None:
         num_splits = long_splits or _configs.default_num_splits(platform, batch, num_kv_heads, max_len,
                                                                 cfg["BLOCK_N"])
+        fill_splits, min_split_tiles = _configs.device_split_bounds(platform, batch, num_kv_heads,
+                                                                    long_splits is not None)
+    else:  # the caller's count, for every request
+        fill_splits, min_split_tiles = int(num_splits), 1
     num_splits = int(num_splits)
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
     lse = _lse_out(batch, q.shape[1], device, return_lse)
@@ -312,8 +316,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits > 1:
         part_out = torch.empty(batch, q.shape[1], num_splits, block_dv, dtype=torch.float32, device=device)
         part_lse = torch.empty(batch, q.shape[1], num_splits, dtype=torch.float32, device=device)
+        splits_used = torch.empty(batch, dtype=torch.int32, device=device)
     else:
         part_out = part_lse = lse
+        splits_used = seq_lens
     q = q if q.stride(2) == 1 else q.contiguous()
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     dummy = seq_lens
@@ -326,7 +332,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), block_table.stride(0), *cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         q.shape[1], group, head_size, head_size_v, block_size,
-        num_splits=num_splits, SPLIT=num_splits > 1, BLOCK_G=max(16, next_pow2(group)), BLOCK_DK=next_pow2(head_size),
+        num_splits=num_splits, fill_splits=fill_splits, min_split_tiles=min_split_tiles, splits_used_ptr=splits_used,
+        SPLIT=num_splits > 1, BLOCK_G=max(16, next_pow2(group)), BLOCK_DK=next_pow2(head_size),
         BLOCK_DV=block_dv, SHUFFLED=layout == "shuffled", X=shuffle_width(k_cache.dtype), KV_FP8=kv_fp8,
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, **cfg,
@@ -334,10 +341,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if num_splits > 1:
         launch(
             reduce_splits_kernel, (batch, q.shape[1]),
-            part_out, part_lse, out, lse, sinks if sinks is not None else dummy,
+            part_out, part_lse, out, lse, sinks if sinks is not None else dummy, splits_used,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), q.shape[1], head_size_v,
             num_splits=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_DV=block_dv,
-            HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, num_warps=4,
+            HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, SPLITS_USED=True, num_warps=4,
         )
     return (out, lse) if return_lse else out
 

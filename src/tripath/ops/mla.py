@@ -508,9 +508,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     if num_splits > 1:
         launch(
             reduce_splits_kernel, (batch, num_heads),
-            part_out, part_lse, out, lse, dummy,
+            part_out, part_lse, out, lse, dummy, dummy,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads, kv_lora_rank,
             num_splits=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_DV=block_l,
-            HAS_SINKS=False, RETURN_LSE=return_lse, num_warps=4,
+            HAS_SINKS=False, RETURN_LSE=return_lse, SPLITS_USED=False, num_warps=4,
         )
     return (out, lse) if return_lse else out
