@@ -194,7 +194,8 @@ def test_counts_below_one_are_refused_by_name(flag):
 def test_logprobs_fraction_marks_requests_evenly_and_reaches_the_engine():
     import dataclasses
 
-    from tripath.bench.serve import build_parser, workload_from_args
+    from tripath.bench.serve import build_parser
+    from tripath.bench.serve_workloads import workload_from_args
     from tripath.bench.serve_engine import run_pass
     from tripath.bench.serve_workloads import WORKLOADS, make_prompts
     from tripath.engine import LLM

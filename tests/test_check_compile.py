@@ -25,7 +25,8 @@ from tripath.portability import compile_scenarios as scen
 from tripath.portability.compile_inspect import (CompileResult, amd_code_stats, count_dots, count_fma_dots,
                                            cuobjdump_usage, ptx_matrix_instrs, ptxas_injected_waits,
                                            ptxas_spills, ptxas_wgmma_serialised)
-from tripath.portability.compile_scenarios import KERNEL_ROLES, Scenario
+from tripath.portability.compile_scenarios import Scenario
+from tripath.portability.kernel_roles import KERNEL_ROLES
 from tripath.triton_internals import launch
 from tripath.platform import MI300X, fp8_dtype
 

@@ -84,7 +84,7 @@ def kernel_profile(llm, num_calls: int) -> tuple[list[dict], int]:
     return sorted(rows, key=lambda r: -r["us_per_step"]), steps
 
 
-def projection_weights(model) -> list[tuple[str, "torch.Tensor"]]:
+def projection_weights(model) -> list[tuple[str, object]]:
     """The distinct 2-D weights of the first decoder layer that a GEMM reads (a stacked weight once, not its
     row views) and the LM head's."""
     layer = model.model.layers[0]

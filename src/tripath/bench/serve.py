@@ -12,7 +12,7 @@ TPOT / ITL / end-to-end latency (mean, p50, p90, p99, :mod:`tripath.bench.serve_
 compiled after the engine started, the first and the warm pass's garbage collections, and the warm pass's
 fraction of the roofline floor (:mod:`tripath.bench.serve_floor`).
 
-``--url`` switches to the online mode against a running ``tripath serve`` (:mod:`tripath.bench.serve_online`).
+``--url`` switches to the online mode against a running ``tripath serve`` (:mod:`tripath.bench.serve_url`).
 Built-in workloads (``--workload``): see :data:`tripath.bench.serve_workloads.WORKLOADS`; explicit options
 override their fields.
 """
@@ -26,7 +26,7 @@ import sys
 from tripath.bench.serve_engine import main_worker
 from tripath.bench.serve_report import write_csv, write_json
 from tripath.bench.serve_rounds import plot, print_report, rows_of, run_rounds
-from tripath.bench.serve_workloads import WORKLOADS, Workload
+from tripath.bench.serve_workloads import WORKLOADS, workload_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,33 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-WORKLOAD_OPTIONS = ("model", "num_requests", "input_len", "input_len_spread", "output_len", "max_concurrency",
-                    "prefix_share", "max_num_batched_tokens", "logprobs", "logprobs_fraction")
-
-
-def workload_from_args(args, fields: tuple[str, ...] = WORKLOAD_OPTIONS) -> Workload:
-    """The built-in ``args.workload`` with the ``fields`` that ``args`` sets overridden (and ``args.backends``
-    where it has them)."""
-    if args.workload not in WORKLOADS:
-        raise SystemExit(f"tripath bench serve: unknown --workload {args.workload!r}; built in: {', '.join(WORKLOADS)}")
-    base = WORKLOADS[args.workload]
-    overrides = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
-    if getattr(args, "logprobs", None) is not None and getattr(args, "logprobs_fraction", None) is None:
-        overrides["logprobs_fraction"] = 1.0
-    if getattr(args, "backends", None):
-        overrides["backends"] = tuple(b.strip() for b in args.backends.split(",") if b.strip())
-    try:
-        return dataclasses.replace(base, **overrides)
-    except ValueError as err:
-        raise SystemExit(f"tripath bench serve: {err}") from None
-
-
 def main_serve(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return main_worker(argv[1:])
     if any(a == "--url" or a.startswith("--url=") for a in argv):
-        from tripath.bench.serve_online import main_online
+        from tripath.bench.serve_url import main_online
         return main_online(argv)
     args = build_parser().parse_args(argv)
     if args.passes < 1:

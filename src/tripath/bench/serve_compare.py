@@ -22,7 +22,7 @@ import json
 import math
 import sys
 
-from tripath.bench.serve import workload_from_args
+from tripath.bench.serve_workloads import workload_from_args
 from tripath.bench.serve_clients import ClientPool, default_client_processes, measured_run
 from tripath.bench.serve_online import Workload as Requests
 from tripath.bench.serve_online import served_model

@@ -8,6 +8,7 @@ override; :func:`make_prompts` draws a pass's prompts from a seed.
 from __future__ import annotations
 
 import random
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -84,3 +85,24 @@ def make_prompts(workload: Workload, vocab_size: int, seed: int) -> list[list[in
         head = prefix[:max(0, n - 1)]
         prompts.append(head + [rng.randrange(2, vocab_size) for _ in range(n - len(head))])
     return prompts
+
+
+WORKLOAD_OPTIONS = ("model", "num_requests", "input_len", "input_len_spread", "output_len", "max_concurrency",
+                    "prefix_share", "max_num_batched_tokens", "logprobs", "logprobs_fraction")
+
+
+def workload_from_args(args, fields: tuple[str, ...] = WORKLOAD_OPTIONS) -> Workload:
+    """The built-in ``args.workload`` with the ``fields`` that ``args`` sets overridden (and ``args.backends``
+    where it has them)."""
+    if args.workload not in WORKLOADS:
+        raise SystemExit(f"tripath bench serve: unknown --workload {args.workload!r}; built in: {', '.join(WORKLOADS)}")
+    base = WORKLOADS[args.workload]
+    overrides = {name: getattr(args, name) for name in fields if getattr(args, name) is not None}
+    if getattr(args, "logprobs", None) is not None and getattr(args, "logprobs_fraction", None) is None:
+        overrides["logprobs_fraction"] = 1.0
+    if getattr(args, "backends", None):
+        overrides["backends"] = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    try:
+        return dataclasses.replace(base, **overrides)
+    except ValueError as err:
+        raise SystemExit(f"tripath bench serve: {err}") from None

@@ -40,9 +40,9 @@ from typing import Iterable, Sequence
 
 from tripath.portability.compile_inspect import (CompileJob, CompileResult, TargetSpec, compile_job, encode_value,
                                            job_from_json)
-from tripath.portability.compile_scenarios import (CONFIGURED_ON_TRITON, DELIBERATE, KERNEL_ROLES,
-                                                  OTHER_TRITON_DELIBERATE, OTHER_TRITON_SPILLS, Scenario,
-                                                  all_scenarios)
+from tripath.portability.compile_scenarios import Scenario, all_scenarios
+from tripath.portability.kernel_roles import (CONFIGURED_ON_TRITON, DELIBERATE, KERNEL_ROLES, OTHER_TRITON_DELIBERATE,
+                                              OTHER_TRITON_SPILLS)
 from tripath.triton_internals import (LaunchRecord, UnsupportedTriton, capture_launches, child_environment,
                                       current_adapter, interpreting)
 from tripath.platform import H200, MI300X, MI355X, Platform, override_platform

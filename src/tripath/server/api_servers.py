@@ -73,11 +73,11 @@ def watch_supervisor(on_gone: Callable[[], None]) -> None:
     loop.add_reader(parent.sentinel, gone)
 
 
-def api_server_main(argv: list[str], role: ApiServerRole, listener, address: tuple[str, int]) -> None:
-    """An API server process: ``tripath serve``'s app for ``argv`` on ``listener`` (None: bind its own
-    ``SO_REUSEPORT`` socket on ``address``, the supervisor's), attached to the core of ``role``; exits with
-    the server's status."""
-    from tripath.server.cli import _serve
+def api_server_main(serve: Callable[..., int], argv: list[str], role: ApiServerRole, listener,
+                    address: tuple[str, int]) -> None:
+    """An API server process: ``serve(argv, listener, role)`` (``tripath serve``'s app for ``argv``) on
+    ``listener`` (None: bind its own ``SO_REUSEPORT`` socket on ``address``, the supervisor's), attached to
+    the core of ``role``; exits with the server's status."""
     from tripath.server.listen import ListenError, bind_listener
 
     if listener is None:
@@ -88,7 +88,7 @@ def api_server_main(argv: list[str], role: ApiServerRole, listener, address: tup
             print(f"tripath serve: error: API server {role.index}: {error}", file=sys.stderr)
             sys.exit(1)
     try:
-        code = _serve(argv, listener, role)
+        code = serve(argv, listener, role)
     finally:
         listener.close()
     sys.exit(code)
@@ -99,10 +99,13 @@ def _clean_exit(code: int | None) -> bool:
     return code in (0, -signal.SIGTERM, -signal.SIGINT)
 
 
-def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: float) -> int:
+def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: float,
+              serve: Callable[..., int]) -> int:
     """Run the engine core (``spec``: its :class:`~tripath.server.core_process.CoreSpec`) and ``count`` API
     servers of ``argv`` until they stop (see the module doc); the exit status. ``listener``: the socket bound
-    at start on ``host`` (``SO_REUSEPORT``), handed to API server 0; ``drain_s``: ``--shutdown-timeout``."""
+    at start on ``host`` (``SO_REUSEPORT``), handed to API server 0; ``drain_s``: ``--shutdown-timeout``;
+    ``serve``: what each API server process runs (:func:`api_server_main`; a top-level function, pickled by
+    name)."""
     from tripath.server.engine_client import CoreChannel, start_core
 
     context = multiprocessing.get_context("spawn")
@@ -114,7 +117,7 @@ def supervise(argv: list[str], count: int, listener, host: str, spec, drain_s: f
     for index, (commands, updates) in enumerate(channels):
         role = ApiServerRole(index, count, CoreChannel(commands, updates, core.pid, index), folder)
         server = context.Process(target=api_server_main, name=f"tripath-api-server-{index}",
-                                 args=(argv, role, listener if index == 0 else None, address))
+                                 args=(serve, argv, role, listener if index == 0 else None, address))
         server.start()
         commands.close()   # the API server holds them: its exit closes them, and the core sees it go
         updates.close()

@@ -49,7 +49,6 @@ from tripath.server.engine_loop import EngineLoop
 from tripath.server.engine_requests import (check_fits, check_model, check_ready, echo_texts, generation, in_thread,
                                             openapi_body, prompt_ids, structured_output)
 from tripath.server.generation import APIError
-from tripath.server.large_texts import LargeTextGate
 from tripath.server.metric_kinds import render as render_families
 from tripath.server.metrics import ServerMetrics
 from tripath.server.metrics_peers import MetricsPeers
@@ -57,6 +56,7 @@ from tripath.server.observability import Observability
 from tripath.server.request_body import BodyLimit, error_body, read_json
 from tripath.server.request_log import RequestLog
 from tripath.server.responses import respond
+from tripath.server.server_state import DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES, ServerState
 from tripath.server.stats_log import log_engine_stats
 from tripath.server.submissions import Engine
 from tripath.server.tools import ToolSettings
@@ -64,7 +64,6 @@ from tripath.server.tools import ToolSettings
 log = logging.getLogger("tripath.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
-DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES = 64 << 10
 
 
 def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
@@ -85,31 +84,6 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         msg = str(e.get("msg")).removeprefix("Value error, ")
         parts.append(f"{where}: {msg}" if where and not msg.startswith(loc[-1]) else msg)
     return "; ".join(parts) or "invalid request", param
-
-
-class ServerState:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, model_names: Sequence[str], max_queue_depth: int,
-                 request_timeout_s: float | None, chat_template: str | None = None,
-                 max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES, request_log=None,
-                 response_role: str = "assistant", max_logprobs: int = P.MAX_LOGPROBS, tokenizer_info: bool = False):
-        self.engine, self.metrics, self.request_log = engine, metrics, request_log
-        self.model_names = list(model_names)   # each accepted as a request's model; the first names the metrics
-        self.model_name = self.model_names[0]
-        self.chat_template = chat_template     # Jinja text in place of the tokenizer's, or None
-        self.max_queue_depth = max_queue_depth
-        self.request_timeout_s = request_timeout_s
-        self.max_structured_output_bytes = max_structured_output_bytes
-        self.response_role = response_role     # the role of a chat completion's message
-        self.max_logprobs = max_logprobs       # the most log-probabilities a request may ask for per token
-        self.tokenizer_info = tokenizer_info   # serve GET /tokenizer_info
-        self.outstanding = 0   # engine submissions of live HTTP requests (handler side)
-        self.large_texts = LargeTextGate()
-
-    @property
-    def capacity(self) -> int:
-        """Engine requests the server holds at once: the ``max_num_seqs`` the engine runs and
-        ``max_queue_depth`` more waiting."""
-        return self.engine.max_num_seqs + self.max_queue_depth
 
 
 def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str], max_queue_depth: int = 1024,

@@ -316,7 +316,7 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
         logging.getLogger("tripath.server").info("listening on http://%s:%d with %d API servers; building the "
                                                  "engine for %s", args.host, listener.getsockname()[1],
                                                  args.api_server_count, model)
-        return supervise(argv, args.api_server_count, listener, args.host, spec, args.shutdown_timeout)
+        return supervise(argv, args.api_server_count, listener, args.host, spec, args.shutdown_timeout, _serve)
     server: uvicorn.Server | None = None
 
     def on_fatal(error: BaseException) -> None:

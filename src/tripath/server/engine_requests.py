@@ -2,7 +2,7 @@
 model, token ids in the vocabulary, room in ``max_model_len`` and in the server's queue), a prompt's token ids,
 a chat's rendered prompt, the output constraint, and the :class:`~tripath.server.generation.Generation` of a
 request's choices; work that grows with what a client sends runs in worker threads (:func:`in_thread`).
-``state`` is the app's :class:`~tripath.server.app.ServerState`.
+``state`` is the app's :class:`~tripath.server.server_state.ServerState`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from tripath.server.generation import APIError, Generation
 from tripath.server.sampling_defaults import defaulted_sampling
 
 if TYPE_CHECKING:
-    from tripath.server.app import ServerState
+    from tripath.server.server_state import ServerState
 
 def openapi_body(model: type[pydantic.BaseModel]) -> dict:
     """The OpenAPI description of a body the handler parses itself."""
