@@ -22,6 +22,7 @@ import tripath.kernels
 from tripath import ops
 from tripath.portability import check_compile as cc
 from tripath.portability import compile_scenarios as scen
+from tripath.portability import kernel_roles as roles
 from tripath.portability.compile_inspect import (CompileResult, amd_code_stats, count_dots, count_fma_dots,
                                            cuobjdump_usage, ptx_matrix_instrs, ptxas_injected_waits,
                                            ptxas_spills, ptxas_wgmma_serialised)
@@ -267,7 +268,7 @@ def test_dot_counting_and_fma_detection():
 
 # --- verdicts ------------------------------------------------------------------------------------------
 
-def _result(kernel="varlen_attention_kernel", target="gfx942", triton=scen.CONFIGURED_ON_TRITON,
+def _result(kernel="varlen_attention_kernel", target="gfx942", triton=roles.CONFIGURED_ON_TRITON,
             **fields) -> CompileResult:
     base = dict(regs=128, sgprs=80, vgpr_spills=0, sgpr_spills=0, scratch_bytes=0, shared_bytes=1024, dots=2,
                 fma_dots=0, matrix_instrs=64, matrix_kind="MFMA")
@@ -284,7 +285,7 @@ def test_verdicts():
     assert _result(target="sm90", scratch_bytes=24, spill_store_bytes=24).failures[0][0] == "spill"
     lane_only = _result(sgpr_spills=6)
     assert lane_only.status == "ok"
-    for triton in (scen.CONFIGURED_ON_TRITON, (3, 9)):  # strict: no spill is accepted under any Triton
+    for triton in (roles.CONFIGURED_ON_TRITON, (3, 9)):  # strict: no spill is accepted under any Triton
         strict = cc.evaluate(lane_only, cc.TARGETS["gfx942"], strict_sgpr=True, triton_version=triton)
         assert strict.failures == [("spill", "0 VGPR + 6 SGPR spills, 0 B scratch")]
     assert _result(shared_bytes=70 * 1024).failures[0][0] == "shared"  # over MI300X's 64 KiB LDS
@@ -305,7 +306,7 @@ def test_verdicts():
 
 
 def test_deliberate_findings_are_reported_not_failed(monkeypatch):
-    monkeypatch.setitem(scen.DELIBERATE, ("varlen_attention_kernel", "gfx950", "spill"), "measured faster")
+    monkeypatch.setitem(roles.DELIBERATE, ("varlen_attention_kernel", "gfx950", "spill"), "measured faster")
     assert _result(target="gfx950", vgpr_spills=2, scratch_bytes=8).status == "ok*"
     assert _result(target="gfx950", vgpr_spills=2, scratch_bytes=8).deliberate[0][1].endswith(
         "(deliberate: measured faster)")
@@ -314,7 +315,7 @@ def test_deliberate_findings_are_reported_not_failed(monkeypatch):
 
 def test_small_spills_under_another_triton_are_reported_not_failed():
     newer = (3, 9)
-    assert newer != scen.CONFIGURED_ON_TRITON
+    assert newer != roles.CONFIGURED_ON_TRITON
     small_amd = _result(vgpr_spills=4, triton=newer)
     assert small_amd.status == "ok*" and "a small spill under Triton 3.9" in small_amd.deliberate[0][1]
     assert "chosen on Triton 3.6" in small_amd.deliberate[0][1]
@@ -359,10 +360,10 @@ def _toy_scenarios():
 
 @pytest.fixture(scope="module")
 def toy_report() -> cc.CheckReport:
-    roles = {"toy_matmul_kernel": scen.KernelRole(True, "test"), "toy_pressure_kernel": scen.KernelRole(False, "test"),
-             "toy_broken_kernel": scen.KernelRole(False, "test")}
+    toys = {"toy_matmul_kernel": roles.KernelRole(True, "test"), "toy_pressure_kernel": roles.KernelRole(False, "test"),
+            "toy_broken_kernel": roles.KernelRole(False, "test")}
     with pytest.MonkeyPatch.context() as mp:
-        for name, role in roles.items():
+        for name, role in toys.items():
             mp.setitem(KERNEL_ROLES, name, role)
         yield cc.run_check(scenarios=_toy_scenarios())
 
@@ -408,7 +409,7 @@ def test_main_exit_status(monkeypatch, capsys, tmp_path):
                                   "--json", str(tmp_path / "r.json")]) == 0
     assert "merge_states_kernel | sm90" in capsys.readouterr().out
     monkeypatch.setattr(cc, "all_scenarios", lambda: _toy_scenarios()[3:])
-    monkeypatch.setitem(KERNEL_ROLES, "toy_broken_kernel", scen.KernelRole(False, "test"))
+    monkeypatch.setitem(KERNEL_ROLES, "toy_broken_kernel", roles.KernelRole(False, "test"))
     assert cc.main_check_compile(["--target", "gfx950", "--markdown", str(tmp_path / "r.md")]) == 1
     assert "FAILED" in (tmp_path / "r.md").read_text()
     with pytest.raises(SystemExit):

@@ -184,7 +184,7 @@ def test_mla_decode_tensor_descriptor_path(monkeypatch, v_parts, kind, num_split
 
 def test_mla_cache_descriptors_are_kept_on_the_cache():
     """Descriptors are built once per cache tensor and tile shape (eager steps reuse them per layer)."""
-    from tripath.ops.mla import _cache_descriptors
+    from tripath.ops.mla_absorbed import _cache_descriptors
 
     cache = allocate_mla_cache(4, 64, dtype=torch.float16, device=DEVICE)
     first = _cache_descriptors(cache, L, L, R, L, 64)
@@ -584,7 +584,7 @@ def test_one_buffer_transposed_descriptor_tiles_are_refused(monkeypatch):
     """On an NVIDIA GPU, descriptor tiles with transposed products and a single buffer (``num_stages=1``)
     returned wrong results (triton 3.6, H200): the launcher refuses such a configuration rather than run it."""
     from tripath.ops import _mla_configs
-    from tripath.ops.mla import _packed_tiles
+    from tripath.ops.mla_absorbed import _packed_tiles
     from tripath.platform import H200
 
     cfg = {"BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "TMA": True, "SWAP_AB": True}

@@ -7,7 +7,8 @@ PyTorch reference does.
 from tripath.ops.attention import merge_states, paged_decode, unified_attention, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache, gather_kv_cache, kv_cache_shapes, write_kv_cache
 from tripath.ops.mla import (allocate_mla_cache, concat_and_cache_mla, concat_mla_query,
-                             fused_qk_rope_concat_and_cache_mla, gather_mla_cache, mla_decode)
+                             fused_qk_rope_concat_and_cache_mla, gather_mla_cache)
+from tripath.ops.mla_absorbed import mla_decode
 from tripath.ops.rotary import identity_rope_tables, rope_cos_sin, rotary_embedding
 
 __all__ = [

@@ -218,3 +218,19 @@ def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def dot_width(n: int) -> int:
+    """Padded tile width of a dim: a power of two, at least 16 (``tl.dot``'s least)."""
+    return max(16, next_pow2(n))
+
+
+def contiguous_last(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its last dimension is strided."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_written(name: str, t: torch.Tensor) -> None:
+    """An output written in place must be contiguous in its last dimension."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (it is written in place)")

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from tripath import ops
-from tripath.ops import activation, mla, norm, rotary
+from tripath.ops import activation, mla, mla_absorbed, norm, rotary
 from tripath.platform import Platform, fp8_dtype
 
 
@@ -193,7 +193,7 @@ def _build_mla_decode(platform: Platform, *, num_heads: int, fp8_cache: bool, fp
         scale["q_scale"] = torch.tensor([0.25])
     block_table = torch.zeros(batch, context_blocks, dtype=torch.int32)
     seq_lens = torch.full((batch,), context_blocks * block_size, dtype=torch.int32)
-    mla.mla_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank=MLA_L, sm_scale=MLA_SCALE,
+    mla_absorbed.mla_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank=MLA_L, sm_scale=MLA_SCALE,
                    variant=variant, **scale)
 
 
