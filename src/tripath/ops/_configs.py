@@ -61,7 +61,7 @@ def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int, long_t
 
     64-token tiles, 4 warps, 2 stages by default (on sm_90 39 KiB of shared memory and 84 registers a
     program: up to five programs an SM hide the scattered row loads); ``long_tiles`` (where
-    :func:`long_tile_splits` applies): 128-token tiles (73 KiB, 152 registers: three programs an SM, fewer
+    :func:`long_tile_splits` applies): 128-token tiles (73 KiB, 161 registers: three programs an SM, fewer
     split partials); heads over 128 dims: 16-token tiles (registers); AMD: 64 (32 over 128 dims)."""
     if platform.backend == "cpu":
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
