@@ -1,6 +1,7 @@
 """The kernel benchmark's report merging (``tripath bench kernels --repeat N``), without a GPU."""
 
-from tripath.bench.kernels import Report, Row, format_report, merge_repeats
+from tripath.bench.kernel_timing import Report, Row
+from tripath.bench.kernels import format_report, merge_repeats
 
 
 def test_repeats_merge_to_medians_with_ranges():
@@ -40,7 +41,7 @@ GPU 00000000:00:06.0
 
 
 def test_power_capping_counter_is_parsed():
-    from tripath.bench.kernels import parse_power_capping_us
+    from tripath.bench.kernel_timing import parse_power_capping_us
     assert parse_power_capping_us(SMI_PERFORMANCE) == 26143061.0
     assert parse_power_capping_us("no counters here") is None
     two_gpus = SMI_PERFORMANCE + SMI_PERFORMANCE.split("Attached GPUs")[1]

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 
 from tripath.bench import require_gpu
-from tripath.bench.kernels import _bench, _bench_graph, _random_table
+from tripath.bench.kernel_timing import bench_eager, bench_graph, random_table
 from tripath.ops import _configs, _mla_configs, mla_decode, paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache
 
@@ -29,11 +29,11 @@ def _patched(name: str, value, module=_configs):
 
 
 def _measure(config_fn: str, cfg: dict, fn, label: str, lines: list[str], module=_configs, timer=None):
-    """Median µs of ``fn`` (by ``timer``, default eager ``_bench``) with ``config_fn`` returning ``cfg``; None
+    """Median µs of ``fn`` (by ``timer``, default eager ``bench_eager``) with ``config_fn`` returning ``cfg``; None
     (and a line saying why) when the configuration does not compile or run (e.g. out of shared memory)."""
     try:
         with _patched(config_fn, cfg, module):
-            return _bench(fn, reps_ms=60) if timer is None else timer(fn)
+            return bench_eager(fn, reps_ms=60) if timer is None else timer(fn)
     except Exception as exc:
         lines.append(f"{label} {cfg}: {type(exc).__name__}")
         return None
@@ -43,7 +43,7 @@ def tune_decode(shapes=((64, 4096), (64, 16384), (8, 32768)), layouts=("nhd",), 
     lines = []
     dev = torch.device("cuda")
     for (batch, ctx), layout in itertools.product(shapes, layouts):
-        table, nb = _random_table(batch, ctx, 16, dev)
+        table, nb = random_table(batch, ctx, 16, dev)
         kc, vc = allocate_kv_cache(nb, 16, 8, 128, dtype=torch.bfloat16, layout=layout, device=dev)
         kc.normal_()
         vc.normal_()
@@ -56,7 +56,7 @@ def tune_decode(shapes=((64, 4096), (64, 16384), (8, 32768)), layouts=("nhd",), 
             cfg = {"BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
             us = _measure("decode_config", cfg,
                           lambda: paged_decode(q, kc, vc, table, sl, layout=layout, num_splits=splits),
-                          f"decode {batch}x{ctx} {layout} splits={splits}", lines, timer=_bench_graph)
+                          f"decode {batch}x{ctx} {layout} splits={splits}", lines, timer=bench_graph)
             if us is not None:
                 results.append((us, cfg, splits))
         results.sort(key=lambda r: r[0])
@@ -107,12 +107,12 @@ MLA_MANY_HEADS = ((128, 64, 8, 1, 2, False, False, 0), (128, 32, 8, 2, 2, True, 
 def tune_mla(top: int = 8) -> list[str]:
     """Absorbed MLA decode (bf16 cache, block 64): 16 heads (memory-bound) and 128 heads (compute-bound),
     GPU time of CUDA-graph replays (eager timing of a ~100 µs launch measures the host as well)."""
-    from tripath.bench.kernels import _mla_table
+    from tripath.bench.kernels_mla import mla_table
     lines = []
     dev = torch.device("cuda")
     shapes = ((16, 64, 4096, (2, 4)), (16, 64, 16384, (2, 4)), (16, 8, 32768, (16, 32)), (128, 64, 4096, (1, 2)))
     for heads, batch, ctx, splits_options in shapes:
-        table, cache = _mla_table(batch, ctx, 64, dev)
+        table, cache = mla_table(batch, ctx, 64, dev)
         q = torch.randn(batch, heads, 576, dtype=torch.bfloat16, device=dev)
         sl = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         nbytes, flops = batch * ctx * 576 * 2, 2 * batch * heads * ctx * 1088
@@ -124,7 +124,7 @@ def tune_mla(top: int = 8) -> list[str]:
             us = _measure("mla_decode_config", cfg,
                           lambda: mla_decode(q, cache, table, sl, kv_lora_rank=512, sm_scale=0.07,
                                              num_splits=splits, variant="packed"),
-                          f"mla H{heads} {batch}x{ctx} splits={splits}", lines, _mla_configs, timer=_bench_graph)
+                          f"mla H{heads} {batch}x{ctx} splits={splits}", lines, _mla_configs, timer=bench_graph)
             if us is not None:
                 results.append((us, cfg, splits))
         results.sort(key=lambda r: r[0])
