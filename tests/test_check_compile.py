@@ -22,6 +22,7 @@ import tripath.kernels
 from tripath import ops
 from tripath.portability import check_compile as cc
 from tripath.portability import compile_scenarios as scen
+from tripath.portability import check_report
 from tripath.portability import kernel_roles as roles
 from tripath.portability.compile_inspect import (CompileResult, amd_code_stats, count_dots, count_fma_dots,
                                            cuobjdump_usage, ptx_matrix_instrs, ptxas_injected_waits,
@@ -81,7 +82,7 @@ def test_matrix_stages_use_the_matrix_units(ci_report):
 
 def test_report_tables_list_every_kernel_and_target(ci_report):
     text = cc.format_report(ci_report)
-    summary = cc.summary_table(ci_report)
+    summary = check_report.summary_table(ci_report)
     for kernel in KERNEL_ROLES:
         for target in filter(KERNEL_ROLES[kernel].runs_on, ALL_TARGETS):
             assert any(line.startswith(f"| {kernel} ") and f"| {target} " in line for line in summary.splitlines())
