@@ -1,5 +1,4 @@
-"""argmax_rows (the sampler's greedy tokens) against torch.argmax: random rows, ties, -inf rows, NaN, every
-split count; the sampler uses it on a GPU; bad input."""
+"""argmax_rows against torch.argmax: random rows, ties, -inf rows, NaN, every split count; bad input."""
 
 import pytest
 import torch
@@ -78,15 +77,3 @@ def test_gpu_bf16_vocabularies(rows, vocab):
     """The presets' vocabularies in bf16 (many exact ties among rounded values: the first must win)."""
     x = torch.randn(rows, vocab, device="cuda").to(torch.bfloat16)
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
-
-
-@pytest.mark.gpu
-def test_gpu_sampler_takes_greedy_tokens_from_argmax_rows(monkeypatch):
-    from tripath.engine import SamplingParams, sampler
-
-    calls = []
-    real = sampler.argmax_rows
-    monkeypatch.setattr(sampler, "argmax_rows", lambda x: calls.append(x.shape) or real(x))
-    logits = torch.randn(4, 1000, device="cuda")
-    tokens = sampler.sample(logits, [SamplingParams(temperature=0)] * 4, [None] * 4)
-    assert calls == [(4, 1000)] and torch.equal(tokens, logits.argmax(-1))

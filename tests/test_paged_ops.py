@@ -70,7 +70,7 @@ def test_paged_decode_default_splits_and_empty_split():
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
-@pytest.mark.parametrize("features", [{}, {"sinks": True}, {"window_left": 100}])
+@pytest.mark.parametrize("features", [{}, {"sinks": True}, {"window_left": 600}])
 def test_paged_decode_splits_follow_each_request_on_a_wide_table(monkeypatch, features):
     """A block table far wider than the contexts (a CUDA graph's spans the longest context served): the
     launch's split count is an upper bound, each request takes the splits its own length calls for (decided
@@ -111,6 +111,37 @@ def test_paged_decode_splits_follow_each_request_on_a_wide_table(monkeypatch, fe
     assert launched[0][1]["splits_used_ptr"].tolist() == [3] * len(seq_lens)
 
 
+@pytest.mark.gpu
+def test_paged_decode_captured_in_a_graph_takes_short_tiles_and_fits_splits_on_replay(monkeypatch):
+    """Captured with a table as wide as 131072 tokens under ``tables_span_max_len`` (the engine's decode
+    graphs), the launch takes the 64-token tiles and each replay is right for the lengths it is given."""
+    import tripath.ops.attention as attention_ops
+
+    seq_lens = [1030] * 60 + [20000, 3, 17, 4096]
+    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, 8, 128, dtype=torch.bfloat16, device="cuda")
+    wide = torch.zeros(len(seq_lens), 131072 // 16, dtype=torch.int32, device="cuda")
+    wide[:, :bt.shape[1]] = bt
+    q = torch.randn(len(seq_lens), 32, 128, dtype=torch.bfloat16, device="cuda")
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    launched = []
+    real = attention_ops.launch
+    monkeypatch.setattr(attention_ops, "launch", lambda kernel, grid, *a, **k: launched.append(k) or
+                        real(kernel, grid, *a, **k))
+    graph = torch.cuda.CUDAGraph()
+    with attention_ops.tables_span_max_len():
+        paged_decode(q, k_cache, v_cache, wide, sl, out=out)   # compile outside the capture
+        with torch.cuda.graph(graph):
+            paged_decode(q, k_cache, v_cache, wide, sl, out=out)
+    assert launched[0]["BLOCK_N"] == 64 and launched[0]["num_splits"] == 1  # 64 × 8 programs fill the GPU
+    for lens in (seq_lens, seq_lens[::-1]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = R.paged_decode_ref(q, k_cache, v_cache, bt, sl)
+        torch.testing.assert_close(out.float(), want.float(), **TOL[torch.bfloat16])
+
+
 def test_device_split_bounds_on_the_h200():
     """128-token tiles: the fewest splits that fill 2.5 waves of the H200's 132 SMs, 16 tiles a split; 64-token
     tiles: the request's own length alone."""
@@ -125,6 +156,7 @@ def test_device_split_bounds_on_the_h200():
 def test_paged_decode_long_tiles_chosen_and_correct(monkeypatch):
     """The 128-token tiles: chosen for the H200 where the rule says so (launch recorded, a cache of one
     block standing in for 64 × 16384 tokens), and correct on ragged lengths (run with those tiles here)."""
+    import tripath.ops.attention as attention_ops
     from tripath.ops import _configs
     from tripath.triton_internals import capture_launches
     from tripath.platform import H200, override_platform
@@ -136,8 +168,10 @@ def test_paged_decode_long_tiles_chosen_and_correct(monkeypatch):
         paged_decode(q, k_cache, v_cache, table, lens)
         paged_decode(q[:, :, :64], k_cache[..., :64], v_cache[..., :64], table, lens)  # 64-dim heads: no
         paged_decode(q, k_cache, v_cache, table, lens, concurrent=True)  # beside other launches: no
+        with attention_ops.tables_span_max_len():  # a graph's table, wider than any step's context: no
+            paged_decode(q, k_cache, v_cache, table, lens)
     assert [(r.kwargs["BLOCK_N"], r.kwargs["num_splits"]) for r in records if r.name == "paged_decode_kernel"] \
-        == [(_configs.LONG_TILE, 3), (64, 1), (64, 1)]
+        == [(_configs.LONG_TILE, 3), (64, 1), (64, 1), (64, 1)]
 
     seq_lens = [1, 129, 300, 257, 128]
     k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, 2, 64, block_size=32, device=DEVICE)

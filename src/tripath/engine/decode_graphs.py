@@ -17,15 +17,19 @@ import torch
 
 from tripath.attention import ForwardContext
 from tripath.engine.step_inputs import StepInputs
+from tripath.ops.attention import tables_span_max_len
 
 
 def _capture(run, pool, device: torch.device):
-    """``(graph, static output, pool)`` of ``run`` captured after one eager call (kernels compile outside)."""
-    run()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        hidden = run()
+    """``(graph, static output, pool)`` of ``run`` captured after one eager call (kernels compile outside).
+    Both run with :func:`~tripath.ops.attention.tables_span_max_len`: the captured block table is as wide
+    as the longest context served, and paged decode picks its tiles for any length."""
+    with tables_span_max_len():
+        run()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = run()
     torch.cuda.synchronize(device)
     return graph, hidden, graph.pool()
 

@@ -18,7 +18,6 @@ import torch
 from tripath.attention.metadata import to_device
 from tripath.engine.logits_transforms import StepTransforms
 from tripath.engine.sampling_params import SamplingParams
-from tripath.ops.argmax import argmax_rows
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -73,7 +72,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
 
 def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    tokens = _argmax(logits)
+    tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
@@ -90,14 +89,8 @@ def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
     for j, i in enumerate(rows):
         noise[j].exponential_(generator=generators[i])
     noise.clamp_(min=torch.finfo(torch.float32).tiny)  # a zero draw would make 0 / 0 for a cut token
-    tokens[pick] = _argmax(probs / noise)
+    tokens[pick] = (probs / noise).argmax(dim=-1)
     return tokens
-
-
-def _argmax(scores: torch.Tensor) -> torch.Tensor:
-    """Each row's first largest column: on a GPU with each row split over the SMs
-    (:func:`tripath.ops.argmax.argmax_rows`), elsewhere ``torch.argmax``."""
-    return argmax_rows(scores) if scores.is_cuda else scores.argmax(dim=-1)
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:
