@@ -273,11 +273,6 @@ def _build_silu_and_mul(platform: Platform, *, inter: int, dtype: torch.dtype = 
     activation.silu_and_mul(_rand(8, 2 * inter, dtype=dtype))
 
 
-def _build_argmax(platform: Platform, *, vocab: int, dtype: torch.dtype = torch.bfloat16) -> None:
-    from tripath.ops.argmax import argmax_rows
-    argmax_rows(_rand(64, vocab, dtype=dtype))
-
-
 def _s(name: str, build: Callable, ci: bool = False, targets: tuple[str, ...] | None = None, **kwargs) -> Scenario:
     return Scenario(name, functools.partial(build, **kwargs), ci, targets)
 
@@ -413,7 +408,4 @@ def all_scenarios() -> list[Scenario]:
     rows.append(_s("multi-step decoding: metadata advance", _build_advance_decodes, ci=True))
     for inter in (14336, 1536):
         rows.append(_s(f"silu_and_mul I={inter} bf16", _build_silu_and_mul, ci=inter == 14336, inter=inter))
-    for vocab, dtype in ((151936, torch.bfloat16), (32000, torch.float32)):
-        rows.append(_s(f"greedy argmax of the logits V={vocab} {str(dtype)[6:]}", _build_argmax, ci=dtype == torch.float32,
-                       vocab=vocab, dtype=dtype))
     return rows

@@ -45,8 +45,6 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "rms_norm_rope_heads_kernel": KernelRole(False, "deliberate: per-head norm and pair rotation"),
     "silu_and_mul_kernel": KernelRole(False, "deliberate: elementwise gated activation"),
     "advance_decodes_kernel": KernelRole(False, "deliberate: per-row metadata update of multi-step decoding"),
-    "argmax_chunks_kernel": KernelRole(False, "deliberate: row-chunk max reduction of the logits"),
-    "argmax_merge_kernel": KernelRole(False, "deliberate: merge of a row's chunk maxima"),
 }
 
 # Findings accepted on purpose: (kernel, target name or "*", kind) -> reason. Kinds: "spill", "shared",
