@@ -54,6 +54,9 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
 
 
 LONG_TILE = 128  # context tokens per paged-decode tile where long_tile_splits applies
+LONG_TILE_MIN_SPLIT_TILES = 16  # a split of 128-token tiles keeps at least this many (long_tile_splits)
+LONG_TILE_FILL = 2.5  # programs per SM a launch of 128-token tiles has at least (long_tile_splits)
+MIN_SPLIT_TILES = 4  # a split of 64-token tiles keeps at least about this many (default_num_splits)
 
 
 def decode_config(platform: Platform, head_size: int, kv_elem_bytes: int, long_tiles: bool = False) -> dict:
@@ -95,19 +98,16 @@ def long_tile_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_s
 
     def qualifies(splits: int) -> bool:
         launched = programs * splits
-        return (max_seq_len // splits >= 16 * LONG_TILE and launched >= 2.5 * platform.num_sms
+        return (max_seq_len // splits >= LONG_TILE_MIN_SPLIT_TILES * LONG_TILE
+                and launched >= LONG_TILE_FILL * platform.num_sms
                 and launched & (launched - 1) != 0)
 
     if num_splits is not None:
         return num_splits if qualifies(num_splits) else None
-    for splits in range(1, min(256, max_seq_len // (16 * LONG_TILE)) + 1):
+    for splits in range(1, min(256, max_seq_len // (LONG_TILE_MIN_SPLIT_TILES * LONG_TILE)) + 1):
         if qualifies(splits):
             return splits
     return None
-
-
-LONG_TILE_MIN_SPLIT_TILES = 16  # a split of 128-token tiles keeps at least this many (long_tile_splits)
-MIN_SPLIT_TILES = 4  # a split of 64-token tiles keeps at least about this many (default_num_splits)
 
 
 def device_split_bounds(platform: Platform, num_seqs: int, num_kv_heads: int, long_tiles: bool) -> tuple[int, int]:
@@ -120,7 +120,7 @@ def device_split_bounds(platform: Platform, num_seqs: int, num_kv_heads: int, lo
     engine serves) uses the splits its length calls for, not the width's."""
     if long_tiles:
         programs = max(1, num_seqs * num_kv_heads)
-        return max(1, -(-int(2.5 * platform.num_sms) // programs)), LONG_TILE_MIN_SPLIT_TILES
+        return max(1, -(-int(LONG_TILE_FILL * platform.num_sms) // programs)), LONG_TILE_MIN_SPLIT_TILES
     return 1, MIN_SPLIT_TILES
 
 
