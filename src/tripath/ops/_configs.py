@@ -8,6 +8,9 @@ gets small tiles so tests exercise multi-tile loops on small shapes.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 from tripath.platform import Platform
 
 
@@ -108,6 +111,28 @@ def long_tile_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_s
         if qualifies(splits):
             return splits
     return None
+
+
+_TABLES_SPAN_MAX_LEN = contextvars.ContextVar("tables_span_max_len", default=False)
+
+
+@contextlib.contextmanager
+def tables_span_max_len():
+    """Within this scope, the block tables :func:`tripath.ops.paged_decode` gets span the longest context the
+    engine serves rather than the step's (a CUDA graph's captured table): it takes the 64-token tiles, whose split
+    count each request fits to its own length in the kernel, instead of tiles chosen for the width. The
+    engine's decode graphs run their eager first call and their capture inside it, so both pick the same
+    kernel variant."""
+    token = _TABLES_SPAN_MAX_LEN.set(True)
+    try:
+        yield
+    finally:
+        _TABLES_SPAN_MAX_LEN.reset(token)
+
+
+def tables_span_max_len_set() -> bool:
+    """Whether the caller is inside :func:`tables_span_max_len`."""
+    return _TABLES_SPAN_MAX_LEN.get()
 
 
 def device_split_bounds(platform: Platform, num_seqs: int, num_kv_heads: int, long_tiles: bool) -> tuple[int, int]:

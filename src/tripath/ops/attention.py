@@ -9,8 +9,6 @@ every op: ``sm_scale`` (default ``1/sqrt(Dqk)``), ``window_left`` (−1 off), ``
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import torch
@@ -20,6 +18,7 @@ from tripath.kernels.paged_decode import paged_decode_kernel, reduce_splits_kern
 from tripath.kernels.unified_attention import unified_attention_kernel
 from tripath.kernels.varlen_attention import varlen_attention_kernel
 from tripath.ops import _configs, reference
+from tripath.ops._configs import tables_span_max_len  # noqa: F401 - the engine's decode graphs set it here
 from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_cu_seqlens_values, check_gqa,
                                  check_head_size, check_options, check_out, check_per_head, check_scale,
                                  check_seq_lens_values, check_tensor, next_pow2, values_checked)
@@ -28,22 +27,6 @@ from tripath.triton_internals import launch, use_triton
 from tripath.ops._varlen_sm90 import launch_varlen_sm90, sm90_unsupported
 from tripath.ops.kv_cache import cache_geometry, cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform
-
-_TABLES_SPAN_MAX_LEN = contextvars.ContextVar("tables_span_max_len", default=False)
-
-
-@contextlib.contextmanager
-def tables_span_max_len():
-    """Within this scope, the block tables :func:`paged_decode` gets span the longest context the engine
-    serves rather than the step's (a CUDA graph's captured table): it takes the 64-token tiles, whose split
-    count each request fits to its own length in the kernel, instead of tiles chosen for the width. The
-    engine's decode graphs run their eager first call and their capture inside it, so both pick the same
-    kernel variant."""
-    token = _TABLES_SPAN_MAX_LEN.set(True)
-    try:
-        yield
-    finally:
-        _TABLES_SPAN_MAX_LEN.reset(token)
 
 LOG2E = 1.4426950408889634
 
@@ -284,10 +267,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     k_cache, v_cache : paged cache of ``layout`` (``"nhd"`` or ``"shuffled"``), fp16/bf16 or fp8 e4m3 with
         ``k_scale``/``v_scale`` one-element fp32 tensors.
     block_table : ``[B, max_blocks]`` int32; seq_lens : ``[B]`` int32 (context + 1).
-    num_splits : KV splits per request; ``None`` picks an upper bound from the batch, the GPU and the block
-        table's width, and each request uses as many of them as its own length calls for (decided in the
-        kernel). Under :func:`tables_span_max_len` (a CUDA graph's table, as wide as the longest context
-        served) the 64-token tiles are chosen, as they suit any length once the splits follow it.
+    num_splits : KV splits per request; ``None``: an upper bound from the batch, the GPU and the table's width,
+        each request using what its length calls for (in the kernel; see :func:`tables_span_max_len`).
     concurrent : a scheduling hint: compute-bound launches run beside this one (on other streams), so the
         64-token tiles are kept (a 128-token tile program takes 73 KiB of shared memory against 39 and
         leaves less room for the other launch's programs).
@@ -319,7 +300,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             out=out, return_lse=return_lse)
     platform = current_platform(device)
     max_len = block_table.shape[1] * block_size  # an upper bound from the host: no device sync
-    long_splits = None if concurrent or _TABLES_SPAN_MAX_LEN.get() else _configs.long_tile_splits(
+    long_splits = None if concurrent or _configs.tables_span_max_len_set() else _configs.long_tile_splits(
         platform, batch, num_kv_heads, max_len, num_splits, head_size=head_size,
         kv_elem_bytes=k_cache.element_size(), layout=layout)
     cfg = dict(_configs.decode_config(platform, head_size, k_cache.element_size(), long_tiles=long_splits is not None))
