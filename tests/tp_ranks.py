@@ -18,21 +18,25 @@ from tripath.models.parallel import SINGLE, ParallelState
 
 
 def _rank_entry(rank: int, world: int, port: int, backend: str, device: str | None, out: str, fn, args) -> None:
+    """One rank: join the group, run ``fn``, rank 0 saves its result; then every rank leaves through
+    ``os._exit(0)`` once all have finished. Tearing a gloo group down in a spawned child at times ends in
+    ``std::terminate`` inside torch (a worker thread destroyed while joinable), which is not what these tests
+    check; the engine's own worker teardown is tested through ``LLM(tensor_parallel_size=2)``."""
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
-    try:
-        if device is not None:
-            device = torch.device(device)
-        else:
-            device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        result = fn(ParallelState(rank=rank, world_size=world), device, *args)
-        if rank == 0:
-            torch.save(result, out)
-        dist.barrier()  # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
+    if device is not None:
+        device = torch.device(device)
+    else:
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    result = fn(ParallelState(rank=rank, world_size=world), device, *args)
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()  # every rank is done (and rank 0's file written) before any leaves
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    os._exit(0)
 
 
 def run_ranks(fn, world: int, *args, backend: str = "gloo", device: str | None = None):
