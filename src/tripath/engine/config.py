@@ -8,6 +8,7 @@ import torch
 
 from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS
 from tripath.engine.structured_output import DEFAULT_CACHE_MB as DEFAULT_GRAMMAR_CACHE_MB
+from tripath.engine.speculative.config import SpeculativeConfig
 from tripath.engine.step_pacing import DEFAULT_CPU_TARGET_S
 from tripath.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S as DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
@@ -80,6 +81,9 @@ class EngineConfig:
     ``step_time_target_s``: the step time the token budget follows (:mod:`tripath.engine.step_pacing`: it
     starts at 256 tokens and long prompts are chunked so that one step takes about this long, never more
     tokens than ``max_num_batched_tokens``); None: 0.5 s on the CPU, off on a GPU; 0: off.
+    ``speculative_config``: speculative decoding (:mod:`tripath.engine.speculative`), a
+    :class:`~tripath.engine.speculative.config.SpeculativeConfig`, its dict or the dict's JSON text; None: off.
+    With it on, steps run one after the other (no ``async_scheduling``, ``decode_steps`` 1).
     """
 
     backend: str = "auto"
@@ -108,6 +112,7 @@ class EngineConfig:
     grammar_cache_mb: int = DEFAULT_GRAMMAR_CACHE_MB
     grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
     step_time_target_s: float | None = None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -157,6 +162,7 @@ class EngineConfig:
                                    or not 0 <= target < float("inf")):
             raise ValueError(f"step_time_target_s must be a finite number of seconds >= 0 (0: off) or None, got "
                              f"{target!r}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 

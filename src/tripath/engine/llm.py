@@ -181,15 +181,17 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens,
                                    max_model_len=self.runner.max_model_len,
-                                   enable_chunked_prefill=self.config.enable_chunked_prefill)
-        self.overlap = self.config.async_scheduling and self.runner.capabilities.overlap
+                                   enable_chunked_prefill=self.config.enable_chunked_prefill,
+                                   speculation=self.config.speculative_config)
+        speculating = self.config.speculative_config is not None   # verify steps read their drafts' outcome
+        self.overlap = self.config.async_scheduling and self.runner.capabilities.overlap and not speculating
         pacing = self.config.step_pacing_s
         if pacing > 0 and self.overlap and self.config.device.type != "cpu":
             raise ValueError("step_time_target_s on a GPU needs async_scheduling=False: with overlapped steps the "
                              "host does not wait for a step, so it cannot time one")
         self._pacer = StepPacer(self.scheduler, pacing) if pacing > 0 else None   # on the CPU a launch computes
         # model steps a step of decodes alone may take (multi-step decoding), where the executor can
-        self.decode_steps = self.config.decode_steps if self.runner.capabilities.multi_step else 1
+        self.decode_steps = self.config.decode_steps if self.runner.capabilities.multi_step and not speculating else 1
         self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from tripath.engine.block_manager import BlockManager, blocks_needed
 from tripath.engine.request import FinishReason, Request, RequestStatus
+from tripath.engine.speculative import SpeculativeConfig, make_proposer
 
 MIN_TOKEN_BUDGET = 64  # the smallest step budget an out-of-memory step shrinks it to (shrink_token_budget)
 MIN_PACED_BUDGET = 16  # the smallest step budget step pacing sets (pace)
@@ -82,8 +83,11 @@ class Scheduler:
     the step, then :meth:`update` with the sampled tokens."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True):
+                 max_model_len: int, enable_chunked_prefill: bool = True,
+                 speculation: SpeculativeConfig | None = None):
         self.block_manager = block_manager
+        self.speculation = speculation
+        self.proposer = None if speculation is None else make_proposer(speculation)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len

@@ -1,0 +1,67 @@
+"""Speculative decoding's settings (:class:`SpeculativeConfig`), given as vLLM takes them: a dict or its JSON
+text, ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}``.
+
+Methods: ``ngram`` — prompt lookup (:mod:`tripath.engine.speculative.ngram`): no weights, the drafts are the
+tokens that followed the latest earlier occurrence of the request's last ``n`` tokens, for the largest ``n``
+in ``[prompt_lookup_min, prompt_lookup_max]`` that occurs. Every error names the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)
+NOT_YET = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+MAX_SPECULATIVE_TOKENS = 15   # a verify step feeds at most 16 query tokens per request
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``num_speculative_tokens`` (1–15): tokens drafted per request and step; ``prompt_lookup_max`` /
+    ``prompt_lookup_min``: the longest and shortest suffix the n-gram method looks up (defaults 4 and 1)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        if self.method in NOT_YET:
+            raise ValueError(f"speculative_config method {self.method!r} is not available in this version; "
+                             f"supported: {', '.join(METHODS)}")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is unknown; supported: {', '.join(METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"speculative_config {name} must be an int, got {value!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def of(cls, value) -> "SpeculativeConfig | None":
+        """``value``: None (off), a :class:`SpeculativeConfig`, a dict, or a dict's JSON text."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise TypeError(f"speculative_config must be a dict (or its JSON text), got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens (tokens drafted per step)")
+        if value.get("method") is None:
+            value = {**value, "method": "ngram"}
+        return cls(**value)
