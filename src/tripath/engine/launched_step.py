@@ -52,12 +52,14 @@ class SampledStep:
 class LaunchedStep:
     """A step whose work is queued on the device. ``tokens [K, S]`` int64 (device): row ``j`` holds the
     tokens sampled by model step ``j`` of the ``K`` this launch ran (``K = 1`` but for multi-step decoding),
-    column ``k`` those of ``scheduled[sample_rows[k]]``; ``rows``: ``id(request) -> k``. The tokens' (and
+    column ``k`` those of ``scheduled[sample_rows[k]]``; ``rows``: ``id(request) -> k``. ``ragged``: a launch
+    with verifies (speculative decoding), whose columns hold 1 to ``K`` tokens each, then -1. The tokens' (and
     any log-probabilities') copy to the host is under way; :meth:`sampled` waits for it."""
 
     def __init__(self, scheduled: list[ScheduledRequest], sample_rows: list[int], tokens: torch.Tensor | None,
-                 logprobs: StepLogprobs | None = None):
+                 logprobs: StepLogprobs | None = None, ragged: bool = False):
         self.num_scheduled = len(scheduled)
+        self.ragged = ragged
         self.sample_rows = sample_rows
         self.tokens = tokens
         self.requests = [scheduled[i].request for i in sample_rows]  # keeps the ids in ``rows`` unique
@@ -80,6 +82,9 @@ class LaunchedStep:
     @property
     def last_tokens(self) -> torch.Tensor:
         """``[S]``: the tokens of the launch's last model step (the next step's in-flight inputs)."""
+        if self.ragged:
+            raise RuntimeError("a launch with verify steps has no common last row of tokens: the engine reads it "
+                               "before scheduling the next step")
         return self.tokens[-1]
 
     def sampled(self) -> SampledStep:
@@ -89,7 +94,7 @@ class LaunchedStep:
             self._ready.synchronize()
         if self.tokens is not None:
             for i, tokens in zip(self.sample_rows, self._host.t().tolist()):
-                out.tokens[i] = tokens
+                out.tokens[i] = [t for t in tokens if t >= 0] if self.ragged else tokens
         lp = self._logprobs
         if lp is None:
             return out

@@ -329,7 +329,8 @@ class LLM:
         total = blocks.num_usable_blocks
         return EngineStats(len(scheduler.running), len(scheduler.waiting), total - blocks.num_free_blocks, total,
                            blocks.num_queried_tokens, blocks.num_hit_tokens, scheduler.num_preemptions,
-                           self.num_steps, tuple(self.step_tokens.counts), self.step_tokens.total)
+                           self.num_steps, tuple(self.step_tokens.counts), self.step_tokens.total,
+                           *scheduler.draft_counts.stats_fields())
 
     @serialised
     def step(self) -> list[RequestOutput]:

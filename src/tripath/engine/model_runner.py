@@ -48,6 +48,7 @@ from tripath.engine.logits_transforms import PenaltyState
 from tripath.engine.memory_plan import MemoryPlan
 from tripath.engine.mixed_graphs import MixedStepGraphs
 from tripath.engine.scheduler import ScheduledRequest
+from tripath.engine.speculative.acceptance import accept_drafts
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.step_sampling import LaunchSampler, score_prompts
 from tripath.engine.warmup import WarmupReport
@@ -204,12 +205,32 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             self.kv_scales_pending = False
         prompt = score_prompts(scheduled, inputs.plan, hidden, self.compute_logits)
-        if not inputs.sample_rows:
+        if not inputs.sample_rows and not inputs.verify_rows:
             return LaunchedStep(scheduled, [], None, self._step_logprobs(None, prompt))
         logits = self.compute_logits(hidden[inputs.logit_indices])
+        num_sampled = len(inputs.sample_rows)
         sampler = self._sampler([scheduled[i].request for i in inputs.sample_rows])
-        tokens = sampler(logits)
-        return LaunchedStep(scheduled, inputs.sample_rows, tokens.unsqueeze(0), self._step_logprobs(sampler, prompt))
+        tokens = sampler(logits[:num_sampled]).unsqueeze(0) if num_sampled else None
+        if inputs.verify_rows:
+            tokens = self._verify(scheduled, inputs.verify_rows, logits[num_sampled:], tokens)
+            return LaunchedStep(scheduled, inputs.sample_rows + inputs.verify_rows, tokens,
+                                self._step_logprobs(sampler, prompt), ragged=True)
+        return LaunchedStep(scheduled, inputs.sample_rows, tokens, self._step_logprobs(sampler, prompt))
+
+    @staticmethod
+    def _verify(scheduled: list[ScheduledRequest], verify_rows: list[int], logits: torch.Tensor,
+                tokens: torch.Tensor | None) -> torch.Tensor:
+        """The verifies' tokens (:func:`~tripath.engine.speculative.acceptance.accept_drafts`) beside the other
+        rows' ``tokens [1, S]``: ``[K + 1, S + B]``, -1 past each column's tokens."""
+        items = [scheduled[i] for i in verify_rows]
+        verified = accept_drafts(logits, [item.draft_token_ids for item in items],
+                                 [item.request.sampling_params for item in items],
+                                 [item.request.generator for item in items]).t()
+        if tokens is None:
+            return verified
+        padded = torch.full((verified.shape[0], tokens.shape[1]), -1, dtype=tokens.dtype, device=tokens.device)
+        padded[:1] = tokens
+        return torch.cat([padded, verified], dim=1)
 
     def _sampler(self, requests, num_steps: int = 1) -> LaunchSampler:
         return LaunchSampler(requests, self.penalties, self.device, num_steps)

@@ -32,6 +32,14 @@ scheduled as ``k = min(K, remaining tokens of its closest-to-done request)`` mod
 decodes, run back to back on the device; each request gets blocks for all ``k`` tokens up front, and ``k``
 tokens in flight. It needs the free blocks for them (otherwise one step is scheduled, as usual). A request
 that meets a stop token inside such a step keeps its tokens up to the stop; the rest are dropped.
+
+*Speculative decoding* (``speculation``: a :class:`~tripath.engine.speculative.SpeculativeConfig`): a decode
+whose request can take drafts (see :meth:`Scheduler._drafts`) is scheduled as a *verify*: its pending token
+and the proposer's drafts, ``1 + d`` new tokens under the same budget and blocks as a prompt chunk (fewer
+drafts when they do not fit). The step scores all of them and yields the accepted drafts and one token more;
+:meth:`update` moves ``num_computed_tokens`` back past the rejected drafts, whose cache rows the next tokens
+overwrite (a block enters the prefix cache only once computed tokens fill it). The engine runs such steps
+one after the other (no overlapped scheduling, no multi-step decoding).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from dataclasses import dataclass, field
 from tripath.engine.block_manager import BlockManager, blocks_needed
 from tripath.engine.request import FinishReason, Request, RequestStatus
 from tripath.engine.speculative import SpeculativeConfig, make_proposer
+from tripath.engine.stats import DraftCounts
 
 MIN_TOKEN_BUDGET = 64  # the smallest step budget an out-of-memory step shrinks it to (shrink_token_budget)
 MIN_PACED_BUDGET = 16  # the smallest step budget step pacing sets (pace)
@@ -51,12 +60,22 @@ MIN_PACED_BUDGET = 16  # the smallest step budget step pacing sets (pace)
 @dataclass
 class ScheduledRequest:
     """A request in this step: ``num_new_tokens`` tokens after its ``num_computed_tokens`` cached ones;
-    ``samples``: the step reaches the end of the request's tokens (its last logits give a new token)."""
+    ``samples``: the step reaches the end of the request's tokens (its last logits give a new token).
+    ``draft_token_ids``: a *verify* (speculative decoding): the last ``len(draft_token_ids)`` of the new
+    tokens are drafts following the request's pending token; every new token's logits are scored and the
+    step yields 1 to ``1 + len(draft_token_ids)`` tokens (:mod:`tripath.engine.speculative.acceptance`)."""
 
     request: Request
     num_new_tokens: int
     num_computed_tokens: int
     samples: bool
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    def input_token_ids(self) -> list[int]:
+        """The step's new input tokens: the request's own, then the drafts."""
+        start, drafts = self.num_computed_tokens, self.draft_token_ids
+        own = self.request.token_ids(start, start + self.num_new_tokens - len(drafts))
+        return own + drafts if drafts else own
 
 
 @dataclass
@@ -88,6 +107,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.speculation = speculation
         self.proposer = None if speculation is None else make_proposer(speculation)
+        self.draft_counts = DraftCounts(0 if speculation is None else speculation.num_speculative_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -184,12 +204,13 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted by a request before it
                 continue
-            num_new = self._make_room(request, min(pending, budget), scheduled, out)
+            drafts = self._drafts(request) if pending == 1 and self.proposer is not None else []
+            num_new = self._make_room(request, min(pending + len(drafts), budget), scheduled, out)
             if num_new == 0:
                 continue
             budget -= num_new
             scheduled.add(id(request))
-            self._add(out, request, num_new)
+            self._add(out, request, num_new, drafts=drafts[:num_new - 1])
         # 3. waiting requests, in order, while the budget, the sequence limit and the free blocks allow.
         #    Nothing is admitted in a step that had to preempt: the memory is short already.
         now = time.perf_counter()
@@ -226,11 +247,32 @@ class Scheduler:
         need = sum(max(0, blocks_needed(r.num_computed_tokens + steps, bs) - len(r.block_ids)) for r in decodes)
         return steps if need <= self.block_manager.num_free_blocks else 1
 
+    def _drafts(self, request: Request) -> list[int]:
+        """Draft tokens for a running request's next step (speculative decoding): as many as
+        ``num_speculative_tokens`` and its ``max_tokens`` allow, none for a request whose sampling needs
+        each token before the next (a structured output, penalties, ``min_tokens``, ``logit_bias``) or
+        that reports log-probabilities, and none while a token of it is in flight."""
+        params = request.sampling_params
+        if request.num_inflight_tokens or request.grammar is not None or params.transforms_logits or \
+                params.logprobs is not None:
+            return []
+        room = params.max_tokens - request.num_output_tokens - 1   # the verify step yields up to 1 + drafts
+        k = min(self.speculation.num_speculative_tokens, room)
+        return self.proposer.propose(request.token_ids(0, request.num_tokens), k) if k > 0 else []
+
     @staticmethod
-    def _add(out: SchedulerOutput, request: Request, num_new: int, num_steps: int = 1) -> None:
+    def _add(out: SchedulerOutput, request: Request, num_new: int, num_steps: int = 1,
+             drafts: list[int] | None = None) -> None:
         """Schedule ``num_new`` tokens of ``request``: they count as computed from now on, and a step that
-        reaches the end of its tokens leaves one in flight (``num_steps`` decode steps: that many)."""
+        reaches the end of its tokens leaves one in flight (``num_steps`` decode steps: that many). A verify
+        (``drafts``: the last ``len(drafts)`` of the new tokens) leaves ``1 + len(drafts)`` in flight, the
+        most it can yield; :meth:`update` takes back the drafts the model rejected."""
         computed = request.num_computed_tokens
+        if drafts:
+            out.scheduled.append(ScheduledRequest(request, num_new, computed, True, drafts))
+            request.num_computed_tokens = computed + num_new
+            request.num_inflight_tokens += num_new
+            return
         samples = computed + num_new == request.num_tokens + request.num_inflight_tokens
         out.scheduled.append(ScheduledRequest(request, num_new, computed, samples))
         request.num_computed_tokens = computed + num_new + num_steps - 1
@@ -277,7 +319,13 @@ class Scheduler:
             if request.is_finished:
                 continue
             running = request.status is RequestStatus.RUNNING
-            request.num_inflight_tokens -= len(tokens)
+            if item.draft_token_ids:   # a verify: its accepted drafts and the token after them
+                request.num_inflight_tokens -= item.num_new_tokens
+                self.draft_counts.observe(len(item.draft_token_ids), len(tokens) - 1)
+                if running:   # the rejected drafts' cache rows are rewritten by the tokens that follow
+                    request.num_computed_tokens = item.num_computed_tokens + len(tokens)
+            else:
+                request.num_inflight_tokens -= len(tokens)
             for token in tokens:
                 request.append_token(token)
                 if request.is_finished:

@@ -21,7 +21,10 @@ class EngineStats:
     ``num_preemptions`` requests were preempted (recomputed later), ``num_steps`` steps ran;
     ``step_token_counts[i]`` model steps computed at most ``STEP_TOKEN_BUCKETS[i]`` new tokens (and more than
     the bound before it; the last entry counts the steps above the last bound: one longer than the bounds),
-    ``step_tokens_sum`` tokens in all (see :class:`StepTokenCounts`).
+    ``step_tokens_sum`` tokens in all (see :class:`StepTokenCounts`). Speculative decoding
+    (:mod:`tripath.engine.speculative`): ``spec_num_drafts`` verify steps of requests scored
+    ``spec_num_draft_tokens`` drafts and kept ``spec_num_accepted_tokens`` of them;
+    ``spec_accepted_per_position[j]`` times the ``j + 1``-th draft of a verify was kept.
     """
 
     num_running: int
@@ -34,6 +37,10 @@ class EngineStats:
     num_steps: int
     step_token_counts: tuple[int, ...] = ()
     step_tokens_sum: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -52,3 +59,23 @@ class StepTokenCounts:
     def observe(self, num_tokens: int, num_steps: int = 1) -> None:
         self.counts[bisect.bisect_left(STEP_TOKEN_BUCKETS, num_tokens)] += num_steps
         self.total += num_tokens * num_steps
+
+
+class DraftCounts:
+    """Speculative decoding's cumulative counts (the ``spec_*`` fields of :class:`EngineStats`)."""
+
+    def __init__(self, num_positions: int):
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * num_positions
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """One verify: ``num_drafted`` drafts scored, the first ``num_accepted`` of them kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_position[j] += 1
+
+    def stats_fields(self) -> tuple:
+        """The values of :class:`EngineStats`' ``spec_*`` fields, in their order."""
+        return (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, tuple(self.accepted_per_position))

@@ -8,7 +8,8 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
   (−1 for padding rows, which write nothing);
 - ``block_table [B, width]`` int32: each request's block ids (unused entries 0: block 0 is reserved),
   ``width`` the longest row of the step;
-- ``logit_indices [S]`` int64: the last token of each request whose step reaches the end of its tokens;
+- ``logit_indices [S + R]`` int64: the last token of each request whose step reaches the end of its tokens
+  (``S`` of them), then every token of each verify (speculative decoding: ``R`` rows in all);
 - ``deferred``: for decodes whose input token a launched step is still sampling (overlapped scheduling),
   ``(rows [K], sources [K])`` int64: ``input_ids[rows[k]]`` is to be taken from row ``sources[k]`` of that
   step's sampled tokens on the device; None when every input token is known.
@@ -32,7 +33,8 @@ import torch
 @dataclass
 class StepInputs:
     """One step's device inputs and where each sampled token goes (``sample_rows[k]``: index into the
-    scheduled list of the request whose logits are row ``k``)."""
+    scheduled list of the request whose logits are row ``k``; the verifies' rows follow, ``num_new_tokens``
+    each, in ``verify_rows`` order)."""
 
     plan: object
     input_ids: torch.Tensor
@@ -43,6 +45,7 @@ class StepInputs:
     sample_rows: list[int]
     num_padding: int = 0
     deferred: tuple[torch.Tensor, torch.Tensor] | None = None
+    verify_rows: list[int] | None = None   # indices into the scheduled list of the verifies, in logit order
 
 
 class _BlockArray:
@@ -110,6 +113,7 @@ class StepInputBuilder:
         table = self._table.numpy()[:num_rows * width].reshape(num_rows, width)
         table.fill(0)
         logit_rows, sample_rows, deferred_rows, deferred_sources = [], [], [], []
+        verify_logits, verify_rows = [], []
         at = 0
         for row, i in enumerate(plan.order):
             if i >= len(scheduled):  # padding
@@ -131,13 +135,17 @@ class StepInputBuilder:
                 slots[at] = int(blocks[start // bs]) * bs + start % bs
             else:
                 pos = np.arange(start, start + n, dtype=np.int64)
-                ids[at:at + n] = item.request.token_ids(start, start + n)
+                ids[at:at + n] = item.input_token_ids()
                 positions[at:at + n] = pos
                 slots[at:at + n] = blocks[pos // bs].astype(np.int64) * bs + pos % bs
-            at += n
-            if item.samples:
-                logit_rows.append(at - 1)
+            if item.draft_token_ids:
+                verify_logits.extend(range(at, at + n))
+                verify_rows.append(i)
+            elif item.samples:
+                logit_rows.append(at + n - 1)
                 sample_rows.append(i)
+            at += n
+        logit_rows += verify_logits
         num_logits, num_deferred = len(logit_rows), len(deferred_rows)
         end = 3 * num_tokens + num_logits
         flat[3 * num_tokens:end] = logit_rows
@@ -151,7 +159,7 @@ class StepInputBuilder:
         return StepInputs(plan=plan, input_ids=int64[:num_tokens], positions=int64[num_tokens:2 * num_tokens],
                           block_table=block_table, slot_mapping=int64[2 * num_tokens:3 * num_tokens],
                           logit_indices=int64[3 * num_tokens:end], sample_rows=sample_rows,
-                          num_padding=num_padding, deferred=deferred)
+                          num_padding=num_padding, deferred=deferred, verify_rows=verify_rows or None)
 
     @staticmethod
     def _inflight_row(inflight_rows: dict[int, int] | None, request) -> int:

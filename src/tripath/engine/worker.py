@@ -12,10 +12,10 @@ through the same phases, so their collectives line up:
 4. workers: run every step rank 0 broadcasts over the control group until it broadcasts ``None``.
 
 A step message is ``(forget, items)``: ``items`` has one tuple per scheduled request, ``(key,
-num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids)`` — what a
-ModelRunner reads of the request, with only the KV block ids the workers have not seen (its block list is
-``known[:first_block] + new_blocks``); ``forget`` lists the keys of requests that finished or were
-preempted. Workers sample greedily and discard the result; rank 0's samples are the engine's.
+num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids)`` —
+what a ModelRunner reads of the request (a verify's drafts apart from its own tokens), with only the KV
+block ids the workers have not seen (its block list is ``known[:first_block] + new_blocks``); ``forget``
+lists the keys of requests that finished or were preempted. Workers sample greedily and discard the result; rank 0's samples are the engine's.
 """
 
 from __future__ import annotations
@@ -88,8 +88,9 @@ class StepEncoder:
             if sent_list is not blocks or sent > len(blocks):
                 sent = 0
             self.known[request.index] = (request, blocks, len(blocks))
+            drafts = item.draft_token_ids
             items.append((request.index, item.num_new_tokens, start, request.num_tokens, sent, blocks[sent:],
-                          request.token_ids(start, start + item.num_new_tokens)))
+                          request.token_ids(start, start + item.num_new_tokens - len(drafts)), drafts))
         return forget, items
 
 
@@ -104,13 +105,13 @@ class StepDecoder:
         for key in forget:
             self.blocks.pop(key, None)
         scheduled = []
-        for key, num_new, computed, num_tokens, first_block, new_blocks, token_ids in items:
+        for key, num_new, computed, num_tokens, first_block, new_blocks, token_ids, drafts in items:
             blocks = self.blocks.get(key)
             if blocks is None or len(blocks) != first_block:
                 blocks = self.blocks[key] = (blocks or [])[:first_block]
             blocks.extend(new_blocks)
             scheduled.append(ScheduledRequest(StepRequest(num_tokens, blocks, computed, token_ids), num_new, computed,
-                                              computed + num_new == num_tokens))
+                                              bool(drafts) or computed + num_new == num_tokens, drafts))
         return scheduled
 
 
