@@ -1,0 +1,220 @@
+"""Speculative decoding: settings refused with a clear error, the n-gram proposer, the acceptance rule (greedy
+against a hand computation, sampled against the target distribution with a chi-square test), and the engine:
+greedy outputs identical with and without speculation for every backend, MHA and MLA, under preemption, prefix
+hits and small token budgets; requests whose sampling needs each token before the next decode without drafts."""
+
+import pytest
+import torch
+
+from tripath.engine import LLM, EngineConfig, SamplingParams
+from tripath.engine.sampler import filtered_probs, make_generator
+from tripath.engine.speculative import NgramProposer, SpeculativeConfig
+from tripath.engine.speculative.acceptance import accept_drafts
+from tripath.engine.structured_output import StructuredOutput
+from tripath.models import load_model
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _validate_every_step(monkeypatch):
+    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+
+
+@pytest.fixture
+def pure_torch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+# -- settings -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "mtp", "num_speculative_tokens": 2}, "method 'mtp' is not available"),
+    ({"method": "lookahead", "num_speculative_tokens": 2}, "method 'lookahead' is unknown"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 16}, r"num_speculative_tokens must be in \[1, 15\]"),
+    ({"num_speculative_tokens": True}, "num_speculative_tokens must be an int"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown key.*draft_tensor_parallel_size"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_settings_name_what_is_wrong(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(device="cpu", speculative_config=config)
+
+
+def test_settings_from_json_text_and_dict_agree():
+    text = EngineConfig(device="cpu", speculative_config='{"num_speculative_tokens": 4}').speculative_config
+    assert text == SpeculativeConfig.of({"num_speculative_tokens": 4}) == SpeculativeConfig(num_speculative_tokens=4)
+    with pytest.raises(TypeError, match="speculative_config must be a dict"):
+        SpeculativeConfig.of(4)
+
+
+# -- the n-gram proposer --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens, k, want", [
+    ([1, 2, 3, 4, 5, 1, 2, 3], 3, [4, 5, 1]),           # the 3-gram [1, 2, 3] occurred: what followed it
+    ([9, 1, 2, 7, 1, 2, 8, 5, 1, 2], 2, [8, 5]),         # the latest occurrence that k tokens follow
+    ([1, 2, 7, 7, 1, 2], 5, [7, 7, 1, 2]),               # fewer than k follow any occurrence
+    ([4, 5, 6, 7], 3, []),                               # no earlier occurrence of any suffix
+    ([3, 8, 3], 2, [8, 3]),                              # a 1-gram
+    ([5, 5], 0, []),
+])
+def test_ngram_proposer_drafts_what_followed_the_suffix(tokens, k, want):
+    assert NgramProposer(1, 3).propose(tokens, k) == want
+
+
+def test_ngram_proposer_prefers_the_longest_suffix():
+    tokens = [1, 2, 3, 9, 0, 3, 4, 1, 2, 3]   # 1-gram [3] last followed 4; the 3-gram [1, 2, 3] followed by 9
+    assert NgramProposer(1, 3).propose(tokens, 2) == [9, 0]
+    assert NgramProposer(1, 1).propose(tokens, 2) == [4, 1]
+    assert NgramProposer(4, 4).propose(tokens, 2) == []
+
+
+# -- the acceptance rule --------------------------------------------------------------------------------------
+
+def test_greedy_acceptance_keeps_the_matching_drafts_and_the_next_argmax():
+    vocab = 7
+    argmaxes = [[3, 5, 1, 6], [2, 4], [0, 0, 0]]   # per verify: the target's argmax after each fed token
+    drafts = [[3, 5, 2], [4], [0, 0]]               # all but the last kept / the first rejected / all kept
+    logits = torch.randn(sum(len(a) for a in argmaxes), vocab)
+    for row, token in enumerate(t for a in argmaxes for t in a):
+        logits[row, token] = 10.0
+    params = [SamplingParams(temperature=0)] * 3
+    got = accept_drafts(logits, drafts, params, [None] * 3)
+    assert got.tolist() == [[3, 5, 1, -1], [2, -1, -1, -1], [0, 0, 0, -1]]
+
+
+def _chi_square(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    n = observed.sum()
+    support = probs > 0
+    assert observed[~support].sum() == 0, "a token outside the distribution's support was drawn"
+    expected = probs[support] * n
+    return float(((observed[support] - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_sampled_acceptance_follows_the_target_distribution(top_k):
+    """Two drafts per request, 6000 requests with their own generators: the first token's law is ``p_0`` and,
+    given that the first draft was kept, the second token's law is ``p_1`` (chi-square at p = 0.001)."""
+    vocab, n = 6, 6000
+    rows = torch.tensor([[0.3, 1.2, 0.9, -0.5, 0.1, 0.6], [1.0, -0.2, 0.4, 0.8, 1.1, 0.0], [0.0] * vocab])
+    drafts = [2, 4]
+    params = SamplingParams(temperature=0.8, top_k=top_k, seed=0)
+    logits = rows.repeat(n, 1)
+    got = accept_drafts(logits, [drafts] * n, [params] * n,
+                        [make_generator(i, torch.device("cpu")) for i in range(n)])
+    p = filtered_probs(rows[:2], torch.full((2,), 0.8), torch.full((2,), top_k), torch.ones(2))
+    first = torch.bincount(got[:, 0], minlength=vocab).double()
+    kept = got[:, 0] == drafts[0]
+    second = torch.bincount(got[kept, 1], minlength=vocab).double()
+    critical = {5: 20.52, 3: 16.27}   # chi-square quantiles at 0.999 for the degrees of freedom
+    for observed, probs in ((first, p[0].double()), (second, p[1].double())):
+        dof = int((probs > 0).sum()) - 1
+        assert _chi_square(observed, probs) < critical[dof]
+    assert abs(kept.double().mean() - p[0, drafts[0]]) < 0.03   # the first draft kept with probability p_0(d)
+
+
+def test_acceptance_checks_the_rows():
+    with pytest.raises(ValueError, match=r"logits must be \[5, vocab\]"):
+        accept_drafts(torch.zeros(4, 3), [[1, 2], [0]], [SamplingParams(temperature=0)] * 2, [None] * 2)
+
+
+# -- the engine -----------------------------------------------------------------------------------------------
+
+_models = {}
+
+
+def preset(name):
+    if name not in _models:
+        _models[name] = load_model(name, dtype=torch.float32).eval()
+    return _models[name]
+
+
+def repetitive_prompts(vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    motif = torch.randint(2, vocab, (5,), generator=g).tolist()
+    shared = torch.randint(2, vocab, (18,), generator=g).tolist()
+    return [motif * 4, shared + motif * 2, shared + torch.randint(2, vocab, (7,), generator=g).tolist(),
+            torch.randint(2, vocab, (11,), generator=g).tolist()]
+
+
+def outputs(llm, prompts, params=GREEDY):
+    return [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+VARIANTS = {
+    "ample": dict(num_kv_blocks=128, block_size=4),
+    "tight_memory": dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=24),   # preemption
+    "small_budget": dict(num_kv_blocks=128, block_size=4, max_num_batched_tokens=6),   # drafts cut to the budget
+    "no_prefix_cache": dict(num_kv_blocks=128, block_size=4, enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-deepseek"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_greedy_outputs_are_those_without_speculation(pure_torch, name, variant):
+    model, prompts = preset(name), repetitive_prompts()
+    base = LLM(model, backend="torch", **VARIANTS[variant])
+    want = outputs(base, prompts[:2]) + outputs(base, prompts[2:])   # the second run hits the prefix cache
+    llm = LLM(model, backend="torch", speculative_config=SPEC, **VARIANTS[variant])
+    got = outputs(llm, prompts[:2]) + outputs(llm, prompts[2:])
+    assert got == want
+    stats = llm.stats()
+    assert stats.spec_num_drafts > 0 and 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+    assert sum(stats.spec_accepted_per_position) == stats.spec_num_accepted_tokens
+    assert stats.num_kv_blocks_used == 0   # every block back: the rejected drafts' rows held none for good
+    if variant == "tight_memory":
+        assert stats.num_preemptions > 0
+    if variant == "ample":
+        assert stats.prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("backend", ["three_path", "two_path", "unified"])
+def test_triton_backends_verify_as_the_reference(monkeypatch, backend):
+    model, prompts = preset("tiny-llama"), repetitive_prompts()[:2]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=64, block_size=8), prompts, params)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model, backend=backend, num_kv_blocks=64, block_size=8, speculative_config=SPEC)
+    assert outputs(llm, prompts, params) == want
+    assert llm.stats().spec_num_accepted_tokens > 0
+
+
+def test_sampled_requests_are_seeded_and_speculation_turns_overlap_off(pure_torch):
+    model, prompts = preset("tiny-llama"), repetitive_prompts()
+    params = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)
+    llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, speculative_config=SPEC)
+    assert llm.overlap is False and llm.decode_steps == 1
+    first, again = outputs(llm, prompts, params), outputs(llm, prompts, params)
+    assert first == again and all(len(o) == 16 for o in first)
+    assert llm.stats().spec_num_drafts > 0
+
+
+def test_requests_needing_each_token_first_decode_without_drafts(pure_torch):
+    """Penalties, min_tokens, logit_bias, log-probabilities and structured outputs: no drafts for those
+    requests, and the same outputs as without speculation."""
+    pytest.importorskip("xgrammar")
+    model, prompts = preset("tiny-llama"), repetitive_prompts()[:2]
+    kinds = [dict(repetition_penalty=1.3), dict(min_tokens=5), dict(logit_bias={7: 2.0}), dict(logprobs=2)]
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, **kind) for kind in kinds]
+    base = LLM(model, backend="torch", num_kv_blocks=128, block_size=4)
+    llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, speculative_config=SPEC)
+    for p in params:
+        assert outputs(llm, prompts, p) == outputs(base, prompts, p)
+    assert llm.stats().spec_num_drafts == 0
+
+
+def test_real_model_drafts_from_a_repetitive_prompt(pure_torch, smollm2):
+    """SmolLM2-135M-Instruct asked to repeat a list: n-gram drafts are accepted and the tokens are those of the
+    run without speculation."""
+    prompt = ("Repeat this list exactly three times, one item per line:\napple\nbanana\ncherry\ndate\n"
+              "apple\nbanana\ncherry\ndate\n")
+    params = SamplingParams(max_tokens=40, temperature=0)
+    base = LLM(smollm2, num_kv_blocks=64)
+    llm = LLM(smollm2, num_kv_blocks=64, speculative_config={"num_speculative_tokens": 4})
+    assert outputs(llm, [prompt], params) == outputs(base, [prompt], params)
+    stats = llm.stats()
+    assert stats.spec_num_accepted_tokens > 0, stats
