@@ -121,6 +121,9 @@ def main_generate(argv: Sequence[str] | None = None) -> int:
             print(f"[{i}] output: {out.text!r}")
         print(f"[{i}] tokens: {out.output_token_ids} ({out.finish_reason.value})")
     print("\n" + llm.last_metrics.summary())
+    drafts = llm.stats().draft_summary()
+    if drafts is not None:
+        print(drafts)
     return 0
 
 

@@ -14,6 +14,7 @@ import re
 
 from tripath.constants import KV_CACHE_DTYPES
 from tripath.engine.config import DEFAULT_GRAMMAR_CACHE_MB, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S, DTYPES
+from tripath.engine.speculative import SpeculativeConfig
 
 FP8_KV_ALIASES = ("fp8_e4m3",)   # vLLM's name of tripath's fp8 KV cache
 DECIMAL_SUFFIXES = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9, "t": 10 ** 12}
@@ -42,6 +43,14 @@ def token_count(text: str) -> int:
     if "." in number:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
     return int(number)
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config``'s JSON, checked (an ``argparse.ArgumentTypeError`` says what is wrong)."""
+    try:
+        return SpeculativeConfig.of(text)
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -116,6 +125,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        metavar="SECONDS",
                        help="structured output: a request whose grammar has not compiled in this time is refused "
                             "(400); grammars compile on their own threads while the engine serves the others")
+    group.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                       help='speculative decoding, as vLLM takes it: \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' (default: off)')
     group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1,
                        help="shard the model over N ranks (GPUs 0..N-1, or N CPU processes); workers are spawned")
     add_vllm_loading_arguments(parser)
@@ -194,5 +206,5 @@ def engine_options(args: argparse.Namespace) -> dict:
                 async_scheduling=not args.no_async_scheduling,
                 decode_steps=args.decode_steps, compile_workers=args.compile_workers, seed=args.seed,
                 grammar_cache_mb=args.grammar_cache_mb, grammar_compile_timeout_s=args.grammar_compile_timeout,
-                step_time_target_s=args.step_time_target,
+                step_time_target_s=args.step_time_target, speculative_config=args.speculative_config,
                 tensor_parallel_size=args.tensor_parallel_size)

@@ -42,6 +42,18 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
 
+    def draft_summary(self) -> str | None:
+        """A line on speculative decoding's drafts (None when no step verified any): acceptance overall, the
+        tokens a verify step yields on average, and acceptance by position."""
+        if not self.spec_num_drafts:
+            return None
+        rate = self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+        per_position = ", ".join(f"{n / self.spec_num_drafts:.0%}" for n in self.spec_accepted_per_position)
+        return (f"speculative decoding: {self.spec_num_accepted_tokens} of {self.spec_num_draft_tokens} drafted "
+                f"tokens accepted ({rate:.1%}) in {self.spec_num_drafts} verifies, "
+                f"{1 + self.spec_num_accepted_tokens / self.spec_num_drafts:.2f} tokens per verify; "
+                f"accepted by position: {per_position}")
+
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of the usable KV blocks held by requests (0 to 1)."""
