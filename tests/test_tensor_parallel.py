@@ -262,6 +262,17 @@ def test_llm_tp2_generates_tp1_tokens_and_close_stops_the_workers():
         llm.generate(PROMPTS, PARAMS, use_tqdm=False)
 
 
+def test_llm_tp2_speculative_decoding_gives_tp1_tokens():
+    """Verify steps (pending token + n-gram drafts) reach the workers with their drafts: the greedy tokens are
+    those of one rank without speculation."""
+    greedy = [SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=10, temperature=0)]
+    want = tokens(LLM("tiny-deepseek", **ENGINE).generate(PROMPTS[:2], greedy, use_tqdm=False))
+    spec = {"num_speculative_tokens": 3}
+    with LLM("tiny-deepseek", tensor_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
+        assert tokens(llm.generate(PROMPTS[:2], greedy, use_tqdm=False)) == want
+        assert llm.stats().spec_num_drafts > 0
+
+
 def test_llm_tp2_workers_exit_when_collected():
     llm = LLM("tiny-deepseek", tensor_parallel_size=2, **ENGINE)
     want = tokens(LLM("tiny-deepseek", **ENGINE).generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False))
