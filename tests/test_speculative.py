@@ -62,14 +62,14 @@ def test_settings_from_json_text_and_dict_agree():
     ([5, 5], 0, []),
 ])
 def test_ngram_proposer_drafts_what_followed_the_suffix(tokens, k, want):
-    assert NgramProposer(1, 3).propose(tokens, k) == want
+    assert NgramProposer(1, 3).lookup(tokens, k) == want
 
 
 def test_ngram_proposer_prefers_the_longest_suffix():
     tokens = [1, 2, 3, 9, 0, 3, 4, 1, 2, 3]   # 1-gram [3] last followed 4; the 3-gram [1, 2, 3] followed by 9
-    assert NgramProposer(1, 3).propose(tokens, 2) == [9, 0]
-    assert NgramProposer(1, 1).propose(tokens, 2) == [4, 1]
-    assert NgramProposer(4, 4).propose(tokens, 2) == []
+    assert NgramProposer(1, 3).lookup(tokens, 2) == [9, 0]
+    assert NgramProposer(1, 1).lookup(tokens, 2) == [4, 1]
+    assert NgramProposer(4, 4).lookup(tokens, 2) == []
 
 
 # -- the acceptance rule --------------------------------------------------------------------------------------

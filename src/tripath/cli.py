@@ -43,6 +43,8 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
              "tripath.bench.host:main_host"),
     "core-transport": ("the server's pipe to its engine core: one step's update encoded, sent, decoded",
                        "tripath.bench.core_transport:main"),
+    "speculative": ("speculative decoding's TPOT and tok/s against a set acceptance (oracle drafts)",
+                    "tripath.bench.speculative:main"),
     "cpu-prefill": ("a long prompt's prefill on the CPU: tripath's CPU backends against transformers",
                     "tripath.bench.cpu_prefill:main"),
 }

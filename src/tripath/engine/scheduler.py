@@ -258,7 +258,7 @@ class Scheduler:
             return []
         room = params.max_tokens - request.num_output_tokens - 1   # the verify step yields up to 1 + drafts
         k = min(self.speculation.num_speculative_tokens, room)
-        return self.proposer.propose(request.token_ids(0, request.num_tokens), k) if k > 0 else []
+        return self.proposer.propose(request, k) if k > 0 else []
 
     @staticmethod
     def _add(out: SchedulerOutput, request: Request, num_new: int, num_steps: int = 1,

@@ -16,13 +16,18 @@ LOOKUP_WINDOW = 4096   # the latest tokens searched: bounds the host's time per 
 
 
 class NgramProposer:
-    """Drafts by prompt lookup (module doc); ``propose`` is called once per request and verify step."""
+    """Drafts by prompt lookup (module doc). A proposer's ``propose(request, k)`` is called once per request
+    and verify step, with ``k >= 1`` the most drafts the request can take."""
 
     def __init__(self, lookup_min: int, lookup_max: int):
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``token_ids`` (the request's tokens so far)."""
+    def propose(self, request, k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow a running request's tokens (prompt and outputs)."""
+        return self.lookup(request.token_ids(0, request.num_tokens), k)
+
+    def lookup(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``token_ids``."""
         if k < 1 or len(token_ids) <= self.lookup_min:
             return []
         tokens = np.asarray(token_ids[-LOOKUP_WINDOW:], dtype=np.int64)

@@ -1,0 +1,140 @@
+"""Speculative decoding's speed against its acceptance: ``tripath bench speculative``.
+
+No trained draft is needed: the drafts come from an *oracle* (:class:`~tripath.engine.speculative.oracle.
+OracleProposer`) that replays the greedy run of the same prompts recorded without speculation and replaces
+each drafted token with another with probability ``1 - p``. So random weights of a real model's shapes give
+the verify steps of that model at a chosen acceptance.
+
+For each ``--batch-sizes`` entry ``B``, ``B`` greedy requests of ``--input-len`` random tokens and
+``--output-len`` outputs run at once:
+
+1. on the engine with its defaults (no speculation): the baseline's TPOT (mean time per output token after
+   the first) and output tok/s, and the recorded outputs;
+2. on an engine with ``num_speculative_tokens = --num-speculative-tokens``, for each ``--acceptance`` ``p``:
+   TPOT, output tok/s, their ratio to the baseline, the measured acceptance (drafts kept / drafted), tokens
+   per verify step, and the share of outputs equal to the recorded ones (greedy: 1.0 unless the verify's
+   kernels break a near-tie of the logits the other way).
+
+Each measured run follows an unmeasured one of the same shapes (compilation, caches). One engine at a time
+holds the device. ``--json`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+
+import torch
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tripath bench speculative", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama-3.1-8b", help="preset or model directory")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="requests at once, comma-separated")
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--acceptance", default="0,0.5,0.7,0.9",
+                        help="chances p that a drafted token is the recorded one, comma-separated")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--device")
+    parser.add_argument("--dtype")
+    parser.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: the engine's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the rows to this file")
+    return parser
+
+
+def _engine(args, speculative: int | None):
+    from tripath.engine import LLM
+
+    options = dict(backend=args.backend, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks)
+    if speculative:
+        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative}
+    return LLM(args.model, **{k: v for k, v in options.items() if v is not None})
+
+
+def _run(llm, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], dict]:
+    """Warm run, then the measured one: ``(outputs, {tpot_ms, output_tok_s, elapsed_s})``."""
+    from tripath.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    metrics = llm.last_metrics
+    return [o.output_token_ids for o in outs], dict(tpot_ms=metrics.mean_tpot_s * 1e3,
+                                                   output_tok_s=metrics.output_throughput,
+                                                   elapsed_s=metrics.elapsed_s)
+
+
+def _release(llm) -> None:
+    llm.close()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(args) -> list[dict]:
+    from tripath.engine.speculative.oracle import OracleProposer
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    chances = [float(p) for p in args.acceptance.split(",")]
+    llm = _engine(args, None)
+    vocab = int(llm.model.config.vocab_size)
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = {b: [torch.randint(10, vocab, (args.input_len,), generator=gen).tolist() for _ in range(b)]
+               for b in batch_sizes}
+    baseline, recorded = {}, {}
+    for b in batch_sizes:
+        recorded[b], baseline[b] = _run(llm, prompts[b], args.output_len)
+    _release(llm)
+    llm = _engine(args, args.num_speculative_tokens)
+    rows = []
+    for b in batch_sizes:
+        for p in chances:
+            oracle = OracleProposer({tuple(x): y for x, y in zip(prompts[b], recorded[b])}, p, vocab, args.seed)
+            llm.scheduler.proposer = oracle
+            before = llm.stats()
+            outputs, measured = _run(llm, prompts[b], args.output_len)
+            after = llm.stats()
+            drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+            verifies = after.spec_num_drafts - before.spec_num_drafts
+            same = sum(o == r for o, r in zip(outputs, recorded[b])) / b
+            rows.append(dict(batch=b, p=p, **measured, baseline_tpot_ms=baseline[b]["tpot_ms"],
+                             baseline_output_tok_s=baseline[b]["output_tok_s"],
+                             tpot_speedup=baseline[b]["tpot_ms"] / measured["tpot_ms"] if measured["tpot_ms"] else 0.0,
+                             acceptance=accepted / drafted if drafted else 0.0,
+                             tokens_per_verify=1 + accepted / verifies if verifies else 1.0,
+                             same_outputs=same))
+    _release(llm)
+    return rows
+
+
+def print_rows(rows: list[dict], args) -> None:
+    print(f"{args.model}: {args.input_len} prompt + {args.output_len} output tokens per request, "
+          f"{args.num_speculative_tokens} drafted tokens per verify (oracle drafts)")
+    print(f"{'batch':>5} {'p':>5} {'TPOT ms':>9} {'base ms':>9} {'speed-up':>8} {'tok/s':>9} {'base tok/s':>10} "
+          f"{'accepted':>8} {'tok/verify':>10} {'same out':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['p']:>5.2f} {r['tpot_ms']:>9.3f} {r['baseline_tpot_ms']:>9.3f} "
+              f"{r['tpot_speedup']:>7.2f}x {r['output_tok_s']:>9.1f} {r['baseline_output_tok_s']:>10.1f} "
+              f"{r['acceptance']:>8.1%} {r['tokens_per_verify']:>10.2f} {r['same_outputs']:>8.0%}")
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    rows = run(args)
+    print_rows(rows, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

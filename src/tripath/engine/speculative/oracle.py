@@ -1,0 +1,38 @@
+"""A proposer whose acceptance is set, for benchmarks that have no trained draft model (random weights).
+
+:class:`OracleProposer` replays a recorded greedy run: for a request whose prompt it knows, the drafts are the
+next ``k`` tokens of that run after the outputs so far, each replaced by another token with probability
+``1 - p``. Under greedy verification the ``j``-th draft is then kept with probability ``p ** j`` (while the
+run's tokens are the recorded ones), so a benchmark sweeps the speed-up against acceptance.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Mapping, Sequence
+
+
+class OracleProposer:
+    """``recorded``: prompt token ids (a tuple) -> the greedy output token ids of that prompt; ``p``: the
+    chance that a draft is the recorded token; ``vocab_size``: where replacement tokens are drawn from."""
+
+    def __init__(self, recorded: Mapping[tuple[int, ...], Sequence[int]], p: float, vocab_size: int, seed: int = 0):
+        if not 0 <= p <= 1:
+            raise ValueError(f"p must be in [0, 1], got {p}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
+        self.recorded = {tuple(prompt): list(tokens) for prompt, tokens in recorded.items()}
+        self.p, self.vocab_size = p, vocab_size
+        self._random = random.Random(seed)
+
+    def propose(self, request, k: int) -> list[int]:
+        run = self.recorded.get(tuple(request.prompt_token_ids))
+        if run is None:
+            return []
+        at = request.num_output_tokens
+        drafts = []
+        for token in run[at:at + k]:
+            if self._random.random() >= self.p:
+                token = (token + 1 + self._random.randrange(self.vocab_size - 1)) % self.vocab_size
+            drafts.append(token)
+        return drafts

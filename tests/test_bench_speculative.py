@@ -1,0 +1,40 @@
+"""``tripath bench speculative`` on a tiny preset: the oracle's acceptance is what it is set to, greedy outputs
+stay the recorded ones, and the table and the JSON carry every row."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tripath.bench.speculative import main
+from tripath.engine.speculative.oracle import OracleProposer
+
+
+def test_oracle_drafts_the_recorded_run_corrupted_at_the_set_rate():
+    run = list(range(10, 40))
+    request = SimpleNamespace(prompt_token_ids=[1, 2, 3], num_output_tokens=5)
+    assert OracleProposer({(1, 2, 3): run}, 1.0, 50).propose(request, 4) == [15, 16, 17, 18]
+    assert all(a != b for a, b in zip(OracleProposer({(1, 2, 3): run}, 0.0, 50).propose(request, 4), run[5:9]))
+    half = OracleProposer({(1, 2, 3): run}, 0.5, 50, seed=1)
+    kept = sum(half.propose(request, 4) == run[5:9] for _ in range(2000))   # all four kept: 1/16
+    assert 80 < kept < 170
+    assert OracleProposer({(1, 2, 3): run}, 1.0, 50).propose(SimpleNamespace(prompt_token_ids=[9],
+                                                                             num_output_tokens=0), 4) == []
+    with pytest.raises(ValueError, match="p must be in"):
+        OracleProposer({}, 1.5, 50)
+
+
+def test_bench_speculative_reports_acceptance_against_the_baseline(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    out = tmp_path / "spec.json"
+    assert main(["--model", "tiny-llama", "--batch-sizes", "1,3", "--input-len", "12", "--output-len", "10",
+                 "--acceptance", "0,1", "--num-speculative-tokens", "3", "--num-kv-blocks", "64", "--device",
+                 "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["p"]) for r in rows] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
+    for r in rows:
+        assert r["same_outputs"] == 1.0
+        assert r["acceptance"] == r["p"]
+        assert r["tpot_ms"] > 0 and r["baseline_tpot_ms"] > 0
+    assert all(r["tokens_per_verify"] > 3 for r in rows if r["p"] == 1.0)
+    assert "tok/verify" in capsys.readouterr().out
