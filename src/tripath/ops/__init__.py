@@ -10,9 +10,10 @@ from tripath.ops.mla import (allocate_mla_cache, concat_and_cache_mla, concat_ml
                              fused_qk_rope_concat_and_cache_mla, gather_mla_cache)
 from tripath.ops.mla_absorbed import mla_decode
 from tripath.ops.rotary import identity_rope_tables, rope_cos_sin, rotary_embedding
+from tripath.ops.verify import paged_verify
 
 __all__ = [
-    "varlen_attention", "paged_decode", "unified_attention", "merge_states",
+    "varlen_attention", "paged_decode", "paged_verify", "unified_attention", "merge_states",
     "write_kv_cache", "gather_kv_cache", "allocate_kv_cache", "kv_cache_shapes",
     "mla_decode", "concat_and_cache_mla", "gather_mla_cache", "concat_mla_query",
     "fused_qk_rope_concat_and_cache_mla", "allocate_mla_cache",

@@ -18,46 +18,30 @@ from tripath.kernels.paged_decode import paged_decode_kernel, reduce_splits_kern
 from tripath.kernels.unified_attention import unified_attention_kernel
 from tripath.kernels.varlen_attention import varlen_attention_kernel
 from tripath.ops import _configs, reference
+from tripath.ops._attention_checks import (
+    check_attention_options,
+    check_cu_seqlens,
+    check_paged,
+    lse_out,
+    num_cache_blocks,
+)
+from tripath.ops._checks import (
+    FLOAT_DTYPES,
+    check_cu_seqlens_values,
+    check_out,
+    check_seq_lens_values,
+    check_tensor,
+    next_pow2,
+    values_checked,
+)
 from tripath.ops._configs import tables_span_max_len  # noqa: F401 - the engine's decode graphs set it here
-from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_cu_seqlens_values, check_gqa,
-                                 check_head_size, check_options, check_out, check_per_head, check_scale,
-                                 check_seq_lens_values, check_tensor, next_pow2, values_checked)
 from tripath.ops._descriptors import row_matrix, row_strides
-from tripath.triton_internals import launch, use_triton
 from tripath.ops._varlen_sm90 import launch_varlen_sm90, sm90_unsupported
-from tripath.ops.kv_cache import cache_geometry, cache_strides, shuffle_width
+from tripath.ops.kv_cache import cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform
+from tripath.triton_internals import launch, use_triton
 
 LOG2E = 1.4426950408889634
-
-
-def _check_cu_seqlens(name: str, cu: torch.Tensor, device: torch.device) -> None:
-    check_tensor(name, cu, ndim=1, dtypes=(torch.int32,), device=device)
-    if cu.shape[0] < 1:
-        raise ValueError(f"{name} must hold num_requests + 1 offsets, got an empty tensor")
-    if cu.device.type == "cpu" and cu.shape[0] > 1 and bool((cu[1:] < cu[:-1]).any()):
-        raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
-
-
-def _num_blocks(k_cache: torch.Tensor) -> int:
-    return k_cache.shape[0]
-
-
-def _lse_out(num_tokens: int, num_heads: int, device, return_lse: bool) -> torch.Tensor:
-    if return_lse:
-        return torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
-    return torch.empty(1, 1, dtype=torch.float32, device=device)
-
-
-def _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,
-                   sm_scale=None):
-    check_head_size("head_size (q.shape[-1])", head_size)
-    check_head_size("value head size", head_size_v)
-    group = check_gqa(q.shape[1], num_kv_heads)
-    check_options(window_left, softcap, sm_scale)
-    check_per_head("alibi_slopes", alibi_slopes, q.shape[1], q.device)
-    check_per_head("sinks", sinks, q.shape[1], q.device)
-    return group
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -107,10 +91,10 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     device = q.device
     check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=device, shape=(None, None, q.shape[2]))
     check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=device, shape=(k.shape[0], k.shape[1], None))
-    group = _common_checks(q, k.shape[1], q.shape[2], v.shape[2], window_left, softcap, alibi_slopes, sinks,
+    group = check_attention_options(q, k.shape[1], q.shape[2], v.shape[2], window_left, softcap, alibi_slopes, sinks,
                            sm_scale)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
         raise ValueError(f"cu_seqlens_q ({cu_seqlens_q.shape[0]}) and cu_seqlens_k ({cu_seqlens_k.shape[0]}) "
                          "must have the same length (num_requests + 1)")
@@ -136,7 +120,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
             q_positions_start=q_positions_start, out=out, return_lse=return_lse)
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
-    lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
+    lse = lse_out(q.shape[0], q.shape[1], device, return_lse)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     if rope_size:
         q_rope, k_rope = (t if t.stride(2) == 1 else t.contiguous() for t in (q_rope, k_rope))
@@ -235,23 +219,6 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _check_paged(q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale):
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    device = q.device
-    check_tensor("k_cache", k_cache, device=device)
-    _, block_size, num_kv_heads, head_size = cache_geometry(k_cache, v_cache, layout)
-    if head_size != q.shape[2]:
-        raise ValueError(f"q's head size {q.shape[2]} does not match the cache's {head_size}")
-    if k_cache.dtype not in FP8_DTYPES and k_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache dtype {k_cache.dtype} must equal q's ({q.dtype}) or be fp8 (e4m3)")
-    check_block_table(block_table, device)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
-    check_scale("k_scale", k_scale, k_cache.dtype, device)
-    check_scale("v_scale", v_scale, k_cache.dtype, device)
-    head_size_v = v_cache.shape[3]
-    return device, block_size, num_kv_heads, head_size, head_size_v
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, *, layout: str = "nhd", sm_scale: float | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
@@ -278,16 +245,16 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     Returns ``out [B, Hq, D]`` (and ``lse [B, Hq]``).
     """
-    device, block_size, num_kv_heads, head_size, head_size_v = _check_paged(
+    device, block_size, num_kv_heads, head_size, head_size_v = check_paged(
         q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale)
-    group = _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,
+    group = check_attention_options(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,
                            sm_scale)
     batch = q.shape[0]
     if block_table.shape[0] < batch or seq_lens.shape[0] != batch:
         raise ValueError(f"block_table ({block_table.shape[0]} rows) and seq_lens ({seq_lens.shape[0]}) must "
                          f"have one row per request of q ({batch})")
     if values_checked(validate, block_table, seq_lens):
-        check_seq_lens_values(seq_lens, block_table, block_size, _num_blocks(k_cache))
+        check_seq_lens_values(seq_lens, block_table, block_size, num_cache_blocks(k_cache))
     if num_splits is not None and not 1 <= int(num_splits) <= 256:
         raise ValueError(f"num_splits must be between 1 and 256, got {num_splits}")
     out_shape = (batch, q.shape[1], head_size_v)
@@ -313,7 +280,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         fill_splits, min_split_tiles = int(num_splits), 1
     num_splits = int(num_splits)
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
-    lse = _lse_out(batch, q.shape[1], device, return_lse)
+    lse = lse_out(batch, q.shape[1], device, return_lse)
     block_dv = next_pow2(head_size_v)
     if num_splits > 1:
         part_out = torch.empty(batch, q.shape[1], num_splits, block_dv, dtype=torch.float32, device=device)
@@ -374,18 +341,18 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     Returns ``out [T, Hq, D]`` (and ``lse [T, Hq]``).
     """
-    device, block_size, num_kv_heads, head_size, head_size_v = _check_paged(
+    device, block_size, num_kv_heads, head_size, head_size_v = check_paged(
         q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale)
-    group = _common_checks(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,
+    group = check_attention_options(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes, sinks,
                            sm_scale)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
     num_seqs = cu_seqlens_q.shape[0] - 1
     if seq_lens.shape[0] != num_seqs or block_table.shape[0] < num_seqs:
         raise ValueError(f"seq_lens ({seq_lens.shape[0]}) and block_table ({block_table.shape[0]} rows) must "
                          f"have one entry per request of cu_seqlens_q ({num_seqs})")
     if values_checked(validate, cu_seqlens_q, block_table, seq_lens):
         check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-        check_seq_lens_values(seq_lens, block_table, block_size, _num_blocks(k_cache),
+        check_seq_lens_values(seq_lens, block_table, block_size, num_cache_blocks(k_cache),
                               min_lens=cu_seqlens_q[1:] - cu_seqlens_q[:-1])
     out_shape = (q.shape[0], q.shape[1], head_size_v)
     check_out("out", out, out_shape, q.dtype, device)
@@ -396,7 +363,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, window_left=window_left, softcap=softcap,
             alibi_slopes=alibi_slopes, sinks=sinks, out=out, return_lse=return_lse)
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
-    lse = _lse_out(q.shape[0], q.shape[1], device, return_lse)
+    lse = lse_out(q.shape[0], q.shape[1], device, return_lse)
     block_g = next_pow2(group)
     cfg = dict(_configs.unified_config(current_platform(device), head_size, block_g))
     block_m = max(cfg.pop("BLOCK_M"), 16, block_g)
