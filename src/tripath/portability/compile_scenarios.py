@@ -89,8 +89,9 @@ def in_large_allocation(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return backing[:numel].view(shape)
 
 
-def _cache(head_size: int, cache_dtype: torch.dtype, layout: str, num_blocks: int = 8):
-    k_shape, v_shape = ops.kv_cache_shapes(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_size, cache_dtype, layout)
+def _cache(head_size: int, cache_dtype: torch.dtype, layout: str, num_blocks: int = 8,
+           num_kv_heads: int = NUM_KV_HEADS):
+    k_shape, v_shape = ops.kv_cache_shapes(num_blocks, BLOCK_SIZE, num_kv_heads, head_size, cache_dtype, layout)
     k_cache, v_cache = in_large_allocation(k_shape, cache_dtype), in_large_allocation(v_shape, cache_dtype)
     scales = {}
     if cache_dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -143,6 +144,20 @@ def _build_unified(platform: Platform, *, head_size: int, dtype: torch.dtype, la
     ops.unified_attention(q, k_cache, v_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32),
                           _cu(query_lens), max(query_lens), layout=layout, **scales,
                           **_features(NUM_HEADS, features))
+
+
+def _build_verify(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool,
+                  features: str = "", query_lens: tuple[int, ...] = (5, 3, 1, 5), num_kv_heads: int = NUM_KV_HEADS,
+                  num_heads: int = NUM_HEADS) -> None:
+    """Verify steps of four requests on 4K-token contexts (splits decided by the platform)."""
+    k_cache, v_cache, scales = _cache(head_size, _cache_dtype(platform, dtype, fp8), layout,
+                                      num_kv_heads=num_kv_heads)
+    context_blocks = 256
+    q = _rand(sum(query_lens), num_heads, head_size, dtype=dtype)
+    block_table = torch.zeros(len(query_lens), context_blocks, dtype=torch.int32)
+    seq_lens = torch.full((len(query_lens),), context_blocks * BLOCK_SIZE, dtype=torch.int32)
+    ops.paged_verify(q, k_cache, v_cache, block_table, seq_lens, _cu(query_lens), max(query_lens), layout=layout,
+                     return_lse=True, **scales, **_features(num_heads, features))
 
 
 def _build_merge(platform: Platform, *, head_size: int, dtype: torch.dtype) -> None:
@@ -355,6 +370,17 @@ def all_scenarios() -> list[Scenario]:
     for features in ("window+sinks", "window+softcap", "alibi"):
         rows.append(_s(f"unified hd128 bf16 nhd {features}", _build_unified, head_size=128,
                        dtype=torch.bfloat16, layout="nhd", fp8=False, features=features))
+
+    for d in heads:
+        for layout, fp8 in (("nhd", False), ("shuffled", True)):
+            rows.append(_s(f"verify hd{d} {_tag(torch.bfloat16, layout, fp8)}", _build_verify,
+                           ci=d == 128 and not fp8, head_size=d, dtype=torch.bfloat16, layout=layout, fp8=fp8))
+    for features in ("window+sinks", "window+softcap", "alibi"):
+        rows.append(_s(f"verify hd128 bf16 nhd {features}", _build_verify, head_size=128, dtype=torch.bfloat16,
+                       layout="nhd", fp8=False, features=features))
+    rows.append(_s("verify hd128 fp16 nhd 16 tokens x 8 heads (two tiles a request)", _build_verify,
+                   head_size=128, dtype=torch.float16, layout="nhd", fp8=False, query_lens=(16, 9),
+                   num_kv_heads=1, num_heads=8))
 
     for d in heads:
         for dt in dtypes:

@@ -27,6 +27,7 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "varlen_attention_sm90_kernel": KernelRole(True, "QK^T and PV on asynchronous warpgroup MMA (Gluon)",
                                                targets=("sm90",)),
     "paged_decode_kernel": KernelRole(True, "QK^T and PV over [BLOCK_G query heads x BLOCK_N tokens]"),
+    "paged_verify_kernel": KernelRole(True, "QK^T and PV over [(token, head) rows of a request x BLOCK_N tokens]"),
     "unified_attention_kernel": KernelRole(True, "QK^T and PV over [(token, head) rows x BLOCK_N tokens]"),
     "reduce_splits_kernel": KernelRole(False, "deliberate: weighted sum of split partials, no matmul"),
     "merge_states_kernel": KernelRole(False, "deliberate: elementwise LSE merge, no matmul"),
