@@ -181,6 +181,8 @@ def test_triton_backends_verify_as_the_reference(monkeypatch, backend):
     llm = LLM(model, backend=backend, num_kv_blocks=64, block_size=8, speculative_config=SPEC)
     assert outputs(llm, prompts, params) == want
     assert llm.stats().spec_num_accepted_tokens > 0
+    # verifies take the decode path (paged_verify on three_path), except on two_path (decodes of one token)
+    assert llm.runner.spec.decode_threshold == (1 if backend == "two_path" else 1 + SPEC["num_speculative_tokens"])
 
 
 def test_sampled_requests_are_seeded_and_speculation_turns_overlap_off(pure_torch):

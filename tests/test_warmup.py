@@ -108,6 +108,17 @@ def test_warmup_shapes_stay_within_limits():
     assert levels(100)[:8] == list(range(1, 9)) and levels(100)[-1] == 100
 
 
+def test_warmup_probes_verifies_when_decodes_take_several_tokens():
+    """Speculative decoding (decode_threshold 1 + drafts): decode steps of that many tokens at every batch and
+    context level, alone and mixed; none without it."""
+    limits = WarmupLimits(max_num_seqs=24, max_num_batched_tokens=300, max_model_len=700, decode_threshold=5)
+    verifies = [(q, c) for q, c in warmup_shapes(limits) if all(x == 5 for x in q) and c[0] > 0]
+    assert {len(q) for q, _ in verifies} == set(levels(24)) and {c[0] for _, c in verifies} == set(levels(695))
+    assert any(5 in q and 0 in c for q, c in warmup_shapes(limits))   # a verify beside a prefill
+    plain = WarmupLimits(max_num_seqs=24, max_num_batched_tokens=300, max_model_len=700)
+    assert not any(all(x == 5 for x in q) and c[0] > 0 for q, c in warmup_shapes(plain))
+
+
 def test_saved_plan_is_keyed_and_reused(tmp_path, monkeypatch):
     """The plan lives under TRITON_CACHE_DIR, changes with the limits, and a second warm-up runs the saved
     steps without probing (same steps, same count of variants)."""

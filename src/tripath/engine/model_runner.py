@@ -30,6 +30,7 @@ the metadata on the device. How the runner starts (KV cache size, warm-up, graph
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import inspect
@@ -76,6 +77,12 @@ class ModelRunner:
         self.spec = model.attention_spec(block_size=self.block_size, kv_cache_dtype=config.kv_cache_dtype,
                                          kv_layout=config.kv_layout, dtype=config.dtype)
         self.backend = select_backend(self.spec, name=config.backend, device=self.device)
+        speculation = config.speculative_config
+        verify_len = 1 if speculation is None else 1 + speculation.num_speculative_tokens
+        if verify_len <= self.backend.capabilities.max_decode_threshold and verify_len > 1:
+            # verifies go to the backend's decode path (else, e.g. two_path, they are extends)
+            self.spec = dataclasses.replace(self.spec, decode_threshold=verify_len)
+            self.backend = select_backend(self.spec, name=self.backend.name, device=self.device)
         self.num_layers = model.num_attention_layers
         max_position = int(model.config.max_position)  # the rotary tables' rows (rope scaling included)
         self.max_model_len = config.max_model_len or max_position

@@ -145,7 +145,8 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
     """The synthetic steps the warm-up probes, as ``(query_lens, context_lens)``, within ``limits``.
 
     - decode only: every batch-size level × every context level (split-KV counts and tile choices follow
-      the batch and the longest context);
+      the batch and the longest context); with ``decode_threshold > 1`` the same for decodes of that many
+      tokens (speculative decoding's verifies);
     - prefill only: every length level × every request-count level that fits the token budget;
     - extend only: query lengths, cached contexts (one and several chunks) and request counts in powers of
       two that fit;
@@ -159,6 +160,10 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
     for b in levels(min(b_max, n_max)):
         for ctx in ctx_levels:
             steps.append(([1] * b, [ctx] * b))
+    if dq > 1:   # verifies (speculative decoding): the decode path's multi-token kernel, its split counts
+        for b in levels(min(b_max, n_max // dq)):
+            for ctx in ctx_levels:
+                steps.append(([dq] * b, [ctx] * b))
     for n in levels(min(n_max, l_max)):
         for p in levels(min(b_max, n_max // n)):
             steps.append(([n] * p, [0] * p))
@@ -168,6 +173,8 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
             for e in powers_of_two(min(b_max, n_max // q)):
                 steps.append(([q] * e, [ctx] * e))
     decodes = [[], [(1, max(1, min(64, l_max - dq)))], [(1, max(1, l_max - dq))] * min(b_max, 64)]
+    if dq > 1:
+        decodes.append([(dq, max(1, min(64, l_max - dq)))])
     extends = [[]] + [[(q, c)] for q, c in ((dq + 1, 16), (min(512, n_max // 4), max(1, l_max // 2)))
                       if q > dq and q + c <= l_max]
     prefills = [[]] + [[(n, 0)] for n in sorted({min(16, n_max), max(1, min(n_max // 4, l_max))})]

@@ -2,7 +2,10 @@
 attention backends).
 
 - decode rows → :func:`paged_decode` (split-KV, GQA-packed; the cache may be NHD or shuffled); decodes
-  with several query tokens (speculative) → :func:`unified_attention` on the decode slice;
+  with several query tokens (speculative decoding's verifies, ``decode_threshold > 1``) →
+  :func:`paged_verify` (split-KV, a request's tokens and GQA heads in one tile; its tile is sized for
+  ``decode_threshold`` tokens, so one variant serves every step), or :func:`unified_attention` past
+  :data:`~tripath.ops.verify.MAX_VERIFY_TOKENS`;
 - extend rows → for each chunk of cached context: gather into the workspace, non-causal
   :func:`varlen_attention` with LSE, and :func:`merge_states` into the running result; the new tokens
   by causal :func:`varlen_attention`, joined with the last chunk (below) or, for fp8 caches, in their own
@@ -44,7 +47,8 @@ from tripath.attention.metadata import (AttentionMetadata, ContextChunk, ExtendM
                                         to_device)
 from tripath.attention.validate import check_offsets, expect, host_ints
 from tripath.attention.spec import KVCache
-from tripath.ops import gather_kv_cache, merge_states, paged_decode, unified_attention, varlen_attention
+from tripath.ops import gather_kv_cache, merge_states, paged_decode, paged_verify, unified_attention, varlen_attention
+from tripath.ops.verify import MAX_VERIFY_TOKENS
 from tripath.platform import Platform, current_platform
 
 
@@ -162,6 +166,10 @@ class ThreePathBackend(MHAAttentionBackend):
             paged_decode(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
                          layout=cache.layout, k_scale=k_scale, v_scale=v_scale, num_splits=d.num_splits,
                          out=out[:d.num_tokens], concurrent=concurrent, **opts)
+        elif self.spec.decode_threshold <= MAX_VERIFY_TOKENS:   # verifies: one tile per request's tokens
+            paged_verify(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
+                         d.cu_seqlens_q, self.spec.decode_threshold, layout=cache.layout, k_scale=k_scale,
+                         v_scale=v_scale, out=out[:d.num_tokens], **opts)
         else:
             unified_attention(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
                               d.cu_seqlens_q, d.max_query_len, layout=cache.layout, k_scale=k_scale,
