@@ -206,13 +206,23 @@ def test_selection_rejects_with_explanations():
         select_backend(spec, "fast", DEVICE)
 
 
-def test_speculative_decode_rows_three_path():
+def test_speculative_decode_rows_three_path(monkeypatch):
+    """One-token decodes on paged_decode and verifies (2-3 tokens) on paged_verify, beside an extend and a
+    prefill: the torch backend's output."""
+    import tripath.attention.backends.three_path as three_path
+
     spec = AttentionSpec(4, 2, 64, dtype=torch.float16, decode_threshold=3)
     backend = select_backend(spec, "three_path", DEVICE)
-    step = make_step(spec, [(20, 3), (9, 2), (0, 4), (30, 6)], backend, device=DEVICE)
-    assert step.plan.num_decodes == 2 and not backend.build_metadata(
-        step.plan, step.block_table, step.slot_mapping).decode.single_token
+    step = make_step(spec, [(20, 3), (9, 1), (9, 2), (0, 4), (30, 6), (14, 1)], backend, device=DEVICE)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    assert step.plan.num_decodes == 4 and step.plan.num_verifies == 2 and not meta.decode.single_token
+    calls = []
+    for name in ("paged_decode", "paged_verify", "unified_attention"):
+        real = getattr(three_path, name)
+        monkeypatch.setattr(three_path, name, lambda *a, _real=real, _name=name, **k: calls.append(
+            (_name, a[0].shape[0])) or _real(*a, **k))
     got, _ = _run(backend, step)
+    assert calls == [("paged_decode", 2), ("paged_verify", 5)]
     want, _ = _run(TorchBackend(spec, DEVICE), step)
     torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 

@@ -27,6 +27,22 @@ def test_order_is_stable_decode_extend_prefill():
     assert plan.apply(["a", "b", "c", "d", "e", "f"]) == ["a", "c", "f", "d", "b", "e"]
 
 
+def test_verifies_follow_the_one_token_decodes():
+    """[decode | verify | extend | prefill]: with decode_threshold 4, decodes of 2-4 tokens (speculative
+    decoding's verifies) come after the one-token decodes, each group in the callers' order."""
+    plan = plan_batch([3, 1, 7, 4, 1, 2, 5], [9, 4, 0, 5, 2, 6, 8], decode_threshold=4)
+    assert plan.order == [1, 4, 0, 3, 5, 6, 2]
+    assert (plan.num_decodes, plan.num_verifies, plan.num_extends, plan.num_prefills) == (5, 3, 1, 1)
+    assert plan.query_lens == [1, 1, 3, 4, 2, 5, 7]
+    assert plan_batch([1, 5], [3, 4]).num_verifies == 0   # threshold 1: the 5 tokens are an extend
+    meta = build_metadata(plan, torch.ones(7, 4, dtype=torch.int32), torch.zeros(plan.num_tokens, dtype=torch.int64))
+    v = meta.decode.verify
+    assert (v.first_row, v.token_start, v.max_query_len) == (2, 2, 4)
+    assert v.cu_seqlens_q.tolist() == [0, 3, 7, 9] and v.seq_lens.tolist() == [12, 9, 8]
+    assert build_metadata(plan_batch([1, 1], [3, 4], decode_threshold=4), torch.ones(2, 1, dtype=torch.int32),
+                          torch.zeros(2, dtype=torch.int64)).decode.verify is None
+
+
 def test_extend_chunk_plan_hand_worked():
     # budget 64 shared by 3 extends -> 21 tokens each, rounded down to whole 16-token blocks -> 16.
     chunks = plan_extend_chunks([40, 10, 33], budget=64, block_size=16)

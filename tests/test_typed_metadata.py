@@ -96,10 +96,10 @@ def _decode_rows(table, query_lens, context_lens):
 def test_mla_decode_rows_built_and_copied_into_the_captured_metadata(name):
     backend = select_backend(MLA, name, "cpu")
     # Speculative decodes only, same padded shape (3 requests, 6 tokens), different lengths.
-    captured = _step(backend, [2, 3, 1], [5, 3, 7], width=6, seed=0)
-    step = _step(backend, [3, 1, 2], [2, 9, 4], width=4, seed=1)
+    captured = _step(backend, [1, 2, 3], [7, 5, 3], width=6, seed=0)   # one-token decodes before verifies
+    step = _step(backend, [1, 3, 2], [9, 2, 4], width=4, seed=1)
     assert isinstance(captured, MLAMetadata) and isinstance(step, MLAMetadata)
-    want_rows, want_lens = _decode_rows(step.block_table, [3, 1, 2], [2, 9, 4])
+    want_rows, want_lens = _decode_rows(step.block_table, [1, 3, 2], [9, 2, 4])
     assert step.decode_rows.block_table.tolist() == want_rows and step.decode_rows.seq_lens.tolist() == want_lens
     rows_table, rows_lens = captured.decode_rows.block_table, captured.decode_rows.seq_lens
     old_columns = rows_table[:, 4:].clone()
@@ -112,8 +112,8 @@ def test_mla_decode_rows_built_and_copied_into_the_captured_metadata(name):
     assert single.decode_rows is None
     validate_metadata(single, NUM_BLOCKS, BLOCK)
     step.decode_rows.seq_lens[0] += 1
-    with pytest.raises(MetadataError, match=r"metadata.decode_rows.seq_lens is \[4, 4, 5, 10, 5, 6\], expected "
-                                            r"\[3, 4, 5, 10, 5, 6\]"):
+    with pytest.raises(MetadataError, match=r"metadata.decode_rows.seq_lens is \[11, 3, 4, 5, 5, 6\], expected "
+                                            r"\[10, 3, 4, 5, 5, 6\]"):
         validate_metadata(step, NUM_BLOCKS, BLOCK)
     step.decode_rows.seq_lens[0] -= 1
     step.decode_rows.block_table[3] = step.block_table[0]

@@ -36,9 +36,24 @@ def _cumsum(values: list[int]) -> list[int]:
 
 
 @dataclass
+class VerifyMetadata:
+    """The decode slice's verifies (several tokens each; speculative decoding): its rows ``[first_row,
+    num_reqs)`` and tokens ``[token_start, num_tokens)`` of the decode slice (one token for each row before
+    them), ``block_table`` / ``seq_lens`` their rows, ``cu_seqlens_q [V + 1]`` their token offsets from 0."""
+
+    first_row: int
+    token_start: int
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    max_query_len: int
+
+
+@dataclass
 class DecodeMetadata:
     """Decodes: rows ``[0, num_reqs)``, tokens ``[0, num_tokens)``; ``single_token`` when every decode has
-    one query token (paged decode); otherwise (speculative decode) ``cu_seqlens_q`` is used."""
+    one query token (paged decode); otherwise (speculative decode) ``cu_seqlens_q`` is used, and ``verify``
+    describes the rows of several tokens, which follow the one-token rows."""
 
     num_reqs: int
     num_tokens: int
@@ -49,6 +64,7 @@ class DecodeMetadata:
     max_seq_len: int
     single_token: bool
     num_splits: int | None = None
+    verify: VerifyMetadata | None = None
 
 
 @dataclass
@@ -210,22 +226,30 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
 
     seq_lens_host = plan.seq_lens
     cu_q_host = _cumsum(plan.query_lens)
-    packed = to_device(seq_lens_host + plan.context_lens + cu_q_host, torch.int32, device)
+    nd, nv = plan.num_decodes, plan.num_verifies
+    cu_verify_host = _cumsum(plan.query_lens[nd - nv:nd]) if nv else []
+    packed = to_device(seq_lens_host + plan.context_lens + cu_q_host + cu_verify_host, torch.int32, device)
     b = plan.num_requests
-    seq_lens, context_lens, cu_seqlens_q = packed[:b], packed[b:2 * b], packed[2 * b:]
+    seq_lens, context_lens, cu_seqlens_q = packed[:b], packed[b:2 * b], packed[2 * b:3 * b + 1]
     meta = AttentionMetadata(
         plan=plan, num_tokens=plan.num_tokens, slot_mapping=slot_mapping, block_table=block_table,
         seq_lens=seq_lens, context_lens=context_lens, cu_seqlens_q=cu_seqlens_q,
         max_query_len=max(plan.query_lens, default=0), max_seq_len=max(seq_lens_host, default=0))
 
-    nd, ne, npf = plan.num_decodes, plan.num_extends, plan.num_prefills
+    ne, npf = plan.num_extends, plan.num_prefills
     if nd:
         d0, d1 = plan.decode_tokens
+        verify = None
+        if nv:
+            first = nd - nv
+            verify = VerifyMetadata(first_row=first, token_start=first, block_table=block_table[first:nd],
+                                    seq_lens=seq_lens[first:nd], cu_seqlens_q=packed[3 * b + 1:],
+                                    max_query_len=max(plan.query_lens[first:nd]))
         meta.decode = DecodeMetadata(
             num_reqs=nd, num_tokens=d1 - d0, block_table=block_table[:nd], seq_lens=seq_lens[:nd],
             cu_seqlens_q=cu_seqlens_q[:nd + 1], max_query_len=max(plan.query_lens[:nd]),
             max_seq_len=max(seq_lens_host[:nd]), single_token=max(plan.query_lens[:nd]) == 1,
-            num_splits=decode_num_splits)
+            num_splits=decode_num_splits, verify=verify)
     local_tensors = []
     if ne:
         e0, e1 = plan.extend_tokens

@@ -1,8 +1,10 @@
-"""Batch planning, on the host, once per step: classify, reorder ``[decode | extend | prefill]``, chunk.
+"""Batch planning, on the host, once per step: classify, reorder ``[decode | verify | extend | prefill]``, chunk.
 
 A request with ``context_len == 0`` is a **prefill**; otherwise it is a **decode** when
-``query_len <= decode_threshold`` and an **extend** when ``query_len > decode_threshold``. The order is
-stable inside each class. Extends whose cached context is attended in chunks share a token budget:
+``query_len <= decode_threshold`` and an **extend** when ``query_len > decode_threshold``. Decodes of several
+tokens (``decode_threshold > 1``: speculative decoding's **verifies**, a pending token and its drafts) follow
+the one-token decodes inside the decode slice, so a backend sends each group to its own kernel
+(``num_verifies``: the slice's last rows). The order is stable inside each class. Extends whose cached context is attended in chunks share a token budget:
 ``chunk_size = budget // num_extends`` (rounded down to whole blocks when it is at least one block), and
 chunk ``c`` covers context tokens ``[c · chunk_size, (c + 1) · chunk_size)`` of every extend, so each chunk's
 gathered workspace holds at most ``budget`` tokens.
@@ -70,7 +72,8 @@ def plan_extend_chunks(context_lens: Sequence[int], budget: int, block_size: int
 @dataclass(frozen=True)
 class BatchPlan:
     """One step, reordered. Every per-request list is in plan order; ``order[j]`` is the caller's index of
-    the request now at position ``j``. Token offsets of each class are ``decode_tokens``, ``extend_tokens``,
+    the request now at position ``j`` (the decode slice's one-token decodes first, its ``num_verifies``
+    verifies after them). Token offsets of each class are ``decode_tokens``, ``extend_tokens``,
     ``prefill_tokens`` as ``(start, end)`` pairs in the flat token dimension."""
 
     order: list[int]
@@ -81,6 +84,7 @@ class BatchPlan:
     num_prefills: int
     decode_threshold: int
     extend_chunks: ExtendChunkPlan = field(repr=False)
+    num_verifies: int = 0   # the decode slice's last rows, of several tokens each (``num_decodes`` counts them)
 
     @property
     def num_requests(self) -> int:
@@ -150,11 +154,13 @@ def plan_batch(query_lens: Sequence[int], context_lens: Sequence[int], *, decode
         if int(c) < 0:
             raise ValueError(f"context_lens[{i}] = {c} must be >= 0")
     kinds = [classify(q, c, decode_threshold) for q, c in zip(query_lens, context_lens)]
-    order = ([i for i, k in enumerate(kinds) if k == DECODE] + [i for i, k in enumerate(kinds) if k == EXTEND]
-             + [i for i, k in enumerate(kinds) if k == PREFILL])
+    decodes = [i for i, k in enumerate(kinds) if k == DECODE]
+    verifies = [i for i in decodes if int(query_lens[i]) > 1]
+    order = ([i for i in decodes if int(query_lens[i]) == 1] + verifies
+             + [i for i, k in enumerate(kinds) if k == EXTEND] + [i for i, k in enumerate(kinds) if k == PREFILL])
     n_dec, n_ext = kinds.count(DECODE), kinds.count(EXTEND)
     ordered_ctx = [int(context_lens[i]) for i in order]
     chunks = plan_extend_chunks(ordered_ctx[n_dec:n_dec + n_ext], chunk_budget, block_size)
     return BatchPlan(order=order, query_lens=[int(query_lens[i]) for i in order], context_lens=ordered_ctx,
                      num_decodes=n_dec, num_extends=n_ext, num_prefills=kinds.count(PREFILL),
-                     decode_threshold=decode_threshold, extend_chunks=chunks)
+                     decode_threshold=decode_threshold, extend_chunks=chunks, num_verifies=len(verifies))

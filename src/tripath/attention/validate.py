@@ -117,6 +117,16 @@ def _validate_views(meta: AttentionMetadata, seq_lens, context_lens, cu_q, block
         expect(host_ints(d.seq_lens) == seq_lens[:nd], "metadata.decode.seq_lens differs from the decode rows")
         expect(d.block_table.shape[0] == nd, "metadata.decode.block_table must have a row per decode")
         expect(host_ints(d.cu_seqlens_q) == cu_q[:nd + 1], "metadata.decode.cu_seqlens_q differs from the decode rows")
+        nv = plan.num_verifies
+        expect(all(q == 1 for q in plan.query_lens[:nd - nv]) and all(q > 1 for q in plan.query_lens[nd - nv:nd]),
+               "the decode slice must hold its one-token decodes first, then its num_verifies verifies")
+        expect((d.verify is not None) == (nv > 0), "metadata.decode.verify must be set exactly when the plan has verifies")
+        if d.verify is not None:
+            v = d.verify
+            expect(v.first_row == v.token_start == nd - nv, "metadata.decode.verify starts at the wrong row")
+            expect(host_ints(v.seq_lens) == seq_lens[nd - nv:nd], "metadata.decode.verify.seq_lens differs")
+            expect(v.block_table.shape[0] == nv, "metadata.decode.verify.block_table must have a row per verify")
+            check_offsets("decode.verify.cu_seqlens_q", host_ints(v.cu_seqlens_q), list(plan.query_lens[nd - nv:nd]))
     if meta.extend is not None:
         e = meta.extend
         rows = range(nd, nd + ne)

@@ -1,11 +1,11 @@
 """``three_path``: decode, extend and prefill routed to specialised kernels (the arrangement of vLLM's ROCm
 attention backends).
 
-- decode rows → :func:`paged_decode` (split-KV, GQA-packed; the cache may be NHD or shuffled); decodes
-  with several query tokens (speculative decoding's verifies, ``decode_threshold > 1``) →
-  :func:`paged_verify` (split-KV, a request's tokens and GQA heads in one tile; its tile is sized for
-  ``decode_threshold`` tokens, so one variant serves every step), or :func:`unified_attention` past
-  :data:`~tripath.ops.verify.MAX_VERIFY_TOKENS`;
+- decode rows → :func:`paged_decode` (split-KV, GQA-packed; the cache may be NHD or shuffled); verify
+  rows (the decode slice's decodes of several tokens, after the one-token ones: speculative decoding,
+  ``decode_threshold > 1``) → :func:`paged_verify` (split-KV, a request's tokens and GQA heads in one tile;
+  its tile is sized for ``decode_threshold`` tokens, so one variant serves every step), or the whole decode
+  slice → :func:`unified_attention` past :data:`~tripath.ops.verify.MAX_VERIFY_TOKENS`;
 - extend rows → for each chunk of cached context: gather into the workspace, non-causal
   :func:`varlen_attention` with LSE, and :func:`merge_states` into the running result; the new tokens
   by causal :func:`varlen_attention`, joined with the last chunk (below) or, for fp8 caches, in their own
@@ -166,10 +166,17 @@ class ThreePathBackend(MHAAttentionBackend):
             paged_decode(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
                          layout=cache.layout, k_scale=k_scale, v_scale=v_scale, num_splits=d.num_splits,
                          out=out[:d.num_tokens], concurrent=concurrent, **opts)
-        elif self.spec.decode_threshold <= MAX_VERIFY_TOKENS:   # verifies: one tile per request's tokens
-            paged_verify(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
-                         d.cu_seqlens_q, self.spec.decode_threshold, layout=cache.layout, k_scale=k_scale,
-                         v_scale=v_scale, out=out[:d.num_tokens], **opts)
+        elif self.spec.decode_threshold <= MAX_VERIFY_TOKENS:   # one-token decodes, then the verifies
+            v = d.verify
+            if v.first_row:
+                n = v.first_row
+                paged_decode(q[:n], cache.k_cache, cache.v_cache, d.block_table[:n], d.seq_lens[:n],
+                             layout=cache.layout, k_scale=k_scale, v_scale=v_scale, out=out[:n],
+                             concurrent=concurrent, **opts)
+            rows = slice(v.token_start, d.num_tokens)
+            paged_verify(q[rows], cache.k_cache, cache.v_cache, v.block_table, v.seq_lens, v.cu_seqlens_q,
+                         self.spec.decode_threshold, layout=cache.layout, k_scale=k_scale, v_scale=v_scale,
+                         out=out[rows], **opts)
         else:
             unified_attention(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
                               d.cu_seqlens_q, d.max_query_len, layout=cache.layout, k_scale=k_scale,
