@@ -3,10 +3,13 @@ against a hand computation, sampled against the target distribution with a chi-s
 greedy outputs identical with and without speculation for every backend, MHA and MLA, under preemption, prefix
 hits and small token budgets; requests whose sampling needs each token before the next decode without drafts."""
 
+import random
+
 import pytest
 import torch
 
 from tripath.engine import LLM, EngineConfig, SamplingParams
+from tripath.engine.request import Request
 from tripath.engine.sampler import filtered_probs, make_generator
 from tripath.engine.speculative import NgramProposer, SpeculativeConfig
 from tripath.engine.speculative.acceptance import accept_drafts
@@ -63,6 +66,38 @@ def test_settings_from_json_text_and_dict_agree():
 ])
 def test_ngram_proposer_drafts_what_followed_the_suffix(tokens, k, want):
     assert NgramProposer(1, 3).lookup(tokens, k) == want
+
+
+def _brute_force_lookup(tokens, k, lo, hi):
+    length = len(tokens)
+    for n in range(min(hi, length - 1), lo - 1, -1):
+        starts = [i for i in range(length - n) if tokens[i:i + n] == tokens[length - n:]]
+        if starts:
+            full = [i for i in starts if i + n + k <= length]
+            start = (full[-1] if full else starts[0]) + n
+            return tokens[start:start + k]
+    return []
+
+
+def test_ngram_proposer_matches_a_brute_force_search():
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab, lo = rng.choice([2, 3, 5, 20]), rng.randrange(1, 3)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 50))]
+        k = rng.randrange(1, 6)
+        want = _brute_force_lookup(tokens, k, lo, 4) if len(tokens) > lo else []
+        assert NgramProposer(lo, 4).lookup(tokens, k) == want, (tokens, k, lo)
+
+
+def test_ngram_proposer_follows_a_growing_request():
+    """The proposer keeps each request's tokens and appends its new outputs: drafts follow the latest tokens."""
+    request = Request([7, 8, 9, 7, 8], SamplingParams(max_tokens=10))
+    proposer = NgramProposer(1, 3)
+    assert proposer.propose(request, 2) == [9, 7]
+    request.output_token_ids += [9, 1]
+    assert proposer.propose(request, 2) == []   # 1 occurred nowhere before
+    request.output_token_ids += [7, 8, 9]
+    assert proposer.propose(request, 2) == [1, 7]
 
 
 def test_ngram_proposer_prefers_the_longest_suffix():

@@ -5,14 +5,43 @@ to ``prompt_lookup_min``, find the starts ``i < L - n`` with ``x[i .. i+n-1] == 
 that ``k`` tokens follow (else the earliest: the most tokens follow it); the drafts are ``x[i+n .. i+n+k-1]``
 (as many of the ``k`` as exist). No match for any ``n``: no drafts. Repetitive text
 (code edits, quoting, extraction, lists) drafts well; other text drafts little and then costs nothing.
+
+Cost per request and step: one comparison of the last token against the latest :data:`LOOKUP_WINDOW` tokens,
+then a few over its occurrences only; each request's tokens are kept in a NumPy array that grows by the new
+outputs (:class:`TokenHistory`), so no step converts the whole sequence.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+import weakref
 
-LOOKUP_WINDOW = 4096   # the latest tokens searched: bounds the host's time per request and step
+import numpy as np
+
+LOOKUP_WINDOW = 16384   # the latest tokens searched: bounds the host's time per request and step
+
+
+class TokenHistory:
+    """A request's tokens as an int64 array, extended in place by the outputs it gained since the last call
+    (prompt and outputs only ever grow; a preempted request keeps both)."""
+
+    __slots__ = ("array", "count")
+
+    def __init__(self, request):
+        tokens = request.token_ids(0, request.num_tokens)
+        self.array = np.empty(max(64, 2 * len(tokens)), dtype=np.int64)
+        self.array[:len(tokens)] = tokens
+        self.count = len(tokens)
+
+    def sync(self, request) -> np.ndarray:
+        n = request.num_tokens
+        if n > self.count:
+            if n > self.array.shape[0]:
+                grown = np.empty(2 * n, dtype=np.int64)
+                grown[:self.count] = self.array[:self.count]
+                self.array = grown
+            self.array[self.count:n] = request.token_ids(self.count, n)
+            self.count = n
+        return self.array[:n]
 
 
 class NgramProposer:
@@ -21,20 +50,31 @@ class NgramProposer:
 
     def __init__(self, lookup_min: int, lookup_max: int):
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
+        self._histories: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def propose(self, request, k: int) -> list[int]:
         """Up to ``k`` draft tokens to follow a running request's tokens (prompt and outputs)."""
-        return self.lookup(request.token_ids(0, request.num_tokens), k)
+        history = self._histories.get(request)
+        if history is None:
+            history = self._histories[request] = TokenHistory(request)
+        return self.lookup(history.sync(request), k)
 
-    def lookup(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``token_ids``."""
-        if k < 1 or len(token_ids) <= self.lookup_min:
-            return []
-        tokens = np.asarray(token_ids[-LOOKUP_WINDOW:], dtype=np.int64)
+    def lookup(self, token_ids, k: int) -> list[int]:
+        """Up to ``k`` draft tokens to follow ``token_ids`` (a sequence of ints or a 1-D int array)."""
+        tokens = np.asarray(token_ids, dtype=np.int64)[-LOOKUP_WINDOW:]
         length = tokens.shape[0]
-        for n in range(min(self.lookup_max, length - 1), self.lookup_min - 1, -1):
-            windows = sliding_window_view(tokens[:length - 1], n)   # starts i <= L - 1 - n: a token follows
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        if k < 1 or length <= self.lookup_min:
+            return []
+        # Ends j (<= L - 2: a token follows) of matches of the last token, then how far each match extends back.
+        ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+        longest = min(self.lookup_max, length - 1)
+        matched = np.ones(ends.shape[0], dtype=np.int64)
+        alive = np.ones(ends.shape[0], dtype=bool)
+        for back in range(1, longest):
+            alive &= (ends >= back) & (tokens[np.maximum(ends - back, 0)] == tokens[length - 1 - back])
+            matched += alive
+        for n in range(longest, self.lookup_min - 1, -1):
+            hits = ends[matched >= n] + 1 - n   # starts i of the n-token matches, ascending
             if hits.size:
                 full = hits[hits + n + k <= length]
                 start = int(full[-1] if full.size else hits[0]) + n
