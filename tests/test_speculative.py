@@ -231,17 +231,51 @@ def test_sampled_requests_are_seeded_and_speculation_turns_overlap_off(pure_torc
 
 
 def test_requests_needing_each_token_first_decode_without_drafts(pure_torch):
-    """Penalties, min_tokens, logit_bias, log-probabilities and structured outputs: no drafts for those
-    requests, and the same outputs as without speculation."""
-    pytest.importorskip("xgrammar")
+    """Penalties, min_tokens and logit_bias: no drafts for those requests, and the same outputs as without
+    speculation."""
     model, prompts = preset("tiny-llama"), repetitive_prompts()[:2]
-    kinds = [dict(repetition_penalty=1.3), dict(min_tokens=5), dict(logit_bias={7: 2.0}), dict(logprobs=2)]
+    kinds = [dict(repetition_penalty=1.3), dict(min_tokens=5), dict(logit_bias={7: 2.0})]
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, **kind) for kind in kinds]
     base = LLM(model, backend="torch", num_kv_blocks=128, block_size=4)
     llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, speculative_config=SPEC)
     for p in params:
         assert outputs(llm, prompts, p) == outputs(base, prompts, p)
     assert llm.stats().spec_num_drafts == 0
+
+
+def test_structured_outputs_decode_without_drafts(pure_torch, tiny_hf_dir):
+    pytest.importorskip("xgrammar")
+    params = SamplingParams(max_tokens=12, temperature=0, structured_output=StructuredOutput(regex=r"(ab){2,6}"))
+    prompts = ["abababab", "ab ab ab"]
+    base = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64)
+    llm = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64, speculative_config=SPEC)
+    assert [o.text for o in llm.generate(prompts, params, use_tqdm=False)] == \
+        [o.text for o in base.generate(prompts, params, use_tqdm=False)]
+    assert llm.stats().spec_num_drafts == 0
+
+
+def test_log_probabilities_of_verified_tokens_are_those_without_speculation(pure_torch):
+    """Requests asking for log-probabilities take drafts: every output token's entry (chosen token, rank, the
+    top k) and the cumulative log-probability are those of the run without speculation."""
+    model, prompts = preset("tiny-llama"), repetitive_prompts()
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=3)
+    base = LLM(model, backend="torch", num_kv_blocks=128, block_size=4).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, speculative_config=SPEC)
+    got = llm.generate(prompts, [params, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)] * 2,
+                       use_tqdm=False)
+    assert llm.stats().spec_num_accepted_tokens > 0
+    for i, (want, out) in enumerate(zip(base, got)):
+        assert out.output_token_ids == want.output_token_ids
+        if i % 2:
+            assert out.outputs[0].logprobs is None
+            continue
+        assert len(out.outputs[0].logprobs) == len(want.outputs[0].logprobs) == 14
+        for a, b in zip(out.outputs[0].logprobs, want.outputs[0].logprobs):
+            assert a.keys() == b.keys()
+            for token in a:
+                assert a[token].rank == b[token].rank
+                assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
+        assert out.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-3)
 
 
 def test_real_model_drafts_from_a_repetitive_prompt(pure_torch, smollm2):

@@ -4,7 +4,7 @@ log-probabilities it asked for)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +18,9 @@ class StepLogprobs:
     """Device log-probabilities of one launch: ``sampled[j]`` the chosen tokens of model step ``j`` for the
     sampled rows ``sampled_rows`` (indices into the launch's sample rows) with ``sampled_ks`` top tokens each;
     ``prompt`` the prompt positions scored in this step, ``prompt_counts[i]`` of them for scheduled request
-    ``prompt_requests[i]`` (in order), with ``prompt_ks`` top tokens."""
+    ``prompt_requests[i]`` (in order), with ``prompt_ks`` top tokens; ``verify`` the rows of the verifies
+    asking for log-probabilities (launch column ``verify_columns[i]``, ``verify_counts[i]`` rows each, each
+    scored with the token the verify yields there; rows past its last token are dropped on the host)."""
 
     sampled_rows: list[int]
     sampled_ks: list[int]
@@ -27,10 +29,14 @@ class StepLogprobs:
     prompt_counts: list[int]
     prompt_ks: list[int]
     prompt: LogprobRows | None
+    verify_columns: list[int] = field(default_factory=list)
+    verify_counts: list[int] = field(default_factory=list)
+    verify_ks: list[int] = field(default_factory=list)
+    verify: LogprobRows | None = None
 
     @property
     def on_gpu(self) -> bool:
-        rows = self.sampled[0] if self.sampled else self.prompt
+        rows = self.sampled[0] if self.sampled else self.prompt if self.prompt is not None else self.verify
         return rows is not None and rows.chosen.device.type == "cuda"
 
 
@@ -75,6 +81,7 @@ class LaunchedStep:
             on_gpu = on_gpu or logprobs.on_gpu
             logprobs.sampled = [rows.to_host() for rows in logprobs.sampled]
             logprobs.prompt = None if logprobs.prompt is None else logprobs.prompt.to_host()
+            logprobs.verify = None if logprobs.verify is None else logprobs.verify.to_host()
         if on_gpu:
             self._ready = torch.cuda.Event()
             self._ready.record()
@@ -105,5 +112,12 @@ class LaunchedStep:
             start = 0
             for i, count, k in zip(lp.prompt_requests, lp.prompt_counts, lp.prompt_ks):
                 out.prompt_logprobs[i] = as_dicts(lp.prompt.rows(start, start + count), [k] * count)
+                start += count
+        if lp.verify is not None:
+            start = 0
+            for column, count, k in zip(lp.verify_columns, lp.verify_counts, lp.verify_ks):
+                i = self.sample_rows[column]
+                kept = len(out.tokens[i])
+                out.logprobs[i] = as_dicts(lp.verify.rows(start, start + kept), [k] * kept)
                 start += count
         return out

@@ -44,7 +44,9 @@ from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import EngineConfig
 from tripath.engine.decode_graphs import DecodeGraphs
 from tripath.engine.executor import ExecutorCapabilities
+from tripath.attention.metadata import to_device
 from tripath.engine.launched_step import LaunchedStep, SampledStep, StepLogprobs
+from tripath.engine.logprobs import position_logprobs
 from tripath.engine.logits_transforms import PenaltyState
 from tripath.engine.memory_plan import MemoryPlan
 from tripath.engine.mixed_graphs import MixedStepGraphs
@@ -219,37 +221,60 @@ class ModelRunner:
         sampler = self._sampler([scheduled[i].request for i in inputs.sample_rows])
         tokens = sampler(logits[:num_sampled]).unsqueeze(0) if num_sampled else None
         if inputs.verify_rows:
-            tokens = self._verify(scheduled, inputs.verify_rows, logits[num_sampled:], tokens)
-            return LaunchedStep(scheduled, inputs.sample_rows + inputs.verify_rows, tokens,
-                                self._step_logprobs(sampler, prompt), ragged=True)
+            tokens, verify_logprobs = self._verify(scheduled, inputs.verify_rows, logits[num_sampled:], tokens)
+            step_logprobs = self._step_logprobs(sampler, prompt, verify_logprobs)
+            if step_logprobs is not None and verify_logprobs is not None:
+                step_logprobs.verify_columns = [num_sampled + j for j in step_logprobs.verify_columns]
+            return LaunchedStep(scheduled, inputs.sample_rows + inputs.verify_rows, tokens, step_logprobs,
+                                ragged=True)
         return LaunchedStep(scheduled, inputs.sample_rows, tokens, self._step_logprobs(sampler, prompt))
 
     @staticmethod
     def _verify(scheduled: list[ScheduledRequest], verify_rows: list[int], logits: torch.Tensor,
-                tokens: torch.Tensor | None) -> torch.Tensor:
+                tokens: torch.Tensor | None) -> tuple[torch.Tensor, tuple | None]:
         """The verifies' tokens (:func:`~tripath.engine.speculative.acceptance.accept_drafts`) beside the other
-        rows' ``tokens [1, S]``: ``[K + 1, S + B]``, -1 past each column's tokens."""
+        rows' ``tokens [1, S]``: ``[K + 1, S + B]``, -1 past each column's tokens; and, for the verifies that
+        ask, ``(their indices among the verifies, rows each, k each, LogprobRows)`` of every row scored with
+        the token the verify yields there."""
         items = [scheduled[i] for i in verify_rows]
-        verified = accept_drafts(logits, [item.draft_token_ids for item in items],
-                                 [item.request.sampling_params for item in items],
-                                 [item.request.generator for item in items]).t()
+        grid = accept_drafts(logits, [item.draft_token_ids for item in items],
+                             [item.request.sampling_params for item in items],
+                             [item.request.generator for item in items])
+        verified = grid.t()
+        logprobs = None
+        asking = [j for j, item in enumerate(items) if item.request.sampling_params.logprobs is not None]
+        if asking:
+            counts = [item.num_new_tokens for item in items]
+            starts = [sum(counts[:j]) for j in range(len(items))]
+            rows = [starts[j] + c for j in asking for c in range(counts[j])]
+            cells = [(j, c) for j in asking for c in range(counts[j])]
+            device = logits.device
+            pick = to_device(rows, torch.int64, device)
+            where = to_device([j for j, _ in cells] + [c for _, c in cells], torch.int64, device).view(2, -1)
+            chosen = grid[where[0], where[1]].clamp(min=0)   # rows past the yield: dropped on the host
+            ks = [items[j].request.sampling_params.logprobs for j in asking]
+            logprobs = (asking, [counts[j] for j in asking], ks,
+                        position_logprobs(logits.index_select(0, pick), chosen, max(ks)))
         if tokens is None:
-            return verified
+            return verified, logprobs
         padded = torch.full((verified.shape[0], tokens.shape[1]), -1, dtype=tokens.dtype, device=tokens.device)
         padded[:1] = tokens
-        return torch.cat([padded, verified], dim=1)
+        return torch.cat([padded, verified], dim=1), logprobs
 
     def _sampler(self, requests, num_steps: int = 1) -> LaunchSampler:
         return LaunchSampler(requests, self.penalties, self.device, num_steps)
 
     @staticmethod
-    def _step_logprobs(sampler: LaunchSampler | None, prompt) -> StepLogprobs | None:
-        if (sampler is None or not sampler.logprobs) and prompt is None:
+    def _step_logprobs(sampler: LaunchSampler | None, prompt, verify=None) -> StepLogprobs | None:
+        if (sampler is None or not sampler.logprobs) and prompt is None and verify is None:
             return None
         rows, ks, sampled = ([], [], []) if sampler is None else \
             (sampler.logprob_rows, sampler.logprob_ks, sampler.logprobs)
         requests, counts, pks, scored = prompt if prompt is not None else ([], [], [], None)
-        return StepLogprobs(rows, ks, sampled, requests, counts, pks, scored)
+        out = StepLogprobs(rows, ks, sampled, requests, counts, pks, scored)
+        if verify is not None:
+            out.verify_columns, out.verify_counts, out.verify_ks, out.verify = verify
+        return out
 
     # ---- multi-step decoding ------------------------------------------------------------------------
     def _launch_decode_steps(self, scheduled: list[ScheduledRequest], inputs: StepInputs, graph_bs: int | None,

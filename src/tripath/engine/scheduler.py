@@ -250,11 +250,10 @@ class Scheduler:
     def _drafts(self, request: Request) -> list[int]:
         """Draft tokens for a running request's next step (speculative decoding): as many as
         ``num_speculative_tokens`` and its ``max_tokens`` allow, none for a request whose sampling needs
-        each token before the next (a structured output, penalties, ``min_tokens``, ``logit_bias``) or
-        that reports log-probabilities, and none while a token of it is in flight."""
+        each token before the next (a structured output, penalties, ``min_tokens``, ``logit_bias``), and
+        none while a token of it is in flight."""
         params = request.sampling_params
-        if request.num_inflight_tokens or request.grammar is not None or params.transforms_logits or \
-                params.logprobs is not None:
+        if request.num_inflight_tokens or request.grammar is not None or params.transforms_logits:
             return []
         room = params.max_tokens - request.num_output_tokens - 1   # the verify step yields up to 1 + drafts
         k = min(self.speculation.num_speculative_tokens, room)
