@@ -13,12 +13,12 @@ from tripath.engine.speculative.oracle import OracleProposer
 def test_oracle_drafts_the_recorded_run_corrupted_at_the_set_rate():
     run = list(range(10, 40))
     request = SimpleNamespace(prompt_token_ids=[1, 2, 3], num_output_tokens=5)
-    assert OracleProposer({(1, 2, 3): run}, 1.0, 50).propose(request, 4) == [15, 16, 17, 18]
-    assert all(a != b for a, b in zip(OracleProposer({(1, 2, 3): run}, 0.0, 50).propose(request, 4), run[5:9]))
+    assert OracleProposer({(1, 2, 3): run}, 1.0, 50).propose_one(request, 4) == [15, 16, 17, 18]
+    assert all(a != b for a, b in zip(OracleProposer({(1, 2, 3): run}, 0.0, 50).propose_one(request, 4), run[5:9]))
     half = OracleProposer({(1, 2, 3): run}, 0.5, 50, seed=1)
-    kept = sum(half.propose(request, 4) == run[5:9] for _ in range(2000))   # all four kept: 1/16
+    kept = sum(half.propose_one(request, 4) == run[5:9] for _ in range(2000))   # all four kept: 1/16
     assert 80 < kept < 170
-    assert OracleProposer({(1, 2, 3): run}, 1.0, 50).propose(SimpleNamespace(prompt_token_ids=[9],
+    assert OracleProposer({(1, 2, 3): run}, 1.0, 50).propose_one(SimpleNamespace(prompt_token_ids=[9],
                                                                              num_output_tokens=0), 4) == []
     with pytest.raises(ValueError, match="p must be in"):
         OracleProposer({}, 1.5, 50)

@@ -93,11 +93,11 @@ def test_ngram_proposer_follows_a_growing_request():
     """The proposer keeps each request's tokens and appends its new outputs: drafts follow the latest tokens."""
     request = Request([7, 8, 9, 7, 8], SamplingParams(max_tokens=10))
     proposer = NgramProposer(1, 3)
-    assert proposer.propose(request, 2) == [9, 7]
+    assert proposer.propose_one(request, 2) == [9, 7]
     request.output_token_ids += [9, 1]
-    assert proposer.propose(request, 2) == []   # 1 occurred nowhere before
+    assert proposer.propose_one(request, 2) == []   # 1 occurred nowhere before
     request.output_token_ids += [7, 8, 9]
-    assert proposer.propose(request, 2) == [1, 7]
+    assert proposer.propose_one(request, 2) == [1, 7]
 
 
 def test_ngram_proposer_prefers_the_longest_suffix():

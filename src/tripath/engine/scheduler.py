@@ -34,9 +34,10 @@ tokens in flight. It needs the free blocks for them (otherwise one step is sched
 that meets a stop token inside such a step keeps its tokens up to the stop; the rest are dropped.
 
 *Speculative decoding* (``speculation``: a :class:`~tripath.engine.speculative.SpeculativeConfig`): a decode
-whose request can take drafts (see :meth:`Scheduler._drafts`) is scheduled as a *verify*: its pending token
-and the proposer's drafts, ``1 + d`` new tokens under the same budget and blocks as a prompt chunk (fewer
-drafts when they do not fit). The step scores all of them and yields the accepted drafts and one token more;
+whose request can take drafts (see :meth:`Scheduler._draft_room`) gets budget and blocks for its pending token
+and up to ``d`` drafts, as a prompt chunk would (fewer when they do not fit); then one call to the proposer
+(``proposer.propose([(request, d), ...])``, with the blocks already there for a draft model to write its own
+cache rows) drafts for all of them, and each is scheduled as a *verify* of ``1 + len(drafts)`` new tokens. The step scores all of them and yields the accepted drafts and one token more;
 :meth:`update` moves ``num_computed_tokens`` back past the rejected drafts, whose cache rows the next tokens
 overwrite (a block enters the prefix cache only once computed tokens fill it). The engine runs such steps
 one after the other (no overlapped scheduling, no multi-step decoding).
@@ -199,18 +200,27 @@ class Scheduler:
                 self._add(out, request, 1, steps)
             out.num_steps = steps
             return out
+        verifies: list[tuple[Request, int]] = []   # requests to draft for, with the drafts they have room for
         for request, pending in decodes + chunks:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted by a request before it
                 continue
-            drafts = self._drafts(request) if pending == 1 and self.proposer is not None else []
-            num_new = self._make_room(request, min(pending + len(drafts), budget), scheduled, out)
+            room = self._draft_room(request) if pending == 1 and self.proposer is not None else 0
+            num_new = self._make_room(request, min(pending + room, budget), scheduled, out)
             if num_new == 0:
                 continue
             budget -= num_new
             scheduled.add(id(request))
-            self._add(out, request, num_new, drafts=drafts[:num_new - 1])
+            if num_new > 1 and pending == 1:
+                verifies.append((request, num_new - 1))
+            else:
+                self._add(out, request, num_new)
+        if verifies:   # one call drafts for every verify; the room drafts did not fill returns to the budget
+            for (request, room), drafts in zip(verifies, self.proposer.propose(verifies)):
+                drafts = list(drafts)[:room]
+                budget += room - len(drafts)
+                self._add(out, request, 1 + len(drafts), drafts=drafts)
         # 3. waiting requests, in order, while the budget, the sequence limit and the free blocks allow.
         #    Nothing is admitted in a step that had to preempt: the memory is short already.
         now = time.perf_counter()
@@ -247,17 +257,16 @@ class Scheduler:
         need = sum(max(0, blocks_needed(r.num_computed_tokens + steps, bs) - len(r.block_ids)) for r in decodes)
         return steps if need <= self.block_manager.num_free_blocks else 1
 
-    def _drafts(self, request: Request) -> list[int]:
-        """Draft tokens for a running request's next step (speculative decoding): as many as
-        ``num_speculative_tokens`` and its ``max_tokens`` allow, none for a request whose sampling needs
+    def _draft_room(self, request: Request) -> int:
+        """How many drafts a running request's next step may verify (speculative decoding): as many as
+        ``num_speculative_tokens`` and its ``max_tokens`` allow; none for a request whose sampling needs
         each token before the next (a structured output, penalties, ``min_tokens``, ``logit_bias``), and
         none while a token of it is in flight."""
         params = request.sampling_params
         if request.num_inflight_tokens or request.grammar is not None or params.transforms_logits:
-            return []
+            return 0
         room = params.max_tokens - request.num_output_tokens - 1   # the verify step yields up to 1 + drafts
-        k = min(self.speculation.num_speculative_tokens, room)
-        return self.proposer.propose(request, k) if k > 0 else []
+        return max(0, min(self.speculation.num_speculative_tokens, room))
 
     @staticmethod
     def _add(out: SchedulerOutput, request: Request, num_new: int, num_steps: int = 1,

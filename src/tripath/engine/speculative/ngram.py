@@ -45,15 +45,20 @@ class TokenHistory:
 
 
 class NgramProposer:
-    """Drafts by prompt lookup (module doc). A proposer's ``propose(request, k)`` is called once per request
-    and verify step, with ``k >= 1`` the most drafts the request can take."""
+    """Drafts by prompt lookup (module doc). A proposer's ``propose([(request, k), ...])`` is called once a
+    step for the requests to verify, ``k >= 1`` the most drafts each can take; it returns a list of drafts
+    for each (at most ``k``)."""
 
     def __init__(self, lookup_min: int, lookup_max: int):
         self.lookup_min, self.lookup_max = lookup_min, lookup_max
         self._histories: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def propose(self, request, k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow a running request's tokens (prompt and outputs)."""
+    def propose(self, items) -> list[list[int]]:
+        """For each ``(request, k)`` of ``items``: up to ``k`` draft tokens to follow the running request's
+        tokens (prompt and outputs)."""
+        return [self.propose_one(request, k) for request, k in items]
+
+    def propose_one(self, request, k: int) -> list[int]:
         history = self._histories.get(request)
         if history is None:
             history = self._histories[request] = TokenHistory(request)

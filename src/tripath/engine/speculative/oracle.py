@@ -25,7 +25,10 @@ class OracleProposer:
         self.p, self.vocab_size = p, vocab_size
         self._random = random.Random(seed)
 
-    def propose(self, request, k: int) -> list[int]:
+    def propose(self, items) -> list[list[int]]:
+        return [self.propose_one(request, k) for request, k in items]
+
+    def propose_one(self, request, k: int) -> list[int]:
         run = self.recorded.get(tuple(request.prompt_token_ids))
         if run is None:
             return []
