@@ -1,5 +1,5 @@
-"""Engines that fail on cue, for the server's failure tests: top-level functions, so the engine core process
-(spawned: ``make_llm`` is pickled to it) can build them as well as the in-process engine thread.
+"""Engine cores that fail on cue, for the server's failure tests: top-level functions, so the engine core
+process (spawned: ``make_engine`` is pickled to it) can build them as well as the in-process engine thread.
 
 A step whose batch holds a prompt starting with :data:`POISON` raises ``RuntimeError("injected fault")``,
 with :data:`OOM_POISON` a device out-of-memory error; adding the prompt :data:`ADD_POISON` raises in
@@ -15,11 +15,11 @@ ADD_POISON = [13, 13]
 
 
 def faulty_llm(slow_s: float = 0.0, num_kv_blocks: int = 16):
-    from tripath.engine import LLM
+    from tripath.engine.core import EngineCore
 
     torch.set_num_threads(1)
-    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=num_kv_blocks)
-    launch = llm.runner.launch
+    core = EngineCore("tiny-llama", backend="torch", num_kv_blocks=num_kv_blocks, detokenize=False)
+    launch = core.runner.launch
 
     def faulty(scheduled, previous=None, num_steps=1):
         starts = [item.request.prompt_token_ids[:3] for item in scheduled]
@@ -31,13 +31,13 @@ def faulty_llm(slow_s: float = 0.0, num_kv_blocks: int = 16):
             time.sleep(slow_s)
         return launch(scheduled, previous, num_steps)
 
-    llm.runner.launch = faulty
-    add = llm.add_request
+    core.runner.launch = faulty
+    add = core.add_request
 
     def faulty_add(prompt, params=None, request_id=None):
         if list(prompt) == ADD_POISON:
             raise RuntimeError("injected add fault")
         return add(prompt, params, request_id)
 
-    llm.add_request = faulty_add
-    return llm
+    core.add_request = faulty_add
+    return core

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tripath.engine.core import StepResult
 from tripath.engine.request import CompletionOutput, FinishReason, RequestOutput
 from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.stats import EngineStats
@@ -167,20 +168,26 @@ class _StandIn:
     """An engine whose every step gives each live request one token (the request id's number); finished at 3."""
 
     def __init__(self):
-        self.live, self.aborted, self.decode_steps = {}, [], 1
-        self.scheduler = type("S", (), {"waiting": []})()
+        self.live, self.aborted, self.waiting = {}, [], []
+
+    @property
+    def num_waiting(self):
+        return len(self.waiting)
 
     def add_request(self, prompt, params, request_id=None):
         self.live[request_id] = 0
 
-    def abort_request(self, request_id):
+    def abort(self, request_id):
         self.aborted.append(request_id)
         self.live.pop(request_id, None)
 
     def has_unfinished_requests(self):
         return bool(self.live)
 
-    def step(self):
+    def step(self, decode_steps=None):
+        return StepResult(self.outputs())
+
+    def outputs(self):
         outs = []
         for request_id in list(self.live):
             self.live[request_id] += 1
@@ -193,7 +200,7 @@ class _StandIn:
         return outs
 
     def stats(self):
-        return EngineStats(len(self.live), len(self.scheduler.waiting), 0, 10, 0, 0, 0, 0)
+        return EngineStats(len(self.live), len(self.waiting), 0, 10, 0, 0, 0, 0)
 
 
 def _read_all(fd: int, reader: FrameReader) -> list:
@@ -219,11 +226,11 @@ def _close_pipes(pipes) -> None:
 
 
 def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
-    from tripath.server.engine_core import EngineCore
+    from tripath.server.engine_core import CoreLoop
 
     pipes = [(os.pipe(), os.pipe()) for _ in range(2)]   # per API server: (commands r, w), (updates r, w)
     llm = _StandIn()
-    core = EngineCore(llm, [(commands[0], updates[1]) for commands, updates in pipes], max_waiting=1)
+    core = CoreLoop(llm, [(commands[0], updates[1]) for commands, updates in pipes], max_waiting=1)
     readers = [FrameReader(), FrameReader()]
     try:
         core._handle(0, ("add", "srv0-1-0", [1, 2], SamplingParams(max_tokens=3)))
@@ -241,11 +248,11 @@ def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
                              "duplicate_request_id")]
         assert llm.aborted == []
         # the waiting queue is bounded for all API servers
-        llm.scheduler.waiting.append("someone")
+        llm.waiting.append("someone")
         core._handle(0, ("add", "srv0-2-0", [1], SamplingParams(max_tokens=3)))
         assert core._frontends[0].refused[0][:2] == ("srv0-2-0", 503) and "--max-queue-depth 1" in \
             core._frontends[0].refused[0][2] and core._frontends[0].refused[0][4] == "queue_full"
-        llm.scheduler.waiting.clear()
+        llm.waiting.clear()
         core._frontends[0].refused.clear()
         # API server 1 stops: its request ends with 503, it hears 'stopped', API server 0 serves on
         core._handle(1, ("stop",))
@@ -269,7 +276,7 @@ def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
 class _Talkative(_StandIn):
     """A stand-in whose requests never finish and bring 2,000 tokens a step (big updates)."""
 
-    def step(self):
+    def outputs(self):
         return [RequestOutput(request_id, None, [1], [CompletionOutput(0, "", [7])], False,
                               new_token_ids=list(range(2000))) for request_id in self.live]
 
@@ -285,7 +292,7 @@ def test_a_core_never_waits_for_an_api_server_that_stops_reading(monkeypatch):
     monkeypatch.setattr(C, "MAX_UNSENT_BYTES", 1 << 20)
     pipes = [(os.pipe(), os.pipe()) for _ in range(2)]
     llm = _Talkative()
-    core = C.EngineCore(llm, [(commands[0], updates[1]) for commands, updates in pipes])
+    core = C.CoreLoop(llm, [(commands[0], updates[1]) for commands, updates in pipes])
     reader0, reader1 = FrameReader(), FrameReader()
     got0 = []
     try:

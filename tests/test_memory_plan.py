@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tripath.engine import LLM, SamplingParams, StepFailed
+from tripath.engine.core import EngineCore
 from tripath.engine.memory_plan import (MemoryPlan, check_fits, kv_blocks_left, run_synthetic_step,
                                         worst_steps)
 from tripath.engine.warmup import WarmupLimits
@@ -245,9 +246,9 @@ def test_the_server_answers_an_out_of_memory_step_503_and_serves_the_next_reques
 
     def make():
         torch.set_num_threads(1)
-        llm = LLM("tiny-llama", backend="torch", num_kv_blocks=16)
-        holder["state"] = _flaky_forward(llm)
-        return llm
+        core = EngineCore("tiny-llama", backend="torch", num_kv_blocks=16)
+        holder["state"] = _flaky_forward(core)
+        return core
 
     app = build_app(make, model_name="tiny", engine_in_process=True)   # the test arms the engine it holds
     engine = app.state.server.engine
@@ -266,7 +267,7 @@ def test_the_server_answers_an_out_of_memory_step_503_and_serves_the_next_reques
         assert "out of memory" in r.json()["error"]["message"]
         good = asyncio.run(post({"model": "tiny", "prompt": [4, 5, 6], "max_tokens": 5, "ignore_eos": True}))
         assert good.status_code == 200 and len(good.json()["choices"][0]["token_ids"]) == 5
-        llm = engine.llm
+        llm = engine.core
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_usable_blocks
         assert engine.metrics.step_failures._value.get() == 1
     finally:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from tripath.engine.core import StepResult
 from tripath.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
 from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.stats import EngineStats
@@ -250,12 +251,12 @@ def test_the_core_decodes_one_step_at_a_time_while_requests_arrive(monkeypatch):
             if not prompt:
                 raise ValueError("prompt is empty")
 
-        def step(self):
-            self.seen.append(self.decode_steps)
-            return []
+        def step(self, decode_steps=None):
+            self.seen.append(self.decode_steps if decode_steps is None else min(decode_steps, self.decode_steps))
+            return StepResult()
 
     llm = StandIn(8)
-    core = C.EngineCore(llm, [(-1, -1)])   # the pipes are not used by _handle / _step
+    core = C.CoreLoop(llm, [(-1, -1)])   # the pipes are not used by _handle / _step
     window = C.ARRIVAL_WINDOW_S
     core._step()
     core._handle(0, ("add", "r1", [1, 2], SamplingParams(max_tokens=4)))
@@ -268,7 +269,7 @@ def test_the_core_decodes_one_step_at_a_time_while_requests_arrive(monkeypatch):
     core._step()
     assert llm.seen == [8, 1, 1, 8, 8] and core._frontends[0].refused and core._frontends[0].accepted == ["r1"]
     single = StandIn(1)
-    core = C.EngineCore(single, [(-1, -1)])
+    core = C.CoreLoop(single, [(-1, -1)])
     core._handle(0, ("add", "r3", [1], SamplingParams(max_tokens=4)))
     core._step()
     assert single.seen == [1]

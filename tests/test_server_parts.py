@@ -172,7 +172,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(monkeypatch, in_
         torch.set_num_threads(threads)
     assert not engine.alive   # released
     if in_process:
-        assert engine.llm is None
+        assert engine.core is None
 
 
 def _sample(text: str, name: str, **labels) -> float:
@@ -234,7 +234,7 @@ def test_the_server_freezes_the_heap_it_starts_with_and_releases_the_engine(monk
     served, engine = _app()
     try:
         assert gc.get_freeze_count() > 0
-        llm = weakref.ref(engine.llm)
+        llm = weakref.ref(engine.core)
     finally:
         served.close()
         torch.set_num_threads(threads)

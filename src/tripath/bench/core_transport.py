@@ -6,7 +6,7 @@ Reported: the update's size; the core's cost to encode it (the outputs to tuples
 process's to decode it (unpickled, to ``StepOutput``), medians; a round trip through a spawned echo process
 (p50 / p99); the updates a second the pipe streams one way; and the server's work per step on the engine's
 own thread (CPU time, a stand-in engine whose step returns the outputs at once): the engine core's loop
-(:class:`~tripath.server.engine_core.EngineCore`: encode, send) against the in-process engine thread's
+(:class:`~tripath.server.engine_core.CoreLoop`: encode, send) against the in-process engine thread's
 (:class:`~tripath.server.engine_loop.EngineLoop`: metrics per token, the hand-over to the event loop).
 
     tripath bench core-transport --outputs 256 --tokens 8
@@ -101,14 +101,16 @@ class _StandInEngine:
     def __init__(self, outputs: list):
         self.outputs, self.num_steps = outputs, 0
 
-    def step(self) -> list:
+    def step(self, decode_steps: int | None = None):
+        from tripath.engine.core import StepResult
+
         self.num_steps += 1
-        return self.outputs
+        return StepResult(self.outputs)
 
     def has_unfinished_requests(self) -> bool:
         return True
 
-    def abort_request(self, request_id: str) -> bool:
+    def abort(self, request_id: str) -> bool:
         return True
 
     def stats(self):
@@ -127,7 +129,7 @@ def _drain(updates) -> None:
 def _core_step_cpu_s(outs: list, steps: int) -> float:
     """CPU seconds per step of the engine core's loop (a spawned child reads its updates)."""
     from tripath.server.core_wire import widen
-    from tripath.server.engine_core import EngineCore
+    from tripath.server.engine_core import CoreLoop
 
     context = multiprocessing.get_context("spawn")
     commands, _ = context.Pipe(duplex=False)
@@ -136,7 +138,7 @@ def _core_step_cpu_s(outs: list, steps: int) -> float:
     process = context.Process(target=_drain, args=(reader,))
     process.start()
     reader.close()
-    core = EngineCore(_StandInEngine(outs), [(commands.fileno(), updates.fileno())])
+    core = CoreLoop(_StandInEngine(outs), [(commands.fileno(), updates.fileno())])
     core._live.update((o.request_id, [0, True]) for o in outs)
     start = time.thread_time()
     for _ in range(steps):
@@ -162,7 +164,7 @@ def _thread_step_cpu_s(outs: list, steps: int) -> float:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     engine = EngineLoop(None, ServerMetrics("bench"))
-    engine.llm = _StandInEngine(outs)
+    engine.core = _StandInEngine(outs)
     subs = [Submission(o.request_id, 0, [1], SamplingParams(max_tokens=1 << 40), loop, asyncio.Queue()) for o in outs]
     for sub in subs:
         engine._book.register(sub)

@@ -1,11 +1,15 @@
-"""The serving engine: requests, scheduler, block manager (prefix caching), model runner, sampler, LLM facade.
+"""The serving engine: requests, scheduler, block manager (prefix caching), model runner, sampler, the engine
+core and the LLM facade.
 
-``LLM(model, ...).generate(prompts, SamplingParams(...))`` for offline batches; ``add_request`` / ``step`` for
-servers. The engine owns no attention math: it plans each step and hands the backend one metadata.
+``LLM(model, ...).generate(prompts, SamplingParams(...))`` for offline batches; an
+:class:`~tripath.engine.core.EngineCore` (``add_request`` / ``step`` / ``abort``, ``info()``) for servers.
+The engine owns no attention math: it plans each step and hands the backend one metadata.
 """
 
 from tripath.engine.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
+from tripath.engine.core import EngineCore, StepFailure, StepResult
+from tripath.engine.engine_info import EngineInfo
 from tripath.engine.errors import StepFailed
 from tripath.engine.llm import LLM, RunMetrics
 from tripath.engine.request import CompletionOutput, FinishReason, Logprob, Request, RequestOutput, RequestStatus
@@ -16,5 +20,5 @@ __all__ = [
     "LLM", "RunMetrics", "EngineConfig", "SamplingParams", "Request", "RequestOutput", "CompletionOutput", "Logprob",
     "RequestStatus",
     "FinishReason", "Scheduler", "SchedulerOutput", "ScheduledRequest", "BlockManager",
-    "StepFailed",
+    "StepFailed", "EngineCore", "EngineInfo", "StepResult", "StepFailure",
 ]

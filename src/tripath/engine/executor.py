@@ -1,4 +1,4 @@
-"""The contract between :class:`~tripath.engine.LLM` and what runs its steps: one
+"""The contract between the engine core (:class:`~tripath.engine.core.EngineCore`) and what runs its steps: one
 :class:`~tripath.engine.model_runner.ModelRunner` in the engine's process, or a
 :class:`~tripath.engine.parallel_executor.ParallelExecutor` over tensor-parallel ranks.
 

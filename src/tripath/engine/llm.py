@@ -1,4 +1,5 @@
-"""The engine's front door: :class:`LLM` — offline ``generate`` and a step API for servers — plus run metrics.
+"""The offline front door: :class:`LLM` — ``generate``, ``chat``, ``stream``, a step API, run metrics — over
+an :class:`~tripath.engine.core.EngineCore` (the model, its KV cache, the scheduler and the executor).
 
 ::
 
@@ -6,29 +7,25 @@
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     llm.last_metrics            # throughput, TTFT, TPOT of that run
 
-    rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=8))   # servers: add, then step
+    rid = llm.add_request([1, 2, 3], SamplingParams(max_tokens=8))   # step by step: add, then step
     while llm.has_unfinished_requests():
         for out in llm.step(): ...   # out.new_token_ids, out.finished
 
     with LLM("/models/Qwen3-32B", tensor_parallel_size=2) as llm:   # ranks 1.. in spawned workers
         outs = llm.generate(prompts)
 
-Each ``step`` schedules (decodes, then prompt chunks, then new requests, under the token budget), runs the
-model once on the step's batch and returns a :class:`RequestOutput` for every request that produced a token
-or finished. With ``async_scheduling`` (the default; one rank) the steps overlap: ``step`` schedules and
-launches step N + 1 on the device, then reads step N's tokens and returns step N's outputs, so the host's
-work for a step runs while the device computes the one before (see :mod:`tripath.engine.scheduler`).
+What ``LLM`` adds to the core: text prompts (the tokenizer), ``n`` / ``best_of`` fan-out and grouping,
+progress bars and :class:`RunMetrics`, one thread at a time (:mod:`tripath.engine.llm_guards`), and
+:class:`~tripath.engine.errors.StepFailed` raised for a step that failed (the core reports it in its
+:class:`~tripath.engine.core.StepResult`). The core's parts stay readable here (``llm.scheduler``,
+``llm.runner``, ``llm.block_manager``, ``llm.config``, ...) for tests and tools; a server drives the core
+itself (:attr:`LLM.core`).
 """
 
 from __future__ import annotations
 
-import gc
-import logging
-import os
 import statistics
-import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -36,25 +33,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tripath.engine.block_manager import BlockManager
-from tripath.engine.config import EngineConfig
-from tripath.engine.errors import StepFailed
 from tripath.engine.choices import choice_params, group_choices
-from tripath.engine.generation_defaults import load_generation_defaults, usable_defaults
-from tripath.engine.launched_step import LaunchedStep, SampledStep
-from tripath.engine.llm_guards import EngineLock, check_sampling_token_ids, serialised
-from tripath.engine.model_runner import ModelRunner
+from tripath.engine.config import EngineConfig
+from tripath.engine.core import EngineCore
+from tripath.engine.errors import StepFailed
+from tripath.engine.llm_guards import EngineLock, serialised
 from tripath.engine.request import Request, RequestOutput
-from tripath.engine.sampling_params import SamplingParams, token_ids_of
-from tripath.engine.sampler import make_generator
-from tripath.engine.stats import EngineStats, StepTokenCounts
-from tripath.triton_internals import compiled_variants
-from tripath.engine.scheduler import Scheduler, SchedulerOutput
-from tripath.engine.step_pacing import StepPacer
+from tripath.engine.sampling_params import SamplingParams
+from tripath.engine.stats import EngineStats
 from tripath.engine.structured_output import GrammarCompiler
 
 Prompt = str | Sequence[int]
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -98,8 +87,22 @@ class RunMetrics:
                    statistics.median(ttfts) if ttfts else 0.0, statistics.fmean(tpots) if tpots else 0.0)
 
 
+
+
+def _core_attribute(name: str, doc: str, settable: bool = False) -> property:
+    """A read (or read-write) view of the core's attribute ``name``."""
+    def get(self):
+        return getattr(self.core, name)
+
+    def set_(self, value):
+        setattr(self.core, name, value)
+
+    return property(get, set_ if settable else None, doc=doc)
+
+
 class LLM:
-    """A model, its KV cache and a scheduler.
+    """A model, its KV cache and a scheduler (an :class:`~tripath.engine.core.EngineCore`, :attr:`core`),
+    offline.
 
     ``model``: a local directory, a Hugging Face hub id (``org/name``: from the local Hugging Face cache, or
     downloaded; see :mod:`tripath.models.hub`) or a preset name (loaded with :func:`tripath.models.load_model`,
@@ -119,8 +122,7 @@ class LLM:
     ``start_seconds`` is how long it took and :attr:`num_compiled_since_start` counts what compiled later.
     The start ends with a full garbage collection (:func:`gc.collect`), so that the collector's first pass
     over the start's objects does not pause a step. ``detokenize_outputs`` (True): a finished output carries
-    its ``text`` and its log-probabilities' ``decoded_token``; a caller that detokenises itself (the server's
-    engine core) sets it False, keeping that work off the step loop (``text`` is then None).
+    its ``text`` and its log-probabilities' ``decoded_token`` (False: ``text`` is None).
 
     One thread at a time: ``generate``, ``chat``, ``stream`` and the step API (``add_request``, ``step``,
     ``abort_request``) hold the engine's lock (:mod:`tripath.engine.llm_guards`), so calls from several
@@ -131,107 +133,44 @@ class LLM:
     def __init__(self, model, *, tokenizer=None, config: EngineConfig | None = None,
                  tensor_parallel_size: int = 1, revision: str | None = None, download_dir: str | None = None,
                  **engine_options):
-        if config is not None and engine_options:
-            raise TypeError(f"pass either config= or engine options ({', '.join(engine_options)}), not both")
-        if config is None:
-            if engine_options.get("dtype") is None and not isinstance(model, str):
-                engine_options["dtype"] = next(model.parameters()).dtype
-            known = set(EngineConfig.__dataclass_fields__)
-            unknown = sorted(set(engine_options) - known)
-            if unknown:
-                raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; EngineConfig has: "
-                                f"{', '.join(sorted(known))}")
-            config = EngineConfig(**engine_options)
-        self.config = config
-        start = time.perf_counter()
-        self.model_path = None   # the local directory or preset a model given by name loads from
-        if isinstance(model, (str, os.PathLike)):
-            from tripath.models.hub import resolve_model_path
-            model = self.model_path = resolve_model_path(os.fspath(model), revision=revision,
-                                                         cache_dir=download_dir)
-        if isinstance(tokenizer, (str, os.PathLike)):
-            from tripath.models import load_tokenizer
-            from tripath.models.hub import resolve_model_path
-            tokenizer = load_tokenizer(resolve_model_path(os.fspath(tokenizer), weights=False,
-                                                          cache_dir=download_dir))
-        self.generation_defaults = load_generation_defaults(
-            self.model_path if self.model_path is not None and os.path.isdir(self.model_path) else None,
-            config.generation_config)
-        self.get_default_sampling_params()   # a default the sampler refuses fails here, naming the field
-        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
-        self.runner = None
-        if tensor_parallel_size > 1:
-            from tripath.engine.parallel_executor import ParallelExecutor
-            from tripath.models import load_tokenizer
-            self.runner = ParallelExecutor(model, self.config, tensor_parallel_size)
-            model = self.runner.model
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-        elif isinstance(model, str):
-            from tripath.models import load_model, load_tokenizer
-            model = load_model(model, dtype=self.config.dtype, device=self.config.device)
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-        self.model = model.eval()
-        self.tokenizer = tokenizer
-        self.eos_token_ids = tuple(int(t) for t in getattr(model.config, "eos_token_ids", ()) or ())
-        if self.runner is None:
-            self.runner = ModelRunner(model, self.config)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
-                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                   max_model_len=self.runner.max_model_len,
-                                   enable_chunked_prefill=self.config.enable_chunked_prefill,
-                                   speculation=self.config.speculative_config)
-        speculating = self.config.speculative_config is not None   # verify steps read their drafts' outcome
-        self.overlap = self.config.async_scheduling and self.runner.capabilities.overlap and not speculating
-        pacing = self.config.step_pacing_s
-        if pacing > 0 and self.overlap and self.config.device.type != "cpu":
-            raise ValueError("step_time_target_s on a GPU needs async_scheduling=False: with overlapped steps the "
-                             "host does not wait for a step, so it cannot time one")
-        self._pacer = StepPacer(self.scheduler, pacing) if pacing > 0 else None   # on the CPU a launch computes
-        # model steps a step of decodes alone may take (multi-step decoding), where the executor can
-        self.decode_steps = self.config.decode_steps if self.runner.capabilities.multi_step and not speculating else 1
-        self._inflight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, tokens not read yet
-        self._grammar_compiler: GrammarCompiler | None = None
-        self._grammar_lock = threading.Lock()
         self._engine_lock = EngineLock()
-        self.detokenize_outputs = True
-        self.num_requests_added = 0
-        self.num_steps = 0
-        self.step_tokens = StepTokenCounts()   # new tokens per model step, for stats()
         self.last_metrics: RunMetrics | None = None
-        self._compiled_at_start = compiled_variants()
-        # The start leaves a few hundred thousand objects to the garbage collector (compiled kernels, the
-        # warm-up's probes), most of them still young: collected now, the collector's first full pass over
-        # them (0.2 s on mha-tp8) does not fall into the first requests' steps.
-        gc.collect()
-        self.start_seconds = time.perf_counter() - start
+        self.core = EngineCore(model, tokenizer=tokenizer, config=config, tensor_parallel_size=tensor_parallel_size,
+                               revision=revision, download_dir=download_dir, **engine_options)
+
+    config = _core_attribute("config", "The engine's :class:`EngineConfig`.")
+    model = _core_attribute("model", "The model (rank 0's shard under tensor parallelism).")
+    model_path = _core_attribute("model_path", "The local directory or preset a model given by name loads from.")
+    tokenizer = _core_attribute("tokenizer", "The model's tokenizer (None without one).", settable=True)
+    eos_token_ids = _core_attribute("eos_token_ids", "The model's end-of-sequence token ids.")
+    generation_defaults = _core_attribute("generation_defaults", "The model's ``generation_config.json`` values.")
+    runner = _core_attribute("runner", "The executor (``ModelRunner``, or ``ParallelExecutor`` over ranks).")
+    scheduler = _core_attribute("scheduler", "The :class:`~tripath.engine.scheduler.Scheduler`.")
+    block_manager = _core_attribute("block_manager", "The :class:`~tripath.engine.block_manager.BlockManager`.")
+    overlap = _core_attribute("overlap", "Whether steps overlap (``async_scheduling`` where the executor can).")
+    decode_steps = _core_attribute("decode_steps", "Model steps a step of decodes alone may take.", settable=True)
+    detokenize_outputs = _core_attribute("detokenize", "Whether finished outputs carry their text.", settable=True)
+    num_steps = _core_attribute("num_steps", "Steps run since start.")
+    step_tokens = _core_attribute("step_tokens", "New tokens per model step (``StepTokenCounts``).")
+    num_requests_added = _core_attribute("num_requests_added", "Requests queued since start.")
+    start_seconds = _core_attribute("start_seconds", "How long the engine took to build (warm-up included).")
+    backend_name = _core_attribute("backend_name", "The attention backend's name.")
+    num_compiled_since_start = _core_attribute(
+        "num_compiled_since_start", "Kernel variants compiled after the engine was built (0 when the warm-up "
+        "covered every step).")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The sampling parameters of requests that pass none: ``SamplingParams()`` with the defaults of the
         model's ``generation_config.json`` (``generation_defaults``, per the ``generation_config`` setting)
         that the engine implements."""
-        return SamplingParams(**usable_defaults(self.generation_defaults))
-
-    @property
-    def num_compiled_since_start(self) -> int:
-        """Kernel variants compiled after the engine was built (0 when the warm-up covered every step)."""
-        return compiled_variants() - self._compiled_at_start
-
-    @property
-    def backend_name(self) -> str:
-        return self.runner.backend.name
+        return self.core.default_sampling_params()
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (nothing to do for one rank) and the grammar compiler's
         threads; idempotent."""
-        runner = self.__dict__.get("runner")
-        if runner is not None:
-            runner.close()
-        compiler = self.__dict__.get("_grammar_compiler")
-        if compiler is not None:
-            compiler.close()
+        core = self.__dict__.get("core")
+        if core is not None:
+            core.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -255,241 +194,60 @@ class LLM:
         A structured output's grammar is compiled here, in the caller's thread, unless cached or given:
         ``grammar``, the compiled grammar of ``sampling_params.structured_output`` (from
         ``grammar_compiler().submit(...)``, which compiles off the caller's thread)."""
-        if sampling_params is not None and isinstance(sampling_params, SamplingParams) and \
-                sampling_params.num_choices > 1:
-            raise ValueError(f"sampling_params asks for {sampling_params.num_choices} completions (n / best_of): "
-                             "the step API runs one completion per request; add one request per completion "
-                             "(seed + i for choice i), or use generate()")
-        request = self._make_request(prompt, sampling_params, request_id, "prompt", self.num_requests_added,
-                                     grammar=grammar)
-        self.scheduler.add(request)
-        self.num_requests_added += 1
-        return request.request_id
+        text, token_ids = self._prompt_ids(prompt, "prompt")
+        return self.core.add_request(token_ids, sampling_params, request_id, grammar=grammar, prompt_text=text)
 
-    def _make_request(self, prompt: Prompt, sampling_params: SamplingParams | None, request_id: str | None,
-                      name: str, number: int, taken: set[str] = frozenset(), grammar=None) -> Request:
-        """A validated request (``name`` names the prompt in errors) that :meth:`Scheduler.add` will accept;
-        ``taken``: request ids claimed by requests about to be queued with it; ``grammar``: its structured
-        output's compiled grammar, when compiled already."""
-        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise TypeError(f"{name} is text: a text prompt needs a tokenizer; this model has none, pass "
-                                "token ids")
-            encoded = self.tokenizer.encode(prompt)
-            text, token_ids = prompt, list(getattr(encoded, "ids", encoded))  # `tokenizers` returns an Encoding
-        else:
-            text, token_ids = None, prompt
-        token_ids = token_ids_of(token_ids, name, getattr(self.model.config, "vocab_size", None))
-        check_sampling_token_ids(params, getattr(self.model.config, "vocab_size", None), name)
-        live = {r.request_id for r in (*self.scheduler.waiting, *self.scheduler.running)} | set(taken)
-        if request_id is None:
-            request_id, n = f"req-{number}", 0
-            while request_id in live:
-                n += 1
-                request_id = f"req-{number}-{n}"
-        elif not isinstance(request_id, str) or not request_id:
-            raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
-        elif request_id in live:
-            raise ValueError(f"request_id {request_id!r} is already queued or running")
-        request = Request(token_ids, params, request_id=request_id, prompt=text, eos_token_ids=self.eos_token_ids)
-        self.scheduler.check(request)
-        if params.structured_output is not None:
-            request.grammar = self.grammar_compiler().state(params.structured_output, grammar)
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else hash((self.config.seed, number))
-            request.generator = make_generator(seed, self.config.device)
-        return request
+    def _prompt_ids(self, prompt: Prompt, name: str) -> tuple[str | None, object]:
+        """``(text, token ids)`` of a prompt: text encoded with the tokenizer (``TypeError`` without one,
+        ``name`` naming the prompt), token ids as given (the core checks them)."""
+        if not isinstance(prompt, str):
+            return None, prompt
+        if self.tokenizer is None:
+            raise TypeError(f"{name} is text: a text prompt needs a tokenizer; this model has none, pass token ids")
+        encoded = self.tokenizer.encode(prompt)
+        return prompt, list(getattr(encoded, "ids", encoded))   # `tokenizers` returns an Encoding
 
     def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler of this engine's tokenizer (built on first use; thread-safe): its
         cache holds ``grammar_cache_mb``, its ``submit`` compiles on its own threads and ``timeout_s`` is
         ``grammar_compile_timeout_s``."""
-        with self._grammar_lock:
-            if self._grammar_compiler is None:
-                self._grammar_compiler = GrammarCompiler(
-                    self.tokenizer, self.runner.logits_width(), self.eos_token_ids,
-                    cache_bytes=self.config.grammar_cache_mb << 20, timeout_s=self.config.grammar_compile_timeout_s)
-        return self._grammar_compiler
+        return self.core.grammar_compiler()
 
     @serialised
     def abort_request(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False when no such request is queued or running."""
-        return self.scheduler.abort(request_id) is not None
+        return self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.core.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
         """The engine's state and cumulative counters now (requests, KV blocks, prefix cache, preemptions,
         steps): see :class:`~tripath.engine.stats.EngineStats`."""
-        blocks, scheduler = self.block_manager, self.scheduler
-        total = blocks.num_usable_blocks
-        return EngineStats(len(scheduler.running), len(scheduler.waiting), total - blocks.num_free_blocks, total,
-                           blocks.num_queried_tokens, blocks.num_hit_tokens, scheduler.num_preemptions,
-                           self.num_steps, tuple(self.step_tokens.counts), self.step_tokens.total,
-                           *scheduler.draft_counts.stats_fields())
+        return self.core.stats()
 
     @serialised
     def step(self) -> list[RequestOutput]:
         """One scheduling step and one model run; outputs of the requests that gained a token or finished
         (with overlapped scheduling, in the step launched by the call before this one).
 
-        If the step raises, the requests it scheduled are aborted (their blocks freed) and
-        :class:`StepFailed` is raised with their ids; a launched step before it is completed first, its
-        outputs carried by the exception. If scheduling itself raises, every running request is aborted and
-        named (the waiting ones stay queued). A device out-of-memory error also shrinks the scheduler's token
-        budget, so the next steps are smaller. Other requests keep running."""
-        previous, self._inflight = self._inflight, None
-        try:
-            out = self.scheduler.schedule(self.decode_steps)
-        except Exception as error:  # noqa: BLE001 - no step was formed: what ran is failed, nothing is lost unseen
-            outputs = self._read(previous) if previous is not None else []
-            running = [r.request_id for r in list(self.scheduler.running)]
-            for request_id in running:
-                self.scheduler.abort(request_id)
-            raise self._step_failed(error, running, outputs) from None
-        if out.is_empty:
-            if previous is None:
-                if self.scheduler.has_unfinished:
-                    raise RuntimeError("the scheduler could not schedule any unfinished request")
-                return []
-            return self._read(previous)
-        early: list[RequestOutput] | None = None
-        if self.overlap and previous is not None and any(s.request.grammar is not None for s in out.scheduled):
-            early = self._read_before(previous, out)   # the grammars' masks need the previous step's tokens
-            out.scheduled = [s for s in out.scheduled if not s.request.is_finished]  # the read ended them
-            if not out.scheduled:
-                return early
-            previous = None   # read: every input token of ``out`` is on the host now
-        try:
-            started = time.perf_counter()
-            launched = self.runner.launch(out.scheduled, None if previous is None else previous[1],
-                                          num_steps=out.num_steps)
-            if self.overlap:
-                self._inflight = (out, launched)
-            else:
-                sampled = launched.sampled()
-            if self._pacer is not None and out.num_steps == 1:
-                self._pacer.observe(sum(item.num_new_tokens for item in out.scheduled), time.perf_counter() - started)
-        except Exception as error:  # noqa: BLE001 - fails this step's requests only
-            outputs = early or []
-            try:
-                if previous is not None and early is None:
-                    outputs = self._read(previous)
-            finally:
-                failed = self._abort_scheduled(out)
-            raise self._step_failed(error, failed, outputs) from None
-        except BaseException:
-            try:
-                if previous is not None and early is None:
-                    self._read(previous)
-            finally:
-                self._abort_scheduled(out)
-            raise
-        self.num_steps += 1
-        self.step_tokens.observe(out.num_tokens, out.num_steps)
-        if not self.overlap:
-            return self._complete(out, sampled)
-        if early is not None:
-            return early
-        if previous is None:
-            return []
-        try:
-            return self._read(previous)
-        except Exception as error:  # noqa: BLE001
-            self._inflight = None
-            raise self._step_failed(error, self._abort_scheduled(previous[0], out), []) from None
-        except BaseException:
-            self._inflight = None
-            self._abort_scheduled(previous[0], out)
-            raise
-
-    def _read_before(self, previous: tuple[SchedulerOutput, LaunchedStep], out: SchedulerOutput
-                     ) -> list[RequestOutput] | None:
-        """Read ``previous`` before launching ``out`` (a step with structured output). On failure ``out``'s
-        requests are aborted too and :class:`StepFailed` names both steps' requests."""
-        try:
-            return self._read(previous)
-        except Exception as error:  # noqa: BLE001
-            raise self._step_failed(error, self._abort_scheduled(previous[0], out), []) from None
-        except BaseException:
-            self._abort_scheduled(previous[0], out)
-            raise
-
-    def _step_failed(self, error: Exception, request_ids: list[str], outputs: list[RequestOutput]) -> StepFailed:
-        """The :class:`StepFailed` for ``error``: logged with its traceback, whose frames (and the step's
-        tensors they hold) are then released; on a device out-of-memory error the token budget shrinks."""
-        logger.error("a step failed; its %d requests are aborted:\n%s", len(request_ids),
-                     "".join(traceback.format_exception(error)))
-        traceback.clear_frames(error.__traceback__)
-        if isinstance(error, torch.OutOfMemoryError):
-            budget = self.scheduler.shrink_token_budget()
-            logger.warning("out of device memory in a step: the scheduler now takes at most %d tokens a step",
-                           budget)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        return StepFailed(f"the engine step failed: {type(error).__name__}: {error}", request_ids, error, outputs)
-
-    def _read(self, launched: tuple[SchedulerOutput, LaunchedStep]) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and complete it."""
-        out, step = launched
-        return self._complete(out, step.sampled())
-
-    def _complete(self, out: SchedulerOutput, sampled: SampledStep) -> list[RequestOutput]:
-        """Hand a finished step's tokens to the scheduler and its log-probabilities to their requests; the
-        outputs of the requests that gained a token or finished."""
-        before = [item.request.num_output_tokens for item in out.scheduled]
-        finished = {id(r) for r in self.scheduler.update(out, sampled.tokens)}
-        outputs = []
-        for i, (item, count) in enumerate(zip(out.scheduled, before)):
-            request = item.request
-            new = request.output_token_ids[count:]
-            new_logprobs = None
-            if sampled.logprobs[i] is not None and request.logprobs is not None:
-                new_logprobs = sampled.logprobs[i][:len(new)]   # tokens after a stop are dropped
-                request.logprobs.extend(new_logprobs)
-                request.cumulative_logprob += sum(entry[token].logprob for token, entry in zip(new, new_logprobs))
-            if sampled.prompt_logprobs[i] is not None and request.prompt_logprobs is not None:
-                request.prompt_logprobs.extend(sampled.prompt_logprobs[i])
-            if new or id(request) in finished:
-                text = None
-                if request.is_finished and self.detokenize_outputs:
-                    text = self.decode(request.output_token_ids)
-                    self._decode_logprobs(request)
-                outputs.append(RequestOutput.of(request, new, text, new_logprobs))
-        return outputs
-
-    def _decode_logprobs(self, request: Request) -> None:
-        """Each reported token's text (``Logprob.decoded_token``), once the request has finished."""
-        if self.tokenizer is None:
-            return
-        for entries in (request.logprobs or (), request.prompt_logprobs or ()):
-            for entry in entries:
-                for token, logprob in (entry or {}).items():
-                    if logprob.decoded_token is None:
-                        logprob.decoded_token = self.tokenizer.decode([token])
-
-    def _abort_scheduled(self, *outs: SchedulerOutput) -> list[str]:
-        """Abort the unfinished requests of ``outs``; their ids."""
-        aborted = []
-        for out in outs:
-            for item in out.scheduled:
-                if not item.request.is_finished and self.scheduler.abort(item.request.request_id) is not None:
-                    aborted.append(item.request.request_id)
-        return aborted
+        If the step fails (:class:`~tripath.engine.core.StepResult`'s ``failure``), the requests it scheduled
+        are aborted (their blocks freed) and :class:`StepFailed` is raised with their ids; a launched step
+        before it is completed first, its outputs carried by the exception. If scheduling itself raises,
+        every running request is aborted and named (the waiting ones stay queued). A device out-of-memory
+        error also shrinks the scheduler's token budget, so the next steps are smaller. Other requests keep
+        running."""
+        result = self.core.step()
+        failure = result.failure
+        if failure is not None:
+            raise StepFailed(failure.message, list(failure.request_ids), failure.error, result.outputs) from None
+        return result.outputs
 
     def memory_report(self) -> str:
         """The GPU memory plan (:mod:`tripath.engine.memory_plan`): weights, KV cache, the reserved worst
         step of each kind, graph pools, headroom, and what was measured at start; on the CPU or with
         ``num_kv_blocks`` set, the cache size alone."""
-        plan = getattr(self.runner, "memory_plan", None)
-        if plan is not None:
-            return plan.summary()
-        return (f"KV cache: {self.runner.num_blocks} blocks of {self.runner.block_size} tokens "
-                f"({'num_kv_blocks' if self.config.num_kv_blocks else 'the CPU default'}; no GPU memory plan)")
+        return self.core.memory_report()
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
@@ -502,8 +260,7 @@ class LLM:
         added: list[str] = []
         try:
             for request in self._make_requests(*self._normalise(prompts, sampling_params)):
-                self.scheduler.add(request)
-                self.num_requests_added += 1
+                self.core.add(request)
                 added.append(request.request_id)
             while self.has_unfinished_requests():
                 for out in self.step():
@@ -512,16 +269,15 @@ class LLM:
                         lock.adopt()   # resumed, perhaps by another thread: its step() calls re-enter
         except BaseException:
             for request_id in added:
-                self.scheduler.abort(request_id)
+                self.core.abort(request_id)
             raise
         finally:
             if taken:
                 lock.release()
 
     def decode(self, token_ids: Sequence[int]) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        """``token_ids`` as text (special tokens skipped); None without a tokenizer."""
+        return self.core.decode(token_ids)
 
     # ---- offline ------------------------------------------------------------------------------------
     @serialised
@@ -555,8 +311,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         try:
             for request in batch:
-                self.scheduler.add(request)
-                self.num_requests_added += 1
+                self.core.add(request)
             with tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as bar:
                 while self.has_unfinished_requests():
                     for out in self.step():
@@ -568,7 +323,7 @@ class LLM:
                     bar.set_postfix_str(f"{produced / max(elapsed, 1e-9):.1f} output tok/s", refresh=False)
         except BaseException:
             for request_id in ids:
-                self.scheduler.abort(request_id)
+                self.core.abort(request_id)
             raise
         elapsed = time.perf_counter() - start
         queried = self.block_manager.num_queried_tokens - queried0
@@ -593,8 +348,11 @@ class LLM:
                                  "completion here")
         batch: list[Request] = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            batch.append(self._make_request(prompt, sp, None, f"prompts[{i}]", self.num_requests_added + i,
-                                            {r.request_id for r in batch}))
+            name = f"prompts[{i}]"
+            text, token_ids = self._prompt_ids(prompt, name)
+            batch.append(self.core.make_request(token_ids, sp, None, prompt_text=text, name=name,
+                                                number=self.num_requests_added + i,
+                                                taken={r.request_id for r in batch}))
         return batch
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,

@@ -40,6 +40,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tripath.engine.core import EngineCore
+from tripath.engine.engine_info import EngineInfo
 from tripath.server import protocol as P
 from tripath.server.api_servers import ApiServerRole, watch_supervisor
 from tripath.server.auth import DEFAULT_PUBLIC_PATHS, APIKeyCheck, check_public_paths
@@ -86,19 +88,20 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "; ".join(parts) or "invalid request", param
 
 
-def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str], max_queue_depth: int = 1024,
+def build_app(make_engine: Callable[[], EngineCore] | None, *, model_name: str | Sequence[str], max_queue_depth: int = 1024,
               request_timeout_s: float | None = None, on_fatal: Callable[[BaseException], None] | None = None,
               shutdown_timeout_s: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               api_key: str | None = None, chat_template: str | None = None,
-              describe: Callable[[object], str] | None = None, engine_in_process: bool = False,
+              describe: Callable[[EngineInfo], str] | None = None, engine_in_process: bool = False,
               api_server: ApiServerRole | None = None, public_paths: Sequence[str] = DEFAULT_PUBLIC_PATHS,
               docs: bool = True, max_structured_output_bytes: int = DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES,
               observability: Observability | None = None, tool_settings: ToolSettings | None = None,
               response_role: str = "assistant", max_logprobs: int = P.MAX_LOGPROBS,
               tokenizer_info: bool = False) -> FastAPI:
-    """The server for the engine ``make_llm()`` builds at start-up: in the engine core process it spawns
-    (``make_llm`` and ``describe`` are pickled to it: top-level functions or ``functools.partial`` of them), or
-    with ``engine_in_process`` on a thread of this process (any callable).
+    """The server for the :class:`~tripath.engine.core.EngineCore` ``make_engine()`` builds at start-up: in the
+    engine core process it spawns (``make_engine`` and ``describe`` are pickled to it: top-level functions or
+    ``functools.partial`` of them, e.g. of :func:`~tripath.server.core_process.build_engine_core`), or with
+    ``engine_in_process`` on a thread of this process (any callable).
 
     ``model_name``: the served name, or several (each accepted as a request's ``model``, all listed by
     ``/v1/models``; the first is the metrics' ``model_name``). ``api_key``: required on every path but
@@ -107,8 +110,9 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
     may send; ``response_role``: the role of a chat completion's message; ``max_logprobs``: the most
     log-probabilities a request may ask for per token (400 beyond); ``tokenizer_info``: serve
     ``GET /tokenizer_info``; ``chat_template``: Jinja text used by chat requests instead of the tokenizer's;
-    ``describe(llm)``: the start-up log line of the built engine. ``api_server``: this server is one of several
-    in front of an engine core another process started (:mod:`~tripath.server.api_servers`; ``make_llm`` is not
+    ``describe(info)``: the start-up log line of the built engine's
+    :class:`~tripath.engine.engine_info.EngineInfo`. ``api_server``: this server is one of several in front
+    of an engine core another process started (:mod:`~tripath.server.api_servers`; ``make_engine`` is not
     used): it talks to that core, and its ``/metrics`` answers for all of them
     (:mod:`~tripath.server.metrics_peers`).
     ``observability``: metric names, the stats line and the request log (default: :class:`Observability`'s);
@@ -133,7 +137,7 @@ def build_app(make_llm: Callable[[], object], *, model_name: str | Sequence[str]
                              "cannot be set with api_server")
         engine: Engine = EngineClient(None, metrics, on_fatal, core=api_server.channel)
     else:
-        engine = (EngineLoop if engine_in_process else EngineClient)(make_llm, metrics, on_fatal, describe)
+        engine = (EngineLoop if engine_in_process else EngineClient)(make_engine, metrics, on_fatal, describe)
     if not 0 <= max_logprobs <= P.MAX_LOGPROBS:
         raise ValueError(f"max_logprobs must be in [0, {P.MAX_LOGPROBS}], got {max_logprobs}")
     state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template,

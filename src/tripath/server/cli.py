@@ -296,14 +296,14 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     api_key, key_source = (args.api_key, "--api-key") if args.api_key is not None else _env.server_api_key()
     names = args.served_model_name or [model]
     from tripath.engine.cli_options import engine_options
-    from tripath.server.core_process import LOG_FORMAT, make_engine
+    from tripath.server.core_process import LOG_FORMAT, build_engine_core
     from tripath.server.startup import startup_summary
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT,
                         force=True)   # `tripath` configured the root logger for its commands already
     # picklable: the engine core process builds the engine and its start-up line with them
-    make_llm = functools.partial(make_engine, model, tokenizer=args.tokenizer,
-                                 generation_config=args.generation_config, **engine_options(args))
+    make_engine = functools.partial(build_engine_core, model, tokenizer=args.tokenizer,
+                                    generation_config=args.generation_config, **engine_options(args))
     describe = functools.partial(startup_summary, model=model, served_names=names)
     if api_server is None and args.api_server_count > 1:
         from tripath.server.api_servers import supervise
@@ -311,7 +311,7 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
 
         if listener is None:
             return _usage_error("--api-server-count > 1 needs a valid --host and --port")
-        spec = CoreSpec(make_llm, describe, logging.getLogger().getEffectiveLevel(), LOG_FORMAT,
+        spec = CoreSpec(make_engine, describe, logging.getLogger().getEffectiveLevel(), LOG_FORMAT,
                         max_waiting=args.max_queue_depth)
         logging.getLogger("tripath.server").info("listening on http://%s:%d with %d API servers; building the "
                                                  "engine for %s", args.host, listener.getsockname()[1],
@@ -324,7 +324,7 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
             server.should_exit = True
 
     try:
-        app = build_app(make_llm, model_name=names, max_queue_depth=args.max_queue_depth,
+        app = build_app(make_engine, model_name=names, max_queue_depth=args.max_queue_depth,
                         request_timeout_s=args.request_timeout, on_fatal=on_fatal,
                         shutdown_timeout_s=args.shutdown_timeout, max_request_bytes=args.max_request_bytes,
                         api_key=api_key, chat_template=chat_template, describe=describe,

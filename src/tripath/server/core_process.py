@@ -1,6 +1,7 @@
 """The engine core process of ``tripath serve``: what it is started with (:class:`CoreSpec`, pickled to the
-spawned process), its signals, and its entry (:func:`core_main`): build the engine with ``spec.make_llm()``,
-then run :class:`~tripath.server.engine_core.EngineCore` over it until the HTTP processes stop it.
+spawned process), its signals, and its entry (:func:`core_main`): build the engine core with
+``spec.make_engine()`` (an :class:`~tripath.engine.core.EngineCore`), then run
+:class:`~tripath.server.engine_core.CoreLoop` over it until the HTTP processes stop it.
 
 The core ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process group; so does a service
 manager's SIGTERM): the HTTP processes drain and then stop it over its pipes; a core that does not stop in
@@ -18,10 +19,11 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from tripath.engine.core import EngineCore
+from tripath.engine.engine_info import EngineInfo
 from tripath.server.core_wire import send, tokenizer_handle
-from tripath.server.engine_core import EngineCore
+from tripath.server.engine_core import CoreLoop
 from tripath.server.engine_steps import prepare_grammars
-from tripath.server.startup import cache_config
 
 log = logging.getLogger("tripath.server")
 
@@ -30,23 +32,30 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 @dataclass(frozen=True)
 class CoreSpec:
-    """What the core process is started with (pickled to it): ``make_llm`` builds the engine (a top-level
-    function or a ``functools.partial`` of one, e.g. :func:`make_engine`), ``describe(llm)`` its start-up log
-    line; the HTTP process's log level and format."""
+    """What the core process is started with (pickled to it): ``make_engine`` builds the
+    :class:`~tripath.engine.core.EngineCore` (a top-level function or a ``functools.partial`` of one, e.g.
+    :func:`build_engine_core`), ``describe(info)`` the start-up log line of its
+    :class:`~tripath.engine.engine_info.EngineInfo`; the HTTP process's log level and format."""
 
-    make_llm: Callable[[], object]
-    describe: Callable[[object], str] | None = None
+    make_engine: Callable[[], EngineCore]
+    describe: Callable[[EngineInfo], str] | None = None
     log_level: int = logging.WARNING
     log_format: str = LOG_FORMAT
     max_waiting: int | None = None
 
 
-def make_engine(model, **options):
-    """``LLM(model, **options)``: the engine of ``tripath serve`` (a picklable ``make_llm`` with
-    ``functools.partial``)."""
-    from tripath.engine import LLM
+def build_engine_core(model, **options) -> EngineCore:
+    """``EngineCore(model, detokenize=False, **options)``: the engine of ``tripath serve``, whose HTTP side
+    detokenises (a picklable ``make_engine`` with ``functools.partial``)."""
+    return EngineCore(model, detokenize=False, **options)
 
-    return LLM(model, **options)
+
+def checked_engine(built) -> EngineCore:
+    """What a ``make_engine()`` returned, if it is an :class:`EngineCore` (else ``TypeError``)."""
+    if not isinstance(built, EngineCore):
+        raise TypeError(f"make_engine() must return an EngineCore (tripath.engine.core), got {type(built).__name__}"
+                        "; an LLM's is its .core")
+    return built
 
 
 def ignore_stop_signals() -> None:
@@ -61,12 +70,10 @@ def _ignored(signum, frame) -> None:
     log.debug("engine core: %s ignored (the server stops the engine)", signal.Signals(signum).name)
 
 
-def engine_facts(llm, describe) -> dict:
-    return {"vocab_size": int(llm.model.config.vocab_size), "max_model_len": int(llm.runner.max_model_len),
-            "max_num_seqs": int(llm.config.max_num_seqs),
-            "generation_defaults": dict(getattr(llm, "generation_defaults", {})),
-            "summary": describe(llm) if describe is not None else "", "tokenizer": tokenizer_handle(llm.tokenizer),
-            "cache_config": cache_config(llm)}
+def engine_facts(core: EngineCore, describe) -> dict:
+    info = core.info()
+    return {"info": info, "summary": describe(info) if describe is not None else "",
+            "tokenizer": tokenizer_handle(core.tokenizer)}
 
 
 def core_main(spec: CoreSpec, frontends) -> None:
@@ -76,8 +83,8 @@ def core_main(spec: CoreSpec, frontends) -> None:
     ignore_stop_signals()
     logging.basicConfig(level=spec.log_level, format=spec.log_format, force=True)
     try:
-        llm = spec.make_llm()
-        facts = engine_facts(llm, spec.describe)
+        core = checked_engine(spec.make_engine())
+        facts = engine_facts(core, spec.describe)
     except BaseException as error:  # noqa: BLE001 - reported to the HTTP processes, which exit
         log.error("building the engine failed:\n%s", traceback.format_exc())
         for pair in frontends:   # a few bytes into an empty pipe: never waits
@@ -86,10 +93,9 @@ def core_main(spec: CoreSpec, frontends) -> None:
             except OSError:   # that HTTP process is gone
                 pass
         sys.exit(1)
-    llm.detokenize_outputs = False   # the HTTP processes detokenise
-    prepare_grammars(llm)
+    prepare_grammars(core)
     # Every object alive now lives as long as the server: moved out of the collector's generations, the full
     # collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
     gc.freeze()
-    EngineCore(llm, [(commands.fileno(), update.fileno()) for commands, update in frontends],
-               spec.max_waiting).run(facts)
+    CoreLoop(core, [(commands.fileno(), update.fileno()) for commands, update in frontends],
+             spec.max_waiting).run(facts)

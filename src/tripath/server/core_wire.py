@@ -18,9 +18,9 @@ Commands (HTTP process → core), a list per message (the writer sends what has 
 
 Messages (core → HTTP process):
 
-- ``("ready", facts)`` once the engine is built: ``facts`` a dict of ``vocab_size``, ``max_model_len``,
-  ``max_num_seqs``, ``generation_defaults``, ``summary`` (the start-up log line), ``tokenizer`` (how the HTTP
-  process gets its own, :func:`tokenizer_handle`), ``cache_config`` (the labels of ``vllm:cache_config_info``).
+- ``("ready", facts)`` once the engine is built: ``facts`` a dict of ``info`` (the engine's
+  :class:`~tripath.engine.engine_info.EngineInfo`), ``summary`` (the start-up log line) and ``tokenizer``
+  (how the HTTP process gets its own, :func:`tokenizer_handle`).
 - ``("start_failed", message)`` when it could not be built.
 - ``("update", accepted, refused, outputs, failed, stats, step_failures)`` after a pass of the core's loop
   (:mod:`~tripath.server.engine_core` says when): of the HTTP process's own requests, the ids the core
@@ -28,7 +28,7 @@ Messages (core → HTTP process):
   ``/metrics`` counts the rejection: :class:`~tripath.server.submissions.Failure`); the step's outputs,
   :func:`encode_output` each (the output that brings a request's first tokens carries the engine's queue
   and prefill times); ``(request_ids, status, message, type)`` of each failed step; then
-  :func:`encode_stats` of ``LLM.stats()`` and the number of steps that failed since the core started.
+  :func:`encode_stats` of ``EngineCore.stats()`` and the number of steps that failed since the core started.
 - ``("stopped",)`` when the core is done with that HTTP process: it has released the engine and is about to
   exit, or (several HTTP processes) has ended this one's requests after its ``stop``.
 """

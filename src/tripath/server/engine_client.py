@@ -36,9 +36,12 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from tripath.engine.core import EngineCore
+from tripath.engine.engine_info import EngineInfo
 from tripath.server.core_wire import (READ_BYTES, FrameReader, Outbox, decode_output, decode_stats, frame,
                                       load_tokenizer_handle, widen)
 from tripath.server.core_process import LOG_FORMAT, CoreSpec, core_main
+from tripath.server.startup import cache_config
 from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission, SubmissionBook
 
 log = logging.getLogger("tripath.server")
@@ -111,23 +114,24 @@ class CoreChannel:
 
 
 class EngineClient:
-    """The engine core process that ``make_llm()`` builds in, and the handlers' side of it. ``make_llm`` and
-    ``describe`` are pickled to the core: top-level functions, or ``functools.partial`` of them. With ``core``
+    """The engine core process that ``make_engine()`` builds the :class:`~tripath.engine.core.EngineCore` in,
+    and the handlers' side of it. ``make_engine`` and ``describe`` are pickled to the core: top-level
+    functions, or ``functools.partial`` of them. With ``core``
     the client starts no core: it talks to the one at the other end of that channel, which its starter owns
     (stops, kills, reports the exit of)."""
 
-    def __init__(self, make_llm: Callable[[], object] | None, metrics,
+    def __init__(self, make_engine: Callable[[], EngineCore] | None, metrics,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 describe: Callable[[object], str] | None = None, core: CoreChannel | None = None):
-        self._spec = CoreSpec(make_llm, describe, logging.getLogger().getEffectiveLevel(), LOG_FORMAT)
+                 describe: Callable[[EngineInfo], str] | None = None, core: CoreChannel | None = None):
+        self._spec = CoreSpec(make_engine, describe, logging.getLogger().getEffectiveLevel(), LOG_FORMAT)
         self._core = core
         self.request_id_prefix = "srv" if core is None else f"srv{core.index}"   # engine request ids: prefix-n-choice
         if core is None:
             try:
                 pickle.dumps(self._spec)
             except Exception as error:  # noqa: BLE001 - pickling raises many types
-                raise TypeError(f"the engine core process needs a picklable make_llm and describe (top-level "
-                                f"functions or functools.partial of them), got {make_llm!r}: {error}; run a closure "
+                raise TypeError(f"the engine core process needs a picklable make_engine and describe (top-level "
+                                f"functions or functools.partial of them), got {make_engine!r}: {error}; run a closure "
                                 "in process (engine_in_process=True)") from None
         self.metrics = metrics
         self._on_fatal = on_fatal
@@ -343,9 +347,10 @@ class EngineClient:
             self.startup_error = EngineStartError(f"loading the tokenizer failed: {type(error).__name__}: {error}")
             self._command(("stop",))
             return
-        self.vocab_size, self.max_model_len = facts["vocab_size"], facts["max_model_len"]
-        self.max_num_seqs, self.generation_defaults = facts["max_num_seqs"], facts["generation_defaults"]
-        self.metrics.engine_ready(self.max_model_len, facts.get("cache_config"))
+        info: EngineInfo = facts["info"]
+        self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
+        self.max_num_seqs, self.generation_defaults = info.max_num_seqs, dict(info.generation_defaults)
+        self.metrics.engine_ready(self.max_model_len, cache_config(info))
         self._ready.set()
         self._settled.set()
         speaks = self._core is None or self._core.index == 0   # of several API servers, the first says it

@@ -1,17 +1,17 @@
-"""The engine core: the process that owns the :class:`~tripath.engine.LLM` (and its tensor-parallel ranks,
-which it spawns) for ``tripath serve``, and only schedules and steps; the HTTP processes — one, or several
+"""The engine core process's loop: the process that owns the :class:`~tripath.engine.core.EngineCore` (and
+its tensor-parallel ranks, which it spawns) for ``tripath serve``, and only schedules and steps; the HTTP processes — one, or several
 with ``--api-server-count`` (:mod:`~tripath.server.api_servers`) — tokenise, validate, detokenise and frame
 the streams (:mod:`~tripath.server.engine_client`).
 
-:class:`EngineCore` sends the engine's facts to every HTTP process (``ready``,
+:class:`CoreLoop` sends the engine's facts to every HTTP process (``ready``,
 :mod:`~tripath.server.core_wire`), then loops: take every
 command that has arrived from any of them (adds, aborts, stop) — waiting for one only while nothing runs —,
 take a step (:mod:`~tripath.server.engine_steps`), and send each HTTP process ONE update with what that pass
 produced for its requests: the adds it took or refused, every output of the step (new tokens, finish, new
-log-probabilities, prompt log-probabilities once), the requests a failed step failed, and ``LLM.stats()``.
+log-probabilities, prompt log-probabilities once), the requests a failed step failed, and ``EngineCore.stats()``.
 An HTTP process with nothing in a pass gets the stats alone at most every :data:`STATS_REFRESH_S`, and at
 once when the engine goes idle. The engine does not decode finished outputs here
-(``LLM.detokenize_outputs`` off): the HTTP processes detokenise. With several HTTP processes each bounds
+(``EngineCore(detokenize=False)``): the HTTP processes detokenise. With several HTTP processes each bounds
 its own requests and the core bounds the engine's waiting queue for all (``CoreSpec.max_waiting``).
 
 No request and no HTTP process holds the loop up. A request with a structured output waits for its grammar
@@ -26,8 +26,8 @@ While requests arrive the core decodes one step at a time: an add that finds a g
 steps launched waits for it (and, with overlapped scheduling, for the group after it: 13 ms on the TP-8
 shape), and on a server whose streams end and restart together the adds of one round reach the core over
 100-300 ms (the round's prefills stagger the streams' ends). Once no request has arrived for
-:data:`ARRIVAL_WINDOW_S` the engine's ``decode_steps`` apply again (offline, ``LLM.generate`` adds its
-requests at step boundaries and keeps them). Measured against no window, the window's gain is within the
+:data:`ARRIVAL_WINDOW_S` the engine's ``decode_steps`` apply again (``EngineCore.step(decode_steps=1)``
+meanwhile; offline, ``LLM.generate`` adds its requests at step boundaries and keeps them). Measured against no window, the window's gain is within the
 noise of a run (docs/BENCHMARKS.md).
 
 Each HTTP process drains at its stop, then sends ``stop``, which ends what it still has in the engine (503)
@@ -47,6 +47,7 @@ import time
 import traceback
 from typing import Sequence
 
+from tripath.engine.core import EngineCore
 from tripath.server.core_wire import READ_BYTES, FrameReader, Outbox, encode_output, encode_stats
 from tripath.server.engine_steps import add_request, close_engine, release_memory, take_step
 from tripath.server.grammar_waits import GrammarWaits
@@ -84,14 +85,14 @@ class _Frontend:
         self.accepted, self.refused, self.outputs, self.failed = [], [], [], []
 
 
-class EngineCore:
-    """The core's loop over one built engine (see the module doc). ``frontends``: ``(commands, updates)`` file
+class CoreLoop:
+    """The core's loop over one built engine core (see the module doc). ``frontends``: ``(commands, updates)`` file
     descriptors of each HTTP process's pipe ends (the update ends are made non-blocking; -1: not used);
     ``max_waiting``: with several, the most requests the engine may hold waiting (an add beyond it is refused
     with 503), None for no bound here."""
 
-    def __init__(self, llm, frontends: Sequence[tuple[int, int]], max_waiting: int | None = None):
-        self.llm = llm
+    def __init__(self, core: EngineCore, frontends: Sequence[tuple[int, int]], max_waiting: int | None = None):
+        self.core = core
         self._frontends = [_Frontend(commands, updates) for commands, updates in frontends]
         self._open = set(range(len(self._frontends)))
         self._poller = select.poll()
@@ -107,12 +108,11 @@ class EngineCore:
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
         self._poller.register(self._wake_read, select.POLLIN)
-        self._grammars = GrammarWaits(lambda: self.llm.grammar_compiler(), self._wake)
+        self._grammars = GrammarWaits(lambda: self.core.grammar_compiler(), self._wake)
         self._max_waiting = max_waiting
         self._live: dict[str, list] = {}   # request id -> [its frontend, its prompt's log-probabilities were sent]
         self._step_failures = 0            # since start
         self._stopping = False
-        self._decode_steps = getattr(llm, "decode_steps", 1)   # the engine's multi-step decoding, between arrivals
         self._last_arrival = float("-inf")
 
     def run(self, facts: dict) -> None:
@@ -123,9 +123,9 @@ class EngineCore:
         try:
             while not self._stopping:
                 try:
-                    self._receive(block=not self.llm.has_unfinished_requests())
+                    self._receive(block=not self.core.has_unfinished_requests())
                     self._add_compiled()
-                    if not self._stopping and self.llm.has_unfinished_requests():
+                    if not self._stopping and self.core.has_unfinished_requests():
                         self._step()
                 except Exception as error:  # noqa: BLE001 - never leave requests hanging on a dead loop
                     log.error("the engine loop failed:\n%s", traceback.format_exc())
@@ -193,13 +193,13 @@ class EngineCore:
                 if failure is None:
                     return   # added once its grammar has compiled (_add_compiled)
             if failure is None:
-                failure = add_request(self.llm, request_id, prompt_token_ids, params)
+                failure = add_request(self.core, request_id, prompt_token_ids, params)
             self._added(index, request_id, failure)
         elif kind == "abort":
             entry = self._live.get(command[1])
             if entry is not None and entry[0] == index:
                 del self._live[command[1]]
-                self.llm.abort_request(command[1])
+                self.core.abort(command[1])
             elif command[1] in self._grammars and self._grammars.owner(command[1]) == index:
                 self._grammars.cancel(command[1])
         elif kind == "stop":
@@ -226,13 +226,13 @@ class EngineCore:
             if wait.owner not in self._open:
                 continue
             if failure is None:
-                failure = add_request(self.llm, wait.request_id, wait.prompt_token_ids, wait.params, grammar)
+                failure = add_request(self.core, wait.request_id, wait.prompt_token_ids, wait.params, grammar)
             self._added(wait.owner, wait.request_id, failure)
 
     def _overloaded(self) -> Failure | None:
         if self._max_waiting is None:
             return None
-        waiting = len(self.llm.scheduler.waiting) + len(self._grammars)
+        waiting = self.core.num_waiting + len(self._grammars)
         if waiting < self._max_waiting:
             return None
         return Failure(503, f"the server is overloaded: {waiting} engine requests wait for a place in the batch "
@@ -240,10 +240,8 @@ class EngineCore:
 
     # ---- steps ----------------------------------------------------------------------------------------------
     def _step(self) -> None:
-        if self._decode_steps > 1:
-            arriving = time.monotonic() - self._last_arrival < ARRIVAL_WINDOW_S
-            self.llm.decode_steps = 1 if arriving else self._decode_steps
-        result = take_step(self.llm)
+        arriving = time.monotonic() - self._last_arrival < ARRIVAL_WINDOW_S
+        result = take_step(self.core, 1 if arriving else None)
         live, frontends = self._live, self._frontends
         for out in result.outputs:
             entry = live.get(out.request_id)
@@ -273,7 +271,7 @@ class EngineCore:
         for request_id, entry in list(self._live.items()):
             if index is None or entry[0] == index:
                 del self._live[request_id]
-                self.llm.abort_request(request_id)
+                self.core.abort(request_id)
                 by_frontend.setdefault(entry[0], []).append(request_id)
         for wait in self._grammars.cancel_all(owner=index):
             by_frontend.setdefault(wait.owner, []).append(wait.request_id)
@@ -290,19 +288,19 @@ class EngineCore:
         one whose pipe has not taken the last update yet."""
         stats = None
         now = time.monotonic()
-        idle = final or self.llm is None or not self.llm.has_unfinished_requests()
+        idle = final or self.core is None or not self.core.has_unfinished_requests()
         for index in list(self._open):
             frontend = self._frontends[index]
             recent = not idle and now - frontend.sent_at < STATS_REFRESH_S
             if not frontend.has_items() and (len(frontend.unsent) > 0 or recent):
                 continue
-            stats = encode_stats(self.llm.stats()) if stats is None else stats
+            stats = encode_stats(self.core.stats()) if stats is None else stats
             if frontend.has_items() or stats != frontend.sent_stats:
                 self._send_update(index, now, stats)
 
     def _send_update(self, index: int, now: float, stats: tuple | None = None) -> None:
         frontend = self._frontends[index]
-        stats = encode_stats(self.llm.stats()) if stats is None else stats
+        stats = encode_stats(self.core.stats()) if stats is None else stats
         sent = self._send(index, ("update", frontend.accepted, frontend.refused, frontend.outputs, frontend.failed,
                                   stats, self._step_failures))
         frontend.clear()
@@ -382,7 +380,7 @@ class EngineCore:
         for request_id, entry in list(self._live.items()):
             if entry[0] == index:
                 del self._live[request_id]
-                self.llm.abort_request(request_id)
+                self.core.abort(request_id)
         self._grammars.cancel_all(owner=index)
         if not self._open:
             self._stopping = True
@@ -397,8 +395,8 @@ class EngineCore:
 
     def _release(self) -> None:
         self._grammars.cancel_all()
-        device = close_engine(self.llm)
-        self.llm = None
+        device = close_engine(self.core)
+        self.core = None
         release_memory(device)
         for fd in (self._wake_read, self._wake_write):
             with contextlib.suppress(OSError):

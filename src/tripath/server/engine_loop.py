@@ -1,5 +1,5 @@
-"""The in-process engine: one thread of the HTTP process owns the :class:`~tripath.engine.LLM` (and so the
-GPU), builds it, and runs every ``add_request`` / ``step`` / ``abort_request`` on itself, fed by a command
+"""The in-process engine: one thread of the HTTP process owns the :class:`~tripath.engine.core.EngineCore`
+(and so the GPU), builds it, and runs every ``add_request`` / ``step`` / ``abort`` on itself, fed by a command
 queue (``tripath serve --engine-in-process``, and tests that patch the engine).
 
 It serves the handlers' :class:`~tripath.server.submissions.Engine` interface as
@@ -19,6 +19,9 @@ import threading
 import traceback
 from typing import Callable
 
+from tripath.engine.core import EngineCore
+from tripath.engine.engine_info import EngineInfo
+from tripath.server.core_process import checked_engine
 from tripath.server.engine_steps import add_request, close_engine, prepare_grammars, release_memory, take_step
 from tripath.server.grammar_waits import GrammarWaits
 from tripath.server.startup import cache_config
@@ -28,11 +31,13 @@ log = logging.getLogger("tripath.server")
 
 
 class EngineLoop:
-    """Builds the engine with ``make_llm()`` on its own thread and serves submissions until stopped."""
+    """Builds the engine core with ``make_engine()`` on its own thread and serves submissions until stopped;
+    ``describe(info)``: the start-up log line of its :class:`~tripath.engine.engine_info.EngineInfo`."""
 
-    def __init__(self, make_llm: Callable[[], object], metrics, on_fatal: Callable[[BaseException], None] | None = None,
-                 describe: Callable[[object], str] | None = None):
-        self._make_llm = make_llm
+    def __init__(self, make_engine: Callable[[], EngineCore], metrics,
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 describe: Callable[[EngineInfo], str] | None = None):
+        self._make_engine = make_engine
         self.metrics = metrics
         self.request_id_prefix = "srv"
         self._on_fatal = on_fatal
@@ -41,15 +46,15 @@ class EngineLoop:
         self._book = SubmissionBook(metrics)
         self._ready = threading.Event()
         self._stopping = False
-        self.llm = None
+        self.core: EngineCore | None = None
         self.tokenizer = None          # read-only to the handlers once ready
         self.vocab_size = 0
         self.max_model_len = 0
         self.max_num_seqs = 0
-        self.generation_defaults: dict = {}   # the model's sampling defaults (LLM.generation_defaults)
+        self.generation_defaults: dict = {}   # the model's sampling defaults (EngineInfo.generation_defaults)
         self.startup_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tripath-engine", daemon=True)
-        self._grammars = GrammarWaits(lambda: self.llm.grammar_compiler(), lambda: self._inbox.put(("grammars", None)))
+        self._grammars = GrammarWaits(lambda: self.core.grammar_compiler(), lambda: self._inbox.put(("grammars", None)))
 
     # ---- from the server ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -57,7 +62,7 @@ class EngineLoop:
 
     @property
     def ready(self) -> bool:
-        """True once ``make_llm()`` has returned (the engine is built and warmed up) and until shutdown."""
+        """True once ``make_engine()`` has returned (the engine is built and warmed up) and until shutdown."""
         return self._ready.is_set() and not self._stopping
 
     @property
@@ -96,15 +101,15 @@ class EngineLoop:
     # ---- the thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.llm = self._make_llm()
-            self.tokenizer = self.llm.tokenizer
-            self.vocab_size = int(self.llm.model.config.vocab_size)
-            self.max_model_len = int(self.llm.runner.max_model_len)
-            self.max_num_seqs = int(self.llm.config.max_num_seqs)
-            self.generation_defaults = dict(getattr(self.llm, "generation_defaults", {}))
-            prepare_grammars(self.llm)
-            self.metrics.engine_ready(self.max_model_len, cache_config(self.llm))
-            self.metrics.observe_engine(self.llm.stats())
+            self.core = checked_engine(self._make_engine())
+            info = self.core.info()
+            self.tokenizer = self.core.tokenizer
+            self.vocab_size, self.max_model_len, self.max_num_seqs = info.vocab_size, info.max_model_len, \
+                info.max_num_seqs
+            self.generation_defaults = dict(info.generation_defaults)
+            prepare_grammars(self.core)
+            self.metrics.engine_ready(self.max_model_len, cache_config(info))
+            self.metrics.observe_engine(self.core.stats())
         except BaseException as error:  # noqa: BLE001 - reported to the server, which exits
             self.startup_error = error
             log.error("building the engine failed:\n%s", traceback.format_exc())
@@ -115,12 +120,12 @@ class EngineLoop:
         # full collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
         gc.freeze()
         self._ready.set()
-        log.info("engine ready: %s", self._describe(self.llm) if self._describe is not None else "")
+        log.info("engine ready: %s", self._describe(info) if self._describe is not None else "")
         try:
             while not self._stopping:
                 try:
-                    self._drain(block=not self.llm.has_unfinished_requests())
-                    if not self._stopping and self.llm.has_unfinished_requests():
+                    self._drain(block=not self.core.has_unfinished_requests())
+                    if not self._stopping and self.core.has_unfinished_requests():
                         self._step()
                 except Exception as error:  # noqa: BLE001 - never leave requests hanging on a dead loop
                     log.error("the engine loop failed:\n%s", traceback.format_exc())
@@ -135,7 +140,7 @@ class EngineLoop:
         self._grammars.cancel_all()
         for request_id in self._book.request_ids():
             try:
-                self.llm.abort_request(request_id)
+                self.core.abort(request_id)
             finally:
                 self._book.fail([request_id], failure)
 
@@ -169,15 +174,15 @@ class EngineLoop:
                 if failure is None:
                     return   # added once its grammar has compiled (_add_compiled)
             if failure is None:
-                failure = add_request(self.llm, sub.request_id, sub.prompt_token_ids, sub.params)
+                failure = add_request(self.core, sub.request_id, sub.prompt_token_ids, sub.params)
             self._added(sub, failure)
         elif kind == "abort":
             request_id, outcome = arg
             self._grammars.cancel(request_id)   # if it waits for its grammar
             if request_id in self._book:
-                self.llm.abort_request(request_id)
+                self.core.abort(request_id)
                 self._book.end(request_id, outcome)
-                self._book.publish(self.llm.stats())
+                self._book.publish(self.core.stats())
         elif kind == "stop":
             self._stopping = True
 
@@ -191,23 +196,23 @@ class EngineLoop:
         """Add the requests whose grammars have compiled; refuse those whose compile failed or is overdue."""
         for wait, grammar, failure in self._grammars.settled():
             if failure is None:
-                failure = add_request(self.llm, wait.request_id, wait.prompt_token_ids, wait.params, grammar)
+                failure = add_request(self.core, wait.request_id, wait.prompt_token_ids, wait.params, grammar)
             self._added(wait.owner, failure)
 
     def _step(self) -> None:
-        result = take_step(self.llm)
+        result = take_step(self.core)
         if any(failure.status >= 500 for _, failure in result.failed):
             self.metrics.step_failures.inc()
         num_new = self._book.outputs(result.outputs)
         for request_ids, failure in result.failed:
             self._book.fail(request_ids, failure)
-        self._book.publish(self.llm.stats(), num_new)
+        self._book.publish(self.core.stats(), num_new)
 
     def _shutdown(self) -> None:
         self._abort_all(SHUTTING_DOWN)
-        self._book.publish(self.llm.stats())
+        self._book.publish(self.core.stats())
         self._book.flush()
-        device = close_engine(self.llm)
-        self.llm = None
+        device = close_engine(self.core)
+        self.core = None
         release_memory(device)
         log.info("engine stopped")

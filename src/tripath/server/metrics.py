@@ -7,7 +7,7 @@ Every metric carries the labels ``model_name`` (the first served model name) and
 ``vllm:cache_config_info``, whose labels are the KV cache's settings and ``engine``, as vLLM's. Engine state
 after each step: requests running / waiting, KV-cache usage, and the cumulative prefix-cache queries / hits
 (prompt tokens), preemptions, steps and tokens per step (``iteration_tokens_total``), from
-:meth:`tripath.engine.LLM.stats`. Per engine request — one per choice, so a request with ``n=2`` counts twice
+:meth:`tripath.engine.core.EngineCore.stats`. Per engine request — one per choice, so a request with ``n=2`` counts twice
 everywhere: time to first token when its first token arrives (whatever ends it later: a stop string, a client
 that leaves), the prompt tokens counted then too, the inter-token latency of every later token (a step that
 brings several tokens of a request spreads the interval evenly over them), and when it ends, by any cause,
