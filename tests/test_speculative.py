@@ -39,7 +39,7 @@ def pure_torch(monkeypatch):
     ({"num_speculative_tokens": 16}, r"num_speculative_tokens must be in \[1, 15\]"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an int"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-    ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown key.*draft_tensor_parallel_size"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 4}, "unknown key.*disable_by_batch_size"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_settings_name_what_is_wrong(config, message):
@@ -276,6 +276,41 @@ def test_log_probabilities_of_verified_tokens_are_those_without_speculation(pure
                 assert a[token].rank == b[token].rank
                 assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-4)
         assert out.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("draft, variant", [("tiny-llama", "ample"), ("tiny-llama", "tight_memory"),
+                                            ("tiny-qwen3", "small_budget")])
+def test_draft_model_greedy_outputs_are_those_without_speculation(pure_torch, draft, variant):
+    """A draft model beside the target: the target itself (every greedy draft is the target's own next token,
+    so each verify keeps them all, through preemptions too) or another model of the same vocabulary."""
+    model, prompts = preset("tiny-llama"), repetitive_prompts()
+    want = outputs(LLM(model, backend="torch", **VARIANTS[variant]), prompts)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    llm = LLM(model, backend="torch", speculative_config=spec, **VARIANTS[variant])
+    assert type(llm.scheduler.proposer).__name__ == "DraftModelProposer"
+    assert outputs(llm, prompts) == want
+    stats = llm.stats()
+    assert stats.spec_num_drafts > 0
+    if draft == "tiny-llama":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    if variant == "tight_memory":
+        assert stats.num_preemptions > 0
+
+
+def test_draft_model_refusals():
+    with pytest.raises(ValueError, match="'draft_model' needs model"):
+        EngineConfig(device="cpu", speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
+        EngineConfig(device="cpu", speculative_config={"model": "tiny-llama", "num_speculative_tokens": 2,
+                                                       "draft_tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match="'draft_model' runs with tensor_parallel_size 1"):
+        LLM("tiny-llama", tensor_parallel_size=2, speculative_config={"model": "tiny-llama",
+                                                                     "num_speculative_tokens": 2})
+    from engine_models import tiny_model
+
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens, the target 61"):
+        LLM(tiny_model(), backend="torch", num_kv_blocks=16,
+            speculative_config={"model": "tiny-llama", "num_speculative_tokens": 2})
 
 
 def test_real_model_drafts_from_a_repetitive_prompt(pure_torch, smollm2):

@@ -104,10 +104,12 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 speculation: SpeculativeConfig | None = None):
+                 speculation: SpeculativeConfig | None = None, proposer=None):
         self.block_manager = block_manager
         self.speculation = speculation
-        self.proposer = None if speculation is None else make_proposer(speculation)
+        if proposer is None and speculation is not None:
+            proposer = make_proposer(speculation)
+        self.proposer = proposer   # drafts for the verifies (speculative decoding: ``propose([(request, k)])``)
         self.draft_counts = DraftCounts(0 if speculation is None else speculation.num_speculative_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -3,7 +3,9 @@ text, ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 
 Methods: ``ngram`` — prompt lookup (:mod:`tripath.engine.speculative.ngram`): no weights, the drafts are the
 tokens that followed the latest earlier occurrence of the request's last ``n`` tokens, for the largest ``n``
-in ``[prompt_lookup_min, prompt_lookup_max]`` that occurs. Every error names the key and what is allowed.
+in ``[prompt_lookup_min, prompt_lookup_max]`` that occurs; ``draft_model`` — a smaller ``model`` with the
+target's vocabulary drafts greedily (:mod:`tripath.engine.speculative.draft_model`; on one rank). Without a
+method, a ``model`` means ``draft_model``. Every error names the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -11,20 +13,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
-NOT_YET = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
 MAX_SPECULATIVE_TOKENS = 15   # a verify step feeds at most 16 query tokens per request
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """``num_speculative_tokens`` (1–15): tokens drafted per request and step; ``prompt_lookup_max`` /
-    ``prompt_lookup_min``: the longest and shortest suffix the n-gram method looks up (defaults 4 and 1)."""
+    ``prompt_lookup_min``: the longest and shortest suffix the n-gram method looks up (defaults 4 and 1);
+    ``model``: the draft model (``draft_model``); ``draft_tensor_parallel_size``: 1 or None (vLLM's key)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):
         if self.method in NOT_YET:
@@ -42,6 +47,15 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError("speculative_config method 'draft_model' needs model (a preset, model directory or "
+                             "hub id of a smaller model with the target's tokenizer)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"speculative_config model={self.model!r} is for method 'draft_model'; the ngram "
+                             "method takes no model")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 (the draft model runs on "
+                             f"one rank), got {self.draft_tensor_parallel_size!r}")
 
     @classmethod
     def of(cls, value) -> "SpeculativeConfig | None":
@@ -62,6 +76,6 @@ class SpeculativeConfig:
                              f"{', '.join(sorted(known))}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens (tokens drafted per step)")
-        if value.get("method") is None:
-            value = {**value, "method": "ngram"}
+        if value.get("method") is None:   # as vLLM: a model means a draft model, else n-gram lookup
+            value = {**value, "method": "draft_model" if value.get("model") else "ngram"}
         return cls(**value)
