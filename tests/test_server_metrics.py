@@ -206,6 +206,23 @@ def test_the_tokens_per_second_gauge_counts_the_tokens_of_its_window_only(monkey
         assert metrics.tokens_per_s._value.get() == pytest.approx(expected, abs=1e-9)
 
 
+def test_speculative_decoding_counters_follow_the_engine_stats():
+    """vLLM's spec-decode families grow by what the engine's cumulative counts grew, per draft position too."""
+    from tripath.engine.stats import EngineStats
+    from tripath.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(NAME, names="vllm")
+    metrics.observe_engine(EngineStats(1, 0, 1, 10, 0, 0, 0, 1, (), 0, 2, 6, 4, (2, 1, 1)))
+    metrics.observe_engine(EngineStats(1, 0, 1, 10, 0, 0, 0, 2, (), 0, 5, 15, 7, (4, 2, 1)))
+    text = metrics.render().decode()
+    for line in ('vllm:spec_decode_num_drafts_total{engine="0",model_name="%s"} 5.0',
+                 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="%s"} 15.0',
+                 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="%s"} 7.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="%s",position="0"} 4.0',
+                 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="%s",position="2"} 1.0'):
+        assert line % NAME in text, line
+
+
 @pytest.mark.parametrize("names, prefixes", [("both", {"vllm:", "tripath:"}), ("vllm", {"vllm:", "tripath:"}),
                                              ("tripath", {"tripath:"})])
 def test_metric_names_choose_how_vllms_families_are_named(names, prefixes):

@@ -6,7 +6,8 @@ tripath's own extras (``tripath:...`` only).
 Every metric carries the labels ``model_name`` (the first served model name) and ``engine`` (``"0"``), except
 ``vllm:cache_config_info``, whose labels are the KV cache's settings and ``engine``, as vLLM's. Engine state
 after each step: requests running / waiting, KV-cache usage, and the cumulative prefix-cache queries / hits
-(prompt tokens), preemptions, steps and tokens per step (``iteration_tokens_total``), from
+(prompt tokens), preemptions, steps and tokens per step (``iteration_tokens_total``), speculative decoding's
+drafts, drafted and accepted tokens, accepted tokens by draft position (``vllm:spec_decode_*``), from
 :meth:`tripath.engine.core.EngineCore.stats`. Per engine request — one per choice, so a request with ``n=2`` counts twice
 everywhere: time to first token when its first token arrives (whatever ends it later: a stop string, a client
 that leaves), the prompt tokens counted then too, the inter-token latency of every later token (a step that
@@ -120,6 +121,13 @@ class ServerMetrics:
                                           "Histogram of time spent in PREFILL phase for request.")
         self.decode_time = self._latency("request_decode_time_seconds",
                                          "Histogram of time spent in DECODE phase for request.")
+        self.spec_drafts = self._counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted_tokens = self._counter("vllm:spec_decode_num_accepted_tokens",
+                                                  "Number of accepted tokens.")
+        self._spec_per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft's position.", [*LABELS, "position"],
+                                          registry=self.registry)
         self.request_prompt_tokens = self.request_generation_tokens = self.request_max_tokens = None
         self.max_generation_tokens = None
         self._cache_config_set = False
@@ -185,10 +193,17 @@ class ServerMetrics:
         last = self._last
         for counter, name in ((self.prefix_queries, "prefix_cache_queried_tokens"),
                               (self.prefix_hits, "prefix_cache_hit_tokens"), (self.preemptions, "num_preemptions"),
-                              (self.steps, "num_steps")):
+                              (self.steps, "num_steps"), (self.spec_drafts, "spec_num_drafts"),
+                              (self.spec_draft_tokens, "spec_num_draft_tokens"),
+                              (self.spec_accepted_tokens, "spec_num_accepted_tokens")):
             grown = getattr(stats, name) - (getattr(last, name) if last is not None else 0)
             if grown > 0:
                 counter.inc(grown)
+        before = last.spec_accepted_per_position if last is not None else ()
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            grown = count - (before[position] if position < len(before) else 0)
+            if grown > 0:
+                self._spec_per_position.labels(*self._labels, str(position)).inc(grown)
         self._last = stats
         now = time.monotonic()
         if num_new_tokens:
