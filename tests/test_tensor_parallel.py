@@ -19,6 +19,8 @@ import torch
 from model_steps import randomize_hf_weights
 from tp_ranks import model_steps_cases, reference_steps, run_ranks
 from tripath.engine import LLM, SamplingParams
+from tripath.engine.request import Request
+from tripath.engine.scheduler import ScheduledRequest
 from tripath.models import load_model
 from tripath.models.parallel import ParallelState, model_shards
 
@@ -271,6 +273,23 @@ def test_llm_tp2_speculative_decoding_gives_tp1_tokens():
     with LLM("tiny-deepseek", tensor_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
         assert tokens(llm.generate(PROMPTS[:2], greedy, use_tqdm=False)) == want
         assert llm.stats().spec_num_drafts > 0
+
+
+def test_a_worker_runner_computes_logits_and_samples_nothing(monkeypatch):
+    """A worker's runner (``samples = False``) runs the LM head (its collectives) and no sampler."""
+    import tripath.engine.model_runner as model_runner
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    llm = LLM("tiny-llama", **ENGINE)
+    runner = llm.runner
+    sampled, heads = [], []
+    monkeypatch.setattr(model_runner, "LaunchSampler", lambda *a, **k: sampled.append(1))
+    real_head = runner.compute_logits
+    monkeypatch.setattr(runner, "compute_logits", lambda hidden: heads.append(hidden.shape[0]) or real_head(hidden))
+    runner.samples = False
+    request = Request([5, 6, 7], SamplingParams(max_tokens=2), block_ids=[1])
+    out = runner.execute([ScheduledRequest(request, 3, 0, True)])
+    assert out.tokens == [[]] and heads == [1] and sampled == []
 
 
 def test_llm_tp2_workers_exit_when_collected():

@@ -107,6 +107,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedStepGraphs | None = None
         self.largest_step_host_share: float | None = None  # host time / GPU span of the largest eager step
+        self.samples = True   # False on a tensor-parallel worker: logits computed (collectives), nothing sampled
         startup.start(self)
 
     @property
@@ -217,6 +218,8 @@ class ModelRunner:
         if not inputs.sample_rows and not inputs.verify_rows:
             return LaunchedStep(scheduled, [], None, self._step_logprobs(None, prompt))
         logits = self.compute_logits(hidden[inputs.logit_indices])
+        if not self.samples:   # a tensor-parallel worker: the LM head's collectives ran; rank 0 samples
+            return LaunchedStep(scheduled, [], None)
         num_sampled = len(inputs.sample_rows)
         sampler = self._sampler([scheduled[i].request for i in inputs.sample_rows])
         tokens = sampler(logits[:num_sampled]).unsqueeze(0) if num_sampled else None

@@ -11,11 +11,12 @@ through the same phases, so their collectives line up:
    exchange the number of KV blocks (the engine uses the smallest);
 4. workers: run every step rank 0 broadcasts over the control group until it broadcasts ``None``.
 
-A step message is ``(forget, items)``: ``items`` has one tuple per scheduled request, ``(key,
-num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids)`` —
-what a ModelRunner reads of the request (a verify's drafts apart from its own tokens), with only the KV
-block ids the workers have not seen (its block list is ``known[:first_block] + new_blocks``); ``forget``
-lists the keys of requests that finished or were preempted. Workers sample greedily and discard the result; rank 0's samples are the engine's.
+A step message is ``(forget, items)``: ``items`` has one tuple per scheduled request, ``(key, num_new_tokens,
+num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids)`` — what a
+ModelRunner reads of the request (a verify's drafts apart from its own tokens), with only the KV block ids the
+workers have not seen (its block list is ``known[:first_block] + new_blocks``); ``forget`` lists the keys of
+requests that finished or were preempted. Workers compute the logits (the LM head gathers over the ranks) and
+sample nothing; rank 0's samples are the engine's.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class StepRequest:
     new_token_ids: list[int]
     sampling_params: SamplingParams = GREEDY
     generator: torch.Generator | None = None
-    grammar: None = None   # workers sample greedily, unconstrained (rank 0's samples are the engine's)
+    grammar: None = None   # workers sample nothing (rank 0's samples are the engine's); drafts sample greedily
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         return self.new_token_ids[start - self.start:stop - self.start]
@@ -187,7 +188,9 @@ def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, cont
 
 
 def serve(runner, control) -> None:
-    """A worker's loop: run each broadcast step until the stop message."""
+    """A worker's loop: run each broadcast step until the stop message (computing the logits, whose LM head
+    gathers over the ranks, without sampling: rank 0's samples are the engine's)."""
+    runner.samples = False
     box, decoder = [None], StepDecoder()
     while True:
         dist.broadcast_object_list(box, src=0, group=control)
