@@ -324,3 +324,27 @@ def test_real_model_drafts_from_a_repetitive_prompt(pure_torch, smollm2):
     assert outputs(llm, [prompt], params) == outputs(base, [prompt], params)
     stats = llm.stats()
     assert stats.spec_num_accepted_tokens > 0, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-llama", "unified"),
+                                          ("tiny-llama", "two_path"), ("tiny-deepseek", "auto")])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_on_the_gpu_with_the_engine_defaults(name, backend, method):
+    """The engine's GPU defaults (CUDA graphs, warm-up, the verify route, fp16): greedy outputs as without
+    speculation (up to near ties), through preemptions too; verifies were taken and drafts accepted."""
+    from model_steps import assert_same_or_near_tie
+
+    model = load_model(name, dtype=torch.float16, device="cuda")
+    prompts = repetitive_prompts() * 3
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(backend=backend, max_num_batched_tokens=512, max_num_seqs=12, device="cuda", num_kv_blocks=256,
+                  block_size=16)
+    expected = outputs(LLM(model, enforce_eager=True, **common), prompts, params)
+    spec = {"method": method, "num_speculative_tokens": 4, **({"model": name} if method == "draft_model" else {})}
+    for options in (common, dict(common, num_kv_blocks=40)):
+        llm = LLM(model, speculative_config=spec, **options)
+        assert_same_or_near_tie(model, prompts, expected, outputs(llm, prompts, params))
+        stats = llm.stats()
+        assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0, stats
+        assert llm.num_compiled_since_start == 0
