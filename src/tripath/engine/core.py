@@ -106,6 +106,10 @@ class EngineCore:
         self.default_sampling_params()   # a default the sampler refuses fails here, naming the field
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
+        speculation = config.speculative_config
+        if speculation is not None and speculation.method == "draft_model" and tensor_parallel_size > 1:
+            raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 (use the "
+                             "ngram method with tensor parallelism)")
         self.runner = None
         if tensor_parallel_size > 1:
             from tripath.engine.parallel_executor import ParallelExecutor
@@ -179,10 +183,10 @@ class EngineCore:
         return compiled_variants() - self._compiled_at_start
 
     def _proposer(self, config: EngineConfig, model):
-        """Speculative decoding's proposer (:func:`tripath.engine.speculative.make_proposer`), or None."""
+        """Speculative decoding's proposer (:func:`tripath.engine.speculative.proposers.make_proposer`), or None."""
         if config.speculative_config is None:
             return None
-        from tripath.engine.speculative import make_proposer
+        from tripath.engine.speculative.proposers import make_proposer
         return make_proposer(config.speculative_config, self.runner, config, int(model.config.vocab_size))
 
     def info(self) -> EngineInfo:

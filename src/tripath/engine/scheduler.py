@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 
 from tripath.engine.block_manager import BlockManager, blocks_needed
 from tripath.engine.request import FinishReason, Request, RequestStatus
-from tripath.engine.speculative import SpeculativeConfig, make_proposer
+from tripath.engine.speculative.config import SpeculativeConfig
+from tripath.engine.speculative.ngram import NgramProposer
 from tripath.engine.stats import DraftCounts
 
 MIN_TOKEN_BUDGET = 64  # the smallest step budget an out-of-memory step shrinks it to (shrink_token_budget)
@@ -108,7 +109,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.speculation = speculation
         if proposer is None and speculation is not None:
-            proposer = make_proposer(speculation)
+            if speculation.method != "ngram":
+                raise ValueError(f"speculative method {speculation.method!r} needs its proposer built by the engine "
+                                 "(tripath.engine.speculative.proposers.make_proposer)")
+            proposer = NgramProposer(speculation.prompt_lookup_min, speculation.prompt_lookup_max)
         self.proposer = proposer   # drafts for the verifies (speculative decoding: ``propose([(request, k)])``)
         self.draft_counts = DraftCounts(0 if speculation is None else speculation.num_speculative_tokens)
         self.max_num_seqs = max_num_seqs

@@ -3,7 +3,8 @@ token and its drafts in one verify step, and the acceptance rule keeps the draft
 with (:mod:`~tripath.engine.speculative.acceptance`), so outputs follow the target model's distribution
 (greedy: the same tokens as without speculation).
 
-Settings: :class:`~tripath.engine.speculative.config.SpeculativeConfig`; proposers:
+Settings: :class:`~tripath.engine.speculative.config.SpeculativeConfig`; the proposer of a config:
+:func:`~tripath.engine.speculative.proposers.make_proposer`; proposers:
 :mod:`~tripath.engine.speculative.ngram`, :mod:`~tripath.engine.speculative.draft_model` and, for benchmarks,
 :mod:`~tripath.engine.speculative.oracle`.
 """
@@ -12,19 +13,4 @@ from tripath.engine.speculative.config import SpeculativeConfig
 from tripath.engine.speculative.ngram import NgramProposer
 
 
-def make_proposer(config: SpeculativeConfig, runner=None, engine_config=None, vocab_size: int | None = None):
-    """The proposer of ``config.method``; ``draft_model`` needs the target's ``runner`` (one rank: a
-    :class:`~tripath.engine.model_runner.ModelRunner`), its ``engine_config`` and ``vocab_size``."""
-    if config.method == "ngram":
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from tripath.engine.model_runner import ModelRunner
-    from tripath.engine.speculative.draft_model import DraftModelProposer
-
-    if not isinstance(runner, ModelRunner):
-        raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1")
-    return DraftModelProposer(config.model, engine_config, num_blocks=runner.num_blocks,
-                              block_size=runner.block_size, max_model_len=runner.max_model_len,
-                              vocab_size=vocab_size)
-
-
-__all__ = ["NgramProposer", "SpeculativeConfig", "make_proposer"]
+__all__ = ["NgramProposer", "SpeculativeConfig"]
