@@ -37,6 +37,11 @@ def test_worst_steps_stay_inside_the_limits_and_cover_every_kind(limits):
         assert all(qi >= 1 and ci >= 0 and qi + ci <= limits.max_model_len for qi, ci in zip(q, c)), name
     q, c = steps["decode"]
     assert max(c) == limits.max_model_len - 1  # the longest contexts: the most split-KV partials
+    dq = limits.decode_threshold
+    assert ("verify" in steps) == (dq > 1)
+    if dq > 1:   # speculative decoding: as many verifies of dq tokens as fit, on the longest contexts
+        q, c = steps["verify"]
+        assert set(q) == {dq} and len(q) == min(limits.max_num_seqs, limits.max_num_batched_tokens // dq)
     if "extend" in steps:
         (q,), (c,) = steps["extend"]
         assert q + c == limits.max_model_len and q == min(limits.max_num_batched_tokens, limits.max_model_len - 1)
@@ -71,6 +76,29 @@ def test_a_synthetic_step_writes_nothing_to_the_cache(monkeypatch):
     before = [(c.k_cache.clone(), c.v_cache.clone()) for c in runner.caches]
     for step in worst_steps(WarmupLimits(4, 64, 200), runner.spec.extend_chunk_budget).values():
         run_synthetic_step(runner, step, runner.caches)
+    for (k, v), cache in zip(before, runner.caches):
+        assert torch.equal(k, cache.k_cache) and torch.equal(v, cache.v_cache)
+
+
+def test_a_synthetic_verify_step_samples_every_token_and_writes_nothing(monkeypatch):
+    """Speculative decoding: the plan's verify step (decode_threshold tokens a request) runs the acceptance
+    rule and log-probabilities over every verify token, and leaves the cache untouched."""
+    import tripath.engine.memory_plan as memory_plan
+    from tripath.engine.speculative import acceptance
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    llm = LLM("tiny-llama", backend="torch", num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=64,
+              max_model_len=200, speculative_config={"num_speculative_tokens": 3})
+    runner = llm.runner
+    assert runner.spec.decode_threshold == 4
+    rows = []
+    real = acceptance.accept_drafts
+    monkeypatch.setattr(acceptance, "accept_drafts", lambda logits, *a: rows.append(logits.shape[0]) or
+                        real(logits, *a))
+    before = [(c.k_cache.clone(), c.v_cache.clone()) for c in runner.caches]
+    steps = memory_plan.worst_steps(WarmupLimits(4, 64, 200, decode_threshold=4), runner.spec.extend_chunk_budget)
+    run_synthetic_step(runner, steps["verify"], runner.caches)
+    assert rows == [16]   # 4 verifies of 4 tokens
     for (k, v), cache in zip(before, runner.caches):
         assert torch.equal(k, cache.k_cache) and torch.equal(v, cache.v_cache)
 

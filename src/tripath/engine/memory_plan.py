@@ -8,8 +8,9 @@ The budget is ``gpu_memory_utilization × total``. From it the plan takes, in or
   block ids wrapping inside it: the step reads garbage and writes nothing, which changes no size), then
   the LM head and sampling of its rows. The kinds: the largest prefill, one extend on the longest context
   (its context gathered chunk by chunk, MLA's chunks up-projected), many extends (many chunks, merged),
-  ``max_num_seqs`` decodes on the longest contexts (split-KV partial results), and a mix of decodes, an
-  extend and a prefill. Steps run one at a time, so the largest of them is reserved once;
+  ``max_num_seqs`` decodes on the longest contexts (split-KV partial results), a mix of decodes, an
+  extend and a prefill, and with speculative decoding verifies of ``decode_threshold`` tokens (every token's
+  logits sampled). Steps run one at a time, so the largest of them is reserved once;
 - ``graph pools``: the CUDA graphs' private memory: a decode step of the largest captured batch, and, when
   steps with prompt tokens may replay piecewise graphs, the largest prefill's activations again (the
   graphs keep their own copy of the layers' intermediates);
@@ -60,6 +61,9 @@ def worst_steps(limits: WarmupLimits, chunk_budget: int) -> dict[str, Step]:
     qp = min(rest - qe, l)
     if d >= 1 and qe > dq and qp >= 1:
         steps["mixed"] = ([1] * d + [qe, qp], [l - 1] * d + [l - qe, 0])
+    v = min(s, n // dq)
+    if dq > 1 and v >= 1 and l > dq:   # speculative decoding: verifies, every token's logits sampled
+        steps["verify"] = ([dq] * v, [l - dq] * v)
     return steps
 
 
@@ -149,15 +153,32 @@ def run_synthetic_step(runner, step: Step, caches: list) -> None:
         hidden = runner.model(ids, positions, ForwardContext(backend, meta, caches))
         every = torch.arange(plan.num_tokens, device=device)
         prompt_logprobs(hidden, every, torch.zeros_like(every), MAX_LOGPROBS, runner.compute_logits)
-        last = np.cumsum(plan.query_lens)[:runner.config.max_num_seqs] - 1
-        logits = runner.compute_logits(hidden[torch.from_numpy(last).to(device)])
-        del hidden
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1,
                                 frequency_penalty=0.1, logprobs=MAX_LOGPROBS)
         generator = make_generator(0, device)  # not the global generator
+        if plan.num_verifies:   # a verify step samples every token of its verifies
+            _verify_rows(runner, plan, hidden, params, generator)
+        last = np.cumsum(plan.query_lens)[:runner.config.max_num_seqs] - 1
+        logits = runner.compute_logits(hidden[torch.from_numpy(last).to(device)])
+        del hidden
         requests = [Request([1], params, request_id=f"plan-{i}", status=RequestStatus.FINISHED, generator=generator)
                     for i in range(logits.shape[0])]
         LaunchSampler(requests, runner.penalties, device)(logits)
+
+
+def _verify_rows(runner, plan, hidden: torch.Tensor, params, generator) -> None:
+    """A verify step's sampling at its largest: the logits of every verify token, the acceptance rule with
+    temperature and top-k / top-p on all of them, and their log-probabilities."""
+    from tripath.engine.logprobs import position_logprobs
+    from tripath.engine.sampling_params import MAX_LOGPROBS
+    from tripath.engine.speculative.acceptance import accept_drafts
+
+    nd, nv = plan.num_decodes, plan.num_verifies
+    first = sum(plan.query_lens[:nd - nv])
+    lens = plan.query_lens[nd - nv:nd]
+    logits = runner.compute_logits(hidden[first:first + sum(lens)])
+    grid = accept_drafts(logits, [[0] * (q - 1) for q in lens], [params] * nv, [generator] * nv)
+    position_logprobs(logits, grid.new_zeros(logits.shape[0]), MAX_LOGPROBS)
 
 
 def measure_step_peaks(runner, steps: dict[str, Step], caches: list) -> dict[str, int]:
