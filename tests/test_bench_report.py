@@ -26,6 +26,17 @@ def test_repeats_merge_to_medians_with_ranges():
     assert "capped the GPU's clocks for power for 3.3 s" in text
 
 
+def test_verify_rows_are_read_against_the_decode_of_their_batch_and_context():
+    report = Report("H200", copy_gbps=4000, matmul_tflops=700,
+                    rows=[Row("verify", "8 × 4096 × 1", "tripath paged_decode", 20.0, 3200, "GB/s"),
+                          Row("verify", "8 × 4096 × 8", "tripath paged_verify", 25.0, 2560, "GB/s"),
+                          Row("verify", "1 × 131072 × 1", "tripath paged_decode", 80.0, 3400, "GB/s"),
+                          Row("verify", "1 × 131072 × 8", "tripath unified_attention", 400.0, 680, "GB/s")])
+    text = format_report(report)
+    assert "| 8 × 4096 × 8 | tripath paged_verify | 25.0 µs | 2560 | 64% | 1.25× |" in text
+    assert "| 1 × 131072 × 8 | tripath unified_attention | 400.0 µs | 680 | 17% | 5.00× |" in text
+
+
 SMI_PERFORMANCE = """
 ==============NVSMI LOG==============
 Attached GPUs                                          : 1

@@ -21,6 +21,7 @@ from tripath.bench.batches import make_step
 from tripath.bench.kernel_timing import (Report, Row, bench_eager, bench_graph, host_us, measure_floors,
                                          portable, power_capping_us, random_table)
 from tripath.bench.kernels_mla import bench_mla_backends, bench_mla_decode, bench_mla_prefill, bench_mla_prep
+from tripath.bench.kernels_verify import bench_verify
 from tripath.ops import paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache
 from tripath.platform import current_platform
@@ -155,6 +156,7 @@ def format_report(report: Report) -> str:
         lines[0] += (f" The driver capped the GPU's clocks for power for {report.power_capped_s:.1f} s during the"
                      " run (nvidia-smi's SW Power Capping counter): compute-bound rows read low while it does.")
     for table, title in (("decode", "Paged decode, 32/8/128, block 16, bf16, random block order"),
+                         ("verify", "Verify (batch × context × new tokens a request), 32/8/128, block 16, bf16"),
                          ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
                          ("host", "Host time a call of the causal prefill rows (Python, checks, launch; GPU kept busy)"),
                          ("mixed", "Mixed step (48 dec + 8 ext + 2 pre), 32/8/128, bf16, one forward incl. KV write"),
@@ -175,6 +177,12 @@ def format_report(report: Report) -> str:
         elif table in ("mla_prep", "mla_backend"):
             lines += ["| shape | implementation | time | speed-up |", "|---|---|---|---|"]
             lines += [f"| {r.shape} | {r.impl} | {r.us:.2f} µs{_spread(r)} | {r.metric:.2f}× |" for r in rows]
+        elif table == "verify":   # each against the one-token decode of its batch and context
+            decode = {r.shape.rsplit(" × ", 1)[0]: r.us for r in rows if r.shape.endswith(" × 1")}
+            lines += ["| shape | kernel | time | GB/s | % of floor | time / decode's |", "|---|---|---|---|---|---|"]
+            lines += [f"| {r.shape} | {r.impl} | {r.us:.1f} µs{_spread(r)} | {r.metric:.0f} | "
+                      f"{100 * r.metric / report.copy_gbps:.0f}% | "
+                      f"{r.us / decode[r.shape.rsplit(' × ', 1)[0]]:.2f}× |" for r in rows]
         elif table == "mla":
             lines += ["| heads, shape | kernel | time | rate | % of floor |", "|---|---|---|---|---|"]
             for r in rows:
@@ -219,7 +227,7 @@ def merge_repeats(reports: list[Report]) -> Report:
     return merged
 
 
-def run(sections=("decode", "prefill", "mixed", "mla"), repeat: int = 1) -> Report:
+def run(sections=("decode", "verify", "prefill", "mixed", "mla"), repeat: int = 1) -> Report:
     """Run the sections (``repeat`` times, merged by :func:`merge_repeats`: run-to-run spread on the
     H200 reached 25% for identical memory-bound kernels, so single runs are not to be trusted alone)."""
     if repeat > 1:
@@ -232,7 +240,8 @@ def run(sections=("decode", "prefill", "mixed", "mla"), repeat: int = 1) -> Repo
     torch.manual_seed(0)
     check_correctness(report)
     measure_floors(report)
-    parts = {"decode": [bench_decode], "prefill": [bench_prefill], "mixed": [bench_mixed],
+    parts = {"decode": [bench_decode], "verify": [bench_verify], "prefill": [bench_prefill],
+             "mixed": [bench_mixed],
              "mla": [bench_mla_decode, bench_mla_prefill, bench_mla_prep, bench_mla_backends]}
     for section in sections:
         for fn in parts[section]:
@@ -250,8 +259,8 @@ def run(sections=("decode", "prefill", "mixed", "mla"), repeat: int = 1) -> Repo
 def main_kernels(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="tripath bench kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=["decode", "prefill", "mixed", "mla"],
-                        choices=["decode", "prefill", "mixed", "mla"])
+    parser.add_argument("--only", nargs="*", default=["decode", "verify", "prefill", "mixed", "mla"],
+                        choices=["decode", "verify", "prefill", "mixed", "mla"])
     parser.add_argument("--out", help="also write the markdown tables to this file")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run everything this many times; report medians and the range (default 1)")
