@@ -29,6 +29,7 @@ from tripath.engine.stats import EngineStats
 pytest.importorskip("fastapi")
 
 from server_process import ServerProcess, running  # noqa: E402
+from tripath.server.core_messages import Abort, Add, Stop, Stopped, Update  # noqa: E402
 from tripath.server.core_wire import FrameReader  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
@@ -226,22 +227,24 @@ def _close_pipes(pipes) -> None:
 
 
 def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
-    from tripath.server.engine_core import CoreLoop
+    from tripath.server.core_loop import CoreLoop
 
     pipes = [(os.pipe(), os.pipe()) for _ in range(2)]   # per API server: (commands r, w), (updates r, w)
     llm = _StandIn()
     core = CoreLoop(llm, [(commands[0], updates[1]) for commands, updates in pipes], max_waiting=1)
     readers = [FrameReader(), FrameReader()]
     try:
-        core._handle(0, ("add", "srv0-1-0", [1, 2], SamplingParams(max_tokens=3)))
-        core._handle(1, ("add", "srv1-1-0", [1, 2], SamplingParams(max_tokens=3)))
-        core._handle(1, ("add", "srv0-1-0", [1], SamplingParams(max_tokens=3)))   # an id in flight: refused
-        core._handle(1, ("abort", "srv0-1-0"))   # not its request: ignored
+        core._handle(0, Add("srv0-1-0", [1, 2], SamplingParams(max_tokens=3)))
+        core._handle(1, Add("srv1-1-0", [1, 2], SamplingParams(max_tokens=3)))
+        core._handle(1, Add("srv0-1-0", [1], SamplingParams(max_tokens=3)))   # an id in flight: refused
+        core._handle(1, Abort("srv0-1-0"))   # not its request: ignored
         core._step()
         core._send_updates()
         got = [_read_all(updates[0], readers[i]) for i, (_, updates) in enumerate(pipes)]
-        (kind0, accepted0, refused0, outputs0, *_), = got[0]
-        (kind1, accepted1, refused1, outputs1, *_), = got[1]
+        (update0,), (update1,) = got
+        assert isinstance(update0, Update) and isinstance(update1, Update)
+        accepted0, refused0, outputs0 = update0.accepted, update0.refused, update0.outputs
+        accepted1, refused1, outputs1 = update1.accepted, update1.refused, update1.outputs
         assert accepted0 == ["srv0-1-0"] and [o[0] for o in outputs0] == ["srv0-1-0"] and not refused0
         assert accepted1 == ["srv1-1-0"] and [o[0] for o in outputs1] == ["srv1-1-0"]
         assert refused1 == [("srv0-1-0", 400, "request id 'srv0-1-0' is in flight already", "invalid_request_error",
@@ -249,23 +252,23 @@ def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
         assert llm.aborted == []
         # the waiting queue is bounded for all API servers
         llm.waiting.append("someone")
-        core._handle(0, ("add", "srv0-2-0", [1], SamplingParams(max_tokens=3)))
+        core._handle(0, Add("srv0-2-0", [1], SamplingParams(max_tokens=3)))
         assert core._frontends[0].refused[0][:2] == ("srv0-2-0", 503) and "--max-queue-depth 1" in \
             core._frontends[0].refused[0][2] and core._frontends[0].refused[0][4] == "queue_full"
         llm.waiting.clear()
         core._frontends[0].refused.clear()
         # API server 1 stops: its request ends with 503, it hears 'stopped', API server 0 serves on
-        core._handle(1, ("stop",))
+        core._handle(1, Stop())
         *_, update, stopped = _read_all(pipes[1][1][0], readers[1])
-        assert update[4] == [(["srv1-1-0"], 503, "the server is shutting down", "server_error")]
-        assert stopped == ("stopped",) and not core._stopping and llm.aborted == ["srv1-1-0"]
+        assert update.failed == [(["srv1-1-0"], 503, "the server is shutting down", "server_error")]
+        assert stopped == Stopped() and not core._stopping and llm.aborted == ["srv1-1-0"]
         core._step()
         core._step()
         core._send_updates()
         (update,) = _read_all(pipes[0][1][0], readers[0])
-        assert [o[0] for o in update[3]] == ["srv0-1-0", "srv0-1-0"] and update[3][-1][2]   # finished
+        assert [o[0] for o in update.outputs] == ["srv0-1-0", "srv0-1-0"] and update.outputs[-1][2]   # finished
         # API server 0 goes away (its command pipe closes): nobody is left, the core stops
-        core._handle(0, ("add", "srv0-3-0", [1], SamplingParams(max_tokens=3)))
+        core._handle(0, Add("srv0-3-0", [1], SamplingParams(max_tokens=3)))
         os.close(pipes[0][0][1])
         core._receive(block=False)
         assert core._stopping and llm.aborted[-1] == "srv0-3-0"
@@ -287,7 +290,7 @@ def test_a_core_never_waits_for_an_api_server_that_stops_reading(monkeypatch):
     reads again it gets every update that waited, then the failure."""
     import threading
 
-    from tripath.server import engine_core as C
+    from tripath.server import core_loop as C
 
     monkeypatch.setattr(C, "MAX_UNSENT_BYTES", 1 << 20)
     pipes = [(os.pipe(), os.pipe()) for _ in range(2)]
@@ -296,8 +299,8 @@ def test_a_core_never_waits_for_an_api_server_that_stops_reading(monkeypatch):
     reader0, reader1 = FrameReader(), FrameReader()
     got0 = []
     try:
-        core._handle(0, ("add", "a", [1], SamplingParams(max_tokens=10 ** 6)))
-        core._handle(1, ("add", "b", [1], SamplingParams(max_tokens=10 ** 6)))
+        core._handle(0, Add("a", [1], SamplingParams(max_tokens=10 ** 6)))
+        core._handle(1, Add("b", [1], SamplingParams(max_tokens=10 ** 6)))
 
         def steps():
             for _ in range(400):   # ~2.4 MB for each API server
@@ -309,16 +312,16 @@ def test_a_core_never_waits_for_an_api_server_that_stops_reading(monkeypatch):
         worker.start()
         worker.join(60)
         assert not worker.is_alive(), "the core blocked on API server 1's full pipe"
-        outputs0 = [o for message in got0 if message[0] == "update" for o in message[3]]
-        assert len(outputs0) == 400 and not any(message[4] for message in got0)   # API server 0: every step
+        outputs0 = [o for message in got0 if isinstance(message, Update) for o in message.outputs]
+        assert len(outputs0) == 400 and not any(message.failed for message in got0)   # API server 0: every step
         assert llm.aborted == ["b"] and "a" in llm.live
         got1 = []
         for _ in range(100):   # API server 1 reads again: what waited, then why its request ended
             got1 += _read_all(pipes[1][1][0], reader1)
             core._receive(block=False)   # writes what waits where the pipe has room
-        failed = [f for message in got1 if message[0] == "update" for f in message[4]]
+        failed = [f for message in got1 if isinstance(message, Update) for f in message.failed]
         assert failed and failed[0][0] == ["b"] and failed[0][1] == 503 and "fell too far behind" in failed[0][2]
-        outputs1 = [o for message in got1 if message[0] == "update" for o in message[3]]
+        outputs1 = [o for message in got1 if isinstance(message, Update) for o in message.outputs]
         assert 0 < len(outputs1) < 400 and not core._frontends[1].unsent and not core._frontends[1].overflowed
     finally:
         _close_pipes(pipes)

@@ -20,6 +20,7 @@ from tripath.engine.core import StepResult
 from tripath.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
 from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.stats import EngineStats
+from tripath.server.core_messages import Abort, Add
 from tripath.server.core_wire import StepOutput, decode_output, decode_stats, encode_output, encode_stats
 
 pytest.importorskip("fastapi")
@@ -238,7 +239,7 @@ def _restore_threads():
 def test_the_core_decodes_one_step_at_a_time_while_requests_arrive(monkeypatch):
     """Multi-step decoding pauses from an accepted add until ``ARRIVAL_WINDOW_S`` passes without one (a
     refused add does not count); an engine without multi-step is left alone."""
-    from tripath.server import engine_core as C
+    from tripath.server import core_loop as C
 
     clock = [100.0]
     monkeypatch.setattr(C.time, "monotonic", lambda: clock[0])
@@ -259,18 +260,18 @@ def test_the_core_decodes_one_step_at_a_time_while_requests_arrive(monkeypatch):
     core = C.CoreLoop(llm, [(-1, -1)])   # the pipes are not used by _handle / _step
     window = C.ARRIVAL_WINDOW_S
     core._step()
-    core._handle(0, ("add", "r1", [1, 2], SamplingParams(max_tokens=4)))
+    core._handle(0, Add("r1", [1, 2], SamplingParams(max_tokens=4)))
     core._step()
     clock[0] += window / 2
     core._step()
     clock[0] += window / 2 + 1e-4
     core._step()
-    core._handle(0, ("add", "r2", [], SamplingParams(max_tokens=4)))   # refused: not an arrival
+    core._handle(0, Add("r2", [], SamplingParams(max_tokens=4)))   # refused: not an arrival
     core._step()
     assert llm.seen == [8, 1, 1, 8, 8] and core._frontends[0].refused and core._frontends[0].accepted == ["r1"]
     single = StandIn(1)
     core = C.CoreLoop(single, [(-1, -1)])
-    core._handle(0, ("add", "r3", [1], SamplingParams(max_tokens=4)))
+    core._handle(0, Add("r3", [1], SamplingParams(max_tokens=4)))
     core._step()
     assert single.seen == [1]
 
@@ -295,12 +296,12 @@ def test_commands_a_full_pipe_cannot_take_wait_and_arrive_whole_and_in_order():
         client._loop, client._loop_thread = asyncio.get_running_loop(), threading.get_ident()
         client._commands, client._outbox = Conn(), Outbox(write_end)
         os.set_blocking(write_end, False)
-        big = [("add", f"r{i}", list(range(2000)), None) for i in range(40)]   # a few hundred KiB pickled
+        big = [Add(f"r{i}", list(range(2000)), None) for i in range(40)]   # a few hundred KiB pickled
         for command in big:
             client._command(command)
         await asyncio.sleep(0)   # the loop pass ends: one message, most of it buffered
         assert len(client._outbox), "the pipe took the whole message: make it bigger"
-        client._command(("abort", "r0"))
+        client._command(Abort("r0"))
         await asyncio.sleep(0)
         frames, messages = FrameReader(), []
         os.set_blocking(read_end, False)
@@ -318,5 +319,5 @@ def test_commands_a_full_pipe_cannot_take_wait_and_arrive_whole_and_in_order():
     finally:
         os.close(read_end)
         os.close(write_end)
-    assert messages == [[("add", f"r{i}", list(range(2000)), None) for i in range(40)], [("abort", "r0")]]
+    assert messages == [[Add(f"r{i}", list(range(2000)), None) for i in range(40)], [Abort("r0")]]
     assert not left

@@ -5,9 +5,10 @@ each (``--logprobs K``: with the top K log-probabilities of each token).
 Reported: the update's size; the core's cost to encode it (the outputs to tuples, pickled) and the HTTP
 process's to decode it (unpickled, to ``StepOutput``), medians; a round trip through a spawned echo process
 (p50 / p99); the updates a second the pipe streams one way; and the server's work per step on the engine's
-own thread (CPU time, a stand-in engine whose step returns the outputs at once): the engine core's loop
-(:class:`~tripath.server.engine_core.CoreLoop`: encode, send) against the in-process engine thread's
-(:class:`~tripath.server.engine_loop.EngineLoop`: metrics per token, the hand-over to the event loop).
+own thread (CPU time, a stand-in engine whose step returns the outputs at once): the core loop
+(:class:`~tripath.server.core_loop.CoreLoop`) in the core process (encode, send) against the same loop on a
+thread of the HTTP process (:class:`~tripath.server.in_process.InProcessClient`: encode, decode, metrics per
+token, the hand-over to the event loop).
 
     tripath bench core-transport --outputs 256 --tokens 8
 """
@@ -129,7 +130,7 @@ def _drain(updates) -> None:
 def _core_step_cpu_s(outs: list, steps: int) -> float:
     """CPU seconds per step of the engine core's loop (a spawned child reads its updates)."""
     from tripath.server.core_wire import widen
-    from tripath.server.engine_core import CoreLoop
+    from tripath.server.core_loop import CoreLoop
 
     context = multiprocessing.get_context("spawn")
     commands, _ = context.Pipe(duplex=False)
@@ -157,18 +158,20 @@ def _thread_step_cpu_s(outs: list, steps: int) -> float:
     import threading
 
     from tripath.engine.sampling_params import SamplingParams
-    from tripath.server.engine_loop import EngineLoop
+    from tripath.server.core_loop import CoreLoop
+    from tripath.server.in_process import InProcessClient
     from tripath.server.metrics import ServerMetrics
     from tripath.server.submissions import Submission
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    engine = EngineLoop(None, ServerMetrics("bench"))
-    engine.core = _StandInEngine(outs)
+    client = InProcessClient(None, ServerMetrics("bench"))
+    core = CoreLoop(_StandInEngine(outs), [client._channel])
+    core._live.update((o.request_id, [0, True]) for o in outs)
     subs = [Submission(o.request_id, 0, [1], SamplingParams(max_tokens=1 << 40), loop, asyncio.Queue()) for o in outs]
     for sub in subs:
-        engine._book.register(sub)
-        engine._book.accept(sub.request_id)
+        client._book.register(sub)
+        client._book.accept(sub.request_id)
 
     def take_all() -> None:
         for sub in subs:
@@ -177,12 +180,13 @@ def _thread_step_cpu_s(outs: list, steps: int) -> float:
 
     start = time.thread_time()
     for index in range(steps):
-        engine._step()
-        engine._book.flush()
+        core._step()
+        core._send_update(0, 0.0)   # delivered: decoded, the metrics, handed to the event loop
         if index % 16 == 0:
             loop.call_soon_threadsafe(take_all)
     elapsed = time.thread_time() - start
     loop.call_soon_threadsafe(loop.stop)
+    client._channel.close()
     return elapsed / steps
 
 
@@ -196,18 +200,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import pickle
 
+    from tripath.server.core_messages import Update
     from tripath.server.core_wire import decode_output, encode_output, frame
 
     outs = _outputs(args.outputs, args.tokens, args.logprobs)
     repeat = max(5, min(200, args.messages // 10))
 
     def encode() -> bytes:
-        return pickle.dumps(("update", [], [], [encode_output(o, False) for o in outs], [], (0,) * 8, 0),
+        return pickle.dumps(Update([], [], [encode_output(o, False) for o in outs], [], (0,) * 8, 0),
                             protocol=pickle.HIGHEST_PROTOCOL)
 
     payload = encode()
     encode_us = _median_us(encode, repeat)
-    decode_us = _median_us(lambda: [decode_output(item) for item in pickle.loads(payload)[3]], repeat)
+    decode_us = _median_us(lambda: [decode_output(item) for item in pickle.loads(payload).outputs], repeat)
     framed = frame(pickle.loads(payload))
     _, trips = _through_pipe(framed, args.messages, "echo")
     elapsed, _ = _through_pipe(framed, args.messages, "drain")
@@ -218,8 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"process); pipe round trip p50 {statistics.median(trips) * 1e6:.0f} us, p99 "
           f"{trips[int(0.99 * (len(trips) - 1))] * 1e6:.0f} us; one way {args.messages / elapsed:.0f} updates/s")
     steps = max(10, args.messages // 2)
-    print(f"server work per step on the engine's thread (CPU): engine core {_core_step_cpu_s(outs, steps) * 1e6:.0f} "
-          f"us, in-process engine thread {_thread_step_cpu_s(outs, steps) * 1e6:.0f} us")
+    print(f"server work per step on the engine's thread (CPU): core process {_core_step_cpu_s(outs, steps) * 1e6:.0f} "
+          f"us, in-process core loop {_thread_step_cpu_s(outs, steps) * 1e6:.0f} us")
     return 0
 
 

@@ -2,10 +2,11 @@
 answering as vLLM's does.
 
 Layers: :mod:`~tripath.server.protocol` (request / response bodies); the engine, behind one interface
-(:mod:`~tripath.server.submissions`): :mod:`~tripath.server.engine_core` (its own process, the default) with
-:mod:`~tripath.server.engine_client` (its side in the HTTP process) and :mod:`~tripath.server.core_wire`
-(their messages), or :mod:`~tripath.server.engine_loop` (a thread of the HTTP process), both through
-:mod:`~tripath.server.engine_steps`; :mod:`~tripath.server.generation` and :mod:`~tripath.server.detokenize`
+(:mod:`~tripath.server.submissions`): one loop over the :class:`~tripath.engine.core.EngineCore`
+(:mod:`~tripath.server.core_loop`, with :mod:`~tripath.server.engine_steps`), in its own process (the
+default: :mod:`~tripath.server.core_process`, and :mod:`~tripath.server.engine_client` its side in the HTTP
+process) or on a thread of the HTTP process (:mod:`~tripath.server.in_process`), their messages
+:mod:`~tripath.server.core_messages` (over pipes: :mod:`~tripath.server.core_wire`); :mod:`~tripath.server.generation` and :mod:`~tripath.server.detokenize`
 (a request's choices, streamed text, stop strings), :mod:`~tripath.server.sse` (stream framing),
 :mod:`~tripath.server.sampling_defaults` (unset sampling fields), :mod:`~tripath.server.metrics` (Prometheus,
 vLLM's names, also as ``tripath:``; :mod:`~tripath.server.metric_kinds`) and :mod:`~tripath.server.metrics_peers`

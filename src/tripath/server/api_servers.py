@@ -3,7 +3,7 @@
 One HTTP process serves every request's HTTP, JSON, validation, detokenising and stream framing on one
 interpreter; at high concurrency that serial work falls behind the engine core, so tokens, stream ends and the
 clients' next requests all travel later. With ``N`` > 1 the ``tripath serve`` process becomes a supervisor
-(:func:`supervise`): it spawns the engine core (:mod:`~tripath.server.engine_core`) with a pair of pipes per
+(:func:`supervise`): it spawns the engine core (:mod:`~tripath.server.core_process`) with a pair of pipes per
 API server, then ``N`` API server processes (:func:`api_server_main`), each the whole OpenAI-compatible app on
 its own event loop, attached to the core over its pipes (:class:`~tripath.server.engine_client.CoreChannel`).
 They listen on the same address, each on its own ``SO_REUSEPORT`` socket (API server 0 on the one the

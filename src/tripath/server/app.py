@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI-compatible routes over an engine (:class:`~tripath.server.submissions.Engine`:
 the engine core in its own process, :mod:`~tripath.server.engine_client`, or in this one,
-:mod:`~tripath.server.engine_loop`).
+:mod:`~tripath.server.in_process`).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events
 ending in ``data: [DONE]``; tools and tool calls: :mod:`~tripath.server.tools`), ``POST /v1/responses``
@@ -47,7 +47,7 @@ from tripath.server.api_servers import ApiServerRole, watch_supervisor
 from tripath.server.auth import DEFAULT_PUBLIC_PATHS, APIKeyCheck, check_public_paths
 from tripath.server.chat_prepare import prepare_chat
 from tripath.server.engine_client import EngineClient
-from tripath.server.engine_loop import EngineLoop
+from tripath.server.in_process import InProcessClient
 from tripath.server.engine_requests import (check_fits, check_model, check_ready, echo_texts, generation, in_thread,
                                             openapi_body, prompt_ids, structured_output)
 from tripath.server.generation import APIError
@@ -137,7 +137,7 @@ def build_app(make_engine: Callable[[], EngineCore] | None, *, model_name: str |
                              "cannot be set with api_server")
         engine: Engine = EngineClient(None, metrics, on_fatal, core=api_server.channel)
     else:
-        engine = (EngineLoop if engine_in_process else EngineClient)(make_engine, metrics, on_fatal, describe)
+        engine = (InProcessClient if engine_in_process else EngineClient)(make_engine, metrics, on_fatal, describe)
     if not 0 <= max_logprobs <= P.MAX_LOGPROBS:
         raise ValueError(f"max_logprobs must be in [0, {P.MAX_LOGPROBS}], got {max_logprobs}")
     state = ServerState(engine, metrics, names, max_queue_depth, request_timeout_s, chat_template,

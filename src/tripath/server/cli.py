@@ -6,7 +6,7 @@
 
 The port is bound first (a port in use fails at once) and answers while the engine builds; ``GET /health`` is
 200 once the engine is built (and warmed up). The engine runs in its own process (the engine core,
-:mod:`tripath.server.engine_core`; ``--engine-in-process``: on a thread of the HTTP process). SIGINT / SIGTERM
+:mod:`tripath.server.core_loop`; ``--engine-in-process``: on a thread of the HTTP process). SIGINT / SIGTERM
 stop accepting connections, let in-flight requests finish for up to ``--shutdown-timeout`` seconds, then end
 the rest with 503 (a stream gets an error event and ``[DONE]``) and stop the engine, releasing the GPU; the
 exit status is then 0, whichever the signal (:mod:`tripath.server.stop_signals`). An

@@ -1,12 +1,13 @@
 """The engine core process of ``tripath serve``: what it is started with (:class:`CoreSpec`, pickled to the
 spawned process), its signals, and its entry (:func:`core_main`): build the engine core with
 ``spec.make_engine()`` (an :class:`~tripath.engine.core.EngineCore`), then run
-:class:`~tripath.server.engine_core.CoreLoop` over it until the HTTP processes stop it.
+:class:`~tripath.server.core_loop.CoreLoop` over it, through pipes to the HTTP processes, until they stop
+it.
 
 The core ignores SIGINT and SIGTERM (a terminal's Ctrl-C reaches the whole process group; so does a service
 manager's SIGTERM): the HTTP processes drain and then stop it over its pipes; a core that does not stop in
-time is killed (SIGKILL). A core that cannot build the engine says ``start_failed`` to every HTTP process
-and exits 1.
+time is killed (SIGKILL). A core that cannot build the engine says
+:class:`~tripath.server.core_messages.StartFailed` to every HTTP process and exits 1.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from typing import Callable
 
 from tripath.engine.core import EngineCore
 from tripath.engine.engine_info import EngineInfo
-from tripath.server.core_wire import send, tokenizer_handle
-from tripath.server.engine_core import CoreLoop
+from tripath.server.core_loop import CoreLoop
+from tripath.server.core_messages import StartFailed
+from tripath.server.core_wire import send
 from tripath.server.engine_steps import prepare_grammars
 
 log = logging.getLogger("tripath.server")
@@ -70,12 +72,6 @@ def _ignored(signum, frame) -> None:
     log.debug("engine core: %s ignored (the server stops the engine)", signal.Signals(signum).name)
 
 
-def engine_facts(core: EngineCore, describe) -> dict:
-    info = core.info()
-    return {"info": info, "summary": describe(info) if describe is not None else "",
-            "tokenizer": tokenizer_handle(core.tokenizer)}
-
-
 def core_main(spec: CoreSpec, frontends) -> None:
     """The core process: build, serve until stopped, release. ``frontends``: ``(commands, updates)`` pipe ends
     of each HTTP process (the ``multiprocessing`` connections that carried them here; kept open until it
@@ -84,12 +80,11 @@ def core_main(spec: CoreSpec, frontends) -> None:
     logging.basicConfig(level=spec.log_level, format=spec.log_format, force=True)
     try:
         core = checked_engine(spec.make_engine())
-        facts = engine_facts(core, spec.describe)
     except BaseException as error:  # noqa: BLE001 - reported to the HTTP processes, which exit
         log.error("building the engine failed:\n%s", traceback.format_exc())
         for pair in frontends:   # a few bytes into an empty pipe: never waits
             try:
-                send(pair[1].fileno(), ("start_failed", str(error) or type(error).__name__))
+                send(pair[1].fileno(), StartFailed(str(error) or type(error).__name__))
             except OSError:   # that HTTP process is gone
                 pass
         sys.exit(1)
@@ -97,5 +92,7 @@ def core_main(spec: CoreSpec, frontends) -> None:
     # Every object alive now lives as long as the server: moved out of the collector's generations, the full
     # collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
     gc.freeze()
-    CoreLoop(core, [(commands.fileno(), update.fileno()) for commands, update in frontends],
-             spec.max_waiting).run(facts)
+    loop = CoreLoop(core, [(commands.fileno(), update.fileno()) for commands, update in frontends],
+                    spec.max_waiting, spec.describe)
+    del core   # the loop holds the engine alone
+    loop.run()

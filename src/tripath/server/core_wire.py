@@ -1,38 +1,22 @@
-"""What crosses the pipes between the HTTP process and the engine core process, and how.
+"""How messages cross the pipes between the HTTP process and the engine core process, and what an update's
+items look like.
 
 Transport: two one-way pipes (commands to the core, updates from it; ``multiprocessing`` pipes, whose
 descriptors the spawned core inherits), each message one frame: its length (8 bytes, big-endian) and a
-``pickle`` of plain tuples and lists (:func:`frame`, :class:`FrameReader`). The core reads and writes its
-ends blocking (:func:`send`, :meth:`FrameReader.receive`); the HTTP process reads and writes its ends from
-its event loop, non-blocking (:mod:`~tripath.server.engine_client`), so no thread of it waits on a pipe and
-no message waits for a thread to get the interpreter lock. Measured on the development machine (2 shared
-CPU cores; ``python -m tripath.bench.core_transport`` measures it again anywhere): a step's update of 256
-outputs of 8 tokens is 12 KiB, pickled in about 50 µs and unpickled in 70 µs, and crosses a pipe in 18 µs
-(round trip p50); a pipe streams 29,000 such messages a second, where a server needs at most a few hundred
-(one per step). ZeroMQ moved the same message in 24 µs and msgspec's msgpack encoded it in 16 µs, but
-neither is a dependency the server has, and neither tells the HTTP process that the core died: a pipe's
-reader gets EOF the moment its writer's process is gone, whatever killed it.
-
-Commands (HTTP process → core), a list per message (the writer sends what has queued up in one go):
-``("add", request_id, prompt_token_ids, SamplingParams)``, ``("abort", request_id)``, ``("stop",)``.
-
-Messages (core → HTTP process):
-
-- ``("ready", facts)`` once the engine is built: ``facts`` a dict of ``info`` (the engine's
-  :class:`~tripath.engine.engine_info.EngineInfo`), ``summary`` (the start-up log line) and ``tokenizer``
-  (how the HTTP process gets its own, :func:`tokenizer_handle`).
-- ``("start_failed", message)`` when it could not be built.
-- ``("update", accepted, refused, outputs, failed, stats, step_failures)`` after a pass of the core's loop
-  (:mod:`~tripath.server.engine_core` says when): of the HTTP process's own requests, the ids the core
-  added; ``(request_id, status, message, type, reason)`` of the adds it refused (``reason``: why, as
-  ``/metrics`` counts the rejection: :class:`~tripath.server.submissions.Failure`); the step's outputs,
-  :func:`encode_output` each (the output that brings a request's first tokens carries the engine's queue
-  and prefill times); ``(request_ids, status, message, type)`` of each failed step; then
-  :func:`encode_stats` of ``EngineCore.stats()`` and the number of steps that failed since the core started.
-- ``("stopped",)`` when the core is done with that HTTP process: it has released the engine and is about to
-  exit, or (several HTTP processes) has ended this one's requests after its ``stop``.
+``pickle`` of the message (:func:`frame`, :class:`FrameReader`): a dataclass of
+:mod:`~tripath.server.core_messages` — commands as a list per frame (the writer sends what has queued up in
+one go) —, whose items are plain tuples and lists (:func:`encode_output`, :func:`encode_stats`). The core
+reads and writes its ends blocking (:func:`send`, :meth:`FrameReader.receive`) or through an
+:class:`Outbox`; the HTTP process reads and writes its ends from its event loop, non-blocking
+(:mod:`~tripath.server.engine_client`), so no thread of it waits on a pipe and no message waits for a thread
+to get the interpreter lock. Measured on the development machine (2 shared CPU cores; ``python -m
+tripath.bench.core_transport`` measures it again anywhere): a step's update of 256 outputs of 8 tokens is
+12 KiB, pickled in about 50 µs and unpickled in 70 µs, and crosses a pipe in 18 µs (round trip p50); a pipe
+streams 29,000 such messages a second, where a server needs at most a few hundred (one per step). ZeroMQ
+moved the same message in 24 µs and msgspec's msgpack encoded it in 16 µs, but neither is a dependency the
+server has, and neither tells the HTTP process that the core died: a pipe's reader gets EOF the moment its
+writer's process is gone, whatever killed it.
 """
-
 from __future__ import annotations
 
 import fcntl

@@ -1,9 +1,12 @@
 """The engine seen from the HTTP process when it runs in its own process (the default of ``tripath serve``):
-:class:`EngineClient` starts the engine core (:mod:`~tripath.server.engine_core`, spawned) and serves the
-handlers' :class:`~tripath.server.submissions.Engine` interface as the in-process
-:class:`~tripath.server.engine_loop.EngineLoop` does, so the routes do not know which one they talk to.
+:class:`EngineClient` starts the engine core process (:mod:`~tripath.server.core_process`, spawned; its
+:class:`~tripath.server.core_loop.CoreLoop`) and serves the handlers'
+:class:`~tripath.server.submissions.Engine` interface as the in-process
+:class:`~tripath.server.in_process.InProcessClient` does (both are an
+:class:`~tripath.server.engine_front.EngineFront`), so the routes do not know which one they talk to.
 
-The event loop that serves the requests talks to the core over two pipes (:mod:`~tripath.server.core_wire`),
+The event loop that serves the requests talks to the core over two pipes (the messages of
+:mod:`~tripath.server.core_messages`, framed by :mod:`~tripath.server.core_wire`),
 both non-blocking and watched by the loop itself (``add_reader`` / ``add_writer``), so no thread hands a
 message over: the handlers' adds and aborts of one pass of the loop go out as one message (what the pipe
 cannot take yet waits in a buffer the loop writes out as it drains, never blocking it); the core's
@@ -38,11 +41,11 @@ from typing import Callable
 
 from tripath.engine.core import EngineCore
 from tripath.engine.engine_info import EngineInfo
-from tripath.server.core_wire import (READ_BYTES, FrameReader, Outbox, decode_output, decode_stats, frame,
-                                      load_tokenizer_handle, widen)
+from tripath.server.core_messages import Abort, Add, Ready, StartFailed, Stop, Stopped, Update
 from tripath.server.core_process import LOG_FORMAT, CoreSpec, core_main
-from tripath.server.startup import cache_config
-from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission, SubmissionBook
+from tripath.server.core_wire import READ_BYTES, FrameReader, Outbox, frame, load_tokenizer_handle, widen
+from tripath.server.engine_front import EngineFront
+from tripath.server.submissions import SHUTTING_DOWN, Failure, Submission
 
 log = logging.getLogger("tripath.server")
 
@@ -113,7 +116,7 @@ class CoreChannel:
     index: int = 0
 
 
-class EngineClient:
+class EngineClient(EngineFront):
     """The engine core process that ``make_engine()`` builds the :class:`~tripath.engine.core.EngineCore` in,
     and the handlers' side of it. ``make_engine`` and ``describe`` are pickled to the core: top-level
     functions, or ``functools.partial`` of them. With ``core``
@@ -123,6 +126,7 @@ class EngineClient:
     def __init__(self, make_engine: Callable[[], EngineCore] | None, metrics,
                  on_fatal: Callable[[BaseException], None] | None = None,
                  describe: Callable[[EngineInfo], str] | None = None, core: CoreChannel | None = None):
+        super().__init__(metrics, on_fatal)
         self._spec = CoreSpec(make_engine, describe, logging.getLogger().getEffectiveLevel(), LOG_FORMAT)
         self._core = core
         self.request_id_prefix = "srv" if core is None else f"srv{core.index}"   # engine request ids: prefix-n-choice
@@ -133,30 +137,17 @@ class EngineClient:
                 raise TypeError(f"the engine core process needs a picklable make_engine and describe (top-level "
                                 f"functions or functools.partial of them), got {make_engine!r}: {error}; run a closure "
                                 "in process (engine_in_process=True)") from None
-        self.metrics = metrics
-        self._on_fatal = on_fatal
-        self._book = SubmissionBook(metrics)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._frames = FrameReader()
-        self._commands_out: list[tuple] = []   # commands of this pass of the loop, sent at its end
+        self._commands_out: list = []          # commands of this pass of the loop, sent at its end
         self._outbox: Outbox | None = None     # what the command pipe has not taken yet
         self._reading = False
         self._finished = threading.Event()     # nothing more will be read from the core
-        self._ready = threading.Event()
-        self._settled = threading.Event()   # ready, or never going to be
-        self._stopping = False
         self._closed = False                # nothing more comes from the core
         self._stopped = False
         self._stop_lock = threading.Lock()
         self.process = None
-        self.tokenizer = None          # the HTTP process's own, once ready
-        self.vocab_size = 0
-        self.max_model_len = 0
-        self.max_num_seqs = 0
-        self.generation_defaults: dict = {}
-        self.startup_error: BaseException | None = None
         self._fatal: BaseException | None = None
-        self._step_failures_seen = 0   # the core counts them since its start
         self._gone = Failure(500, "the engine core process has stopped", "server_error",   # set as it ends
                              "engine_gone")
 
@@ -184,10 +175,6 @@ class EngineClient:
         if self._core is not None:
             return self._core.pid
         return None if self.process is None else self.process.pid
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        self._settled.wait(timeout)
-        return self.ready
 
     def start(self) -> None:
         """Spawn the core (it builds the engine while the server answers ``/health`` with 503). Called on the
@@ -222,13 +209,13 @@ class EngineClient:
             self._book.refuse(sub.request_id, SHUTTING_DOWN if self._stopping else self._gone)
             self._book.flush()
             return
-        self._command(("add", sub.request_id, sub.prompt_token_ids, sub.params))
+        self._command(Add(sub.request_id, sub.prompt_token_ids, sub.params))
 
     def abort(self, request_id: str, outcome: str | None = "abort") -> None:
         """Abort a request (``outcome``: its finish reason in the metrics, ``abort`` or ``stop``; None:
         withdrawn, see :meth:`SubmissionBook.end`)."""
         if self._book.end(request_id, outcome) is not None and not self._closed:
-            self._command(("abort", request_id))
+            self._command(Abort(request_id))
 
     def stop(self, timeout: float = 30.0) -> None:
         """End what is in flight (503), have the core release the engine, and wait for it up to ``timeout``
@@ -245,7 +232,7 @@ class EngineClient:
                 return
             self._stopped = True
             deadline = time.monotonic() + timeout
-            self._command(("stop",))
+            self._command(Stop())
             self._finished.wait(timeout)
             if self.process is not None:
                 self.process.join(max(0.0, deadline - time.monotonic()))
@@ -262,7 +249,7 @@ class EngineClient:
     def _loop_running(self) -> bool:
         return self._loop is not None and self._loop.is_running() and not self._loop.is_closed()
 
-    def _command(self, command: tuple) -> None:
+    def _command(self, command: Add | Abort | Stop) -> None:
         """Send a command: with the others of this pass of the loop, in one message at its end."""
         if threading.get_ident() != self._loop_thread:
             if self._loop_running():
@@ -319,15 +306,15 @@ class EngineClient:
                 self._finish(None)
                 return
             for message in self._frames.feed(data):
-                if message[0] == "update":
-                    self._on_update(*message[1:])
-                elif message[0] == "ready":
-                    self._loop.run_in_executor(None, self._on_ready, message[1])
-                elif message[0] == "start_failed":
-                    self.startup_error = EngineStartError(message[1])
+                if isinstance(message, Update):
+                    self._take_update(message)
+                elif isinstance(message, Ready):
+                    self._loop.run_in_executor(None, self._on_ready, message)
+                elif isinstance(message, StartFailed):
+                    self.startup_error = EngineStartError(message.message)
                     self._finish(None)
                     return
-                elif message[0] == "stopped":
+                elif isinstance(message, Stopped):
                     self._finish(None)
                     return
         except Exception as failed:  # noqa: BLE001 - a reader that dies must not leave requests hanging
@@ -340,36 +327,16 @@ class EngineClient:
         self._stop_reading()
         self._loop.run_in_executor(None, self._close, error)
 
-    def _on_ready(self, facts: dict) -> None:
+    def _on_ready(self, ready: Ready) -> None:
+        """(A worker thread:) load this process's own tokenizer, then take the engine's facts."""
         try:
-            self.tokenizer = load_tokenizer_handle(facts["tokenizer"])
+            tokenizer = load_tokenizer_handle(ready.tokenizer)
         except Exception as error:  # noqa: BLE001 - the server cannot serve without it: a start failure
             self.startup_error = EngineStartError(f"loading the tokenizer failed: {type(error).__name__}: {error}")
-            self._command(("stop",))
+            self._command(Stop())
             return
-        info: EngineInfo = facts["info"]
-        self.vocab_size, self.max_model_len = info.vocab_size, info.max_model_len
-        self.max_num_seqs, self.generation_defaults = info.max_num_seqs, dict(info.generation_defaults)
-        self.metrics.engine_ready(self.max_model_len, cache_config(info))
-        self._ready.set()
-        self._settled.set()
         speaks = self._core is None or self._core.index == 0   # of several API servers, the first says it
-        log.log(logging.INFO if speaks else logging.DEBUG, "engine ready: %s", facts["summary"])
-
-    def _on_update(self, accepted, refused, outputs, failed, stats, step_failures) -> None:
-        book = self._book
-        for request_id in accepted:
-            book.accept(request_id)
-        for request_id, status, message, kind, reason in refused:
-            book.refuse(request_id, Failure(status, message, kind, reason))
-        num_new = book.outputs([decode_output(item) for item in outputs], time.perf_counter())
-        if step_failures > self._step_failures_seen:
-            self.metrics.step_failures.inc(step_failures - self._step_failures_seen)
-            self._step_failures_seen = step_failures
-        for request_ids, status, message, kind in failed:
-            book.fail(request_ids, Failure(status, message, kind))
-        book.publish(decode_stats(stats), num_new)
-        book.flush()
+        self._take_facts(ready, tokenizer, speaks)
 
     def _close(self, error: BaseException | None) -> None:
         """Nothing more comes from the core. Unless asked to stop, that is fatal."""

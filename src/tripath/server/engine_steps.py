@@ -1,6 +1,6 @@
-"""What the server does with the engine core itself, wherever it runs (the in-process thread of
-:mod:`~tripath.server.engine_loop` or the core process of :mod:`~tripath.server.engine_core`): add a
-request, take a step, close the engine and release its memory. The engine is an
+"""What the core loop (:mod:`~tripath.server.core_loop`) does with the engine core itself, wherever it runs
+(the core process or a thread of the HTTP process): add a request, take a step, close the engine and
+release its memory. The engine is an
 :class:`~tripath.engine.core.EngineCore`, used through its typed methods only.
 
 A refused add is a :class:`~tripath.server.submissions.Failure` (400 for a request the engine can never

@@ -1,5 +1,5 @@
-"""Adds that wait for their structured output's grammar, wherever the engine runs (the core process of
-:mod:`~tripath.server.engine_core` or the in-process thread of :mod:`~tripath.server.engine_loop`).
+"""Adds that wait for their structured output's grammar, in the engine core's loop
+(:mod:`~tripath.server.core_loop`, in the core process or on a thread of the HTTP process).
 
 A request with a structured output is not added to the engine when it arrives: its grammar compiles on the
 engine's compiler threads (``GrammarCompiler.submit``) while the loop goes on stepping every other request,

@@ -1,17 +1,17 @@
 """What the HTTP handlers and an engine exchange, whichever way the engine runs (a thread of the HTTP process,
-:mod:`~tripath.server.engine_loop`, or its own process, :mod:`~tripath.server.engine_client`).
+:mod:`~tripath.server.in_process`, or its own process, :mod:`~tripath.server.engine_client`).
 
 A handler submits a :class:`Submission` (one engine request: one prompt and choice of an HTTP request) and
 reads its asyncio queue: first :data:`ACCEPTED` or a :class:`Failure` for the add, then each step's output
 (an object with ``request_id``, ``new_token_ids``, ``new_logprobs``, ``prompt_logprobs``, ``finished`` and
-``finish_reason``: a :class:`~tripath.engine.RequestOutput` or a :class:`~tripath.server.core_wire.StepOutput`)
+``finish_reason``: a :class:`~tripath.server.core_wire.StepOutput`)
 until the finished one, or a :class:`Failure` that ends it. Every queue item is ``(index, item)``, ``index``
 the submission's choice.
 
 :class:`SubmissionBook` is the engine side's record of the submissions in flight and of their metrics; it
 queues the items of a step and hands them to the event loop in one go per step (per event loop), not one
-per request: at once when it runs on that loop (the engine core's updates, read by the loop), else in one
-``call_soon_threadsafe`` (the in-process engine's thread, or a worker thread failing what is left). The
+per request: at once when it runs on that loop (the core process's updates, read by the loop), else in one
+``call_soon_threadsafe`` (the in-process core loop's thread, or a worker thread failing what is left). The
 event loop may :meth:`~SubmissionBook.register` and :meth:`~SubmissionBook.end` beside a delivering thread
 (single dict operations, atomic in CPython), so a submission is ended exactly once, by whoever pops it.
 """
@@ -76,7 +76,7 @@ class Submission:
 
 
 class Engine(Protocol):
-    """What the handlers use of an engine (:class:`~tripath.server.engine_loop.EngineLoop`,
+    """What the handlers use of an engine (:class:`~tripath.server.in_process.InProcessClient`,
     :class:`~tripath.server.engine_client.EngineClient`). The facts (``tokenizer`` … ``generation_defaults``)
     are set once ``ready``; ``startup_error``: the engine could not be built; ``fatal_error``: it stopped
     serving without being asked to (the server then exits)."""

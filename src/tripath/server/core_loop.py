@@ -1,40 +1,42 @@
-"""The engine core process's loop: the process that owns the :class:`~tripath.engine.core.EngineCore` (and
-its tensor-parallel ranks, which it spawns) for ``tripath serve``, and only schedules and steps; the HTTP processes — one, or several
-with ``--api-server-count`` (:mod:`~tripath.server.api_servers`) — tokenise, validate, detokenise and frame
-the streams (:mod:`~tripath.server.engine_client`).
+"""The engine core's loop (:class:`CoreLoop`): it owns one built :class:`~tripath.engine.core.EngineCore`, and
+only schedules and steps, for every HTTP side of ``tripath serve``, whichever the transport: the core process
+(:mod:`~tripath.server.core_process`, pipes to one HTTP process or, with ``--api-server-count``, several:
+:mod:`~tripath.server.api_servers`) or a thread of the HTTP process (:mod:`~tripath.server.in_process`, a
+local channel). The HTTP sides tokenise, validate, detokenise and frame the streams.
 
-:class:`CoreLoop` sends the engine's facts to every HTTP process (``ready``,
-:mod:`~tripath.server.core_wire`), then loops: take every
-command that has arrived from any of them (adds, aborts, stop) — waiting for one only while nothing runs —,
-take a step (:mod:`~tripath.server.engine_steps`), and send each HTTP process ONE update with what that pass
-produced for its requests: the adds it took or refused, every output of the step (new tokens, finish, new
-log-probabilities, prompt log-probabilities once), the requests a failed step failed, and ``EngineCore.stats()``.
-An HTTP process with nothing in a pass gets the stats alone at most every :data:`STATS_REFRESH_S`, and at
-once when the engine goes idle. The engine does not decode finished outputs here
-(``EngineCore(detokenize=False)``): the HTTP processes detokenise. With several HTTP processes each bounds
-its own requests and the core bounds the engine's waiting queue for all (``CoreSpec.max_waiting``).
+The loop tells every HTTP side the engine is :class:`~tripath.server.core_messages.Ready` (its
+:class:`~tripath.engine.engine_info.EngineInfo`), then loops: take every command that has arrived from any
+of them (:mod:`~tripath.server.core_messages`: adds, aborts, stop) — waiting for one only while nothing
+runs —, take a step (:mod:`~tripath.server.engine_steps`), and send each HTTP side ONE
+:class:`~tripath.server.core_messages.Update` with what that pass produced for its requests: the adds it
+took or refused, every output of the step (new tokens, finish, new log-probabilities, prompt
+log-probabilities once), the requests a failed step failed, and ``EngineCore.stats()``. An HTTP side with
+nothing in a pass gets the stats alone at most every :data:`STATS_REFRESH_S`, and at once when the engine
+goes idle. The engine does not decode finished outputs here (``EngineCore(detokenize=False)`` in the core
+process): the HTTP sides detokenise. With several HTTP processes each bounds its own requests and the loop
+bounds the engine's waiting queue for all (``max_waiting``, ``CoreSpec.max_waiting``).
 
-No request and no HTTP process holds the loop up. A request with a structured output waits for its grammar
+No request and no HTTP side holds the loop up. A request with a structured output waits for its grammar
 off the loop (:mod:`~tripath.server.grammar_waits`: compiled on the engine's compiler threads, added once
 compiled, refused past ``--grammar-compile-timeout``), the loop waking when a compile is done. Updates are
-written without blocking: what an HTTP process's pipe cannot take yet waits in that process's own buffer and
-is written as the pipe drains (the loop watches it), so an HTTP process whose event loop stalls pauses no
-other's streams; once :data:`MAX_UNSENT_BYTES` wait for it, its requests end (503) and it reads why after
-the rest.
+written to a pipe without blocking: what an HTTP process's pipe cannot take yet waits in that process's own
+buffer and is written as the pipe drains (the loop watches it), so an HTTP process whose event loop stalls
+pauses no other's streams; once :data:`MAX_UNSENT_BYTES` wait for it, its requests end (503) and it reads
+why after the rest.
 
-While requests arrive the core decodes one step at a time: an add that finds a group of multi-step decode
+While requests arrive the loop decodes one step at a time: an add that finds a group of multi-step decode
 steps launched waits for it (and, with overlapped scheduling, for the group after it: 13 ms on the TP-8
 shape), and on a server whose streams end and restart together the adds of one round reach the core over
 100-300 ms (the round's prefills stagger the streams' ends). Once no request has arrived for
 :data:`ARRIVAL_WINDOW_S` the engine's ``decode_steps`` apply again (``EngineCore.step(decode_steps=1)``
-meanwhile; offline, ``LLM.generate`` adds its requests at step boundaries and keeps them). Measured against no window, the window's gain is within the
-noise of a run (docs/BENCHMARKS.md).
+meanwhile; offline, ``LLM.generate`` adds its requests at step boundaries and keeps them). Measured against
+no window, the window's gain is within the noise of a run (docs/BENCHMARKS.md).
 
-Each HTTP process drains at its stop, then sends ``stop``, which ends what it still has in the engine (503)
-and, while others serve on, answers ``stopped`` at once. An HTTP process that is gone (its end of the command
-pipe closes) has its requests aborted. The core stops, releasing the engine, at the last HTTP process's
-``stop`` or exit, then says ``stopped`` to whoever is left (the process around it: :mod:`~tripath.server.
-core_process`).
+Each HTTP side drains at its stop, then sends :class:`~tripath.server.core_messages.Stop`, which ends what it
+still has in the engine (503) and, while others serve on, answers
+:class:`~tripath.server.core_messages.Stopped` at once. An HTTP process that is gone (its end of the command
+pipe closes) has its requests aborted. The loop stops, releasing the engine, at the last HTTP side's
+``Stop`` or exit, then says ``Stopped`` to whoever is left.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ import os
 import select
 import time
 import traceback
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tripath.engine.core import EngineCore
-from tripath.server.core_wire import READ_BYTES, FrameReader, Outbox, encode_output, encode_stats
+from tripath.engine.engine_info import EngineInfo
+from tripath.server.core_frontends import Frontend, LocalChannel
+from tripath.server.core_messages import Abort, Add, Ready, Stop, Stopped, Update
+from tripath.server.core_wire import READ_BYTES, encode_output, encode_stats, tokenizer_handle
 from tripath.server.engine_steps import add_request, close_engine, release_memory, take_step
 from tripath.server.grammar_waits import GrammarWaits
 from tripath.server.submissions import Failure
@@ -61,39 +66,18 @@ MAX_UNSENT_BYTES = 64 << 20   # updates an HTTP process may leave unread before 
 FINAL_FLUSH_S = 5.0       # at stop, how long the core waits for the HTTP processes to read their last updates
 
 
-class _Frontend:
-    """One HTTP process the core serves: its pipe ends (descriptors), what the current pass has for it, and
-    the updates its pipe has not taken yet (``unsent``, written as the pipe drains)."""
-
-    __slots__ = ("commands", "updates", "frames", "accepted", "refused", "outputs", "failed", "sent_stats",
-                 "sent_at", "unsent", "overflowed")
-
-    def __init__(self, commands: int, updates: int):
-        self.commands, self.updates = commands, updates
-        self.frames = FrameReader()
-        self.clear()
-        self.sent_stats = None
-        self.sent_at = float("-inf")
-        self.unsent = Outbox(updates)
-        self.overflowed = False   # its requests were ended for falling MAX_UNSENT_BYTES behind
-
-    def has_items(self) -> bool:
-        return bool(self.accepted or self.refused or self.outputs or self.failed)
-
-    def clear(self) -> None:
-        """Empty this pass's items: the ids added, the adds refused, the outputs, the requests failed."""
-        self.accepted, self.refused, self.outputs, self.failed = [], [], [], []
-
-
 class CoreLoop:
-    """The core's loop over one built engine core (see the module doc). ``frontends``: ``(commands, updates)`` file
-    descriptors of each HTTP process's pipe ends (the update ends are made non-blocking; -1: not used);
-    ``max_waiting``: with several, the most requests the engine may hold waiting (an add beyond it is refused
-    with 503), None for no bound here."""
+    """The loop over one built engine core (see the module doc). ``frontends``: per HTTP side, the
+    ``(commands, updates)`` file descriptors of its pipe ends (the update ends are made non-blocking; -1: not
+    used) or a :class:`~tripath.server.core_frontends.LocalChannel`; ``max_waiting``: with several, the most
+    requests the engine may hold waiting (an add beyond it is refused with 503), None for no bound here;
+    ``describe(info)``: the start-up log line sent with :class:`Ready`."""
 
-    def __init__(self, core: EngineCore, frontends: Sequence[tuple[int, int]], max_waiting: int | None = None):
+    def __init__(self, core: EngineCore, frontends: Sequence[tuple[int, int] | LocalChannel],
+                 max_waiting: int | None = None, describe: Callable[[EngineInfo], str] | None = None):
         self.core = core
-        self._frontends = [_Frontend(commands, updates) for commands, updates in frontends]
+        self._describe = describe
+        self._frontends = [Frontend(ends) for ends in frontends]
         self._open = set(range(len(self._frontends)))
         self._poller = select.poll()
         self._by_fd: dict[int, int] = {}          # a command pipe's descriptor -> its frontend
@@ -115,12 +99,22 @@ class CoreLoop:
         self._stopping = False
         self._last_arrival = float("-inf")
 
-    def run(self, facts: dict) -> None:
-        """Tell every HTTP process the engine is ``ready`` (with ``facts``), then serve until stopped and release
-        the engine."""
-        for index in range(len(self._frontends)):   # one that is gone already is detached here
-            self._send(index, ("ready", facts))
+    def run(self) -> None:
+        """Tell every HTTP side the engine is :class:`Ready`, then serve until stopped and release the
+        engine."""
+        info, tokenizer = self.core.info(), self.core.tokenizer
+        summary = ""
+        if self._describe is not None:
+            try:
+                summary = self._describe(info)
+            except Exception:  # noqa: BLE001 - a log line; the engine serves without it
+                log.error("describing the engine failed:\n%s", traceback.format_exc())
+        shipped = tokenizer_handle(tokenizer)   # a directory to load, or the object pickled
+        for index, frontend in enumerate(self._frontends):   # one that is gone already is detached here
+            handle = shipped if frontend.local is None or tokenizer is None else ("object", tokenizer)
+            self._send(index, Ready(info, summary, handle))
         try:
+            self._send_updates()   # the engine's stats, before any request
             while not self._stopping:
                 try:
                     self._receive(block=not self.core.has_unfinished_requests())
@@ -136,7 +130,7 @@ class CoreLoop:
         finally:
             self._release()
         for index in list(self._open):
-            self._send(index, ("stopped",))
+            self._send(index, Stopped())
         self._flush_before_exit()
 
     # ---- commands -------------------------------------------------------------------------------------------
@@ -160,16 +154,12 @@ class CoreLoop:
                 index = self._by_fd.get(fd)
                 if index is None:
                     continue
-                try:
-                    data = os.read(fd, READ_BYTES)
-                except OSError:
-                    data = b""
-                if not data:   # that HTTP process is gone: nobody to answer
+                commands = self._frontends[index].read_commands()
+                if commands is None:   # that HTTP process is gone: nobody to answer
                     self._detach(index)
                     continue
-                for batch in self._frontends[index].frames.feed(data):
-                    for command in batch:
-                        self._handle(index, command)
+                for command in commands:
+                    self._handle(index, command)
 
     def _block_ms(self) -> int | None:
         """How long an idle engine waits for a command: until the next grammar is due, else for ever."""
@@ -181,10 +171,9 @@ class CoreLoop:
         with contextlib.suppress(BlockingIOError, OSError):   # full: a wake is pending anyway; closed: stopping
             os.write(self._wake_write, b"\0")
 
-    def _handle(self, index: int, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt_token_ids, params = command
+    def _handle(self, index: int, command: Add | Abort | Stop) -> None:
+        if isinstance(command, Add):
+            request_id, prompt_token_ids, params = command.request_id, command.prompt_token_ids, command.params
             in_flight = request_id in self._live or request_id in self._grammars
             failure = self._overloaded() if not in_flight else \
                 Failure(400, f"request id {request_id!r} is in flight already", reason="duplicate_request_id")
@@ -195,21 +184,24 @@ class CoreLoop:
             if failure is None:
                 failure = add_request(self.core, request_id, prompt_token_ids, params)
             self._added(index, request_id, failure)
-        elif kind == "abort":
-            entry = self._live.get(command[1])
+        elif isinstance(command, Abort):
+            request_id = command.request_id
+            entry = self._live.get(request_id)
             if entry is not None and entry[0] == index:
-                del self._live[command[1]]
-                self.core.abort(command[1])
-            elif command[1] in self._grammars and self._grammars.owner(command[1]) == index:
-                self._grammars.cancel(command[1])
-        elif kind == "stop":
+                del self._live[request_id]
+                self.core.abort(request_id)
+            elif request_id in self._grammars and self._grammars.owner(request_id) == index:
+                self._grammars.cancel(request_id)
+        elif isinstance(command, Stop):
             if len(self._open) > 1:   # the others serve on: this one's requests end, it hears no more
                 self._end_requests_of(index, "the server is shutting down", 503)
                 self._send_update(index, time.monotonic())
-                self._send(index, ("stopped",))
+                self._send(index, Stopped())
                 self._forget(index)
             else:
                 self._stopping = True
+        else:
+            log.warning("the engine core ignores an unknown command: %r", command)
 
     def _added(self, index: int, request_id: str, failure: Failure | None) -> None:
         frontend = self._frontends[index]
@@ -248,7 +240,8 @@ class CoreLoop:
             if entry is None:
                 continue   # aborted since the step was launched
             first_prompt_logprobs = not entry[1] and out.prompt_logprobs is not None
-            frontends[entry[0]].outputs.append(encode_output(out, first_prompt_logprobs))
+            frontend = frontends[entry[0]]   # in process the outputs are handed over as they are
+            frontend.outputs.append(out if frontend.local is not None else encode_output(out, first_prompt_logprobs))
             if out.finished:
                 del live[out.request_id]
             elif first_prompt_logprobs:
@@ -301,8 +294,8 @@ class CoreLoop:
     def _send_update(self, index: int, now: float, stats: tuple | None = None) -> None:
         frontend = self._frontends[index]
         stats = encode_stats(self.core.stats()) if stats is None else stats
-        sent = self._send(index, ("update", frontend.accepted, frontend.refused, frontend.outputs, frontend.failed,
-                                  stats, self._step_failures))
+        sent = self._send(index, Update(frontend.accepted, frontend.refused, frontend.outputs, frontend.failed,
+                                        stats, self._step_failures))
         frontend.clear()
         if sent:
             frontend.sent_stats, frontend.sent_at = stats, now
@@ -310,9 +303,13 @@ class CoreLoop:
                 self._overflow(index)
 
     def _send(self, index: int, message) -> bool:
-        """Queue a message to one frontend and write what its pipe takes now, never waiting for it (the rest
-        is written as the pipe drains); False if its process is gone (it is detached)."""
+        """Hand a message to one frontend: to a local channel's client at once; to a pipe, queued and written
+        as far as the pipe takes it now, never waiting for it (the rest is written as the pipe drains). False
+        if its process is gone (it is detached)."""
         frontend = self._frontends[index]
+        if frontend.local is not None:
+            frontend.local.deliver(message)
+            return True
         if frontend.updates < 0:
             return True
         frontend.unsent.put(message)
@@ -350,7 +347,7 @@ class CoreLoop:
         self._end_requests_of(index, "the server's HTTP process fell too far behind the engine (it did not read "
                                      f"{MAX_UNSENT_BYTES >> 20} MiB of updates); retry", 503)
 
-    def _unwatch_updates(self, frontend: _Frontend) -> None:
+    def _unwatch_updates(self, frontend: Frontend) -> None:
         if self._by_update_fd.pop(frontend.updates, None) is not None:
             self._poller.unregister(frontend.updates)
 
