@@ -297,6 +297,20 @@ def test_draft_model_greedy_outputs_are_those_without_speculation(pure_torch, dr
         assert stats.num_preemptions > 0
 
 
+def test_the_draft_caches_bytes_per_block_are_what_its_runner_allocates(pure_torch):
+    """The target's GPU memory plan sizes the draft's cache to the same blocks with ``draft_cache_bytes``:
+    the bytes the draft runner's caches take, per block."""
+    from tripath.engine.speculative.draft_model import draft_cache_bytes
+
+    llm = LLM(preset("tiny-llama"), backend="torch", num_kv_blocks=24, block_size=8,
+              speculative_config={"model": "tiny-qwen3", "num_speculative_tokens": 2})
+    draft = llm.scheduler.proposer
+    held = sum(t.numel() * t.element_size() for cache in draft.runner.caches
+               for t in (cache.k_cache, cache.v_cache))
+    assert draft.runner.num_blocks == 24 and draft.runner.block_size == 8
+    assert draft_cache_bytes(draft.model, llm.config)(8) * 24 == held
+
+
 def test_draft_model_refusals():
     with pytest.raises(ValueError, match="'draft_model' needs model"):
         EngineConfig(device="cpu", speculative_config={"method": "draft_model", "num_speculative_tokens": 2})

@@ -124,15 +124,20 @@ class EngineCore:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(int(t) for t in getattr(model.config, "eos_token_ids", ()) or ())
+        draft = None
+        if speculation is not None and speculation.method == "draft_model":
+            from tripath.engine.speculative.draft_model import draft_cache_bytes, load_draft_model
+            draft = load_draft_model(speculation.model, config)   # its weights in use before the cache is sized
         if self.runner is None:
-            self.runner = ModelRunner(model, config)
+            self.runner = ModelRunner(model, config, extra_cache_bytes=None if draft is None else
+                                      draft_cache_bytes(draft, config))
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.runner.max_model_len,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    speculation=config.speculative_config,
-                                   proposer=self._proposer(config, model))
+                                   proposer=self._proposer(config, model, draft))
         speculating = config.speculative_config is not None   # verify steps read their drafts' outcome
         overlap = config.async_scheduling and self.runner.capabilities.overlap and not speculating
         pacing = config.step_pacing_s
@@ -182,12 +187,13 @@ class EngineCore:
         """Kernel variants compiled after the engine was built (0 when the warm-up covered every step)."""
         return compiled_variants() - self._compiled_at_start
 
-    def _proposer(self, config: EngineConfig, model):
-        """Speculative decoding's proposer (:func:`tripath.engine.speculative.proposers.make_proposer`), or None."""
+    def _proposer(self, config: EngineConfig, model, draft):
+        """Speculative decoding's proposer (:func:`tripath.engine.speculative.proposers.make_proposer`), or None;
+        ``draft``: the draft model, loaded already."""
         if config.speculative_config is None:
             return None
         from tripath.engine.speculative.proposers import make_proposer
-        return make_proposer(config.speculative_config, self.runner, config, int(model.config.vocab_size))
+        return make_proposer(config.speculative_config, self.runner, config, int(model.config.vocab_size), draft)
 
     def info(self) -> EngineInfo:
         """What this engine is (see :class:`~tripath.engine.engine_info.EngineInfo`)."""

@@ -68,10 +68,13 @@ class Route(enum.Enum):
 
 class ModelRunner:
     """Owns the model, the attention backend and the per-layer KV caches of one engine (an
-    :class:`~tripath.engine.executor.Executor` in the engine's own process)."""
+    :class:`~tripath.engine.executor.Executor` in the engine's own process). ``extra_cache_bytes``: for a
+    cache of another model sized to the same blocks (speculative decoding's draft model), its bytes per block
+    as a function of the block size, counted by the GPU memory plan."""
 
-    def __init__(self, model, config: EngineConfig):
+    def __init__(self, model, config: EngineConfig, *, extra_cache_bytes=None):
         self.model = model
+        self.extra_cache_bytes = extra_cache_bytes   # block_size -> bytes another cache sized with this one takes
         self.config = config
         self.device = config.device
         is_mla = getattr(model.config, "mla", None) is not None

@@ -111,6 +111,8 @@ def plan_memory(runner, pool: CompilePool | None = None) -> MemoryPlan:
     budget = int(total * runner.config.gpu_memory_utilization)
     headroom = max(MIN_HEADROOM, int(total * HEADROOM_FRACTION))
     per_block = runner.backend.cache_bytes_per_block() * runner.num_layers
+    if runner.extra_cache_bytes is not None:   # a draft model's cache of as many blocks
+        per_block += runner.extra_cache_bytes(runner.block_size)
     in_use = total - free
     plan = MemoryPlan(total=total, budget=budget, in_use=in_use, weights=torch.cuda.memory_allocated(device),
                       step_peaks=peaks, graph_pools=graph_pools, headroom=headroom, bytes_per_block=per_block,

@@ -3,7 +3,8 @@
 
 The draft's KV cache has the target's block count and block size and is indexed by the target requests' own
 block tables: a request's blocks hold the target's rows in the target's cache and the draft's rows in the
-draft's, so the draft needs no block manager. The scheduler makes room for a verify's drafts before it asks
+draft's, so the draft needs no block manager. On a GPU the engine loads the draft before it sizes the target's
+cache and the memory plan counts the draft's bytes in every block (:func:`draft_cache_bytes`). The scheduler makes room for a verify's drafts before it asks
 (:mod:`tripath.engine.scheduler`), so the blocks cover every position the draft writes.
 
 For the requests of one step, :meth:`DraftModelProposer.propose` runs the draft
@@ -26,6 +27,26 @@ from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.worker import StepRequest
 
 
+def load_draft_model(name: str, config):
+    """The draft model of ``speculative_config.model`` (a preset, model directory or hub id), on the engine's
+    device and in its dtype: loaded before the target's KV cache is sized, so its weights count as in use."""
+    from tripath.models import load_model
+    from tripath.models.hub import resolve_model_path
+    return load_model(resolve_model_path(name), dtype=config.dtype, device=config.device).eval()
+
+
+def draft_cache_bytes(model, config):
+    """``block_size -> bytes`` of the draft model's KV cache for one block (all its layers), for the target's
+    memory plan, which sizes both caches to the same number of blocks."""
+    from tripath.attention import select_backend
+
+    def bytes_per_block(block_size: int) -> int:
+        spec = model.attention_spec(block_size=block_size, kv_cache_dtype=config.kv_cache_dtype, dtype=config.dtype)
+        return select_backend(spec, device=config.device).cache_bytes_per_block() * model.num_attention_layers
+
+    return bytes_per_block
+
+
 class DraftModelProposer:
     """``model``: a preset, a model directory or hub id, or a built model; ``config``: the target engine's
     :class:`~tripath.engine.config.EngineConfig`; ``num_blocks`` / ``block_size`` / ``max_model_len``: the
@@ -35,9 +56,7 @@ class DraftModelProposer:
         from tripath.engine.model_runner import ModelRunner
 
         if isinstance(model, str):
-            from tripath.models import load_model
-            from tripath.models.hub import resolve_model_path
-            model = load_model(resolve_model_path(model), dtype=config.dtype, device=config.device)
+            model = load_draft_model(model, config)
         draft_vocab = int(model.config.vocab_size)
         if draft_vocab != vocab_size:
             raise ValueError(f"speculative_config model has a vocabulary of {draft_vocab} tokens, the target "
