@@ -345,8 +345,9 @@ def test_real_model_drafts_from_a_repetitive_prompt(pure_torch, smollm2):
                                           ("tiny-llama", "two_path"), ("tiny-deepseek", "auto")])
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_on_the_gpu_with_the_engine_defaults(name, backend, method):
-    """The engine's GPU defaults (CUDA graphs, warm-up, the verify route, fp16): greedy outputs as without
-    speculation (up to near ties), through preemptions too; verifies were taken and drafts accepted."""
+    """The engine's GPU defaults (CUDA graphs, warm-up, the verify route, fp16; the memory plan sizing the
+    target's and the draft's caches): greedy outputs as without speculation (up to near ties), through
+    preemptions too; verifies were taken and drafts accepted."""
     from model_steps import assert_same_or_near_tie
 
     model = load_model(name, dtype=torch.float16, device="cuda")
@@ -356,7 +357,8 @@ def test_speculation_on_the_gpu_with_the_engine_defaults(name, backend, method):
                   block_size=16)
     expected = outputs(LLM(model, enforce_eager=True, **common), prompts, params)
     spec = {"method": method, "num_speculative_tokens": 4, **({"model": name} if method == "draft_model" else {})}
-    for options in (common, dict(common, num_kv_blocks=40)):
+    planned = {k: v for k, v in common.items() if k != "num_kv_blocks"}   # the memory plan sizes the caches
+    for options in (common, dict(common, num_kv_blocks=40), dict(planned, gpu_memory_utilization=0.3)):
         llm = LLM(model, speculative_config=spec, **options)
         assert_same_or_near_tie(model, prompts, expected, outputs(llm, prompts, params))
         stats = llm.stats()
