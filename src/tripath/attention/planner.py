@@ -1,13 +1,13 @@
 """Batch planning, on the host, once per step: classify, reorder ``[decode | verify | extend | prefill]``, chunk.
 
-A request with ``context_len == 0`` is a **prefill**; otherwise it is a **decode** when
-``query_len <= decode_threshold`` and an **extend** when ``query_len > decode_threshold``. Decodes of several
-tokens (``decode_threshold > 1``: speculative decoding's **verifies**, a pending token and its drafts) follow
-the one-token decodes inside the decode slice, so a backend sends each group to its own kernel
-(``num_verifies``: the slice's last rows). The order is stable inside each class. Extends whose cached context is attended in chunks share a token budget:
-``chunk_size = budget // num_extends`` (rounded down to whole blocks when it is at least one block), and
-chunk ``c`` covers context tokens ``[c · chunk_size, (c + 1) · chunk_size)`` of every extend, so each chunk's
-gathered workspace holds at most ``budget`` tokens.
+A request with ``context_len == 0`` is a **prefill**; otherwise it is a **decode** when ``query_len <=
+decode_threshold`` and an **extend** when ``query_len > decode_threshold``. Decodes of several tokens
+(``decode_threshold > 1``: speculative decoding's **verifies**, a pending token and its drafts) follow the
+one-token decodes inside the decode slice, so a backend sends each group to its own kernel (``num_verifies``:
+the slice's last rows). The order is stable inside each class. Extends whose cached context is attended in
+chunks share a token budget: ``chunk_size = budget // num_extends`` (rounded down to whole blocks when it is
+at least one block), and chunk ``c`` covers context tokens ``[c · chunk_size, (c + 1) · chunk_size)`` of every
+extend, so each chunk's gathered workspace holds at most ``budget`` tokens.
 
 Example: query lens ``[1, 7, 1, 3]``, context lens ``[9, 0, 4, 5]`` (threshold 1) → kinds decode, prefill,
 decode, extend → order ``[0, 2, 3, 1]``.

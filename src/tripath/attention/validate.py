@@ -120,7 +120,8 @@ def _validate_views(meta: AttentionMetadata, seq_lens, context_lens, cu_q, block
         nv = plan.num_verifies
         expect(all(q == 1 for q in plan.query_lens[:nd - nv]) and all(q > 1 for q in plan.query_lens[nd - nv:nd]),
                "the decode slice must hold its one-token decodes first, then its num_verifies verifies")
-        expect((d.verify is not None) == (nv > 0), "metadata.decode.verify must be set exactly when the plan has verifies")
+        expect((d.verify is not None) == (nv > 0),
+               "metadata.decode.verify must be set exactly when the plan has verifies")
         if d.verify is not None:
             v = d.verify
             expect(v.first_row == v.token_start == nd - nv, "metadata.decode.verify starts at the wrong row")

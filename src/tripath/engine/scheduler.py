@@ -37,10 +37,11 @@ that meets a stop token inside such a step keeps its tokens up to the stop; the 
 whose request can take drafts (see :meth:`Scheduler._draft_room`) gets budget and blocks for its pending token
 and up to ``d`` drafts, as a prompt chunk would (fewer when they do not fit); then one call to the proposer
 (``proposer.propose([(request, d), ...])``, with the blocks already there for a draft model to write its own
-cache rows) drafts for all of them, and each is scheduled as a *verify* of ``1 + len(drafts)`` new tokens. The step scores all of them and yields the accepted drafts and one token more;
-:meth:`update` moves ``num_computed_tokens`` back past the rejected drafts, whose cache rows the next tokens
-overwrite (a block enters the prefix cache only once computed tokens fill it). The engine runs such steps
-one after the other (no overlapped scheduling, no multi-step decoding).
+cache rows) drafts for all of them, and each is scheduled as a *verify* of ``1 + len(drafts)`` new tokens. The
+step scores all of them and yields the accepted drafts and one token more; :meth:`update` moves
+``num_computed_tokens`` back past the rejected drafts, whose cache rows the next tokens overwrite (a block
+enters the prefix cache only once computed tokens fill it). The engine runs such steps one after the other (no
+overlapped scheduling, no multi-step decoding).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 The draft's KV cache has the target's block count and block size and is indexed by the target requests' own
 block tables: a request's blocks hold the target's rows in the target's cache and the draft's rows in the
 draft's, so the draft needs no block manager. On a GPU the engine loads the draft before it sizes the target's
-cache and the memory plan counts the draft's bytes in every block (:func:`draft_cache_bytes`). The scheduler makes room for a verify's drafts before it asks
-(:mod:`tripath.engine.scheduler`), so the blocks cover every position the draft writes.
+cache and the memory plan counts the draft's bytes in every block (:func:`draft_cache_bytes`). The scheduler
+makes room for a verify's drafts before it asks (:mod:`tripath.engine.scheduler`), so the blocks cover every
+position the draft writes.
 
 For the requests of one step, :meth:`DraftModelProposer.propose` runs the draft
 
