@@ -6,7 +6,10 @@ replays of :func:`~tripath.ops.paged_verify` (``n > 1``) or :func:`~tripath.ops.
 of :func:`~tripath.ops.unified_attention` on the same batch (the decode slice's kernel where verifies are
 longer than :data:`~tripath.ops.verify.MAX_VERIFY_TOKENS`), with the bandwidth of reading every context's K
 and V once and the time against the one-token decode of the same batch (the target: at most 1.3x at 8 new
-tokens). Llama-3-8B's attention: 32 query heads, 8 KV heads, 128 dims, bf16, 16-row blocks.
+tokens). Llama-3-8B's attention: 32 query heads, 8 KV heads, 128 dims, bf16, 16-row blocks. Where FlashInfer is
+importable, its paged prefill wrapper (causal, a request's new tokens against its pages: the path peers take
+for multi-token decodes) runs on the same cache and block tables beside them; a FlashInfer failure is
+reported and leaves the other rows.
 """
 
 from __future__ import annotations
@@ -50,6 +53,36 @@ def bench_verify(report: Report, shapes=SHAPES, new_tokens=NEW_TOKENS, heads=(32
             for name, fn in runs:
                 us = bench_graph(fn)
                 report.rows.append(Row("verify", shape, name, us, nbytes / (us * 1e-6) / 1e9, "GB/s"))
+            try:
+                run = flashinfer_verify(q, k_cache, v_cache, table, seq_lens, cu, hq, hkv, head_size, block_size)
+                if run is not None:
+                    us = bench_graph(run)
+                    report.rows.append(Row("verify", shape, "FlashInfer paged prefill (causal)", us,
+                                           nbytes / (us * 1e-6) / 1e9, "GB/s"))
+            except Exception as exc:  # noqa: BLE001 - a peer's failure leaves tripath's rows
+                report.errors.append(f"FlashInfer verify {shape}: {type(exc).__name__}: {exc}")
             del q, out
         del k_cache, v_cache
         torch.cuda.empty_cache()
+
+
+def flashinfer_verify(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q, hq: int, hkv: int, head_size: int,
+                      block_size: int):
+    """FlashInfer's paged prefill over the same NHD cache (its pages are the blocks): a callable for the graph
+    timer, planned once; None when FlashInfer is not importable."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    batch, blocks = table.shape
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=q.device)
+    wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+    pages_used = (seq_lens + block_size - 1) // block_size
+    indptr = torch.zeros(batch + 1, dtype=torch.int32, device=q.device)
+    indptr[1:] = pages_used.cumsum(0)
+    indices = torch.cat([table[b, :int(pages_used[b])] for b in range(batch)]).to(torch.int32)
+    last = (seq_lens - (pages_used - 1) * block_size).to(torch.int32)
+    wrapper.plan(cu_seqlens_q, indptr, indices, last, hq, hkv, head_size, block_size, causal=True,
+                 q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+    out = torch.empty_like(q)
+    return lambda: wrapper.run(q, (k_cache, v_cache), out=out)
