@@ -60,6 +60,58 @@ def test_paged_verify_matches_the_reference(case, num_splits):
     assert got[num_tokens:].isnan().all(), "padding rows were written"
 
 
+def random_tree_masks(query_lens, seed):
+    """A random draft tree per request (token 0 the root, each later token's parent an earlier one): each
+    token's bits are itself and its ancestors."""
+    g = torch.Generator().manual_seed(seed)
+    masks = []
+    for n in query_lens:
+        bits = []
+        for t in range(n):
+            parent = int(torch.randint(0, t, (1,), generator=g)) if t else None
+            bits.append((1 << t) | (bits[parent] if parent is not None else 0))
+        masks += bits
+    return torch.tensor(masks, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("case", [
+    (4, 2, 64, 16, [9, 70, 40], [5, 1, 3], "nhd", None, {}),
+    (8, 1, 64, 16, [130, 21], [8, 6], "shuffled", None, {"sinks": True}),
+    (16, 1, 32, 8, [60], [16], "nhd", None, {"softcap": 2.0}),
+    (4, 2, 64, 16, [45, 100], [3, 4], "shuffled", FP8, {}),
+], ids=lambda c: f"h{c[0]}/{c[1]}-q{max(c[5])}-{c[6]}{'-fp8' if c[7] else ''}-{'-'.join(c[8]) or 'plain'}")
+def test_paged_verify_along_random_draft_trees(case, num_splits):
+    """EAGLE-style trees: each new token sees the context, itself and its ancestors only; against the
+    PyTorch reference, and a chain's mask (every earlier token) gives the causal result."""
+    hq, hkv, d, bs, seq_lens, query_lens, layout, cache_dtype, opts = case
+    dtype = torch.float16
+    scales = (torch.tensor([0.05], device=DEVICE), torch.tensor([0.04], device=DEVICE)) if cache_dtype else (None,
+                                                                                                            None)
+    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, hkv, d, block_size=bs, dtype=dtype, cache_dtype=cache_dtype,
+                                              layout=layout, device=DEVICE, k_scale=scales[0], v_scale=scales[1])
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, hq, d, dtype=dtype, device=DEVICE)
+    cu, sl = cu_seqlens(query_lens, DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    kw = dict(softcap=opts.get("softcap", 0.0), sinks=torch.randn(hq, device=DEVICE) if opts.get("sinks") else None)
+    tree = random_tree_masks(query_lens, seed=num_splits or 0).to(DEVICE)
+    got, lse = paged_verify(q, k_cache, v_cache, bt, sl, cu, max(query_lens), layout=layout, k_scale=scales[0],
+                            v_scale=scales[1], num_splits=num_splits, out=poison(q.shape, dtype, DEVICE),
+                            return_lse=True, tree_mask=tree, **kw)
+    want, want_lse = R.tree_verify_ref(q, k_cache, v_cache, bt, sl, cu, tree, layout=layout, k_scale=scales[0],
+                                       v_scale=scales[1], return_lse=True, **kw)
+    tol = TOL[dtype] if cache_dtype is None else FP8_TOL
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)
+    chain = torch.tensor([(1 << (t + 1)) - 1 for n in query_lens for t in range(n)], dtype=torch.int32,
+                         device=DEVICE)
+    causal = R.unified_attention_ref(q, k_cache, v_cache, bt, sl, cu, layout=layout, k_scale=scales[0],
+                                     v_scale=scales[1], **kw)
+    torch.testing.assert_close(paged_verify(q, k_cache, v_cache, bt, sl, cu, max(query_lens), layout=layout,
+                                            k_scale=scales[0], v_scale=scales[1], num_splits=num_splits,
+                                            tree_mask=chain, **kw).float(), causal.float(), **tol)
+
+
 def test_tiles_pack_tokens_and_heads():
     assert verify_tile_rows(4, 5) == 32 and verify_tile_rows(1, 1) == 16
     assert verify_tile_rows(8, 16) == 64 and verify_tile_rows(128, 2) == 128
@@ -97,3 +149,13 @@ def test_paged_verify_refuses_what_it_cannot_run():
         paged_verify(q, k_cache, v_cache, bt, sl, cu_seqlens([3], DEVICE), 2, validate=True)
     with pytest.raises(ValueError, match="one entry per request"):
         paged_verify(q, k_cache, v_cache, bt, sl, cu_seqlens([1, 2], DEVICE), 2)
+    cu = cu_seqlens([3], DEVICE)
+    with pytest.raises(ValueError, match=r"tree_mask\[2\] \(token 2 of request 0\) must set its own bit 2"):
+        paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, tree_mask=torch.tensor([1, 3, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="none above it"):
+        paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, tree_mask=torch.tensor([3, 3, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match="tree_mask must be a \\[T\\] int32"):
+        paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, tree_mask=torch.tensor([1, 3, 7]))
+    with pytest.raises(ValueError, match="does not combine with window_left"):
+        paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, window_left=4,
+                     tree_mask=torch.tensor([1, 3, 7], dtype=torch.int32))

@@ -165,12 +165,16 @@ def attend_paged_tiles(q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi,
                        stride_v0, stride_v1, stride_v2, stride_v3,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
                        CAUSAL: tl.constexpr, SHUFFLED: tl.constexpr, X: tl.constexpr,
-                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+                       HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+                       tree_bits, tree_start, TREE: tl.constexpr):
     """Online softmax of the query rows ``q [BLOCK_M, Dk]`` (at positions ``q_pos [BLOCK_M]``) over request
     ``seq``'s paged keys ``[lo, hi)`` of ``kv_head``, in tiles of ``BLOCK_N`` read through its block-table
     row: :func:`load_paged_kv`, :func:`score_mods` (keys past ``seq_len`` masked, causal if ``CAUSAL``),
-    :func:`softmax_update`. Returns the running max and sum ``[BLOCK_M]`` (log2 domain) and the unnormalised
-    output ``acc [BLOCK_M, BLOCK_DV]`` fp32, for :func:`add_sinks` / :func:`finalize`."""
+    :func:`softmax_update`. With ``TREE`` (a draft tree's verify) a key at ``tree_start + j`` or later is
+    visible to a row only where bit ``j`` of its ``tree_bits [BLOCK_M]`` is set (the row's token and its
+    ancestors); keys before ``tree_start`` are visible to every row. Returns the running max and sum
+    ``[BLOCK_M]`` (log2 domain) and the unnormalised output ``acc [BLOCK_M, BLOCK_DV]`` fp32, for
+    :func:`add_sinks` / :func:`finalize`."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -185,5 +189,9 @@ def attend_paged_tiles(q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi,
                              SHUFFLED, X, q.dtype)
         s = score_mods(tl.dot(q, k), q_pos, k_pos, seq_len, slope2, qk_scale, softcap, window_left,
                        True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+        if TREE:
+            offset = k_pos - tree_start
+            bit = (tree_bits[:, None] >> tl.maximum(offset, 0)[None, :]) & 1
+            s = tl.where((offset[None, :] >= 0) & (bit == 0), float("-inf"), s)
         m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, True)
     return m_i, l_i, acc

@@ -90,7 +90,7 @@ def paged_decode_kernel(
                                        stride_k0, stride_k1, stride_k2, stride_k3,
                                        stride_v0, stride_v1, stride_v2, stride_v3,
                                        BLOCK_G, BLOCK_N, BLOCK_DV, False, SHUFFLED, X,
-                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, q_pos, 0, False)
 
     if used == 1:  # the whole context in this program (always without SPLIT)
         if HAS_SINKS:

@@ -2,7 +2,9 @@
 query token of a request and every query head of one KV head packed into one tile.
 
 Request ``b`` brings ``n_b`` new tokens (``cu_seqlens_q``), already in the cache, at positions
-``seq_len - n_b .. seq_len - 1``; token ``t`` attends causally to the keys up to its own position. Program
+``seq_len - n_b .. seq_len - 1``; token ``t`` attends causally to the keys up to its own position, or, for
+a draft tree (``TREE``), to the context and the new tokens whose bits its ``tree_mask`` entry sets (itself
+and its ancestors: EAGLE-style tree verification). Program
 ``(b, q_block, kv_head, split)`` (the first two flattened in grid axis 0) takes the rows
 ``r = t · G + g`` of tokens ``t`` in its ``q_block`` (``BLOCK_M // G`` tokens) and heads ``g < G = Hq / Hkv``
 of ``kv_head`` as one ``[BLOCK_M, D]`` tile and walks its split of the context in tiles of ``BLOCK_N``
@@ -22,7 +24,7 @@ from tripath.triton_internals.specialize import STEP_INVARIANT
 
 @triton.jit(**STEP_INVARIANT)
 def paged_verify_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, cu_seqlens_q_ptr, tree_mask_ptr,
     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
     alibi_ptr, sinks_ptr, k_scale_ptr, v_scale_ptr,
     sm_scale, softcap, window_left,
@@ -36,7 +38,7 @@ def paged_verify_kernel(
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     SHUFFLED: tl.constexpr, X: tl.constexpr, KV_FP8: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr, TREE: tl.constexpr,
 ):
     """Program ``(b · num_q_blocks + q_block, kv_head, split)``: see the module doc. Writes ``out`` where the
     request uses one split, else fp32 partials ``[T, Hq, num_splits, BLOCK_DV]`` / ``[T, Hq, num_splits]`` and,
@@ -92,13 +94,16 @@ def paged_verify_kernel(
     else:
         slope2 = tl.zeros([BLOCK_M], tl.float32)
 
+    tree_bits = q_pos
+    if TREE:   # a draft tree: each token sees the context, itself and its ancestors (bits of tree_mask)
+        tree_bits = tl.load(tree_mask_ptr + token, mask=row_ok, other=0)
     m_i, l_i, acc = attend_paged_tiles(q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi, seq_len,
                                        k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, kv_head,
                                        dims_k, dims_v, head_size, head_size_v, block_size,
                                        stride_k0, stride_k1, stride_k2, stride_k3,
                                        stride_v0, stride_v1, stride_v2, stride_v3,
-                                       BLOCK_M, BLOCK_N, BLOCK_DV, True, SHUFFLED, X,
-                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                       BLOCK_M, BLOCK_N, BLOCK_DV, not TREE, SHUFFLED, X,
+                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, tree_bits, first_pos, TREE)
 
     if used == 1:  # the whole context in this program (always without SPLIT)
         if HAS_SINKS:

@@ -89,7 +89,7 @@ def unified_attention_kernel(
                                        stride_k0, stride_k1, stride_k2, stride_k3,
                                        stride_v0, stride_v1, stride_v2, stride_v3,
                                        BLOCK_M, BLOCK_N, BLOCK_DV, True, SHUFFLED, X,
-                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, q_pos, 0, False)
     if HAS_SINKS:
         sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)

@@ -38,8 +38,8 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  v_scale: torch.Tensor | None = None, window_left: int = -1, softcap: float = 0.0,
                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                  num_splits: int | None = None, out: torch.Tensor | None = None, return_lse: bool = False,
-                 validate: bool | None = None):
-    """Each request's new tokens against its paged context, causally.
+                 validate: bool | None = None, tree_mask: torch.Tensor | None = None):
+    """Each request's new tokens against its paged context, causally, or along a draft tree.
 
     Parameters
     ----------
@@ -51,6 +51,11 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_splits : KV splits per request; ``None``: an upper bound from the batch, the GPU and the table's
         width, each request using what its length calls for.
     validate : check the offsets, ``seq_lens`` and block ids (see :func:`~tripath.ops.attention.paged_decode`).
+    tree_mask : ``[T]`` int32, a draft tree (EAGLE-style verification): bit ``j`` of new token ``t``'s entry
+        is set when new token ``j`` of its request is ``t`` itself or an ancestor of it (so bit ``t`` is set
+        and none above it: parents come first); token ``t`` then attends to the whole context and to those
+        new tokens only. None: a chain (causal). Not with ``window_left`` or ``alibi_slopes``, whose
+        distances a tree's slots do not give.
 
     Rows past ``cu_seqlens_q[-1]`` are not written. Returns ``out [T, Hq, Dv]`` (and ``lse [T, Hq]``).
     """
@@ -72,12 +77,18 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             raise ValueError(f"a request brings {int(lens.max())} new tokens, more than max_query_len "
                              f"({max_query_len})")
         check_seq_lens_values(seq_lens, block_table, block_size, num_cache_blocks(k_cache), min_lens=lens)
+    if tree_mask is not None:
+        check_tree_mask(tree_mask, cu_seqlens_q, q.shape[0], device, window_left, alibi_slopes)
     if num_splits is not None and not 1 <= int(num_splits) <= 256:
         raise ValueError(f"num_splits must be between 1 and 256, got {num_splits}")
     out_shape = (q.shape[0], q.shape[1], head_size_v)
     check_out("out", out, out_shape, q.dtype, device)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_size)
     if not use_triton(device):
+        if tree_mask is not None:
+            return reference.tree_verify_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, tree_mask,
+                                             layout=layout, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+                                             softcap=softcap, sinks=sinks, out=out, return_lse=return_lse)
         return reference.unified_attention_ref(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_query_len, layout=layout,
             sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, window_left=window_left, softcap=softcap,
@@ -111,7 +122,8 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     dummy = seq_lens
     launch(
         paged_verify_kernel, (programs, num_kv_heads, num_splits),
-        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, out, lse, part_out, part_lse,
+        q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, tree_mask if tree_mask is not None else dummy,
+        out, lse, part_out, part_lse,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         k_scale if kv_fp8 else dummy, v_scale if kv_fp8 else dummy,
         float(sm_scale), float(softcap), int(window_left),
@@ -122,7 +134,7 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         splits_used_ptr=splits_used, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_DK=next_pow2(head_size),
         BLOCK_DV=block_dv, SHUFFLED=layout == "shuffled", X=shuffle_width(k_cache.dtype), KV_FP8=kv_fp8,
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
-        HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, **cfg,
+        HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, TREE=tree_mask is not None, **cfg,
     )
     if num_splits > 1 and num_tokens:
         launch(
@@ -133,3 +145,25 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, SPLITS_USED=True, num_warps=4,
         )
     return (out, lse) if return_lse else out
+
+
+def check_tree_mask(tree_mask: torch.Tensor, cu_seqlens_q: torch.Tensor, num_tokens: int, device,
+                    window_left: int, alibi_slopes) -> None:
+    """``tree_mask``'s shape and dtype and, for host tensors, its bits (self set, none past the token)."""
+    if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.int32 or tree_mask.dim() != 1 or \
+            tree_mask.shape[0] < num_tokens or tree_mask.device != device:
+        raise ValueError(f"tree_mask must be a [T] int32 tensor on {device} (one entry per new token), got "
+                         f"{getattr(tree_mask, 'dtype', type(tree_mask).__name__)} of shape "
+                         f"{tuple(getattr(tree_mask, 'shape', ()))}")
+    if window_left >= 0 or alibi_slopes is not None:
+        raise ValueError("tree_mask does not combine with window_left or alibi_slopes: a tree's slots are not "
+                         "its tokens' positions")
+    if tree_mask.device.type == "cpu" and cu_seqlens_q.device.type == "cpu":
+        cu = cu_seqlens_q.tolist()
+        for b in range(len(cu) - 1):
+            for t in range(cu[b + 1] - cu[b]):
+                bits = int(tree_mask[cu[b] + t])
+                if not bits >> t & 1 or bits >> (t + 1):
+                    raise ValueError(f"tree_mask[{cu[b] + t}] (token {t} of request {b}) must set its own bit {t} "
+                                     f"and none above it (parents come first), got {bits:#x}")
+
