@@ -148,16 +148,19 @@ def _build_unified(platform: Platform, *, head_size: int, dtype: torch.dtype, la
 
 def _build_verify(platform: Platform, *, head_size: int, dtype: torch.dtype, layout: str, fp8: bool,
                   features: str = "", query_lens: tuple[int, ...] = (5, 3, 1, 5), num_kv_heads: int = NUM_KV_HEADS,
-                  num_heads: int = NUM_HEADS) -> None:
-    """Verify steps of four requests on 4K-token contexts (splits decided by the platform)."""
+                  num_heads: int = NUM_HEADS, tree: bool = False) -> None:
+    """Verify steps of four requests on 4K-token contexts (splits decided by the platform); ``tree``: each
+    request's tokens a draft tree (every token a child of the first)."""
     k_cache, v_cache, scales = _cache(head_size, _cache_dtype(platform, dtype, fp8), layout,
                                       num_kv_heads=num_kv_heads)
     context_blocks = 256
     q = _rand(sum(query_lens), num_heads, head_size, dtype=dtype)
     block_table = torch.zeros(len(query_lens), context_blocks, dtype=torch.int32)
     seq_lens = torch.full((len(query_lens),), context_blocks * BLOCK_SIZE, dtype=torch.int32)
+    tree_mask = torch.tensor([1 | (1 << t) for n in query_lens for t in range(n)], dtype=torch.int32) if tree \
+        else None
     ops.paged_verify(q, k_cache, v_cache, block_table, seq_lens, _cu(query_lens), max(query_lens), layout=layout,
-                     return_lse=True, **scales, **_features(num_heads, features))
+                     return_lse=True, tree_mask=tree_mask, **scales, **_features(num_heads, features))
 
 
 def _build_merge(platform: Platform, *, head_size: int, dtype: torch.dtype) -> None:
@@ -378,6 +381,8 @@ def all_scenarios() -> list[Scenario]:
     for features in ("window+sinks", "window+softcap", "alibi"):
         rows.append(_s(f"verify hd128 bf16 nhd {features}", _build_verify, head_size=128, dtype=torch.bfloat16,
                        layout="nhd", fp8=False, features=features))
+    rows.append(_s("verify hd128 bf16 nhd draft trees", _build_verify, head_size=128, dtype=torch.bfloat16,
+                   layout="nhd", fp8=False, tree=True))
     rows.append(_s("verify hd128 fp16 nhd 16 tokens x 8 heads (two tiles a request)", _build_verify,
                    head_size=128, dtype=torch.float16, layout="nhd", fp8=False, query_lens=(16, 9),
                    num_kv_heads=1, num_heads=8))
