@@ -28,6 +28,16 @@ CASES = [
 ]
 
 
+def _cache(seq_lens, hkv, d, bs, layout, cache_dtype):
+    """A filled fp16 (or fp8, with scales) cache: ``(k_cache, v_cache, block_table, (k_scale, v_scale))``."""
+    scales = (torch.tensor([0.05], device=DEVICE), torch.tensor([0.04], device=DEVICE)) if cache_dtype else (None,
+                                                                                                            None)
+    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, hkv, d, block_size=bs, dtype=torch.float16,
+                                              cache_dtype=cache_dtype, layout=layout, device=DEVICE,
+                                              k_scale=scales[0], v_scale=scales[1])
+    return k_cache, v_cache, bt, scales
+
+
 def _opts(opts, hq):
     return dict(window_left=opts.get("window_left", -1), softcap=opts.get("softcap", 0.0),
                 alibi_slopes=torch.rand(hq, device=DEVICE) if opts.get("alibi") else None,
@@ -40,10 +50,7 @@ def _opts(opts, hq):
 def test_paged_verify_matches_the_reference(case, num_splits):
     hq, hkv, d, bs, seq_lens, query_lens, layout, cache_dtype, opts = case
     dtype = torch.float16
-    scales = (torch.tensor([0.05], device=DEVICE), torch.tensor([0.04], device=DEVICE)) if cache_dtype else (None,
-                                                                                                            None)
-    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, hkv, d, block_size=bs, dtype=dtype, cache_dtype=cache_dtype,
-                                              layout=layout, device=DEVICE, k_scale=scales[0], v_scale=scales[1])
+    k_cache, v_cache, bt, scales = _cache(seq_lens, hkv, d, bs, layout, cache_dtype)
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens + 2, hq, d, dtype=dtype, device=DEVICE)   # two padding rows at the end
     cu = cu_seqlens(query_lens, DEVICE)
@@ -86,10 +93,7 @@ def test_paged_verify_along_random_draft_trees(case, num_splits):
     PyTorch reference, and a chain's mask (every earlier token) gives the causal result."""
     hq, hkv, d, bs, seq_lens, query_lens, layout, cache_dtype, opts = case
     dtype = torch.float16
-    scales = (torch.tensor([0.05], device=DEVICE), torch.tensor([0.04], device=DEVICE)) if cache_dtype else (None,
-                                                                                                            None)
-    k_cache, v_cache, bt, _, _ = filled_cache(seq_lens, hkv, d, block_size=bs, dtype=dtype, cache_dtype=cache_dtype,
-                                              layout=layout, device=DEVICE, k_scale=scales[0], v_scale=scales[1])
+    k_cache, v_cache, bt, scales = _cache(seq_lens, hkv, d, bs, layout, cache_dtype)
     num_tokens = sum(query_lens)
     q = torch.randn(num_tokens, hq, d, dtype=dtype, device=DEVICE)
     cu, sl = cu_seqlens(query_lens, DEVICE), torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
@@ -98,8 +102,8 @@ def test_paged_verify_along_random_draft_trees(case, num_splits):
     got, lse = paged_verify(q, k_cache, v_cache, bt, sl, cu, max(query_lens), layout=layout, k_scale=scales[0],
                             v_scale=scales[1], num_splits=num_splits, out=poison(q.shape, dtype, DEVICE),
                             return_lse=True, tree_mask=tree, **kw)
-    want, want_lse = R.tree_verify_ref(q, k_cache, v_cache, bt, sl, cu, tree, layout=layout, k_scale=scales[0],
-                                       v_scale=scales[1], return_lse=True, **kw)
+    want, want_lse = R.unified_attention_ref(q, k_cache, v_cache, bt, sl, cu, layout=layout, k_scale=scales[0],
+                                             v_scale=scales[1], return_lse=True, tree_mask=tree, **kw)
     tol = TOL[dtype] if cache_dtype is None else FP8_TOL
     torch.testing.assert_close(got.float(), want.float(), **tol)
     torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)

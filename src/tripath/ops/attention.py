@@ -14,7 +14,7 @@ import math
 import torch
 
 from tripath.kernels.merge_states import merge_states_kernel
-from tripath.kernels.paged_decode import paged_decode_kernel, reduce_splits_kernel
+from tripath.kernels.paged_decode import paged_decode_kernel
 from tripath.kernels.unified_attention import unified_attention_kernel
 from tripath.kernels.varlen_attention import varlen_attention_kernel
 from tripath.ops import _configs, reference
@@ -36,6 +36,7 @@ from tripath.ops._checks import (
 )
 from tripath.ops._configs import tables_span_max_len  # noqa: F401 - the engine's decode graphs set it here
 from tripath.ops._descriptors import row_matrix, row_strides
+from tripath.ops._split_kv import merge_splits, split_buffers
 from tripath.ops._varlen_sm90 import launch_varlen_sm90, sm90_unsupported
 from tripath.ops.kv_cache import cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform
@@ -282,13 +283,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
     lse = lse_out(batch, q.shape[1], device, return_lse)
     block_dv = next_pow2(head_size_v)
-    if num_splits > 1:
-        part_out = torch.empty(batch, q.shape[1], num_splits, block_dv, dtype=torch.float32, device=device)
-        part_lse = torch.empty(batch, q.shape[1], num_splits, dtype=torch.float32, device=device)
-        splits_used = torch.empty(batch, dtype=torch.int32, device=device)
-    else:
-        part_out = part_lse = lse
-        splits_used = seq_lens
+    part_out, part_lse, splits_used = split_buffers(batch, q.shape[1], num_splits, block_dv, lse, seq_lens, device)
     q = q if q.stride(2) == 1 else q.contiguous()
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     dummy = seq_lens
@@ -307,14 +302,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, **cfg,
     )
-    if num_splits > 1:
-        launch(
-            reduce_splits_kernel, (batch, q.shape[1]),
-            part_out, part_lse, out, lse, sinks if sinks is not None else dummy, splits_used,
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), q.shape[1], head_size_v,
-            num_splits=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_DV=block_dv,
-            HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, SPLITS_USED=True, num_warps=4,
-        )
+    merge_splits(part_out, part_lse, splits_used, out, lse, sinks, num_splits, block_dv, return_lse)
     return (out, lse) if return_lse else out
 
 

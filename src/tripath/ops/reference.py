@@ -106,8 +106,10 @@ def _paged_rows(k_nhd, v_nhd, block_row, length, k_scale, v_scale):
 
 def unified_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_seqlen_q=None, *,
                           layout="nhd", sm_scale=None, k_scale=None, v_scale=None, window_left=-1,
-                          softcap=0.0, alibi_slopes=None, sinks=None, out=None, return_lse=False):
-    """Reference of :func:`tripath.ops.unified_attention` (new tokens already in the cache)."""
+                          softcap=0.0, alibi_slopes=None, sinks=None, out=None, return_lse=False, tree_mask=None):
+    """Reference of :func:`tripath.ops.unified_attention` (new tokens already in the cache) and, with a draft
+    tree's ``tree_mask [T]`` int32, of :func:`tripath.ops.paged_verify`'s trees: new token ``t`` of a request
+    then sees the context and the new tokens ``j`` whose bit ``j`` its entry sets."""
     sm_scale = _default_scale(sm_scale, q.shape[2])
     k_nhd, v_nhd = as_nhd(k_cache, v_cache, layout)
     cq, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
@@ -118,32 +120,14 @@ def unified_attention_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens
         if sq == 0:
             continue
         k, v = _paged_rows(k_nhd, v_nhd, block_table[i], lens[i], k_scale, v_scale)
-        o, l = attend(q[cq[i]:cq[i + 1]], k, v, q_start=lens[i] - sq, causal=True, sm_scale=sm_scale,
-                      window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
-        out_f[cq[i]:cq[i + 1]] = o
-        lse[cq[i]:cq[i + 1]] = l
-    return _finish(out_f, lse, q.dtype, out, return_lse, rows=cq[-1])
-
-
-def tree_verify_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, tree_mask, *, layout="nhd",
-                    sm_scale=None, k_scale=None, v_scale=None, softcap=0.0, sinks=None, out=None, return_lse=False):
-    """Reference of :func:`tripath.ops.paged_verify` with a draft tree's ``tree_mask [T]`` int32: new token
-    ``t`` of a request sees the context and the new tokens ``j`` whose bit ``j`` its entry sets."""
-    sm_scale = _default_scale(sm_scale, q.shape[2])
-    k_nhd, v_nhd = as_nhd(k_cache, v_cache, layout)
-    cq, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    out_f = torch.zeros(q.shape[0], q.shape[1], v_nhd.shape[3], dtype=torch.float32, device=q.device)
-    lse = torch.full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
-    for i in range(len(cq) - 1):
-        sq = cq[i + 1] - cq[i]
-        if sq == 0:
-            continue
-        k, v = _paged_rows(k_nhd, v_nhd, block_table[i], lens[i], k_scale, v_scale)
-        visible = torch.ones(sq, lens[i], dtype=torch.bool, device=q.device)
-        bits = tree_mask[cq[i]:cq[i + 1]].long()
-        visible[:, lens[i] - sq:] = (bits[:, None] >> torch.arange(sq, device=q.device)[None, :]) & 1 == 1
-        o, l = attend(q[cq[i]:cq[i + 1]], k, v, q_start=lens[i] - sq, causal=False, sm_scale=sm_scale,
-                      softcap=softcap, sinks=sinks, visible=visible)
+        visible = None
+        if tree_mask is not None:
+            visible = torch.ones(sq, lens[i], dtype=torch.bool, device=q.device)
+            bits = tree_mask[cq[i]:cq[i + 1]].long()
+            visible[:, lens[i] - sq:] = (bits[:, None] >> torch.arange(sq, device=q.device)[None, :]) & 1 == 1
+        o, l = attend(q[cq[i]:cq[i + 1]], k, v, q_start=lens[i] - sq, causal=tree_mask is None, sm_scale=sm_scale,
+                      window_left=window_left, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+                      visible=visible)
         out_f[cq[i]:cq[i + 1]] = o
         lse[cq[i]:cq[i + 1]] = l
     return _finish(out_f, lse, q.dtype, out, return_lse, rows=cq[-1])

@@ -12,11 +12,11 @@ import math
 
 import torch
 
-from tripath.kernels.paged_decode import reduce_splits_kernel
 from tripath.kernels.paged_verify import paged_verify_kernel
 from tripath.ops import _configs, reference
 from tripath.ops._attention_checks import (check_attention_options, check_cu_seqlens, check_paged, lse_out,
                                            num_cache_blocks)
+from tripath.ops._split_kv import merge_splits, split_buffers
 from tripath.ops._checks import check_cu_seqlens_values, check_out, check_seq_lens_values, next_pow2, values_checked
 from tripath.ops.kv_cache import cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform
@@ -85,14 +85,10 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     check_out("out", out, out_shape, q.dtype, device)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_size)
     if not use_triton(device):
-        if tree_mask is not None:
-            return reference.tree_verify_ref(q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, tree_mask,
-                                             layout=layout, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                                             softcap=softcap, sinks=sinks, out=out, return_lse=return_lse)
         return reference.unified_attention_ref(
             q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q, max_query_len, layout=layout,
             sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale, window_left=window_left, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks, out=out, return_lse=return_lse)
+            alibi_slopes=alibi_slopes, sinks=sinks, out=out, return_lse=return_lse, tree_mask=tree_mask)
     platform = current_platform(device)
     block_m = verify_tile_rows(group, max_query_len)
     tokens_per_block = max(1, block_m // group)
@@ -110,13 +106,8 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lse = lse_out(q.shape[0], q.shape[1], device, return_lse)
     block_dv = next_pow2(head_size_v)
     num_tokens = q.shape[0]
-    if num_splits > 1:
-        part_out = torch.empty(num_tokens, q.shape[1], num_splits, block_dv, dtype=torch.float32, device=device)
-        part_lse = torch.empty(num_tokens, q.shape[1], num_splits, dtype=torch.float32, device=device)
-        splits_used = torch.ones(num_tokens, dtype=torch.int32, device=device)   # padding rows: nothing to merge
-    else:
-        part_out = part_lse = lse
-        splits_used = seq_lens
+    part_out, part_lse, splits_used = split_buffers(num_tokens, q.shape[1], num_splits, block_dv, lse, seq_lens,
+                                                    device, fill_used=True)   # padding rows: nothing to merge
     q = q if q.stride(2) == 1 else q.contiguous()
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     dummy = seq_lens
@@ -136,14 +127,7 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, TREE=tree_mask is not None, **cfg,
     )
-    if num_splits > 1 and num_tokens:
-        launch(
-            reduce_splits_kernel, (num_tokens, q.shape[1]),
-            part_out, part_lse, out, lse, sinks if sinks is not None else dummy, splits_used,
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), q.shape[1], head_size_v,
-            num_splits=num_splits, BLOCK_S=next_pow2(num_splits), BLOCK_DV=block_dv,
-            HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, SPLITS_USED=True, num_warps=4,
-        )
+    merge_splits(part_out, part_lse, splits_used, out, lse, sinks, num_splits, block_dv, return_lse)
     return (out, lse) if return_lse else out
 
 
