@@ -73,9 +73,6 @@ class DraftModelProposer:
         self.budget = config.max_num_batched_tokens
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # request -> (its blocks, tokens seen)
 
-    def close(self) -> None:
-        self.runner.close()
-
     def propose(self, items) -> list[list[int]]:
         """For each ``(request, k)``: ``k`` greedy draft tokens of the draft model after the request's tokens."""
         drafts = self._catch_up([request for request, _ in items])
