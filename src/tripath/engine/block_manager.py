@@ -10,6 +10,11 @@ Full computed blocks are registered under their hash; a new request whose leadin
 reuses them (reference count + 1) and only computes the rest, which makes its first step an *extend*. A
 block whose count drops to 0 stays cached and *evictable*: it is reused on a hit, or evicted (its hash
 forgotten) when a fresh block is needed and no never-cached free block is left, least recently freed first.
+
+``recompute_last_hit_block`` (speculative decoding's ``mtp`` method): a hit gives all matched blocks but the
+last, which the request computes again. The MTP layer's cache row of a block's last position depends on the
+token after the block, which the block's hash does not cover; the blocks before the last matched one were
+followed by that same token, the last one by a token of some other request (vLLM does the same for EAGLE).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """Hands out block ids, counts their users and remembers which full blocks hold which prefix."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 recompute_last_hit_block: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         if block_size < 1:
@@ -40,6 +46,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.recompute_last_hit_block = recompute_last_hit_block
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -150,6 +157,8 @@ class BlockManager:
         # a request scoring its prompt computes every position not scored yet
         reusable = total - 1 if request.prompt_logprobs is None else min(total - 1, request.num_prompt_logprobs_done)
         hit_blocks, hit_hashes = self.match_prefix(request.all_token_ids, reusable)
+        if self.recompute_last_hit_block and hit_blocks:
+            hit_blocks, hit_hashes = hit_blocks[:-1], hit_hashes[:-1]
         num_cached = len(hit_blocks) * self.block_size
         num_new = min(total - num_cached, num_new_tokens_max)
         if num_new <= 0 or (whole and num_new < total - num_cached):

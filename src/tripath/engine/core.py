@@ -107,9 +107,10 @@ class EngineCore:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         speculation = config.speculative_config
-        if speculation is not None and speculation.method == "draft_model" and tensor_parallel_size > 1:
-            raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 (use the "
-                             "ngram method with tensor parallelism)")
+        if speculation is not None and speculation.needs_one_rank and tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method {speculation.method!r} runs with tensor_parallel_size 1 "
+                             "(use the ngram method with tensor parallelism)")
+        mtp = speculation is not None and speculation.method == "mtp"   # the model's own MTP layer drafts
         self.runner = None
         if tensor_parallel_size > 1:
             from tripath.engine.parallel_executor import ParallelExecutor
@@ -119,19 +120,29 @@ class EngineCore:
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         elif isinstance(model, str):
             from tripath.models import load_model, load_tokenizer
-            model = load_model(model, dtype=config.dtype, device=config.device)
+            from tripath.models.deepseek_mtp import NoMTPLayer
+            try:
+                model = load_model(model, dtype=config.dtype, device=config.device, mtp=mtp)
+            except NoMTPLayer as error:
+                raise ValueError(f"speculative_config method 'mtp' drafts with the model's multi-token-prediction "
+                                 f"layer, and {error}") from None
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(int(t) for t in getattr(model.config, "eos_token_ids", ()) or ())
-        draft = None
+        draft = extra_cache_bytes = None
         if speculation is not None and speculation.method == "draft_model":
             from tripath.engine.speculative.draft_model import draft_cache_bytes, load_draft_model
             draft = load_draft_model(speculation.model, config)   # its weights in use before the cache is sized
+            extra_cache_bytes = draft_cache_bytes(draft, config)
+        if mtp:
+            from tripath.engine.speculative.mtp import check_mtp_model, mtp_cache_bytes
+            check_mtp_model(model)
+            extra_cache_bytes = mtp_cache_bytes(model, config)
         if self.runner is None:
-            self.runner = ModelRunner(model, config, extra_cache_bytes=None if draft is None else
-                                      draft_cache_bytes(draft, config))
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching)
+            self.runner = ModelRunner(model, config, extra_cache_bytes=extra_cache_bytes)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching,
+                                          recompute_last_hit_block=mtp)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.runner.max_model_len,

@@ -49,6 +49,8 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
+        # each graph's hidden states before the final norm (where the model keeps them: keep_prenorm_hidden)
+        self.prenorm: dict[int, torch.Tensor | None] = {}
         self.input_ids = torch.zeros(max(sizes), dtype=torch.int64, device=device)
         self.positions = torch.ones(max(sizes), dtype=torch.int64, device=device)
         self.pool = None
@@ -66,6 +68,8 @@ class DecodeGraphs:
             run = functools.partial(self.model, self.input_ids[:bs], self.positions[:bs], ctx)
             graph, hidden, pool = _capture(run, pool, self.device)
             self.graphs[bs] = (graph, meta, hidden)
+            self.prenorm[bs] = getattr(self.model, "prenorm_hidden", None) if \
+                getattr(self.model, "keep_prenorm_hidden", False) else None   # the captured graph's tensor
         self.pool = pool
         for graph, _, _ in self.graphs.values():  # a graph's first launch uploads it: not on a request's time
             graph.replay()

@@ -1,6 +1,8 @@
 """CUDA graphs for steps with prompt tokens: the model's layers between its attention calls captured per
 padded token count (*piecewise* graphs), with attention run eagerly between the replays on the step's own
 metadata, since its launches depend on the step's requests (grid sizes, context chunks, side streams).
+A model that keeps its hidden states before the final norm (``keep_prenorm_hidden``: speculative decoding's
+``mtp`` method reads them) has them in each bucket's last graph too (:meth:`MixedStepGraphs.prenorm`).
 
 For a bucket of ``N`` tokens the capture runs the model once on static ``input_ids [N]`` / ``positions [N]``
 under a stand-in context whose attention calls cut the capture: each call's tensor arguments are copied
@@ -43,6 +45,7 @@ class _Bucket:
     graphs: list
     calls: list[_Call]
     hidden: torch.Tensor  # the last graph's output [N, hidden]
+    prenorm: torch.Tensor | None = None  # the last graph's hidden states before the final norm, where kept
 
 
 class MixedStepGraphs:
@@ -61,6 +64,7 @@ class MixedStepGraphs:
         self.positions = torch.zeros(top, dtype=torch.int64, device=device)
         self._static: dict[tuple, torch.Tensor] = {}
         self.buckets: dict[int, _Bucket] = {}
+        self._last: _Bucket | None = None   # the bucket run() replayed last
 
     def bucket(self, num_tokens: int) -> int | None:
         """The captured size a step of ``num_tokens`` tokens replays (the smallest that holds it), or None."""
@@ -103,7 +107,8 @@ class MixedStepGraphs:
         torch.cuda.synchronize(self.device)
         for graph in cutter.graphs:  # a graph's first launch uploads it: not on a request's time
             graph.replay()
-        return _Bucket(cutter.graphs, cutter.calls, hidden)
+        prenorm = self.model.prenorm_hidden if getattr(self.model, "keep_prenorm_hidden", False) else None
+        return _Bucket(cutter.graphs, cutter.calls, hidden, prenorm)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The model's hidden states ``[T, hidden]`` for a step's ``input_ids [T]`` / ``positions [T]`` with
@@ -122,7 +127,16 @@ class MixedStepGraphs:
             if result.data_ptr() != out.data_ptr():
                 out.copy_(result)
             graph.replay()
+        self._last = bucket
         return bucket.hidden[:t]
+
+    def prenorm(self, t: int) -> torch.Tensor:
+        """The hidden states before the final norm of the step :meth:`run` last replayed, ``[t, hidden]``
+        (for a model that keeps them: ``keep_prenorm_hidden`` set before the capture)."""
+        if self._last is None or self._last.prenorm is None:
+            raise RuntimeError("the mixed-step graphs were captured without the hidden states before the final "
+                               "norm (set the model's keep_prenorm_hidden before capturing)")
+        return self._last.prenorm[:t]
 
 
 class _CapturingContext:

@@ -75,6 +75,12 @@ class ModelRunner:
     def __init__(self, model, config: EngineConfig, *, extra_cache_bytes=None):
         self.model = model
         self.extra_cache_bytes = extra_cache_bytes   # block_size -> bytes another cache sized with this one takes
+        # Takes every launch's hidden states before the final norm: observe(scheduled, inputs, prenorm [T, H])
+        # (the mtp proposer). The model keeps them from before the graphs are captured, so each graph has its own.
+        self.hidden_observer = None
+        speculation = config.speculative_config
+        if speculation is not None and speculation.needs_target_hidden:
+            model.keep_prenorm_hidden = True
         self.config = config
         self.device = config.device
         is_mla = getattr(model.config, "mla", None) is not None
@@ -82,7 +88,6 @@ class ModelRunner:
         self.spec = model.attention_spec(block_size=self.block_size, kv_cache_dtype=config.kv_cache_dtype,
                                          kv_layout=config.kv_layout, dtype=config.dtype)
         self.backend = select_backend(self.spec, name=config.backend, device=self.device)
-        speculation = config.speculative_config
         verify_len = 1 if speculation is None else 1 + speculation.num_speculative_tokens
         if verify_len <= self.backend.capabilities.max_decode_threshold and verify_len > 1:
             # verifies go to the backend's decode path (else, e.g. two_path, they are extends)
@@ -205,6 +210,9 @@ class ModelRunner:
         route, graph_bs = self.route(scheduled)
         inputs = self.prepare(scheduled, pad_to=graph_bs, previous=previous)
         if num_steps > 1:
+            if self.hidden_observer is not None:
+                raise ValueError("num_steps > 1 (multi-step decoding) does not hand its hidden states on: run "
+                                 "one step at a time with a hidden-state observer (the mtp proposer)")
             return self._launch_decode_steps(scheduled, inputs, graph_bs, num_steps)
         if route is Route.DECODE_GRAPH:
             hidden = self.decode_graphs.replay(graph_bs, inputs)
@@ -217,6 +225,22 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             self.kv_scales_pending = False
+        launched = self._sample(scheduled, inputs, hidden)
+        if self.hidden_observer is not None:   # after the tokens' copy was queued: they do not wait for it
+            self.hidden_observer.observe(scheduled, inputs, self._prenorm_hidden(route, graph_bs, hidden.shape[0]))
+        return launched
+
+    def _prenorm_hidden(self, route: Route, graph_bs: int | None, num_rows: int) -> torch.Tensor:
+        """The step's hidden states before the final norm, ``[num_rows, H]`` in plan order: the model's
+        (eager), or those of the graph just replayed."""
+        if route is Route.DECODE_GRAPH:
+            return self.decode_graphs.prenorm[graph_bs][:num_rows]
+        if route is Route.MIXED_GRAPHS:
+            return self.mixed_graphs.prenorm(num_rows)
+        return self.model.prenorm_hidden[:num_rows]
+
+    def _sample(self, scheduled: list[ScheduledRequest], inputs: StepInputs, hidden: torch.Tensor) -> LaunchedStep:
+        """Logits, sampling and (for verifies) acceptance of a step whose forward is queued."""
         prompt = score_prompts(scheduled, inputs.plan, hidden, self.compute_logits)
         if not inputs.sample_rows and not inputs.verify_rows:
             return LaunchedStep(scheduled, [], None, self._step_logprobs(None, prompt))

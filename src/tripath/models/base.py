@@ -98,6 +98,8 @@ class CausalLM(nn.Module):
         self.model = Backbone(config, layers, dtype, parallel)
         self.lm_head = None if config.tie_word_embeddings else lm_head(config.hidden_size, config.vocab_size,
                                                                        dtype=dtype, parallel=parallel)
+        self.keep_prenorm_hidden = False   # forward keeps the last layer's output before the final norm
+        self.prenorm_hidden: torch.Tensor | None = None
 
     @property
     def num_attention_layers(self) -> int:
@@ -126,13 +128,22 @@ class CausalLM(nn.Module):
                              window_left=config.window_left, mla=config.mla, **options)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """Hidden states ``[T, hidden_size]`` after the final norm. With :attr:`keep_prenorm_hidden` set, the
+        last layer's output before that norm is kept as :attr:`prenorm_hidden` (``[T, hidden_size]``, the
+        tensor the norm read: inside a CUDA graph capture, the graph's own memory)."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids and positions must both be [T]; got {tuple(input_ids.shape)} and "
                              f"{tuple(positions.shape)}")
         x, delta = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, delta = layer(x, delta, positions, ctx)
-        return self.model.norm(x) if delta is None else self.model.norm(x, delta)[1]
+        if delta is None:
+            hidden = self.model.norm(x)
+        else:
+            x, hidden = self.model.norm(x, delta)
+        if self.keep_prenorm_hidden:
+            self.prenorm_hidden = x
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
         """``[N, vocab_size]`` logits of ``hidden [N, hidden_size]``: float32, or with ``upcast=False`` in the

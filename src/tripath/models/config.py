@@ -15,7 +15,9 @@ Two families:
   (the cache row), ``num_kv_heads = 1``; RoPE only on the ``qk_rope_head_dim`` part (GPT-J interleaved
   pairs unless ``rope_interleave`` is false); ``"mla_use_nope": true`` in ``config.json`` turns RoPE off
   (Kimi-style NoPE MLA: identity rotation). Softmax scale ``mscale(factor, mscale_all_dim)² /
-  sqrt(qk_nope + qk_rope)`` under yarn, ``1/sqrt(qk_nope + qk_rope)`` otherwise.
+  sqrt(qk_nope + qk_rope)`` under yarn, ``1/sqrt(qk_nope + qk_rope)`` otherwise. ``num_nextn_predict_layers``
+  (DeepSeek-V3/R1: 1): multi-token-prediction layers stored after the decoder layers
+  (:mod:`tripath.models.deepseek_mtp`).
 """
 
 from __future__ import annotations
@@ -153,6 +155,7 @@ class ModelConfig:
     q_lora_rank: int | None = None
     moe: MoEConfig | None = None
     bos_token_id: int | None = None
+    num_nextn_predict_layers: int = 0   # DeepSeek's multi-token-prediction layers (after the decoder layers)
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -181,6 +184,9 @@ class ModelConfig:
                 raise ValueError(f"{self.architecture} needs a rope config")
             if self.head_size % 2:
                 raise ValueError(f"head_size must be even for RoPE, got {self.head_size}")
+        if self.num_nextn_predict_layers < 0 or (self.num_nextn_predict_layers and not self.is_mla):
+            raise ValueError(f"num_nextn_predict_layers={self.num_nextn_predict_layers}: multi-token-prediction "
+                             f"layers are read for {', '.join(DEEPSEEK_ARCHITECTURES)} only (0 or more)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
         if self.window_layers is not None and (self.sliding_window is None or not all(
@@ -359,7 +365,8 @@ def _config_from_hf(raw: dict, generation_config: dict | None, tokenizer_path: s
             bias = bool(_get(raw, "attention_bias", False))
             return ModelConfig(**common, num_kv_heads=1, head_size=mla.cache_width, mla=mla,
                                rope=None if nope else rope_from_hf(raw, is_neox=is_neox), qkv_bias=bias,
-                               o_bias=bias, q_lora_rank=raw.get("q_lora_rank"), moe=_moe_from_hf(raw, architecture))
+                               o_bias=bias, q_lora_rank=raw.get("q_lora_rank"), moe=_moe_from_hf(raw, architecture),
+                               num_nextn_predict_layers=int(_get(raw, "num_nextn_predict_layers", 0)))
         num_heads = common["num_heads"]
         if num_heads <= 0:
             raise ValueError(f"{source}: num_attention_heads must be positive, got {num_heads}")

@@ -17,6 +17,10 @@ tables (GPT-J pairs unless ``rope_interleave`` is false); the score is
 Under tensor parallelism (:mod:`tripath.models.parallel`) ``H`` is the rank's share of the heads
 (``q_proj``/``q_b_proj`` and ``kv_b_proj`` split by head, ``o_proj`` all-reduces); the latent projections are
 replicated, so every rank caches the full latent rows.
+
+A model loaded with its multi-token-prediction layer (``load_model(..., mtp=True)``) holds it as ``mtp``
+(:class:`~tripath.models.deepseek_mtp.DeepseekMTP`); :meth:`DeepseekForCausalLM.mtp_forward` and
+:meth:`~DeepseekForCausalLM.mtp_logits` run it with this model's embedding and LM head.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class DeepseekForCausalLM(CausalLM):
             raise ValueError(f"DeepseekForCausalLM serves {', '.join(DEEPSEEK_ARCHITECTURES)}, "
                              f"not {config.architecture}")
         super().__init__(config, decoder_layers(config, MLAAttention, dtype, parallel), dtype, parallel)
+        self.mtp = None   # the DeepseekMTP layer, when loaded (load_model(..., mtp=True))
 
     def post_load(self) -> None:
         super().post_load()
@@ -91,3 +96,18 @@ class DeepseekForCausalLM(CausalLM):
             tables = rotary_tables(config.rope, config.mla.qk_rope_head_dim, config.max_position, self.device)
         for layer in self.model.layers:
             layer.self_attn.build_weights(tables)
+        if self.mtp is not None:
+            self.mtp.build_weights(tables)
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor,
+                    ctx) -> torch.Tensor:
+        """The MTP layer's ``g [T, H]`` (before its ``shared_head.norm``) for the tokens ``t_{p+1} =
+        input_ids [T]`` after the hidden states ``h_p = previous_hidden [T, H]`` (this model's, before the final
+        norm, or the MTP's own ``g`` of the row before) at ``positions = p [T]``; ``ctx`` holds the MTP's own
+        cache as layer 0."""
+        return self.mtp.layer.predict(self.model.embed_tokens(input_ids), previous_hidden, positions, ctx)
+
+    def mtp_logits(self, g: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
+        """``[N, vocab]`` logits of the token after next from the MTP's ``g [N, H]``: this model's LM head after
+        the MTP's ``shared_head.norm``."""
+        return self.compute_logits(self.mtp.layer.shared_head.norm(g), upcast=upcast)

@@ -4,8 +4,10 @@ tokenizer when present) — a local one, or a hub id's snapshot in the local Hug
 
 Checkpoint tensors load by their Hugging Face names; per-expert MoE weights
 ``...mlp.experts.{e}.{gate,up,down}_proj.weight`` are stacked into ``[E, ...]`` parameters. Tensors of layers
-past ``num_hidden_layers`` (DeepSeek's multi-token-prediction layer) and ``rotary_emb.inv_freq`` are skipped;
-anything else unknown, missing, or of the wrong shape is an error that names the tensor.
+past ``num_hidden_layers`` (DeepSeek's multi-token-prediction layers) and ``rotary_emb.inv_freq`` are skipped;
+anything else unknown, missing, or of the wrong shape is an error that names the tensor. With ``mtp=True``
+the first multi-token-prediction layer is loaded too, into ``model.mtp``
+(:class:`~tripath.models.deepseek_mtp.DeepseekMTP`; a preset's gets random weights).
 
 A tensor-parallel model (built with a :class:`~tripath.models.parallel.ParallelState` of several ranks) reads
 only its rank's slices (``safe_open(...).get_slice(name)[...]``) and only its own experts; presets give each
@@ -23,6 +25,7 @@ import torch
 from tripath.models.base import CausalLM
 from tripath.models.config import ModelConfig, config_from_hf
 from tripath.models.deepseek import DeepseekForCausalLM
+from tripath.models.deepseek_mtp import DeepseekMTP, check_has_mtp
 from tripath.models.hub import resolve_model_path
 from tripath.models.layers import RMSNorm
 from tripath.models.llama import LlamaForCausalLM
@@ -109,9 +112,12 @@ def _skipped(name: str, config: ModelConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
-def load_weights(model: CausalLM, path: str) -> None:
-    """Copy the checkpoint in ``path`` into ``model`` (converting dtypes), checking names and shapes."""
+def load_weights(model: CausalLM | DeepseekMTP, path: str) -> None:
+    """Copy the checkpoint in ``path`` into ``model`` (converting dtypes), checking names and shapes. A
+    :class:`DeepseekMTP` takes its own layer's tensors and skips the rest."""
     from safetensors import SafetensorError
+
+    skipped = getattr(model, "checkpoint_skips", None) or (lambda name: _skipped(name, model.config))
 
     params = dict(model.named_parameters())
     shards = model_shards(model)
@@ -131,7 +137,7 @@ def load_weights(model: CausalLM, path: str) -> None:
                 expert = _EXPERT.match(name)
                 key = (f"{expert.group(1)}.{expert.group(3)}", int(expert.group(2))) if expert else (name, None)
                 if key not in expected:
-                    if key not in elsewhere and not _skipped(name, model.config):
+                    if key not in elsewhere and not skipped(name):
                         unexpected.append(name)
                     continue
                 shard = shards.get(name) if key[1] is None else None
@@ -163,7 +169,7 @@ def load_weights(model: CausalLM, path: str) -> None:
                          f"{', '.join(names[:8])}" + (" ..." if len(names) > 8 else ""))
 
 
-def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
+def init_random_weights(model: CausalLM | DeepseekMTP, seed: int = 0, std: float = 0.02) -> None:
     """Deterministic random weights (same ``seed`` and device → same weights): RMSNorm weights 1, every other
     parameter ``N(0, std²)``. A sharded parameter draws its whole tensor and keeps its slice, so every rank
     holds the slices of the unsharded model's weights."""
@@ -181,19 +187,43 @@ def init_random_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> No
             param.normal_(0.0, std, generator=generator)
 
 
+def build_mtp(config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device="cpu") -> DeepseekMTP:
+    """The first multi-token-prediction layer of ``config`` with uninitialised parameters on ``device``;
+    :class:`~tripath.models.deepseek_mtp.NoMTPLayer` when the config has none."""
+    check_has_mtp(config)
+    with torch.device("meta"):
+        mtp = DeepseekMTP(config, dtype)
+    mtp = mtp.to_empty(device=torch.device(device))
+    mtp.requires_grad_(False)
+    return mtp.eval()
+
+
 def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, device="cpu", seed: int = 0,
-               parallel: ParallelState = SINGLE) -> CausalLM:
+               parallel: ParallelState = SINGLE, mtp: bool = False) -> CausalLM:
     """A model from a local Hugging Face directory, a Hugging Face hub id (from the local cache, or downloaded:
     :func:`~tripath.models.hub.resolve_model_path`) or a preset name (random weights from ``seed``); under
-    ``parallel``, the rank's shard."""
+    ``parallel``, the rank's shard. ``mtp``: with its first multi-token-prediction layer as ``model.mtp``
+    (DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``; one rank)."""
     path_or_preset = resolve_model_path(os.fspath(path_or_preset))
+    if mtp and parallel.is_parallel:
+        raise ValueError("load_model(mtp=True) loads the multi-token-prediction layer on one rank only")
     if os.path.isdir(path_or_preset):
         config = load_config(path_or_preset)
+        if mtp:
+            check_has_mtp(config)   # before the weights load
         model = build_model(config, dtype=dtype, device=device, parallel=parallel)
         load_weights(model, path_or_preset)
+        if mtp:
+            model.mtp = build_mtp(config, dtype=dtype, device=device)
+            load_weights(model.mtp, path_or_preset)
     elif path_or_preset in PRESETS:
+        if mtp:
+            check_has_mtp(PRESETS[path_or_preset]())
         model = build_model(PRESETS[path_or_preset](), dtype=dtype, device=device, parallel=parallel)
         init_random_weights(model, seed)
+        if mtp:
+            model.mtp = build_mtp(model.config, dtype=dtype, device=device)
+            init_random_weights(model.mtp, seed + 1)
     elif os.path.exists(path_or_preset):
         raise FileNotFoundError(f"{path_or_preset} is a file: pass the model directory (with config.json)")
     else:  # resolve_model_path raised for anything else

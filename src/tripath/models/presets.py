@@ -1,6 +1,7 @@
 """Built-in model presets (random weights, see ``loader.init_random_weights``): tiny ones that run anywhere
 (laptop, CI, the CPU test suite), and attention layers of real models at tensor-parallel 8 (one GPU's
-share of heads, a few layers, a dense MLP) for GPU benchmarks.
+share of heads, a few layers, a dense MLP) for GPU benchmarks. Presets with an MTP layer build it (random
+weights too) when loaded with ``load_model(..., mtp=True)`` (speculative decoding's ``mtp`` method).
 
 ========================  ==================  ====================================================
 name                      architecture        what it exercises
@@ -10,12 +11,12 @@ tiny-mistral              Mistral             GQA 4/1, head 32, sliding window 6
 tiny-qwen2                Qwen2               q/k/v biases, tied embeddings
 tiny-qwen3                Qwen3               q/k RMSNorm, head 64 (> hidden / heads)
 tiny-qwen3-moe            Qwen3-MoE           Qwen3 attention, top-2 of 8 experts (layer 1 dense)
-tiny-deepseek             DeepSeek V3         MLA 64+32 with q_lora, yarn, MoE (sigmoid, groups)
+tiny-deepseek             DeepSeek V3         MLA 64+32 with q_lora, yarn, MoE (sigmoid, groups), an MTP layer
 tiny-deepseek-v2          DeepSeek V2         MLA without q_lora, softmax group-limited MoE
 tiny-kimi-nope            DeepSeek V3 (Kimi)  NoPE MLA (identity rotation), MoE
 llama-3.1-8b              Llama 3.1           Llama-3.1-8B's full shape: 32 layers, GQA 32/8, head 128
 qwen3-235b-attn-tp8       Qwen3               Qwen3-235B-A22B attention at TP 8: 8 q / 1 kv heads
-deepseek-r1-attn-tp8      DeepSeek V3         DeepSeek-R1 MLA at TP 8: 16 heads, 512+64, yarn 40
+deepseek-r1-attn-tp8      DeepSeek V3         DeepSeek-R1 MLA at TP 8: 16 heads, 512+64, yarn 40, an MTP layer
 kimi-nope-attn-tp8        DeepSeek V3 (Kimi)  Kimi K2 MLA shapes at TP 8 (8 heads), NoPE
 ========================  ==================  ====================================================
 """
@@ -66,7 +67,8 @@ def tiny_deepseek() -> ModelConfig:
     rope = RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position=512, mscale=1.0,
                       mscale_all_dim=1.0, is_neox=False)
     return ModelConfig(architecture="DeepseekV3ForCausalLM", num_heads=4, num_kv_heads=1, head_size=mla.cache_width,
-                       mla=mla, rope=rope, q_lora_rank=64, moe=_TINY_MOE, **{**_TINY, "num_layers": 3})
+                       mla=mla, rope=rope, q_lora_rank=64, moe=_TINY_MOE, num_nextn_predict_layers=1,
+                       **{**_TINY, "num_layers": 3})
 
 
 def tiny_deepseek_v2() -> ModelConfig:
@@ -108,7 +110,8 @@ def _mla_tp8(heads: int, rope: RopeConfig | None, **extra) -> ModelConfig:
 
 
 def deepseek_r1_attn_tp8() -> ModelConfig:
-    return _mla_tp8(16, _DEEPSEEK_YARN, vocab_size=129280, max_position=163840, eos_token_ids=[1], bos_token_id=0)
+    return _mla_tp8(16, _DEEPSEEK_YARN, vocab_size=129280, max_position=163840, eos_token_ids=[1], bos_token_id=0,
+                    num_nextn_predict_layers=1)
 
 
 def kimi_nope_attn_tp8() -> ModelConfig:

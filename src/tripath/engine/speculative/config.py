@@ -4,8 +4,10 @@ text, ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 Methods: ``ngram`` — prompt lookup (:mod:`tripath.engine.speculative.ngram`): no weights, the drafts are the
 tokens that followed the latest earlier occurrence of the request's last ``n`` tokens, for the largest ``n``
 in ``[prompt_lookup_min, prompt_lookup_max]`` that occurs; ``draft_model`` — a smaller ``model`` with the
-target's vocabulary drafts greedily (:mod:`tripath.engine.speculative.draft_model`; on one rank). Without a
-method, a ``model`` means ``draft_model``. Every error names the key and what is allowed.
+target's vocabulary drafts greedily (:mod:`tripath.engine.speculative.draft_model`; on one rank); ``mtp``
+(alias ``deepseek_mtp``, vLLM's name) — the target's own multi-token-prediction layer drafts greedily
+(:mod:`tripath.engine.speculative.mtp`; DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``, on one
+rank). Without a method, a ``model`` means ``draft_model``. Every error names the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+METHODS = ("ngram", "draft_model", "mtp")
+ALIASES = {"deepseek_mtp": "mtp"}   # vLLM's names of the same methods
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 15   # a verify step feeds at most 16 query tokens per request
 
 
@@ -32,6 +35,8 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self):
+        if self.method in ALIASES:
+            object.__setattr__(self, "method", ALIASES[self.method])
         if self.method in NOT_YET:
             raise ValueError(f"speculative_config method {self.method!r} is not available in this version; "
                              f"supported: {', '.join(METHODS)}")
@@ -50,12 +55,23 @@ class SpeculativeConfig:
         if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
             raise ValueError("speculative_config method 'draft_model' needs model (a preset, model directory or "
                              "hub id of a smaller model with the target's tokenizer)")
-        if self.method == "ngram" and self.model is not None:
-            raise ValueError(f"speculative_config model={self.model!r} is for method 'draft_model'; the ngram "
-                             "method takes no model")
+        if self.method in ("ngram", "mtp") and self.model is not None:
+            raise ValueError(f"speculative_config model={self.model!r} is for method 'draft_model'; the "
+                             f"{self.method} method takes no model" +
+                             (" (it drafts with the target's own MTP layer)" if self.method == "mtp" else ""))
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 (the draft model runs on "
                              f"one rank), got {self.draft_tensor_parallel_size!r}")
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        """Whether the proposer reads the target's hidden states (``mtp``): every launch hands them on."""
+        return self.method == "mtp"
+
+    @property
+    def needs_one_rank(self) -> bool:
+        """Whether the method runs with tensor_parallel_size 1 only (its drafter is one rank's)."""
+        return self.method in ("draft_model", "mtp")
 
     @classmethod
     def of(cls, value) -> "SpeculativeConfig | None":

@@ -1,0 +1,225 @@
+"""Drafts from the target's own multi-token-prediction layer (the ``mtp`` method; DeepSeek-V3's MTP module,
+:mod:`tripath.models.deepseek_mtp`): MTP row ``p`` reads the target's hidden state ``h_p`` (before its final
+norm) and the token ``t_{p+1}``, attends the MTP rows ``0 .. p`` and gives logits for ``t_{p+2}``.
+
+The MTP layer's KV cache (one MLA layer of the target's block count) is indexed by the requests' own block
+tables, as the draft model's is (:mod:`tripath.engine.speculative.draft_model`): row ``p`` sits in the slot of
+position ``p``. On a GPU the memory plan counts its bytes in every block (:func:`mtp_cache_bytes`). Rows are
+computed where their inputs are known:
+
+- **observe** (the runner hands over every launch's hidden states before the final norm, after queuing the
+  step's sampling): for each scheduled request, the rows of the step's positions whose next token is known
+  then — a prompt chunk's (its last row only when the prompt goes on), a verify's with its drafts as the
+  next tokens (right exactly for the drafts the step accepts) — plus any earlier row still to redo. The
+  hidden states of the rows still to complete are kept: a step's last row (its next token is being
+  sampled), all of a verify's rows (which one is last depends on acceptance);
+- **propose** (the scheduler, before the verify step): the row of the request's last computed position ``s -
+  1`` from the kept ``h_{s-1}`` and the just-sampled ``t_s``, whose logits give draft ``d_1`` greedily; then
+  ``d_{j+1}`` from row ``s - 1 + j`` fed ``d_j`` and the MTP's own output of the row before (one layer reused
+  autoregressively, as vLLM does). Those chained rows are overwritten by the verify step's observe.
+
+So after each step a request's rows ``0 .. s - 2`` hold the right entries for its kept tokens (a verify's
+first rejected row is redone from its kept hidden state; rejected rows past it are never read). A request
+seen with a new block list (preempted, or new) trusts the rows before its first computed position: they are
+its prefix-cache hit's, whose last matched block the block manager recomputes for this method
+(:class:`~tripath.engine.block_manager.BlockManager`, ``recompute_last_hit_block``). The rows steer only which
+drafts are proposed; verification keeps the outputs the target's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from tripath.attention import ForwardContext, select_backend
+from tripath.engine.scheduler import ScheduledRequest
+from tripath.engine.step_inputs import StepInputBuilder
+from tripath.engine.worker import StepRequest
+
+
+def check_mtp_model(model) -> None:
+    """``ValueError`` naming ``speculative_config`` when ``model`` has no MTP layer loaded."""
+    if getattr(model, "mtp", None) is not None:
+        return
+    config = model.config
+    if getattr(config, "num_nextn_predict_layers", 0) >= 1:
+        raise ValueError("speculative_config method 'mtp' drafts with the model's multi-token-prediction layer, "
+                         "and this model object was built without it: load it with "
+                         "tripath.models.load_model(..., mtp=True), or pass the model's path or preset name")
+    raise ValueError(f"speculative_config method 'mtp' drafts with the model's multi-token-prediction layer, and "
+                     f"the {getattr(config, 'architecture', type(model).__name__)} config has none "
+                     f"(num_nextn_predict_layers={getattr(config, 'num_nextn_predict_layers', 0)}; DeepSeek-V3/R1 "
+                     "checkpoints have 1)")
+
+
+def mtp_cache_bytes(model, config):
+    """``block_size -> bytes`` of the MTP layer's cache for one block, for the target's memory plan."""
+    def bytes_per_block(block_size: int) -> int:
+        spec = model.attention_spec(block_size=block_size, kv_cache_dtype=config.kv_cache_dtype,
+                                    kv_layout=config.kv_layout, dtype=config.dtype)
+        return select_backend(spec, name=config.backend, device=config.device).cache_bytes_per_block()
+
+    return bytes_per_block
+
+
+@dataclass
+class _Rows:
+    """What the proposer knows of one request's MTP rows."""
+
+    blocks: list                # the request's block list when seen (another list: its blocks were freed)
+    done: int                   # rows 0 .. done - 1 hold their right entries
+    hidden: torch.Tensor | None = None   # the target's hidden states (before its norm) of positions hidden_at ..
+    hidden_at: int = 0
+    tentative: list[int] = field(default_factory=list)   # rows done, done + 1, ... were fed these next tokens
+
+    def settle(self, request) -> None:
+        """Count the tentative rows whose next token the request kept (a verify's accepted drafts)."""
+        if self.tentative:
+            kept = request.token_ids(self.done + 1, self.done + 1 + len(self.tentative))
+            for token, fed in zip(kept, self.tentative):
+                if token != fed:
+                    break
+                self.done += 1
+            self.tentative = []
+
+    def kept_hidden(self, start: int, stop: int) -> torch.Tensor | None:
+        """The kept hidden states of positions ``start .. stop - 1``, or None when not all are kept."""
+        if self.hidden is None or start < self.hidden_at or stop > self.hidden_at + self.hidden.shape[0]:
+            return None
+        return self.hidden[start - self.hidden_at:stop - self.hidden_at]
+
+
+@dataclass
+class _Segment:
+    """MTP rows ``start .. start + len(tokens) - 1`` of a request: their next tokens and hidden states."""
+
+    request: object
+    start: int
+    tokens: list[int]
+    hidden: list[torch.Tensor]   # pieces, ``len(tokens)`` rows in all
+
+
+class MTPProposer:
+    """Drafts with ``model.mtp`` (module doc). ``runner``: the target's
+    :class:`~tripath.engine.model_runner.ModelRunner` (its backend, block geometry and hidden states; the
+    proposer becomes its ``hidden_observer``); ``config``: the engine's
+    :class:`~tripath.engine.config.EngineConfig`."""
+
+    def __init__(self, model, runner, config):
+        check_mtp_model(model)
+        self.model, self.backend = model, runner.backend
+        self.cache = runner.backend.allocate_cache(runner.num_blocks, runner.device)
+        most = 1 + config.speculative_config.num_speculative_tokens   # rows a request may add to a step
+        self.inputs = StepInputBuilder(runner.device, runner.block_size,
+                                       config.max_num_batched_tokens + config.max_num_seqs * most,
+                                       config.max_num_seqs, runner.max_blocks_per_seq)
+        self._calibrate = config.calculate_kv_scales   # fp8: the cache's scale from the first step's rows
+        self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # request -> _Rows
+        runner.hidden_observer = self
+
+    def _state(self, request, start: int) -> _Rows:
+        """The request's rows before a step (or drafting) from position ``start``."""
+        state = self._rows.get(request)
+        if state is None or state.blocks is not request.block_ids:
+            state = self._rows[request] = _Rows(request.block_ids, start)
+        state.settle(request)
+        state.done = min(state.done, start)
+        return state
+
+    # ---- the target's steps -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def observe(self, scheduled: list[ScheduledRequest], inputs, prenorm: torch.Tensor) -> None:
+        """The launch of ``scheduled`` (``inputs``: its step inputs) computed ``prenorm [T, H]`` (plan order):
+        compute the MTP rows whose next tokens are known, keep the hidden states of the others."""
+        offsets, at = {}, 0
+        for i in inputs.plan.order:
+            if i < len(scheduled):
+                offsets[i] = at
+            at += scheduled[i].num_new_tokens if i < len(scheduled) else 1
+        segments, keep, kept_rows = [], [], []
+        for i, item in enumerate(scheduled):
+            request, s, q = item.request, item.num_computed_tokens, item.num_new_tokens
+            state, row = self._state(request, s), offsets[i]
+            verify = bool(item.draft_token_ids)
+            goes_on = not verify and s + q < request.num_tokens   # the chunk's last row has its next token
+            end = s + q if goes_on else s + q - 1
+            redo = state.kept_hidden(state.done, s)
+            start = state.done if redo is not None else s
+            tokens = request.token_ids(start + 1, s + 1) + item.input_token_ids()[1:]
+            if goes_on:
+                tokens += request.token_ids(s + q, s + q + 1)
+            pieces = ([redo] if s > start else []) + ([prenorm[row:row + end - s]] if end > s else [])
+            if tokens:
+                segments.append(_Segment(request, start, tokens, pieces))
+            first_kept = s if verify else end
+            keep.append((state, first_kept, s + q - first_kept))
+            kept_rows.extend(range(row + first_kept - s, row + q))
+            state.done, state.tentative = (s, list(item.draft_token_ids)) if verify else (end, [])
+        if segments:
+            self._run(segments)
+        kept = prenorm.index_select(0, torch.tensor(kept_rows, dtype=torch.int64).to(prenorm.device)) \
+            if kept_rows else None
+        at = 0
+        for state, first, count in keep:
+            state.hidden, state.hidden_at = (kept[at:at + count], first) if count else (None, first)
+            at += count
+
+    # ---- drafting -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, items) -> list[list[int]]:
+        """For each ``(request, k)`` of decodes about to verify: ``k`` greedy drafts of the MTP layer (none for a
+        request whose last row's hidden state is not kept)."""
+        drafts: list[list[int]] = [[] for _ in items]
+        segments, owners = [], []
+        for n, (request, k) in enumerate(items):
+            s = request.num_computed_tokens
+            state = self._state(request, s)
+            start = min(state.done, s - 1)
+            hidden = state.kept_hidden(start, s) if s > 0 else None
+            if hidden is None:
+                continue
+            segments.append(_Segment(request, start, request.token_ids(start + 1, s + 1), [hidden]))
+            owners.append(n)
+            state.done, state.hidden = s, None
+        if not segments:
+            return drafts
+        g, tokens = self._run(segments, samples=True)
+        for m, n in enumerate(owners):
+            drafts[n].append(tokens[m])
+        for j in range(1, max(k for _, k in items)):   # draft j + 1 from draft j and the MTP's own g
+            active = [m for m, n in enumerate(owners) if items[n][1] > j]
+            if not active:
+                break
+            chained = [_Segment(segments[m].request, segments[m].request.num_computed_tokens - 1 + j,
+                                [drafts[owners[m]][-1]], [g[m:m + 1]]) for m in active]
+            g_next, tokens = self._run(chained, samples=True)
+            g = g.clone()
+            for r, m in enumerate(active):
+                drafts[owners[m]].append(tokens[r])
+                g[m] = g_next[r]
+        return drafts
+
+    # ---- one MTP step -------------------------------------------------------------------------------
+    def _run(self, segments: list[_Segment], samples: bool = False):
+        """Run the MTP layer over ``segments`` (writing their cache rows). With ``samples``: ``(g [N, H],
+        greedy tokens [N])`` of each segment's last row, in ``segments``' order."""
+        scheduled = [ScheduledRequest(StepRequest(seg.start + len(seg.tokens), seg.request.block_ids, seg.start,
+                                                  seg.tokens), len(seg.tokens), seg.start, samples)
+                     for seg in segments]
+        plan = self.backend.plan([len(seg.tokens) for seg in segments], [seg.start for seg in segments])
+        inputs = self.inputs.build(plan, scheduled, 0)
+        hidden = torch.cat([piece for i in plan.order for piece in segments[i].hidden])
+        meta = self.backend.build_metadata(plan, inputs.block_table, inputs.slot_mapping)
+        ctx = ForwardContext(self.backend, meta, [self.cache], calibrate_kv_scales=self._calibrate)
+        self._calibrate = False
+        g = self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, ctx)
+        if not samples:
+            return None
+        last = g.index_select(0, inputs.logit_indices)   # row r: segments[inputs.sample_rows[r]]
+        order = torch.empty(len(segments), dtype=torch.int64)
+        order[torch.tensor(inputs.sample_rows, dtype=torch.int64)] = torch.arange(len(segments))
+        last = last.index_select(0, order.to(last.device))
+        tokens = self.model.mtp_logits(last, upcast=False).argmax(dim=-1).tolist()
+        return last, tokens
