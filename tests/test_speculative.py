@@ -33,7 +33,7 @@ def pure_torch(monkeypatch):
 # -- settings -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config, message", [
-    ({"method": "mtp", "num_speculative_tokens": 2}, "method 'mtp' is not available"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not available"),
     ({"method": "lookahead", "num_speculative_tokens": 2}, "method 'lookahead' is unknown"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 16}, r"num_speculative_tokens must be in \[1, 15\]"),

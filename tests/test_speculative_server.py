@@ -55,7 +55,7 @@ def test_greedy_completions_and_metrics_with_speculation(spec_server, tiny_hf_di
 
 def test_a_bad_speculative_config_names_the_flag(tmp_path):
     result = subprocess.run([sys.executable, "-m", "tripath.cli", "serve", "--model", "tiny-llama",
-                             "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}'],
+                             "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
                             capture_output=True, text=True, timeout=120, env={"PYTHONPATH": SRC, "PATH": "/usr/bin"})
     assert result.returncode == 2
-    assert "argument --speculative-config: speculative_config method 'mtp' is not available" in result.stderr
+    assert "argument --speculative-config: speculative_config method 'eagle' is not available" in result.stderr

@@ -11,8 +11,9 @@ computed where their inputs are known:
   step's sampling): for each scheduled request, the rows of the step's positions whose next token is known
   then — a prompt chunk's (its last row only when the prompt goes on), a verify's with its drafts as the
   next tokens (right exactly for the drafts the step accepts) — plus any earlier row still to redo. The
-  hidden states of the rows still to complete are kept: a step's last row (its next token is being
-  sampled), all of a verify's rows (which one is last depends on acceptance);
+  hidden states of the rows drafting may start from are kept: a step's last row (its next token is being
+  sampled, or it is the prompt's last but one, whose last token the scheduler may verify with drafts), all
+  of a verify's rows (which one is last depends on acceptance);
 - **propose** (the scheduler, before the verify step): the row of the request's last computed position ``s -
   1`` from the kept ``h_{s-1}`` and the just-sampled ``t_s``, whose logits give draft ``d_1`` greedily; then
   ``d_{j+1}`` from row ``s - 1 + j`` fed ``d_j`` and the MTP's own output of the row before (one layer reused
@@ -153,7 +154,7 @@ class MTPProposer:
             pieces = ([redo] if s > start else []) + ([prenorm[row:row + end - s]] if end > s else [])
             if tokens:
                 segments.append(_Segment(request, start, tokens, pieces))
-            first_kept = s if verify else end
+            first_kept = s if verify else s + q - 1   # a prompt's last token may be drafted after: row s + q - 1
             keep.append((state, first_kept, s + q - first_kept))
             kept_rows.extend(range(row + first_kept - s, row + q))
             state.done, state.tentative = (s, list(item.draft_token_ids)) if verify else (end, [])
