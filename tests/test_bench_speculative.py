@@ -38,3 +38,21 @@ def test_bench_speculative_reports_acceptance_against_the_baseline(monkeypatch, 
         assert r["tpot_ms"] > 0 and r["baseline_tpot_ms"] > 0
     assert all(r["tokens_per_verify"] > 3 for r in rows if r["p"] == 1.0)
     assert "tok/verify" in capsys.readouterr().out
+
+
+def test_bench_speculative_runs_the_mtp_layer_under_the_oracles_drafts(monkeypatch, tmp_path):
+    """``--method mtp``: the MTP layer drafts (and is timed), the oracle's tokens are proposed, so the acceptance
+    is still the oracle's."""
+    from tripath.engine.speculative.mtp import MTPProposer
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    drafted = []
+    propose = MTPProposer.propose
+    monkeypatch.setattr(MTPProposer, "propose", lambda self, items: drafted.append(len(items)) or propose(self, items))
+    out = tmp_path / "mtp.json"
+    assert main(["--model", "tiny-deepseek", "--method", "mtp", "--batch-sizes", "2", "--input-len", "9",
+                 "--output-len", "8", "--acceptance", "0,1", "--num-speculative-tokens", "2", "--num-kv-blocks",
+                 "64", "--device", "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["acceptance"] for r in rows] == [0.0, 1.0] and all(r["same_outputs"] == 1.0 for r in rows)
+    assert drafted

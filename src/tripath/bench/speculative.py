@@ -3,7 +3,11 @@
 No trained draft is needed: the drafts come from an *oracle* (:class:`~tripath.engine.speculative.oracle.
 OracleProposer`) that replays the greedy run of the same prompts recorded without speculation and replaces
 each drafted token with another with probability ``1 - p``. So random weights of a real model's shapes give
-the verify steps of that model at a chosen acceptance.
+the verify steps of that model at a chosen acceptance. With ``--method mtp`` (a model with a
+multi-token-prediction layer: ``deepseek-r1-attn-tp8``, ``tiny-deepseek``) the MTP layer runs as it would —
+over every step's tokens, and ``k`` times to draft — and the oracle's tokens replace its drafts
+(:class:`~tripath.engine.speculative.oracle.SteeredProposer`), so the times include the MTP layer's work at the
+oracle's acceptance.
 
 For each ``--batch-sizes`` entry ``B``, ``B`` greedy requests of ``--input-len`` random tokens and
 ``--output-len`` outputs run at once:
@@ -37,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--method", choices=("ngram", "mtp"), default="ngram",
+                        help="the speculating engine's method; its drafts are the oracle's either way (mtp: the "
+                             "model's MTP layer runs and is timed)")
     parser.add_argument("--acceptance", default="0,0.5,0.7,0.9",
                         help="chances p that a drafted token is the recorded one, comma-separated")
     parser.add_argument("--backend", default="auto")
@@ -53,7 +60,7 @@ def _engine(args, speculative: int | None):
 
     options = dict(backend=args.backend, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks)
     if speculative:
-        options["speculative_config"] = {"method": "ngram", "num_speculative_tokens": speculative}
+        options["speculative_config"] = {"method": args.method, "num_speculative_tokens": speculative}
     return LLM(args.model, **{k: v for k, v in options.items() if v is not None})
 
 
@@ -79,7 +86,7 @@ def _release(llm) -> None:
 
 
 def run(args) -> list[dict]:
-    from tripath.engine.speculative.oracle import OracleProposer
+    from tripath.engine.speculative.oracle import OracleProposer, SteeredProposer
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     chances = [float(p) for p in args.acceptance.split(",")]
@@ -93,11 +100,12 @@ def run(args) -> list[dict]:
         recorded[b], baseline[b] = _run(llm, prompts[b], args.output_len)
     _release(llm)
     llm = _engine(args, args.num_speculative_tokens)
+    drafter = llm.scheduler.proposer   # mtp: runs, its drafts replaced by the oracle's
     rows = []
     for b in batch_sizes:
         for p in chances:
             oracle = OracleProposer({tuple(x): y for x, y in zip(prompts[b], recorded[b])}, p, vocab, args.seed)
-            llm.scheduler.proposer = oracle
+            llm.scheduler.proposer = SteeredProposer(drafter, oracle) if args.method == "mtp" else oracle
             before = llm.stats()
             outputs, measured = _run(llm, prompts[b], args.output_len)
             after = llm.stats()
@@ -117,7 +125,8 @@ def run(args) -> list[dict]:
 
 def print_rows(rows: list[dict], args) -> None:
     print(f"{args.model}: {args.input_len} prompt + {args.output_len} output tokens per request, "
-          f"{args.num_speculative_tokens} drafted tokens per verify (oracle drafts)")
+          f"{args.num_speculative_tokens} drafted tokens per verify (oracle drafts"
+          + (", the MTP layer running)" if args.method == "mtp" else ")"))
     print(f"{'batch':>5} {'p':>5} {'TPOT ms':>9} {'base ms':>9} {'speed-up':>8} {'tok/s':>9} {'base tok/s':>10} "
           f"{'accepted':>8} {'tok/verify':>10} {'same out':>8}")
     for r in rows:

@@ -4,6 +4,7 @@
 next ``k`` tokens of that run after the outputs so far, each replaced by another token with probability
 ``1 - p``. Under greedy verification the ``j``-th draft is then kept with probability ``p ** j`` (while the
 run's tokens are the recorded ones), so a benchmark sweeps the speed-up against acceptance.
+:class:`SteeredProposer` runs another proposer's drafting (its cost) and returns the oracle's drafts instead.
 """
 
 from __future__ import annotations
@@ -39,3 +40,15 @@ class OracleProposer:
                 token = (token + 1 + self._random.randrange(self.vocab_size - 1)) % self.vocab_size
             drafts.append(token)
         return drafts
+
+
+class SteeredProposer:
+    """Drafting by ``drafter`` (which runs, so its time counts: the ``mtp`` method's MTP layer) with the
+    drafts of ``oracle`` proposed instead of its own, so the acceptance is the oracle's."""
+
+    def __init__(self, drafter, oracle: OracleProposer):
+        self.drafter, self.oracle = drafter, oracle
+
+    def propose(self, items) -> list[list[int]]:
+        self.drafter.propose(items)
+        return self.oracle.propose(items)
