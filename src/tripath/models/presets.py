@@ -3,9 +3,9 @@
 share of heads, a few layers, a dense MLP) for GPU benchmarks. Presets with an MTP layer build it (random
 weights too) when loaded with ``load_model(..., mtp=True)`` (speculative decoding's ``mtp`` method).
 
-========================  ==================  ====================================================
+========================  ==================  ==================================================================
 name                      architecture        what it exercises
-========================  ==================  ====================================================
+========================  ==================  ==================================================================
 tiny-llama                Llama 3             GQA 4/2, head 32, llama3 rope scaling
 tiny-mistral              Mistral             GQA 4/1, head 32, sliding window 64
 tiny-qwen2                Qwen2               q/k/v biases, tied embeddings
@@ -18,7 +18,7 @@ llama-3.1-8b              Llama 3.1           Llama-3.1-8B's full shape: 32 laye
 qwen3-235b-attn-tp8       Qwen3               Qwen3-235B-A22B attention at TP 8: 8 q / 1 kv heads
 deepseek-r1-attn-tp8      DeepSeek V3         DeepSeek-R1 MLA at TP 8: 16 heads, 512+64, yarn 40, an MTP layer
 kimi-nope-attn-tp8        DeepSeek V3 (Kimi)  Kimi K2 MLA shapes at TP 8 (8 heads), NoPE
-========================  ==================  ====================================================
+========================  ==================  ==================================================================
 """
 
 from __future__ import annotations
