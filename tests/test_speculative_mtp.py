@@ -31,7 +31,7 @@ def _pure_torch_validated(monkeypatch):
 
 def small_config(eps: float = 1e-6, vocab: int = 128) -> ModelConfig:
     """One dense MLA layer, GPT-J rope without scaling, and one MTP layer."""
-    mla = MLASpec(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    mla = MLASpec(kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32)
     return ModelConfig(architecture="DeepseekV3ForCausalLM", vocab_size=vocab, hidden_size=64, num_layers=1,
                        num_heads=2, num_kv_heads=1, head_size=mla.cache_width, max_position=512,
                        intermediate_size=96, mla=mla, rope=RopeConfig(theta=10000.0, is_neox=False), q_lora_rank=32,
@@ -271,36 +271,66 @@ def test_an_mtp_layer_that_predicts_the_target_has_every_draft_kept(variant):
     assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, stats
 
 
-@pytest.mark.parametrize("variant", ["ample", "small_budget", "tight_memory"])
-def test_the_mtp_cache_holds_the_right_rows_for_the_kept_tokens(variant):
-    """A steered MTP layer keeps some drafts and rejects others; when each request ends, its MTP rows ``0 ..
-    n - 2`` (those of its tokens whose next token it kept) equal those of one non-speculative pass of the
-    target and the MTP layer over its final tokens. Every third decode takes no drafts (as one whose
-    ``max_tokens`` leaves no room): its step redoes the row the verify before it left; a small budget makes
-    decodes follow prompt chunks; tight memory preempts."""
-    model = follower(0.6)
-    llm = LLM(model, backend="torch", speculative_config=MTP, **VARIANTS[variant])
-    scheduler = llm.scheduler
-    draft_room, calls = scheduler._draft_room, [0]
+def no_drafts_every_third_step(scheduler) -> None:
+    """Every third step takes no drafts (as decodes whose ``max_tokens`` leave no room): a decode then
+    follows a verify and its step redoes the row the verify left."""
+    draft_room, schedule, steps = scheduler._draft_room, scheduler.schedule, [0]
 
-    def sometimes_none(request):
-        calls[0] += 1
-        return 0 if calls[0] % 3 == 0 else draft_room(request)
+    def counted_schedule(*args, **kwargs):
+        steps[0] += 1
+        return schedule(*args, **kwargs)
 
-    scheduler._draft_room = sometimes_none
-    proposer, block_manager = llm.scheduler.proposer, llm.scheduler.block_manager
-    cache = proposer.cache.kv_cache
-    seen = {}
-    release = block_manager.release
+    scheduler.schedule = counted_schedule
+    scheduler._draft_room = lambda request: 0 if steps[0] % 3 == 0 else draft_room(request)
+
+
+def record_mtp_rows(llm) -> dict:
+    """``request id -> (its tokens, its MTP cache rows 0 .. n - 2)`` read as each request finishes (rows whose
+    token and next token it kept; ``n`` the tokens the target computed or kept, the fewer)."""
+    block_manager, cache = llm.scheduler.block_manager, llm.scheduler.proposer.cache.kv_cache
+    bs, seen, release = block_manager.block_size, {}, block_manager.release
 
     def recording_release(request):
         if request.is_finished:
             rows = min(request.num_computed_tokens, request.num_tokens) - 1
-            slots = [request.block_ids[p // 4] * 4 + p % 4 for p in range(rows)]
+            slots = [request.block_ids[p // bs] * bs + p % bs for p in range(rows)]
             seen[request.request_id] = (request.all_token_ids, cache.view(-1, cache.shape[-1])[slots].clone())
         release(request)
 
     block_manager.release = recording_release
+    return seen
+
+
+def check_mtp_rows(model, seen: dict) -> None:
+    """Each request's recorded MTP rows equal those of one non-speculative pass of the target and the MTP
+    layer over its final tokens (the torch backend)."""
+    keep, model.keep_prenorm_hidden = model.keep_prenorm_hidden, True
+    for tokens, rows in seen.values():
+        ids, positions, ctx, _ = PagedRunner(model, backend="torch", block_size=4, num_blocks=64).prepare(
+            {0: tokens[:-1]})
+        with torch.inference_mode():
+            model(ids, positions, ctx)
+            hidden = model.prenorm_hidden.clone()
+            ids, positions, ctx, _ = PagedRunner(model, backend="torch", block_size=4, num_blocks=64).prepare(
+                {0: tokens[1:]})
+            model.mtp_forward(ids, positions, hidden, ctx)
+        cache = ctx.caches[0].kv_cache
+        want = cache.view(-1, cache.shape[-1])[ctx.metadata.slot_mapping[:rows.shape[0]]]
+        torch.testing.assert_close(rows.float(), want, atol=2e-4, rtol=2e-4)
+    model.keep_prenorm_hidden = keep
+
+
+@pytest.mark.parametrize("variant", ["ample", "small_budget", "tight_memory"])
+def test_the_mtp_cache_holds_the_right_rows_for_the_kept_tokens(variant):
+    """A steered MTP layer keeps some drafts and rejects others; when each request ends, its MTP rows ``0 ..
+    n - 2`` (those of its tokens whose next token it kept) equal those of one non-speculative pass of the
+    target and the MTP layer over its final tokens. Every third step takes no drafts; a small budget makes
+    decodes follow prompt chunks; tight memory preempts; the last prompt differs from the first at a block's
+    end (a prefix hit whose last block the MTP row depends on the next token of)."""
+    model = follower(0.6)
+    llm = LLM(model, backend="torch", speculative_config=MTP, **VARIANTS[variant])
+    no_drafts_every_third_step(llm.scheduler)
+    seen = record_mtp_rows(llm)
     batch = prompts(model.config.vocab_size)
     outputs(llm, batch[:2])
     outputs(llm, batch[2:])
@@ -308,18 +338,52 @@ def test_the_mtp_cache_holds_the_right_rows_for_the_kept_tokens(variant):
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, stats
     assert stats.prefix_cache_hit_tokens > 0 and (variant != "tight_memory" or stats.num_preemptions > 0)
     assert len(seen) == len(batch)
-    model.keep_prenorm_hidden = True
-    for tokens, rows in seen.values():
-        runner = PagedRunner(model, backend="torch", block_size=4, num_blocks=64)
-        ids, positions, ctx, _ = runner.prepare({0: tokens[:-1]})
-        with torch.inference_mode():
-            model(ids, positions, ctx)
-            hidden = model.prenorm_hidden.clone()
-            ids, positions, ctx, _ = PagedRunner(model, backend="torch", block_size=4, num_blocks=64).prepare(
-                {0: tokens[1:]})
-            model.mtp_forward(ids, positions, hidden, ctx)
-        want = ctx.caches[0].kv_cache.view(-1, cache.shape[-1])[ctx.metadata.slot_mapping[:rows.shape[0]]]
-        torch.testing.assert_close(rows, want, atol=1e-4, rtol=1e-4)
+    check_mtp_rows(model, seen)
+
+
+def emulate_decode_graphs(monkeypatch, model) -> list:
+    """Decode graphs without a GPU: a replay re-runs the captured forward and writes the captured hidden
+    states and those before the final norm, as a CUDA graph replay rewrites its own memory. Returns the
+    replay count (a one-item list)."""
+    replays = [0]
+
+    def capture(run, pool, device):
+        hidden = run()
+        prenorm = model.prenorm_hidden
+
+        class Replay:
+            def replay(self):   # no Python runs in a real replay: the model's attribute stays as it was
+                replays[0] += 1
+                before = model.prenorm_hidden
+                hidden.copy_(run())
+                prenorm.copy_(model.prenorm_hidden)
+                model.prenorm_hidden = before
+
+        return Replay(), hidden, None
+
+    monkeypatch.setattr("tripath.engine.decode_graphs._capture", capture)
+    return replays
+
+
+def test_decode_graph_steps_hand_their_hidden_states_on(monkeypatch):
+    """Steps of decodes alone replay the decode graphs (mla_triton, in the interpreter), whose own tensors hold
+    the hidden states before the final norm: the MTP rows are still right, the outputs the target's."""
+    model = follower(0.6)
+    batch = [p[:6] for p in prompts(model.config.vocab_size)[:3]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=64, block_size=4), batch, params)
+    replays = emulate_decode_graphs(monkeypatch, model)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = LLM(model, backend="mla_triton", num_kv_blocks=64, block_size=4, max_num_seqs=4,
+              speculative_config=MTP)
+    llm.runner.capture_decode_graphs()
+    no_drafts_every_third_step(llm.scheduler)
+    seen = record_mtp_rows(llm)
+    replays[0] = 0
+    assert outputs(llm, batch, params) == want
+    assert replays[0] > 0 and llm.stats().spec_num_accepted_tokens > 0
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    check_mtp_rows(model, seen)
 
 
 def test_the_triton_mla_backends_draft_as_the_reference(monkeypatch):
