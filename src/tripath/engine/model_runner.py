@@ -26,6 +26,9 @@ passes ``previous=`` step N, and its ``input_ids`` row is filled from step N's t
 of ``num_steps > 1`` (multi-step decoding, :meth:`ModelRunner._launch_decode_steps`) runs that many model
 steps of single-token decodes back to back, feeding each step's sampled tokens to the next and advancing
 the metadata on the device. How the runner starts (KV cache size, warm-up, graphs): :mod:`tripath.engine.startup`.
+A runner with a ``hidden_observer`` (speculative decoding's ``mtp`` proposer) hands it each launch's hidden
+states before the final norm once the step's sampling is queued (the model keeps them:
+``keep_prenorm_hidden``; on a graph route, the graph's own tensor).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ position ``p`` *before* its final norm, ``E`` the embedding, ``t`` the tokens::
 (The technical report writes ``[RMSNorm(h); RMSNorm(E)]``; the released weights' ``eh_proj`` takes the
 embedding half first, as vLLM and SGLang read it.) The layer sits at the position of ``h_p``: its K/V row for
 ``(h_p, t_{p+1})`` goes to the slot of position ``p``, so it shares the target's block tables row for row.
+Rotary scores depend only on position differences, so placing every row at ``p + 1`` (the position of
+``t_{p+1}``) would give the same logits; ``p`` is vLLM's and SGLang's choice. (vLLM also zeroes the embedding
+of the row at position 0; here that row is computed like the others.)
 Drafting ``d_1 .. d_k`` after the last token ``t_n``: ``d_1`` from row ``n - 1`` (``h_{n-1}``, ``t_n``);
 ``d_{j+1}`` from row ``n - 1 + j`` fed ``d_j`` and, in place of the target's hidden state, the MTP's own
 ``g`` of the row before (one layer reused autoregressively, as vLLM does with one MTP layer).
