@@ -397,6 +397,25 @@ def test_the_triton_mla_backends_draft_as_the_reference(monkeypatch):
         assert llm.stats().spec_num_drafts > 0
 
 
+@pytest.mark.gpu
+def test_mtp_on_the_gpu_with_the_engine_defaults():
+    """The engine's GPU defaults (CUDA graphs, warm-up, the MLA backends, fp16; the memory plan sizing the
+    target's and the MTP layer's caches): greedy outputs as without speculation (up to near ties), through
+    preemptions too; verifies were taken with the MTP layer's drafts."""
+    from model_steps import assert_same_or_near_tie
+
+    model = load_model("tiny-deepseek", dtype=torch.float16, device="cuda", mtp=True)
+    batch = prompts(256) * 3
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    common = dict(max_num_batched_tokens=512, max_num_seqs=12, device="cuda", num_kv_blocks=256, block_size=16)
+    expected = outputs(LLM(model, enforce_eager=True, **common), batch, params)
+    planned = {k: v for k, v in common.items() if k != "num_kv_blocks"}
+    for options in (common, dict(common, num_kv_blocks=40), dict(planned, gpu_memory_utilization=0.3)):
+        llm = LLM(model, speculative_config=MTP, **options)
+        assert_same_or_near_tie(model, batch, expected, outputs(llm, batch, params))
+        assert llm.stats().spec_num_drafts > 0
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 
 def test_bad_mtp_configs_are_refused():
