@@ -84,6 +84,10 @@ class EngineConfig:
     ``speculative_config``: speculative decoding (:mod:`tripath.engine.speculative`), a
     :class:`~tripath.engine.speculative.config.SpeculativeConfig`, its dict or the dict's JSON text; None: off.
     With it on, steps run one after the other (no ``async_scheduling``, ``decode_steps`` 1).
+    ``fused_sampling``: whether steps whose requests allow it draw their tokens straight from the LM head,
+    without writing logits (:mod:`tripath.engine.fused_sampling`): ``"auto"`` where a measurement at start on
+    the GPU found it faster, per bucket of row counts (never on the CPU); ``"on"`` wherever the requests
+    allow; ``"off"`` never.
     """
 
     backend: str = "auto"
@@ -113,6 +117,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
     step_time_target_s: float | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
+    fused_sampling: str = "auto"
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -163,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"step_time_target_s must be a finite number of seconds >= 0 (0: off) or None, got "
                              f"{target!r}")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.fused_sampling not in ("auto", "on", "off"):
+            raise ValueError(f"fused_sampling must be 'auto', 'on' or 'off', got {self.fused_sampling!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 

@@ -278,6 +278,7 @@ class EngineCore:
         if not params.greedy:
             seed = params.seed if params.seed is not None else hash((self.config.seed, number))
             request.generator = make_generator(seed, self.config.device)
+            request.sampling_seed = seed
         return request
 
     def add(self, request: Request) -> None:
@@ -317,13 +318,14 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """The engine's state and cumulative counters now (requests, KV blocks, prefix cache, preemptions,
-        steps, speculative drafts): see :class:`~tripath.engine.stats.EngineStats`."""
+        steps, speculative drafts, fused sampling): see :class:`~tripath.engine.stats.EngineStats`."""
         blocks, scheduler = self.block_manager, self.scheduler
         total = blocks.num_usable_blocks
         return EngineStats(len(scheduler.running), len(scheduler.waiting), total - blocks.num_free_blocks, total,
                            blocks.num_queried_tokens, blocks.num_hit_tokens, scheduler.num_preemptions,
                            self.num_steps, tuple(self.step_tokens.counts), self.step_tokens.total,
-                           *scheduler.draft_counts.stats_fields())
+                           *scheduler.draft_counts.stats_fields(),
+                           fused_sampling_steps=int(getattr(self.runner, "num_fused_sampling_steps", 0)))
 
     def decode(self, token_ids: Sequence[int]) -> str | None:
         """``token_ids`` as text (special tokens skipped); None without a tokenizer."""

@@ -25,7 +25,10 @@ class EngineInfo:
     ``gpu_memory_utilization``, ``enable_prefix_caching``, ``calculate_kv_scales``). CUDA graphs:
     ``decode_graph_sizes`` (batch sizes), ``mixed_graph_sizes`` (token counts; None: not captured),
     ``largest_step_host_share`` (the host's share of the largest eager step, timed at start; None: not timed),
-    ``enforce_eager``. Start: ``warmup_seconds`` (None: no warm-up ran) and ``start_seconds``.
+    ``enforce_eager``. Sampling straight from the LM head (:mod:`tripath.engine.fused_sampling`):
+    ``fused_sampling`` (the setting and how it was decided; ``"off"`` where the fused path is never taken) and
+    ``fused_sampling_buckets`` (``(rows up to, greedy steps fused, sampled steps fused)`` per bucket of row
+    counts). Start: ``warmup_seconds`` (None: no warm-up ran) and ``start_seconds``.
     """
 
     model: str | None
@@ -54,6 +57,8 @@ class EngineInfo:
     start_seconds: float = 0.0
     generation_defaults: dict = field(default_factory=dict)
     generation_config: str = "auto"
+    fused_sampling: str = "off"
+    fused_sampling_buckets: tuple[tuple[int, bool, bool], ...] = ()
 
     @property
     def num_usable_kv_blocks(self) -> int:
@@ -85,6 +90,7 @@ def describe_engine(runner, config, *, model: str | None, vocab_size: int, decod
     decode = getattr(runner, "decode_graphs", None)
     mixed = getattr(runner, "mixed_graphs", None)
     warmup = getattr(runner, "warmup_report", None)
+    fused = getattr(runner, "fused_sampling", None)
     return EngineInfo(
         model=model, vocab_size=int(vocab_size), dtype=str(config.dtype).removeprefix("torch."),
         device=str(config.device), tensor_parallel_size=int(getattr(runner, "tensor_parallel_size", 1)),
@@ -100,4 +106,6 @@ def describe_engine(runner, config, *, model: str | None, vocab_size: int, decod
         largest_step_host_share=getattr(runner, "largest_step_host_share", None),
         enforce_eager=bool(config.enforce_eager), warmup_seconds=None if warmup is None else warmup.seconds,
         start_seconds=start_seconds, generation_defaults=dict(generation_defaults),
-        generation_config=str(config.generation_config))
+        generation_config=str(config.generation_config),
+        fused_sampling="off" if fused is None else fused.how,
+        fused_sampling_buckets=() if fused is None else fused.facts())

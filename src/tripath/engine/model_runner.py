@@ -9,7 +9,9 @@ Per step (host work once, shared by every layer):
 - ``meta = backend.build_metadata(plan, block_table, slot_mapping)``, the model runs under
   ``ForwardContext(backend, meta, caches)`` and logits ``[N, vocab]`` are computed only for the last token of
   each request whose step reaches the end of its tokens (a decode, or the last chunk of a prompt); the
-  sampled tokens go back to the scheduler's order (:mod:`tripath.engine.step_sampling`).
+  sampled tokens go back to the scheduler's order (:mod:`tripath.engine.step_sampling`); where every sampled
+  request allows it and the start chose it for the step's row count, the tokens are drawn straight from the
+  hidden states instead, without logits (:mod:`tripath.engine.fused_sampling`).
 
 A step takes one of three routes, chosen in one place (:meth:`ModelRunner.route`): a decode-only step
 replays the decode graph of its padded batch size (:mod:`tripath.engine.decode_graphs`); a step with prompt
@@ -42,7 +44,7 @@ import torch
 
 from tripath.attention import ForwardContext, WatchedPaths, default_block_size, select_backend
 from tripath.attention.backends.base import GraphSupport
-from tripath.engine import startup
+from tripath.engine import fused_sampling, startup
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import EngineConfig
 from tripath.engine.decode_graphs import DecodeGraphs
@@ -119,6 +121,8 @@ class ModelRunner:
         self.mixed_graphs: MixedStepGraphs | None = None
         self.largest_step_host_share: float | None = None  # host time / GPU span of the largest eager step
         self.samples = True   # False on a tensor-parallel worker: logits computed (collectives), nothing sampled
+        self.fused_sampling = fused_sampling.choose(self)   # which steps draw without logits (set at start)
+        self.num_fused_sampling_steps = 0   # model steps whose tokens were drawn so
         startup.start(self)
 
     @property
@@ -247,12 +251,18 @@ class ModelRunner:
         prompt = score_prompts(scheduled, inputs.plan, hidden, self.compute_logits)
         if not inputs.sample_rows and not inputs.verify_rows:
             return LaunchedStep(scheduled, [], None, self._step_logprobs(None, prompt))
-        logits = self.compute_logits(hidden[inputs.logit_indices])
-        if not self.samples:   # a tensor-parallel worker: the LM head's collectives ran; rank 0 samples
-            return LaunchedStep(scheduled, [], None)
         num_sampled = len(inputs.sample_rows)
         sampler = self._sampler([scheduled[i].request for i in inputs.sample_rows])
-        tokens = sampler(logits[:num_sampled]).unsqueeze(0) if num_sampled else None
+        rows = hidden[inputs.logit_indices]
+        if self.samples and not inputs.verify_rows and self.draws_fused(sampler, num_sampled):
+            tokens = sampler.draw_fused(self.model, rows, self._row_positions(inputs, num_sampled, sampler.any_sampled)).unsqueeze(0)
+            self.num_fused_sampling_steps += 1
+            return LaunchedStep(scheduled, inputs.sample_rows, tokens, self._step_logprobs(sampler, prompt))
+        logits = self.compute_logits(rows)
+        if not self.samples:   # a tensor-parallel worker: the LM head's collectives ran; rank 0 samples
+            return LaunchedStep(scheduled, [], None)
+        positions = self._row_positions(inputs, num_sampled, sampler.needs_positions)
+        tokens = sampler(logits[:num_sampled], 0, positions).unsqueeze(0) if num_sampled else None
         if inputs.verify_rows:
             tokens, verify_logprobs = self._verify(scheduled, inputs.verify_rows, logits[num_sampled:], tokens)
             step_logprobs = self._step_logprobs(sampler, prompt, verify_logprobs)
@@ -297,6 +307,17 @@ class ModelRunner:
     def _sampler(self, requests, num_steps: int = 1) -> LaunchSampler:
         return LaunchSampler(requests, self.penalties, self.device, num_steps)
 
+    def draws_fused(self, sampler: LaunchSampler, num_rows: int) -> bool:
+        """Whether a model step of ``sampler``'s ``num_rows`` rows draws its tokens without logits
+        (:mod:`tripath.engine.fused_sampling`): every row allows it and the start chose it for this count."""
+        choice = self.fused_sampling
+        return num_rows > 0 and choice is not None and sampler.fusable and choice.use(num_rows, sampler.any_sampled)
+
+    @staticmethod
+    def _row_positions(inputs: StepInputs, num_rows: int, needed: bool) -> torch.Tensor | None:
+        """``[num_rows]`` positions of the sample rows' last tokens (the noise's counter), when ``needed``."""
+        return inputs.positions.index_select(0, inputs.logit_indices[:num_rows]) if needed and num_rows else None
+
     @staticmethod
     def _step_logprobs(sampler: LaunchSampler | None, prompt, verify=None) -> StepLogprobs | None:
         if (sampler is None or not sampler.logprobs) and prompt is None and verify is None:
@@ -335,11 +356,16 @@ class ModelRunner:
             ctx = ForwardContext(self.backend, meta, self.caches, watched=self.watched_paths)
             run = functools.partial(self.model, ids, positions, ctx)
         tokens = torch.empty(num_steps, n, dtype=torch.int64, device=self.device)
+        fused = self.draws_fused(sampler, n)
         for step in range(num_steps):
             if step:
                 ids[:n].copy_(tokens[step - 1])
                 meta.advance_decodes_(positions[:n], self.block_size)
             out = run()
-            logits = self.compute_logits((hidden if graph_bs is not None else out)[:n])
-            tokens[step] = sampler(logits, step)
+            rows = (hidden if graph_bs is not None else out)[:n]
+            if fused:
+                tokens[step] = sampler.draw_fused(self.model, rows, positions[:n])
+            else:
+                tokens[step] = sampler(self.compute_logits(rows), step, positions[:n])
+        self.num_fused_sampling_steps += num_steps if fused else 0
         return LaunchedStep(scheduled, inputs.sample_rows, tokens, self._step_logprobs(sampler, None))

@@ -180,3 +180,5 @@ class ParallelExecutor:
     decode_graphs = property(lambda self: self.runner.decode_graphs)
     mixed_graphs = property(lambda self: self.runner.mixed_graphs)
     largest_step_host_share = property(lambda self: self.runner.largest_step_host_share)
+    fused_sampling = property(lambda self: self.runner.fused_sampling)
+    num_fused_sampling_steps = property(lambda self: self.runner.num_fused_sampling_steps)

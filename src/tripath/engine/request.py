@@ -61,6 +61,7 @@ class Request:
     scheduled_time: float | None = None   # when a step first scheduled it (``perf_counter``)
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    sampling_seed: int | None = None   # the seed of its generator and its draws' noise key (temperature > 0)
     index: int = field(default_factory=lambda: next(_request_counter))
     logprobs: list[PositionLogprobs] | None = None           # per output token, when sampling_params.logprobs
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # per prompt token, when prompt_logprobs

@@ -7,6 +7,15 @@ exponential race ``argmax_i p_i / e_i``, ``e_i ~ Exp(1)`` from the request's own
 a categorical draw, and it makes each request's tokens independent of the rest of the batch (a preempted,
 recomputed request continues with exactly the tokens it would have had). ``t = 0`` is ``argmax z``; a tiny
 positive ``t`` samples among the tokens tied at the max (``z - max z`` is divided, so nothing overflows).
+
+Rows with a temperature alone (nothing cut: :attr:`SamplingParams.plain_temperature`) are drawn instead, when
+the caller passes each row's noise key ``(seed, position)`` (the engine does), by Gumbel-max with
+counter-based noise (:func:`tripath.ops.lm_head_sample.logits_sample`): the token of the largest
+``z + t · G(seed, position, token)``, the same law, one pass over the logits (no sort), and the same draw as
+the LM head's fused path (:mod:`tripath.engine.fused_sampling`) makes without writing the logits. A token
+then depends only on the request's seed and the position, not on the batch, on the path or on earlier
+draws; the request's generator is not used. A positive ``t`` so small that ``t · G`` vanishes next to ``z``
+is greedy there (the lowest id among tied maxima).
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import torch
 from tripath.attention.metadata import to_device
 from tripath.engine.logits_transforms import StepTransforms
 from tripath.engine.sampling_params import SamplingParams
+from tripath.ops.lm_head_sample import logits_sample
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -50,13 +60,16 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           transforms: StepTransforms | None = None, step: int = 0) -> torch.Tensor:
+           transforms: StepTransforms | None = None, step: int = 0,
+           noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One token per row of ``logits [N, V]`` for requests with ``params[i]`` and ``generators[i]`` (a
     generator on the logits' device; None draws from the global one). Returns ``[N]`` int64. The logits may
     be of any float dtype: greedy rows take their argmax as they are (the same token as in float32), the
     other rows are filtered and drawn in float32. ``transforms``: the rows' ``min_tokens``, ``logit_bias``
     and penalties (:mod:`tripath.engine.logits_transforms`) for model step ``step`` of a launch, applied to a
-    float32 copy first; the sampled tokens are then counted for the penalties."""
+    float32 copy first; the sampled tokens are then counted for the penalties. ``noise``: ``(seeds [N],
+    positions [N])`` int64 on the logits' device, the rows' noise keys: plain-temperature rows are then drawn
+    by Gumbel-max with them (see the module doc), else by the exponential race with their generators."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [num_requests, vocab], got shape {tuple(logits.shape)}")
     if len(params) != logits.shape[0] or len(generators) != logits.shape[0]:
@@ -64,19 +77,30 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], generators: S
                          f"row of logits ({logits.shape[0]})")
     if transforms is not None:
         logits = transforms.apply(logits, step)
-    tokens = _draw(logits, params, generators)
+    tokens = _draw(logits, params, generators, noise)
     if transforms is not None:
         transforms.record(tokens)
     return tokens
 
 
-def _draw(logits: torch.Tensor, params: Sequence[SamplingParams],
-          generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def _draw(logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+          noise: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
     device = logits.device
+    if noise is not None:
+        plain = [i for i in rows if params[i].plain_temperature]
+        if plain:
+            rows = [i for i in rows if not params[i].plain_temperature]
+            pick = to_device(plain, torch.int64, device)
+            temperature = to_device([params[i].temperature for i in plain], torch.float32, device)
+            seeds, positions = noise
+            tokens[pick] = logits_sample(logits.index_select(0, pick), temperature, seeds.index_select(0, pick),
+                                         positions.index_select(0, pick)).tokens
+            if not rows:
+                return tokens
     pick = to_device(rows, torch.int64, device)
     temperature = to_device([params[i].temperature for i in rows], torch.float32, device)
     top_k = to_device([params[i].top_k for i in rows], torch.int64, device)

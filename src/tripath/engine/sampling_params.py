@@ -173,6 +173,12 @@ class SamplingParams:
         return (self.min_tokens > 0 or bool(self.logit_bias) or self.has_penalties)
 
     @functools.cached_property
+    def plain_temperature(self) -> bool:
+        """Whether the tokens are drawn from ``softmax(logits / temperature)`` with nothing cut (no top-k, top-p
+        or min-p): such rows are drawn by Gumbel-max with counter-based noise (:mod:`tripath.engine.sampler`)."""
+        return not self.greedy and self.top_k < 1 and self.top_p == 1 and self.min_p == 0
+
+    @functools.cached_property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 

@@ -11,7 +11,8 @@
 5. (GPU) the largest eager step, run once writing nothing, so the caching allocator holds a step's activation
    memory when requests arrive, and timed: where its host time is at least ``MIXED_GRAPHS_MIN_HOST_SHARE``
    of its GPU span, steps with prompt tokens get piecewise graphs (:mod:`tripath.engine.mixed_graphs`);
-   then the LM head and the sampler for every row count (:func:`warm_sampling`).
+   then the LM head and the sampler for every row count (:func:`warm_sampling`), and the fused LM head and
+   draw, timed against them per bucket of row counts (:func:`tripath.engine.fused_sampling.measure`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from tripath.attention import ForwardContext
 from tripath.triton_internals import CompilePool, collect_compilations, default_workers, warm_up_recording
+from tripath.engine import fused_sampling
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
 from tripath.engine.memory_plan import (HEADROOM_FRACTION, MIN_HEADROOM, SCRATCH_BLOCKS, MemoryPlan, check_fits,
@@ -199,6 +201,7 @@ def reserve_step_memory(runner) -> float | None:
     torch.cuda.synchronize(runner.device)
     share = host_s / max(events[0].elapsed_time(events[1]) / 1e3, 1e-9)
     warm_sampling(runner, hidden[:min(runner.config.max_num_seqs, hidden.shape[0])])
+    fused_sampling.measure(runner, hidden[:runner.config.max_num_seqs])
     return share
 
 
@@ -213,12 +216,15 @@ def warm_sampling(runner, hidden: torch.Tensor) -> None:
     rows = hidden.shape[0]
     greedy = SamplingParams(temperature=0.0)
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+    plain = SamplingParams(temperature=1.0)   # drawn by Gumbel-max with noise keys
     generator = make_generator(0, runner.device)  # not the global generator
     for m in range(1, rows + 1):
         logits = runner.compute_logits(hidden[:m])
         sample(logits, [greedy] * m, [None] * m)
         if m & (m - 1) == 0 or m == rows:
             sample(logits, [sampled] * m, [generator] * m)
+            keys = torch.zeros(m, dtype=torch.int64, device=runner.device)
+            sample(logits, [plain] * m, [None] * m, noise=(keys, keys))
     if runner.capabilities.multi_step:
         device = runner.device
         plan = runner.backend.plan([1], [1])

@@ -25,6 +25,8 @@ class EngineStats:
     (:mod:`tripath.engine.speculative`): ``spec_num_drafts`` verify steps of requests scored
     ``spec_num_draft_tokens`` drafts and kept ``spec_num_accepted_tokens`` of them;
     ``spec_accepted_per_position[j]`` times the ``j + 1``-th draft of a verify was kept.
+    ``fused_sampling_steps`` model steps drew their tokens straight from the LM head, without logits
+    (:mod:`tripath.engine.fused_sampling`).
     """
 
     num_running: int
@@ -41,6 +43,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    fused_sampling_steps: int = 0
 
     def draft_summary(self) -> str | None:
         """A line on speculative decoding's drafts (None when no step verified any): acceptance overall, the

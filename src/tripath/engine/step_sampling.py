@@ -5,7 +5,8 @@ A launch samples the last token of each scheduled request that reaches the end o
 rows*), once per model step (several for multi-step decoding). Requests that ask for nothing beyond tokens
 cost one list scan per launch here; the transforms (:mod:`tripath.engine.logits_transforms`) and the
 log-probabilities (:mod:`tripath.engine.logprobs`) run only for the rows that use them, batched on the
-device.
+device. A launch whose rows all allow it draws from the hidden states instead, without logits
+(:meth:`LaunchSampler.draw_fused`; which launches do: :mod:`tripath.engine.fused_sampling`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from tripath.attention.metadata import to_device
+from tripath.engine.fused_sampling import full_logits_reason
 from tripath.engine.logits_transforms import PenaltyState, step_transforms
 from tripath.engine.logprobs import LogprobRows, position_logprobs, prompt_logprobs
 from tripath.engine.request import Request
@@ -24,12 +26,19 @@ from tripath.engine.sampler import sample
 
 class LaunchSampler:
     """Samples ``requests`` (the launch's sample rows, in row order) for each model step of a launch and
-    keeps the log-probabilities of the rows with ``logprobs`` set (one :class:`LogprobRows` per step)."""
+    keeps the log-probabilities of the rows with ``logprobs`` set (one :class:`LogprobRows` per step).
+    Rows drawn with noise (plain temperature) take their request's ``sampling_seed`` and the position passed
+    with each model step's logits."""
 
     def __init__(self, requests: Sequence[Request], penalties: PenaltyState, device: torch.device, num_steps: int = 1):
         self.requests, self.penalties, self.num_steps = requests, penalties, num_steps
+        self.device = device
         self.params = [r.sampling_params for r in requests]
         self.generators = [r.generator for r in requests]
+        self.fusable = all(full_logits_reason(p) is None for p in self.params)   # drawn without logits
+        self.any_sampled = any(not p.greedy for p in self.params)
+        self.needs_positions = any(p.plain_temperature for p in self.params)
+        self._seeds = self._temperature = None
         self.transforms = None
         self._transforms_built = False
         self.logprob_rows = [i for i, p in enumerate(self.params) if p.logprobs is not None]
@@ -37,17 +46,44 @@ class LaunchSampler:
         self._pick = to_device(self.logprob_rows, torch.int64, device) if self.logprob_rows else None
         self.logprobs: list[LogprobRows] = []
 
-    def __call__(self, logits: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """Tokens ``[N]`` for the rows' ``logits [N, V]`` at model step ``step`` of the launch."""
+    def __call__(self, logits: torch.Tensor, step: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens ``[N]`` for the rows' ``logits [N, V]`` at model step ``step`` of the launch; ``positions [N]``
+        (int64, device): each row's position, the noise's counter (needed when :attr:`needs_positions`)."""
         if not self._transforms_built:  # the logits' width is the vocabulary the transforms index
             self.transforms = step_transforms(self.requests, self.penalties, logits.shape[-1], logits.device,
                                               self.num_steps)
             self._transforms_built = True
-        tokens = sample(logits, self.params, self.generators, self.transforms, step)
+        noise = (self.seeds, positions) if self.needs_positions else None
+        tokens = sample(logits, self.params, self.generators, self.transforms, step, noise)
         if self._pick is not None:
             self.logprobs.append(position_logprobs(logits.index_select(0, self._pick),
                                                    tokens.index_select(0, self._pick), max(self.logprob_ks)))
         return tokens
+
+    @property
+    def seeds(self) -> torch.Tensor:
+        """``[N]`` int64: each row's noise key (its request's ``sampling_seed``, else its ``seed``, else 0)."""
+        if self._seeds is None:
+            seeds = [getattr(r, "sampling_seed", None) for r in self.requests]
+            seeds = [p.seed or 0 if s is None else s for s, p in zip(seeds, self.params)]
+            self._seeds = to_device(seeds, torch.int64, self.device)
+        return self._seeds
+
+    def draw_fused(self, model, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens ``[N]`` straight from the rows' hidden states ``hidden [N, hidden_size]`` by
+        ``model.sample_tokens`` (every row :attr:`fusable`), with the greedy rows' own log-probabilities
+        (rank 1, no top tokens) where asked."""
+        if not self.any_sampled:
+            draw = model.sample_tokens(hidden)
+        else:
+            if self._temperature is None:
+                self._temperature = to_device([p.temperature for p in self.params], torch.float32, self.device)
+            draw = model.sample_tokens(hidden, self._temperature, self.seeds, positions)
+        if self._pick is not None:
+            chosen = draw.tokens.index_select(0, self._pick)
+            self.logprobs.append(LogprobRows(chosen, draw.logprobs.index_select(0, self._pick), torch.ones_like(chosen),
+                                             chosen[:, None][:, :0], draw.lse.index_select(0, self._pick)[:, None][:, :0]))
+        return draw.tokens
 
 
 def score_prompts(scheduled, plan, hidden: torch.Tensor,

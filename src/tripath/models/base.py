@@ -10,7 +10,8 @@ norm); ``compute_logits(hidden [N, hidden_size]) → [N, vocab_size]`` float32 (
 head's dtype). A model built with a
 :class:`~tripath.models.parallel.ParallelState` of several ranks holds one rank's shard (vocabulary-parallel
 embedding and LM head, heads split; see :mod:`tripath.models.parallel`); its attention spec has the rank's
-heads and ``compute_logits`` gathers the whole vocabulary.
+heads and ``compute_logits`` gathers the whole vocabulary. ``sample_tokens(hidden, ...)`` draws each row's next
+token straight from the LM head without writing its logits (:mod:`tripath.ops.lm_head_sample`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from torch import nn
 from tripath.attention.spec import AttentionSpec
 from tripath.models.config import ModelConfig
 from tripath.models.layers import MLP, MoE, RMSNorm
-from tripath.models.parallel import SINGLE, HeadSplit, ParallelState, VocabParallelEmbedding, gather_logits, lm_head
+from tripath.models.parallel import (SINGLE, HeadSplit, ParallelState, VocabParallelEmbedding, gather_draws,
+                                     gather_logits, lm_head)
+from tripath.ops.lm_head_sample import SampleDraw, lm_head_sample
 
 
 class DecoderLayer(nn.Module):
@@ -150,6 +153,23 @@ class CausalLM(nn.Module):
         LM head's dtype. The engine samples from the latter (:func:`tripath.engine.sampler.sample`: a greedy
         row's argmax is the same in either, and the rows it filters are converted there), which saves
         writing and reading a float32 copy of ``[N, V]`` every step."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = torch.nn.functional.linear(hidden, weight)
+        logits = torch.nn.functional.linear(hidden, self.lm_head_weight)
         return gather_logits(logits.float() if upcast else logits, self.parallel, self.config.vocab_size)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's ``[vocab rows, hidden_size]`` (the embedding's when they are tied; a rank's rows in
+        parallel)."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def sample_tokens(self, hidden: torch.Tensor, temperature: torch.Tensor | None = None,
+                      seeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> SampleDraw:
+        """Each row's next token from ``hidden [N, hidden_size]`` without its logits: greedy, or drawn from
+        ``softmax(z / temperature)`` with the rows' ``seeds`` and ``positions``
+        (:func:`tripath.ops.lm_head_sample.lm_head_sample`: the token, its log-probability and the row's LSE).
+        In parallel each rank draws from its vocabulary rows and the ranks merge their draws."""
+        weight = self.lm_head_weight
+        shard = (self.model.embed_tokens if self.lm_head is None else self.lm_head).tp_shards.get("weight")
+        start, valid = (0, weight.shape[0]) if shard is None else (shard.start, shard.stop - shard.start)
+        draw = lm_head_sample(hidden, weight, temperature, seeds, positions, vocab_valid=valid, vocab_offset=start)
+        return gather_draws(draw, self.parallel)

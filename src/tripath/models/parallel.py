@@ -13,7 +13,9 @@ A model built with ``ParallelState(rank=r, world_size=W, group=g)`` holds rank `
   experts split as an MLP; the routed and shared partial sums share one all-reduce;
 - **vocabulary-parallel** embedding and LM head: rank ``r`` holds vocabulary rows ``[r·s, min((r+1)·s, V))``
   with ``s = ceil(V / W)`` (zero padding rows at the end); the embedding looks up its own rows (0 for the
-  others) and all-reduces, the LM head's per-rank logits ``[N, s]`` are all-gathered and cut to ``[N, V]``.
+  others) and all-reduces, the LM head's per-rank logits ``[N, s]`` are all-gathered and cut to ``[N, V]``;
+  a draw straight from the LM head (:func:`gather_draws`) gathers each rank's draw over its rows instead,
+  ``[N, 4]`` values (token, key, logit, LSE), and keeps the largest key.
 
 World size 1 builds exactly the plain layers (``nn.Linear``/``nn.Embedding`` semantics, no shard records) and
 never communicates. :func:`model_shards` lists where each sharded parameter sits in its full tensor
@@ -28,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tripath.ops.lm_head_sample import SampleDraw, merge_packed
 
 
 @dataclass(frozen=True)
@@ -217,6 +221,14 @@ def gather_logits(logits: torch.Tensor, parallel: ParallelState, vocab_size: int
     if not parallel.is_parallel:
         return logits
     return parallel.all_gather(logits, dim=-1)[:, :vocab_size]
+
+
+def gather_draws(draw: SampleDraw, parallel: ParallelState) -> SampleDraw:
+    """The draw over the whole vocabulary from each rank's ``draw`` over its rows (identity when not parallel):
+    an all-gather of ``[N, 4]`` values, merged by :func:`tripath.ops.lm_head_sample.merge_packed`."""
+    if not parallel.is_parallel:
+        return draw
+    return merge_packed(parallel.all_gather(draw.packed()[None], dim=0))
 
 
 def model_shards(model: nn.Module) -> dict[str, Shard]:
