@@ -115,16 +115,18 @@ def choose(runner) -> FusedSampling | None:
 
 
 @torch.inference_mode()
-def measure(runner, hidden: torch.Tensor) -> None:
-    """On a GPU, at start: with ``"auto"``, time the fused and the unfused path (the LM head's GEMM and the
-    sampler's draw) at each bucket's row count on ``hidden``'s rows, greedy and with a temperature, and keep
-    the faster per bucket and kind in ``runner.fused_sampling`` (logged); with ``"on"``, run the fused path
-    once per bucket and kind. Either way every kernel variant a step can take is compiled before requests."""
+def measure(runner, hidden: torch.Tensor, timer=None) -> None:
+    """At start on a GPU (:mod:`tripath.engine.startup`): with ``"auto"``, time the fused and the unfused path
+    (the LM head's GEMM and the sampler's draw) at each bucket's row count on ``hidden``'s rows, greedy and
+    with a temperature, and keep the faster per bucket and kind in ``runner.fused_sampling`` (logged); with
+    ``"on"``, run the fused path once per bucket and kind. Either way every kernel variant a step can take is
+    compiled before requests. ``timer(fn) -> µs``: default, the mean GPU time of back-to-back calls."""
     from tripath.engine.sampler import sample
 
     choice = runner.fused_sampling
-    if choice is None or runner.device.type != "cuda":
+    if choice is None:
         return
+    timer = timer or _gpu_us
     timed = runner.config.fused_sampling == "auto"
     greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
     for b in choice.buckets:
@@ -143,12 +145,13 @@ def measure(runner, hidden: torch.Tensor) -> None:
             if not timed:
                 fused()
                 continue
-            timing = (_gpu_us(fused), _gpu_us(unfused))
+            timing = (timer(fused), timer(unfused))
             choice.timings[(b, kind)] = timing
             (choice.greedy if kind == "greedy" else choice.sampled)[b] = timing[0] < timing[1]
     if timed:
         choice.how = "auto: measured at start"
-    torch.cuda.synchronize(runner.device)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
     logger.info("%s", choice.summary())
 
 
