@@ -58,7 +58,6 @@ def _runner(mode: str, device: str = "cpu", world_size: int = 1, model=None):
 
 def test_the_setting_and_what_takes_the_fused_path_off():
     assert choose(_runner("off")) is None
-    assert choose(_runner("on", world_size=2)) is None   # a tensor-parallel engine keeps the unfused path
     assert choose(_runner("on", model=SimpleNamespace())) is None   # a model without sample_tokens
     on = choose(_runner("on"))
     assert on.how == "on" and all(on.greedy.values()) and all(on.sampled.values())

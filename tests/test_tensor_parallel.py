@@ -275,6 +275,16 @@ def test_llm_tp2_speculative_decoding_gives_tp1_tokens():
         assert llm.stats().spec_num_drafts > 0
 
 
+def test_llm_tp2_draws_without_logits_as_tp1_samples():
+    """With the fused LM head and draw forced on, each rank draws from its vocabulary rows and the ranks merge
+    their draws: greedy and seeded plain-temperature tokens equal one rank's unfused sampling."""
+    params = PARAMS[:2] + [SamplingParams(max_tokens=6, temperature=0.8, seed=3)]
+    want = tokens(LLM("tiny-qwen3-moe", fused_sampling="off", **ENGINE).generate(PROMPTS, params, use_tqdm=False))
+    with LLM("tiny-qwen3-moe", tensor_parallel_size=2, fused_sampling="on", **ENGINE) as llm:
+        assert tokens(llm.generate(PROMPTS, params, use_tqdm=False)) == want
+        assert llm.stats().fused_sampling_steps > 0
+
+
 def test_a_worker_runner_computes_logits_and_samples_nothing(monkeypatch):
     """A worker's runner (``samples = False``) runs the LM head (its collectives) and no sampler."""
     import tripath.engine.model_runner as model_runner

@@ -8,7 +8,8 @@ Gumbel-max with counter-based noise, and the row's log-sum-exp. A step takes it 
   plain temperature, no top-k / top-p / min-p, no penalties, ``logit_bias`` or ``min_tokens``, no
   structured output, no log-probabilities but a greedy token's own);
 - it verifies no drafts (speculative decoding scores every draft against the logits);
-- the model offers ``sample_tokens`` on one rank (a tensor-parallel engine keeps the unfused path);
+- the model offers ``sample_tokens`` (under tensor parallelism each rank draws from its vocabulary rows and
+  the ranks gather ``[N, 4]`` values instead of ``[N, V / W]`` logits; rank 0 decides for every rank);
 - and :class:`FusedSampling` says so for the step's row count and kind (greedy only, or with sampled rows):
   ``fused_sampling="auto"`` (the default) measures both paths at start on a GPU for each bucket of row
   counts (powers of two up to ``max_num_seqs``) and keeps the faster; on the CPU the unfused path stays;
@@ -66,7 +67,7 @@ class FusedSampling:
     timings: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
-    def fixed(cls, how: str, max_rows: int, on: bool) -> "FusedSampling":
+    def fixed(cls, how: str, max_rows: int, on: bool) -> FusedSampling:
         buckets = row_buckets(max_rows)
         return cls(how, buckets, dict.fromkeys(buckets, on), dict.fromkeys(buckets, on))
 
@@ -101,12 +102,11 @@ class FusedSampling:
 
 
 def choose(runner) -> FusedSampling | None:
-    """The choice without measuring (None: the fused path is never taken): off for ``"off"``, on one rank only,
-    for models with ``sample_tokens``; ``"on"`` everywhere; ``"auto"`` off until :func:`measure` on a GPU."""
+    """The choice without measuring (None: the fused path is never taken): none for ``"off"`` or a model
+    without ``sample_tokens``; ``"on"`` everywhere; ``"auto"`` off until :func:`measure` on a GPU. Under tensor
+    parallelism every rank measures (their collectives in step) and rank 0's choice decides each step."""
     mode = runner.config.fused_sampling
-    parallel = getattr(runner.model, "parallel", None)
-    if mode == "off" or not callable(getattr(runner.model, "sample_tokens", None)) or \
-            (parallel is not None and parallel.world_size > 1):
+    if mode == "off" or not callable(getattr(runner.model, "sample_tokens", None)):
         return None
     max_rows = runner.config.max_num_seqs
     if mode == "on":
@@ -121,27 +121,14 @@ def measure(runner, hidden: torch.Tensor, timer=None) -> None:
     with a temperature, and keep the faster per bucket and kind in ``runner.fused_sampling`` (logged); with
     ``"on"``, run the fused path once per bucket and kind. Either way every kernel variant a step can take is
     compiled before requests. ``timer(fn) -> µs``: default, the mean GPU time of back-to-back calls."""
-    from tripath.engine.sampler import sample
-
     choice = runner.fused_sampling
     if choice is None:
         return
     timer = timer or _gpu_us
     timed = runner.config.fused_sampling == "auto"
-    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)
     for b in choice.buckets:
         h = hidden[:b] if hidden.shape[0] >= b else hidden[:1].expand(b, -1).contiguous()
-        temperature = torch.ones(b, device=h.device)
-        seeds = torch.arange(b, device=h.device)
-        positions = torch.zeros(b, dtype=torch.int64, device=h.device)
-        paths = {
-            "greedy": (lambda: runner.model.sample_tokens(h),
-                       lambda: sample(runner.compute_logits(h), [greedy] * b, [None] * b)),
-            "sampled": (lambda: runner.model.sample_tokens(h, temperature, seeds, positions),
-                        lambda: sample(runner.compute_logits(h), [sampled] * b, [None] * b,
-                                       noise=(seeds, positions))),
-        }
-        for kind, (fused, unfused) in paths.items():
+        for kind, (fused, unfused) in _paths(runner, h).items():
             if not timed:
                 fused()
                 continue
@@ -153,6 +140,23 @@ def measure(runner, hidden: torch.Tensor, timer=None) -> None:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     logger.info("%s", choice.summary())
+
+
+def _paths(runner, h: torch.Tensor) -> dict:
+    """``{kind: (fused, unfused)}`` calls drawing ``h``'s rows, greedy and with temperature 1."""
+    from tripath.engine.sampler import sample
+
+    b = h.shape[0]
+    temperature = torch.ones(b, device=h.device)
+    seeds = torch.arange(b, device=h.device)
+    positions = torch.zeros(b, dtype=torch.int64, device=h.device)
+    greedy, sampled = [SamplingParams(temperature=0.0)] * b, [SamplingParams(temperature=1.0)] * b
+    return {
+        "greedy": (lambda: runner.model.sample_tokens(h),
+                   lambda: sample(runner.compute_logits(h), greedy, [None] * b)),
+        "sampled": (lambda: runner.model.sample_tokens(h, temperature, seeds, positions),
+                    lambda: sample(runner.compute_logits(h), sampled, [None] * b, noise=(seeds, positions))),
+    }
 
 
 def _gpu_us(fn) -> float:

@@ -204,23 +204,29 @@ class ModelRunner:
         return inputs
 
     # ---- one step -----------------------------------------------------------------------------------
-    def execute(self, scheduled: list[ScheduledRequest], num_steps: int = 1) -> SampledStep:
+    def execute(self, scheduled: list[ScheduledRequest], num_steps: int = 1, fused: bool | None = None) -> SampledStep:
         """Run the step; the tokens (and log-probabilities) of each scheduled request."""
-        return self.launch(scheduled, num_steps=num_steps).sampled() if scheduled else SampledStep.empty(0)
+        if not scheduled:
+            return SampledStep.empty(0)
+        return self.launch(scheduled, num_steps=num_steps, fused=fused).sampled()
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None = None,
-               num_steps: int = 1) -> LaunchedStep:
+               num_steps: int = 1, fused: bool | None = None) -> LaunchedStep:
         """Queue the step on the device (inputs, forward, logits, sampling) without waiting for it.
         ``previous``: the step launched before, whose tokens some of these decodes take as input.
-        ``num_steps > 1``: a step of single-token decodes run that many times (:meth:`_launch_decode_steps`)."""
+        ``num_steps > 1``: a step of single-token decodes run that many times (:meth:`_launch_decode_steps`).
+        ``fused``: whether its tokens are drawn without logits (None: :meth:`step_draws_fused` decides; a
+        tensor-parallel rank takes rank 0's decision, as their collectives must match)."""
+        if fused is None:
+            fused = self.step_draws_fused(scheduled)
         route, graph_bs = self.route(scheduled)
         inputs = self.prepare(scheduled, pad_to=graph_bs, previous=previous)
         if num_steps > 1:
             if self.hidden_observer is not None:
                 raise ValueError("num_steps > 1 (multi-step decoding) does not hand its hidden states on: run "
                                  "one step at a time with a hidden-state observer (the mtp proposer)")
-            return self._launch_decode_steps(scheduled, inputs, graph_bs, num_steps)
+            return self._launch_decode_steps(scheduled, inputs, graph_bs, num_steps, fused)
         if route is Route.DECODE_GRAPH:
             hidden = self.decode_graphs.replay(graph_bs, inputs)
         else:
@@ -232,7 +238,7 @@ class ModelRunner:
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, ctx)
             self.kv_scales_pending = False
-        launched = self._sample(scheduled, inputs, hidden)
+        launched = self._sample(scheduled, inputs, hidden, fused)
         if self.hidden_observer is not None:   # after the tokens' copy was queued: they do not wait for it
             self.hidden_observer.observe(scheduled, inputs, self._prenorm_hidden(route, graph_bs, hidden.shape[0]))
         return launched
@@ -246,21 +252,27 @@ class ModelRunner:
             return self.mixed_graphs.prenorm(num_rows)
         return self.model.prenorm_hidden[:num_rows]
 
-    def _sample(self, scheduled: list[ScheduledRequest], inputs: StepInputs, hidden: torch.Tensor) -> LaunchedStep:
-        """Logits, sampling and (for verifies) acceptance of a step whose forward is queued."""
+    def _sample(self, scheduled: list[ScheduledRequest], inputs: StepInputs, hidden: torch.Tensor,
+                fused: bool = False) -> LaunchedStep:
+        """Logits, sampling and (for verifies) acceptance of a step whose forward is queued; ``fused``: the
+        tokens drawn straight from the hidden states instead (:mod:`tripath.engine.fused_sampling`)."""
         prompt = score_prompts(scheduled, inputs.plan, hidden, self.compute_logits)
         if not inputs.sample_rows and not inputs.verify_rows:
             return LaunchedStep(scheduled, [], None, self._step_logprobs(None, prompt))
         num_sampled = len(inputs.sample_rows)
-        sampler = self._sampler([scheduled[i].request for i in inputs.sample_rows])
         rows = hidden[inputs.logit_indices]
-        if self.samples and not inputs.verify_rows and self.draws_fused(sampler, num_sampled):
-            tokens = sampler.draw_fused(self.model, rows, self._row_positions(inputs, num_sampled, sampler.any_sampled)).unsqueeze(0)
+        if fused:   # a tensor-parallel worker draws too: the LM head's collectives run in the draw
+            sampler = self._sampler([scheduled[i].request for i in inputs.sample_rows])
+            positions = self._row_positions(inputs, num_sampled, sampler.any_sampled)
+            tokens = sampler.draw_fused(self.model, rows, positions).unsqueeze(0)
             self.num_fused_sampling_steps += 1
+            if not self.samples:
+                return LaunchedStep(scheduled, [], None)
             return LaunchedStep(scheduled, inputs.sample_rows, tokens, self._step_logprobs(sampler, prompt))
         logits = self.compute_logits(rows)
         if not self.samples:   # a tensor-parallel worker: the LM head's collectives ran; rank 0 samples
             return LaunchedStep(scheduled, [], None)
+        sampler = self._sampler([scheduled[i].request for i in inputs.sample_rows])
         positions = self._row_positions(inputs, num_sampled, sampler.needs_positions)
         tokens = sampler(logits[:num_sampled], 0, positions).unsqueeze(0) if num_sampled else None
         if inputs.verify_rows:
@@ -307,11 +319,15 @@ class ModelRunner:
     def _sampler(self, requests, num_steps: int = 1) -> LaunchSampler:
         return LaunchSampler(requests, self.penalties, self.device, num_steps)
 
-    def draws_fused(self, sampler: LaunchSampler, num_rows: int) -> bool:
-        """Whether a model step of ``sampler``'s ``num_rows`` rows draws its tokens without logits
-        (:mod:`tripath.engine.fused_sampling`): every row allows it and the start chose it for this count."""
+    def step_draws_fused(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether the step draws its tokens without logits (:mod:`tripath.engine.fused_sampling`): it verifies
+        no drafts, every request it samples allows it and the start chose it for its row count and kind."""
         choice = self.fused_sampling
-        return num_rows > 0 and choice is not None and sampler.fusable and choice.use(num_rows, sampler.any_sampled)
+        if choice is None or any(s.draft_token_ids for s in scheduled):
+            return False
+        params = [s.request.sampling_params for s in scheduled if s.samples]
+        return bool(params) and all(fused_sampling.full_logits_reason(p) is None for p in params) and \
+            choice.use(len(params), any(not p.greedy for p in params))
 
     @staticmethod
     def _row_positions(inputs: StepInputs, num_rows: int, needed: bool) -> torch.Tensor | None:
@@ -332,7 +348,7 @@ class ModelRunner:
 
     # ---- multi-step decoding ------------------------------------------------------------------------
     def _launch_decode_steps(self, scheduled: list[ScheduledRequest], inputs: StepInputs, graph_bs: int | None,
-                             num_steps: int) -> LaunchedStep:
+                             num_steps: int, fused: bool = False) -> LaunchedStep:
         """Run a step of single-token decodes ``num_steps`` times back to back, without the host in between:
         after each step the sampled tokens become the next step's input ids on the device and
         :meth:`AttentionMetadata.advance_decodes_` moves positions, sequence lengths and slots on by one.
@@ -356,7 +372,6 @@ class ModelRunner:
             ctx = ForwardContext(self.backend, meta, self.caches, watched=self.watched_paths)
             run = functools.partial(self.model, ids, positions, ctx)
         tokens = torch.empty(num_steps, n, dtype=torch.int64, device=self.device)
-        fused = self.draws_fused(sampler, n)
         for step in range(num_steps):
             if step:
                 ids[:n].copy_(tokens[step - 1])

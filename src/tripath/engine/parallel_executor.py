@@ -153,8 +153,9 @@ class ParallelExecutor:
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self.processes) if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel worker ranks exited: {dead} (rank, exit code)")
-        dist.broadcast_object_list([self.encoder.encode(scheduled)], src=0, group=self.control)
-        return self.runner.launch(scheduled)
+        fused = self.runner.step_draws_fused(scheduled)   # the ranks' collectives follow rank 0's choice
+        dist.broadcast_object_list([self.encoder.encode(scheduled, fused)], src=0, group=self.control)
+        return self.runner.launch(scheduled, fused=fused)
 
     def execute(self, scheduled, num_steps: int = 1) -> SampledStep:
         """:meth:`launch`, then its tokens."""

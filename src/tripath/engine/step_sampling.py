@@ -24,6 +24,13 @@ from tripath.engine.request import Request
 from tripath.engine.sampler import sample
 
 
+def noise_seed(request) -> int:
+    """The key of a request's draws by Gumbel-max: its ``sampling_seed`` (its generator's), else its ``seed``,
+    else 0."""
+    seed = getattr(request, "sampling_seed", None)
+    return (request.sampling_params.seed or 0) if seed is None else seed
+
+
 class LaunchSampler:
     """Samples ``requests`` (the launch's sample rows, in row order) for each model step of a launch and
     keeps the log-probabilities of the rows with ``logprobs`` set (one :class:`LogprobRows` per step).
@@ -62,11 +69,9 @@ class LaunchSampler:
 
     @property
     def seeds(self) -> torch.Tensor:
-        """``[N]`` int64: each row's noise key (its request's ``sampling_seed``, else its ``seed``, else 0)."""
+        """``[N]`` int64: each row's noise key (:func:`noise_seed`)."""
         if self._seeds is None:
-            seeds = [getattr(r, "sampling_seed", None) for r in self.requests]
-            seeds = [p.seed or 0 if s is None else s for s, p in zip(seeds, self.params)]
-            self._seeds = to_device(seeds, torch.int64, self.device)
+            self._seeds = to_device([noise_seed(r) for r in self.requests], torch.int64, self.device)
         return self._seeds
 
     def draw_fused(self, model, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

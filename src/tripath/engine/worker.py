@@ -11,12 +11,15 @@ through the same phases, so their collectives line up:
    exchange the number of KV blocks (the engine uses the smallest);
 4. workers: run every step rank 0 broadcasts over the control group until it broadcasts ``None``.
 
-A step message is ``(forget, items)``: ``items`` has one tuple per scheduled request, ``(key, num_new_tokens,
-num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids)`` — what a
-ModelRunner reads of the request (a verify's drafts apart from its own tokens), with only the KV block ids the
-workers have not seen (its block list is ``known[:first_block] + new_blocks``); ``forget`` lists the keys of
-requests that finished or were preempted. Workers compute the logits (the LM head gathers over the ranks) and
-sample nothing; rank 0's samples are the engine's.
+A step message is ``(forget, items, draw_keys)``: ``items`` has one tuple per scheduled request, ``(key,
+num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids)`` —
+what a ModelRunner reads of the request (a verify's drafts apart from its own tokens), with only the KV block
+ids the workers have not seen (its block list is ``known[:first_block] + new_blocks``); ``forget`` lists the
+keys of requests that finished or were preempted. Workers compute the logits (the LM head gathers over the
+ranks) and sample nothing; rank 0's samples are the engine's. A step that rank 0 draws without logits
+(:mod:`tripath.engine.fused_sampling`) has ``draw_keys``, each request's ``(temperature, sampling seed)``:
+every rank draws from its vocabulary rows with them (the draw's collective), rank 0 keeps the tokens;
+``draw_keys`` is None for the other steps.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tripath.engine.config import EngineConfig
 from tripath.engine.request import RequestStatus
 from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.scheduler import ScheduledRequest
+from tripath.engine.step_sampling import noise_seed
 
 GREEDY = SamplingParams(temperature=0.0)
 # Workers wait for rank 0's next step as long as the engine is idle: the control group never times out.
@@ -63,6 +67,7 @@ class StepRequest:
     new_token_ids: list[int]
     sampling_params: SamplingParams = GREEDY
     generator: torch.Generator | None = None
+    sampling_seed: int | None = None   # the draw's noise key, on steps drawn without logits
     grammar: None = None   # workers sample nothing (rank 0's samples are the engine's); drafts sample greedily
 
     def token_ids(self, start: int, stop: int) -> list[int]:
@@ -77,7 +82,7 @@ class StepEncoder:
     def __init__(self):
         self.known: dict[int, tuple] = {}  # request index -> (request, its block list object, blocks sent)
 
-    def encode(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], list[tuple]]:
+    def encode(self, scheduled: list[ScheduledRequest], fused: bool = False) -> tuple[list[int], list[tuple], list | None]:
         forget = [key for key, (request, _, _) in self.known.items() if request.status is not RequestStatus.RUNNING]
         for key in forget:
             del self.known[key]
@@ -92,7 +97,9 @@ class StepEncoder:
             drafts = item.draft_token_ids
             items.append((request.index, item.num_new_tokens, start, request.num_tokens, sent, blocks[sent:],
                           request.token_ids(start, start + item.num_new_tokens - len(drafts)), drafts))
-        return forget, items
+        keys = [(item.request.sampling_params.temperature, noise_seed(item.request)) for item in scheduled] \
+            if fused else None
+        return forget, items, keys
 
 
 class StepDecoder:
@@ -100,9 +107,10 @@ class StepDecoder:
 
     def __init__(self):
         self.blocks: dict[int, list[int]] = {}
+        self.params: dict[float, SamplingParams] = {0.0: GREEDY}   # by temperature
 
-    def decode(self, message: tuple[list[int], list[tuple]]) -> list[ScheduledRequest]:
-        forget, items = message
+    def decode(self, message: tuple[list[int], list[tuple], list | None]) -> list[ScheduledRequest]:
+        forget, items, keys = message
         for key in forget:
             self.blocks.pop(key, None)
         scheduled = []
@@ -111,8 +119,14 @@ class StepDecoder:
             if blocks is None or len(blocks) != first_block:
                 blocks = self.blocks[key] = (blocks or [])[:first_block]
             blocks.extend(new_blocks)
-            scheduled.append(ScheduledRequest(StepRequest(num_tokens, blocks, computed, token_ids), num_new, computed,
-                                              bool(drafts) or computed + num_new == num_tokens, drafts))
+            request = StepRequest(num_tokens, blocks, computed, token_ids)
+            if keys is not None:
+                temperature, request.sampling_seed = keys[len(scheduled)]
+                if temperature not in self.params:
+                    self.params[temperature] = SamplingParams(temperature=temperature)
+                request.sampling_params = self.params[temperature]
+            scheduled.append(ScheduledRequest(request, num_new, computed, bool(drafts) or computed + num_new == num_tokens,
+                                              drafts))
         return scheduled
 
 
@@ -196,7 +210,7 @@ def serve(runner, control) -> None:
         dist.broadcast_object_list(box, src=0, group=control)
         if box[0] is None:
             return
-        runner.execute(decoder.decode(box[0]))
+        runner.execute(decoder.decode(box[0]), fused=box[0][2] is not None)
 
 
 def _exit_when_orphaned(parent: int) -> None:

@@ -23,7 +23,7 @@ whole vocabulary: the largest key (the lowest rank among equals, whose ids are l
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
