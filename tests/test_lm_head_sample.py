@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tripath.kernels.lm_head_sample import gumbel_noise
+from tripath.kernels.lm_head_sample import gumbel_noise, round_to
 from tripath.ops.lm_head_sample import (SampleDraw, draw_ref, gumbel_noise_ref, lm_head_sample, lm_head_sample_ref,
                                         logits_sample, merge_draws, philox_ref)
 
@@ -72,6 +72,24 @@ def test_philox_is_random123s_and_triton_s():
     noise[(1,)](seeds, positions, x, g, V=64, M=4)
     assert torch.equal(philox_ref(seeds[:, None], torch.arange(64)[None, :], positions[:, None]).t(), x & 0xFFFFFFFF)
     torch.testing.assert_close(gumbel_noise_ref(seeds, positions, torch.arange(64)).t(), g, atol=1e-6, rtol=1e-6)
+
+
+def test_the_kernels_float16_rounding_is_torch_s():
+    """The accumulator is rounded to float16 on its bits (sm_90's wgmma pipeline): the same value as a
+    conversion, normal, subnormal, tied, overflowing and infinite inputs alike."""
+    @triton.jit
+    def rounded(x_ptr, y_ptr, N: tl.constexpr):
+        at = tl.arange(0, N)
+        tl.store(y_ptr + at, round_to(tl.load(x_ptr + at), tl.float16))
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(512, generator=g) * s for s in (1e-7, 1e-5, 1e-3, 1.0, 100.0, 3e4, 7e4)]
+                  + [torch.tensor([65504.0, 65519.0, 65520.0, -65520.0, 2.0 ** -14, 2.0 ** -25, 3 * 2.0 ** -25,
+                                   1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, float("inf"), -float("inf"), 0.0])])
+    x = torch.cat([x, torch.zeros(4096 - x.numel())])
+    y = torch.full_like(x, float("nan"))
+    rounded[(1,)](x, y, N=4096)
+    assert torch.equal(y, x.half().float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

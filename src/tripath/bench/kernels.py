@@ -1,4 +1,5 @@
-"""``tripath bench kernels``: every op on Llama-3-8B and DeepSeek-R1 shapes beside its floor and PyTorch SDPA.
+"""``tripath bench kernels``: every op on Llama-3-8B and DeepSeek-R1 shapes beside its floor and PyTorch SDPA, and
+the LM head with the token draw at the presets' LM-head shapes (:mod:`tripath.bench.kernels_lm_head`).
 
 Floors are measured in the same run: device-to-device copy bandwidth (bytes read + written) for the
 memory-bound decode, an 8192³ bf16 matmul for the compute-bound prefill. Bytes of a decode: K + V of
@@ -20,6 +21,7 @@ from tripath.bench import emit_report, require_gpu
 from tripath.bench.batches import make_step
 from tripath.bench.kernel_timing import (Report, Row, bench_eager, bench_graph, host_us, measure_floors,
                                          portable, power_capping_us, random_table)
+from tripath.bench.kernels_lm_head import bench_lm_head, format_lm_head
 from tripath.bench.kernels_mla import bench_mla_backends, bench_mla_decode, bench_mla_prefill, bench_mla_prep
 from tripath.bench.kernels_verify import bench_verify
 from tripath.ops import paged_decode, varlen_attention
@@ -164,12 +166,15 @@ def format_report(report: Report) -> str:
                          ("mla", "MLA decode (absorbed, 576-wide rows, 512-wide values), bf16 cache"),
                          ("mla_prefill", "MLA prefill/extend attention (non-absorbed, 128 + 64 / 128), bf16"),
                          ("mla_prep", "MLA decode preparation, fp8 cache and query (speed-up of fused over unfused)"),
-                         ("mla_backend", "MLA backends on whole steps (speed-up over mla_triton)")):
+                         ("mla_backend", "MLA backends on whole steps (speed-up over mla_triton)"),
+                         ("lm_head", "LM head + token draw, bf16 (weights read once; CUDA-graph replays)")):
         rows = [r for r in report.rows if r.table == table]
         if not rows:
             continue
         lines += [f"### {title}", ""]
-        if table == "host":
+        if table == "lm_head":
+            lines += format_lm_head(rows, report.copy_gbps, _spread)
+        elif table == "host":
             lines += ["| shape | implementation | host time a call |", "|---|---|---|"]
             lines += [f"| {r.shape} | {r.impl} | {r.us:.1f} µs{_spread(r)} |" for r in rows]
         elif table == "mixed":
@@ -228,7 +233,7 @@ def merge_repeats(reports: list[Report]) -> Report:
     return merged
 
 
-def run(sections=("decode", "verify", "prefill", "mixed", "mla"), repeat: int = 1) -> Report:
+def run(sections=("decode", "verify", "prefill", "mixed", "mla", "lm_head"), repeat: int = 1) -> Report:
     """Run the sections (``repeat`` times, merged by :func:`merge_repeats`: run-to-run spread on the
     H200 reached 25% for identical memory-bound kernels, so single runs are not to be trusted alone)."""
     if repeat > 1:
@@ -243,7 +248,8 @@ def run(sections=("decode", "verify", "prefill", "mixed", "mla"), repeat: int = 
     measure_floors(report)
     parts = {"decode": [bench_decode], "verify": [bench_verify], "prefill": [bench_prefill],
              "mixed": [bench_mixed],
-             "mla": [bench_mla_decode, bench_mla_prefill, bench_mla_prep, bench_mla_backends]}
+             "mla": [bench_mla_decode, bench_mla_prefill, bench_mla_prep, bench_mla_backends],
+             "lm_head": [bench_lm_head]}
     for section in sections:
         for fn in parts[section]:
             try:
@@ -260,8 +266,8 @@ def run(sections=("decode", "verify", "prefill", "mixed", "mla"), repeat: int = 
 def main_kernels(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="tripath bench kernels", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", default=["decode", "verify", "prefill", "mixed", "mla"],
-                        choices=["decode", "verify", "prefill", "mixed", "mla"])
+    parser.add_argument("--only", nargs="*", default=["decode", "verify", "prefill", "mixed", "mla", "lm_head"],
+                        choices=["decode", "verify", "prefill", "mixed", "mla", "lm_head"])
     parser.add_argument("--out", help="also write the markdown tables to this file")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run everything this many times; report medians and the range (default 1)")

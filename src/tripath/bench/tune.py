@@ -1,4 +1,4 @@
-"""``tripath bench tune``: sweep the launch configurations of the decode and prefill kernels on this GPU.
+"""``tripath bench tune``: sweep the launch configurations of the decode, prefill and LM-head kernels on this GPU.
 
 Prints, per shape, every configuration's time and bandwidth or FLOP rate, best first, so the tables in
 :mod:`tripath.ops._configs` can be set from measurements. Candidates are installed by replacing the config
@@ -14,7 +14,11 @@ import torch
 
 from tripath.bench import require_gpu
 from tripath.bench.kernel_timing import bench_eager, bench_graph, random_table
+from tripath.bench.kernels_lm_head import ROWS as LM_HEAD_ROWS
+from tripath.bench.kernels_lm_head import SHAPES as LM_HEAD_SHAPES
+from tripath.bench.kernels_lm_head import lm_head_inputs
 from tripath.ops import _configs, _mla_configs, mla_decode, paged_decode, varlen_attention
+from tripath.ops.lm_head_sample import lm_head_sample
 from tripath.ops.kv_cache import allocate_kv_cache
 
 
@@ -136,11 +140,36 @@ def tune_mla(top: int = 8) -> list[str]:
     return lines
 
 
+def tune_lm_head(top: int = 6) -> list[str]:
+    """The fused LM head's configurations at each shape and row count (``BLOCK_M`` the rows' tile, or 32 and 64
+    from 64 rows; token and hidden tiles, warps, stages), greedy and with a temperature, best first."""
+    lines = []
+    for (name, (vocab, hidden)), rows, sample in itertools.product(LM_HEAD_SHAPES.items(), LM_HEAD_ROWS, (False, True)):
+        weight, h, keys = lm_head_inputs(vocab, hidden, rows)
+        args = keys if sample else ()
+        results = []
+        block_ms = (16,) if rows <= 16 else (32,) if rows <= 32 else (32, 64)
+        for bm, bv, bk, warps, stages in itertools.product(block_ms, (64, 128, 256), (64, 128), (4, 8), (3, 4)):
+            cfg = {"BLOCK_M": bm, "BLOCK_V": bv, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+            us = _measure("lm_head_sample_config", cfg, lambda: lm_head_sample(h, weight, *args),
+                          f"lm_head {name} M={rows}", lines, timer=bench_graph)
+            if us is not None:
+                results.append((us, cfg))
+        results.sort(key=lambda r: r[0])
+        kind = "temperature" if sample else "greedy"
+        for us, cfg in results[:top]:
+            lines.append(f"lm_head {name} M={rows} {kind}: {us:8.1f} us {vocab * hidden * 2 / us / 1e3:6.0f} GB/s "
+                         f"{cfg}")
+        del weight
+        torch.cuda.empty_cache()
+    return lines
+
+
 def main_tune(argv=None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="tripath bench tune", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=["decode", "prefill", "mla"],
-                        choices=["decode", "prefill", "mla"])
+                        choices=["decode", "prefill", "mla", "lm_head"])
     args = parser.parse_args(argv)
     require_gpu(parser)
     if "decode" in args.only:
@@ -149,6 +178,8 @@ def main_tune(argv=None) -> int:
         print("\n".join(tune_prefill()), flush=True)
     if "mla" in args.only:
         print("\n".join(tune_mla()), flush=True)
+    if "lm_head" in args.only:
+        print("\n".join(tune_lm_head()), flush=True)
     return 0
 
 

@@ -48,6 +48,23 @@ def gumbel_noise(seed, position, token):
 
 
 @triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """``x`` (float32) rounded to ``dtype`` (to nearest, ties to even), as float32. For float16 the rounding
+    is done on the bits (10 mantissa bits kept; a fixed 2⁻²⁴ step below 2⁻¹⁴; ±inf from 65520 on): a
+    conversion of the accumulator to float16 makes ptxas serialise the loop's wgmma on sm_90."""
+    if dtype == tl.float16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+        y = bits.to(tl.float32, bitcast=True)
+        y = tl.where(tl.abs(x) < 6.103515625e-05, (x + 0.75) - 0.75, y)
+        return tl.where(tl.abs(y) > 65504.0, tl.where(x > 0, float("inf"), float("-inf")), y)
+    elif dtype == tl.float32:
+        return x
+    else:
+        return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _store_tile_partials(z, valid, vocab, rows, row_mask, tile, num_rows, num_tiles, temperature_ptr, seeds_ptr,
                          positions_ptr, partials_ptr, part_ids_ptr, BLOCK_V: tl.constexpr, SAMPLE: tl.constexpr):
     """Reduce ``z [BV, BM]`` (float32; ``valid [BV]`` tokens ``vocab [BV]``, global ids) over the tokens and
@@ -70,7 +87,7 @@ def _store_tile_partials(z, valid, vocab, rows, row_mask, tile, num_rows, num_ti
     best_id = tl.max(tl.where(hit, vocab[:, None], -1), axis=0)
     best_z = tl.sum(tl.where(hit, z, 0.0), axis=0)
     at = rows.to(tl.int64) * num_tiles + tile
-    plane = num_rows.to(tl.int64) * num_tiles
+    plane = num_rows * num_tiles   # int32: M · T is far below 2³¹
     tl.store(partials_ptr + at, best_key, mask=row_mask)
     tl.store(partials_ptr + plane + at, best_z, mask=row_mask)
     tl.store(partials_ptr + 2 * plane + at, tile_max, mask=row_mask)
@@ -110,7 +127,7 @@ def lm_head_sample_kernel(
             acc = tl.dot(w, tl.trans(h), acc)
         w_ptrs += BLOCK_K
         h_ptrs += BLOCK_K
-    z = acc.to(weight_ptr.dtype.element_ty).to(tl.float32)
+    z = round_to(acc, weight_ptr.dtype.element_ty)
     _store_tile_partials(z, valid, vocab_offset + local, rows, row_mask, tile, num_rows, num_tiles, temperature_ptr,
                          seeds_ptr, positions_ptr, partials_ptr, part_ids_ptr, BLOCK_V, SAMPLE)
 
@@ -141,7 +158,7 @@ def sample_partials_reduce_kernel(
     """Program ``m``: row ``m``'s ``num_tiles`` partials → ``tokens[m]`` (int64) and ``stats[:, m]`` = (its key,
     its logit, the row's LSE)."""
     row = tl.program_id(0).to(tl.int64)
-    plane = num_rows.to(tl.int64) * num_tiles
+    plane = num_rows * num_tiles   # int32: M · T is far below 2³¹
     lanes = tl.arange(0, BLOCK_T)
     best_key = tl.full([BLOCK_T], float("-inf"), tl.float32)
     best_id = tl.full([BLOCK_T], 2147483647, tl.int32)

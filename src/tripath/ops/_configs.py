@@ -182,27 +182,28 @@ def binary_steps(num_seqs: int) -> int:
     return 4 * -(-max(1, int(num_seqs).bit_length()) // 4)
 
 
-def lm_head_sample_config(platform: Platform, num_rows: int, vocab: int, elem_bytes: int, sample: bool) -> dict:
+def lm_head_sample_config(platform: Platform, num_rows: int, elem_bytes: int, sample: bool) -> dict:
     """The fused LM head and draw (:mod:`tripath.kernels.lm_head_sample`): ``BLOCK_V`` tokens (the matrix
     unit's long side) × ``BLOCK_M`` rows per program, ``BLOCK_K`` of the hidden size per step. Why (not yet
     measured on a GPU: ``tripath bench kernels --only lm_head`` and ``tripath bench tune --only lm_head`` time
     them against torch.matmul + argmax):
 
     - ``BLOCK_M`` the rows rounded up to 16, at most 64 (32 with the draw's noise, whose Philox state per
-      logit would spill a wider tile): a weight tile is multiplied by every row block while it sits in L2;
-    - 128 tokens × 128 of the hidden size in 4 stages on NVIDIA (144 KB of shared memory for 16-bit
-      weights at ``BLOCK_M`` 16), 64 tokens where 128-token tiles would leave fewer than four waves of
-      programs (a TP-8 shard's 19K tokens: 149 tiles on 132 SMs);
-    - AMD: 128 × 64, 2 stages, one wave per SIMD (64 KB of LDS);
+      logit needs the registers; 8 warps then): a weight tile is multiplied by every row block while it sits
+      in L2;
+    - 128 tokens × 128 of the hidden size in 4 stages on NVIDIA (145–193 KB of shared memory for 16-bit
+      weights; 64-token tiles made ptxas serialise the wgmma at 8 warps). A TP-8 shard's 19K tokens are
+      149 tiles on 132 SMs: the tail wave is the first thing to measure (``tripath check-compile``:
+      no spills, wgmma in every configuration);
+    - AMD: 128 × 64, 2 stages, one wave per SIMD (24 KB of LDS, 204 VGPRs, no spills);
     - the interpreter: small tiles, so tests cross tile boundaries."""
     block_m = 16 if num_rows <= 16 else 32 if (num_rows <= 32 or sample) else 64
     if platform.backend == "cpu":
         return {"BLOCK_M": 16, "BLOCK_V": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:
         return {"BLOCK_M": block_m, "BLOCK_V": 128, "BLOCK_K": 64, **_amd(4, 2, 1)}
-    block_v = 128 if -(-vocab // 128) >= 4 * platform.num_sms else 64
     block_k = 128 if elem_bytes == 2 else 64
-    return {"BLOCK_M": block_m, "BLOCK_V": block_v, "BLOCK_K": block_k, "num_warps": 8 if sample else 4,
+    return {"BLOCK_M": block_m, "BLOCK_V": 128, "BLOCK_K": block_k, "num_warps": 8 if sample else 4,
             "num_stages": 4 if elem_bytes == 2 else 3}
 
 

@@ -178,7 +178,7 @@ def lm_head_sample(hidden: torch.Tensor, weight: torch.Tensor, temperature: torc
     if not use_triton(hidden.device) or num_rows == 0 or vocab == 0:
         return lm_head_sample_ref(hidden, weight, temperature, seeds, positions, vocab_valid=vocab,
                                   vocab_offset=vocab_offset)
-    cfg = _configs.lm_head_sample_config(current_platform(hidden.device), num_rows, vocab, hidden.element_size(),
+    cfg = _configs.lm_head_sample_config(current_platform(hidden.device), num_rows, hidden.element_size(),
                                          temperature is not None)
     block_m, block_v, block_k = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_V"), cfg.pop("BLOCK_K")
     num_tiles = -(-vocab // block_v)

@@ -46,6 +46,9 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "rms_norm_rope_heads_kernel": KernelRole(False, "deliberate: per-head norm and pair rotation"),
     "silu_and_mul_kernel": KernelRole(False, "deliberate: elementwise gated activation"),
     "advance_decodes_kernel": KernelRole(False, "deliberate: per-row metadata update of multi-step decoding"),
+    "lm_head_sample_kernel": KernelRole(True, "LM head tiles [BLOCK_V tokens x BLOCK_M rows] = W_tile · hᵀ"),
+    "logits_sample_kernel": KernelRole(False, "deliberate: a pass over written logits (argmax / Gumbel keys, LSE)"),
+    "sample_partials_reduce_kernel": KernelRole(False, "deliberate: per-row reduction of tile partials"),
 }
 
 # Findings accepted on purpose: (kernel, target name or "*", kind) -> reason. Kinds: "spill", "shared",
