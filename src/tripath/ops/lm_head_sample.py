@@ -81,18 +81,22 @@ def merge_packed(packed: torch.Tensor) -> SampleDraw:
 def philox_ref(seeds: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, rounds: int = PHILOX_ROUNDS) -> torch.Tensor:
     """The first word of Philox-4x32 with key ``seeds`` (int64, its low and high words) and counter ``(c0, c1,
     0, 0)`` (uint32 values in int64 tensors, broadcast together), as ``tl.philox`` computes it; int64 values in
-    ``[0, 2³²)``. The 32×32-bit products are exact in int64's bits (two's complement wraps only the sign)."""
+    ``[0, 2³²)``. The 32×32-bit products are exact in int64's bits (two's complement wraps only the sign).
+    The first round is taken with ``c2 = c3 = 0`` folded in; the others work in place."""
     k0, k1 = seeds & M32, (seeds >> 32) & M32
-    c0, c1 = torch.broadcast_tensors(c0 & M32, c1 & M32)
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    for _ in range(rounds):
-        prod_b, prod_a = c2 * _ROUND_B, c0 * _ROUND_A
-        c0 = ((prod_b >> 32) & M32) ^ c1 ^ k0
-        c2 = ((prod_a >> 32) & M32) ^ c3 ^ k1
-        c1, c3 = prod_b & M32, prod_a & M32
+    prod_a = (c0 & M32) * _ROUND_A
+    shape = torch.broadcast_shapes(seeds.shape, c0.shape, c1.shape)
+    x0 = ((c1 & M32) ^ k0).expand(shape).clone()
+    x1 = torch.zeros(shape, dtype=torch.int64, device=c0.device)
+    x2 = (((prod_a >> 32) & M32) ^ k1).expand(shape).clone()
+    x3 = (prod_a & M32).expand(shape).clone()
+    for _ in range(rounds - 1):
         k0, k1 = (k0 + _KEY_A) & M32, (k1 + _KEY_B) & M32
-    return c0
+        prod_b, prod_a = x2 * _ROUND_B, x0 * _ROUND_A
+        x0 = (prod_b >> 32).bitwise_and_(M32).bitwise_xor_(x1).bitwise_xor_(k0)
+        x2 = (prod_a >> 32).bitwise_and_(M32).bitwise_xor_(x3).bitwise_xor_(k1)
+        x1, x3 = prod_b.bitwise_and_(M32), prod_a.bitwise_and_(M32)
+    return x0
 
 
 def gumbel_noise_ref(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
