@@ -382,8 +382,9 @@ def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
 
 def test_start_warms_the_lm_head_and_sampling_for_every_row_count():
     """``warm_sampling`` (run at start on a GPU) computes the logits of every row count from 1 to the rows it
-    is given, samples each greedily, samples with a temperature at powers of two and the largest count, and
-    runs the multi-step advance once, so none of these is a first use while requests wait."""
+    is given, samples each greedily, samples with a temperature at powers of two and the largest count (with
+    top-k / top-p, and plain: the Gumbel-max draw with noise keys), and runs the multi-step advance once, so
+    none of these is a first use while requests wait."""
     from tripath.attention.metadata import AttentionMetadata
 
     llm = LLM(preset("tiny-llama"), backend="three_path", num_kv_blocks=8, max_num_seqs=6,
@@ -394,9 +395,9 @@ def test_start_warms_the_lm_head_and_sampling_for_every_row_count():
     import tripath.engine.startup as model_runner
     real_sample = model_runner.sample
 
-    def sample(logits, params, generators):
-        sampled.append((logits.shape[0], params[0].greedy))
-        return real_sample(logits, params, generators)
+    def sample(logits, params, generators, noise=None):
+        sampled.append((logits.shape[0], params[0].greedy, noise is not None))
+        return real_sample(logits, params, generators, noise=noise)
 
     def advance(meta, positions, block_size):
         advanced.append(positions.shape[0])
@@ -407,8 +408,9 @@ def test_start_warms_the_lm_head_and_sampling_for_every_row_count():
         patch.setattr(AttentionMetadata, "advance_decodes_", advance)
         model_runner.warm_sampling(runner, torch.zeros(6, llm.model.config.hidden_size, dtype=llm.config.dtype))
     assert rows == [1, 2, 3, 4, 5, 6]
-    assert [n for n, greedy in sampled if greedy] == [1, 2, 3, 4, 5, 6]
-    assert [n for n, greedy in sampled if not greedy] == [1, 2, 4, 6]
+    assert [n for n, greedy, _ in sampled if greedy] == [1, 2, 3, 4, 5, 6]
+    assert [n for n, greedy, keyed in sampled if not greedy and not keyed] == [1, 2, 4, 6]
+    assert [n for n, greedy, keyed in sampled if not greedy and keyed] == [1, 2, 4, 6]
     assert advanced == [1]
 
 
