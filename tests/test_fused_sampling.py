@@ -149,3 +149,22 @@ def test_a_request_that_needs_its_logits_keeps_the_step_unfused():
     assert steps == 0 and info.fused_sampling == "off" and info.fused_sampling_buckets == ()
     with pytest.raises(ValueError, match="fused_sampling must be 'auto', 'on' or 'off'"):
         LLM(model, fused_sampling="yes")
+
+
+@pytest.mark.gpu
+def test_the_start_measures_both_paths_on_the_gpu_and_greedy_outputs_do_not_change():
+    """``auto`` on a GPU: the start times both paths per bucket (the choice logged and in the engine's info), and
+    greedy outputs with the fused path forced on equal the unfused path's on a bf16 preset."""
+    model = load_model("tiny-qwen3", dtype=torch.bfloat16, device="cuda")
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 4
+    auto = LLM(model, max_num_seqs=8, num_kv_blocks=64)
+    info = auto.core.info()
+    assert info.fused_sampling == "auto: measured at start"
+    assert [b for b, _, _ in info.fused_sampling_buckets] == [1, 2, 4, 8]
+    assert auto.runner.fused_sampling.timings and all(t > 0 for pair in auto.runner.fused_sampling.timings.values()
+                                                     for t in pair)
+    off = [o.outputs[0].token_ids for o in LLM(model, fused_sampling="off", num_kv_blocks=64).generate(
+        PROMPTS, params, use_tqdm=False)]
+    on_llm = LLM(model, fused_sampling="on", num_kv_blocks=64)
+    on = [o.outputs[0].token_ids for o in on_llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert on == off and on_llm.stats().fused_sampling_steps > 0

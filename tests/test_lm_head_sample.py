@@ -199,3 +199,40 @@ def test_bad_input_names_the_argument():
         logits_sample(torch.zeros(2, 4, dtype=torch.int32))
     assert isinstance(lm_head_sample(hidden[:0], weight), SampleDraw)
     assert math.isinf(float(draw_ref(torch.empty(1, 0)).lse[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab, hidden", [(128256, 4096), (18992, 4096), (16160, 7168)])
+@pytest.mark.parametrize("num_rows", [1, 8, 64, 256])
+def test_bf16_on_the_gpu_matches_the_unfused_lm_head(vocab, hidden, num_rows):
+    """The presets' LM-head shapes in bf16: greedy tokens equal the argmax of cuBLAS's logits but for near ties
+    (two logits within a bf16 ulp of each other may come out of the two fp32 sums in either order), the LSE
+    within bf16 tolerance, and the draw equal to the draw from the written logits (the same noise)."""
+    dev = torch.device("cuda")
+    weight = torch.randn(vocab, hidden, dtype=torch.bfloat16, device=dev) * hidden ** -0.5
+    hidden_rows = torch.randn(num_rows, hidden, dtype=torch.bfloat16, device=dev)
+    logits = torch.nn.functional.linear(hidden_rows, weight)
+    draw = lm_head_sample(hidden_rows, weight)
+    want = logits.argmax(dim=1)
+    differ = draw.tokens != want
+    if differ.any():   # only where the two tokens' logits are within an ulp
+        gap = (logits.float().gather(1, want[:, None]) - logits.float().gather(1, draw.tokens[:, None]))[:, 0]
+        assert (gap[differ].abs() <= logits.float().amax(dim=1)[differ].abs() * 2 ** -7).all()
+    torch.testing.assert_close(draw.lse, torch.logsumexp(logits.float(), dim=1), atol=1.5e-2, rtol=1e-2)
+    temperature = torch.full((num_rows,), 0.8, device=dev)
+    seeds, positions = torch.arange(num_rows, device=dev) * 7 + 1, torch.arange(num_rows, device=dev) + 100
+    fused = lm_head_sample(hidden_rows, weight, temperature, seeds, positions).tokens
+    written = logits_sample(logits, temperature, seeds, positions).tokens
+    allowed = max(1, num_rows // 20)   # draws whose two best keys are within the logits' last-ulp difference
+    assert int((fused != written).sum()) <= allowed
+    on_cpu = draw_ref(logits.float().cpu(), temperature.cpu(), seeds.cpu(), positions.cpu()).tokens
+    assert int((written.cpu() != on_cpu).sum()) <= allowed   # the GPU's log against PyTorch's
+
+
+@pytest.mark.gpu
+def test_the_draw_on_the_gpu_follows_softmax():
+    z = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0, -1.0], device="cuda")
+    n = 20000
+    tokens = logits_sample(z.expand(n, -1).contiguous(), torch.full((n,), 0.7, device="cuda"),
+                           torch.full((n,), 1234, device="cuda"), torch.arange(n, device="cuda")).tokens
+    assert _chi_square(tokens.cpu(), torch.softmax(z.cpu() / 0.7, dim=0)) < CHI2_999[5]
