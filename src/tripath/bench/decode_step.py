@@ -14,7 +14,9 @@ random prompt tokens; once every request decodes, the bench
   ``M`` = 1, 8, 64, 256 rows, GPU time of graph replays, against the copy bandwidth: the skinny GEMMs a
   decode step runs.
 
-``--json`` writes everything as one object. GPU only.
+``--fused-sampling on|off`` forces the LM head with the draw on or off (default ``auto``: the engine's choice
+at start; the result says which and how many model steps took it). ``--json`` writes everything as one
+object. GPU only.
 """
 
 from __future__ import annotations
@@ -118,14 +120,15 @@ def gemm_table(model, copy_bytes_per_s: float, rows=GEMM_ROWS) -> list[dict]:
     return out
 
 
-def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool) -> dict:
+def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool,
+        fused_sampling: str = "auto") -> dict:
     import torch
 
     from tripath.engine import LLM
     from tripath.bench.serve_floor import measure_ceilings, model_costs
     from tripath.bench.step_breakdown import StepBreakdown
 
-    llm = LLM(model, max_num_seqs=batch)
+    llm = LLM(model, max_num_seqs=batch, fused_sampling=fused_sampling)
     try:
         _decode_ready(llm, batch, context, seed)
         for _ in range(4):
@@ -148,6 +151,8 @@ def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool
             "floor_ms": 1e3 * floor_bytes / copy, "weight_bytes": costs["weight_bytes"],
             "kv_bytes": costs["kv_bytes_per_token"] * kv_tokens,
             "kernels": kernels, "profiled_steps": profiled_steps,
+            "fused_sampling": llm.core.info().fused_sampling,
+            "fused_sampling_steps": llm.stats().fused_sampling_steps,
         }
         if gemms:
             result["gemms"] = gemm_table(llm.model, copy)
@@ -161,6 +166,8 @@ def format_result(r: dict) -> str:
              f"decode step: {r['step_gpu_ms']:.3f} ms GPU ({r['steps_timed']} steps timed), floor "
              f"{r['floor_ms']:.3f} ms ({r['weight_bytes'] / 1e9:.3f} GB weights + {r['kv_bytes'] / 1e9:.3f} GB KV at "
              f"{r['copy_GB/s']:.0f} GB/s): {r['step_gpu_ms'] / r['floor_ms']:.2f}x the floor",
+             f"LM head with the draw: {r.get('fused_sampling', 'off')} "
+             f"({r.get('fused_sampling_steps', 0)} model steps drew without logits)",
              "", f"kernels per model step ({r['profiled_steps']} steps profiled):",
              "| kernel | µs / step | launches / step |", "|---|---|---|"]
     total = 0.0
@@ -184,13 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=12, help="engine steps timed and profiled (default 12)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-gemms", action="store_true", help="skip the F.linear table")
+    parser.add_argument("--fused-sampling", default="auto", choices=["auto", "on", "off"],
+                        help="the LM head with the draw: the start's choice (auto), forced on or off")
     parser.add_argument("--json", help="write the result here as JSON")
     args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
         parser.error("the decode-step bench needs a GPU")
-    result = run(args.model, args.batch, args.context, args.calls, args.seed, not args.no_gemms)
+    result = run(args.model, args.batch, args.context, args.calls, args.seed, not args.no_gemms,
+                 args.fused_sampling)
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:
