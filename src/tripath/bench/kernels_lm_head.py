@@ -13,6 +13,7 @@ failed, as both accumulate in fp32 in different orders).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -46,16 +47,23 @@ def bench_lm_head(report: Report) -> None:
         differ = int((fused != torch.nn.functional.linear(h, weight).argmax(dim=-1)).sum())
         if differ:
             report.errors.append(f"lm_head {shape}: {differ} of {rows} greedy tokens differ from argmax (near ties?)")
-        runs = {BASELINE: lambda: torch.nn.functional.linear(h, weight).argmax(dim=-1),
-                "torch.matmul + Gumbel draw (logits_sample)": lambda: logits_sample(
-                    torch.nn.functional.linear(h, weight), *keys),
-                "tripath lm_head_sample, greedy": lambda: lm_head_sample(h, weight),
-                "tripath lm_head_sample, temperature": lambda: lm_head_sample(h, weight, *keys)}
+        runs = {BASELINE: functools.partial(_matmul_argmax, h, weight),
+                "torch.matmul + Gumbel draw (logits_sample)": functools.partial(_matmul_draw, h, weight, keys),
+                "tripath lm_head_sample, greedy": functools.partial(lm_head_sample, h, weight),
+                "tripath lm_head_sample, temperature": functools.partial(lm_head_sample, h, weight, *keys)}
         for impl, fn in runs.items():
             us = bench_graph(fn)
             report.rows.append(Row("lm_head", shape, impl, us, nbytes / (us * 1e-6) / 1e9, "GB/s"))
-        del weight
+        del weight, runs
         torch.cuda.empty_cache()
+
+
+def _matmul_argmax(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(h, weight).argmax(dim=-1)
+
+
+def _matmul_draw(h: torch.Tensor, weight: torch.Tensor, keys: tuple):
+    return logits_sample(torch.nn.functional.linear(h, weight), *keys)
 
 
 def format_lm_head(rows: list[Row], copy_gbps: float, spread) -> list[str]:

@@ -7,6 +7,7 @@ functions for the duration of one measurement.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from contextlib import contextmanager
 
@@ -151,7 +152,7 @@ def tune_lm_head(top: int = 6) -> list[str]:
         block_ms = (16,) if rows <= 16 else (32,) if rows <= 32 else (32, 64)
         for bm, bv, bk, warps, stages in itertools.product(block_ms, (64, 128, 256), (64, 128), (4, 8), (3, 4)):
             cfg = {"BLOCK_M": bm, "BLOCK_V": bv, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-            us = _measure("lm_head_sample_config", cfg, lambda: lm_head_sample(h, weight, *args),
+            us = _measure("lm_head_sample_config", cfg, functools.partial(lm_head_sample, h, weight, *args),
                           f"lm_head {name} M={rows}", lines, timer=bench_graph)
             if us is not None:
                 results.append((us, cfg))

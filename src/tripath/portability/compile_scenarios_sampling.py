@@ -40,8 +40,8 @@ def rows() -> list[tuple[str, object, bool, dict]]:
             for sample in (False, True):
                 ci = shape == "qwen3 tp8" and (num_rows, sample) in ((2, False), (256, True))
                 out.append((f"LM head + {'draw' if sample else 'argmax'} {shape} {num_rows} rows bf16",
-                            build_lm_head_sample, ci, dict(shape=shape, num_rows=num_rows, sample=sample)))
+                            build_lm_head_sample, ci, {"shape": shape, "num_rows": num_rows, "sample": sample}))
     out.append(("LM head + argmax qwen3 tp8 16 rows fp16", build_lm_head_sample, False,
-                dict(shape="qwen3 tp8", num_rows=16, sample=False, dtype=torch.float16)))
+                {"shape": "qwen3 tp8", "num_rows": 16, "sample": False, "dtype": torch.float16}))
     out.append(("draw from written logits 151936 tokens bf16", build_logits_sample, True, {}))
     return out
