@@ -37,16 +37,9 @@ TIMED_REPS = 10   # launches timed per path and bucket at start (after two untim
 
 
 def full_logits_reason(params: SamplingParams) -> str | None:
-    """Why a request's sampled row needs its whole row of logits (None: the fused path can draw it)."""
-    if params.structured_output is not None:
-        return "structured output"
-    if params.transforms_logits:
-        return "penalties, logit_bias or min_tokens"
-    if not params.greedy and not params.plain_temperature:
-        return "top-k, top-p or min-p"
-    if params.logprobs is not None and (params.logprobs > 0 or not params.greedy):
-        return "log-probabilities beyond a greedy token's own"
-    return None
+    """Why a request's sampled row needs its whole row of logits (None: the fused path can draw it):
+    :attr:`SamplingParams.full_logits_reason`, computed once per parameters object."""
+    return params.full_logits_reason
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -73,6 +66,11 @@ class FusedSampling:
 
     def bucket(self, num_rows: int) -> int | None:
         return next((b for b in self.buckets if b >= num_rows), None)
+
+    def may_use(self, num_rows: int) -> bool:
+        """Whether a step of ``num_rows`` rows takes the fused path for either kind (a cheap first test)."""
+        b = self.bucket(num_rows)
+        return b is not None and (self.greedy[b] or self.sampled[b])
 
     def use(self, num_rows: int, sampled: bool) -> bool:
         """Whether a step of ``num_rows`` rows (``sampled``: some with a temperature) takes the fused path."""

@@ -321,13 +321,22 @@ class ModelRunner:
 
     def step_draws_fused(self, scheduled: list[ScheduledRequest]) -> bool:
         """Whether the step draws its tokens without logits (:mod:`tripath.engine.fused_sampling`): it verifies
-        no drafts, every request it samples allows it and the start chose it for its row count and kind."""
+        no drafts, every request it samples allows it and the start chose it for its row count and kind. One
+        pass over the step, whose requests' verdicts are cached on their sampling parameters."""
         choice = self.fused_sampling
-        if choice is None or any(s.draft_token_ids for s in scheduled):
+        if choice is None or not choice.may_use(len(scheduled)):
             return False
-        params = [s.request.sampling_params for s in scheduled if s.samples]
-        return bool(params) and all(fused_sampling.full_logits_reason(p) is None for p in params) and \
-            choice.use(len(params), any(not p.greedy for p in params))
+        rows, sampled = 0, False
+        for item in scheduled:
+            if item.draft_token_ids:
+                return False
+            if item.samples:
+                params = item.request.sampling_params
+                if params.full_logits_reason is not None:
+                    return False
+                rows += 1
+                sampled = sampled or params.temperature != 0
+        return rows > 0 and choice.use(rows, sampled)
 
     @staticmethod
     def _row_positions(inputs: StepInputs, num_rows: int, needed: bool) -> torch.Tensor | None:

@@ -179,6 +179,22 @@ class SamplingParams:
         return not self.greedy and self.top_k < 1 and self.top_p == 1 and self.min_p == 0
 
     @functools.cached_property
+    def full_logits_reason(self) -> str | None:
+        """Why a row of this request needs its whole row of logits, or None where its token can be drawn
+        straight from the LM head (:mod:`tripath.engine.fused_sampling`): greedy or a plain temperature, no
+        penalties, ``logit_bias``, ``min_tokens`` or structured output, no log-probabilities but a greedy
+        token's own (its rank is 1; a sampled token's rank needs every logit)."""
+        if self.structured_output is not None:
+            return "structured output"
+        if self.transforms_logits:
+            return "penalties, logit_bias or min_tokens"
+        if not self.greedy and not self.plain_temperature:
+            return "top-k, top-p or min-p"
+        if self.logprobs is not None and (self.logprobs > 0 or not self.greedy):
+            return "log-probabilities beyond a greedy token's own"
+        return None
+
+    @functools.cached_property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 

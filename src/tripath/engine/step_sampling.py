@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from tripath.attention.metadata import to_device
-from tripath.engine.fused_sampling import full_logits_reason
 from tripath.engine.logits_transforms import PenaltyState, step_transforms
 from tripath.engine.logprobs import LogprobRows, position_logprobs, prompt_logprobs
 from tripath.engine.request import Request
@@ -42,9 +41,8 @@ class LaunchSampler:
         self.device = device
         self.params = [r.sampling_params for r in requests]
         self.generators = [r.generator for r in requests]
-        self.fusable = all(full_logits_reason(p) is None for p in self.params)   # drawn without logits
-        self.any_sampled = any(not p.greedy for p in self.params)
-        self.needs_positions = any(p.plain_temperature for p in self.params)
+        self.any_sampled = any(p.temperature != 0 for p in self.params)
+        self.needs_positions = self.any_sampled and any(p.plain_temperature for p in self.params)
         self._seeds = self._temperature = None
         self.transforms = None
         self._transforms_built = False
@@ -76,7 +74,7 @@ class LaunchSampler:
 
     def draw_fused(self, model, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Tokens ``[N]`` straight from the rows' hidden states ``hidden [N, hidden_size]`` by
-        ``model.sample_tokens`` (every row :attr:`fusable`), with the greedy rows' own log-probabilities
+        ``model.sample_tokens`` (every row drawable so: :mod:`tripath.engine.fused_sampling`), with the greedy rows' own log-probabilities
         (rank 1, no top tokens) where asked."""
         if not self.any_sampled:
             draw = model.sample_tokens(hidden)
