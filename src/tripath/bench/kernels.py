@@ -1,5 +1,6 @@
-"""``tripath bench kernels``: every op on Llama-3-8B and DeepSeek-R1 shapes beside its floor and PyTorch SDPA, and
-the LM head with the token draw at the presets' LM-head shapes (:mod:`tripath.bench.kernels_lm_head`).
+"""``tripath bench kernels``: every op on Llama-3-8B, DeepSeek-R1 and LM-head shapes beside its floor and peers.
+
+The LM head with the token draw is timed at the presets' LM-head shapes (:mod:`tripath.bench.kernels_lm_head`).
 
 Floors are measured in the same run: device-to-device copy bandwidth (bytes read + written) for the
 memory-bound decode, an 8192³ bf16 matmul for the compute-bound prefill. Bytes of a decode: K + V of
