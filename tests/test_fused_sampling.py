@@ -76,7 +76,8 @@ def test_auto_keeps_the_faster_path_per_bucket_and_kind():
     def timer(fn):
         calls.append(fn)
         fused = len(calls) % 2 == 1
-        bucket, kind = runner.fused_sampling.buckets[(len(calls) - 1) // 4], ("greedy", "sampled")[(len(calls) - 1) // 2 % 2]
+        at = len(calls) - 1   # per bucket: greedy fused, greedy unfused, sampled fused, sampled unfused
+        bucket, kind = runner.fused_sampling.buckets[at // 4], ("greedy", "sampled")[at // 2 % 2]
         wins = bucket <= 4 if kind == "greedy" else bucket == 1
         return 1.0 if fused == wins else 2.0
 
@@ -91,7 +92,8 @@ def test_plain_temperature_rows_draw_with_their_noise_keys():
     """The sampler draws plain-temperature rows as the fused path does (same noise, same tokens); filtered rows
     keep the exponential race."""
     logits = torch.randn(3, 50)
-    params = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=5)]
+    params = [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.9, top_k=5)]
     seeds, positions = torch.tensor([11, 12, 13]), torch.tensor([40, 41, 42])
     gens = [None, None, torch.Generator().manual_seed(1)]
     tokens = sample(logits, params, gens, noise=(seeds, positions))

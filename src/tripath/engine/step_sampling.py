@@ -74,8 +74,8 @@ class LaunchSampler:
 
     def draw_fused(self, model, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Tokens ``[N]`` straight from the rows' hidden states ``hidden [N, hidden_size]`` by
-        ``model.sample_tokens`` (every row drawable so: :mod:`tripath.engine.fused_sampling`), with the greedy rows' own log-probabilities
-        (rank 1, no top tokens) where asked."""
+        ``model.sample_tokens`` (every row drawable so: :mod:`tripath.engine.fused_sampling`), with the greedy
+        rows' own log-probabilities (rank 1, no top tokens) where asked."""
         if not self.any_sampled:
             draw = model.sample_tokens(hidden)
         else:
@@ -84,8 +84,9 @@ class LaunchSampler:
             draw = model.sample_tokens(hidden, self._temperature, self.seeds, positions)
         if self._pick is not None:
             chosen = draw.tokens.index_select(0, self._pick)
+            none = draw.lse.index_select(0, self._pick)[:, None][:, :0]   # no top tokens: [R, 0]
             self.logprobs.append(LogprobRows(chosen, draw.logprobs.index_select(0, self._pick), torch.ones_like(chosen),
-                                             chosen[:, None][:, :0], draw.lse.index_select(0, self._pick)[:, None][:, :0]))
+                                             chosen[:, None][:, :0], none))
         return draw.tokens
 
 

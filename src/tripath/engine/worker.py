@@ -82,7 +82,8 @@ class StepEncoder:
     def __init__(self):
         self.known: dict[int, tuple] = {}  # request index -> (request, its block list object, blocks sent)
 
-    def encode(self, scheduled: list[ScheduledRequest], fused: bool = False) -> tuple[list[int], list[tuple], list | None]:
+    def encode(self, scheduled: list[ScheduledRequest],
+               fused: bool = False) -> tuple[list[int], list[tuple], list | None]:
         forget = [key for key, (request, _, _) in self.known.items() if request.status is not RequestStatus.RUNNING]
         for key in forget:
             del self.known[key]
@@ -125,8 +126,8 @@ class StepDecoder:
                 if temperature not in self.params:
                     self.params[temperature] = SamplingParams(temperature=temperature)
                 request.sampling_params = self.params[temperature]
-            scheduled.append(ScheduledRequest(request, num_new, computed, bool(drafts) or computed + num_new == num_tokens,
-                                              drafts))
+            samples = bool(drafts) or computed + num_new == num_tokens
+            scheduled.append(ScheduledRequest(request, num_new, computed, samples, drafts))
         return scheduled
 
 

@@ -210,9 +210,9 @@ def logits_sample(logits: torch.Tensor, temperature: torch.Tensor | None = None,
     block_v = cfg.pop("BLOCK_V")
     num_tiles = -(-vocab // block_v)
     partials, ids = _partials(num_rows, num_tiles, logits.device)
-    launch(logits_sample_kernel, (num_rows, num_tiles), logits, *_row_args(temperature, seeds, positions, partials, ids),
-           partials, ids, num_rows, vocab, vocab_offset, num_tiles, logits.stride(0), BLOCK_V=block_v,
-           SAMPLE=temperature is not None, **cfg)
+    launch(logits_sample_kernel, (num_rows, num_tiles), logits,
+           *_row_args(temperature, seeds, positions, partials, ids), partials, ids, num_rows, vocab, vocab_offset,
+           num_tiles, logits.stride(0), BLOCK_V=block_v, SAMPLE=temperature is not None, **cfg)
     return _reduce(partials, ids, num_rows, num_tiles)
 
 

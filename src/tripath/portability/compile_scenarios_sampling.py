@@ -18,7 +18,8 @@ SHAPES = {"qwen3 tp8": (18992, 4096), "llama-3 8b": (128256, 4096), "deepseek tp
 
 
 def _row_keys(num_rows: int):
-    return torch.rand(num_rows) + 0.5, torch.zeros(num_rows, dtype=torch.int64), torch.zeros(num_rows, dtype=torch.int64)
+    zeros = torch.zeros(num_rows, dtype=torch.int64)
+    return torch.rand(num_rows) + 0.5, zeros, zeros.clone()
 
 
 def build_lm_head_sample(platform: Platform, *, shape: str, num_rows: int, sample: bool,
