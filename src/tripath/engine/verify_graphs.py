@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from tripath import _env
+from tripath.attention import ForwardContext
 from tripath.attention.metadata import to_device
 from tripath.engine.block_manager import blocks_needed
 from tripath.engine.decode_graphs import DecodeGraphs
@@ -82,7 +84,10 @@ class VerifyGraphs:
         table[:n, :inputs.block_table.shape[1]] = inputs.block_table
         padded = self.backend.plan([q] * bs, list(plan.context_lens) + [1] * (bs - n))
         graph, meta, hidden = graphs.graphs[bs]
-        meta.copy_(self.backend.build_metadata(padded, table, slots))
+        step = self.backend.build_metadata(padded, table, slots)
+        if _env.validate():   # the padded step against the caches (ForwardContext checks on construction)
+            ForwardContext(self.backend, step, graphs.caches)
+        meta.copy_(step)
         graph.replay()
         prenorm = graphs.prenorm[bs]
         return hidden.index_select(0, index), None if prenorm is None else prenorm.index_select(0, index)
