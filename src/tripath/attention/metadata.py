@@ -155,6 +155,9 @@ class AttentionMetadata:
                             f"{type(self).__name__} (build both with the same backend)")
         for name in ("slot_mapping", "block_table", "seq_lens", "context_lens", "cu_seqlens_q"):
             copy_step_tensor(name, getattr(self, name), getattr(other, name), table=name == "block_table")
+        mine, theirs = (m.decode.verify if m.decode is not None else None for m in (self, other))
+        if mine is not None and theirs is not None:   # its table and lengths are views of the above
+            copy_step_tensor("decode.verify.cu_seqlens_q", mine.cu_seqlens_q, theirs.cu_seqlens_q)
         return self
 
     def advance_decodes_(self, positions: torch.Tensor, block_size: int) -> None:

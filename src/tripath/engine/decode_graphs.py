@@ -40,32 +40,36 @@ def _synchronize(device: torch.device) -> None:
 
 
 class DecodeGraphs:
-    """The decode graphs of one engine (``sizes``: the padded batch sizes captured)."""
+    """The decode graphs of one engine (``sizes``: the padded batch sizes captured). ``query_len``: the query
+    tokens of every captured request (1; speculative decoding's verify graphs capture ``1 + k``,
+    :mod:`tripath.engine.verify_graphs`), so a graph of size ``bs`` takes ``bs * query_len`` token rows."""
 
     def __init__(self, model, backend, caches: list, sizes: list[int], max_blocks_per_seq: int,
-                 device: torch.device):
+                 device: torch.device, query_len: int = 1):
         self.model, self.backend, self.caches = model, backend, caches
         self.sizes = sorted(sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
+        self.query_len = query_len
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         # each graph's hidden states before the final norm (where the model keeps them: keep_prenorm_hidden)
         self.prenorm: dict[int, torch.Tensor | None] = {}
-        self.input_ids = torch.zeros(max(sizes), dtype=torch.int64, device=device)
-        self.positions = torch.ones(max(sizes), dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max(sizes) * query_len, dtype=torch.int64, device=device)
+        self.positions = torch.ones(max(sizes) * query_len, dtype=torch.int64, device=device)
         self.pool = None
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every size (largest first, in one pool), then replay each once on its padding metadata."""
-        pool = None
+    def capture(self, pool=None) -> None:
+        """Capture every size (largest first, in one pool: ``pool``, or a new one), then replay each once on
+        its padding metadata."""
+        q = self.query_len
         for bs in sorted(self.sizes, reverse=True):
-            plan = self.backend.plan([1] * bs, [1] * bs)
+            plan = self.backend.plan([q] * bs, [1] * bs)
             block_table = torch.zeros(bs, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
-            slots = torch.full((bs,), -1, dtype=torch.int64, device=self.device)
+            slots = torch.full((bs * q,), -1, dtype=torch.int64, device=self.device)
             meta = self.backend.build_metadata(plan, block_table, slots)
             ctx = ForwardContext(self.backend, meta, self.caches)
-            run = functools.partial(self.model, self.input_ids[:bs], self.positions[:bs], ctx)
+            run = functools.partial(self.model, self.input_ids[:bs * q], self.positions[:bs * q], ctx)
             graph, hidden, pool = _capture(run, pool, self.device)
             self.graphs[bs] = (graph, meta, hidden)
             self.prenorm[bs] = getattr(self.model, "prenorm_hidden", None) if \

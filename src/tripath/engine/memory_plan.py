@@ -11,7 +11,8 @@ The budget is ``gpu_memory_utilization × total``. From it the plan takes, in or
   ``max_num_seqs`` decodes on the longest contexts (split-KV partial results), a mix of decodes, an
   extend and a prefill, and with speculative decoding verifies of ``decode_threshold`` tokens (every token's
   logits sampled). Steps run one at a time, so the largest of them is reserved once;
-- ``graph pools``: the CUDA graphs' private memory: a decode step of the largest captured batch, and, when
+- ``graph pools``: the CUDA graphs' private memory: a decode step of the largest captured batch (with verify
+  graphs, the larger of that and the largest verify graph's step, measured too: they share the pool), and, when
   steps with prompt tokens may replay piecewise graphs, the largest prefill's activations again (the
   graphs keep their own copy of the layers' intermediates);
 - ``headroom``: fragmentation of the caching allocator, cuBLAS workspaces (:data:`HEADROOM_FRACTION` of
@@ -34,6 +35,7 @@ from tripath.engine.warmup import Step, WarmupLimits, synthetic_tables
 
 HEADROOM_FRACTION = 0.01
 MIN_HEADROOM = 512 * 2**20
+VERIFY_GRAPHS = "verify graphs"   # the step measured for the verify graphs' pool, not an eager step's peak
 SCRATCH_BLOCKS = 64  # the scratch cache the worst steps read (block ids wrap inside it)
 GiB = 2**30
 
@@ -64,6 +66,9 @@ def worst_steps(limits: WarmupLimits, chunk_budget: int) -> dict[str, Step]:
     v = min(s, n // dq)
     if dq > 1 and v >= 1 and l > dq:   # speculative decoding: verifies, every token's logits sampled
         steps["verify"] = ([dq] * v, [l - dq] * v)
+    g = max(limits.verify_graph_sizes, default=0)
+    if dq > 1 and g >= 1 and l > dq:   # the largest verify graph (its pool; no eager step is that large)
+        steps[VERIFY_GRAPHS] = ([dq] * g, [l - dq] * g)
     return steps
 
 
@@ -84,7 +89,7 @@ class MemoryPlan:
 
     @property
     def step_peak(self) -> int:
-        return max(self.step_peaks.values(), default=0)
+        return max((v for k, v in self.step_peaks.items() if k != VERIFY_GRAPHS), default=0)
 
     @property
     def kv_cache(self) -> int:

@@ -13,8 +13,10 @@ Per step (host work once, shared by every layer):
   request allows it and the start chose it for the step's row count, the tokens are drawn straight from the
   hidden states instead, without logits (:mod:`tripath.engine.fused_sampling`).
 
-A step takes one of three routes, chosen in one place (:meth:`ModelRunner.route`): a decode-only step
-replays the decode graph of its padded batch size (:mod:`tripath.engine.decode_graphs`); a step with prompt
+A step takes one of four routes, chosen in one place (:meth:`ModelRunner.route`): a decode-only step
+replays the decode graph of its padded batch size (:mod:`tripath.engine.decode_graphs`); with speculative
+decoding, a step of decodes and verifies alone replays the verify graph of its padded batch size
+(:mod:`tripath.engine.verify_graphs`); a step with prompt
 tokens replays the piecewise graphs of its padded token count where they were captured
 (:mod:`tripath.engine.mixed_graphs`); any other step runs the model eagerly. Inside the graphs' routes the
 layers' attention still runs on the step's own metadata, and the context replays the first layer's launches
@@ -59,6 +61,7 @@ from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.speculative.acceptance import accept_drafts
 from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.step_sampling import LaunchSampler, score_prompts
+from tripath.engine.verify_graphs import VerifyGraphs
 from tripath.engine.warmup import WarmupReport
 from tripath.models.layers import Experts
 
@@ -67,6 +70,7 @@ class Route(enum.Enum):
     """How a step runs (:meth:`ModelRunner.route`)."""
 
     DECODE_GRAPH = "decode graph"
+    VERIFY_GRAPH = "verify graph"
     MIXED_GRAPHS = "piecewise graphs"
     EAGER = "eager"
 
@@ -118,6 +122,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.caches: list = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         self.mixed_graphs: MixedStepGraphs | None = None
         self.largest_step_host_share: float | None = None  # host time / GPU span of the largest eager step
         self.samples = True   # False on a tensor-parallel worker: logits computed (collectives), nothing sampled
@@ -130,6 +135,14 @@ class ModelRunner:
         """Whether decode-only steps replay CUDA graphs: graphs on, and a backend whose decode forward reads
         only device tensors (:attr:`GraphSupport.DECODE`: graph replay changes them)."""
         return self.config.use_cuda_graphs and self.backend.capabilities.graphs is GraphSupport.DECODE
+
+    @property
+    def captures_verify_graphs(self) -> bool:
+        """Whether steps of decodes and verifies alone (speculative decoding) replay CUDA graphs: decode graphs
+        captured, verifies in the decode slice (``decode_threshold = 1 + k``) and a backend whose verify route
+        reads only device tensors (:attr:`Capabilities.verify_graphs`)."""
+        return self.captures_decode_graphs and self.spec.decode_threshold > 1 and \
+            self.backend.capabilities.verify_graphs
 
     @property
     def uses_mixed_graphs(self) -> bool:
@@ -147,7 +160,16 @@ class ModelRunner:
         """Capture the decode graphs for ``config.cuda_graph_batch_sizes()`` (:class:`DecodeGraphs`)."""
         self.decode_graphs = DecodeGraphs(self.model, self.backend, self.caches, self.config.cuda_graph_batch_sizes(),
                                           self.max_blocks_per_seq, self.device)
-        self.decode_graphs.capture()
+        pool = None if self.verify_graphs is None else self.verify_graphs.pool
+        self.decode_graphs.capture(pool)
+
+    def capture_verify_graphs(self) -> None:
+        """Capture the verify graphs (:class:`VerifyGraphs`) for ``config.cuda_graph_batch_sizes()``, before
+        the decode graphs, which then share their memory pool."""
+        self.verify_graphs = VerifyGraphs(self.model, self.backend, self.caches, self.config.cuda_graph_batch_sizes(),
+                                          self.max_blocks_per_seq, self.block_size, self.spec.decode_threshold,
+                                          self.device)
+        self.verify_graphs.capture()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits the sampler takes for ``hidden [N, hidden_size]``: in the LM head's dtype where the
@@ -171,13 +193,19 @@ class ModelRunner:
     # ---- the route ----------------------------------------------------------------------------------
     def route(self, scheduled: list[ScheduledRequest]) -> tuple[Route, int | None]:
         """How the step runs, and the decode graph's padded batch size on that route: decodes alone replay
-        the smallest decode graph that holds them; a step whose token count has a piecewise-graph bucket
+        the smallest decode graph that holds them, decodes and verifies alone the smallest verify graph (the
+        batch size returned too); a step whose token count has a piecewise-graph bucket
         (and whose KV scales are set) replays that bucket; anything else, eager."""
         graphs = self.decode_graphs
         if graphs is not None and all(s.num_new_tokens == 1 and s.num_computed_tokens > 0 for s in scheduled):
             bs = graphs.batch_size(len(scheduled))
             if bs is not None:
                 return Route.DECODE_GRAPH, bs
+        verify = self.verify_graphs
+        if verify is not None and verify.takes(scheduled):
+            bs = verify.batch_size(len(scheduled))
+            if bs is not None:
+                return Route.VERIFY_GRAPH, bs
         mixed = self.mixed_graphs
         if mixed is not None and not self.kv_scales_pending and \
                 mixed.bucket(sum(s.num_new_tokens for s in scheduled)):
@@ -221,14 +249,18 @@ class ModelRunner:
         if fused is None:
             fused = self.step_draws_fused(scheduled)
         route, graph_bs = self.route(scheduled)
-        inputs = self.prepare(scheduled, pad_to=graph_bs, previous=previous)
+        pad_to = graph_bs if route is Route.DECODE_GRAPH else None   # a verify graph pads on its own
+        inputs = self.prepare(scheduled, pad_to=pad_to, previous=previous)
         if num_steps > 1:
             if self.hidden_observer is not None:
                 raise ValueError("num_steps > 1 (multi-step decoding) does not hand its hidden states on: run "
                                  "one step at a time with a hidden-state observer (the mtp proposer)")
-            return self._launch_decode_steps(scheduled, inputs, graph_bs, num_steps, fused)
+            return self._launch_decode_steps(scheduled, inputs, pad_to, num_steps, fused)
+        prenorm = None
         if route is Route.DECODE_GRAPH:
             hidden = self.decode_graphs.replay(graph_bs, inputs)
+        elif route is Route.VERIFY_GRAPH:
+            hidden, prenorm = self.verify_graphs.replay(graph_bs, inputs)
         else:
             meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
             ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending,
@@ -240,7 +272,9 @@ class ModelRunner:
             self.kv_scales_pending = False
         launched = self._sample(scheduled, inputs, hidden, fused)
         if self.hidden_observer is not None:   # after the tokens' copy was queued: they do not wait for it
-            self.hidden_observer.observe(scheduled, inputs, self._prenorm_hidden(route, graph_bs, hidden.shape[0]))
+            if prenorm is None:
+                prenorm = self._prenorm_hidden(route, graph_bs, hidden.shape[0])
+            self.hidden_observer.observe(scheduled, inputs, prenorm)
         return launched
 
     def _prenorm_hidden(self, route: Route, graph_bs: int | None, num_rows: int) -> torch.Tensor:

@@ -7,7 +7,8 @@
 3. the warm-up (GPU, Triton backends): every kernel variant the limits allow is compiled
    (:mod:`tripath.engine.warmup`), by worker processes when the Triton cache is empty
    (:mod:`tripath.triton_internals.compile_pool`);
-4. the decode graphs (:mod:`tripath.engine.decode_graphs`), where the backend allows them;
+4. the verify graphs (:mod:`tripath.engine.verify_graphs`: speculative decoding, where the backend allows
+   them), then the decode graphs (:mod:`tripath.engine.decode_graphs`) in their memory pool;
 5. (GPU) the largest eager step, run once writing nothing, so the caching allocator holds a step's activation
    memory when requests arrive, and timed: where its host time is at least ``MIXED_GRAPHS_MIN_HOST_SHARE``
    of its GPU span, steps with prompt tokens get piecewise graphs (:mod:`tripath.engine.mixed_graphs`);
@@ -63,6 +64,8 @@ def start(runner) -> None:
         if pool is not None:
             pool.close()
     before_graphs = torch.cuda.memory_allocated(device) if runner.memory_plan is not None else 0
+    if runner.captures_verify_graphs:
+        runner.capture_verify_graphs()
     if runner.captures_decode_graphs:
         runner.capture_decode_graphs()
     if device.type == "cuda":
@@ -107,7 +110,8 @@ def plan_memory(runner, pool: CompilePool | None = None) -> MemoryPlan:
     free, total = torch.cuda.mem_get_info(device)
     graph_pools = 0
     if runner.captures_decode_graphs:
-        graph_pools += peaks["decode"]  # the decode graphs' batch is at most the measured decode step's
+        # the decode graphs' batch is at most the measured decode step's; the verify graphs share their pool
+        graph_pools += max(peaks["decode"], peaks.get("verify graphs", 0))
         if runner.uses_mixed_graphs:
             graph_pools += peaks["prefill"]  # their pool keeps a step's layer intermediates too
     budget = int(total * runner.config.gpu_memory_utilization)

@@ -114,12 +114,15 @@ class _RecordingContext(ForwardContext):
 
 @dataclass(frozen=True)
 class WarmupLimits:
-    """What bounds a step: requests, new tokens, tokens of one request, and the decode threshold."""
+    """What bounds a step: requests, new tokens, tokens of one request, and the decode threshold;
+    ``verify_graph_sizes``: the verify graphs' batch sizes (none: no verify graphs), whose padded verifies
+    of ``decode_threshold`` tokens may exceed the token budget."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     decode_threshold: int = 1
+    verify_graph_sizes: tuple[int, ...] = ()
 
 
 def levels(limit: int, start: int = 1) -> list[int]:
@@ -146,7 +149,7 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
 
     - decode only: every batch-size level × every context level (split-KV counts and tile choices follow
       the batch and the longest context); with ``decode_threshold > 1`` the same for decodes of that many
-      tokens (speculative decoding's verifies);
+      tokens (speculative decoding's verifies), and each verify graph's batch on the longest context;
     - prefill only: every length level × every request-count level that fits the token budget;
     - extend only: query lengths, cached contexts (one and several chunks) and request counts in powers of
       two that fit;
@@ -164,6 +167,8 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
         for b in levels(min(b_max, n_max // dq)):
             for ctx in ctx_levels:
                 steps.append(([dq] * b, [ctx] * b))
+        for b in limits.verify_graph_sizes:   # each graph's own batch, its table as wide as max_model_len
+            steps.append(([dq] * b, [max(1, l_max - dq)] * b))
     for n in levels(min(n_max, l_max)):
         for p in levels(min(b_max, n_max // n)):
             steps.append(([n] * p, [0] * p))
@@ -257,8 +262,9 @@ def probe(runner, calls: Sequence[AttentionCall], step: Step) -> tuple[object, s
 
 def runner_limits(runner) -> WarmupLimits:
     config = runner.config
+    sizes = tuple(config.cuda_graph_batch_sizes()) if runner.captures_verify_graphs else ()
     return WarmupLimits(config.max_num_seqs, config.max_num_batched_tokens, runner.max_model_len,
-                        runner.spec.decode_threshold)
+                        runner.spec.decode_threshold, sizes)
 
 
 def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool = True,

@@ -63,7 +63,10 @@ class GraphSupport(enum.Enum):
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend supports. ``needs_triton``: its kernels need a GPU or ``TRITON_INTERPRET=1``;
-    ``graphs``: which steps it lets the engine capture (:class:`GraphSupport`).
+    ``graphs``: which steps it lets the engine capture (:class:`GraphSupport`); ``verify_graphs``: with
+    ``graphs`` at ``DECODE``, its forward of a step whose requests all sit in the decode slice as verifies of
+    ``decode_threshold`` tokens each (speculative decoding's steps, padded) reads only device tensors too, so
+    the engine may capture those steps (:mod:`tripath.engine.verify_graphs`).
 
     Block sizes (KV cache rows per block): ``block_sizes`` are the ones the backend takes (a spec with
     another is refused); ``cpu_block_size`` / ``gpu_block_size`` the one it prefers on the CPU / on a GPU,
@@ -79,6 +82,7 @@ class Capabilities:
     mla: bool = False
     needs_triton: bool = True
     graphs: GraphSupport = GraphSupport.DECODE
+    verify_graphs: bool = False
     max_decode_threshold: int = 64
     block_sizes: tuple[int, ...] = BLOCK_SIZES
     cpu_block_size: int = DEFAULT_BLOCK_SIZE

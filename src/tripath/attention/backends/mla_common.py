@@ -107,8 +107,9 @@ class MLABackendBase(MLAAttentionBackend):
     # Blocks of 64 rows on a GPU (FlashMLA's page size), a size every fast decode path takes: the Gluon
     # kernels on sm_90 (8-32 heads: 16, 32 or multiples of 64 rows; 64+ heads: multiples of 32) and the
     # packed kernel's descriptor tiles (pages holding whole tiles). Other sizes run the pointer-load kernel.
+    # Verify graphs: a verify's tokens are decode rows (MLAMetadata.decode_rows, copied in place).
     capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}),
-                                gpu_block_size=64)
+                                gpu_block_size=64, verify_graphs=True)
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
 

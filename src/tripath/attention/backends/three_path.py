@@ -91,7 +91,9 @@ class ThreePathMetadata(AttentionMetadata):
 
 class ThreePathBackend(MHAAttentionBackend):
     name = "three_path"
-    capabilities = Capabilities()
+    # verify graphs: paged_verify reads the captured verify slice's tensors; its host values (first row, token
+    # start, max_query_len) are the padded plan's, the same on every step
+    capabilities = Capabilities(verify_graphs=True)
 
     def __init__(self, spec, device="cpu"):
         super().__init__(spec, device)

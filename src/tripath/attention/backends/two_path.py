@@ -44,6 +44,8 @@ class TwoPathMetadata(AttentionMetadata):
 
 class TwoPathBackend(MHAAttentionBackend):
     name = "two_path"
+    # no verify graphs: verifies are extends here, whose context-attention launch is sized on the step's host
+    # lengths (they take today's route: piecewise graphs or eager)
     capabilities = Capabilities(max_decode_threshold=1)
 
     def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> TwoPathMetadata:

@@ -8,7 +8,7 @@ from tripath.ops import unified_attention
 
 class UnifiedBackend(MHAAttentionBackend):
     name = "unified"
-    capabilities = Capabilities()
+    capabilities = Capabilities(verify_graphs=True)   # one launch on device tensors; max_query_len the padded one
 
     def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None, window_left=None):
         opts = self._options(alibi_slopes, sinks, window_left)
