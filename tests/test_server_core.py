@@ -209,6 +209,51 @@ def test_a_drained_stop_exits_0_whichever_the_signal_in_every_mode(tmp_path, mod
         server.close()
 
 
+def test_an_api_server_stopping_drains_whatever_stop_signal_comes_next(tmp_path):
+    """A terminal's Ctrl-C reaches an API server of --api-server-count twice, as the group's SIGINT and as the
+    supervisor's SIGTERM, in either order; uvicorn took a SIGINT after a first stop signal as "quit now" (no
+    drain, the app's shutdown skipped: its streams cut, a traceback). Here in that order: the supervisor's
+    SIGTERM, then, once both API servers are shutting down, a SIGINT to each: the streams still end whole."""
+    server = ServerProcess(SERVE + ["--api-server-count", "2"], tmp_path / "server.log", log_level="info")
+    streams = []
+    try:
+        pids = server.api_server_pids()
+        streams = [_stream_first_event(server.url, 2000) for _ in range(2)]
+        server.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while server.log().count("Shutting down") < len(pids):   # uvicorn's line: each one is draining
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log()
+            time.sleep(0.05)
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+        for _, _, lines, first in streams:
+            events = [first] + [line for line in lines if line.startswith("data:")]
+            tokens = sum(len(json.loads(e[6:])["choices"][0]["token_ids"]) for e in events[:-1])
+            assert tokens == 2000 and events[-1] == "data: [DONE]", events[-2:]
+        assert server.proc.wait(60) == 0, server.log()
+        assert "Traceback" not in server.log()
+    finally:
+        for client, cm, _, _ in streams:
+            cm.__exit__(None, None, None)
+            client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("supervised", [True, False], ids=["API server", "one server"])
+def test_stop_signals_of_a_supervised_api_server_never_force_its_exit(supervised):
+    """The server class alone: after a SIGTERM, a SIGINT leaves an API server draining (uvicorn's force-quit
+    stays for a server of its own, where a second Ctrl-C is a person's)."""
+    import uvicorn
+
+    from tripath.server.cli import _server_class
+
+    server = _server_class(uvicorn)(uvicorn.Config(lambda scope, receive, send: None), None, 1.0,
+                                    follows_supervisor=supervised)
+    server.handle_exit(signal.SIGTERM, None)
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and server.force_exit is not supervised
+
+
 def test_a_killed_server_takes_its_core_with_it(tmp_path):
     server = ServerProcess(SERVE, tmp_path / "server.log", log_level="info")
     try:

@@ -12,7 +12,8 @@ request's outputs to the API server that sent it. ``/metrics`` on any of them an
 (:mod:`~tripath.server.metrics_peers`).
 
 Lifetime: SIGINT / SIGTERM to the supervisor reach every API server as SIGTERM (a terminal's Ctrl-C reaches
-them anyway): each drains as one server does (``--shutdown-timeout``), ends what is left with 503 and stops;
+them anyway, so an API server may get both, in either order: every stop signal asks it for the same drained
+stop): each drains as one server does (``--shutdown-timeout``), ends what is left with 503 and stops;
 the core releases the engine once the last has stopped, and the supervisor exits 0. An API server that
 exits on its own (crashed, killed, could not start) stops the others the same way and the supervisor exits
 1. A core that dies makes every API server fail its requests, answer ``/health`` with 503 and exit; the

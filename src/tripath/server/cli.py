@@ -352,7 +352,8 @@ def _serve(argv: list[str], listener, api_server=None) -> int:
     from tripath.server.observability import endpoint_paths, quiet_access_log
 
     quiet_access_log(endpoint_paths(args.disable_access_log_for_endpoints))   # uvicorn's loggers are set up now
-    server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout)
+    server = _server_class(uvicorn)(config, app.state.server.engine, args.shutdown_timeout,
+                                    follows_supervisor=api_server is not None)
     port = listener.getsockname()[1] if listener is not None else args.port   # --port 0: the one the system gave
     key = f"API key from {key_source}, public paths: {' '.join(args.public_paths) or 'none'}" if api_key else \
         "no API key"
@@ -398,11 +399,24 @@ def _fast_or_default() -> tuple[str, str]:
 def _server_class(uvicorn):
     class GracefulServer(uvicorn.Server):
         """uvicorn's server whose shutdown stops the engine ``shutdown_timeout_s`` after the signal: the
-        requests still running then get the engine's 503 while their handlers can still answer."""
+        requests still running then get the engine's 503 while their handlers can still answer.
 
-        def __init__(self, config, engine, shutdown_timeout_s: float):
+        ``follows_supervisor`` (an API server of ``--api-server-count``): every stop signal asks for the same
+        drained stop. uvicorn force-quits on a SIGINT that comes after a first stop signal, skipping the
+        drain and the app's shutdown; an API server gets two whenever a terminal's Ctrl-C reaches the whole
+        process group, the group's SIGINT and the supervisor's SIGTERM, in either order. The supervisor ends
+        an API server that does not stop in time."""
+
+        def __init__(self, config, engine, shutdown_timeout_s: float, follows_supervisor: bool = False):
             super().__init__(config)
             self._engine, self._shutdown_timeout_s = engine, shutdown_timeout_s
+            self._follows_supervisor = follows_supervisor
+
+        def handle_exit(self, sig, frame) -> None:
+            if self._follows_supervisor:
+                self.should_exit = True
+            else:
+                super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None) -> None:
             loop = asyncio.get_running_loop()
