@@ -43,6 +43,7 @@ from tripath.engine.request import Request
 from tripath.engine.sampler import make_generator
 from tripath.engine.sampling_params import SamplingParams, token_ids_of
 from tripath.engine.scheduler import Scheduler
+from tripath.engine.startup import start as start_executor
 from tripath.engine.stats import EngineStats, StepTokenCounts
 from tripath.engine.step_pacing import StepPacer
 from tripath.engine.structured_output import GrammarCompiler
@@ -141,6 +142,8 @@ class EngineCore:
             extra_cache_bytes = mtp_cache_bytes(model, config)
         if self.runner is None:
             self.runner = ModelRunner(model, config, extra_cache_bytes=extra_cache_bytes)
+        # the executor's start, in order: plan_memory, allocate_kv_cache, warm_up, capture_graphs
+        start_executor(self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching,
                                           recompute_last_hit_block=mtp)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,

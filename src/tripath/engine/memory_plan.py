@@ -26,18 +26,77 @@ graphs were captured.
 
 from __future__ import annotations
 
+import gc
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 import torch
 
-from tripath.engine.warmup import Step, WarmupLimits, synthetic_tables
+from tripath.engine.warmup import Step, WarmupLimits, runner_limits, synthetic_tables
+from tripath.triton_internals import CompilePool, collect_compilations
+
+if TYPE_CHECKING:
+    from tripath.attention import AttentionSpec
+    from tripath.attention.backends.base import AttentionBackend
+    from tripath.engine.config import EngineConfig
+    from tripath.engine.logits_transforms import PenaltyState
+
+logger = logging.getLogger(__name__)
 
 HEADROOM_FRACTION = 0.01
 MIN_HEADROOM = 512 * 2**20
 VERIFY_GRAPHS = "verify graphs"   # the step measured for the verify graphs' pool, not an eager step's peak
 SCRATCH_BLOCKS = 64  # the scratch cache the worst steps read (block ids wrap inside it)
 GiB = 2**30
+
+
+class PlanningRunner(Protocol):
+    """What the memory plan reads of a runner (a :class:`~tripath.engine.model_runner.ModelRunner` is one): the
+    model and backend its synthetic steps run, the limits that make the worst steps, what a block of cache
+    costs and which graphs will keep a pool. It assigns nothing."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...          # forward(input_ids, positions, ctx)
+
+    @property
+    def config(self) -> EngineConfig: ...            # the limits, gpu_memory_utilization
+
+    @property
+    def spec(self) -> AttentionSpec: ...
+
+    @property
+    def backend(self) -> AttentionBackend: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def penalties(self) -> PenaltyState: ...         # the sampler's penalty rows (a step's sampling uses them)
+
+    @property
+    def extra_cache_bytes(self) -> Callable[[int], int] | None: ...   # a draft model's cache, per block
+
+    @property
+    def captures_decode_graphs(self) -> bool: ...
+
+    @property
+    def captures_verify_graphs(self) -> bool: ...    # the verify graphs' batches are steps to reach
+
+    @property
+    def uses_mixed_graphs(self) -> bool: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 def worst_steps(limits: WarmupLimits, chunk_budget: int) -> dict[str, Step]:
@@ -133,7 +192,7 @@ def check_fits(num_blocks: int, block_size: int, max_model_len: int, plan_text: 
         f"worst step is reserved), or raise gpu_memory_utilization.\n{plan_text}")
 
 
-def run_synthetic_step(runner, step: Step, caches: list) -> None:
+def run_synthetic_step(runner: PlanningRunner, step: Step, caches: list) -> None:
     """Run ``step`` through the whole model on ``caches`` (synthetic block table wrapping inside them, every
     slot −1: nothing is written), then what a real step of that shape may do after it at most: score every
     token as a prompt position (``prompt_logprobs``), and sample the last tokens' rows (at most
@@ -171,7 +230,7 @@ def run_synthetic_step(runner, step: Step, caches: list) -> None:
         LaunchSampler(requests, runner.penalties, device)(logits)
 
 
-def _verify_rows(runner, plan, hidden: torch.Tensor, params, generator) -> None:
+def _verify_rows(runner: PlanningRunner, plan, hidden: torch.Tensor, params, generator) -> None:
     """A verify step's sampling at its largest: the logits of every verify token, the acceptance rule with
     temperature and top-k / top-p on all of them, and their log-probabilities."""
     from tripath.engine.logprobs import position_logprobs
@@ -186,7 +245,7 @@ def _verify_rows(runner, plan, hidden: torch.Tensor, params, generator) -> None:
     position_logprobs(logits, grid.new_zeros(logits.shape[0]), MAX_LOGPROBS)
 
 
-def measure_step_peaks(runner, steps: dict[str, Step], caches: list) -> dict[str, int]:
+def measure_step_peaks(runner: PlanningRunner, steps: dict[str, Step], caches: list) -> dict[str, int]:
     """Bytes each of ``steps`` allocates above what is allocated before it (the device is synchronised and
     the allocator's cache emptied between steps)."""
     peaks = {}
@@ -207,3 +266,43 @@ def measure_step_peaks(runner, steps: dict[str, Step], caches: list) -> dict[str
         peaks[name] = torch.cuda.max_memory_allocated(runner.device) - base
     torch.cuda.empty_cache()
     return peaks
+
+
+def plan_gpu_memory(runner: PlanningRunner, pool: CompilePool | None = None) -> MemoryPlan:
+    """The GPU memory plan (see the module doc): the worst step of each kind measured on a scratch cache, the
+    graph pools and headroom reserved, the KV cache sized from the rest of ``gpu_memory_utilization``. With a
+    ``pool`` the measured steps' kernels are compiled there first (the steps run once with their compilations
+    listed instead of made)."""
+    device = runner.device
+    steps = worst_steps(runner_limits(runner), runner.spec.extend_chunk_budget)
+    scratch = [runner.backend.allocate_cache(SCRATCH_BLOCKS, device) for _ in range(runner.num_layers)]
+    if pool is not None:
+        with collect_compilations() as compilations:
+            for step in steps.values():
+                run_synthetic_step(runner, step, scratch)
+        pool.compile(compilations)
+    peaks = measure_step_peaks(runner, steps, scratch)
+    del scratch
+    torch.cuda.synchronize(device)
+    gc.collect()   # an engine the caller dropped may still hold its cache through a reference cycle
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    graph_pools = 0
+    if runner.captures_decode_graphs:
+        # the decode graphs' batch is at most the measured decode step's; the verify graphs share their pool
+        graph_pools += max(peaks["decode"], peaks.get(VERIFY_GRAPHS, 0))
+        if runner.uses_mixed_graphs:
+            graph_pools += peaks["prefill"]  # their pool keeps a step's layer intermediates too
+    budget = int(total * runner.config.gpu_memory_utilization)
+    headroom = max(MIN_HEADROOM, int(total * HEADROOM_FRACTION))
+    per_block = runner.backend.cache_bytes_per_block() * runner.num_layers
+    if runner.extra_cache_bytes is not None:   # a draft model's cache of as many blocks
+        per_block += runner.extra_cache_bytes(runner.block_size)
+    in_use = total - free
+    plan = MemoryPlan(total=total, budget=budget, in_use=in_use, weights=torch.cuda.memory_allocated(device),
+                      step_peaks=peaks, graph_pools=graph_pools, headroom=headroom, bytes_per_block=per_block,
+                      num_blocks=0)
+    plan.num_blocks = max(0, kv_blocks_left(budget, in_use, plan.step_peak, graph_pools, headroom, per_block))
+    check_fits(plan.num_blocks, runner.block_size, runner.max_model_len, plan.summary())
+    logger.info("%s", plan.summary())
+    return plan

@@ -29,10 +29,13 @@ schedules and launches step N + 1 before it reads step N's tokens: a decode whos
 passes ``previous=`` step N, and its ``input_ids`` row is filled from step N's tokens on the device. A launch
 of ``num_steps > 1`` (multi-step decoding, :meth:`ModelRunner._launch_decode_steps`) runs that many model
 steps of single-token decodes back to back, feeding each step's sampled tokens to the next and advancing
-the metadata on the device. How the runner starts (KV cache size, warm-up, graphs): :mod:`tripath.engine.startup`.
-A runner with a ``hidden_observer`` (speculative decoding's ``mtp`` proposer) hands it each launch's hidden
-states before the final norm once the step's sampling is queued (the model keeps them:
-``keep_prenorm_hidden``; on a graph route, the graph's own tensor).
+the metadata on the device. A runner with a ``hidden_observer`` (speculative decoding's ``mtp`` proposer)
+hands it each launch's hidden states before the final norm once the step's sampling is queued (the model keeps
+them: ``keep_prenorm_hidden``; on a graph route, the graph's own tensor).
+
+The constructor builds the spec, the backend and the input builder; the engine then starts the runner through
+its phases, in order (:func:`tripath.engine.startup.start`: :meth:`~ModelRunner.plan_memory`,
+:meth:`~ModelRunner.allocate_kv_cache`, :meth:`~ModelRunner.warm_up`, :meth:`~ModelRunner.capture_graphs`).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from tripath.engine.step_inputs import StepInputBuilder, StepInputs
 from tripath.engine.step_sampling import LaunchSampler, score_prompts
 from tripath.engine.verify_graphs import VerifyGraphs
 from tripath.engine.warmup import WarmupReport
+from tripath.triton_internals import CompilePool
 from tripath.models.layers import Experts
 
 
@@ -75,11 +79,12 @@ class Route(enum.Enum):
     EAGER = "eager"
 
 
-class ModelRunner:
+class ModelRunner(startup.RunnerStart):
     """Owns the model, the attention backend and the per-layer KV caches of one engine (an
     :class:`~tripath.engine.executor.Executor` in the engine's own process). ``extra_cache_bytes``: for a
     cache of another model sized to the same blocks (speculative decoding's draft model), its bytes per block
-    as a function of the block size, counted by the GPU memory plan."""
+    as a function of the block size, counted by the GPU memory plan. Built, it has its spec, backend and input
+    builder; it serves once :func:`tripath.engine.startup.start` has run its phases."""
 
     def __init__(self, model, config: EngineConfig, *, extra_cache_bytes=None):
         self.model = model
@@ -128,7 +133,8 @@ class ModelRunner:
         self.samples = True   # False on a tensor-parallel worker: logits computed (collectives), nothing sampled
         self.fused_sampling = fused_sampling.choose(self)   # which steps draw without logits (set at start)
         self.num_fused_sampling_steps = 0   # model steps whose tokens were drawn so
-        startup.start(self)
+        self._phases = startup.PhaseOrder("ModelRunner")   # plan_memory, allocate_kv_cache, warm_up, capture_graphs
+        self._compile_pool: CompilePool | None = None   # the start's, from plan_memory to the end of warm_up
 
     @property
     def captures_decode_graphs(self) -> bool:
@@ -187,8 +193,6 @@ class ModelRunner:
         hidden = torch.zeros(1, int(self.model.config.hidden_size), dtype=self.config.dtype, device=self.device)
         return int(self.compute_logits(hidden).shape[-1])
 
-    def close(self) -> None:
-        """Nothing to release: one rank, in this process."""
 
     # ---- the route ----------------------------------------------------------------------------------
     def route(self, scheduled: list[ScheduledRequest]) -> tuple[Route, int | None]:

@@ -31,8 +31,8 @@ from tripath import _env
 from tripath.engine.config import EngineConfig
 from tripath.engine.executor import ExecutorCapabilities
 from tripath.engine.launched_step import LaunchedStep, SampledStep
-from tripath.engine.worker import (RankSetup, StepEncoder, join_groups, leave_groups, rank_device, run_worker,
-                                   spawned_worker, start_rank)
+from tripath.engine.worker import (RankSetup, StartPhase, StepEncoder, join_groups, leave_groups, rank_device,
+                                   run_start_phase, run_worker, spawned_worker, start_rank)
 
 JOIN_TIMEOUT_S = 30.0
 
@@ -128,11 +128,12 @@ class ParallelExecutor:
         self._shutdown = _Shutdown(self.processes, self.control, created)
         self._finalizer = weakref.finalize(self, self._shutdown)
         try:
-            self.model, self.runner, self.num_blocks = start_rank(setup, 0, config, self.parallel, self.control)
+            self.model, self.runner = start_rank(setup, 0, config, self.parallel, self.control)
         except BaseException:
             self.close()
             raise
-        self._shutdown.serving = True
+        self._shutdown.serving = True   # the workers wait for start phases and steps
+        self.num_blocks = 0   # until allocate_kv_cache
         self.encoder = StepEncoder()
 
     # workers need each step's input tokens on the host: no overlap, one model step a launch
@@ -141,6 +142,32 @@ class ParallelExecutor:
     @property
     def tensor_parallel_size(self) -> int:
         return self.parallel.world_size
+
+    # ---- the start (tripath.engine.startup.start): each phase on every rank, rank 0's runner checking the order
+    def _start_phase(self, name: str, *args) -> int:
+        if not self._finalizer.alive:
+            raise RuntimeError("this tensor-parallel engine is closed")
+        phase = StartPhase(name, args)
+        dist.broadcast_object_list([phase], src=0, group=self.control)
+        try:
+            return run_start_phase(self.runner, phase, self.control)
+        except RuntimeError:
+            self._shutdown.serving = False   # every worker left its loop with the same error
+            raise
+
+    def plan_memory(self) -> int:
+        """The KV blocks of the smallest rank's plan."""
+        return self._start_phase("plan_memory")
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._start_phase("allocate_kv_cache", num_blocks)
+        self.num_blocks = num_blocks
+
+    def warm_up(self) -> None:
+        self._start_phase("warm_up")
+
+    def capture_graphs(self) -> None:
+        self._start_phase("capture_graphs")
 
     def launch(self, scheduled, previous=None, num_steps: int = 1) -> LaunchedStep:
         """Broadcast the step to the workers and launch rank 0's shard (one model step, no step in flight:
@@ -163,6 +190,9 @@ class ParallelExecutor:
 
     def close(self) -> None:
         """Stop the workers and leave the process groups (idempotent)."""
+        runner = self.__dict__.get("runner")
+        if runner is not None:
+            runner.close()
         self._finalizer()
 
     # rank 0's runner, as the engine and its reports read it

@@ -1,41 +1,55 @@
-"""How a :class:`~tripath.engine.model_runner.ModelRunner` starts, before it serves (:func:`start`), in order:
+"""How an executor starts, before it serves: :func:`start` runs its phases (:data:`PHASES`) once each, in order.
 
-1. the KV cache's size: ``num_kv_blocks`` if given (on the CPU, ``CPU_DEFAULT_KV_BLOCKS``), else on a GPU the
-   memory plan (:mod:`tripath.engine.memory_plan`: the worst step of each kind measured on a scratch cache,
-   graph pools and headroom reserved, the cache gets what is left of ``gpu_memory_utilization``);
-2. the caches, one per attention layer;
-3. the warm-up (GPU, Triton backends): every kernel variant the limits allow is compiled
+1. ``plan_memory``: the KV cache's size in blocks: ``num_kv_blocks`` if given (on the CPU,
+   ``CPU_DEFAULT_KV_BLOCKS``), else on a GPU the memory plan (:func:`tripath.engine.memory_plan.plan_gpu_memory`:
+   the worst step of each kind measured on a scratch cache, graph pools and headroom reserved, the cache gets
+   what is left of ``gpu_memory_utilization``);
+2. ``allocate_kv_cache``: the caches, one per attention layer;
+3. ``warm_up`` (GPU, Triton backends): every kernel variant the limits allow is compiled
    (:mod:`tripath.engine.warmup`), by worker processes when the Triton cache is empty
-   (:mod:`tripath.triton_internals.compile_pool`);
-4. the verify graphs (:mod:`tripath.engine.verify_graphs`: speculative decoding, where the backend allows
-   them), then the decode graphs (:mod:`tripath.engine.decode_graphs`) in their memory pool;
-5. (GPU) the largest eager step, run once writing nothing, so the caching allocator holds a step's activation
-   memory when requests arrive, and timed: where its host time is at least ``MIXED_GRAPHS_MIN_HOST_SHARE``
-   of its GPU span, steps with prompt tokens get piecewise graphs (:mod:`tripath.engine.mixed_graphs`);
-   then the LM head and the sampler for every row count (:func:`warm_sampling`), and the fused LM head and
-   draw, timed against them per bucket of row counts (:func:`tripath.engine.fused_sampling.measure`).
+   (:func:`compile_pool`, opened by phase 1 and closed by this one);
+4. ``capture_graphs``: the verify graphs (:mod:`tripath.engine.verify_graphs`: speculative decoding, where the
+   backend allows them), then the decode graphs (:mod:`tripath.engine.decode_graphs`) in their memory pool;
+   then (GPU) the largest eager step, run once writing nothing, so the caching allocator holds a step's
+   activation memory when requests arrive, and timed: where its host time is at least
+   ``MIXED_GRAPHS_MIN_HOST_SHARE`` of its GPU span, steps with prompt tokens get piecewise graphs
+   (:mod:`tripath.engine.mixed_graphs`); then the LM head and the sampler for every row count
+   (:func:`warm_sampling`), and the fused LM head and draw, timed against them per bucket of row counts
+   (:func:`tripath.engine.fused_sampling.measure`).
+
+A :class:`~tripath.engine.model_runner.ModelRunner` implements the phases on one rank (:class:`RunnerStart`); a
+:class:`~tripath.engine.parallel_executor.ParallelExecutor` runs each on rank 0 and broadcasts it to the worker
+ranks, which run it on their own runners (:mod:`tripath.engine.worker`), so every rank starts the same way. The
+functions below read a runner through :class:`StartingRunner` (the warm-up and the memory plan through their
+own protocols) and assign nothing to it: the runner keeps what they return.
 """
 
 from __future__ import annotations
 
-import gc
-
+import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 import torch
 
 from tripath.attention import ForwardContext
-from tripath.triton_internals import CompilePool, collect_compilations, default_workers, warm_up_recording
-from tripath.engine import fused_sampling
+from tripath.triton_internals import CompilePool, default_workers, warm_up_recording
+from tripath.engine import fused_sampling, warmup
 from tripath.engine.block_manager import blocks_needed
+from tripath.engine.executor import Executor, ExecutorCapabilities
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
-from tripath.engine.memory_plan import (HEADROOM_FRACTION, MIN_HEADROOM, SCRATCH_BLOCKS, MemoryPlan, check_fits,
-                                       kv_blocks_left, measure_step_peaks, run_synthetic_step, worst_steps)
+from tripath.engine.memory_plan import MemoryPlan, plan_gpu_memory
 from tripath.engine.mixed_graphs import MixedStepGraphs
 from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.sampler import make_generator, sample
-from tripath.engine.warmup import runner_limits, saved_plan_path, warm_up
+from tripath.engine.warmup import WarmupRunner, saved_plan_path
+
+if TYPE_CHECKING:
+    from tripath.attention.backends.base import AttentionBackend
+    from tripath.engine.config import EngineConfig
+    from tripath.engine.decode_graphs import DecodeGraphs
+    from tripath.engine.fused_sampling import FusedSampling
 
 logger = logging.getLogger(__name__)
 
@@ -43,41 +57,129 @@ logger = logging.getLogger(__name__)
 # span (measured at start): on an H200 the mha-tp8 shape measured 0.79–0.97 (host-bound), the 8B shape 0.14.
 MIXED_GRAPHS_MIN_HOST_SHARE = 0.5
 
+PHASES = ("plan_memory", "allocate_kv_cache", "warm_up", "capture_graphs")   # the start, in order
 
-def start(runner) -> None:
-    """Steps 1-5 of the module doc on ``runner`` (which has its model, spec, backend and limits)."""
-    config, device = runner.config, runner.device
-    warms_up = config.warmup and device.type == "cuda" and runner.backend.capabilities.needs_triton
-    pool = compile_pool(runner) if warms_up else None
+
+def start(executor: Executor) -> None:
+    """Start ``executor`` (built: its model, spec, backend and input builder): the phases of the module doc,
+    once each, in order. When one fails the executor is closed (its compile pool, its worker ranks)."""
     try:
-        if config.num_kv_blocks is None and device.type == "cuda":
-            runner.memory_plan = plan_memory(runner, pool)
-            runner.num_blocks = runner.memory_plan.num_blocks
-        else:
-            runner.num_blocks = config.num_kv_blocks or CPU_DEFAULT_KV_BLOCKS
-        runner.caches = [runner.backend.allocate_cache(runner.num_blocks, device) for _ in range(runner.num_layers)]
-        if warms_up:
-            base = _track_peak(runner)
-            runner.warmup_report = warm_up(runner, pool=pool)
-            _note_peak(runner, "warm-up peak", base)
-    finally:
+        num_blocks = executor.plan_memory()
+        executor.allocate_kv_cache(num_blocks)
+        executor.warm_up()
+        executor.capture_graphs()
+    except BaseException:
+        executor.close()
+        raise
+
+
+class PhaseOrder:
+    """An executor's place in :data:`PHASES`: :meth:`enter` each phase once, in order, or RuntimeError."""
+
+    def __init__(self, owner: str):
+        self.owner, self.done = owner, 0
+
+    def enter(self, phase: str) -> None:
+        if self.done >= len(PHASES) or PHASES[self.done] != phase:
+            raise RuntimeError(f"{self.owner}.{phase}() out of order: the start runs {', '.join(PHASES)}, once "
+                               f"each ({self.done} done)")
+        self.done += 1
+
+
+def warms_up(runner: WarmupRunner) -> bool:
+    """Whether the start compiles every kernel variant (:mod:`tripath.engine.warmup`): the ``warmup`` setting,
+    on a GPU, with a backend of Triton kernels."""
+    return runner.config.warmup and runner.device.type == "cuda" and runner.backend.capabilities.needs_triton
+
+
+class RunnerStart:
+    """The phases of a :class:`~tripath.engine.model_runner.ModelRunner`'s start, mixed into it: :func:`start`
+    calls them once each, in order (``self._phases``, a :class:`PhaseOrder`); they keep on the runner what the
+    functions below, the warm-up and the memory plan compute."""
+
+    def plan_memory(self) -> int:
+        """The KV cache's blocks: ``num_kv_blocks``, the CPU default, or on a GPU the memory plan's. Opens the
+        start's compile pool (:func:`compile_pool`) where the warm-up pays for one."""
+        self._phases.enter("plan_memory")
+        self._compile_pool = compile_pool(self) if warms_up(self) else None
+        if self.config.num_kv_blocks is not None or self.device.type != "cuda":
+            return self.config.num_kv_blocks or CPU_DEFAULT_KV_BLOCKS
+        self.penalties.allocate(self.logits_width())  # held for the engine's life: in use, not a step's
+        self.memory_plan = plan_gpu_memory(self, self._compile_pool)
+        return self.memory_plan.num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._phases.enter("allocate_kv_cache")
+        if self.memory_plan is not None:   # tensor parallelism: every rank takes the smallest rank's plan
+            self.memory_plan.num_blocks = num_blocks
+        self.num_blocks = num_blocks
+        self.caches = [self.backend.allocate_cache(num_blocks, self.device) for _ in range(self.num_layers)]
+
+    def warm_up(self) -> None:
+        self._phases.enter("warm_up")
+        try:
+            if warms_up(self):
+                with noting_peak(self.memory_plan, self.device, "warm-up peak"):
+                    self.warmup_report = warmup.warm_up(self, pool=self._compile_pool)
+        finally:
+            self.close()   # the compile pool
+
+    def capture_graphs(self) -> None:
+        self._phases.enter("capture_graphs")
+        with noting_growth(self.memory_plan, self.device, "graph pools"):
+            if self.captures_verify_graphs:
+                self.capture_verify_graphs()
+            if self.captures_decode_graphs:
+                self.capture_decode_graphs()
+            if self.device.type == "cuda":
+                self.largest_step_host_share = reserve_step_memory(self)
+                if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
+                    self.mixed_graphs = capture_mixed_graphs(self)
+
+    def close(self) -> None:
+        """Release the start's compile pool, if open (one rank, in this process: nothing else); idempotent."""
+        pool, self._compile_pool = self._compile_pool, None
         if pool is not None:
             pool.close()
-    before_graphs = torch.cuda.memory_allocated(device) if runner.memory_plan is not None else 0
-    if runner.captures_verify_graphs:
-        runner.capture_verify_graphs()
-    if runner.captures_decode_graphs:
-        runner.capture_decode_graphs()
-    if device.type == "cuda":
-        runner.largest_step_host_share = reserve_step_memory(runner)
-        if runner.uses_mixed_graphs and runner.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
-            capture_mixed_graphs(runner)
-    if runner.memory_plan is not None:
-        torch.cuda.synchronize(device)
-        runner.memory_plan.measured["graph pools"] = torch.cuda.memory_allocated(device) - before_graphs
 
 
-def compile_pool(runner) -> CompilePool | None:
+class StartingRunner(Protocol):
+    """What the start's steps that write nothing (and the piecewise graphs' capture) read of a runner."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...          # forward(input_ids, positions, ctx)
+
+    @property
+    def config(self) -> EngineConfig: ...            # the limits, mixed graph sizes, fused_sampling
+
+    @property
+    def backend(self) -> AttentionBackend: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def caches(self) -> list: ...
+
+    @property
+    def capabilities(self) -> ExecutorCapabilities: ...
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None: ...   # whose memory pool the piecewise graphs share
+
+    @property
+    def fused_sampling(self) -> FusedSampling | None: ...   # measured at start (fused_sampling.measure)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def compile_pool(runner: WarmupRunner) -> CompilePool | None:
     """Worker processes for the start's compilations (:mod:`tripath.triton_internals.compile_pool`): with
     ``compile_workers`` > 1 (None: :func:`~tripath.triton_internals.default_workers`) and no saved warm-up
     plan, whose absence means an empty or outdated Triton cache (a warm one would make them idle)."""
@@ -87,77 +189,47 @@ def compile_pool(runner) -> CompilePool | None:
     return CompilePool(workers)
 
 
-# ---- the memory plan ------------------------------------------------------------------------------------
-def plan_memory(runner, pool: CompilePool | None = None) -> MemoryPlan:
-    """The GPU memory plan (:mod:`tripath.engine.memory_plan`): the worst step of each kind measured on a
-    scratch cache, the graph pools and headroom reserved, the KV cache sized from the rest of
-    ``gpu_memory_utilization``. With a ``pool`` the measured steps' kernels are compiled there first (the
-    steps run once with their compilations listed instead of made)."""
-    device = runner.device
-    steps = worst_steps(runner_limits(runner), runner.spec.extend_chunk_budget)
-    runner.penalties.allocate(runner.logits_width())  # held for the engine's life: in use, not a step's
-    scratch = [runner.backend.allocate_cache(SCRATCH_BLOCKS, device) for _ in range(runner.num_layers)]
-    if pool is not None:
-        with collect_compilations() as compilations:
-            for step in steps.values():
-                run_synthetic_step(runner, step, scratch)
-        pool.compile(compilations)
-    peaks = measure_step_peaks(runner, steps, scratch)
-    del scratch
+@contextlib.contextmanager
+def noting_peak(plan: MemoryPlan | None, device: torch.device, name: str) -> Iterator[None]:
+    """Record in ``plan.measured[name]`` the most allocated above what was allocated when the block began
+    (when it ends without an error; nothing without a memory plan)."""
+    if plan is None:
+        yield
+        return
     torch.cuda.synchronize(device)
-    gc.collect()   # an engine the caller dropped may still hold its cache through a reference cycle
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    graph_pools = 0
-    if runner.captures_decode_graphs:
-        # the decode graphs' batch is at most the measured decode step's; the verify graphs share their pool
-        graph_pools += max(peaks["decode"], peaks.get("verify graphs", 0))
-        if runner.uses_mixed_graphs:
-            graph_pools += peaks["prefill"]  # their pool keeps a step's layer intermediates too
-    budget = int(total * runner.config.gpu_memory_utilization)
-    headroom = max(MIN_HEADROOM, int(total * HEADROOM_FRACTION))
-    per_block = runner.backend.cache_bytes_per_block() * runner.num_layers
-    if runner.extra_cache_bytes is not None:   # a draft model's cache of as many blocks
-        per_block += runner.extra_cache_bytes(runner.block_size)
-    in_use = total - free
-    plan = MemoryPlan(total=total, budget=budget, in_use=in_use, weights=torch.cuda.memory_allocated(device),
-                      step_peaks=peaks, graph_pools=graph_pools, headroom=headroom, bytes_per_block=per_block,
-                      num_blocks=0)
-    plan.num_blocks = max(0, kv_blocks_left(budget, in_use, plan.step_peak, graph_pools, headroom, per_block))
-    check_fits(plan.num_blocks, runner.block_size, runner.max_model_len, plan.summary())
-    logger.info("%s", plan.summary())
-    return plan
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    yield
+    torch.cuda.synchronize(device)
+    plan.measured[name] = torch.cuda.max_memory_allocated(device) - base
 
 
-def _track_peak(runner) -> int:
-    if runner.memory_plan is None:
-        return 0
-    torch.cuda.synchronize(runner.device)
-    torch.cuda.reset_peak_memory_stats(runner.device)
-    return torch.cuda.memory_allocated(runner.device)
-
-
-def _note_peak(runner, name: str, base: int) -> None:
-    """Record in the memory plan what was allocated above ``base`` since :func:`_track_peak`."""
-    if runner.memory_plan is not None:
-        torch.cuda.synchronize(runner.device)
-        runner.memory_plan.measured[name] = torch.cuda.max_memory_allocated(runner.device) - base
+@contextlib.contextmanager
+def noting_growth(plan: MemoryPlan | None, device: torch.device, name: str) -> Iterator[None]:
+    """Record in ``plan.measured[name]`` what the block left allocated (nothing without a memory plan)."""
+    if plan is None:
+        yield
+        return
+    before = torch.cuda.memory_allocated(device)
+    yield
+    torch.cuda.synchronize(device)
+    plan.measured[name] = torch.cuda.memory_allocated(device) - before
 
 
 # ---- steps that write nothing ---------------------------------------------------------------------------
-def split_prompts(runner, num_tokens: int) -> list[int]:
+def split_prompts(runner: StartingRunner, num_tokens: int) -> list[int]:
     """``num_tokens`` tokens as prompt lengths of at most ``max_model_len``."""
     limit = runner.max_model_len
     return [min(limit, num_tokens - start) for start in range(0, num_tokens, limit)]
 
 
-def largest_prompt_step(runner) -> list[int]:
+def largest_prompt_step(runner: StartingRunner) -> list[int]:
     """Prompt lengths of the largest step the limits allow: ``max_num_batched_tokens`` tokens in sequences
     of at most ``max_model_len``, at most ``max_num_seqs`` of them."""
     return split_prompts(runner, runner.config.max_num_batched_tokens)[:runner.config.max_num_seqs]
 
 
-def nothing_written_context(runner, num_tokens: int) -> ForwardContext:
+def nothing_written_context(runner: StartingRunner, num_tokens: int) -> ForwardContext:
     """A context for prompts of ``num_tokens`` tokens in all (sequences of at most ``max_model_len``) whose
     slots are all −1 and whose rows read block 0: its steps write nothing to the caches."""
     lens = split_prompts(runner, num_tokens)
@@ -168,19 +240,19 @@ def nothing_written_context(runner, num_tokens: int) -> ForwardContext:
     return ForwardContext(runner.backend, runner.backend.build_metadata(plan, block_table, slots), runner.caches)
 
 
-def capture_mixed_graphs(runner) -> None:
-    """Capture piecewise graphs of steps with prompt tokens for ``config.mixed_cuda_graph_sizes()`` (in the
+def capture_mixed_graphs(runner: StartingRunner) -> MixedStepGraphs:
+    """Piecewise graphs of steps with prompt tokens for ``config.mixed_cuda_graph_sizes()``, captured (in the
     decode graphs' memory pool); the capture's attention calls see prompts that write nothing."""
     pool = None if runner.decode_graphs is None else runner.decode_graphs.pool
-    runner.mixed_graphs = MixedStepGraphs(runner.model, runner.config.mixed_cuda_graph_sizes(), runner.device,
-                                          pool=pool)
+    graphs = MixedStepGraphs(runner.model, runner.config.mixed_cuda_graph_sizes(), runner.device, pool=pool)
     with torch.inference_mode():
-        runner.mixed_graphs.capture(lambda n: nothing_written_context(runner, n))
+        graphs.capture(lambda n: nothing_written_context(runner, n))
     warm_up_recording()  # the graphs' steps record and replay their layers' launches
+    return graphs
 
 
 @torch.inference_mode()
-def reserve_step_memory(runner) -> float | None:
+def reserve_step_memory(runner: StartingRunner) -> float | None:
     """Run the largest eager step once on the real caches, writing nothing (every slot −1, every row reading
     block 0), then :func:`warm_sampling` on up to ``max_num_seqs`` of its rows: PyTorch's caching allocator
     then holds the activation memory a step needs (reserved by the memory plan), so no step while serving
@@ -210,7 +282,7 @@ def reserve_step_memory(runner) -> float | None:
 
 
 @torch.inference_mode()
-def warm_sampling(runner, hidden: torch.Tensor) -> None:
+def warm_sampling(runner: StartingRunner, hidden: torch.Tensor) -> None:
     """Run the eager work after a step's forward once for every row count it can take, before requests
     arrive: the LM head and sampling of ``1 … hidden.shape[0]`` rows (greedy for each count, with a
     temperature, top-k and top-p for powers of two and the largest, whose probabilities are the largest

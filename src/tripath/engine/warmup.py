@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
 
 from pathlib import Path
 
@@ -54,9 +54,49 @@ from tripath.engine.block_manager import blocks_needed
 from tripath.triton_internals import capture_launches, launch_key
 from tripath.platform import current_platform
 
+if TYPE_CHECKING:
+    from tripath.attention import AttentionSpec
+    from tripath.attention.backends.base import AttentionBackend
+    from tripath.engine.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 RECORD_TOKENS = 37  # the recording prompt's length: odd, so no weight dimension is mistaken for the tokens
+
+
+class WarmupRunner(Protocol):
+    """What the warm-up reads of a runner (a :class:`~tripath.engine.model_runner.ModelRunner` is one): the model
+    it runs, the attention it probes, the limits it spans and the caches its steps read. It assigns nothing."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...          # forward(input_ids, positions, ctx)
+
+    @property
+    def config(self) -> EngineConfig: ...            # max_num_seqs, max_num_batched_tokens, compile_workers
+
+    @property
+    def spec(self) -> AttentionSpec: ...
+
+    @property
+    def backend(self) -> AttentionBackend: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def caches(self) -> list: ...
+
+    @property
+    def captures_verify_graphs(self) -> bool: ...    # the verify graphs' batches are steps to reach
 
 
 @dataclass
@@ -215,7 +255,7 @@ class WarmupReport:
         return text
 
 
-def record_attention_calls(runner, *, run_kernels: bool = True) -> list[AttentionCall]:
+def record_attention_calls(runner: WarmupRunner, *, run_kernels: bool = True) -> list[AttentionCall]:
     """One forward of a :data:`RECORD_TOKENS`-token prompt through the model (its kernels captured, not run,
     unless ``run_kernels``), remembering each layer's attention call; the distinct ones (by
     :meth:`AttentionCall.signature`) in layer order."""
@@ -247,7 +287,7 @@ def synthetic_tables(plan, block_size: int, num_blocks: int, device) -> tuple[to
     return torch.from_numpy(table).to(device), slots.to(device)
 
 
-def probe(runner, calls: Sequence[AttentionCall], step: Step) -> tuple[object, set]:
+def probe(runner: WarmupRunner, calls: Sequence[AttentionCall], step: Step) -> tuple[object, set]:
     """The metadata of ``step`` and the variant keys its attention launches would use (nothing runs)."""
     backend = runner.backend
     plan = backend.plan(*step)
@@ -260,14 +300,14 @@ def probe(runner, calls: Sequence[AttentionCall], step: Step) -> tuple[object, s
     return meta, set(keys)
 
 
-def runner_limits(runner) -> WarmupLimits:
+def runner_limits(runner: WarmupRunner) -> WarmupLimits:
     config = runner.config
     sizes = tuple(config.cuda_graph_batch_sizes()) if runner.captures_verify_graphs else ()
     return WarmupLimits(config.max_num_seqs, config.max_num_batched_tokens, runner.max_model_len,
                         runner.spec.decode_threshold, sizes)
 
 
-def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool = True,
+def warm_up(runner: WarmupRunner, shapes: Iterable[Step] | None = None, *, run_kernels: bool = True,
             use_saved_plan: bool = True, pool: CompilePool | None = None) -> WarmupReport:
     """Probe ``shapes`` (default :func:`warmup_shapes` of the runner's limits) and, with ``run_kernels``,
     run each step that brings a new variant so it compiles. With ``use_saved_plan`` (and the default
@@ -309,7 +349,7 @@ def warm_up(runner, shapes: Iterable[Step] | None = None, *, run_kernels: bool =
     return report
 
 
-def run_steps(runner, calls: Sequence[AttentionCall], steps: Iterable[Step]) -> int:
+def run_steps(runner: WarmupRunner, calls: Sequence[AttentionCall], steps: Iterable[Step]) -> int:
     """Replay ``calls`` on each of ``steps`` for real (random inputs, K/V written to slot −1: the caches are
     untouched), so their variants compile; returns how many steps ran."""
     generator = torch.Generator(device=runner.device).manual_seed(0)
@@ -336,7 +376,7 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def saved_plan_path(runner) -> Path:
+def saved_plan_path(runner: WarmupRunner) -> Path:
     """Where the warm-up plan of this runner's configuration is saved (see the module doc)."""
     import triton
 

@@ -7,9 +7,13 @@ through the same phases, so their collectives line up:
    gloo group on the CPU for control messages;
 2. load its shard of the model (:func:`tripath.models.load_model` with its :class:`ParallelState`), then
    exchange a status (ok, or the error) with every rank;
-3. build a :class:`~tripath.engine.model_runner.ModelRunner` around it (KV cache, backend, CUDA graphs),
-   exchange the number of KV blocks (the engine uses the smallest);
-4. workers: run every step rank 0 broadcasts over the control group until it broadcasts ``None``.
+3. build a :class:`~tripath.engine.model_runner.ModelRunner` around it (spec, backend, input builder), then
+   exchange a status;
+4. start it: rank 0's engine runs the start's phases (:func:`tripath.engine.startup.start`: ``plan_memory``,
+   ``allocate_kv_cache``, ``warm_up``, ``capture_graphs``) and broadcasts each as a :class:`StartPhase`; every
+   rank runs it on its runner, then all exchange a status (``plan_memory``'s: the rank's KV blocks, of which
+   every rank allocates the smallest), so a failure on one rank stops them all there;
+5. workers: run every step rank 0 broadcasts over the control group until it broadcasts ``None``.
 
 A step message is ``(forget, items, draw_keys)``: ``items`` has one tuple per scheduled request, ``(key,
 num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids)`` —
@@ -37,6 +41,7 @@ import torch.distributed as dist
 
 from tripath.engine.config import EngineConfig
 from tripath.engine.request import RequestStatus
+from tripath.engine.startup import PHASES
 from tripath.engine.sampling_params import SamplingParams
 from tripath.engine.scheduler import ScheduledRequest
 from tripath.engine.step_sampling import noise_seed
@@ -55,6 +60,19 @@ class RankSetup:
     world_size: int
     init_method: str | None  # tcp://127.0.0.1:port for spawned workers; None: the environment (torchrun)
     rendezvous_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class StartPhase:
+    """A phase of the start (:data:`tripath.engine.startup.PHASES`) rank 0 broadcasts: the runner's method of
+    that name, called with ``args``."""
+
+    name: str
+    args: tuple = ()
+
+    def __post_init__(self):
+        if self.name not in PHASES:
+            raise ValueError(f"no start phase {self.name!r}; the phases: {', '.join(PHASES)}")
 
 
 @dataclass
@@ -173,8 +191,8 @@ def _failure(statuses: list, what: str) -> str | None:
 
 
 def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, control):
-    """Phases 2 and 3 on this rank; returns ``(model, runner, num_blocks agreed by all ranks)`` or raises
-    ``RuntimeError`` naming the ranks that failed (on every rank)."""
+    """Phases 2 and 3 on this rank; returns ``(model, runner)`` or raises ``RuntimeError`` naming the ranks that
+    failed (on every rank)."""
     from tripath.triton_internals import default_workers
     from tripath.engine.model_runner import ModelRunner
     from tripath.models import load_model
@@ -192,26 +210,49 @@ def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, cont
         config = replace(config, compile_workers=max(1, default_workers() // setup.world_size))
     try:
         runner = ModelRunner(model, config)
-        status = runner.num_blocks
+        status = 0
     except Exception as error:
         status = f"{type(error).__name__}: {error}"
-    statuses = exchange(control, status)
-    failure = _failure(statuses, "engine start")
+    failure = _failure(exchange(control, status), "engine start")
     if failure:
         raise RuntimeError(failure)
-    return model, runner, min(statuses)
+    return model, runner
+
+
+def run_start_phase(runner, phase: StartPhase, control) -> int:
+    """Phase 4 for one start phase on this rank: run it on ``runner`` and exchange the outcome with every rank;
+    returns the smallest rank's result (``plan_memory``'s KV blocks; 0 for the others) or raises
+    ``RuntimeError`` naming the ranks that failed (on every rank)."""
+    try:
+        result = getattr(runner, phase.name)(*phase.args)
+        status = result if isinstance(result, int) else 0
+    except Exception as error:  # reported to every rank, so none goes on to collectives a failed rank never joins
+        status = f"{type(error).__name__}: {error}"
+    statuses = exchange(control, status)
+    failure = _failure(statuses, f"engine start ({phase.name})")
+    if failure:
+        raise RuntimeError(failure)
+    return min(statuses)
 
 
 def serve(runner, control) -> None:
-    """A worker's loop: run each broadcast step until the stop message (computing the logits, whose LM head
-    gathers over the ranks, without sampling: rank 0's samples are the engine's)."""
+    """A worker's loop: run each broadcast start phase, then each broadcast step until the stop message
+    (computing the logits, whose LM head gathers over the ranks, without sampling: rank 0's samples are the
+    engine's)."""
     runner.samples = False
     box, decoder = [None], StepDecoder()
-    while True:
-        dist.broadcast_object_list(box, src=0, group=control)
-        if box[0] is None:
-            return
-        runner.execute(decoder.decode(box[0]), fused=box[0][2] is not None)
+    try:
+        while True:
+            dist.broadcast_object_list(box, src=0, group=control)
+            message = box[0]
+            if message is None:
+                return
+            if isinstance(message, StartPhase):
+                run_start_phase(runner, message, control)
+            else:
+                runner.execute(decoder.decode(message), fused=message[2] is not None)
+    finally:
+        runner.close()
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -241,7 +282,7 @@ def run_worker(rank: int, setup: RankSetup, *, local_rank: int | None = None, pa
     config = replace(setup.config, device=device)
     parallel, control, created = join_groups(setup, rank)
     try:
-        _, runner, _ = start_rank(setup, rank, config, parallel, control)
+        _, runner = start_rank(setup, rank, config, parallel, control)
         serve(runner, control)
     finally:
         leave_groups(control, created)

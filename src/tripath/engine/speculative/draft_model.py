@@ -55,6 +55,7 @@ class DraftModelProposer:
 
     def __init__(self, model, config, *, num_blocks: int, block_size: int, max_model_len: int, vocab_size: int):
         from tripath.engine.model_runner import ModelRunner
+        from tripath.engine.startup import start
 
         if isinstance(model, str):
             model = load_draft_model(model, config)
@@ -70,6 +71,7 @@ class DraftModelProposer:
                                            async_scheduling=False, decode_steps=1, backend="auto")
         self.model = model.eval()
         self.runner = ModelRunner(model, draft_config)
+        start(self.runner)   # the target's cache size: no memory plan
         self.budget = config.max_num_batched_tokens
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # request -> (its blocks, tokens seen)
 
