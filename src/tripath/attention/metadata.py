@@ -28,7 +28,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
 
 
-def _cumsum(values: list[int]) -> list[int]:
+def cumsum(values: list[int]) -> list[int]:
     out = [0]
     for v in values:
         out.append(out[-1] + v)
@@ -228,9 +228,9 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
         raise ValueError(f"slot_mapping is on {slot_mapping.device} but block_table on {device}")
 
     seq_lens_host = plan.seq_lens
-    cu_q_host = _cumsum(plan.query_lens)
+    cu_q_host = cumsum(plan.query_lens)
     nd, nv = plan.num_decodes, plan.num_verifies
-    cu_verify_host = _cumsum(plan.query_lens[nd - nv:nd]) if nv else []
+    cu_verify_host = cumsum(plan.query_lens[nd - nv:nd]) if nv else []
     packed = to_device(seq_lens_host + plan.context_lens + cu_q_host + cu_verify_host, torch.int32, device)
     b = plan.num_requests
     seq_lens, context_lens, cu_seqlens_q = packed[:b], packed[b:2 * b], packed[2 * b:3 * b + 1]
@@ -259,7 +259,7 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
         ext_q = plan.query_lens[nd:nd + ne]
         ext_ctx = plan.context_lens[nd:nd + ne]
         chunks = plan.extend_chunks
-        local_tensors.append(_cumsum(ext_q))
+        local_tensors.append(cumsum(ext_q))
         for c in range(chunks.num_chunks):
             local_tensors.append(chunks.cu_lens(c))
             local_tensors.append(chunks.starts[c])
@@ -269,9 +269,9 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
         tail_starts = [min(s, ctx) for s, ctx in zip(chunks.starts[-1], ext_ctx)] if chunks.num_chunks else []
         tail_lens = [ctx - s + q for s, ctx, q in zip(tail_starts, ext_ctx, ext_q)]
         if tail_lens:
-            local_tensors += [_cumsum(tail_lens), tail_starts, [ctx - s for s, ctx in zip(tail_starts, ext_ctx)]]
+            local_tensors += [cumsum(tail_lens), tail_starts, [ctx - s for s, ctx in zip(tail_starts, ext_ctx)]]
     if npf:
-        local_tensors.append(_cumsum(plan.query_lens[nd + ne:]))
+        local_tensors.append(cumsum(plan.query_lens[nd + ne:]))
     flat = [v for t in local_tensors for v in t]
     dev_flat = to_device(flat, torch.int32, device) if flat else None
     pieces, at = [], 0

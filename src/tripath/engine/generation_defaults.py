@@ -48,9 +48,9 @@ def load_generation_defaults(model_dir: str | None, source: str = "auto") -> dic
         if source == "auto":
             return {}
         raise FileNotFoundError(f"generation_config {source!r} holds no {GENERATION_CONFIG_FILE}")
-    from tripath.models.loader import _read_json   # a JSON object, or ValueError naming the file
+    from tripath.models.loader import read_json   # a JSON object, or ValueError naming the file
 
-    raw = _read_json(path)
+    raw = read_json(path)
     defaults: dict[str, float | int] = {}
     for key, (field, neutral) in SAMPLING_KEYS.items():
         value = raw.get(key)

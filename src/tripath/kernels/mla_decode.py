@@ -31,7 +31,7 @@ from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
 @triton.jit
-def _split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+def split_range(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
     """This split's share ``[lo, hi)`` of ``seq_len`` rows, in whole tiles."""
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
     lo = split * tiles_per_split * BLOCK_N
@@ -207,7 +207,7 @@ def mla_decode_kernel(
     part = tl.program_id(1) % V_PARTS
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo, hi = _split_range(seq_len, split, num_splits, BLOCK_N)
+    lo, hi = split_range(seq_len, split, num_splits, BLOCK_N)
 
     # The latent splits into V_PARTS column parts: this program's output columns ("mine") and, with two
     # parts, the other half, which enters only the scores. The two programs of a head block sum the

@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
+from tripath.kernels.mla_decode import split_range  # scalar math, shared with the portable kernel
 from tripath.kernels.mla_decode_sm90 import zero_tail_rows
 from tripath.kernels.gluon_tma import tma_load
 from tripath.triton_internals.specialize import STEP_INVARIANT
@@ -162,7 +162,7 @@ def mla_decode_few_heads_sm90_kernel(
     L_HALF: gl.constexpr = q_desc.block_type.shape[1]
     seq = gl.program_id(0)
     split = gl.program_id(1)
-    lo, hi = _split_range(gl.load(seq_lens_ptr + seq), split, num_splits, BLOCK_N)
+    lo, hi = split_range(gl.load(seq_lens_ptr + seq), split, num_splits, BLOCK_N)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     dtype: gl.constexpr = q_desc.dtype

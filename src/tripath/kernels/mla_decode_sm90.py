@@ -50,7 +50,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from tripath.kernels.mla_decode import _split_range  # scalar math, shared with the portable kernel
+from tripath.kernels.mla_decode import split_range  # scalar math, shared with the portable kernel
 from tripath.kernels.gluon_tma import tma_load, tma_store
 from tripath.triton_internals.specialize import STEP_INVARIANT
 
@@ -293,7 +293,7 @@ def mla_decode_sm90_kernel(
     head0 = gl.program_id(0) * HEADS  # the head blocks of a request run side by side: the second reads from L2
     seq = gl.program_id(1)
     split = gl.program_id(2)
-    lo, hi = _split_range(gl.load(seq_lens_ptr + seq), split, num_splits, BLOCK_N)
+    lo, hi = split_range(gl.load(seq_lens_ptr + seq), split, num_splits, BLOCK_N)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     dtype: gl.constexpr = q_desc.dtype

@@ -41,7 +41,7 @@ _STACKED = re.compile(r"\.experts\.(gate_proj|up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
     """The JSON object in ``path``; ``ValueError`` naming the file when it is not valid UTF-8 JSON."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -59,9 +59,9 @@ def load_config(path: str) -> ModelConfig:
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"no config.json in {path}: a model directory needs config.json and *.safetensors")
     generation_path = os.path.join(path, "generation_config.json")
-    generation = _read_json(generation_path) if os.path.isfile(generation_path) else None
+    generation = read_json(generation_path) if os.path.isfile(generation_path) else None
     has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
-    return config_from_hf(_read_json(config_path), generation_config=generation,
+    return config_from_hf(read_json(config_path), generation_config=generation,
                           tokenizer_path=path if has_tokenizer else None, source=config_path)
 
 
@@ -83,7 +83,7 @@ def safetensors_files(path: str) -> list[str]:
     ``*.safetensors``."""
     index_path = os.path.join(path, SAFETENSORS_INDEX)
     if os.path.isfile(index_path):
-        shards = sorted(set(_read_json(index_path).get("weight_map", {}).values()))
+        shards = sorted(set(read_json(index_path).get("weight_map", {}).values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if missing:
             raise FileNotFoundError(f"{index_path} lists shards that are missing: {', '.join(missing)}")

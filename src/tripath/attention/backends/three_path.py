@@ -43,7 +43,7 @@ import torch
 
 from tripath import _env
 from tripath.attention.backends.base import MHAAttentionBackend, Capabilities, attend_joined_chunks
-from tripath.attention.metadata import (AttentionMetadata, ContextChunk, ExtendMetadata, _cumsum, copy_step_tensor,
+from tripath.attention.metadata import (AttentionMetadata, ContextChunk, ExtendMetadata, cumsum, copy_step_tensor,
                                         to_device)
 from tripath.attention.validate import check_offsets, expect, host_ints
 from tripath.attention.spec import KVCache
@@ -105,7 +105,7 @@ class ThreePathBackend(MHAAttentionBackend):
         if plan.num_extends and plan.num_prefills and plan.extend_chunks.num_chunks == 1:
             nd, rows = plan.num_decodes, plan.num_requests - plan.num_decodes
             seq_lens = plan.seq_lens[nd:]
-            cu_k, cu_q = _cumsum(seq_lens), _cumsum(plan.query_lens[nd:])
+            cu_k, cu_q = cumsum(seq_lens), cumsum(plan.query_lens[nd:])
             packed = to_device(cu_k + [0] * rows + list(plan.context_lens[nd:]) + cu_q, torch.int32,
                                block_table.device)
             prompts = ContextChunk(cu_seqlens_k=packed[:rows + 1], seq_starts=packed[rows + 1:2 * rows + 1],

@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from tripath.server.tools.json_scan import ObjectScanner
 
-_WS = re.compile(r"[ \t\n\r]*")
+WHITESPACE = re.compile(r"[ \t\n\r]*")
 ARGUMENT_KEYS = ("arguments", "parameters")
 
 
@@ -203,7 +203,7 @@ class ToolParser:
     # ---- shared states --------------------------------------------------------------------------------
     def _s_plain(self) -> bool:
         if self._after_call:   # whitespace after a call
-            self.pos = _WS.match(self.text, self.pos).end()
+            self.pos = WHITESPACE.match(self.text, self.pos).end()
             self._after_call = self.pos == len(self.text)
         self._emit(self.text[self.pos:])
         self.pos = len(self.text)
@@ -211,14 +211,14 @@ class ToolParser:
 
     def _skip_space(self) -> int | None:
         """The position after whitespace at ``pos``; None when the text ends there (more may come)."""
-        pos = _WS.match(self.text, self.pos).end()
+        pos = WHITESPACE.match(self.text, self.pos).end()
         return None if pos == len(self.text) else pos
 
     def _s_text(self) -> bool:
         """Content, until the format's marker."""
         text, n = self.text, len(self.text)
         if self._after_call:
-            self.pos = _WS.match(text, self.pos).end()
+            self.pos = WHITESPACE.match(text, self.pos).end()
             if self.pos == n:
                 return False
             self._after_call = False

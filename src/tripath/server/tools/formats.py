@@ -23,7 +23,7 @@ import re
 import uuid
 from typing import Callable
 
-from tripath.server.tools.base import ToolParser, _WS, chat_tool_id
+from tripath.server.tools.base import ToolParser, WHITESPACE, chat_tool_id
 
 _IDENTIFIER = re.compile(r"[A-Za-z0-9_.\-]*")
 
@@ -38,7 +38,7 @@ class HermesParser(ToolParser):
 
     def _s_closing(self) -> bool:
         text = self.text
-        pos = _WS.match(text, self.pos).end()
+        pos = WHITESPACE.match(text, self.pos).end()
         tail = text[pos:pos + len(self.closer)]
         if tail != self.closer and self.closer.startswith(tail) and pos + len(tail) == len(text) and not self.final:
             return False   # maybe the closing tag
@@ -173,7 +173,7 @@ class PythonicParser(ToolParser):
             return self.final and self._break()
         rest = self.text[pos:pos + len(self.opener)]
         if rest == self.opener:
-            pos = _WS.match(self.text, pos + len(self.opener)).end()
+            pos = WHITESPACE.match(self.text, pos + len(self.opener)).end()
             if pos == len(self.text):
                 return self.final and self._break()
         elif self.opener.startswith(rest) and pos + len(rest) == len(self.text) and not self.final:
@@ -212,7 +212,7 @@ class PythonicParser(ToolParser):
         return True
 
     def _s_trailer(self) -> bool:
-        pos = _WS.match(self.text, self.pos).end()
+        pos = WHITESPACE.match(self.text, self.pos).end()
         rest = self.text[pos:pos + len(self.closer)]
         if rest == self.closer:
             self.pos = pos + len(self.closer)
