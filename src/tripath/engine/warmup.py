@@ -367,7 +367,9 @@ def run_steps(runner: WarmupRunner, calls: Sequence[AttentionCall], steps: Itera
 
 def _source_digest() -> str:
     """A digest of the sources that decide which variants launch: the kernels, ops, attention and this file."""
-    root = Path(__file__).resolve().parents[1]
+    import tripath
+
+    root = Path(tripath.__file__).resolve().parent   # wherever this module sits in the package
     digest = hashlib.sha256()
     for folder in ("kernels", "ops", "attention"):
         for path in sorted((root / folder).rglob("*.py")):
