@@ -45,7 +45,7 @@ ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(P._Request):
+class ResponsesRequest(P.RequestModel):
     model: P.Name
     input: Union[StrictStr, Annotated[list[dict[str, Any]], Field(min_length=1, max_length=P.MAX_MESSAGES)]]
     instructions: StrictStr | None = None

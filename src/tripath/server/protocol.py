@@ -63,7 +63,9 @@ StopString = Annotated[StrictStr, Field(max_length=MAX_STOP_STRING_CHARS)]
 _logged_unknown: set[str] = set()
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
+    """The base of every request body: unknown fields allowed (and logged once each, as vLLM does)."""
+
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
@@ -77,24 +79,24 @@ class _Request(BaseModel):
         return self
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: Bool = False
     continuous_usage_stats: Bool = False
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     name: Name | None = None
     description: StrictStr | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: Bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Request):
+class StructuredOutputs(RequestModel):
     """vLLM's ``structured_outputs`` field (and its older ``guided_*`` fields)."""
 
     json_: Union[dict[str, Any], StrictStr, None] = Field(default=None, alias="json")
@@ -104,7 +106,7 @@ class StructuredOutputs(_Request):
     grammar: StrictStr | None = None
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(RequestModel):
     model: Name
     # None = unset: the model's default (generation_config.json), else the engine's (server.sampling_defaults)
     max_tokens: Annotated[Int, Field(ge=1, le=INT64_MAX)] | None = None
@@ -266,12 +268,12 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class FunctionCall(_Request):
+class FunctionCall(RequestModel):
     name: Name
     arguments: Union[StrictStr, dict[str, Any], None] = None   # JSON text of an object (a dict accepted)
 
 
-class ToolCallMessage(_Request):
+class ToolCallMessage(RequestModel):
     """A tool call of an assistant message in the history."""
 
     id: Name | None = None
@@ -279,7 +281,7 @@ class ToolCallMessage(_Request):
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[dict], None] = None
     name: Name | None = None

@@ -37,7 +37,7 @@ MAX_DETOKENIZE_TOKENS = 1 << 20
 ENCODE_SLICE = 1 << 15   # list items per json.dumps call: each holds the interpreter lock for a few ms at most
 
 
-class TokenizeRequest(P._Request):
+class TokenizeRequest(P.RequestModel):
     model: P.Name | None = None
     prompt: StrictStr | None = None
     messages: Annotated[list[P.ChatMessage], Field(min_length=1, max_length=P.MAX_MESSAGES)] | None = None
@@ -61,7 +61,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(P._Request):
+class DetokenizeRequest(P.RequestModel):
     model: P.Name | None = None
     tokens: Annotated[list[P.TokenId], Field(max_length=MAX_DETOKENIZE_TOKENS)]
 
@@ -129,7 +129,7 @@ def _json_reply(**fields) -> Response:
 def add_utility_routes(app: FastAPI, state) -> None:
     """Add ``/tokenize``, ``/detokenize``, ``/version`` and (``state.tokenizer_info``) ``/tokenizer_info`` to
     ``app`` (served by ``state``)."""
-    async def _checked(request: Request, model: type[P._Request]):
+    async def _checked(request: Request, model: type[P.RequestModel]):
         body = await read_json(request, model)
         check_ready(state)
         if body.model is not None:

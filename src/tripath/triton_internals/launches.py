@@ -50,7 +50,7 @@ class _ThreadRecordings(threading.local):
         self.active: list = []
 
 
-_recordings = _ThreadRecordings()
+thread_recordings = _ThreadRecordings()   # record_launches pushes and pops its recording here
 
 
 def launch(kernel: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -64,12 +64,12 @@ def launch(kernel: Callable, grid: tuple[int, ...], *args: Any, **kwargs: Any) -
         return
     if min(grid) <= 0:
         return
-    if not _recordings.active:
+    if not thread_recordings.active:
         kernel[grid](*args, **kwargs)
         return
     from torch.utils._python_dispatch import _disable_current_modes
 
-    recording = _recordings.active[-1]
+    recording = thread_recordings.active[-1]
     # the interpreter's own tensor work is not the recorded code's
     with _disable_current_modes() if recording.interpreted else contextlib.nullcontext():
         recording.add(kernel, grid, args, kwargs, kernel[grid](*args, **kwargs))

@@ -236,12 +236,12 @@ def record_launches(fn: Callable[[], Any], swappable: Sequence[torch.Tensor | No
     recording = _Recording(swappable, invariant if watch else (), interpreted)
     if not interpreted and torch.cuda.is_current_stream_capturing():
         return fn(), None, "a CUDA graph is being captured"
-    launches._recordings.active.append(recording)
+    launches.thread_recordings.active.append(recording)
     try:
         with recording if watch else contextlib.nullcontext():
             result = fn()
     finally:
-        launches._recordings.active.pop()
+        launches.thread_recordings.active.pop()
     if recording.reason is None and not recording.launches:
         recording.refuse("nothing was launched")
     if recording.reason is not None:
