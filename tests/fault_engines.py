@@ -15,7 +15,7 @@ ADD_POISON = [13, 13]
 
 
 def faulty_llm(slow_s: float = 0.0, num_kv_blocks: int = 16):
-    from tripath.engine.core import EngineCore
+    from tripath.engine.core.engine_core import EngineCore
 
     torch.set_num_threads(1)
     core = EngineCore("tiny-llama", backend="torch", num_kv_blocks=num_kv_blocks, detokenize=False)

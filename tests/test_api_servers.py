@@ -21,16 +21,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tripath.engine.core import StepResult
-from tripath.engine.request import CompletionOutput, FinishReason, RequestOutput
-from tripath.engine.sampling_params import SamplingParams
-from tripath.engine.stats import EngineStats
+from tripath.engine.core.engine_core import StepResult
+from tripath.engine.core.request import CompletionOutput, FinishReason, RequestOutput
+from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.core.stats import EngineStats
 
 pytest.importorskip("fastapi")
 
 from server_process import ServerProcess, running  # noqa: E402
-from tripath.server.core_messages import Abort, Add, Stop, Stopped, Update  # noqa: E402
-from tripath.server.core_wire import FrameReader  # noqa: E402
+from tripath.server.transport.core_messages import Abort, Add, Stop, Stopped, Update  # noqa: E402
+from tripath.server.transport.core_wire import FrameReader  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 
@@ -46,9 +46,9 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def test_merged_metrics_add_up_the_requests_and_keep_the_engines_own():
-    from tripath.server.metric_kinds import render
-    from tripath.server.metrics import ChoiceTimes, ServerMetrics
-    from tripath.server.metrics_peers import merge_families
+    from tripath.server.metrics.metric_kinds import render
+    from tripath.server.metrics.metrics import ChoiceTimes, ServerMetrics
+    from tripath.server.processes.metrics_peers import merge_families
 
     own, peer = ServerMetrics("m"), ServerMetrics("m")
     for m in (own, peer):
@@ -88,8 +88,8 @@ def test_merged_metrics_add_up_the_requests_and_keep_the_engines_own():
 
 
 def test_a_scrape_asks_its_peers_over_their_sockets_and_leaves_out_one_that_is_gone(tmp_path, caplog):
-    from tripath.server.metrics import ChoiceTimes, ServerMetrics
-    from tripath.server.metrics_peers import MetricsPeers
+    from tripath.server.metrics.metrics import ChoiceTimes, ServerMetrics
+    from tripath.server.processes.metrics_peers import MetricsPeers
 
     registries = [ServerMetrics("m") for _ in range(3)]
     for count, metrics in enumerate(registries[:2], start=1):
@@ -131,9 +131,9 @@ def _abstract_names() -> set[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])   # the server runs on uvloop where it is installed
 def test_abstract_metrics_sockets_put_nothing_on_disk_and_read_only_this_users_peers(caplog, monkeypatch, loop):
-    from tripath.server.api_servers import socket_folder
-    from tripath.server.metrics import ServerMetrics
-    from tripath.server.metrics_peers import MetricsPeers
+    from tripath.server.processes.api_servers import socket_folder
+    from tripath.server.metrics.metrics import ServerMetrics
+    from tripath.server.processes.metrics_peers import MetricsPeers
 
     folder = socket_folder()
     assert folder.startswith("\0tripath-api-servers-") and socket_folder() != folder   # fresh, random
@@ -227,7 +227,7 @@ def _close_pipes(pipes) -> None:
 
 
 def test_the_core_routes_outputs_to_the_api_server_that_sent_the_request():
-    from tripath.server.core_loop import CoreLoop
+    from tripath.server.transport.core_loop import CoreLoop
 
     pipes = [(os.pipe(), os.pipe()) for _ in range(2)]   # per API server: (commands r, w), (updates r, w)
     llm = _StandIn()
@@ -290,7 +290,7 @@ def test_a_core_never_waits_for_an_api_server_that_stops_reading(monkeypatch):
     reads again it gets every update that waited, then the failure."""
     import threading
 
-    from tripath.server import core_loop as C
+    from tripath.server.transport import core_loop as C
 
     monkeypatch.setattr(C, "MAX_UNSENT_BYTES", 1 << 20)
     pipes = [(os.pipe(), os.pipe()) for _ in range(2)]
@@ -456,7 +456,7 @@ def test_a_killed_process_stops_the_rest(tmp_path, victim):
 
 
 def test_the_sockets_folder_leaves_a_temp_folder_too_long_for_a_socket(tmp_path, monkeypatch):
-    from tripath.server.api_servers import UNIX_PATH_MAX, socket_folder
+    from tripath.server.processes.api_servers import UNIX_PATH_MAX, socket_folder
 
     deep = tmp_path / ("x" * 100)
     deep.mkdir()
@@ -473,7 +473,7 @@ def test_the_sockets_folder_leaves_a_temp_folder_too_long_for_a_socket(tmp_path,
 
 
 def test_several_api_servers_need_the_engine_in_its_own_process(tmp_path):
-    from tripath.server.cli import main_serve
+    from tripath.cli.serve import main_serve
 
     assert main_serve([PRESET, "--port", "0", "--api-server-count", "2", "--engine-in-process"]) == 2
     assert main_serve([PRESET, "--port", "0", "--api-server-count", "0"]) == 2

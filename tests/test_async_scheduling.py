@@ -11,7 +11,7 @@ import torch
 
 from engine_models import tiny_model
 from tripath.engine import LLM, FinishReason, SamplingParams
-from tripath.engine.request import RequestStatus
+from tripath.engine.core.request import RequestStatus
 
 
 pytestmark = pytest.mark.usefixtures("torch_paths_and_validation")
@@ -179,14 +179,14 @@ def test_the_option_is_checked_and_a_tensor_parallel_engine_runs_sequentially(mo
     with pytest.raises(TypeError, match="async_scheduling must be a bool"):
         engine(model, 1)
     assert engine(model, True).overlap and not engine(model, False).overlap
-    from tripath.engine.parallel_executor import ParallelExecutor
+    from tripath.engine.runner.parallel_executor import ParallelExecutor
     assert ParallelExecutor.capabilities.overlap is False
 
 
 def test_each_decode_is_launched_before_the_token_it_reads_is_known_on_the_host(model, monkeypatch):
     """launch(N + 1) comes before step N's tokens are read, and the outputs are still the reference's: the
     in-flight token reaches the next step on the device."""
-    from tripath.engine.launched_step import LaunchedStep
+    from tripath.engine.runner.launched_step import LaunchedStep
 
     llm = engine(model, True)
     events, real_launch, real_sampled = [], llm.runner.launch, LaunchedStep.sampled

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tripath.engine import LLM, SamplingParams
-from tripath.engine.sampler import filtered_probs, sample
+from tripath.engine.sampling.sampler import filtered_probs, sample
 from tripath.models import load_model
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -192,8 +192,9 @@ def test_the_extreme_sampling_values_allowed_keep_the_logits_finite():
     largest frequency and presence penalties."""
     from types import SimpleNamespace
 
-    from tripath.engine.logits_transforms import StepTransforms
-    from tripath.engine.sampling_params import MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
+    from tripath.engine.sampling.logits_transforms import StepTransforms
+    from tripath.engine.sampling.sampling_params import (MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY,
+                                                         MIN_REPETITION_PENALTY)
 
     logits = torch.tensor([[1e8, -1e8, 3.0, 0.0, -2.0]] * 2)
     bias = SamplingParams(logit_bias={0: MAX_LOGIT_BIAS_VALUE, 1: -MAX_LOGIT_BIAS_VALUE}).logit_bias

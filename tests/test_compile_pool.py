@@ -69,7 +69,7 @@ def test_compile_workers_must_be_a_positive_int(bad):
 def test_the_command_line_option_reaches_the_engine_config():
     import argparse
 
-    from tripath.engine.cli_options import add_engine_arguments, engine_options
+    from tripath.cli.engine_options import add_engine_arguments, engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)

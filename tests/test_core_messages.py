@@ -1,4 +1,4 @@
-"""The core loop's typed messages (``tripath.server.core_messages``) through the pipes' framing, and the one
+"""The core loop's typed messages (``tripath.server.transport.core_messages``) through the pipes' framing, and the one
 core loop serving both transports: in process, the same ``CoreLoop`` steps the engine (its arrival window
 included) through a local channel."""
 
@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from tripath.engine.engine_info import EngineInfo
-from tripath.engine.sampling_params import SamplingParams
-from tripath.server.core_messages import Abort, Add, Ready, StartFailed, Stop, Stopped, Update
-from tripath.server.core_wire import FrameReader, encode_stats, frame, send
-from tripath.engine.stats import EngineStats
+from tripath.engine.core.engine_info import EngineInfo
+from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.server.transport.core_messages import Abort, Add, Ready, StartFailed, Stop, Stopped, Update
+from tripath.server.transport.core_wire import FrameReader, encode_stats, frame, send
+from tripath.engine.core.stats import EngineStats
 
 INFO = EngineInfo(model="/models/tiny", vocab_size=320, dtype="float32", device="cpu", tensor_parallel_size=1,
                   max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512, decode_steps=8, backend="torch",
@@ -57,9 +57,9 @@ def test_in_process_the_same_core_loop_steps_the_engine_with_its_arrival_window(
     pytest.importorskip("fastapi")
     from fault_engines import faulty_llm
     from served_app import ServedApp
-    from tripath.engine.core import EngineCore
-    from tripath.server.app import build_app
-    from tripath.server.core_loop import CoreLoop
+    from tripath.engine.core.engine_core import EngineCore
+    from tripath.server.http.app import build_app
+    from tripath.server.transport.core_loop import CoreLoop
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tripath.server.detokenize import HOLD, IncrementalDetokenizer
+from tripath.server.http.detokenize import HOLD, IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

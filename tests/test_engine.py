@@ -18,8 +18,8 @@ from engine_models import CharTokenizer, tiny_model
 from model_steps import ReplayRecorder, assert_same_or_near_tie, record_graph_captures
 from tripath.attention import ForwardContext, default_block_size, plan_batch, select_backend
 from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
-from tripath.engine import startup
-from tripath.engine.cli_generate import main_generate
+from tripath.engine.runner import startup
+from tripath.cli.generate import main_generate
 from tripath.models import load_model
 
 
@@ -193,8 +193,8 @@ def test_generate_command_line(pure_torch, capsys):
 
 
 def test_runner_inputs_follow_the_plan_order(pure_torch, model):
-    from tripath.engine.request import Request
-    from tripath.engine.scheduler import ScheduledRequest
+    from tripath.engine.core.request import Request
+    from tripath.engine.core.scheduler import ScheduledRequest
 
     llm = LLM(model, backend="torch", num_kv_blocks=32, block_size=4)
     params = SamplingParams(max_tokens=4, temperature=0)
@@ -392,7 +392,7 @@ def test_start_warms_the_lm_head_and_sampling_for_every_row_count():
     runner, rows, sampled, advanced = llm.runner, [], [], []
     real_logits, real_advance = runner.model.compute_logits, AttentionMetadata.advance_decodes_
     runner.model.compute_logits = lambda hidden: rows.append(hidden.shape[0]) or real_logits(hidden)
-    import tripath.engine.startup as model_runner
+    import tripath.engine.runner.startup as model_runner
     real_sample = model_runner.sample
 
     def sample(logits, params, generators, noise=None):

@@ -1,4 +1,4 @@
-"""The engine core's typed face (``tripath.engine.core.EngineCore``), driven directly as the server drives it:
+"""The engine core's typed face (``tripath.engine.core.engine_core.EngineCore``), driven directly as the server drives it:
 add, step to the end, abort; a step's failure reported in its ``StepResult`` (never raised) with the requests
 it aborted; ``step(decode_steps=...)`` bounding multi-step decoding for one step; ``info()`` as the server
 reads it (the start-up line, ``vllm:cache_config_info``); and the ``LLM`` facade over the same core."""
@@ -11,8 +11,8 @@ import torch
 
 from engine_models import tiny_model
 from tripath.engine import LLM, SamplingParams
-from tripath.engine.core import EngineCore, StepResult
-from tripath.engine.engine_info import EngineInfo
+from tripath.engine.core.engine_core import EngineCore, StepResult
+from tripath.engine.core.engine_info import EngineInfo
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
@@ -120,7 +120,7 @@ def test_step_bounds_multi_step_decoding_for_one_step(model, monkeypatch):
 
 
 def test_info_is_what_the_server_reads(model):
-    from tripath.server.startup import cache_config, startup_summary
+    from tripath.server.metrics.startup import cache_config, startup_summary
 
     core = EngineCore(model, backend="torch", num_kv_blocks=32, max_model_len=256)
     info = core.info()
@@ -156,7 +156,7 @@ def test_the_facade_is_a_view_of_its_core(model):
 
 
 def test_the_server_takes_an_engine_core_only(model):
-    from tripath.server.core_process import checked_engine
+    from tripath.server.transport.core_process import checked_engine
 
     llm = LLM(model, backend="torch", num_kv_blocks=8)
     assert checked_engine(llm.core) is llm.core

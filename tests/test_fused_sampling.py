@@ -1,4 +1,4 @@
-"""The engine's fused LM head and draw (engine/fused_sampling.py): which requests force the unfused path, the
+"""The engine's fused LM head and draw (engine/sampling/fused_sampling.py): which requests force the unfused path, the
 choice per bucket of row counts, and the engine's outputs with the fused path forced on equal to the unfused
 path's on the tiny architectures (greedy, seeded plain temperature, a greedy token's log-probability;
 multi-step decoding), with its steps counted and the choice in the engine's info."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tripath.engine import LLM, SamplingParams
-from tripath.engine.fused_sampling import FusedSampling, choose, full_logits_reason, measure, row_buckets
-from tripath.engine.sampler import sample
-from tripath.engine.structured_output import StructuredOutput
+from tripath.engine.sampling.fused_sampling import FusedSampling, choose, full_logits_reason, measure, row_buckets
+from tripath.engine.sampling.sampler import sample
+from tripath.engine.sampling.structured_output import StructuredOutput
 from tripath.models import load_model
 from tripath.ops.lm_head_sample import logits_sample
 

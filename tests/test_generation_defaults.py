@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tripath.engine import LLM, SamplingParams
-from tripath.engine.generation_defaults import load_generation_defaults, usable_defaults
+from tripath.engine.sampling.generation_defaults import load_generation_defaults, usable_defaults
 
 
 def _write(folder, config) -> str:

@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from tripath.engine import LLM, SamplingParams, StepFailed
-from tripath.engine.core import EngineCore
-from tripath.engine.memory_plan import (MemoryPlan, check_fits, kv_blocks_left, run_synthetic_step,
-                                        worst_steps)
-from tripath.engine.warmup import WarmupLimits
+from tripath.engine.core.engine_core import EngineCore
+from tripath.engine.runner.memory_plan import MemoryPlan, check_fits, kv_blocks_left, run_synthetic_step, worst_steps
+from tripath.engine.runner.warmup import WarmupLimits
 
 
 @pytest.mark.parametrize("limits", [WarmupLimits(256, 8192, 131072), WarmupLimits(16, 8192, 36172),
@@ -83,7 +82,7 @@ def test_a_synthetic_step_writes_nothing_to_the_cache(monkeypatch):
 def test_a_synthetic_verify_step_samples_every_token_and_writes_nothing(monkeypatch):
     """Speculative decoding: the plan's verify step (decode_threshold tokens a request) runs the acceptance
     rule and log-probabilities over every verify token, and leaves the cache untouched."""
-    import tripath.engine.memory_plan as memory_plan
+    import tripath.engine.runner.memory_plan as memory_plan
     from tripath.engine.speculative import acceptance
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -208,8 +207,8 @@ def test_generate_with_an_out_of_memory_step_raises_and_leaves_the_engine_idle(m
 
 
 def test_the_token_budget_shrinks_to_a_floor_and_not_without_chunked_prefill():
-    from tripath.engine.block_manager import BlockManager
-    from tripath.engine.scheduler import MIN_TOKEN_BUDGET, Scheduler
+    from tripath.engine.core.block_manager import BlockManager
+    from tripath.engine.core.scheduler import MIN_TOKEN_BUDGET, Scheduler
 
     scheduler = Scheduler(BlockManager(32, 16, True), max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=512)
     assert [scheduler.shrink_token_budget() for _ in range(6)] == [512, 256, 128, 64, 64, 64]
@@ -266,7 +265,7 @@ def test_the_server_answers_an_out_of_memory_step_503_and_serves_the_next_reques
 
     import httpx
 
-    from tripath.server.app import build_app
+    from tripath.server.http.app import build_app
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     threads = torch.get_num_threads()

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for steps with prompt tokens (:mod:`tripath.engine.mixed_graphs`): the layers
+"""Piecewise CUDA graphs for steps with prompt tokens (:mod:`tripath.engine.runner.mixed_graphs`): the layers
 between attention calls replayed per padded token count, attention eager between them. On a GPU the
 replayed hidden states equal the eager model's, and an engine with them gives the tokens of one without
 them (prefix hits, chunked prefill with extends beside decodes, tight memory, MHA and MLA backends), with
@@ -13,8 +13,8 @@ import torch
 from tripath.attention import ForwardContext
 from tripath.attention.layer_replay import MIN_LAYERS_TO_REPLAY
 from tripath.engine import LLM, EngineConfig, SamplingParams
-from tripath.engine.mixed_graphs import MixedStepGraphs
-from tripath.engine.startup import nothing_written_context
+from tripath.engine.runner.mixed_graphs import MixedStepGraphs
+from tripath.engine.runner.startup import nothing_written_context
 from tripath.models import load_model
 from tripath.models.loader import build_model, init_random_weights
 from tripath.models.parallel import ParallelState

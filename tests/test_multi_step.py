@@ -124,7 +124,7 @@ def test_advance_moves_positions_lengths_and_slots_of_the_real_rows_only():
 
 
 def test_where_multi_step_does_not_apply(model):
-    from tripath.engine.parallel_executor import ParallelExecutor
+    from tripath.engine.runner.parallel_executor import ParallelExecutor
 
     assert engine(model, backend="torch", decode_steps=8).decode_steps == 1  # its forward reads host lists
     assert ParallelExecutor.capabilities.multi_step is False

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tripath.engine.sampling_params import SamplingParams
-from tripath.engine.sampler import filtered_probs, make_generator, sample
+from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.sampling.sampler import filtered_probs, make_generator, sample
 
 
 def reference_probs(logits_row, temperature, top_k, top_p, min_p=0.0):
@@ -101,7 +101,7 @@ def test_logits_of_the_lm_heads_dtype_sample_as_their_float32_copy(dtype):
 
 def test_the_engine_samples_the_lm_heads_dtype(monkeypatch):
     """The runner asks the model for logits in the LM head's dtype and hands them to the sampler."""
-    import tripath.engine.step_sampling as sampling_module
+    import tripath.engine.sampling.step_sampling as sampling_module
     from tripath.engine import LLM
 
     seen = []

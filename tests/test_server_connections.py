@@ -1,6 +1,6 @@
 """Clients that hold connections, on real sockets: slow headers ("slowloris"), slow bodies, answers left
 unread, oversized headers, more connections than the cap. uvicorn's two HTTP protocols (httptools, h11) with
-the guard of :mod:`tripath.server.connections`, served on a thread of this process with a small app; then
+the guard of :mod:`tripath.server.http.connections`, served on a thread of this process with a small app; then
 ``tripath serve`` itself as a process started with a soft open-file limit below the number of slow
 connections, which it serves beside them only because it raises that limit."""
 
@@ -18,7 +18,7 @@ from server_process import ServerProcess
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from tripath.server.connections import ConnectionLimits, fitted_max_connections, guarded_protocol  # noqa: E402
+from tripath.server.http.connections import ConnectionLimits, fitted_max_connections, guarded_protocol  # noqa: E402
 
 QUICK = ConnectionLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=8, max_header_bytes=4096,
                          send_timeout_s=0.5)

@@ -16,21 +16,21 @@ import httpx
 import pytest
 import torch
 
-from tripath.engine.core import StepResult
-from tripath.engine.request import CompletionOutput, FinishReason, Logprob, RequestOutput
-from tripath.engine.sampling_params import SamplingParams
-from tripath.engine.stats import EngineStats
-from tripath.server.core_messages import Abort, Add
-from tripath.server.core_wire import StepOutput, decode_output, decode_stats, encode_output, encode_stats
+from tripath.engine.core.engine_core import StepResult
+from tripath.engine.core.request import CompletionOutput, FinishReason, Logprob, RequestOutput
+from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.core.stats import EngineStats
+from tripath.server.transport.core_messages import Abort, Add
+from tripath.server.transport.core_wire import StepOutput, decode_output, decode_stats, encode_output, encode_stats
 
 pytest.importorskip("fastapi")
 
 from fault_engines import faulty_llm  # noqa: E402
 from server_process import ServerProcess, running  # noqa: E402
-from tripath.server import protocol as P  # noqa: E402
-from tripath.server import sse  # noqa: E402
-from tripath.server.generation import Generation  # noqa: E402
-from tripath.server.submissions import ACCEPTED  # noqa: E402
+from tripath.server.http import protocol as P  # noqa: E402
+from tripath.server.http import sse  # noqa: E402
+from tripath.server.http.generation import Generation  # noqa: E402
+from tripath.server.transport.submissions import ACCEPTED  # noqa: E402
 
 SERVE = ["--model", "tiny-llama", "--backend", "torch", "--num-kv-blocks", "160", "--max-model-len", "2048"]
 
@@ -107,7 +107,7 @@ def test_a_lagging_stream_gets_one_event_for_what_it_missed():
 def test_a_killed_core_fails_its_streams_and_health_answers_503(monkeypatch):
     """In process through ASGI, the core spawned: SIGKILL it mid-stream."""
     from served_app import ServedApp
-    from tripath.server.app import build_app
+    from tripath.server.http.app import build_app
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     fatal = []
@@ -245,7 +245,7 @@ def test_stop_signals_of_a_supervised_api_server_never_force_its_exit(supervised
     stays for a server of its own, where a second Ctrl-C is a person's)."""
     import uvicorn
 
-    from tripath.server.cli import _server_class
+    from tripath.cli.serve import _server_class
 
     server = _server_class(uvicorn)(uvicorn.Config(lambda scope, receive, send: None), None, 1.0,
                                     follows_supervisor=supervised)
@@ -284,7 +284,7 @@ def _restore_threads():
 def test_the_core_decodes_one_step_at_a_time_while_requests_arrive(monkeypatch):
     """Multi-step decoding pauses from an accepted add until ``ARRIVAL_WINDOW_S`` passes without one (a
     refused add does not count); an engine without multi-step is left alone."""
-    from tripath.server import core_loop as C
+    from tripath.server.transport import core_loop as C
 
     clock = [100.0]
     monkeypatch.setattr(C.time, "monotonic", lambda: clock[0])
@@ -326,9 +326,9 @@ def test_commands_a_full_pipe_cannot_take_wait_and_arrive_whole_and_in_order():
     as the reader drains it, later messages after it; the reader gets every frame whole, in order."""
     import threading
 
-    from tripath.server.core_wire import FrameReader, Outbox
-    from tripath.server.engine_client import EngineClient
-    from tripath.server.metrics import ServerMetrics
+    from tripath.server.transport.core_wire import FrameReader, Outbox
+    from tripath.server.transport.engine_client import EngineClient
+    from tripath.server.metrics.metrics import ServerMetrics
 
     read_end, write_end = os.pipe()
 

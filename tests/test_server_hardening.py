@@ -168,7 +168,7 @@ def test_bad_values_are_400s_naming_the_parameter(server):
 
 def test_a_reply_of_many_tokens_is_whole(server):
     """More than LARGE_REPLY_TOKENS tokens: the reply is built and encoded in a worker thread."""
-    from tripath.server.responses import LARGE_REPLY_TOKENS
+    from tripath.server.http.responses import LARGE_REPLY_TOKENS
 
     n, tokens = 17, 250
     assert n * tokens > LARGE_REPLY_TOKENS
@@ -181,7 +181,7 @@ def test_a_reply_of_many_tokens_is_whole(server):
 
 
 def test_large_texts_are_tokenised_one_at_a_time():
-    from tripath.server.large_texts import LargeTextGate
+    from tripath.server.http.large_texts import LargeTextGate
 
     async def run():
         gate, inside, most = LargeTextGate(large_chars=100), 0, 0
@@ -208,7 +208,7 @@ def test_the_bodies_in_flight_are_bounded_together():
     """In process, the middleware alone: bodies held by requests still being served count together."""
     from starlette.exceptions import HTTPException
 
-    from tripath.server.request_body import BodyLimit
+    from tripath.server.http.request_body import BodyLimit
 
     async def run():
         release = asyncio.Event()

@@ -20,7 +20,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
 from tripath.engine import LLM, SamplingParams  # noqa: E402
-from tripath.server import protocol as P  # noqa: E402
+from tripath.server.http import protocol as P  # noqa: E402
 
 ENGINE_ARGS = ["--backend", "torch"]
 MAX_BYTES = 1_000_000
@@ -241,7 +241,7 @@ def test_queue_depth_counts_beyond_the_running_and_shutdown_answers_503(tmp_path
 
 
 def test_zero_queue_depth_is_refused(capsys):
-    from tripath.server.cli import main_serve
+    from tripath.cli.serve import main_serve
 
     assert main_serve(["--model", "tiny-llama", "--max-queue-depth", "0"]) == 2
     assert "--max-queue-depth must be >= 1" in capsys.readouterr().err
@@ -258,7 +258,7 @@ def _first_to_complete(text, stops):
 def test_stop_matching_is_linear_and_cuts_at_the_first_stop_to_complete():
     import random
 
-    from tripath.server.detokenize import StopMatcher
+    from tripath.server.http.detokenize import StopMatcher
 
     rng = random.Random(0)
     for _ in range(2000):

@@ -70,7 +70,7 @@ def test_health_polls_stay_out_of_the_access_log_at_info(server):
 
 def test_the_quiet_paths_are_debug_lines_shown_at_debug():
     """At --log-level debug the quiet paths' lines are there, as DEBUG records; query strings do not matter."""
-    from tripath.server.observability import QuietAccessLog
+    from tripath.server.metrics.observability import QuietAccessLog
 
     records = []
     logger = logging.getLogger("tripath.test.access")
@@ -180,9 +180,9 @@ def test_usage_errors_name_the_flag(capsys, argv, message):
 def test_the_stats_line_reads_the_metrics_as_vllm_writes_it():
     """Throughputs over the interval, preemptions when there were some, the hit rate of the interval's lookups
     (all of them when it had none), INFO while busy and for one interval after, DEBUG when idle."""
-    from tripath.engine.stats import EngineStats
-    from tripath.server.metrics import ChoiceTimes, ServerMetrics
-    from tripath.server.stats_log import StatsLine
+    from tripath.engine.core.stats import EngineStats
+    from tripath.server.metrics.metrics import ChoiceTimes, ServerMetrics
+    from tripath.server.metrics.stats_log import StatsLine
 
     metrics, line = ServerMetrics("m"), StatsLine()
     assert line.update(metrics.families(), 100.0) is None   # the start

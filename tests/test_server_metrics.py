@@ -158,7 +158,7 @@ def test_a_counted_histogram_renders_as_the_same_observations_one_by_one():
 
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from tripath.server.metrics import LABELS, TOKEN_LATENCY_BUCKETS, CountedHistogram
+    from tripath.server.metrics.metrics import LABELS, TOKEN_LATENCY_BUCKETS, CountedHistogram
 
     name, doc = "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds."
     theirs, ours = CollectorRegistry(), CollectorRegistry()
@@ -188,8 +188,8 @@ def test_the_tokens_per_second_gauge_counts_the_tokens_of_its_window_only(monkey
     window, over observations whose spacing leaves a few to several dozen inside it."""
     import random
 
-    from tripath.engine.stats import EngineStats
-    from tripath.server import metrics as M
+    from tripath.engine.core.stats import EngineStats
+    from tripath.server.metrics import metrics as M
 
     clock = [1000.0]
     monkeypatch.setattr(M.time, "monotonic", lambda: clock[0])
@@ -208,8 +208,8 @@ def test_the_tokens_per_second_gauge_counts_the_tokens_of_its_window_only(monkey
 
 def test_speculative_decoding_counters_follow_the_engine_stats():
     """vLLM's spec-decode families grow by what the engine's cumulative counts grew, per draft position too."""
-    from tripath.engine.stats import EngineStats
-    from tripath.server.metrics import ServerMetrics
+    from tripath.engine.core.stats import EngineStats
+    from tripath.server.metrics.metrics import ServerMetrics
 
     metrics = ServerMetrics(NAME, names="vllm")
     metrics.observe_engine(EngineStats(1, 0, 1, 10, 0, 0, 0, 1, (), 0, 2, 6, 4, (2, 1, 1)))
@@ -227,7 +227,7 @@ def test_speculative_decoding_counters_follow_the_engine_stats():
                                              ("tripath", {"tripath:"})])
 def test_metric_names_choose_how_vllms_families_are_named(names, prefixes):
     """``--metric-names``: vLLM's families as ``vllm:``, ``tripath:`` or both; tripath's own stay ``tripath:``."""
-    from tripath.server.metrics import ServerMetrics
+    from tripath.server.metrics.metrics import ServerMetrics
 
     metrics = ServerMetrics(NAME, names=names)
     metrics.engine_ready(256, {"block_size": "16"})
@@ -245,7 +245,7 @@ def test_the_engine_reports_tokens_per_model_step_and_queue_times(pure_torch_one
     so their sum is the prompts' tokens and one per later token; ``RequestOutput.queue_time`` / ``prefill_time``
     split the engine's time to first token at the first step that scheduled the request."""
     from tripath.engine import LLM, SamplingParams
-    from tripath.engine.stats import STEP_TOKEN_BUCKETS, StepTokenCounts
+    from tripath.engine.core.stats import STEP_TOKEN_BUCKETS, StepTokenCounts
 
     llm = LLM("tiny-llama", backend="torch", num_kv_blocks=64, decode_steps=4, enable_prefix_caching=False)
     prompts = {"a": [5] * 9, "b": [7] * 30, "c": [3] * 2}

@@ -17,7 +17,7 @@ from tripath.bench.serve_online import arrival_offsets, make_workload
 from tripath.cli import main
 from tripath.engine import LLM, SamplingParams
 from tripath.engine.chat import ChatTemplateError, chat_token_ids, normalise_messages, render_chat
-from tripath.server.detokenize import IncrementalDetokenizer, StopMatcher
+from tripath.server.http.detokenize import IncrementalDetokenizer, StopMatcher
 
 from fault_engines import ADD_POISON, OOM_POISON, POISON, faulty_llm
 
@@ -125,7 +125,7 @@ ENGINES = pytest.mark.parametrize("in_process", [True, False], ids=["engine-thre
 
 def _app(slow_s=0.0, in_process=True, **kw):
     pytest.importorskip("fastapi")
-    from tripath.server.app import build_app
+    from tripath.server.http.app import build_app
 
     from served_app import ServedApp
 

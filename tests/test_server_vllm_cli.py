@@ -264,7 +264,7 @@ def test_help_shows_the_defaults(capsys):
 def test_token_counts_read_as_vllm_reads_them():
     import argparse
 
-    from tripath.engine.cli_options import token_count
+    from tripath.cli.engine_options import token_count
 
     assert [token_count(t) for t in ("300", "4k", "0.3k", "25.6k", "32K", "1M", "2m", "1G")] == \
         [300, 4000, 300, 25600, 32768, 1 << 20, 2_000_000, 1 << 30]
@@ -282,7 +282,7 @@ def test_the_api_key_middleware_and_its_environment_variables(monkeypatch):
     from starlette.testclient import TestClient
 
     from tripath import _env
-    from tripath.server.auth import APIKeyCheck
+    from tripath.server.http.auth import APIKeyCheck
 
     ok = Starlette(routes=[Route(path, lambda r: PlainTextResponse("ok")) for path in
                            ("/v1/models", "/v10", "/health", "/tokenize", "/custom")])

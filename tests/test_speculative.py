@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tripath.engine import LLM, EngineConfig, SamplingParams
-from tripath.engine.request import Request
-from tripath.engine.sampler import filtered_probs, make_generator
+from tripath.engine.core.request import Request
+from tripath.engine.sampling.sampler import filtered_probs, make_generator
 from tripath.engine.speculative import NgramProposer, SpeculativeConfig
 from tripath.engine.speculative.acceptance import accept_drafts
-from tripath.engine.structured_output import StructuredOutput
+from tripath.engine.sampling.structured_output import StructuredOutput
 from tripath.models import load_model
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from tripath.engine import LLM
-from tripath.engine import startup
-from tripath.engine.memory_plan import PlanningRunner, run_synthetic_step, worst_steps
-from tripath.engine.model_runner import ModelRunner
-from tripath.engine.startup import PHASES, StartingRunner
-from tripath.engine.warmup import WarmupRunner, runner_limits, saved_plan_path, warm_up
+from tripath.engine.runner import startup
+from tripath.engine.runner.memory_plan import PlanningRunner, run_synthetic_step, worst_steps
+from tripath.engine.runner.model_runner import ModelRunner
+from tripath.engine.runner.startup import PHASES, StartingRunner
+from tripath.engine.runner.warmup import WarmupRunner, runner_limits, saved_plan_path, warm_up
 
 
 @pytest.fixture

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from tripath.attention.planner import plan_batch
-from tripath.engine.request import Request
-from tripath.engine.sampling_params import SamplingParams
-from tripath.engine.scheduler import ScheduledRequest
-from tripath.engine.step_inputs import StepInputBuilder
+from tripath.engine.core.request import Request
+from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.core.scheduler import ScheduledRequest
+from tripath.engine.runner.step_inputs import StepInputBuilder
 
 BS = 4
 
 
 def expected(plan, scheduled, num_padding, inflight):
-    """The inputs from their definition (module doc of tripath.engine.step_inputs), with plain Python;
+    """The inputs from their definition (module doc of tripath.engine.runner.step_inputs), with plain Python;
     ``inflight``: request id -> the value of its in-flight token."""
     ids, positions, slots, rows, logits, sample_rows = [], [], [], [], [], []
     for i in plan.order:

@@ -19,8 +19,8 @@ import torch
 from model_steps import randomize_hf_weights
 from tp_ranks import model_steps_cases, reference_steps, run_ranks
 from tripath.engine import LLM, SamplingParams
-from tripath.engine.request import Request
-from tripath.engine.scheduler import ScheduledRequest
+from tripath.engine.core.request import Request
+from tripath.engine.core.scheduler import ScheduledRequest
 from tripath.models import load_model
 from tripath.models.parallel import ParallelState, model_shards
 
@@ -208,10 +208,10 @@ def test_llm_refuses_unshardable_or_unknown_models_before_spawning(monkeypatch):
 def test_step_messages_rebuild_what_the_runner_reads():
     """Through a real scheduler with too few blocks (preemptions, prefix hits, chunked prefill): each decoded
     step has the scheduled requests' block ids, new tokens and counts, and block ids travel once each."""
-    from tripath.engine.block_manager import BlockManager
-    from tripath.engine.request import Request
-    from tripath.engine.scheduler import Scheduler
-    from tripath.engine.worker import StepDecoder, StepEncoder
+    from tripath.engine.core.block_manager import BlockManager
+    from tripath.engine.core.request import Request
+    from tripath.engine.core.scheduler import Scheduler
+    from tripath.engine.runner.worker import StepDecoder, StepEncoder
 
     scheduler = Scheduler(BlockManager(12, 4), max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64)
     g = torch.Generator().manual_seed(0)
@@ -287,7 +287,7 @@ def test_llm_tp2_draws_without_logits_as_tp1_samples():
 
 def test_a_worker_runner_computes_logits_and_samples_nothing(monkeypatch):
     """A worker's runner (``samples = False``) runs the LM head (its collectives) and no sampler."""
-    import tripath.engine.model_runner as model_runner
+    import tripath.engine.runner.model_runner as model_runner
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     llm = LLM("tiny-llama", **ENGINE)
@@ -376,7 +376,7 @@ def test_llm_under_torchrun_uses_its_process_group(tmp_path):
 
 
 def test_generate_cli_with_tensor_parallel_size(capsys):
-    from tripath.engine.cli_generate import main_generate
+    from tripath.cli.generate import main_generate
 
     args = ["--model", "tiny-llama", "--prompt-ids", "5,6,7,8", "--max-tokens", "4", "--backend", "torch",
             "--device", "cpu", "--num-kv-blocks", "16", "--num-random-prompts", "2", "--random-prompt-len", "6"]

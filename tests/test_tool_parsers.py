@@ -11,12 +11,12 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")
 
 from tripath.engine.chat import normalise_messages, render_chat  # noqa: E402
-from tripath.server.tools import ChoiceToolStream, ToolError, ToolSettings, plan_tools  # noqa: E402
-from tripath.server.tools.base import CallArgs, CallEnd, CallStart, Content  # noqa: E402
-from tripath.server.tools.formats import (PARSERS, HermesParser, Llama3JsonParser, MistralParser,  # noqa: E402
+from tripath.server.http.tools import ChoiceToolStream, ToolError, ToolSettings, plan_tools  # noqa: E402
+from tripath.server.http.tools.base import CallArgs, CallEnd, CallStart, Content  # noqa: E402
+from tripath.server.http.tools.formats import (PARSERS, HermesParser, Llama3JsonParser, MistralParser,  # noqa: E402
                                           NamedParser, PythonicParser, RequiredParser)
-from tripath.server.tools.json_scan import ObjectScanner  # noqa: E402
-from tripath.server.tools.schema import named_schema, required_schema, tool_choice_mode, validate_tools  # noqa: E402
+from tripath.server.http.tools.json_scan import ObjectScanner  # noqa: E402
+from tripath.server.http.tools.schema import named_schema, required_schema, tool_choice_mode, validate_tools  # noqa: E402
 
 TOOLS = ["get_weather", "add", "no_args"]
 

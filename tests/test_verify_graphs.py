@@ -1,4 +1,4 @@
-"""Speculative decoding's verify graphs (:mod:`tripath.engine.verify_graphs`): steps of decodes and verifies alone
+"""Speculative decoding's verify graphs (:mod:`tripath.engine.runner.verify_graphs`): steps of decodes and verifies alone
 replay a captured forward of their padded batch size, every request padded to ``1 + k`` tokens. On the CPU the
 graphs are emulated (a replay re-runs the captured forward into the captured tensors, as a CUDA graph replay
 rewrites its memory): the steps take the verify-graph route, and greedy outputs are those without speculation
@@ -12,9 +12,9 @@ import torch
 
 from tripath.attention import select_backend
 from tripath.engine import LLM, SamplingParams
-from tripath.engine.memory_plan import VERIFY_GRAPHS, worst_steps
-from tripath.engine.model_runner import Route
-from tripath.engine.warmup import WarmupLimits, warmup_shapes
+from tripath.engine.runner.memory_plan import VERIFY_GRAPHS, worst_steps
+from tripath.engine.runner.model_runner import Route
+from tripath.engine.runner.warmup import WarmupLimits, warmup_shapes
 from tripath.models import load_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -65,7 +65,7 @@ def emulate_graphs(monkeypatch, model) -> None:
 
         return Replay(), hidden, None
 
-    monkeypatch.setattr("tripath.engine.decode_graphs._capture", capture)
+    monkeypatch.setattr("tripath.engine.runner.decode_graphs._capture", capture)
 
 
 def count_routes(llm) -> dict:

@@ -15,7 +15,7 @@ from server_process import ServerProcess
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
-from tripath.server.vllm_flags import VLLM_OPTIONS, markdown_table  # noqa: E402
+from tripath.cli.vllm_flags import VLLM_OPTIONS, markdown_table  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
 COMPATIBILITY = Path(__file__).resolve().parents[1] / "docs" / "COMPATIBILITY.md"
@@ -28,7 +28,7 @@ def test_the_compatibility_page_shows_the_table():
 @pytest.mark.parametrize("row", VLLM_OPTIONS, ids=[o.option for o in VLLM_OPTIONS])
 def test_every_vllm_option_parses_and_the_refused_ones_name_themselves(row, capsys):
     from tripath.cli import main
-    from tripath.server.cli import _refused, build_parser
+    from tripath.cli.serve import _refused, build_parser
 
     args = build_parser().parse_args(["tiny-llama", *row.example])
     refused = _refused(args)
@@ -41,8 +41,8 @@ def test_every_vllm_option_parses_and_the_refused_ones_name_themselves(row, caps
 
 
 def test_vllm_values_parse_as_vllm_means_them():
-    from tripath.engine.cli_options import engine_options
-    from tripath.server.cli import build_parser
+    from tripath.cli.engine_options import engine_options
+    from tripath.cli.serve import build_parser
 
     args = build_parser().parse_args(["m", "--dtype", "float", "--no-enable-prefix-caching", "--no-enable-chunked-"
                                       "prefill", "--kv-cache-dtype", "fp8_e4m3", "--revision", "v1", "--download-dir",

@@ -11,7 +11,7 @@ import torch
 
 from tripath.attention import default_block_size
 from tripath.engine import LLM, SamplingParams
-from tripath.engine.warmup import (WarmupLimits, levels, saved_plan_path, warm_up, warmup_shapes)
+from tripath.engine.runner.warmup import (WarmupLimits, levels, saved_plan_path, warm_up, warmup_shapes)
 from tripath.models import PRESETS, build_model, init_random_weights
 from tripath.triton_internals import capture_launches, launch_key
 from tripath.platform import H200, override_platform

@@ -3,7 +3,7 @@
 :class:`AttentionContext` is the contract a model's layers see (``attend`` for MHA / GQA layers,
 ``attend_mla`` for MLA layers); :class:`ForwardContext` is the implementation that runs the backend. The
 engine's stand-ins implement the same two calls: the warm-up's recording context
-(:mod:`tripath.engine.warmup`) and the piecewise graphs' capturing context (:mod:`tripath.engine.mixed_graphs`).
+(:mod:`tripath.engine.runner.warmup`) and the piecewise graphs' capturing context (:mod:`tripath.engine.runner.mixed_graphs`).
 """
 
 from __future__ import annotations

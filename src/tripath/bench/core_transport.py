@@ -1,13 +1,13 @@
 """``tripath bench core-transport``: the pipe between the HTTP process and the engine core
-(:mod:`tripath.server.core_wire`), on one step's update of ``--outputs`` requests of ``--tokens`` new tokens
+(:mod:`tripath.server.transport.core_wire`), on one step's update of ``--outputs`` requests of ``--tokens`` new tokens
 each (``--logprobs K``: with the top K log-probabilities of each token).
 
 Reported: the update's size; the core's cost to encode it (the outputs to tuples, pickled) and the HTTP
 process's to decode it (unpickled, to ``StepOutput``), medians; a round trip through a spawned echo process
 (p50 / p99); the updates a second the pipe streams one way; and the server's work per step on the engine's
 own thread (CPU time, a stand-in engine whose step returns the outputs at once): the core loop
-(:class:`~tripath.server.core_loop.CoreLoop`) in the core process (encode, send) against the same loop on a
-thread of the HTTP process (:class:`~tripath.server.in_process.InProcessClient`: encode, decode, metrics per
+(:class:`~tripath.server.transport.core_loop.CoreLoop`) in the core process (encode, send) against the same loop on a
+thread of the HTTP process (:class:`~tripath.server.transport.in_process.InProcessClient`: encode, decode, metrics per
 token, the hand-over to the event loop).
 
     tripath bench core-transport --outputs 256 --tokens 8
@@ -23,7 +23,7 @@ from typing import Sequence
 
 
 def _outputs(num_outputs: int, num_tokens: int, logprobs: int | None) -> list:
-    from tripath.engine.request import CompletionOutput, Logprob, RequestOutput
+    from tripath.engine.core.request import CompletionOutput, Logprob, RequestOutput
 
     outs = []
     for i in range(num_outputs):
@@ -59,7 +59,7 @@ def _read_exactly(fd: int, size: int) -> bytes:
 
 def _echo(commands, updates, size: int, count: int, mode: str) -> None:
     """Read ``count`` frames of ``size`` bytes, writing each back (``echo``) or not (``drain``); then one byte."""
-    from tripath.server.core_wire import write_all
+    from tripath.server.transport.core_wire import write_all
 
     for _ in range(count):
         data = _read_exactly(commands.fileno(), size)
@@ -70,8 +70,8 @@ def _echo(commands, updates, size: int, count: int, mode: str) -> None:
 
 def _through_pipe(data: bytes, count: int, mode: str) -> tuple[float, list[float]]:
     """A spawned child echoes (``echo``) or drains (``drain``) ``count`` frames ``data`` (the bytes of one
-    message as :func:`tripath.server.core_wire.frame` writes it): the wall time and each round trip."""
-    from tripath.server.core_wire import widen, write_all
+    message as :func:`tripath.server.transport.core_wire.frame` writes it): the wall time and each round trip."""
+    from tripath.server.transport.core_wire import widen, write_all
 
     context = multiprocessing.get_context("spawn")
     child_in, commands = context.Pipe(duplex=False)
@@ -103,7 +103,7 @@ class _StandInEngine:
         self.outputs, self.num_steps = outputs, 0
 
     def step(self, decode_steps: int | None = None):
-        from tripath.engine.core import StepResult
+        from tripath.engine.core.engine_core import StepResult
 
         self.num_steps += 1
         return StepResult(self.outputs)
@@ -115,7 +115,7 @@ class _StandInEngine:
         return True
 
     def stats(self):
-        from tripath.engine.stats import EngineStats
+        from tripath.engine.core.stats import EngineStats
 
         return EngineStats(len(self.outputs), 0, 1, 2, 0, 0, 0, self.num_steps)
 
@@ -129,8 +129,8 @@ def _drain(updates) -> None:
 
 def _core_step_cpu_s(outs: list, steps: int) -> float:
     """CPU seconds per step of the engine core's loop (a spawned child reads its updates)."""
-    from tripath.server.core_wire import widen
-    from tripath.server.core_loop import CoreLoop
+    from tripath.server.transport.core_wire import widen
+    from tripath.server.transport.core_loop import CoreLoop
 
     context = multiprocessing.get_context("spawn")
     commands, _ = context.Pipe(duplex=False)
@@ -157,11 +157,11 @@ def _thread_step_cpu_s(outs: list, steps: int) -> float:
     import asyncio
     import threading
 
-    from tripath.engine.sampling_params import SamplingParams
-    from tripath.server.core_loop import CoreLoop
-    from tripath.server.in_process import InProcessClient
-    from tripath.server.metrics import ServerMetrics
-    from tripath.server.submissions import Submission
+    from tripath.engine.sampling.sampling_params import SamplingParams
+    from tripath.server.transport.core_loop import CoreLoop
+    from tripath.server.transport.in_process import InProcessClient
+    from tripath.server.metrics.metrics import ServerMetrics
+    from tripath.server.transport.submissions import Submission
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -200,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import pickle
 
-    from tripath.server.core_messages import Update
-    from tripath.server.core_wire import decode_output, encode_output, frame
+    from tripath.server.transport.core_messages import Update
+    from tripath.server.transport.core_wire import decode_output, encode_output, frame
 
     outs = _outputs(args.outputs, args.tokens, args.logprobs)
     repeat = max(5, min(200, args.messages // 10))

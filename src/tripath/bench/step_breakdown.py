@@ -39,7 +39,7 @@ class StepBreakdown:
     """Records the launches of ``llm`` from :meth:`attach` until :meth:`detach`; :meth:`summary` reports."""
 
     def __init__(self, llm):
-        from tripath.engine.model_runner import ModelRunner
+        from tripath.engine.runner.model_runner import ModelRunner
 
         if not isinstance(llm.runner, ModelRunner):
             raise ValueError("the step breakdown needs a one-rank engine (its runner a ModelRunner)")

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import torch
 
 from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS
-from tripath.engine.structured_output import DEFAULT_CACHE_MB as DEFAULT_GRAMMAR_CACHE_MB
+from tripath.engine.sampling.structured_output import DEFAULT_CACHE_MB as DEFAULT_GRAMMAR_CACHE_MB
 from tripath.engine.speculative.config import SpeculativeConfig
-from tripath.engine.step_pacing import DEFAULT_CPU_TARGET_S
-from tripath.engine.structured_output import DEFAULT_COMPILE_TIMEOUT_S as DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+from tripath.engine.core.step_pacing import DEFAULT_CPU_TARGET_S
+from tripath.engine.sampling.structured_output import DEFAULT_COMPILE_TIMEOUT_S as DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
 DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -56,11 +56,11 @@ class EngineConfig:
     steps of padded batch sizes up to ``max_cuda_graph_batch_size`` and, with ``mixed_cuda_graphs``, for
     the other steps too: the layers between attention calls, per padded token count
     (:meth:`mixed_cuda_graph_sizes`), attention eager between the replays
-    (:mod:`tripath.engine.mixed_graphs`; one rank, not for models with mixture-of-experts layers, and only
+    (:mod:`tripath.engine.runner.mixed_graphs`; one rank, not for models with mixture-of-experts layers, and only
     where the largest eager step measures host-bound at start). ``calculate_kv_scales`` (fp8 KV
     cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
     of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped. ``warmup`` (GPU): compile
-    every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.warmup`), so no
+    every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.runner.warmup`), so no
     request waits for a compilation; ``compile_workers``: child processes that compile those variants in
     parallel when the Triton cache is empty (:mod:`tripath.triton_internals.compile_pool`; None: one per CPU
     core less one, at most 16; 1: one after the other in the engine's process). ``async_scheduling``:
@@ -74,18 +74,18 @@ class EngineConfig:
     reach the caller ``decode_steps`` at a time, and a request that stops early in the run computes the rest
     of it for nothing. 1 turns it off. ``generation_config``: where the defaults of unset sampling fields come
     from — ``"auto"``, the model's ``generation_config.json``; ``"vllm"``, none (``SamplingParams``' own); or a
-    folder holding a ``generation_config.json`` (:mod:`tripath.engine.generation_defaults`).
+    folder holding a ``generation_config.json`` (:mod:`tripath.engine.sampling.generation_defaults`).
     ``grammar_cache_mb``: the structured outputs' compiled grammars kept for reuse (least recently used
     evicted; 0: none kept); ``grammar_compile_timeout_s``: how long a server lets a request wait for its
-    grammar to compile before refusing it (:class:`tripath.engine.structured_output.GrammarCompiler`).
-    ``step_time_target_s``: the step time the token budget follows (:mod:`tripath.engine.step_pacing`: it
+    grammar to compile before refusing it (:class:`tripath.engine.sampling.structured_output.GrammarCompiler`).
+    ``step_time_target_s``: the step time the token budget follows (:mod:`tripath.engine.core.step_pacing`: it
     starts at 256 tokens and long prompts are chunked so that one step takes about this long, never more
     tokens than ``max_num_batched_tokens``); None: 0.5 s on the CPU, off on a GPU; 0: off.
     ``speculative_config``: speculative decoding (:mod:`tripath.engine.speculative`), a
     :class:`~tripath.engine.speculative.config.SpeculativeConfig`, its dict or the dict's JSON text; None: off.
     With it on, steps run one after the other (no ``async_scheduling``, ``decode_steps`` 1).
     ``fused_sampling``: whether steps whose requests allow it draw their tokens straight from the LM head,
-    without writing logits (:mod:`tripath.engine.fused_sampling`): ``"auto"`` where a measurement at start on
+    without writing logits (:mod:`tripath.engine.sampling.fused_sampling`): ``"auto"`` where a measurement at start on
     the GPU found it faster, per bucket of row counts (never on the CPU); ``"on"`` wherever the requests
     allow; ``"off"`` never.
     """
@@ -176,7 +176,7 @@ class EngineConfig:
     @property
     def step_pacing_s(self) -> float:
         """The step time the token budget follows (0: none): ``step_time_target_s``, by default
-        :data:`~tripath.engine.step_pacing.DEFAULT_CPU_TARGET_S` on the CPU."""
+        :data:`~tripath.engine.core.step_pacing.DEFAULT_CPU_TARGET_S` on the CPU."""
         if self.step_time_target_s is not None:
             return float(self.step_time_target_s)
         return DEFAULT_CPU_TARGET_S if self.device.type == "cpu" else 0.0

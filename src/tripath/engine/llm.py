@@ -1,5 +1,5 @@
 """The offline front door: :class:`LLM` — ``generate``, ``chat``, ``stream``, a step API, run metrics — over
-an :class:`~tripath.engine.core.EngineCore` (the model, its KV cache, the scheduler and the executor).
+an :class:`~tripath.engine.core.engine_core.EngineCore` (the model, its KV cache, the scheduler and the executor).
 
 ::
 
@@ -17,7 +17,7 @@ an :class:`~tripath.engine.core.EngineCore` (the model, its KV cache, the schedu
 What ``LLM`` adds to the core: text prompts (the tokenizer), ``n`` / ``best_of`` fan-out and grouping,
 progress bars and :class:`RunMetrics`, one thread at a time (:mod:`tripath.engine.llm_guards`), and
 :class:`~tripath.engine.errors.StepFailed` raised for a step that failed (the core reports it in its
-:class:`~tripath.engine.core.StepResult`). The core's parts stay readable here (``llm.scheduler``,
+:class:`~tripath.engine.core.engine_core.StepResult`). The core's parts stay readable here (``llm.scheduler``,
 ``llm.runner``, ``llm.block_manager``, ``llm.config``, ...) for tests and tools; a server drives the core
 itself (:attr:`LLM.core`).
 """
@@ -33,15 +33,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tripath.engine.choices import choice_params, group_choices
+from tripath.engine.sampling.choices import choice_params, group_choices
 from tripath.engine.config import EngineConfig
-from tripath.engine.core import EngineCore
+from tripath.engine.core.engine_core import EngineCore
 from tripath.engine.errors import StepFailed
 from tripath.engine.llm_guards import EngineLock, serialised
-from tripath.engine.request import Request, RequestOutput
-from tripath.engine.sampling_params import SamplingParams
-from tripath.engine.stats import EngineStats
-from tripath.engine.structured_output import GrammarCompiler
+from tripath.engine.core.request import Request, RequestOutput
+from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.core.stats import EngineStats
+from tripath.engine.sampling.structured_output import GrammarCompiler
 
 Prompt = str | Sequence[int]
 
@@ -101,7 +101,7 @@ def _core_attribute(name: str, doc: str, settable: bool = False) -> property:
 
 
 class LLM:
-    """A model, its KV cache and a scheduler (an :class:`~tripath.engine.core.EngineCore`, :attr:`core`),
+    """A model, its KV cache and a scheduler (an :class:`~tripath.engine.core.engine_core.EngineCore`, :attr:`core`),
     offline.
 
     ``model``: a local directory, a Hugging Face hub id (``org/name``: from the local Hugging Face cache, or
@@ -109,7 +109,7 @@ class LLM:
     tokenizer with ``load_tokenizer``) or an already built model object (``attention_spec``, ``num_attention_layers``,
     ``config.eos_token_ids``/``max_position``, ``forward(input_ids, positions, ctx)``, ``compute_logits``).
     ``tensor_parallel_size`` > 1 shards the model over that many ranks (``model`` must then be a path or a
-    preset; see :mod:`tripath.engine.parallel_executor`); close such an engine with :meth:`close` or a
+    preset; see :mod:`tripath.engine.runner.parallel_executor`); close such an engine with :meth:`close` or a
     ``with`` block to stop its worker processes (garbage collection and interpreter exit also do).
     ``tokenizer``: a tokenizer object, or a tokenizer's directory or hub id, in place of the model's own.
     ``revision``: the hub repository's branch, tag or commit to load (default: main); ``download_dir``: the
@@ -118,7 +118,7 @@ class LLM:
     ``generation_config.json`` defaults, per ``EngineConfig.generation_config``).
     The engine's settings are an :class:`EngineConfig` (``config=``) or its fields as keyword arguments
     (``LLM("tiny-llama", backend="unified", max_num_seqs=64)``); ``dtype`` defaults to a built model's own.
-    On a GPU the constructor returns once every kernel variant is compiled (:mod:`tripath.engine.warmup`);
+    On a GPU the constructor returns once every kernel variant is compiled (:mod:`tripath.engine.runner.warmup`);
     ``start_seconds`` is how long it took and :attr:`num_compiled_since_start` counts what compiled later.
     The start ends with a full garbage collection (:func:`gc.collect`), so that the collector's first pass
     over the start's objects does not pause a step. ``detokenize_outputs`` (True): a finished output carries
@@ -145,8 +145,8 @@ class LLM:
     eos_token_ids = _core_attribute("eos_token_ids", "The model's end-of-sequence token ids.")
     generation_defaults = _core_attribute("generation_defaults", "The model's ``generation_config.json`` values.")
     runner = _core_attribute("runner", "The executor (``ModelRunner``, or ``ParallelExecutor`` over ranks).")
-    scheduler = _core_attribute("scheduler", "The :class:`~tripath.engine.scheduler.Scheduler`.")
-    block_manager = _core_attribute("block_manager", "The :class:`~tripath.engine.block_manager.BlockManager`.")
+    scheduler = _core_attribute("scheduler", "The :class:`~tripath.engine.core.scheduler.Scheduler`.")
+    block_manager = _core_attribute("block_manager", "The :class:`~tripath.engine.core.block_manager.BlockManager`.")
     overlap = _core_attribute("overlap", "Whether steps overlap (``async_scheduling`` where the executor can).")
     decode_steps = _core_attribute("decode_steps", "Model steps a step of decodes alone may take.", settable=True)
     detokenize_outputs = _core_attribute("detokenize", "Whether finished outputs carry their text.", settable=True)
@@ -223,7 +223,7 @@ class LLM:
 
     def stats(self) -> EngineStats:
         """The engine's state and cumulative counters now (requests, KV blocks, prefix cache, preemptions,
-        steps): see :class:`~tripath.engine.stats.EngineStats`."""
+        steps): see :class:`~tripath.engine.core.stats.EngineStats`."""
         return self.core.stats()
 
     @serialised
@@ -231,7 +231,7 @@ class LLM:
         """One scheduling step and one model run; outputs of the requests that gained a token or finished
         (with overlapped scheduling, in the step launched by the call before this one).
 
-        If the step fails (:class:`~tripath.engine.core.StepResult`'s ``failure``), the requests it scheduled
+        If the step fails (:class:`~tripath.engine.core.engine_core.StepResult`'s ``failure``), the requests it scheduled
         are aborted (their blocks freed) and :class:`StepFailed` is raised with their ids; a launched step
         before it is completed first, its outputs carried by the exception. If scheduling itself raises,
         every running request is aborted and named (the waiting ones stay queued). A device out-of-memory
@@ -244,7 +244,7 @@ class LLM:
         return result.outputs
 
     def memory_report(self) -> str:
-        """The GPU memory plan (:mod:`tripath.engine.memory_plan`): weights, KV cache, the reserved worst
+        """The GPU memory plan (:mod:`tripath.engine.runner.memory_plan`): weights, KV cache, the reserved worst
         step of each kind, graph pools, headroom, and what was measured at start; on the CPU or with
         ``num_kv_blocks`` set, the cache size alone."""
         return self.core.memory_report()

@@ -150,7 +150,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
         """``[N, vocab_size]`` logits of ``hidden [N, hidden_size]``: float32, or with ``upcast=False`` in the
-        LM head's dtype. The engine samples from the latter (:func:`tripath.engine.sampler.sample`: a greedy
+        LM head's dtype. The engine samples from the latter (:func:`tripath.engine.sampling.sampler.sample`: a greedy
         row's argmax is the same in either, and the rows it filters are converted there), which saves
         writing and reading a float32 copy of ``[N, V]`` every step."""
         logits = torch.nn.functional.linear(hidden, self.lm_head_weight)

@@ -66,7 +66,7 @@ class Capabilities:
     ``graphs``: which steps it lets the engine capture (:class:`GraphSupport`); ``verify_graphs``: with
     ``graphs`` at ``DECODE``, its forward of a step whose requests all sit in the decode slice as verifies of
     ``decode_threshold`` tokens each (speculative decoding's steps, padded) reads only device tensors too, so
-    the engine may capture those steps (:mod:`tripath.engine.verify_graphs`).
+    the engine may capture those steps (:mod:`tripath.engine.runner.verify_graphs`).
 
     Block sizes (KV cache rows per block): ``block_sizes`` are the ones the backend takes (a spec with
     another is refused); ``cpu_block_size`` / ``gpu_block_size`` the one it prefers on the CPU / on a GPU,

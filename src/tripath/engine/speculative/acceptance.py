@@ -3,7 +3,7 @@
 A verify of request ``b`` feeds its pending token and drafts ``d_1 .. d_k``; its ``k + 1`` logit rows
 ``z_0 .. z_k`` are the target model's next-token logits after each of them. Row ``j < k`` decides draft
 ``d_{j+1}``, row ``k`` gives the token after the last draft. With ``p_j`` the request's sampling distribution
-of row ``j`` (temperature, min-p, top-k, top-p: :func:`tripath.engine.sampler.filtered_probs`):
+of row ``j`` (temperature, min-p, top-k, top-p: :func:`tripath.engine.sampling.sampler.filtered_probs`):
 
 - greedy: draft ``d_{j+1}`` is kept when ``argmax z_j == d_{j+1}``; the outcome of row ``j`` is ``argmax z_j``;
 - sampled (the drafts are proposed deterministically, a point mass ``q = δ_d``): the draft is kept with
@@ -14,7 +14,7 @@ of row ``j`` (temperature, min-p, top-k, top-p: :func:`tripath.engine.sampler.fi
 
 The step yields the kept drafts up to the first rejected one, then that row's outcome (or, all kept, the
 last row's): ``1 .. k + 1`` tokens. Draws use the request's own generator (uniforms, then an exponential
-race as in :mod:`tripath.engine.sampler`), so a request's tokens do not depend on the rest of the batch.
+race as in :mod:`tripath.engine.sampling.sampler`), so a request's tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Sequence
 import torch
 
 from tripath.attention.metadata import to_device
-from tripath.engine.sampler import filtered_probs
-from tripath.engine.sampling_params import SamplingParams
+from tripath.engine.sampling.sampler import filtered_probs
+from tripath.engine.sampling.sampling_params import SamplingParams
 
 TINY = torch.finfo(torch.float32).tiny
 

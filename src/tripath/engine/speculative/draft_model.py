@@ -1,11 +1,11 @@
 """Drafts from a smaller model (the ``draft_model`` method): any model with the target's vocabulary, run by a
-:class:`~tripath.engine.model_runner.ModelRunner` of its own beside the target's.
+:class:`~tripath.engine.runner.model_runner.ModelRunner` of its own beside the target's.
 
 The draft's KV cache has the target's block count and block size and is indexed by the target requests' own
 block tables: a request's blocks hold the target's rows in the target's cache and the draft's rows in the
 draft's, so the draft needs no block manager. On a GPU the engine loads the draft before it sizes the target's
 cache and the memory plan counts the draft's bytes in every block (:func:`draft_cache_bytes`). The scheduler
-makes room for a verify's drafts before it asks (:mod:`tripath.engine.scheduler`), so the blocks cover every
+makes room for a verify's drafts before it asks (:mod:`tripath.engine.core.scheduler`), so the blocks cover every
 position the draft writes.
 
 For the requests of one step, :meth:`DraftModelProposer.propose` runs the draft
@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-from tripath.engine.scheduler import ScheduledRequest
-from tripath.engine.worker import StepRequest
+from tripath.engine.core.scheduler import ScheduledRequest
+from tripath.engine.runner.worker import StepRequest
 
 
 def load_draft_model(name: str, config):
@@ -54,8 +54,8 @@ class DraftModelProposer:
     target runner's; ``vocab_size``: the target's vocabulary (the draft's must be the same)."""
 
     def __init__(self, model, config, *, num_blocks: int, block_size: int, max_model_len: int, vocab_size: int):
-        from tripath.engine.model_runner import ModelRunner
-        from tripath.engine.startup import start
+        from tripath.engine.runner.model_runner import ModelRunner
+        from tripath.engine.runner.startup import start
 
         if isinstance(model, str):
             model = load_draft_model(model, config)

@@ -23,7 +23,7 @@ So after each step a request's rows ``0 .. s - 2`` hold the right entries for it
 first rejected row is redone from its kept hidden state; rejected rows past it are never read). A request
 seen with a new block list (preempted, or new) trusts the rows before its first computed position: they are
 its prefix-cache hit's, whose last matched block the block manager recomputes for this method
-(:class:`~tripath.engine.block_manager.BlockManager`, ``recompute_last_hit_block``). The rows steer only which
+(:class:`~tripath.engine.core.block_manager.BlockManager`, ``recompute_last_hit_block``). The rows steer only which
 drafts are proposed; verification keeps the outputs the target's.
 """
 
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tripath.attention import ForwardContext, select_backend
-from tripath.engine.scheduler import ScheduledRequest
-from tripath.engine.step_inputs import StepInputBuilder
-from tripath.engine.worker import StepRequest
+from tripath.engine.core.scheduler import ScheduledRequest
+from tripath.engine.runner.step_inputs import StepInputBuilder
+from tripath.engine.runner.worker import StepRequest
 
 
 def check_mtp_model(model) -> None:
@@ -104,7 +104,7 @@ class _Segment:
 
 class MTPProposer:
     """Drafts with ``model.mtp`` (module doc). ``runner``: the target's
-    :class:`~tripath.engine.model_runner.ModelRunner` (its backend, block geometry and hidden states; the
+    :class:`~tripath.engine.runner.model_runner.ModelRunner` (its backend, block geometry and hidden states; the
     proposer becomes its ``hidden_observer``); ``config``: the engine's
     :class:`~tripath.engine.config.EngineConfig`."""
 

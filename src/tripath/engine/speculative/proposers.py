@@ -9,12 +9,12 @@ from tripath.engine.speculative.ngram import NgramProposer
 def make_proposer(config: SpeculativeConfig, runner=None, engine_config=None, vocab_size: int | None = None,
                   draft=None):
     """The proposer of ``config.method``; ``draft_model`` and ``mtp`` need the target's ``runner`` (one rank:
-    a :class:`~tripath.engine.model_runner.ModelRunner`) and its ``engine_config``; ``draft_model`` also
+    a :class:`~tripath.engine.runner.model_runner.ModelRunner`) and its ``engine_config``; ``draft_model`` also
     ``vocab_size``, and takes the ``draft`` model when it is loaded already (else ``config.model`` is
     loaded); ``mtp`` drafts with the runner's model's MTP layer and observes its launches."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from tripath.engine.model_runner import ModelRunner   # the drafters' imports: only when one is asked for
+    from tripath.engine.runner.model_runner import ModelRunner   # the drafters' imports: only when one is asked for
 
     if not isinstance(runner, ModelRunner):
         raise ValueError(f"speculative_config method {config.method!r} runs with tensor_parallel_size 1")

@@ -1,0 +1,312 @@
+"""How an executor starts, before it serves: :func:`start` runs its phases (:data:`PHASES`) once each, in order.
+
+1. ``plan_memory``: the KV cache's size in blocks: ``num_kv_blocks`` if given (on the CPU,
+   ``CPU_DEFAULT_KV_BLOCKS``), else on a GPU the memory plan (:func:`tripath.engine.runner.memory_plan.plan_gpu_memory`:
+   the worst step of each kind measured on a scratch cache, graph pools and headroom reserved, the cache gets
+   what is left of ``gpu_memory_utilization``);
+2. ``allocate_kv_cache``: the caches, one per attention layer;
+3. ``warm_up`` (GPU, Triton backends): every kernel variant the limits allow is compiled
+   (:mod:`tripath.engine.runner.warmup`), by worker processes when the Triton cache is empty
+   (:func:`compile_pool`, opened by phase 1 and closed by this one);
+4. ``capture_graphs``: the verify graphs (:mod:`tripath.engine.runner.verify_graphs`: speculative decoding, where the
+   backend allows them), then the decode graphs (:mod:`tripath.engine.runner.decode_graphs`) in their memory pool;
+   then (GPU) the largest eager step, run once writing nothing, so the caching allocator holds a step's
+   activation memory when requests arrive, and timed: where its host time is at least
+   ``MIXED_GRAPHS_MIN_HOST_SHARE`` of its GPU span, steps with prompt tokens get piecewise graphs
+   (:mod:`tripath.engine.runner.mixed_graphs`); then the LM head and the sampler for every row count
+   (:func:`warm_sampling`), and the fused LM head and draw, timed against them per bucket of row counts
+   (:func:`tripath.engine.sampling.fused_sampling.measure`).
+
+A :class:`~tripath.engine.runner.model_runner.ModelRunner` implements the phases on one rank (:class:`RunnerStart`); a
+:class:`~tripath.engine.runner.parallel_executor.ParallelExecutor` runs each on rank 0 and broadcasts it to the worker
+ranks, which run it on their own runners (:mod:`tripath.engine.runner.worker`), so every rank starts the same way. The
+functions below read a runner through :class:`StartingRunner` (the warm-up and the memory plan through their
+own protocols) and assign nothing to it: the runner keeps what they return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Iterator, Protocol
+
+import torch
+
+from tripath.attention import ForwardContext
+from tripath.triton_internals import CompilePool, default_workers, warm_up_recording
+from tripath.engine.sampling import fused_sampling
+from tripath.engine.runner import warmup
+from tripath.engine.core.block_manager import blocks_needed
+from tripath.engine.runner.executor import Executor, ExecutorCapabilities
+from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
+from tripath.engine.runner.memory_plan import MemoryPlan, plan_gpu_memory
+from tripath.engine.runner.mixed_graphs import MixedStepGraphs
+from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.sampling.sampler import make_generator, sample
+from tripath.engine.runner.warmup import WarmupRunner, saved_plan_path
+
+if TYPE_CHECKING:
+    from tripath.attention.backends.base import AttentionBackend
+    from tripath.engine.config import EngineConfig
+    from tripath.engine.runner.decode_graphs import DecodeGraphs
+    from tripath.engine.sampling.fused_sampling import FusedSampling
+
+logger = logging.getLogger(__name__)
+
+# Piecewise graphs are captured when the largest eager step's host time is at least this share of its GPU
+# span (measured at start): on an H200 the mha-tp8 shape measured 0.79–0.97 (host-bound), the 8B shape 0.14.
+MIXED_GRAPHS_MIN_HOST_SHARE = 0.5
+
+PHASES = ("plan_memory", "allocate_kv_cache", "warm_up", "capture_graphs")   # the start, in order
+
+
+def start(executor: Executor) -> None:
+    """Start ``executor`` (built: its model, spec, backend and input builder): the phases of the module doc,
+    once each, in order. When one fails the executor is closed (its compile pool, its worker ranks)."""
+    try:
+        num_blocks = executor.plan_memory()
+        executor.allocate_kv_cache(num_blocks)
+        executor.warm_up()
+        executor.capture_graphs()
+    except BaseException:
+        executor.close()
+        raise
+
+
+class PhaseOrder:
+    """An executor's place in :data:`PHASES`: :meth:`enter` each phase once, in order, or RuntimeError."""
+
+    def __init__(self, owner: str):
+        self.owner, self.done = owner, 0
+
+    def enter(self, phase: str) -> None:
+        if self.done >= len(PHASES) or PHASES[self.done] != phase:
+            raise RuntimeError(f"{self.owner}.{phase}() out of order: the start runs {', '.join(PHASES)}, once "
+                               f"each ({self.done} done)")
+        self.done += 1
+
+
+def warms_up(runner: WarmupRunner) -> bool:
+    """Whether the start compiles every kernel variant (:mod:`tripath.engine.runner.warmup`): the ``warmup`` setting,
+    on a GPU, with a backend of Triton kernels."""
+    return runner.config.warmup and runner.device.type == "cuda" and runner.backend.capabilities.needs_triton
+
+
+class RunnerStart:
+    """The phases of a :class:`~tripath.engine.runner.model_runner.ModelRunner`'s start, mixed into it: :func:`start`
+    calls them once each, in order (``self._phases``, a :class:`PhaseOrder`); they keep on the runner what the
+    functions below, the warm-up and the memory plan compute."""
+
+    def plan_memory(self) -> int:
+        """The KV cache's blocks: ``num_kv_blocks``, the CPU default, or on a GPU the memory plan's. Opens the
+        start's compile pool (:func:`compile_pool`) where the warm-up pays for one."""
+        self._phases.enter("plan_memory")
+        self._compile_pool = compile_pool(self) if warms_up(self) else None
+        if self.config.num_kv_blocks is not None or self.device.type != "cuda":
+            return self.config.num_kv_blocks or CPU_DEFAULT_KV_BLOCKS
+        self.penalties.allocate(self.logits_width())  # held for the engine's life: in use, not a step's
+        self.memory_plan = plan_gpu_memory(self, self._compile_pool)
+        return self.memory_plan.num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._phases.enter("allocate_kv_cache")
+        if self.memory_plan is not None:   # tensor parallelism: every rank takes the smallest rank's plan
+            self.memory_plan.num_blocks = num_blocks
+        self.num_blocks = num_blocks
+        self.caches = [self.backend.allocate_cache(num_blocks, self.device) for _ in range(self.num_layers)]
+
+    def warm_up(self) -> None:
+        self._phases.enter("warm_up")
+        try:
+            if warms_up(self):
+                with noting_peak(self.memory_plan, self.device, "warm-up peak"):
+                    self.warmup_report = warmup.warm_up(self, pool=self._compile_pool)
+        finally:
+            self.close()   # the compile pool
+
+    def capture_graphs(self) -> None:
+        self._phases.enter("capture_graphs")
+        with noting_growth(self.memory_plan, self.device, "graph pools"):
+            if self.captures_verify_graphs:
+                self.capture_verify_graphs()
+            if self.captures_decode_graphs:
+                self.capture_decode_graphs()
+            if self.device.type == "cuda":
+                self.largest_step_host_share = reserve_step_memory(self)
+                if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
+                    self.mixed_graphs = capture_mixed_graphs(self)
+
+    def close(self) -> None:
+        """Release the start's compile pool, if open (one rank, in this process: nothing else); idempotent."""
+        pool, self._compile_pool = self._compile_pool, None
+        if pool is not None:
+            pool.close()
+
+
+class StartingRunner(Protocol):
+    """What the start's steps that write nothing (and the piecewise graphs' capture) read of a runner."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...          # forward(input_ids, positions, ctx)
+
+    @property
+    def config(self) -> EngineConfig: ...            # the limits, mixed graph sizes, fused_sampling
+
+    @property
+    def backend(self) -> AttentionBackend: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def caches(self) -> list: ...
+
+    @property
+    def capabilities(self) -> ExecutorCapabilities: ...
+
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None: ...   # whose memory pool the piecewise graphs share
+
+    @property
+    def fused_sampling(self) -> FusedSampling | None: ...   # measured at start (fused_sampling.measure)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def compile_pool(runner: WarmupRunner) -> CompilePool | None:
+    """Worker processes for the start's compilations (:mod:`tripath.triton_internals.compile_pool`): with
+    ``compile_workers`` > 1 (None: :func:`~tripath.triton_internals.default_workers`) and no saved warm-up
+    plan, whose absence means an empty or outdated Triton cache (a warm one would make them idle)."""
+    workers = runner.config.compile_workers or default_workers()
+    if workers < 2 or saved_plan_path(runner).is_file():
+        return None
+    return CompilePool(workers)
+
+
+@contextlib.contextmanager
+def noting_peak(plan: MemoryPlan | None, device: torch.device, name: str) -> Iterator[None]:
+    """Record in ``plan.measured[name]`` the most allocated above what was allocated when the block began
+    (when it ends without an error; nothing without a memory plan)."""
+    if plan is None:
+        yield
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    yield
+    torch.cuda.synchronize(device)
+    plan.measured[name] = torch.cuda.max_memory_allocated(device) - base
+
+
+@contextlib.contextmanager
+def noting_growth(plan: MemoryPlan | None, device: torch.device, name: str) -> Iterator[None]:
+    """Record in ``plan.measured[name]`` what the block left allocated (nothing without a memory plan)."""
+    if plan is None:
+        yield
+        return
+    before = torch.cuda.memory_allocated(device)
+    yield
+    torch.cuda.synchronize(device)
+    plan.measured[name] = torch.cuda.memory_allocated(device) - before
+
+
+# ---- steps that write nothing ---------------------------------------------------------------------------
+def split_prompts(runner: StartingRunner, num_tokens: int) -> list[int]:
+    """``num_tokens`` tokens as prompt lengths of at most ``max_model_len``."""
+    limit = runner.max_model_len
+    return [min(limit, num_tokens - start) for start in range(0, num_tokens, limit)]
+
+
+def largest_prompt_step(runner: StartingRunner) -> list[int]:
+    """Prompt lengths of the largest step the limits allow: ``max_num_batched_tokens`` tokens in sequences
+    of at most ``max_model_len``, at most ``max_num_seqs`` of them."""
+    return split_prompts(runner, runner.config.max_num_batched_tokens)[:runner.config.max_num_seqs]
+
+
+def nothing_written_context(runner: StartingRunner, num_tokens: int) -> ForwardContext:
+    """A context for prompts of ``num_tokens`` tokens in all (sequences of at most ``max_model_len``) whose
+    slots are all −1 and whose rows read block 0: its steps write nothing to the caches."""
+    lens = split_prompts(runner, num_tokens)
+    plan = runner.backend.plan(lens, [0] * len(lens))
+    width = max(blocks_needed(n, runner.block_size) for n in lens)
+    block_table = torch.zeros(len(lens), width, dtype=torch.int32, device=runner.device)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=runner.device)
+    return ForwardContext(runner.backend, runner.backend.build_metadata(plan, block_table, slots), runner.caches)
+
+
+def capture_mixed_graphs(runner: StartingRunner) -> MixedStepGraphs:
+    """Piecewise graphs of steps with prompt tokens for ``config.mixed_cuda_graph_sizes()``, captured (in the
+    decode graphs' memory pool); the capture's attention calls see prompts that write nothing."""
+    pool = None if runner.decode_graphs is None else runner.decode_graphs.pool
+    graphs = MixedStepGraphs(runner.model, runner.config.mixed_cuda_graph_sizes(), runner.device, pool=pool)
+    with torch.inference_mode():
+        graphs.capture(lambda n: nothing_written_context(runner, n))
+    warm_up_recording()  # the graphs' steps record and replay their layers' launches
+    return graphs
+
+
+@torch.inference_mode()
+def reserve_step_memory(runner: StartingRunner) -> float | None:
+    """Run the largest eager step once on the real caches, writing nothing (every slot −1, every row reading
+    block 0), then :func:`warm_sampling` on up to ``max_num_seqs`` of its rows: PyTorch's caching allocator
+    then holds the activation memory a step needs (reserved by the memory plan), so no step while serving
+    waits for a device allocation. Returns the forward's host time over its GPU span (near 1: the step is
+    host-bound); None off a GPU, where only the forward runs."""
+    num_tokens = sum(largest_prompt_step(runner))
+    ctx = nothing_written_context(runner, num_tokens)
+    lens = largest_prompt_step(runner)
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(runner.device)
+    on_gpu = runner.device.type == "cuda"
+    if on_gpu:
+        torch.cuda.synchronize(runner.device)
+        events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events[0].record()
+    begin = time.perf_counter()
+    hidden = runner.model(ids, positions, ctx)
+    host_s = time.perf_counter() - begin
+    if not on_gpu:
+        return None
+    events[1].record()
+    torch.cuda.synchronize(runner.device)
+    share = host_s / max(events[0].elapsed_time(events[1]) / 1e3, 1e-9)
+    warm_sampling(runner, hidden[:min(runner.config.max_num_seqs, hidden.shape[0])])
+    fused_sampling.measure(runner, hidden[:runner.config.max_num_seqs])
+    return share
+
+
+@torch.inference_mode()
+def warm_sampling(runner: StartingRunner, hidden: torch.Tensor) -> None:
+    """Run the eager work after a step's forward once for every row count it can take, before requests
+    arrive: the LM head and sampling of ``1 … hidden.shape[0]`` rows (greedy for each count, with a
+    temperature, top-k and top-p for powers of two and the largest, whose probabilities are the largest
+    temporary a step allocates), and the device-side advance of multi-step decoding. The first LM-head
+    product of each row count picks and loads a cuBLAS kernel; on an H200 that stalled the first pass's
+    steps by about 3.5 ms each on the mha-tp8 preset, so it belongs to the start."""
+    rows = hidden.shape[0]
+    greedy = SamplingParams(temperature=0.0)
+    sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+    plain = SamplingParams(temperature=1.0)   # drawn by Gumbel-max with noise keys
+    generator = make_generator(0, runner.device)  # not the global generator
+    for m in range(1, rows + 1):
+        logits = runner.compute_logits(hidden[:m])
+        sample(logits, [greedy] * m, [None] * m)
+        if m & (m - 1) == 0 or m == rows:
+            sample(logits, [sampled] * m, [generator] * m)
+            keys = torch.zeros(m, dtype=torch.int64, device=runner.device)
+            sample(logits, [plain] * m, [None] * m, noise=(keys, keys))
+    if runner.capabilities.multi_step:
+        device = runner.device
+        plan = runner.backend.plan([1], [1])
+        meta = runner.backend.build_metadata(plan, torch.zeros(1, 1, dtype=torch.int32, device=device),
+                                             torch.full((1,), -1, dtype=torch.int64, device=device))
+        meta.advance_decodes_(torch.ones(1, dtype=torch.int64, device=device), runner.block_size)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
