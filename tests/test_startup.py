@@ -25,7 +25,7 @@ class Narrow:
     """``runner`` seen through ``protocol``: any other attribute, and every assignment, raises."""
 
     def __init__(self, runner, protocol):
-        names = {n for n in vars(protocol) if not n.startswith("_")}
+        names = {n for base in protocol.__mro__ if base is not object for n in vars(base) if not n.startswith("_")}
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_names", names)
 

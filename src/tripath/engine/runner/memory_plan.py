@@ -34,13 +34,11 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 import torch
 
-from tripath.engine.runner.warmup import Step, WarmupLimits, runner_limits, synthetic_tables
+from tripath.engine.runner.warmup import RunnerBasics, Step, WarmupLimits, runner_limits, synthetic_tables
 from tripath.triton_internals import CompilePool, collect_compilations
 
 if TYPE_CHECKING:
     from tripath.attention import AttentionSpec
-    from tripath.attention.backends.base import AttentionBackend
-    from tripath.engine.config import EngineConfig
     from tripath.engine.sampling.logits_transforms import PenaltyState
 
 logger = logging.getLogger(__name__)
@@ -52,31 +50,13 @@ SCRATCH_BLOCKS = 64  # the scratch cache the worst steps read (block ids wrap in
 GiB = 2**30
 
 
-class PlanningRunner(Protocol):
+class PlanningRunner(RunnerBasics, Protocol):
     """What the memory plan reads of a runner (a :class:`~tripath.engine.runner.model_runner.ModelRunner` is one): the
     model and backend its synthetic steps run, the limits that make the worst steps, what a block of cache
     costs and which graphs will keep a pool. It assigns nothing."""
 
     @property
-    def model(self) -> torch.nn.Module: ...          # forward(input_ids, positions, ctx)
-
-    @property
-    def config(self) -> EngineConfig: ...            # the limits, gpu_memory_utilization
-
-    @property
     def spec(self) -> AttentionSpec: ...
-
-    @property
-    def backend(self) -> AttentionBackend: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def max_model_len(self) -> int: ...
 
     @property
     def num_layers(self) -> int: ...

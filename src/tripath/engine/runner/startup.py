@@ -44,11 +44,9 @@ from tripath.engine.runner.memory_plan import MemoryPlan, plan_gpu_memory
 from tripath.engine.runner.mixed_graphs import MixedStepGraphs
 from tripath.engine.sampling.sampling_params import SamplingParams
 from tripath.engine.sampling.sampler import make_generator, sample
-from tripath.engine.runner.warmup import WarmupRunner, saved_plan_path
+from tripath.engine.runner.warmup import RunnerBasics, WarmupRunner, saved_plan_path
 
 if TYPE_CHECKING:
-    from tripath.attention.backends.base import AttentionBackend
-    from tripath.engine.config import EngineConfig
     from tripath.engine.runner.decode_graphs import DecodeGraphs
     from tripath.engine.sampling.fused_sampling import FusedSampling
 
@@ -144,26 +142,8 @@ class RunnerStart:
             pool.close()
 
 
-class StartingRunner(Protocol):
+class StartingRunner(RunnerBasics, Protocol):
     """What the start's steps that write nothing (and the piecewise graphs' capture) read of a runner."""
-
-    @property
-    def model(self) -> torch.nn.Module: ...          # forward(input_ids, positions, ctx)
-
-    @property
-    def config(self) -> EngineConfig: ...            # the limits, mixed graph sizes, fused_sampling
-
-    @property
-    def backend(self) -> AttentionBackend: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def max_model_len(self) -> int: ...
 
     @property
     def caches(self) -> list: ...

@@ -64,18 +64,16 @@ logger = logging.getLogger(__name__)
 RECORD_TOKENS = 37  # the recording prompt's length: odd, so no weight dimension is mistaken for the tokens
 
 
-class WarmupRunner(Protocol):
-    """What the warm-up reads of a runner (a :class:`~tripath.engine.runner.model_runner.ModelRunner` is one): the model
-    it runs, the attention it probes, the limits it spans and the caches its steps read. It assigns nothing."""
+class RunnerBasics(Protocol):
+    """What every step of the start reads of a runner: the model, its settings, the attention backend, the
+    device and the cache's geometry. :class:`WarmupRunner`, the memory plan's ``PlanningRunner`` and the start's
+    ``StartingRunner`` add what each needs."""
 
     @property
     def model(self) -> torch.nn.Module: ...          # forward(input_ids, positions, ctx)
 
     @property
-    def config(self) -> EngineConfig: ...            # max_num_seqs, max_num_batched_tokens, compile_workers
-
-    @property
-    def spec(self) -> AttentionSpec: ...
+    def config(self) -> EngineConfig: ...            # the limits and the start's settings
 
     @property
     def backend(self) -> AttentionBackend: ...
@@ -88,6 +86,14 @@ class WarmupRunner(Protocol):
 
     @property
     def max_model_len(self) -> int: ...
+
+
+class WarmupRunner(RunnerBasics, Protocol):
+    """What the warm-up reads of a runner (a :class:`~tripath.engine.runner.model_runner.ModelRunner` is one): the model
+    it runs, the attention it probes, the limits it spans and the caches its steps read. It assigns nothing."""
+
+    @property
+    def spec(self) -> AttentionSpec: ...
 
     @property
     def num_blocks(self) -> int: ...
