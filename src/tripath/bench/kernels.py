@@ -25,8 +25,8 @@ from tripath.bench.kernel_timing import (Report, Row, bench_eager, bench_graph, 
 from tripath.bench.kernels_lm_head import bench_lm_head, format_lm_head
 from tripath.bench.kernels_mla import bench_mla_backends, bench_mla_decode, bench_mla_prefill, bench_mla_prep
 from tripath.bench.kernels_verify import bench_verify
-from tripath.ops import paged_decode, varlen_attention
-from tripath.ops.kv_cache import allocate_kv_cache
+from tripath.ops import mixed_attention, mixed_attention_workspace, paged_decode, varlen_attention
+from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache
 from tripath.platform import current_platform
 
 
@@ -108,17 +108,21 @@ MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
 
 def bench_mixed(report: Report, backends=("three_path", "unified", "two_path"), layout="nhd") -> None:
     """The mixed step (48 decodes on 4096 cached tokens, 8 extends of 512 on 4096, 2 prefills of 2048;
-    32/8/128 bf16) per backend, eager and as GPU time of a CUDA-graph replay."""
+    32/8/128 bf16) per backend, eager and as GPU time of a CUDA-graph replay; then the one-launch
+    mixed attention on the same step (:func:`bench_mixed_one_launch`)."""
     spec = AttentionSpec(32, 8, 128, dtype=torch.bfloat16, kv_layout=layout)
     dev = torch.device("cuda")
     ref = select_backend(spec, "three_path", dev)
     step = make_step(spec, MIXED_STEP, ref, device=dev)
+    outputs = {}
     for name in backends:
         backend = select_backend(spec, name, dev)
         meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
         cache = step.fresh_cache()
         out = torch.empty(step.q.shape[0], 32, 128, dtype=torch.bfloat16, device=dev)
         run_step = lambda: backend.forward(step.q, step.k, step.v, cache, meta, out=out)  # noqa: E731
+        run_step()
+        outputs[name] = out.clone()
         shown = f"{name} ({layout})"
         us = bench_eager(run_step)
         report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, eager", us, us / 1e3, "ms"))
@@ -130,7 +134,40 @@ def bench_mixed(report: Report, backends=("three_path", "unified", "two_path"), 
         report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, CUDA graph (GPU time)", us,
                                us / 1e3, "ms"))
         del cache
+    meta = ref.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    bench_mixed_one_launch(report, step, meta, layout, outputs.get("three_path"))
     torch.cuda.empty_cache()
+
+
+def bench_mixed_one_launch(report: Report, step, meta, layout: str, reference: torch.Tensor | None) -> None:
+    """The one-launch mixed attention (:func:`tripath.ops.mixed_attention`, issue 52) on the step of
+    :func:`bench_mixed`: one forward as the backends' rows count it (KV write, the step's plan, the attention
+    launch), and the attention launch alone (what each further layer of a planned step costs); eager and as
+    GPU time of graph replays. Its output is checked against three_path's."""
+    cache = step.fresh_cache()
+    q = step.q
+    ws = mixed_attention_workspace(32, 8, 128, max_num_tokens=q.shape[0], max_num_seqs=meta.seq_lens.shape[0],
+                                   device=q.device)
+    out = torch.empty(q.shape[0], 32, 128, dtype=q.dtype, device=q.device)
+
+    def attend(planned: bool) -> None:
+        mixed_attention(q, cache.k_cache, cache.v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+                        layout=layout, workspace=ws, planned=planned, out=out)
+
+    def forward() -> None:
+        write_kv_cache(step.k, step.v, cache.k_cache, cache.v_cache, meta.slot_mapping, layout=layout)
+        attend(False)
+
+    forward()
+    if reference is not None and (err := (out.float() - reference.float()).abs().max().item()) > 2e-2:
+        report.errors.append(f"bench_mixed_one_launch: disagrees with three_path (max error {err:.3g})")
+    for shown, fn in ((f"one-launch mixed_attention ({layout}): write + plan + attend", forward),
+                      (f"one-launch mixed_attention ({layout}): attend only (planned)", lambda: attend(True))):
+        us = bench_eager(fn)
+        report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, eager", us, us / 1e3, "ms"))
+        us = bench_graph(fn)
+        report.rows.append(Row("mixed", "48 dec + 8 ext + 2 pre", f"{shown}, CUDA graph (GPU time)", us, us / 1e3,
+                               "ms"))
 
 
 def check_correctness(report: Report) -> None:

@@ -160,6 +160,46 @@ def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
+def mixed_config(platform: Platform, head_size: int, group_pad: int) -> dict:
+    """The one-launch mixed attention (:mod:`tripath.kernels.mixed_attention`): the prompt tile of
+    :func:`unified_config` (``BLOCK_M = BLOCK_Q · BLOCK_G`` rows, ``BLOCK_N`` keys), the decode tile's key tiles
+    (``DECODE_BLOCK_N``: :func:`decode_config`'s short tiles), one set of warps and stages for both (they share a
+    kernel). Heads over 128 dims: 32-row prompt tiles, since the persistent loop keeps more values live than
+    unified's one tile a program and 64 rows spilled up to 144 B on sm_90 (8 warps) and VGPRs on gfx950
+    (``tripath check-compile --only mixed``). Not timed yet (``tripath bench kernels --only mixed``)."""
+    if platform.backend == "cpu":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "DECODE_BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    if platform.is_hip:
+        if head_size > 128:
+            return {"BLOCK_M": 32, "BLOCK_N": 16, "DECODE_BLOCK_N": 32, **_amd(4, 2, 1)}
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "DECODE_BLOCK_N": 64, **_amd(4, 2, 1)}
+    if head_size > 128:
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "DECODE_BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "DECODE_BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+MIXED_PROGRAMS_PER_SM = 2  # the persistent grid of the mixed attention: programs an SM (mixed_schedule)
+MIXED_WAVES = 2  # items a program takes on average, the cost model's target (mixed_schedule)
+MIXED_MIN_SPLIT = 256  # keys a piece has at least (mixed_schedule): four 64-token decode tiles
+
+
+def mixed_schedule(platform: Platform, num_kv_heads: int) -> tuple[int, int, int, int]:
+    """``(programs, target_items, split_budget, min_split)`` of the one-launch mixed attention (the cost model
+    of :mod:`tripath.kernels.mixed_plan`): a persistent grid of ``MIXED_PROGRAMS_PER_SM`` programs an SM (what
+    fits: on sm_90 the 128-dim kernel takes 252 registers a thread at 4 warps and 41 KiB of shared memory, so
+    two programs an SM; to be measured against more, queued, programs), about
+    ``MIXED_WAVES`` items a program (``target_items`` items of ``Hkv`` works each), pieces of at least
+    ``MIXED_MIN_SPLIT`` keys (as paged decode's splits keep four 64-token tiles), and a list that may grow to
+    twice the target before the pieces lengthen (``split_budget``; it sizes the partial buffers). The
+    interpreter: three programs (the persistent loop strides), pieces of at least 32 keys."""
+    if platform.backend == "cpu":
+        programs, min_split = 3, 32
+    else:
+        programs, min_split = MIXED_PROGRAMS_PER_SM * platform.num_sms, MIXED_MIN_SPLIT
+    target = max(1, -(-MIXED_WAVES * programs // max(1, num_kv_heads)))
+    return programs, target, max(2 * target, 16), min_split
+
+
 def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
                        block_n: int) -> int:
     """Split count for paged decode with the 64-token tiles (where :func:`long_tile_splits` gives None):

@@ -29,6 +29,8 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "paged_decode_kernel": KernelRole(True, "QK^T and PV over [BLOCK_G query heads x BLOCK_N tokens]"),
     "paged_verify_kernel": KernelRole(True, "QK^T and PV over [(token, head) rows of a request x BLOCK_N tokens]"),
     "unified_attention_kernel": KernelRole(True, "QK^T and PV over [(token, head) rows x BLOCK_N tokens]"),
+    "mixed_attention_kernel": KernelRole(True, "QK^T and PV over decode and prompt tiles of a device-built work list"),
+    "plan_mixed_work_kernel": KernelRole(False, "deliberate: the work list's prefix sums and stores, no matmul"),
     "reduce_splits_kernel": KernelRole(False, "deliberate: weighted sum of split partials, no matmul"),
     "merge_states_kernel": KernelRole(False, "deliberate: elementwise LSE merge, no matmul"),
     "write_kv_cache_kernel": KernelRole(False, "deliberate: row copy / fp8 quantising store, no matmul"),
