@@ -99,7 +99,7 @@ def test_the_memory_plan_reads_the_runner_through_its_protocol(llm):
 
 def test_the_start_steps_read_the_runner_through_their_protocol(llm):
     runner = Narrow(llm.runner, StartingRunner)
-    assert startup.reserve_step_memory(runner) is None   # off a GPU: the forward only, not timed
+    assert startup.time_largest_step(runner) is None   # off a GPU: the forward only, not timed
     ctx = startup.nothing_written_context(runner, 20)
     assert ctx.caches is llm.runner.caches
     startup.warm_sampling(runner, torch.zeros(3, llm.model.config.hidden_size, dtype=llm.config.dtype))

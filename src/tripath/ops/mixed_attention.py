@@ -97,6 +97,8 @@ def mixed_attention_workspace(num_heads: int, num_kv_heads: int, head_size: int,
     the list's pieces beyond one a tile, and sizes the partials (``2 · split_budget`` slots); ``programs``
     replaces the persistent grid's size (default: :func:`tripath.ops._configs.mixed_schedule`)."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:   # "cuda": the current device, as tensors name it
+        device = torch.device("cuda", torch.cuda.current_device())
     head_size_v = head_size if head_size_v is None else head_size_v
     check_head_size("head_size", head_size)
     check_head_size("head_size_v", head_size_v)

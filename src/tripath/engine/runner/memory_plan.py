@@ -3,7 +3,8 @@
 The budget is ``gpu_memory_utilization × total``. From it the plan takes, in order:
 
 - ``in use``: what the device held when planning began (the weights, the CUDA context, other processes);
-- ``step peak``: the most memory one step allocates above that, measured at start by running the worst
+- ``step peak``: the most memory one step takes above that (its peak in the caching allocator, which
+  counts the segments its mixed sizes leave partly used), measured at start by running the worst
   step of each kind (:func:`worst_steps`) through the whole model on a small scratch cache (every slot −1,
   block ids wrapping inside it: the step reads garbage and writes nothing, which changes no size), then
   the LM head and sampling of its rows. The kinds: the largest prefill, one extend on the longest context
@@ -226,13 +227,16 @@ def _verify_rows(runner: PlanningRunner, plan, hidden: torch.Tensor, params, gen
 
 
 def measure_step_peaks(runner: PlanningRunner, steps: dict[str, Step], caches: list) -> dict[str, int]:
-    """Bytes each of ``steps`` allocates above what is allocated before it (the device is synchronised and
-    the allocator's cache emptied between steps)."""
+    """Bytes each of ``steps`` takes from the device above what it held before the step: the larger of its
+    allocation peak and its peak in PyTorch's caching allocator, whose segments of a step's mixed sizes hold
+    more than the step allocates at once (the device is synchronised and the allocator's cache emptied
+    between steps)."""
     peaks = {}
     for name, step in steps.items():
         torch.cuda.synchronize(runner.device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(runner.device)
+        base_reserved = torch.cuda.memory_reserved(runner.device)
         torch.cuda.reset_peak_memory_stats(runner.device)
         try:
             run_synthetic_step(runner, step, caches)
@@ -243,7 +247,8 @@ def measure_step_peaks(runner: PlanningRunner, steps: dict[str, Step], caches: l
                 f"the engine's worst {name} step ({len(q)} requests, {sum(q)} new tokens, contexts up to "
                 f"{max(c)}) does not fit on the device beside the weights: lower max_num_batched_tokens, "
                 f"max_num_seqs or max_model_len ({error})") from None
-        peaks[name] = torch.cuda.max_memory_allocated(runner.device) - base
+        peaks[name] = max(torch.cuda.max_memory_allocated(runner.device) - base,
+                          torch.cuda.max_memory_reserved(runner.device) - base_reserved)
     torch.cuda.empty_cache()
     return peaks
 

@@ -10,12 +10,13 @@
    (:func:`compile_pool`, opened by phase 1 and closed by this one);
 4. ``capture_graphs``: the verify graphs (:mod:`tripath.engine.runner.verify_graphs`: speculative decoding, where the
    backend allows them), then the decode graphs (:mod:`tripath.engine.runner.decode_graphs`) in their memory pool;
-   then (GPU) the largest eager step, run once writing nothing, so the caching allocator holds a step's
-   activation memory when requests arrive, and timed: where its host time is at least
+   then (GPU) the largest eager step, run once writing nothing and timed, the LM head and the sampler for
+   every row count (:func:`warm_sampling`), and the fused LM head and draw, timed against them per bucket of
+   row counts (:func:`tripath.engine.sampling.fused_sampling.measure`); where the step's host time is at least
    ``MIXED_GRAPHS_MIN_HOST_SHARE`` of its GPU span, steps with prompt tokens get piecewise graphs
-   (:mod:`tripath.engine.runner.mixed_graphs`); then the LM head and the sampler for every row count
-   (:func:`warm_sampling`), and the fused LM head and draw, timed against them per bucket of row counts
-   (:func:`tripath.engine.sampling.fused_sampling.measure`).
+   (:mod:`tripath.engine.runner.mixed_graphs`); last, the caching allocator gives back what these left and
+   holds one largest step's memory again (:func:`hold_step_memory`), so when requests arrive it holds what
+   the memory plan reserves for a step.
 
 A :class:`~tripath.engine.runner.model_runner.ModelRunner` implements the phases on one rank (:class:`RunnerStart`); a
 :class:`~tripath.engine.runner.parallel_executor.ParallelExecutor` runs each on rank 0 and broadcasts it to the worker
@@ -131,9 +132,10 @@ class RunnerStart:
             if self.captures_decode_graphs:
                 self.capture_decode_graphs()
             if self.device.type == "cuda":
-                self.largest_step_host_share = reserve_step_memory(self)
+                self.largest_step_host_share = time_largest_step(self)
                 if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
                     self.mixed_graphs = capture_mixed_graphs(self)
+                hold_step_memory(self)
 
     def close(self) -> None:
         """Release the start's compile pool, if open (one rank, in this process: nothing else); idempotent."""
@@ -233,17 +235,13 @@ def capture_mixed_graphs(runner: StartingRunner) -> MixedStepGraphs:
 
 
 @torch.inference_mode()
-def reserve_step_memory(runner: StartingRunner) -> float | None:
+def time_largest_step(runner: StartingRunner) -> float | None:
     """Run the largest eager step once on the real caches, writing nothing (every slot −1, every row reading
-    block 0), then :func:`warm_sampling` on up to ``max_num_seqs`` of its rows: PyTorch's caching allocator
-    then holds the activation memory a step needs (reserved by the memory plan), so no step while serving
-    waits for a device allocation. Returns the forward's host time over its GPU span (near 1: the step is
-    host-bound); None off a GPU, where only the forward runs."""
-    num_tokens = sum(largest_prompt_step(runner))
-    ctx = nothing_written_context(runner, num_tokens)
-    lens = largest_prompt_step(runner)
-    ids = torch.zeros(num_tokens, dtype=torch.int64, device=runner.device)
-    positions = torch.cat([torch.arange(n) for n in lens]).to(runner.device)
+    block 0), then :func:`warm_sampling` on up to ``max_num_seqs`` of its rows and the fused sampling's
+    timing: every kernel and cuBLAS choice of those is loaded before requests arrive. Returns the forward's
+    host time over its GPU span (near 1: the step is host-bound); None off a GPU, where only the forward
+    runs."""
+    ids, positions, ctx = largest_step_inputs(runner)
     on_gpu = runner.device.type == "cuda"
     if on_gpu:
         torch.cuda.synchronize(runner.device)
@@ -260,6 +258,33 @@ def reserve_step_memory(runner: StartingRunner) -> float | None:
     warm_sampling(runner, hidden[:min(runner.config.max_num_seqs, hidden.shape[0])])
     fused_sampling.measure(runner, hidden[:runner.config.max_num_seqs])
     return share
+
+
+def largest_step_inputs(runner: StartingRunner) -> tuple[torch.Tensor, torch.Tensor, ForwardContext]:
+    """``input_ids``, ``positions`` and a context that writes nothing, for the largest step the limits allow."""
+    lens = largest_prompt_step(runner)
+    ids = torch.zeros(sum(lens), dtype=torch.int64, device=runner.device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(runner.device)
+    return ids, positions, nothing_written_context(runner, sum(lens))
+
+
+@torch.inference_mode()
+def hold_step_memory(runner: StartingRunner) -> None:
+    """The end of a GPU start: give the device back what the start's warm-ups left cached in PyTorch's
+    allocator (segments of every size the row-count sweeps, the timings and the captures' eager runs made,
+    which the memory plan does not reserve), then run the largest step once more, writing nothing, and sample
+    ``max_num_seqs`` of its rows with top-k and top-p, so the allocator holds one step's memory (the plan's
+    ``step peak``) and no more."""
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.empty_cache()
+    ids, positions, ctx = largest_step_inputs(runner)
+    hidden = runner.model(ids, positions, ctx)
+    rows = min(runner.config.max_num_seqs, hidden.shape[0])
+    logits = runner.compute_logits(hidden[:rows])
+    del hidden
+    sample(logits, [SamplingParams(temperature=1.0, top_k=50, top_p=0.9)] * rows,
+           [make_generator(0, runner.device)] * rows)
+    torch.cuda.synchronize(runner.device)
 
 
 @torch.inference_mode()
