@@ -34,17 +34,17 @@ from typing import TYPE_CHECKING, Iterator, Protocol
 import torch
 
 from tripath.attention import ForwardContext
-from tripath.triton_internals import CompilePool, default_workers, warm_up_recording
-from tripath.engine.sampling import fused_sampling
-from tripath.engine.runner import warmup
-from tripath.engine.core.block_manager import blocks_needed
-from tripath.engine.runner.executor import Executor, ExecutorCapabilities
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.runner import warmup
+from tripath.engine.runner.executor import Executor, ExecutorCapabilities
 from tripath.engine.runner.memory_plan import MemoryPlan, plan_gpu_memory
 from tripath.engine.runner.mixed_graphs import MixedStepGraphs
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.sampling.sampler import make_generator, sample
 from tripath.engine.runner.warmup import RunnerBasics, WarmupRunner, saved_plan_path
+from tripath.engine.sampling import fused_sampling
+from tripath.engine.sampling.sampler import make_generator, sample
+from tripath.engine.scheduling.block_manager import blocks_needed
+from tripath.triton_internals import CompilePool, default_workers, warm_up_recording
 
 if TYPE_CHECKING:
     from tripath.engine.runner.decode_graphs import DecodeGraphs

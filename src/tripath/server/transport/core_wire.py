@@ -25,8 +25,8 @@ import pickle
 import struct
 from dataclasses import fields
 
-from tripath.engine.core.request import FinishReason, Logprob, PositionLogprobs
-from tripath.engine.core.stats import EngineStats
+from tripath.engine.requests.request import FinishReason, Logprob, PositionLogprobs
+from tripath.engine.scheduling.stats import EngineStats
 
 PIPE_BYTES = 1 << 20   # Linux's default /proc/sys/fs/pipe-max-size: a step's update never waits for the reader
 _STATS_FIELDS = tuple(f.name for f in fields(EngineStats))
