@@ -169,7 +169,7 @@ class EngineCore:
         self._compiled_at_start = compiled_variants()
         # The start leaves a few hundred thousand objects to the garbage collector (compiled kernels, the
         # warm-up's probes), most of them still young: collected now, the collector's first full pass over
-        # them (0.2 s on mha-tp8) does not fall into the first requests' steps.
+        # them (a pause that grows with them) does not fall into the first requests' steps.
         gc.collect()
         self.start_seconds = time.perf_counter() - start
 
