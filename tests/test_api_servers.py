@@ -22,9 +22,9 @@ import httpx
 import pytest
 
 from tripath.engine.core.engine_core import StepResult
-from tripath.engine.core.request import CompletionOutput, FinishReason, RequestOutput
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.core.stats import EngineStats
+from tripath.engine.requests.request import CompletionOutput, FinishReason, RequestOutput
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.scheduling.stats import EngineStats
 
 pytest.importorskip("fastapi")
 
@@ -131,8 +131,8 @@ def _abstract_names() -> set[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets are Linux's")
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])   # the server runs on uvloop where it is installed
 def test_abstract_metrics_sockets_put_nothing_on_disk_and_read_only_this_users_peers(caplog, monkeypatch, loop):
-    from tripath.server.processes.api_servers import socket_folder
     from tripath.server.metrics.metrics import ServerMetrics
+    from tripath.server.processes.api_servers import socket_folder
     from tripath.server.processes.metrics_peers import MetricsPeers
 
     folder = socket_folder()

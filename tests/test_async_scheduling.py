@@ -11,7 +11,7 @@ import torch
 
 from engine_models import tiny_model
 from tripath.engine import LLM, FinishReason, SamplingParams
-from tripath.engine.core.request import RequestStatus
+from tripath.engine.requests.request import RequestStatus
 
 
 pytestmark = pytest.mark.usefixtures("torch_paths_and_validation")

@@ -192,9 +192,9 @@ def test_the_extreme_sampling_values_allowed_keep_the_logits_finite():
     largest frequency and presence penalties."""
     from types import SimpleNamespace
 
-    from tripath.engine.sampling.logits_transforms import StepTransforms
-    from tripath.engine.sampling.sampling_params import (MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY,
+    from tripath.engine.requests.sampling_params import (MAX_LOGIT_BIAS_VALUE, MAX_REPETITION_PENALTY,
                                                          MIN_REPETITION_PENALTY)
+    from tripath.engine.sampling.logits_transforms import StepTransforms
 
     logits = torch.tensor([[1e8, -1e8, 3.0, 0.0, -2.0]] * 2)
     bias = SamplingParams(logit_bias={0: MAX_LOGIT_BIAS_VALUE, 1: -MAX_LOGIT_BIAS_VALUE}).logit_bias

@@ -43,7 +43,7 @@ def test_bench_speculative_reports_acceptance_against_the_baseline(monkeypatch, 
 def test_bench_speculative_runs_the_mtp_layer_under_the_oracles_drafts(monkeypatch, tmp_path):
     """``--method mtp``: the MTP layer drafts (and is timed), the oracle's tokens are proposed, so the acceptance
     is still the oracle's."""
-    from tripath.engine.speculative.mtp import MTPProposer
+    from tripath.engine.drafters.mtp import MTPProposer
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     drafted = []

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from tripath.engine.core.block_manager import BlockManager, blocks_needed, hash_block
-from tripath.engine.core.request import Request
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.request import Request
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.scheduling.block_manager import BlockManager, blocks_needed, hash_block
 
 
 def make_request(tokens, max_tokens=4):

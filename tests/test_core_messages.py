@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tripath.engine.core.engine_info import EngineInfo
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.scheduling.stats import EngineStats
 from tripath.server.transport.core_messages import Abort, Add, Ready, StartFailed, Stop, Stopped, Update
 from tripath.server.transport.core_wire import FrameReader, encode_stats, frame, send
-from tripath.engine.core.stats import EngineStats
 
 INFO = EngineInfo(model="/models/tiny", vocab_size=320, dtype="float32", device="cpu", tensor_parallel_size=1,
                   max_model_len=256, max_num_seqs=8, max_num_batched_tokens=512, decode_steps=8, backend="torch",

@@ -17,9 +17,9 @@ import torch
 from engine_models import CharTokenizer, tiny_model
 from model_steps import ReplayRecorder, assert_same_or_near_tie, record_graph_captures
 from tripath.attention import ForwardContext, default_block_size, plan_batch, select_backend
+from tripath.cli.generate import main_generate
 from tripath.engine import LLM, EngineConfig, FinishReason, SamplingParams
 from tripath.engine.runner import startup
-from tripath.cli.generate import main_generate
 from tripath.models import load_model
 
 
@@ -193,8 +193,8 @@ def test_generate_command_line(pure_torch, capsys):
 
 
 def test_runner_inputs_follow_the_plan_order(pure_torch, model):
-    from tripath.engine.core.request import Request
-    from tripath.engine.core.scheduler import ScheduledRequest
+    from tripath.engine.requests.request import Request
+    from tripath.engine.scheduling.scheduler import ScheduledRequest
 
     llm = LLM(model, backend="torch", num_kv_blocks=32, block_size=4)
     params = SamplingParams(max_tokens=4, temperature=0)

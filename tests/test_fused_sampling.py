@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tripath.engine import LLM, SamplingParams
+from tripath.engine.requests.structured_output import StructuredOutput
 from tripath.engine.sampling.fused_sampling import FusedSampling, choose, full_logits_reason, measure, row_buckets
 from tripath.engine.sampling.sampler import sample
-from tripath.engine.sampling.structured_output import StructuredOutput
 from tripath.models import load_model
 from tripath.ops.lm_head_sample import logits_sample
 

@@ -207,8 +207,8 @@ def test_generate_with_an_out_of_memory_step_raises_and_leaves_the_engine_idle(m
 
 
 def test_the_token_budget_shrinks_to_a_floor_and_not_without_chunked_prefill():
-    from tripath.engine.core.block_manager import BlockManager
-    from tripath.engine.core.scheduler import MIN_TOKEN_BUDGET, Scheduler
+    from tripath.engine.scheduling.block_manager import BlockManager
+    from tripath.engine.scheduling.scheduler import MIN_TOKEN_BUDGET, Scheduler
 
     scheduler = Scheduler(BlockManager(32, 16, True), max_num_seqs=8, max_num_batched_tokens=1024, max_model_len=512)
     assert [scheduler.shrink_token_budget() for _ in range(6)] == [512, 256, 128, 64, 64, 64]

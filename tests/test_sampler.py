@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.sampling.sampler import filtered_probs, make_generator, sample
 
 

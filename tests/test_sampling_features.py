@@ -10,8 +10,8 @@ import torch
 
 from engine_models import tiny_model
 from tripath.engine import LLM, FinishReason, SamplingParams
+from tripath.engine.requests.request import Request, RequestStatus
 from tripath.engine.sampling.logits_transforms import PenaltyState, step_transforms
-from tripath.engine.core.request import Request, RequestStatus
 
 PROMPTS = [[5, 9, 13, 2, 7], [11, 3, 3, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from tripath.engine.core.block_manager import BlockManager
-from tripath.engine.core.request import FinishReason, Request, RequestStatus
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.core.scheduler import Scheduler
+from tripath.engine.requests.request import FinishReason, Request, RequestStatus
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.scheduling.block_manager import BlockManager
+from tripath.engine.scheduling.scheduler import Scheduler
 
 VOCAB = 50
 
@@ -320,7 +320,7 @@ def test_pacing_sets_the_budget_within_the_cap_and_above_the_running_decodes():
     """``pace`` (step pacing) never goes past ``max_num_batched_tokens`` or the budget an out-of-memory step
     left, nor below the running requests or 16; a long prompt paced to 16 tokens a step gives the tokens of
     an unpaced run; without chunked prefill the budget stays."""
-    from tripath.engine.core.scheduler import MIN_PACED_BUDGET
+    from tripath.engine.scheduling.scheduler import MIN_PACED_BUDGET
 
     sched = make_scheduler(budget=256, seqs=32, num_blocks=256)
     assert sched.pace(64) == 64 and sched.pace(10 ** 6) == 256 and sched.pace(1) == MIN_PACED_BUDGET
@@ -344,7 +344,7 @@ def test_the_step_pacer_follows_the_steps_its_budget_bounds():
     """The budget starts at 256 tokens; a bounded step under half the target doubles it (up to the cap), one
     over the target shrinks it in proportion (in multiples of 64); a step the budget did not bound (fewer
     tokens than half of it), however slow, changes nothing."""
-    from tripath.engine.core.step_pacing import StepPacer
+    from tripath.engine.scheduling.step_pacing import StepPacer
 
     sched = make_scheduler(budget=4096, num_blocks=256)
     pacer = StepPacer(sched, target_s=0.5)

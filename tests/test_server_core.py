@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from tripath.engine.core.engine_core import StepResult
-from tripath.engine.core.request import CompletionOutput, FinishReason, Logprob, RequestOutput
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.core.stats import EngineStats
+from tripath.engine.requests.request import CompletionOutput, FinishReason, Logprob, RequestOutput
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.scheduling.stats import EngineStats
 from tripath.server.transport.core_messages import Abort, Add
 from tripath.server.transport.core_wire import StepOutput, decode_output, decode_stats, encode_output, encode_stats
 
@@ -326,9 +326,9 @@ def test_commands_a_full_pipe_cannot_take_wait_and_arrive_whole_and_in_order():
     as the reader drains it, later messages after it; the reader gets every frame whole, in order."""
     import threading
 
+    from tripath.server.metrics.metrics import ServerMetrics
     from tripath.server.transport.core_wire import FrameReader, Outbox
     from tripath.server.transport.engine_client import EngineClient
-    from tripath.server.metrics.metrics import ServerMetrics
 
     read_end, write_end = os.pipe()
 

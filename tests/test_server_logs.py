@@ -180,7 +180,7 @@ def test_usage_errors_name_the_flag(capsys, argv, message):
 def test_the_stats_line_reads_the_metrics_as_vllm_writes_it():
     """Throughputs over the interval, preemptions when there were some, the hit rate of the interval's lookups
     (all of them when it had none), INFO while busy and for one interval after, DEBUG when idle."""
-    from tripath.engine.core.stats import EngineStats
+    from tripath.engine.scheduling.stats import EngineStats
     from tripath.server.metrics.metrics import ChoiceTimes, ServerMetrics
     from tripath.server.metrics.stats_log import StatsLine
 

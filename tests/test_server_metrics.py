@@ -188,7 +188,7 @@ def test_the_tokens_per_second_gauge_counts_the_tokens_of_its_window_only(monkey
     window, over observations whose spacing leaves a few to several dozen inside it."""
     import random
 
-    from tripath.engine.core.stats import EngineStats
+    from tripath.engine.scheduling.stats import EngineStats
     from tripath.server.metrics import metrics as M
 
     clock = [1000.0]
@@ -208,7 +208,7 @@ def test_the_tokens_per_second_gauge_counts_the_tokens_of_its_window_only(monkey
 
 def test_speculative_decoding_counters_follow_the_engine_stats():
     """vLLM's spec-decode families grow by what the engine's cumulative counts grew, per draft position too."""
-    from tripath.engine.core.stats import EngineStats
+    from tripath.engine.scheduling.stats import EngineStats
     from tripath.server.metrics.metrics import ServerMetrics
 
     metrics = ServerMetrics(NAME, names="vllm")
@@ -245,7 +245,7 @@ def test_the_engine_reports_tokens_per_model_step_and_queue_times(pure_torch_one
     so their sum is the prompts' tokens and one per later token; ``RequestOutput.queue_time`` / ``prefill_time``
     split the engine's time to first token at the first step that scheduled the request."""
     from tripath.engine import LLM, SamplingParams
-    from tripath.engine.core.stats import STEP_TOKEN_BUCKETS, StepTokenCounts
+    from tripath.engine.scheduling.stats import STEP_TOKEN_BUCKETS, StepTokenCounts
 
     llm = LLM("tiny-llama", backend="torch", num_kv_blocks=64, decode_steps=4, enable_prefix_caching=False)
     prompts = {"a": [5] * 9, "b": [7] * 30, "c": [3] * 2}

@@ -1,6 +1,7 @@
-"""The shape of ``src/tripath``: no import circle between its modules, layers that import only downwards,
-the server's subpackages in one order, no module importing another's private names, and no file over 450
-lines. Every import counts, at module level or inside a function, ``TYPE_CHECKING`` ones too."""
+"""The shape of ``src/tripath``: no import circle between its modules nor between its packages, layers that
+import only downwards, the engine's and the server's subpackages each in one order, no module importing
+another's private names, and no file over 450 lines. Every import counts, at module level or inside a
+function, ``TYPE_CHECKING`` ones too."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ LAYERS = [("tripath",), ("triton_internals",), ("kernels",), ("ops",), ("attenti
           ("server",), ("portability", "bench"), ("cli",)]
 # The server's subpackages, lowest first (each imports only the ones before it, and the engine).
 SERVER_ORDER = [f"tripath.server.{part}" for part in ("metrics", "transport", "processes", "http")]
+# The engine's subpackages, lowest first (each imports only the ones before it); the engine's own modules
+# (tripath.engine: the LLM facade, and what its __init__.py re-exports) over them all.
+ENGINE_ORDER = [f"tripath.engine.{part}" for part in ("requests", "config", "sampling", "speculative", "scheduling",
+                                                      "runner", "drafters", "core")] + ["tripath.engine"]
 
 
 def _modules() -> dict[str, Path]:
@@ -99,6 +104,33 @@ def test_no_import_circle_between_modules():
     assert _cycles(GRAPH) == []
 
 
+def _package_imports() -> dict[tuple[str, str], list[str]]:
+    """``(package, package it imports)`` -> the module imports behind that arrow. A package is a folder of
+    ``src/tripath`` (its ``__init__.py`` among its modules, so what it re-exports counts as its import)."""
+    arrows: dict[tuple[str, str], list[str]] = {}
+    for a, targets in GRAPH.items():
+        for b in targets:
+            if _package(a) != _package(b):
+                arrows.setdefault((_package(a), _package(b)), []).append(f"{a} imports {b}")
+    return arrows
+
+
+def test_no_import_circle_between_packages():
+    """No package imports, through any chain of packages, one that imports it: each package of ``src`` (and
+    each subpackage apart from its parent) sits above or below each other one. A parent package that
+    re-exports its subpackages' names is above them, so they never import its own modules."""
+    arrows = _package_imports()
+    graph: dict[str, set[str]] = {_package(name): set() for name in MODULES}
+    for a, b in arrows:
+        graph[a].add(b)
+    circles = []
+    for component in _cycles(graph):
+        inside = set(component)
+        circles.append({f"{a} -> {b}": sorted(why) for (a, b), why in sorted(arrows.items())
+                        if a in inside and b in inside})
+    assert circles == []
+
+
 def _layer(name: str) -> int:
     top = name.split(".")[1] if name.count(".") else "tripath"
     top = top if any(top in layer for layer in LAYERS) else "tripath"   # constants, platform, _env
@@ -110,20 +142,34 @@ def test_layers_import_only_downwards():
     assert upward == []
 
 
+def _upward_imports(order: list[str]) -> list[str]:
+    """The imports from a package of ``order`` (or one inside it) into a later one."""
+    rank = {package: i for i, package in enumerate(order)}
+
+    def place(package: str) -> str | None:   # the entry of ``order`` the package is or lies in (the longest)
+        return max((p for p in order if package == p or package.startswith(p + ".")), key=len, default=None)
+
+    wrong = []
+    for a, targets in GRAPH.items():
+        for b in targets:
+            pa, pb = place(_package(a)), place(_package(b))
+            if pa and pb and pa != pb and rank[pb] > rank[pa]:
+                wrong.append(f"{a} imports {b}")
+    return wrong
+
+
 def test_the_server_subpackages_import_in_one_direction():
     """metrics <- transport <- processes <- http: the HTTP side over the processes, over the core's
     transport, over what the server tells its operators."""
-    rank = {package: i for i, package in enumerate(SERVER_ORDER)}
-    wrong = []
-    for a, targets in GRAPH.items():
-        pa = _package(a)
-        for b in targets:
-            pb = _package(b)
-            pa_top = next((p for p in SERVER_ORDER if pa == p or pa.startswith(p + ".")), None)
-            pb_top = next((p for p in SERVER_ORDER if pb == p or pb.startswith(p + ".")), None)
-            if pa_top and pb_top and pa_top != pb_top and rank[pb_top] > rank[pa_top]:
-                wrong.append(f"{a} imports {b}")
-    assert wrong == []
+    assert _upward_imports(SERVER_ORDER) == []
+
+
+def test_the_engine_subpackages_import_in_one_direction():
+    """requests <- config <- sampling <- speculative <- scheduling <- runner <- drafters <- core <- the
+    engine's own modules: a request's vocabulary under the settings, under how tokens are drawn and drafts
+    kept, under what a step takes, under what runs it, under the proposers that run a model of their own,
+    under the core that drives them all, under the LLM facade."""
+    assert _upward_imports(ENGINE_ORDER) == []
 
 
 def test_no_module_imports_another_modules_private_names():

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from tripath.engine import LLM, EngineConfig, SamplingParams
-from tripath.engine.core.request import Request
+from tripath.engine.requests.request import Request
+from tripath.engine.requests.structured_output import StructuredOutput
 from tripath.engine.sampling.sampler import filtered_probs, make_generator
 from tripath.engine.speculative import NgramProposer, SpeculativeConfig
 from tripath.engine.speculative.acceptance import accept_drafts
-from tripath.engine.sampling.structured_output import StructuredOutput
 from tripath.models import load_model
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -300,7 +300,7 @@ def test_draft_model_greedy_outputs_are_those_without_speculation(pure_torch, dr
 def test_the_draft_caches_bytes_per_block_are_what_its_runner_allocates(pure_torch):
     """The target's GPU memory plan sizes the draft's cache to the same blocks with ``draft_cache_bytes``:
     the bytes the draft runner's caches take, per block."""
-    from tripath.engine.speculative.draft_model import draft_cache_bytes
+    from tripath.engine.drafters.draft_model import draft_cache_bytes
 
     llm = LLM(preset("tiny-llama"), backend="torch", num_kv_blocks=24, block_size=8,
               speculative_config={"model": "tiny-qwen3", "num_speculative_tokens": 2})

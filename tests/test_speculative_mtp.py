@@ -437,7 +437,7 @@ def test_bad_mtp_configs_are_refused():
 def test_the_memory_plan_counts_the_mtp_cache_as_allocated():
     """The target's GPU memory plan sizes the MTP layer's cache to the same blocks with ``mtp_cache_bytes``: the
     bytes the proposer's cache takes, per block."""
-    from tripath.engine.speculative.mtp import mtp_cache_bytes
+    from tripath.engine.drafters.mtp import mtp_cache_bytes
 
     llm = LLM(tiny_deepseek(), backend="torch", num_kv_blocks=24, block_size=8, speculative_config=MTP)
     cache = llm.scheduler.proposer.cache.kv_cache

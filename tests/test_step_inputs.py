@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tripath.attention.planner import plan_batch
-from tripath.engine.core.request import Request
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.core.scheduler import ScheduledRequest
+from tripath.engine.requests.request import Request
+from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.runner.step_inputs import StepInputBuilder
+from tripath.engine.scheduling.scheduler import ScheduledRequest
 
 BS = 4
 

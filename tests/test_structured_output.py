@@ -11,7 +11,7 @@ pytest.importorskip("xgrammar")
 pytest.importorskip("transformers")
 
 from tripath.engine import LLM, SamplingParams  # noqa: E402
-from tripath.engine.sampling.structured_output import StructuredOutput  # noqa: E402
+from tripath.engine.requests.structured_output import StructuredOutput  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"word": {"enum": ["fox", "dog", "server"]}, "ok": {"type": "boolean"}},
           "required": ["word", "ok"], "additionalProperties": False}
@@ -61,7 +61,7 @@ def test_bad_constraints_are_named(tiny_hf_dir):
 
 
 def _compiler(tokenizer, **options):
-    from tripath.engine.sampling.structured_output import GrammarCompiler
+    from tripath.engine.requests.structured_output import GrammarCompiler
 
     return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], **options)
 
@@ -122,7 +122,7 @@ def test_submitted_compiles_run_off_the_callers_thread_and_share_one_future(tiny
 def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(tiny_hf_dir):
     """min_tokens past where the grammar must end leaves no allowed token: the request ends with finish reason
     ``error`` and a message naming min_tokens, the rejected token not in its output; its neighbours run on."""
-    from tripath.engine.core.request import FinishReason
+    from tripath.engine.requests.request import FinishReason
 
     llm = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64, max_model_len=256)
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -147,7 +147,7 @@ def _nested(levels: int) -> dict:
 
 
 def test_schemas_are_held_to_one_nesting_limit_as_dicts_and_as_text():
-    from tripath.engine.sampling.structured_output import MAX_SCHEMA_DEPTH, constraint_size
+    from tripath.engine.requests.structured_output import MAX_SCHEMA_DEPTH, constraint_size
 
     deepest = _nested(MAX_SCHEMA_DEPTH - 1)   # each level an object; the innermost one too
     for form in (deepest, json.dumps(deepest)):

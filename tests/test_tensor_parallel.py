@@ -19,8 +19,8 @@ import torch
 from model_steps import randomize_hf_weights
 from tp_ranks import model_steps_cases, reference_steps, run_ranks
 from tripath.engine import LLM, SamplingParams
-from tripath.engine.core.request import Request
-from tripath.engine.core.scheduler import ScheduledRequest
+from tripath.engine.requests.request import Request
+from tripath.engine.scheduling.scheduler import ScheduledRequest
 from tripath.models import load_model
 from tripath.models.parallel import ParallelState, model_shards
 
@@ -208,10 +208,10 @@ def test_llm_refuses_unshardable_or_unknown_models_before_spawning(monkeypatch):
 def test_step_messages_rebuild_what_the_runner_reads():
     """Through a real scheduler with too few blocks (preemptions, prefix hits, chunked prefill): each decoded
     step has the scheduled requests' block ids, new tokens and counts, and block ids travel once each."""
-    from tripath.engine.core.block_manager import BlockManager
-    from tripath.engine.core.request import Request
-    from tripath.engine.core.scheduler import Scheduler
+    from tripath.engine.requests.request import Request
     from tripath.engine.runner.worker import StepDecoder, StepEncoder
+    from tripath.engine.scheduling.block_manager import BlockManager
+    from tripath.engine.scheduling.scheduler import Scheduler
 
     scheduler = Scheduler(BlockManager(12, 4), max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64)
     g = torch.Generator().manual_seed(0)

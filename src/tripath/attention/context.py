@@ -9,7 +9,7 @@ engine's stand-ins implement the same two calls: the warm-up's recording context
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
@@ -19,9 +19,6 @@ from tripath.attention.layer_replay import MIN_LAYERS_TO_REPLAY, LayerReplay, Wa
 from tripath.attention.metadata import AttentionMetadata
 from tripath.attention.spec import MLALayerWeights
 from tripath.attention.validate import MetadataError, cache_geometry, validate_metadata
-
-if TYPE_CHECKING:  # the backends (and their kernels) load only when a backend is selected
-    from tripath.attention.backends.base import AttentionBackend
 
 
 class AttentionContext(Protocol):
@@ -37,6 +34,40 @@ class AttentionContext(Protocol):
                    k_pe: torch.Tensor, positions: torch.Tensor, weights: MLALayerWeights) -> torch.Tensor:
         """MLA: ``q_nope [T,H,P]``, unrotated ``q_pe [T,H,R]``, ``kv_c [T,L]``, unrotated ``k_pe [T,R]`` →
         ``[T, H, V]``."""
+
+
+class BackendCapabilities(Protocol):
+    """The part of a backend's ``Capabilities`` that :class:`ForwardContext` reads."""
+
+    @property
+    def mha(self) -> bool: ...
+
+    @property
+    def mla(self) -> bool: ...
+
+    @property
+    def needs_triton(self) -> bool: ...
+
+
+class StepBackend(Protocol):
+    """What :class:`ForwardContext` calls on its backend: ``forward`` on an MHA / GQA backend, ``forward_mla``
+    on an MLA one, as its ``capabilities`` say. The backends
+    (:class:`tripath.attention.backends.base.AttentionBackend`) are above this package and import it, never
+    the reverse: a backend's module (and its kernels) loads only when the backend is selected."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def capabilities(self) -> BackendCapabilities: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, meta: AttentionMetadata, *,
+                alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, window_left: int | None = None) -> torch.Tensor: ...
+
+    def forward_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                    positions: torch.Tensor, cache, meta: AttentionMetadata, weights: MLALayerWeights,
+                    *, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -59,7 +90,7 @@ class ForwardContext:
     lists why each refused recording of the context was refused.
     """
 
-    backend: "AttentionBackend"
+    backend: StepBackend
     metadata: AttentionMetadata
     caches: list
     calibrate_kv_scales: bool = False

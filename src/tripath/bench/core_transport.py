@@ -23,7 +23,7 @@ from typing import Sequence
 
 
 def _outputs(num_outputs: int, num_tokens: int, logprobs: int | None) -> list:
-    from tripath.engine.core.request import CompletionOutput, Logprob, RequestOutput
+    from tripath.engine.requests.request import CompletionOutput, Logprob, RequestOutput
 
     outs = []
     for i in range(num_outputs):
@@ -115,7 +115,7 @@ class _StandInEngine:
         return True
 
     def stats(self):
-        from tripath.engine.core.stats import EngineStats
+        from tripath.engine.scheduling.stats import EngineStats
 
         return EngineStats(len(self.outputs), 0, 1, 2, 0, 0, 0, self.num_steps)
 
@@ -129,8 +129,8 @@ def _drain(updates) -> None:
 
 def _core_step_cpu_s(outs: list, steps: int) -> float:
     """CPU seconds per step of the engine core's loop (a spawned child reads its updates)."""
-    from tripath.server.transport.core_wire import widen
     from tripath.server.transport.core_loop import CoreLoop
+    from tripath.server.transport.core_wire import widen
 
     context = multiprocessing.get_context("spawn")
     commands, _ = context.Pipe(duplex=False)
@@ -157,10 +157,10 @@ def _thread_step_cpu_s(outs: list, steps: int) -> float:
     import asyncio
     import threading
 
-    from tripath.engine.sampling.sampling_params import SamplingParams
+    from tripath.engine.requests.sampling_params import SamplingParams
+    from tripath.server.metrics.metrics import ServerMetrics
     from tripath.server.transport.core_loop import CoreLoop
     from tripath.server.transport.in_process import InProcessClient
-    from tripath.server.metrics.metrics import ServerMetrics
     from tripath.server.transport.submissions import Submission
 
     loop = asyncio.new_event_loop()

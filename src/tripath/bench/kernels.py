@@ -6,9 +6,8 @@ Floors are measured in the same run: device-to-device copy bandwidth (bytes read
 memory-bound decode, an 8192³ bf16 matmul for the compute-bound prefill. Bytes of a decode: K + V of
 every context token, read once. FLOPs of a causal prefill: ``4 · S² · H · D / 2`` per sequence.
 Times are medians of ``triton.testing.do_bench``; decode ops (paged and MLA, ~100-1000 µs) are timed as
-GPU time of CUDA-graph replays, since an eager launch of a 100 µs kernel also measures Python on the host
-(an MLA decode of 95 µs GPU time reads 117-252 µs eagerly on an H200's host). Each op is checked
-against its reference once.
+GPU time of CUDA-graph replays, since an eager launch of such a kernel also measures Python on the host
+(docs/BENCHMARKS.md, "Reproduce"). Each op is checked against its reference once.
 """
 
 from __future__ import annotations

@@ -107,10 +107,10 @@ async def run_benchmark(base_url: str, model: str, workload: Workload, rate: flo
     JSON-encoded before the clock starts: encoding a prompt of thousands of token ids is the client's work,
     not the server's, and would otherwise count in every request's TTFT.
 
-    The client is aiohttp (as vLLM's benchmark's), its connections kept alive: on 64 streams of the TP-8
-    shape httpx's asynchronous client, opening a connection per request, added about 40 ms to the TTFT
-    it measured (the requests of one client process reached the server one after the other), and reusing
-    its connections held some requests back by seconds."""
+    The client is aiohttp (as vLLM's benchmark's), its connections kept alive: httpx's asynchronous client,
+    opening a connection per request, added its own delay to the TTFT it measured (the requests of one
+    client process reached the server one after the other), and reusing its connections held some requests
+    back (docs/BENCHMARKS.md, "Measurements behind the code's choices")."""
     import aiohttp
 
     url = base_url.rstrip("/") + "/v1/completions"

@@ -3,8 +3,8 @@
 :func:`run_rounds` runs every backend's process (:func:`tripath.bench.serve_engine.spawn_backend`) ``--rounds``
 times in turn (A B A B …), the first round on an empty Triton cache per backend unless ``--warm-cache``,
 each backend's start timed again on its now warm cache after its first round: a host whose speed drifts
-between processes (the same code 10–50% slower in one process's host work than in the next) then weighs
-on every backend alike. :func:`merge_rounds` reports the round of median warm pass, with every round's warm
+between processes (the same code slower in one process's host work than in the next: docs/BENCHMARKS.md,
+End to end) then weighs on every backend alike. :func:`merge_rounds` reports the round of median warm pass, with every round's warm
 pass; :func:`rows_of` makes one row per backend (the warm pass is the median of the passes after the
 first, :func:`median_pass`), and :func:`print_report` prints the table, every pass's times
 (:func:`format_passes`), the garbage collections and the step breakdowns.

@@ -33,15 +33,15 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tripath.engine.sampling.choices import choice_params, group_choices
 from tripath.engine.config import EngineConfig
 from tripath.engine.core.engine_core import EngineCore
 from tripath.engine.errors import StepFailed
 from tripath.engine.llm_guards import EngineLock, serialised
-from tripath.engine.core.request import Request, RequestOutput
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.core.stats import EngineStats
-from tripath.engine.sampling.structured_output import GrammarCompiler
+from tripath.engine.requests.request import Request, RequestOutput
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.requests.structured_output import GrammarCompiler
+from tripath.engine.sampling.choices import choice_params, group_choices
+from tripath.engine.scheduling.stats import EngineStats
 
 Prompt = str | Sequence[int]
 
@@ -145,8 +145,9 @@ class LLM:
     eos_token_ids = _core_attribute("eos_token_ids", "The model's end-of-sequence token ids.")
     generation_defaults = _core_attribute("generation_defaults", "The model's ``generation_config.json`` values.")
     runner = _core_attribute("runner", "The executor (``ModelRunner``, or ``ParallelExecutor`` over ranks).")
-    scheduler = _core_attribute("scheduler", "The :class:`~tripath.engine.core.scheduler.Scheduler`.")
-    block_manager = _core_attribute("block_manager", "The :class:`~tripath.engine.core.block_manager.BlockManager`.")
+    scheduler = _core_attribute("scheduler", "The :class:`~tripath.engine.scheduling.scheduler.Scheduler`.")
+    block_manager = _core_attribute("block_manager",
+                                    "The :class:`~tripath.engine.scheduling.block_manager.BlockManager`.")
     overlap = _core_attribute("overlap", "Whether steps overlap (``async_scheduling`` where the executor can).")
     decode_steps = _core_attribute("decode_steps", "Model steps a step of decodes alone may take.", settable=True)
     detokenize_outputs = _core_attribute("detokenize", "Whether finished outputs carry their text.", settable=True)
@@ -223,7 +224,7 @@ class LLM:
 
     def stats(self) -> EngineStats:
         """The engine's state and cumulative counters now (requests, KV blocks, prefix cache, preemptions,
-        steps): see :class:`~tripath.engine.core.stats.EngineStats`."""
+        steps): see :class:`~tripath.engine.scheduling.stats.EngineStats`."""
         return self.core.stats()
 
     @serialised

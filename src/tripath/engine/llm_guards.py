@@ -1,4 +1,4 @@
-"""What :class:`~tripath.engine.llm.LLM` checks on entry: one thread at a time, and token ids in the vocabulary.
+"""What :class:`~tripath.engine.llm.LLM` holds on entry: one thread at a time.
 
 An engine is one scheduler over one KV cache: ``generate``, ``chat`` and ``stream`` take every output the
 steps produce, and the step API (``add_request``, ``step``, ``abort_request``) changes the same queues. So
@@ -61,16 +61,3 @@ def serialised(method: F) -> F:
                 lock.release()
 
     return run  # type: ignore[return-value]
-
-
-def check_sampling_token_ids(params, vocab_size: int | None, name: str = "prompt") -> None:
-    """Raise ``ValueError`` when ``params.stop_token_ids`` or a ``params.logit_bias`` key is outside
-    ``[0, vocab_size)``, naming the field, the id and the vocabulary size (``name``: whose parameters, in the
-    message). Nothing to check without a known ``vocab_size``."""
-    if vocab_size is None:
-        return
-    for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"sampling_params.{field} for {name} holds token id {bad}, outside the model's "
-                             f"vocabulary [0, {vocab_size}) of {vocab_size} tokens")

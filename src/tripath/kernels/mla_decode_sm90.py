@@ -24,9 +24,9 @@ score product is computed once per tile and shared, so no product runs twice (th
   a thread, the score warpgroup the 184 left).
 
 Shared memory: 5 stages × 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB. The stage count
-decides much of the speed (3 stages take about 1.5x the time of 5), which is why half of the query lives
-in registers. The score accumulator must not stay in flight across the loop's back edge: ptxas then
-serialises every ``wgmma`` (2.5x slower; ``tripath check-compile`` fails such builds).
+decides much of the speed (docs/BENCHMARKS.md, "Launch configurations"), which is why half of the query
+lives in registers. The score accumulator must not stay in flight across the loop's back edge: ptxas then
+serialises every ``wgmma`` (``tripath check-compile`` fails such builds).
 
 Math (log2 domain, ``c = sm_scale · log2 e``)::
 
@@ -41,8 +41,8 @@ Output: ``out [B, H, L]`` for one split, else fp32 partials ``[B, H, S, L]`` and
 (natural log) for :func:`tripath.kernels.paged_decode.reduce_splits_kernel`. With ``TMA_OUT`` (one split,
 ``out`` contiguous and of the query's dtype) each value warpgroup stages its ``[64, L/2]`` output tile in
 the ring, free once all three warpgroups have passed ``done``, and stores it with one TMA copy: every
-program finishes at about the same time, and pointer stores of that burst cost about 3% of a program's
-time.
+program finishes at about the same time, and pointer stores of that burst cost a measurable share of a
+program's time.
 """
 
 from triton.experimental import gluon
@@ -149,7 +149,7 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
         # last iteration computes its own tile's again and discards them: no branch around an in-flight wgmma).
         # Their register-operand products are issued before the softmax, the shared-memory half after its
         # arithmetic in the source: ptxas then spreads that half's issue through the softmax, which no longer
-        # starts only once all 36 products are queued (about 3% faster).
+        # starts only once all 36 products are queued.
         nxt = gl.minimum(i + 1, num_tiles - 1)
         s_next = _register_scores(nxt, q_reg, qpe_reg, c_smem, cpe_smem, kv_ready, zero_s, NUM_STAGES)
         start = lo + i * BLOCK_N
@@ -333,5 +333,5 @@ def mla_decode_sm90_kernel(
                    L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT)),
     # Registers: the value warpgroups keep 160 a thread (a 128-register accumulator and the loop; at 152 ptxas
     # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left,
-    # which loosens ptxas's schedule of the softmax (about 1% faster than 168 each).
+    # which loosens ptxas's schedule of the softmax (faster than 168 each).
     ], [4, 4], [VALUE_REGS, VALUE_REGS])

@@ -356,7 +356,7 @@ def varlen_attention_sm90_kernel(
     # have used it, so more than the ring holds would deadlock.
     gl.static_assert(LAG_TILES <= NUM_STAGES)
     # Query buffers per warpgroup (_query_buffers): one for 128-row items, which leaves room on the SM for a
-    # paged-decode program beside it (two buffers, 209 KiB, made the mixed step about 4% slower);
+    # paged-decode program beside it (two buffers, 209 KiB, made the mixed step slower);
     # two for head-pair items, so the next item's queries load while this one finishes.
     Q_BUFS: gl.constexpr = _query_buffers(PAIR_HEADS, HAS_ROPE)
     # Output tiles are staged in their item's query buffer, released an item later: two buffers needed.

@@ -11,10 +11,10 @@ from tripath.kernels.gluon_tma import tma_load
 @gluon.jit
 def round_item(r, pid, num_programs, SNAKE: gl.constexpr):
     """The work item of program ``pid`` in round ``r``. With ``SNAKE`` the rounds alternate direction over
-    the heaviest-first order, so no program takes the heaviest item of every round: causal 1 × 8192 (2048
-    items of 1–64 tiles on 132 programs) puts 536 tiles on the busiest program in rounds of one direction,
-    505 with the snake, against a mean of 504 (1-4% faster on long causal requests). Head-pair items, whose
-    blocks fill whole rounds evenly either way, keep one direction (3% slower with the snake)."""
+    the heaviest-first order, so no program takes the heaviest item of every round: the busiest program's
+    tiles come close to the mean (faster on long causal requests; docs/BENCHMARKS.md, "Launch
+    configurations"). Head-pair items, whose blocks fill whole rounds evenly either way, keep one direction
+    (slower with the snake)."""
     if SNAKE:
         return r * num_programs + pid + (r % 2) * (num_programs - 1 - 2 * pid)
     else:

@@ -32,7 +32,7 @@ def varlen_config(platform: Platform, head_size: int, elem_bytes: int, max_seqle
     - 64x64 (Hopper) / 64x32, 4 warps: requests of at most 1024 keys, and causal launches of fewer than 12
       waves of 128-row tiles, whose uneven programs would leave the last waves ragged;
     - heads over 128 (MLA's non-absorbed 192 / 128): 128x64, 8 warps, 3 stages on Hopper for 16-bit inputs
-      (about 4x faster than the 64x32 tiles that 256-wide heads need); 64x32 elsewhere;
+      (far faster than the 64x32 tiles that 256-wide heads need); 64x32 elsewhere;
     - AMD: 128x64 (64x32 over 128 dims), 4 warps, one wave per SIMD, so every feature fits the register
       file without spills (``tripath check-compile``).
     Measured choices: ``docs/BENCHMARKS.md``, "Launch configurations"."""
@@ -90,10 +90,11 @@ def long_tile_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_s
     splits`` programs with ``P >= 2.5 · SMs`` and ``P`` not a power of two. ``num_splits`` given: that
     count, if it qualifies; otherwise the smallest that does.
 
-    Why: on an H200 this rule came within 7% of the best split count and tile size of a sweep over batch
-    2-128 x context 2048-65536 (0.4% on average, against 26% / 6% for the 64-token tiles alone); 128-token
-    tiles at power-of-two program counts measured 10-20% below the counts either side (an observation of
-    that GPU, not a derived rule); below 2048 tokens a split, the 64-token tiles were as fast or faster."""
+    Why: over a sweep of batch 2-128 x context 2048-65536 on sm_90 this rule came close to the best split
+    count and tile size everywhere, where the 64-token tiles alone did not; 128-token tiles at power-of-two
+    program counts ran below the counts either side (an observation of that GPU, not a derived rule);
+    below 2048 tokens a split, the 64-token tiles were as fast or faster. The figures: docs/BENCHMARKS.md,
+    "Launch configurations"."""
     if (platform.backend == "cpu" or platform.is_hip or max_seq_len is None or layout != "nhd"
             or kv_elem_bytes != 2 or not 64 < head_size <= 128):
         return None
@@ -203,9 +204,9 @@ def mixed_schedule(platform: Platform, num_kv_heads: int) -> tuple[int, int, int
 def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
                        block_n: int) -> int:
     """Split count for paged decode with the 64-token tiles (where :func:`long_tile_splits` gives None):
-    about four programs per SM, never below ~4 tiles per split, at most 64. Why: on an H200, 8 x 32768
-    was fastest at 8 splits and 64 x 4096 / 64 x 16384 at 1 (2 splits: 9% slower); filling the last wave
-    exactly did not pay."""
+    about four programs per SM, never below ~4 tiles per split, at most 64. Why: few long requests want
+    several splits, many requests none; filling the last wave exactly did not pay
+    (docs/BENCHMARKS.md, "Launch configurations")."""
     if platform.backend == "cpu":
         return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))
     programs = max(1, num_seqs * num_kv_heads)

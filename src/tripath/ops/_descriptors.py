@@ -18,8 +18,8 @@ def gluon_descriptor(t: torch.Tensor, shape: list[int], strides: list[int], bloc
     ``block`` tiles into shared memory in the default NVMMA (swizzled) layout for the kernels' ``wgmma``.
 
     Descriptors are cached by what they encode (address, dtype, shape, strides, block), so repeated
-    launches on the same buffers skip the construction and its checks (about 5 µs of host time each,
-    several per launch). A cached descriptor holds only ``t``'s address (:class:`_Address`), not
+    launches on the same buffers skip the construction and its checks (host time that a launch would pay
+    for each of its several descriptors). A cached descriptor holds only ``t``'s address (:class:`_Address`), not
     ``t``: it keeps no memory alive, and a later tensor at the same address with the same geometry gets an
     identical descriptor, as the launcher reads nothing else from it."""
     return _cached_descriptor(t.data_ptr(), t.dtype, tuple(shape), tuple(strides), tuple(block))
@@ -48,8 +48,8 @@ def _cached_descriptor(ptr: int, dtype: torch.dtype, shape: tuple[int, ...], str
 
 @functools.lru_cache(maxsize=None)
 def _nvmma_layout(block: tuple[int, ...], dtype: torch.dtype):
-    """The default NVMMA shared layout of a ``block`` tile (cached: building one costs tens of µs of host
-    time)."""
+    """The default NVMMA shared layout of a ``block`` tile (cached: building one costs more host time than
+    a launch can spare)."""
     from triton.experimental.gluon import language as gl
 
     return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, str(dtype).split(".")[1]))

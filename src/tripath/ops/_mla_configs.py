@@ -4,9 +4,9 @@ The absorbed decode kernel packs ``BLOCK_H`` query heads into one tile: 16 when 
 (memory-bound: reading the cache sets the time), up to 64 with many heads (compute-bound: the
 ``[BLOCK_H, 576] x [576, BLOCK_N]`` and ``[BLOCK_H, BLOCK_N] x [BLOCK_N, 512]`` products run on the tensor
 cores / matrix cores). The per-target table below was chosen by compiling for sm_90, gfx942 and gfx950
-(no spills, within shared memory, every product on the matrix units); the speeds are measured on an H200
-(``docs/BENCHMARKS.md``). CPU (the interpreter) gets small tiles so tests run
-multi-tile loops.
+(no spills, within shared memory, every product on the matrix units); the NVIDIA rows are the fastest
+measured on sm_90 (``docs/BENCHMARKS.md``). CPU (the interpreter) gets small tiles so tests run multi-tile
+loops.
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ _VALUE_SPLIT = {("sm90", False, "bf16")}
 # Hopper with pages holding whole tiles (block_size % BLOCK_N == 0): tiles through tensor descriptors.
 # - 16 heads: 64-row tiles with the products transposed (cache rows as the warpgroup MMA's M, SWAP_AB),
 #   2 buffers (183 KiB of shared memory: one program per SM), each step asking L2 for the tile two steps
-#   ahead (PREFETCH): about 1.4x the pointer-load row above on an H200; prefetching 1 or 3-4 steps ahead
-#   was slower, and untransposed 32-row tiles get only one descriptor buffer from Triton's pipeliner.
+#   ahead (PREFETCH): faster than the pointer-load row above; prefetching 1 or 3-4 steps ahead was
+#   slower, and untransposed 32-row tiles get only one descriptor buffer from Triton's pipeliner.
 # - many heads: 64 heads x 64 rows, 8 warps (two warpgroups, each with half of the 512 value columns, the
-#   row softmax shared through shared memory), 2 buffers, one program per SM: about 1.1x the 128 x 32 row
+#   row softmax shared through shared memory), 2 buffers, one program per SM: faster than the 128 x 32 row
 #   with the value columns in two programs (V_PARTS 2, which recomputes the scores), kept for 32-row pages.
+# The figures: docs/BENCHMARKS.md, "Launch configurations".
 # One buffer with transposed products (16 heads, 64 rows, 4 warps) returns wrong results on Triton 3.6
 # (sm_90); such a configuration is never used (see _packed_tiles).
 # Rows in order of preference; the first whose BLOCK_N divides the page size applies (32-row pages keep
@@ -69,7 +70,7 @@ _TMA_TABLE = {
 def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_elem_bytes: int,
                       q_fp8: bool = False, grouped: bool = False, block_size: int | None = None) -> dict:
     """Head-packed absorbed decode: ``BLOCK_H`` heads x ``BLOCK_N`` cache rows per step (see the tables).
-    Other NVIDIA GPUs use the H200 rows, other AMD GPUs the gfx942 rows (the smaller LDS). ``grouped``: the
+    Other NVIDIA GPUs use the sm_90 rows, other AMD GPUs the gfx942 rows (the smaller LDS). ``grouped``: the
     plain baseline's choice, the few-heads pointer row (16-head tiles over the whole latent) for every head
     count, as in SGLang's and vLLM's Triton MLA decode. ``block_size``: the cache's page size; the
     descriptor rows (``TMA``) apply only when pages hold whole tiles (None: pointer rows)."""
@@ -96,7 +97,7 @@ def mla_decode_config(platform: Platform, num_heads: int, kv_lora_rank: int, kv_
 def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: int, block_n: int,
                           programs_per_sm: int = 2) -> int:
     """KV splits per (request, head block): about ``programs_per_sm`` programs per SM, rounded down to a
-    power of two (rounding up measured up to 25% slower), never below ~4 tiles a split, at most 64."""
+    power of two (rounding up was slower), never below ~4 tiles a split, at most 64."""
     if platform.backend == "cpu":
         return max(1, min(4, -(-max_seq_len // (4 * block_n))))
     target = max(1, (programs_per_sm * platform.num_sms) // max(1, num_programs))
@@ -107,8 +108,8 @@ def mla_decode_num_splits(platform: Platform, num_programs: int, max_seq_len: in
 
 def mla_prep_config(platform: Platform, num_heads: int) -> dict:
     """Fused preparation (and the query concat): ``BLOCK_H`` heads of one token per program: 4 heads x 4
-    warps up to 32 heads, 8 heads x 4 warps beyond (the fastest of 1-16 heads x 1-8 warps on an H200 at
-    16 and 128 heads)."""
+    warps up to 32 heads, 8 heads x 4 warps beyond (the fastest of 1-16 heads x 1-8 warps at 16 and 128
+    heads)."""
     block_h = min(16, next_pow2(num_heads))
     if platform.backend == "cpu":
         return {"BLOCK_H": block_h, "num_warps": 4}
@@ -131,7 +132,7 @@ def elementwise_config(platform: Platform) -> dict:
 
 def rotary_config(platform: Platform, num_heads: int) -> dict:
     """In-place rotary embedding: ``BLOCK_H`` heads of one token per program, 16 heads x 2 warps on NVIDIA
-    (fewer heads a program left the GPU underfilled at 128 heads: 3x slower with 4)."""
+    (fewer heads a program left the GPU underfilled at 128 heads)."""
     block_h = min(16, next_pow2(num_heads))
     if platform.backend == "cpu" or platform.is_hip:
         return {"BLOCK_H": block_h, "num_warps": 4}

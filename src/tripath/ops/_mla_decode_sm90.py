@@ -12,13 +12,13 @@ from tripath.platform import Platform
 
 BLOCK_N = 32  # cache rows per tile (a stage: 32 x 576 x 2 B = 36 KiB)
 NUM_STAGES = 5  # 5 x 36 KiB + the query's second latent half (32 KiB) + p: 221 KiB of the 227; the ring depth
-# sets much of the speed (3 stages took 1.5x the time of 4, 4 with the whole query in smem 1.04x of 5)
+# sets much of the speed (fewer stages, or 4 with the whole query in smem, were slower)
 P_STAGES = 2  # p buffers: the score warpgroup writes tile i + 1's while the value warpgroups read tile i's
 RESCALE_SLACK = 8.0  # log2 units a row's maximum may grow before the value warpgroups rescale (p ≤ 2^8 in bf16)
 MAXNREG = 168  # 3 warpgroups x 128 threads x 168 = the register file
 # Few heads (kernels/mla_decode_few_heads_sm90.py): transposed products with 64 cache rows as the wgmma rows,
 # a two-stage ring of 72 KiB tiles and a loader warp (about 155 / 165 / 185 KiB of shared memory at 8 / 16 / 32
-# heads; about 1.2x the packed Triton kernel at 16 heads).
+# heads; faster than the packed Triton kernel at 16 heads).
 FEW_HEADS = (8, 16, 32)
 FEW_BLOCK_N = 64  # cache rows per tile = the M of the transposed wgmma (cache rows as its rows)
 FEW_PAGE_SIZES = (16, 32)  # smaller blocks: a tile gathers 64 / block_size pages, one TMA copy each

@@ -48,8 +48,8 @@ def _descriptor_matrix(t: torch.Tensor) -> tuple[int, int, int] | None:
 SHORT_KEYS = 1024  # at most this many keys per request: head-pair items, or 128-row items on 64-key tiles
 # Short requests with an even number of query heads per KV head: items of 64 rows of two heads (one per
 # consumer warpgroup), so both warpgroups see the same keys. Up to PAIR_SMALL_KEYS keys, 64-key tiles in a
-# four-stage ring (a causal item wastes less of its diagonal tile: 4-18% faster up to 512 keys); beyond,
-# 128-key tiles in two stages (6% faster at 1024 keys).
+# four-stage ring (a causal item wastes less of its diagonal tile); beyond, 128-key tiles in two stages
+# (each the faster there: docs/BENCHMARKS.md, "Launch configurations").
 PAIR_SMALL_KEYS = 512
 SHORT_BLOCK_N, SHORT_STAGES = 64, 4
 SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES = 128, 2
@@ -57,13 +57,14 @@ SHORT_LONG_BLOCK_N, SHORT_LONG_STAGES = 128, 2
 
 # Warpgroup 1 starts each item once warpgroup 0 has the scores of this many of its key tiles (the kernel's
 # LAG_TILES), so one warpgroup's per-item work outside its key loop (first scores, last value product,
-# epilogue, next item's set-up: about a third of a warpgroup's time at 16 x 512) overlaps the other's
-# matrix products: 1-4% faster for head pairs; lags of 2-3 were no better, and 128-row items keep none.
+# epilogue, next item's set-up: a large share of a warpgroup's time on short requests) overlaps the other's
+# matrix products (faster for head pairs); lags of 2-3 were no better, and 128-row items keep none.
 PAIR_LAG_TILES = 1
 
 # Short requests of other GQA groups (MHA, odd groups): 128-row items on 64-key tiles in four stages (one
-# query buffer a warpgroup: 160 KiB of shared memory at head size 128): 5-35% faster than the portable
-# kernel, and faster than 128-key tiles or two stages; a warpgroup lag did not pay here.
+# query buffer a warpgroup: 160 KiB of shared memory at head size 128): faster than the portable kernel,
+# than 128-key tiles and than two stages; a warpgroup lag did not pay here (docs/BENCHMARKS.md, "Launch
+# configurations").
 SINGLE_SHORT_BLOCK_N, SINGLE_SHORT_STAGES = 64, 4
 
 
@@ -111,7 +112,7 @@ def launch_varlen_sm90(launch, q, k, v, q_rope, k_rope, out, lse, cu_seqlens_q, 
     """Launch the Gluon kernel (after :func:`sm90_unsupported` returned None): a persistent grid of at most
     one program per SM (``num_sms``), or, when another launch runs ``concurrent`` on another stream, one
     program per work item, so SMs pass to the other launch as programs finish (the mixed step's GPU time
-    is about 5% lower than with persistent extend and prefill launches side by side).
+    is lower than with persistent extend and prefill launches side by side).
     ``q_rope``/``k_rope``: the scores' rotary part, or None. ``qk_scale`` is ``sm_scale · log2 e``;
     ``launch`` is :func:`tripath.triton_internals.launch`."""
     from tripath.kernels.varlen_attention_sm90 import varlen_attention_sm90_kernel

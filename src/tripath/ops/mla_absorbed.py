@@ -112,7 +112,7 @@ def _cache_descriptors(kv_cache: torch.Tensor, kv_lora_rank: int, block_l: int, 
     row after row, rows or base not 16-byte aligned): the kernel then reads through pointers.
 
     The answer is kept on the cache tensor (a layer's cache is the same tensor every step), so eager steps
-    do not rebuild descriptors per layer (~15 µs of Python each)."""
+    do not rebuild descriptors per layer (Python on every layer's launch)."""
     key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_lora_rank, block_v, block_r, block_n)
     memo = kv_cache.__dict__.setdefault("_tripath_descriptors", {})
     if key not in memo:

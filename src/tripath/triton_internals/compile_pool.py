@@ -217,7 +217,7 @@ def compile_one(item: Compilation):
 
 def build_launcher(compiled, backend: str) -> None:
     """Build ``compiled``'s launch stub into Triton's cache, as its first load in the engine would (a C
-    compilation of about half a second): needs the GPU driver's library, not a GPU or a CUDA context."""
+    compilation): needs the GPU driver's library, not a GPU or a CUDA context."""
     versions.current().build_launch_stub(compiled, backend)
 
 

@@ -5,8 +5,8 @@ its scales, sinks or ALiBi slopes) differ. :func:`record_launches` runs a functi
 forward), lets each Triton launch of :func:`tripath.triton_internals.launches.launch` run as usual and keeps
 it: the compiled kernel, its grid, its bound arguments and the positions where the *swappable* tensors sit.
 :meth:`LaunchSequence.replay` then makes the same launches with other tensors in those positions and
-nothing else: no argument checks, configuration choices, binding or specialisation, about 10 µs a launch
-where the whole path takes 40–160 µs on an H200 host.
+nothing else: no argument checks, configuration choices, binding or specialisation, a fraction of the
+whole launch path's host time (docs/BENCHMARKS.md, "Measurements behind the code's choices").
 
 A recording is refused (``None``, with the reason kept) when replaying it could differ from running the
 function again:
@@ -251,9 +251,9 @@ def record_launches(fn: Callable[[], Any], swappable: Sequence[torch.Tensor | No
 
 def warm_up_recording() -> None:
     """Set up what a first recording would otherwise set up on a request's time: PyTorch initialises its
-    dispatch-mode machinery on first use (1.6 s for the first recording of a process on a 2-core CPU host,
-    0.1–2 ms for each kind of operation's first pass through the mode after that). Records an allocation
-    and a view, in inference mode as the engine runs."""
+    dispatch-mode machinery on first use (a long pause for the first recording of a process, then a short
+    one for each kind of operation's first pass through the mode). Records an allocation and a view, in
+    inference mode as the engine runs."""
     with torch.inference_mode():
         x = torch.empty(4)
         record_launches(lambda: torch.empty(1)[:1] if x[1:].numel() else None, [x])

@@ -29,9 +29,9 @@ exactly the step's keys; an fp8 cache keeps the separate new-token pass, which u
 With one chunk, the usual case, that is one gather and one launch, with no merge; the prefills of the step
 then join that gather and launch too (:class:`ThreePathMetadata`), so a step of decodes, extends and
 prefills costs the cache write, the decode, one gather and one causal launch on one stream. Each launch
-costs host time (about 0.1 ms a launch on an H200 host, measured eagerly on the mha-tp8 shape), which
-decides steps of small tensor-parallel shards, where the GPU work of a layer's attention is about 0.13 ms;
-the extra gather of the prefills' keys costs little GPU time beside that.
+costs host time, which decides steps of small tensor-parallel shards, where a layer's attention is little
+GPU work (docs/BENCHMARKS.md, "Measurements behind the code's choices"); the extra gather of the prefills'
+keys costs little GPU time beside that.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ from typing import Callable
 
 import torch
 
+from tripath.engine.requests.request import Request, RequestOutput
 from tripath.engine.runner.launched_step import LaunchedStep, SampledStep
-from tripath.engine.core.request import Request, RequestOutput
-from tripath.engine.core.scheduler import Scheduler, SchedulerOutput
+from tripath.engine.scheduling.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class _Failed(Exception):
 
 class StepRunner:
     """The step loop of one engine: ``scheduler`` plans, ``runner`` (an executor) launches; ``overlap``:
-    launch step N + 1 before reading step N; ``pacer``: a :class:`~tripath.engine.core.step_pacing.StepPacer`
+    launch step N + 1 before reading step N; ``pacer``: a :class:`~tripath.engine.scheduling.step_pacing.StepPacer`
     timing one-step launches, or None; ``step_tokens``: counts each model step's new tokens;
     ``finished_text(request)``: a finished request's text (None: not decoded)."""
 

@@ -11,7 +11,7 @@ face that the offline :class:`~tripath.engine.llm.LLM` and the server both drive
 
 Each :meth:`~EngineCore.step` schedules (decodes, then prompt chunks, then new requests, under the token
 budget), runs the model once on the step's batch and returns a :class:`StepResult`: a
-:class:`~tripath.engine.core.request.RequestOutput` for every request that produced a token or finished, and the
+:class:`~tripath.engine.requests.request.RequestOutput` for every request that produced a token or finished, and the
 step's failure, if any. A step never raises an ``Exception``: whatever fails is reported in one place,
 ``StepResult.failure`` (:class:`StepFailure`), with the requests it aborted — those the step scheduled when
 a launch or a read fails; the running ones when scheduling fails; the running ones, else the waiting ones,
@@ -32,21 +32,20 @@ import threading
 import time
 from typing import Sequence
 
-from tripath.engine.core.block_manager import BlockManager
 from tripath.engine.config import EngineConfig
 from tripath.engine.core.core_steps import StepFailure, StepResult, StepRunner
 from tripath.engine.core.engine_info import EngineInfo, describe_engine
-from tripath.engine.sampling.generation_defaults import load_generation_defaults, usable_defaults
-from tripath.engine.llm_guards import check_sampling_token_ids
+from tripath.engine.requests.request import Request
+from tripath.engine.requests.sampling_params import SamplingParams, check_sampling_token_ids, token_ids_of
+from tripath.engine.requests.structured_output import GrammarCompiler
 from tripath.engine.runner.model_runner import ModelRunner
-from tripath.engine.core.request import Request
-from tripath.engine.sampling.sampler import make_generator
-from tripath.engine.sampling.sampling_params import SamplingParams, token_ids_of
-from tripath.engine.core.scheduler import Scheduler
 from tripath.engine.runner.startup import start as start_executor
-from tripath.engine.core.stats import EngineStats, StepTokenCounts
-from tripath.engine.core.step_pacing import StepPacer
-from tripath.engine.sampling.structured_output import GrammarCompiler
+from tripath.engine.sampling.generation_defaults import load_generation_defaults, usable_defaults
+from tripath.engine.sampling.sampler import make_generator
+from tripath.engine.scheduling.block_manager import BlockManager
+from tripath.engine.scheduling.scheduler import Scheduler
+from tripath.engine.scheduling.stats import EngineStats, StepTokenCounts
+from tripath.engine.scheduling.step_pacing import StepPacer
 from tripath.triton_internals import compiled_variants
 
 __all__ = ["EngineCore", "StepFailure", "StepResult", "engine_config"]
@@ -133,11 +132,11 @@ class EngineCore:
         self.eos_token_ids = tuple(int(t) for t in getattr(model.config, "eos_token_ids", ()) or ())
         draft = extra_cache_bytes = None
         if speculation is not None and speculation.method == "draft_model":
-            from tripath.engine.speculative.draft_model import draft_cache_bytes, load_draft_model
+            from tripath.engine.drafters.draft_model import draft_cache_bytes, load_draft_model
             draft = load_draft_model(speculation.model, config)   # its weights in use before the cache is sized
             extra_cache_bytes = draft_cache_bytes(draft, config)
         if mtp:
-            from tripath.engine.speculative.mtp import check_mtp_model, mtp_cache_bytes
+            from tripath.engine.drafters.mtp import check_mtp_model, mtp_cache_bytes
             check_mtp_model(model)
             extra_cache_bytes = mtp_cache_bytes(model, config)
         if self.runner is None:
@@ -170,7 +169,7 @@ class EngineCore:
         self._compiled_at_start = compiled_variants()
         # The start leaves a few hundred thousand objects to the garbage collector (compiled kernels, the
         # warm-up's probes), most of them still young: collected now, the collector's first full pass over
-        # them (0.2 s on mha-tp8) does not fall into the first requests' steps.
+        # them (a pause that grows with them) does not fall into the first requests' steps.
         gc.collect()
         self.start_seconds = time.perf_counter() - start
 
@@ -202,11 +201,11 @@ class EngineCore:
         return compiled_variants() - self._compiled_at_start
 
     def _proposer(self, config: EngineConfig, model, draft):
-        """Speculative decoding's proposer (:func:`tripath.engine.speculative.proposers.make_proposer`), or None;
+        """Speculative decoding's proposer (:func:`tripath.engine.drafters.proposers.make_proposer`), or None;
         ``draft``: the draft model, loaded already."""
         if config.speculative_config is None:
             return None
-        from tripath.engine.speculative.proposers import make_proposer
+        from tripath.engine.drafters.proposers import make_proposer
         return make_proposer(config.speculative_config, self.runner, config, int(model.config.vocab_size), draft)
 
     def info(self) -> EngineInfo:
@@ -321,7 +320,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """The engine's state and cumulative counters now (requests, KV blocks, prefix cache, preemptions,
-        steps, speculative drafts, fused sampling): see :class:`~tripath.engine.core.stats.EngineStats`."""
+        steps, speculative drafts, fused sampling): see :class:`~tripath.engine.scheduling.stats.EngineStats`."""
         blocks, scheduler = self.block_manager, self.scheduler
         total = blocks.num_usable_blocks
         return EngineStats(len(scheduler.running), len(scheduler.waiting), total - blocks.num_free_blocks, total,

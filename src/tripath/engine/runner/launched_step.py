@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tripath.engine.requests.request import PositionLogprobs
 from tripath.engine.sampling.logprobs import LogprobRows, as_dicts
-from tripath.engine.core.request import PositionLogprobs
-from tripath.engine.core.scheduler import ScheduledRequest
+from tripath.engine.scheduling.scheduler import ScheduledRequest
 
 
 @dataclass

@@ -180,9 +180,9 @@ def run_synthetic_step(runner: PlanningRunner, step: Step, caches: list) -> None
     ``max_num_seqs``) with penalties, top-k / top-p filtering and ``logprobs`` — the memory of a real step."""
     from tripath.attention import ForwardContext
     from tripath.attention.validate import cache_geometry
+    from tripath.engine.requests.request import Request, RequestStatus
+    from tripath.engine.requests.sampling_params import MAX_LOGPROBS, SamplingParams
     from tripath.engine.sampling.logprobs import prompt_logprobs
-    from tripath.engine.core.request import Request, RequestStatus
-    from tripath.engine.sampling.sampling_params import MAX_LOGPROBS, SamplingParams
     from tripath.engine.sampling.sampler import make_generator
     from tripath.engine.sampling.step_sampling import LaunchSampler
 
@@ -214,8 +214,8 @@ def run_synthetic_step(runner: PlanningRunner, step: Step, caches: list) -> None
 def _verify_rows(runner: PlanningRunner, plan, hidden: torch.Tensor, params, generator) -> None:
     """A verify step's sampling at its largest: the logits of every verify token, the acceptance rule with
     temperature and top-k / top-p on all of them, and their log-probabilities."""
+    from tripath.engine.requests.sampling_params import MAX_LOGPROBS
     from tripath.engine.sampling.logprobs import position_logprobs
-    from tripath.engine.sampling.sampling_params import MAX_LOGPROBS
     from tripath.engine.speculative.acceptance import accept_drafts
 
     nd, nv = plan.num_decodes, plan.num_verifies

@@ -49,26 +49,26 @@ import torch
 
 from tripath.attention import ForwardContext, WatchedPaths, default_block_size, select_backend
 from tripath.attention.backends.base import GraphSupport
-from tripath.engine.sampling import fused_sampling
-from tripath.engine.runner import startup
-from tripath.engine.core.block_manager import blocks_needed
+from tripath.attention.metadata import to_device
 from tripath.engine.config import EngineConfig
+from tripath.engine.runner import startup
 from tripath.engine.runner.decode_graphs import DecodeGraphs
 from tripath.engine.runner.executor import ExecutorCapabilities
-from tripath.attention.metadata import to_device
 from tripath.engine.runner.launched_step import LaunchedStep, SampledStep, StepLogprobs
-from tripath.engine.sampling.logprobs import position_logprobs
-from tripath.engine.sampling.logits_transforms import PenaltyState
 from tripath.engine.runner.memory_plan import MemoryPlan
 from tripath.engine.runner.mixed_graphs import MixedStepGraphs
-from tripath.engine.core.scheduler import ScheduledRequest
-from tripath.engine.speculative.acceptance import accept_drafts
 from tripath.engine.runner.step_inputs import StepInputBuilder, StepInputs
-from tripath.engine.sampling.step_sampling import LaunchSampler, score_prompts
 from tripath.engine.runner.verify_graphs import VerifyGraphs
 from tripath.engine.runner.warmup import WarmupReport
-from tripath.triton_internals import CompilePool
+from tripath.engine.sampling import fused_sampling
+from tripath.engine.sampling.logits_transforms import PenaltyState
+from tripath.engine.sampling.logprobs import position_logprobs
+from tripath.engine.sampling.step_sampling import LaunchSampler, score_prompts
+from tripath.engine.scheduling.block_manager import blocks_needed
+from tripath.engine.scheduling.scheduler import ScheduledRequest
+from tripath.engine.speculative.acceptance import accept_drafts
 from tripath.models.layers import Experts
+from tripath.triton_internals import CompilePool
 
 
 class Route(enum.Enum):

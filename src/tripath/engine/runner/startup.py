@@ -35,17 +35,17 @@ from typing import TYPE_CHECKING, Iterator, Protocol
 import torch
 
 from tripath.attention import ForwardContext
-from tripath.triton_internals import CompilePool, default_workers, warm_up_recording
-from tripath.engine.sampling import fused_sampling
-from tripath.engine.runner import warmup
-from tripath.engine.core.block_manager import blocks_needed
-from tripath.engine.runner.executor import Executor, ExecutorCapabilities
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.runner import warmup
+from tripath.engine.runner.executor import Executor, ExecutorCapabilities
 from tripath.engine.runner.memory_plan import MemoryPlan, plan_gpu_memory
 from tripath.engine.runner.mixed_graphs import MixedStepGraphs
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.sampling.sampler import make_generator, sample
 from tripath.engine.runner.warmup import RunnerBasics, WarmupRunner, saved_plan_path
+from tripath.engine.sampling import fused_sampling
+from tripath.engine.sampling.sampler import make_generator, sample
+from tripath.engine.scheduling.block_manager import blocks_needed
+from tripath.triton_internals import CompilePool, default_workers, warm_up_recording
 
 if TYPE_CHECKING:
     from tripath.engine.runner.decode_graphs import DecodeGraphs
@@ -54,7 +54,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Piecewise graphs are captured when the largest eager step's host time is at least this share of its GPU
-# span (measured at start): on an H200 the mha-tp8 shape measured 0.79–0.97 (host-bound), the 8B shape 0.14.
+# span (measured at start): a host-bound shape (a small tensor-parallel shard) is well above it, a GPU-bound
+# one (a whole 8B model) well below (docs/BENCHMARKS.md, "Measurements behind the code's choices").
 MIXED_GRAPHS_MIN_HOST_SHARE = 0.5
 
 PHASES = ("plan_memory", "allocate_kv_cache", "warm_up", "capture_graphs")   # the start, in order
@@ -293,8 +294,8 @@ def warm_sampling(runner: StartingRunner, hidden: torch.Tensor) -> None:
     arrive: the LM head and sampling of ``1 … hidden.shape[0]`` rows (greedy for each count, with a
     temperature, top-k and top-p for powers of two and the largest, whose probabilities are the largest
     temporary a step allocates), and the device-side advance of multi-step decoding. The first LM-head
-    product of each row count picks and loads a cuBLAS kernel; on an H200 that stalled the first pass's
-    steps by about 3.5 ms each on the mha-tp8 preset, so it belongs to the start."""
+    product of each row count picks and loads a cuBLAS kernel, which would stall the first steps that meet
+    that count, so it belongs to the start."""
     rows = hidden.shape[0]
     greedy = SamplingParams(temperature=0.0)
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)

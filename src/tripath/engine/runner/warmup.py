@@ -49,10 +49,10 @@ import torch
 
 from tripath import _env
 from tripath.attention import ForwardContext
-from tripath.triton_internals import CompilePool, PoolReport, collect_compilations
-from tripath.engine.core.block_manager import blocks_needed
-from tripath.triton_internals import capture_launches, launch_key
+from tripath.engine.scheduling.block_manager import blocks_needed
 from tripath.platform import current_platform
+from tripath.triton_internals import CompilePool, PoolReport, collect_compilations
+from tripath.triton_internals import capture_launches, launch_key
 
 if TYPE_CHECKING:
     from tripath.attention import AttentionSpec

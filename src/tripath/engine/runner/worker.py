@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 
 from tripath.engine.config import EngineConfig
-from tripath.engine.core.request import RequestStatus
+from tripath.engine.requests.request import RequestStatus
+from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.runner.startup import PHASES
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.core.scheduler import ScheduledRequest
 from tripath.engine.sampling.step_sampling import noise_seed
+from tripath.engine.scheduling.scheduler import ScheduledRequest
 
 GREEDY = SamplingParams(temperature=0.0)
 # Workers wait for rank 0's next step as long as the engine is idle: the control group never times out.
@@ -77,7 +77,8 @@ class StartPhase:
 
 @dataclass
 class StepRequest:
-    """The part of a :class:`~tripath.engine.core.request.Request` a ModelRunner reads, rebuilt from a step message."""
+    """The part of a :class:`~tripath.engine.requests.request.Request` a ModelRunner reads, rebuilt from a step
+    message."""
 
     num_tokens: int
     block_ids: list[int]
@@ -193,9 +194,9 @@ def _failure(statuses: list, what: str) -> str | None:
 def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, control):
     """Phases 2 and 3 on this rank; returns ``(model, runner)`` or raises ``RuntimeError`` naming the ranks that
     failed (on every rank)."""
-    from tripath.triton_internals import default_workers
     from tripath.engine.runner.model_runner import ModelRunner
     from tripath.models import load_model
+    from tripath.triton_internals import default_workers
 
     model = runner = None
     try:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from tripath.engine.core.request import RequestOutput
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.request import RequestOutput
+from tripath.engine.requests.sampling_params import SamplingParams
 
 
 def choice_params(params: SamplingParams) -> list[SamplingParams]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -4,9 +4,9 @@
 ``"vllm"`` ignores it (the engine's own defaults), any other value is a folder holding a
 ``generation_config.json`` (which must exist). Of the file, the sampling fields ``temperature``, ``top_p``,
 ``top_k``, ``repetition_penalty``, ``min_p`` and ``max_new_tokens`` (as ``max_tokens``) are taken, keyed by
-:class:`~tripath.engine.sampling.sampling_params.SamplingParams` field names; as in vLLM, a value equal to the default of
-``transformers``' ``GenerationConfig`` (temperature 1, top_p 1, top_k 50, repetition_penalty 1) is not taken,
-and ``do_sample`` is ignored. They are the defaults of requests that leave those fields unset.
+:class:`~tripath.engine.requests.sampling_params.SamplingParams` field names; as in vLLM, a value equal to the
+default of ``transformers``' ``GenerationConfig`` (temperature 1, top_p 1, top_k 50, repetition_penalty 1) is
+not taken, and ``do_sample`` is ignored. They are the defaults of requests that leave those fields unset.
 
 The loader returns every such field, whether or not the engine implements it; :func:`usable_defaults` keeps
 those that ``SamplingParams`` has, at the point of use.
@@ -18,7 +18,7 @@ import dataclasses
 import numbers
 import os
 
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.sampling_params import SamplingParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json key -> (SamplingParams field, transformers' GenerationConfig default)

@@ -4,7 +4,7 @@
 For a row ``z [V]`` (float32) of a request with parameters ``SamplingParams``, in vLLM's order:
 
 - structured output: ``z[t] = -inf`` for the tokens its grammar does not allow next
-  (:mod:`tripath.engine.sampling.structured_output`; the mask is filled on the host for the step);
+  (:mod:`tripath.engine.requests.structured_output`; the mask is filled on the host for the step);
 - ``min_tokens``: while the request has fewer outputs, ``z[t] = -inf`` for its stop tokens (the model's
   end-of-sequence ids unless ``ignore_eos``, and ``stop_token_ids``);
 - ``logit_bias``: ``z[t] += bias[t]``;
@@ -30,8 +30,8 @@ from typing import Sequence
 import torch
 
 from tripath.attention.metadata import to_device
-from tripath.engine.core.request import Request, RequestStatus
-from tripath.engine.sampling.structured_output import apply_bitmask, new_bitmask
+from tripath.engine.requests.request import Request, RequestStatus
+from tripath.engine.requests.structured_output import apply_bitmask, new_bitmask
 
 
 class PenaltyState:

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from tripath.engine.core.request import Logprob, PositionLogprobs
+from tripath.engine.requests.request import Logprob, PositionLogprobs
 
 PROMPT_CHUNK_ROWS = 256
 FIELDS = ("chosen_ids", "chosen", "ranks", "top_ids", "top_values")

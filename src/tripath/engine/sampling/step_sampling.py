@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from tripath.attention.metadata import to_device
+from tripath.engine.requests.request import Request
 from tripath.engine.sampling.logits_transforms import PenaltyState, step_transforms
 from tripath.engine.sampling.logprobs import LogprobRows, position_logprobs, prompt_logprobs
-from tripath.engine.core.request import Request
 from tripath.engine.sampling.sampler import sample
 
 

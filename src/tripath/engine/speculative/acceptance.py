@@ -24,8 +24,8 @@ from typing import Sequence
 import torch
 
 from tripath.attention.metadata import to_device
+from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.sampling.sampler import filtered_probs
-from tripath.engine.sampling.sampling_params import SamplingParams
 
 TINY = torch.finfo(torch.float32).tiny
 

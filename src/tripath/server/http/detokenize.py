@@ -11,7 +11,7 @@ decode to nothing wait that long), the window is cut just before the last few to
 where decoding the two parts apart gives the same text as decoding them together (a clean cut: no character
 spans it, and nothing after it can change the text before it); the text before the cut is emitted, invalid
 bytes as U+FFFD, and one token before the cut stays as the next window's left context. Without the cut, a run
-of 8,000 tokens that are not valid UTF-8 re-decoded the whole run at every token (quadratic: 9 s of CPU).
+of tokens that are not valid UTF-8 re-decoded the whole run at every token (quadratic in the run's length).
 The one wait no cut can end: an incomplete character followed only by tokens that decode to nothing (skipped
 special tokens), since the next byte may still complete it.
 

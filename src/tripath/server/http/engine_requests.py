@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import pydantic
 
 from tripath.engine.chat import chat_token_ids, encode_text
-from tripath.engine.sampling.sampling_params import SamplingParams
-from tripath.engine.sampling.structured_output import StructuredOutput, constraint_size
+from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.requests.structured_output import StructuredOutput, constraint_size
 from tripath.server.http import protocol as P
 from tripath.server.http.generation import APIError, Generation
 from tripath.server.http.sampling_defaults import defaulted_sampling

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from tripath.engine.core.request import FinishReason, PositionLogprobs, RequestOutput
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.request import FinishReason, PositionLogprobs, RequestOutput
+from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.server.http.detokenize import IncrementalDetokenizer, StopMatcher
 from tripath.server.metrics.metrics import PromptGroup
 from tripath.server.transport.submissions import ACCEPTED, Engine, Failure, Submission

@@ -1,8 +1,9 @@
 """Large texts are tokenised one at a time.
 
-A Hugging Face fast tokenizer holds about 200 bytes per character of the text it encodes while it works (4 MiB
-of text: 0.8 GB, measured on a byte-level BPE): a 16 MiB prompt (the default ``--max-request-bytes``) costs
-about 3 GB, and a few of them at once would take the HTTP process past its memory. So requests whose texts to
+A Hugging Face fast tokenizer holds hundreds of bytes per character of the text it encodes while it works
+(docs/BENCHMARKS.md, "Measurements behind the code's choices"): a prompt of the default
+``--max-request-bytes`` (16 MiB) costs gigabytes, and a few of them at once would take the HTTP process past
+its memory. So requests whose texts to
 tokenise (prompts, chat messages, ``/tokenize``) hold more than :data:`LARGE_TEXT_CHARS` characters together
 wait their turn on the event loop (where waiting costs nothing) and are tokenised one after another; smaller
 ones never wait. The tokenising itself runs in a worker thread either way.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tripath.engine.core.request import PositionLogprobs
+from tripath.engine.requests.request import PositionLogprobs
 
 FLOOR = -9999.0
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.sampling.generation_defaults import usable_defaults
-from tripath.engine.sampling.sampling_params import SamplingParams
 from tripath.server.http import protocol as P
 
 DEFAULTED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

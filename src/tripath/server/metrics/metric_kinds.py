@@ -17,7 +17,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from tripath.engine.core.stats import STEP_TOKEN_BUCKETS
+from tripath.engine.scheduling.stats import STEP_TOKEN_BUCKETS
 
 LABELS = ("model_name", "engine")
 VLLM, TRIPATH = "vllm:", "tripath:"
@@ -80,8 +80,9 @@ class CountedHistogram:
 
 class StepTokensHistogram:
     """``vllm:iteration_tokens_total``: the engine's own histogram of new tokens per model step
-    (:class:`~tripath.engine.core.stats.StepTokenCounts`), rendered from the latest
-    :class:`~tripath.engine.core.stats.EngineStats` (:meth:`update`); the engine counts, the server only shows it."""
+    (:class:`~tripath.engine.scheduling.stats.StepTokenCounts`), rendered from the latest
+    :class:`~tripath.engine.scheduling.stats.EngineStats` (:meth:`update`); the engine counts, the server only
+    shows it."""
 
     NAME = "vllm:iteration_tokens_total"
     DOC = "Histogram of number of tokens per engine_step."

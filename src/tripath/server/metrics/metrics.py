@@ -183,7 +183,8 @@ class ServerMetrics:
             info.labels(**cache_config, engine="0").set(1)
 
     def observe_engine(self, stats, num_new_tokens: int = 0) -> None:
-        """After a step: the engine's :class:`~tripath.engine.core.stats.EngineStats` and the tokens it generated."""
+        """After a step: the engine's :class:`~tripath.engine.scheduling.stats.EngineStats` and the tokens it
+        generated."""
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_cache_usage)

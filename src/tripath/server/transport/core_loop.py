@@ -25,9 +25,9 @@ pauses no other's streams; once :data:`MAX_UNSENT_BYTES` wait for it, its reques
 why after the rest.
 
 While requests arrive the loop decodes one step at a time: an add that finds a group of multi-step decode
-steps launched waits for it (and, with overlapped scheduling, for the group after it: 13 ms on the TP-8
-shape), and on a server whose streams end and restart together the adds of one round reach the core over
-100-300 ms (the round's prefills stagger the streams' ends). Once no request has arrived for
+steps launched waits for it (and, with overlapped scheduling, for the group after it), and on a server
+whose streams end and restart together the adds of one round reach the core spread over much longer than a
+step (the round's prefills stagger the streams' ends). Once no request has arrived for
 :data:`ARRIVAL_WINDOW_S` the engine's ``decode_steps`` apply again (``EngineCore.step(decode_steps=1)``
 meanwhile; offline, ``LLM.generate`` adds its requests at step boundaries and keeps them). Measured against
 no window, the window's gain is within the noise of a run (docs/BENCHMARKS.md).

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tripath.engine.core.engine_info import EngineInfo
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +62,9 @@ class Update:
     (``accepted``); ``(request_id, status, message, type, reason)`` of the adds it refused (``reason``: why,
     as ``/metrics`` counts the rejection, :class:`~tripath.server.transport.submissions.Failure`); the step's outputs
     (:func:`~tripath.server.transport.core_wire.encode_output` each; over a local channel the engine's
-    :class:`~tripath.engine.core.request.RequestOutput` themselves); ``(request_ids, status, message, type)`` of each
-    failure that ended requests; the engine's stats (:func:`~tripath.server.transport.core_wire.encode_stats`) and the
-    number of steps that failed since the core started."""
+    :class:`~tripath.engine.requests.request.RequestOutput` themselves); ``(request_ids, status, message, type)``
+    of each failure that ended requests; the engine's stats (:func:`~tripath.server.transport.core_wire.encode_stats`)
+    and the number of steps that failed since the core started."""
 
     accepted: list[str]
     refused: list[tuple]

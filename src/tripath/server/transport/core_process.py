@@ -90,7 +90,7 @@ def core_main(spec: CoreSpec, frontends) -> None:
         sys.exit(1)
     prepare_grammars(core)
     # Every object alive now lives as long as the server: moved out of the collector's generations, the full
-    # collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
+    # collections of a long run no longer walk them (each a pause that grows with the heap).
     gc.freeze()
     loop = CoreLoop(core, [(commands.fileno(), update.fileno()) for commands, update in frontends],
                     spec.max_waiting, spec.describe)

@@ -9,11 +9,10 @@ one go) —, whose items are plain tuples and lists (:func:`encode_output`, :fun
 reads and writes its ends blocking (:func:`send`, :meth:`FrameReader.receive`) or through an
 :class:`Outbox`; the HTTP process reads and writes its ends from its event loop, non-blocking
 (:mod:`~tripath.server.transport.engine_client`), so no thread of it waits on a pipe and no message waits for a thread
-to get the interpreter lock. Measured on the development machine (2 shared CPU cores; ``python -m
-tripath.bench.core_transport`` measures it again anywhere): a step's update of 256 outputs of 8 tokens is
-12 KiB, pickled in about 50 µs and unpickled in 70 µs, and crosses a pipe in 18 µs (round trip p50); a pipe
-streams 29,000 such messages a second, where a server needs at most a few hundred (one per step). ZeroMQ
-moved the same message in 24 µs and msgspec's msgpack encoded it in 16 µs, but neither is a dependency the
+to get the interpreter lock. A step's update (256 outputs of 8 tokens: 12 KiB) is pickled, sent and read
+in far less time than a step takes, and a pipe streams many times the messages a server needs (at most one
+per step); ``python -m tripath.bench.core_transport`` measures it (docs/BENCHMARKS.md, "Measurements behind
+the code's choices", with ZeroMQ and msgspec's msgpack beside it). Neither of those is a dependency the
 server has, and neither tells the HTTP process that the core died: a pipe's reader gets EOF the moment its
 writer's process is gone, whatever killed it.
 """
@@ -25,8 +24,8 @@ import pickle
 import struct
 from dataclasses import fields
 
-from tripath.engine.core.request import FinishReason, Logprob, PositionLogprobs
-from tripath.engine.core.stats import EngineStats
+from tripath.engine.requests.request import FinishReason, Logprob, PositionLogprobs
+from tripath.engine.scheduling.stats import EngineStats
 
 PIPE_BYTES = 1 << 20   # Linux's default /proc/sys/fs/pipe-max-size: a step's update never waits for the reader
 _STATS_FIELDS = tuple(f.name for f in fields(EngineStats))

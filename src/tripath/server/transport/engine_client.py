@@ -13,8 +13,8 @@ cannot take yet waits in a buffer the loop writes out as it drains, never blocki
 messages — the engine's facts once it is built (the HTTP process then loads its own tokenizer, never the
 weights, in a worker thread), then one update per step — are read as they arrive, each update's items
 handed to the handlers (:class:`~tripath.server.transport.submissions.SubmissionBook`) and its metrics observed.
-Under load a reader thread would wait for the interpreter lock at every read (the loop holds it about half
-the time on the TP-8 shape), and so would every add on a writer thread.
+Under load a reader thread would wait for the interpreter lock at every read (the loop holds it much of
+the time), and so would every add on a writer thread.
 
 Failures keep the in-process semantics: a refused add or a failed step fails exactly its requests; ``stop``
 ends what is left with 503, tells the core to release the engine and waits for it (SIGKILL past the

@@ -18,7 +18,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 
 from tripath.engine.core.engine_core import EngineCore
-from tripath.engine.core.request import FinishReason
+from tripath.engine.requests.request import FinishReason
 from tripath.server.transport.submissions import Failure
 
 log = logging.getLogger("tripath.server")

@@ -33,7 +33,7 @@ class GrammarWait:
 
 class GrammarWaits:
     """The requests of one engine loop that wait for their grammars (see the module doc). ``compiler``
-    returns the engine's :class:`~tripath.engine.sampling.structured_output.GrammarCompiler` (built on first use)."""
+    returns the engine's :class:`~tripath.engine.requests.structured_output.GrammarCompiler` (built on first use)."""
 
     def __init__(self, compiler: Callable[[], object], wake: Callable[[], None]):
         self._compiler = compiler

@@ -115,7 +115,7 @@ class InProcessClient(EngineFront):
                 return
             prepare_grammars(core)
             # Every object alive now lives as long as the server: moved out of the collector's generations, the
-            # full collections of a long run no longer walk them (a pause of 0.2 s each on mha-tp8's heap).
+            # full collections of a long run no longer walk them (each a pause that grows with the heap).
             gc.freeze()
             self._loop = CoreLoop(core, [self._channel], describe=self._describe)
             del core   # the loop holds the engine alone: released, it is collected

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
-from tripath.engine.sampling.sampling_params import SamplingParams
+from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.server.metrics.metrics import ChoiceTimes, PromptGroup, ServerMetrics
 
 ACCEPTED = "accepted"
@@ -199,7 +199,7 @@ class SubmissionBook:
         self.fail(self.request_ids(), failure)
 
     def publish(self, stats, num_new_tokens: int = 0) -> None:
-        """The engine's :class:`~tripath.engine.core.stats.EngineStats` after a step, to the metrics."""
+        """The engine's :class:`~tripath.engine.scheduling.stats.EngineStats` after a step, to the metrics."""
         self.metrics.observe_engine(stats, num_new_tokens)
 
     def _queue(self, sub: Submission, item) -> None:

@@ -3,7 +3,7 @@
 norm) and the token ``t_{p+1}``, attends the MTP rows ``0 .. p`` and gives logits for ``t_{p+2}``.
 
 The MTP layer's KV cache (one MLA layer of the target's block count) is indexed by the requests' own block
-tables, as the draft model's is (:mod:`tripath.engine.speculative.draft_model`): row ``p`` sits in the slot of
+tables, as the draft model's is (:mod:`tripath.engine.drafters.draft_model`): row ``p`` sits in the slot of
 position ``p``. On a GPU the memory plan counts its bytes in every block (:func:`mtp_cache_bytes`). Rows are
 computed where their inputs are known:
 
@@ -23,8 +23,8 @@ So after each step a request's rows ``0 .. s - 2`` hold the right entries for it
 first rejected row is redone from its kept hidden state; rejected rows past it are never read). A request
 seen with a new block list (preempted, or new) trusts the rows before its first computed position: they are
 its prefix-cache hit's, whose last matched block the block manager recomputes for this method
-(:class:`~tripath.engine.core.block_manager.BlockManager`, ``recompute_last_hit_block``). The rows steer only which
-drafts are proposed; verification keeps the outputs the target's.
+(:class:`~tripath.engine.scheduling.block_manager.BlockManager`, ``recompute_last_hit_block``). The rows steer
+only which drafts are proposed; verification keeps the outputs the target's.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tripath.attention import ForwardContext, select_backend
-from tripath.engine.core.scheduler import ScheduledRequest
 from tripath.engine.runner.step_inputs import StepInputBuilder
 from tripath.engine.runner.worker import StepRequest
+from tripath.engine.scheduling.scheduler import ScheduledRequest
 
 
 def check_mtp_model(model) -> None:

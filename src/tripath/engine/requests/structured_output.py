@@ -1,10 +1,11 @@
 """Structured output: a request's tokens constrained to a JSON schema, any JSON object, a regular expression,
 one of a list of strings, or an EBNF grammar — through xgrammar (``pip install xgrammar``).
 
-Why xgrammar: per step, filling one request's next-token mask (SmolLM2's 49,152-token vocabulary, a JSON
-schema with a string, an integer and an array) took 3 µs at the median and 79 µs at most on one CPU core,
-against 12 µs and 1.6 ms for llguidance; compiling that schema took 6 ms (llguidance 2 ms), cached per
-schema. It is also vLLM's default backend, so the grammars behave as users of vLLM know them.
+Why xgrammar: filling a request's next-token mask happens on the host before every step that samples it,
+and xgrammar's fill is the faster and steadier of the two libraries compared (llguidance's worst case was
+far longer; docs/BENCHMARKS.md, "Measurements behind the code's choices"); its compile, the slower of the
+two, happens once per schema (cached). It is also vLLM's default backend, so the grammars behave as users
+of vLLM know them.
 
 How it runs: a request with ``SamplingParams.structured_output`` gets a matcher (:class:`GrammarState`)
 when it is added. Before each model step that samples it, its row of the step's bitmask ``[rows, ceil(V /

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from tripath.engine.sampling.structured_output import StructuredOutput
+from tripath.engine.requests.structured_output import StructuredOutput
 
 
 def token_ids_of(prompt, name: str = "prompt", vocab_size: int | None = None) -> list[int]:
@@ -47,6 +47,19 @@ def token_ids_of(prompt, name: str = "prompt", vocab_size: int | None = None) ->
     return ids
 
 
+def check_sampling_token_ids(params, vocab_size: int | None, name: str = "prompt") -> None:
+    """Raise ``ValueError`` when ``params.stop_token_ids`` or a ``params.logit_bias`` key is outside
+    ``[0, vocab_size)``, naming the field, the id and the vocabulary size (``name``: whose parameters, in the
+    message). Nothing to check without a known ``vocab_size``."""
+    if vocab_size is None:
+        return
+    for field, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"sampling_params.{field} for {name} holds token id {bad}, outside the model's "
+                             f"vocabulary [0, {vocab_size}) of {vocab_size} tokens")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token, and what to report beside it.
@@ -63,7 +76,7 @@ class SamplingParams:
     else is in the batch. Generation stops after ``max_tokens``, at an end-of-sequence token of the model
     (unless ``ignore_eos``) or at any of ``stop_token_ids`` (neither before ``min_tokens``).
 
-    ``structured_output`` (:class:`~tripath.engine.sampling.structured_output.StructuredOutput`): the tokens are
+    ``structured_output`` (:class:`~tripath.engine.requests.structured_output.StructuredOutput`): the tokens are
     constrained to a JSON schema, a regular expression, a choice of strings or a grammar; the disallowed
     tokens' logits are ``-inf`` before everything above.
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Sequence
 
-from tripath.engine.core.request import Request
+from tripath.engine.requests.request import Request
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:

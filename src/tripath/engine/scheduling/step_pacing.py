@@ -9,13 +9,12 @@ took less than half the target doubles it. Steps the budget did not bound (a few
 chunk) say nothing about it, so a pause of the machine during one of them changes nothing. The budget is a
 multiple of :data:`BUDGET_GRAIN` tokens, so the prompt chunks of a steady run do not change from step to step,
 never above ``max_num_batched_tokens`` (or the smaller budget an out-of-memory step left) and never below
-what keeps every running decode in the step (:meth:`~tripath.engine.core.scheduler.Scheduler.pace`). Decodes are
+what keeps every running decode in the step (:meth:`~tripath.engine.scheduling.scheduler.Scheduler.pace`). Decodes are
 never cut: a step of more decodes than the target allows still runs them all.
 """
 
 from __future__ import annotations
 
-DEFAULT_CPU_TARGET_S = 0.5   # the CPU's default step time: long prompts are chunked to about this
 START_BUDGET = 256           # tokens a step may take before any step has been timed
 BUDGET_GRAIN = 64            # budgets are multiples of this many tokens
 

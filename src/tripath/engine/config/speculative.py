@@ -4,9 +4,9 @@ text, ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 Methods: ``ngram`` — prompt lookup (:mod:`tripath.engine.speculative.ngram`): no weights, the drafts are the
 tokens that followed the latest earlier occurrence of the request's last ``n`` tokens, for the largest ``n``
 in ``[prompt_lookup_min, prompt_lookup_max]`` that occurs; ``draft_model`` — a smaller ``model`` with the
-target's vocabulary drafts greedily (:mod:`tripath.engine.speculative.draft_model`; on one rank); ``mtp``
+target's vocabulary drafts greedily (:mod:`tripath.engine.drafters.draft_model`; on one rank); ``mtp``
 (alias ``deepseek_mtp``, vLLM's name) — the target's own multi-token-prediction layer drafts greedily
-(:mod:`tripath.engine.speculative.mtp`; DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``, on one
+(:mod:`tripath.engine.drafters.mtp`; DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``, on one
 rank). Without a method, a ``model`` means ``draft_model``. Every error names the key and what is allowed.
 """
 

@@ -5,7 +5,7 @@ The draft's KV cache has the target's block count and block size and is indexed 
 block tables: a request's blocks hold the target's rows in the target's cache and the draft's rows in the
 draft's, so the draft needs no block manager. On a GPU the engine loads the draft before it sizes the target's
 cache and the memory plan counts the draft's bytes in every block (:func:`draft_cache_bytes`). The scheduler
-makes room for a verify's drafts before it asks (:mod:`tripath.engine.core.scheduler`), so the blocks cover every
+makes room for a verify's drafts before it asks (:mod:`tripath.engine.scheduling.scheduler`), so the blocks cover every
 position the draft writes.
 
 For the requests of one step, :meth:`DraftModelProposer.propose` runs the draft
@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-from tripath.engine.core.scheduler import ScheduledRequest
 from tripath.engine.runner.worker import StepRequest
+from tripath.engine.scheduling.scheduler import ScheduledRequest
 
 
 def load_draft_model(name: str, config):

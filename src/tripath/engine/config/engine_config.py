@@ -7,15 +7,15 @@ from dataclasses import dataclass
 import torch
 
 from tripath.constants import KV_CACHE_DTYPES, KV_LAYOUTS
-from tripath.engine.sampling.structured_output import DEFAULT_CACHE_MB as DEFAULT_GRAMMAR_CACHE_MB
-from tripath.engine.speculative.config import SpeculativeConfig
-from tripath.engine.core.step_pacing import DEFAULT_CPU_TARGET_S
-from tripath.engine.sampling.structured_output import DEFAULT_COMPILE_TIMEOUT_S as DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
+from tripath.engine.config.speculative import SpeculativeConfig
+from tripath.engine.requests.structured_output import DEFAULT_CACHE_MB as DEFAULT_GRAMMAR_CACHE_MB
+from tripath.engine.requests.structured_output import DEFAULT_COMPILE_TIMEOUT_S as DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S
 
 DTYPES = {"float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}   # vLLM's names and short ones
 CPU_DEFAULT_KV_BLOCKS = 1024  # without a GPU to measure, the cache size when num_kv_blocks is not given
+DEFAULT_CPU_TARGET_S = 0.5    # the CPU's default step time: long prompts are chunked to about this
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
@@ -77,12 +77,12 @@ class EngineConfig:
     folder holding a ``generation_config.json`` (:mod:`tripath.engine.sampling.generation_defaults`).
     ``grammar_cache_mb``: the structured outputs' compiled grammars kept for reuse (least recently used
     evicted; 0: none kept); ``grammar_compile_timeout_s``: how long a server lets a request wait for its
-    grammar to compile before refusing it (:class:`tripath.engine.sampling.structured_output.GrammarCompiler`).
-    ``step_time_target_s``: the step time the token budget follows (:mod:`tripath.engine.core.step_pacing`: it
+    grammar to compile before refusing it (:class:`tripath.engine.requests.structured_output.GrammarCompiler`).
+    ``step_time_target_s``: the step time the token budget follows (:mod:`tripath.engine.scheduling.step_pacing`: it
     starts at 256 tokens and long prompts are chunked so that one step takes about this long, never more
     tokens than ``max_num_batched_tokens``); None: 0.5 s on the CPU, off on a GPU; 0: off.
     ``speculative_config``: speculative decoding (:mod:`tripath.engine.speculative`), a
-    :class:`~tripath.engine.speculative.config.SpeculativeConfig`, its dict or the dict's JSON text; None: off.
+    :class:`~tripath.engine.config.speculative.SpeculativeConfig`, its dict or the dict's JSON text; None: off.
     With it on, steps run one after the other (no ``async_scheduling``, ``decode_steps`` 1).
     ``fused_sampling``: whether steps whose requests allow it draw their tokens straight from the LM head,
     without writing logits (:mod:`tripath.engine.sampling.fused_sampling`): ``"auto"`` where a measurement at start on
@@ -176,7 +176,7 @@ class EngineConfig:
     @property
     def step_pacing_s(self) -> float:
         """The step time the token budget follows (0: none): ``step_time_target_s``, by default
-        :data:`~tripath.engine.core.step_pacing.DEFAULT_CPU_TARGET_S` on the CPU."""
+        :data:`DEFAULT_CPU_TARGET_S` on the CPU."""
         if self.step_time_target_s is not None:
             return float(self.step_time_target_s)
         return DEFAULT_CPU_TARGET_S if self.device.type == "cpu" else 0.0

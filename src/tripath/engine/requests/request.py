@@ -19,8 +19,8 @@ from typing import Sequence
 
 import torch
 
-from tripath.engine.sampling.sampling_params import SamplingParams, token_ids_of
-from tripath.engine.sampling.structured_output import GrammarState
+from tripath.engine.requests.sampling_params import SamplingParams, token_ids_of
+from tripath.engine.requests.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):

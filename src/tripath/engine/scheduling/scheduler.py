@@ -50,11 +50,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tripath.engine.core.block_manager import BlockManager, blocks_needed
-from tripath.engine.core.request import FinishReason, Request, RequestStatus
-from tripath.engine.speculative.config import SpeculativeConfig
+from tripath.engine.config.speculative import SpeculativeConfig
+from tripath.engine.requests.request import FinishReason, Request, RequestStatus
+from tripath.engine.scheduling.block_manager import BlockManager, blocks_needed
+from tripath.engine.scheduling.stats import DraftCounts
 from tripath.engine.speculative.ngram import NgramProposer
-from tripath.engine.core.stats import DraftCounts
 
 MIN_TOKEN_BUDGET = 64  # the smallest step budget an out-of-memory step shrinks it to (shrink_token_budget)
 MIN_PACED_BUDGET = 16  # the smallest step budget step pacing sets (pace)
@@ -112,7 +112,7 @@ class Scheduler:
         if proposer is None and speculation is not None:
             if speculation.method != "ngram":
                 raise ValueError(f"speculative method {speculation.method!r} needs its proposer built by the engine "
-                                 "(tripath.engine.speculative.proposers.make_proposer)")
+                                 "(tripath.engine.drafters.proposers.make_proposer)")
             proposer = NgramProposer(speculation.prompt_lookup_min, speculation.prompt_lookup_max)
         self.proposer = proposer   # drafts for the verifies (speculative decoding: ``propose([(request, k)])``)
         self.draft_counts = DraftCounts(0 if speculation is None else speculation.num_speculative_tokens)
@@ -172,7 +172,7 @@ class Scheduler:
 
     def pace(self, tokens: int) -> int:
         """Set the tokens a step takes to ``tokens`` (the engine's step pacing,
-        :mod:`~tripath.engine.core.step_pacing`), within ``max_num_batched_tokens`` or the smaller budget an
+        :mod:`~tripath.engine.scheduling.step_pacing`), within ``max_num_batched_tokens`` or the smaller budget an
         out-of-memory step left, and never below the running requests (each decode stays in every step) or
         ``MIN_PACED_BUDGET``; with chunked prefill off a whole prompt must fit in a step, so the budget
         stays. Returns the budget."""

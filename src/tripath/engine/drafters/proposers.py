@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tripath.engine.speculative.config import SpeculativeConfig
+from tripath.engine.config.speculative import SpeculativeConfig
 from tripath.engine.speculative.ngram import NgramProposer
 
 
@@ -19,9 +19,9 @@ def make_proposer(config: SpeculativeConfig, runner=None, engine_config=None, vo
     if not isinstance(runner, ModelRunner):
         raise ValueError(f"speculative_config method {config.method!r} runs with tensor_parallel_size 1")
     if config.method == "mtp":
-        from tripath.engine.speculative.mtp import MTPProposer
+        from tripath.engine.drafters.mtp import MTPProposer
         return MTPProposer(runner.model, runner, engine_config)
-    from tripath.engine.speculative.draft_model import DraftModelProposer
+    from tripath.engine.drafters.draft_model import DraftModelProposer
 
     return DraftModelProposer(config.model if draft is None else draft, engine_config, num_blocks=runner.num_blocks,
                               block_size=runner.block_size, max_model_len=runner.max_model_len,
