@@ -100,6 +100,13 @@ class ServerProcess:
             raise RuntimeError(f"the log names no engine core process:\n{self.log()}")
         return int(match.group(1))
 
+    def tokenizer_helper_pid(self) -> int:
+        """The latest tokenizer helper process's id, from the log (``--log-level info``)."""
+        started = re.findall(r"tokenizer helper process (\d+) started", self.log_path.read_text())
+        if not started:
+            raise RuntimeError(f"the log names no tokenizer helper process:\n{self.log()}")
+        return int(started[-1])
+
     def api_server_pids(self) -> list[int]:
         """The API server processes of ``--api-server-count N``, from the log (``--log-level info``)."""
         match = re.search(r"API servers started: processes ([\d, ]+)", self.log_path.read_text())

@@ -1,8 +1,8 @@
 """No request stalls the others (``tripath serve`` as real processes on loopback, CPU): a structured output
-whose grammar takes seconds to compile (SmolLM2, default limits), thousands of distinct schemas, and an API
-server whose event loop stops reading — while victim streams run. A victim's longest gap between two events
-stays within twice its unattacked value (or half a second, whichever is larger: a busy test machine's own
-pauses), and ``/health`` answers throughout."""
+whose grammar takes seconds to compile (SmolLM2, default limits), thousands of distinct schemas, an API
+server whose event loop stops reading, and a /tokenize of 16 MiB — while victim streams run. A victim's
+longest gap between two events stays within twice its unattacked value (or half a second, whichever is
+larger: a busy test machine's own pauses; 0.2 s for the /tokenize), and ``/health`` answers throughout."""
 
 import json
 import os
@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from server_process import HealthWatch, ServerProcess, Stream
+from server_process import HealthWatch, ServerProcess, Stream, running
 
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
@@ -249,3 +249,56 @@ def test_grammars_wait_off_the_engine_loop_in_either_mode(tiny_hf_dir, tmp_path,
             assert client.get("/health").status_code == 200
     finally:
         server.close()
+
+
+TOKENIZE_ATTACK_BYTES = 16 << 20   # the default --max-request-bytes: the largest /tokenize a server takes
+BASELINE_S = 4.0   # how long victims stream unattacked before the attack
+TOKENIZE_GAP_FLOOR_S = 0.2   # a loaded 2-core machine slows the engine's steps this much (the old pause: 0.3-1.7 s)
+
+
+def _victims_while(server, busy: threading.Thread | None = None, seconds: float = 0.0) -> tuple[float, int]:
+    """Victim streams one after another, for ``seconds`` or while ``busy`` runs: the longest gap between two
+    events of one of them (after its first, the prompt's), and how many ran."""
+    longest, count, until = 0.0, 0, time.monotonic() + seconds
+    while (busy.is_alive() if busy is not None else time.monotonic() < until) or count == 0:
+        victim = Stream(server.port, _victim_body("m", 48))
+        assert victim.done.wait(120) and victim.completed
+        longest, count = max(longest, victim.longest_gap(since=victim.times[1])), count + 1
+        victim.close()
+    return longest, count
+
+
+def test_a_16_mib_tokenize_stalls_no_other_stream(smollm2, tmp_path):
+    """SmolLM2 with the default limits; a /tokenize of 16 MiB of text (3.7 million tokens) while victims stream
+    one after another: their longest gap stays within twice the one they had streaming unattacked just before
+    (or :data:`TOKENIZE_GAP_FLOOR_S`), ``/health`` answers within a second throughout, and the reply is whole.
+    The text is tokenised in the helper process, which the server's stop ends."""
+    server = ServerProcess([smollm2, "--served-model-name", "m"], tmp_path / "server.log", log_level="info")
+    text = ("The quick brown fox jumps over the lazy dog. " * 400_000)[:TOKENIZE_ATTACK_BYTES - 16]
+    body = json.dumps({"prompt": text}).encode()   # built before: the client's own pauses are not the server's
+    assert len(body) <= TOKENIZE_ATTACK_BYTES
+    try:
+        _victims_while(server)   # the first request's one-time costs
+        watch = HealthWatch(server.url, interval_s=0.02)
+        try:
+            unattacked, before = _victims_while(server, seconds=BASELINE_S)
+            answers = []
+            attack = threading.Thread(target=lambda: answers.append(httpx.post(
+                server.url + "/tokenize", content=body, headers={"Content-Type": "application/json"}, timeout=600)))
+            attack.start()
+            attacked, during = _victims_while(server, attack)
+            attack.join(600)
+        finally:
+            watch.stop()
+        (answer,) = answers
+        assert answer.status_code == 200, answer.text[:500]
+        reply = answer.json()
+        print(f"victims' longest gap {attacked * 1e3:.1f} ms over {during} during a 16 MiB /tokenize, "
+              f"{unattacked * 1e3:.1f} ms over {before} before; slowest /health {watch.slowest * 1e3:.1f} ms")
+        assert reply["count"] == len(reply["tokens"]) > 3_000_000
+        assert attacked <= max(2 * unattacked, TOKENIZE_GAP_FLOOR_S), (attacked, unattacked)
+        assert watch.polls > 10 and watch.slowest < 1.0 and not watch.failures, (watch.slowest, watch.failures)
+        helper = server.tokenizer_helper_pid()
+    finally:
+        server.close()
+    assert not running(helper)   # the server's stop ends its helper

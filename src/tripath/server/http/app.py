@@ -21,7 +21,8 @@ a failed engine step.
 
 Python work that grows with what a client sends (tokenising text prompts, rendering chat templates,
 matching stop strings, decoding echoed prompts, building large replies) runs in worker threads, so one large
-request does not stall the others or ``/health``. The body is parsed on the event loop (pydantic holds the
+request does not stall the others or ``/health``; a large ``/tokenize`` runs in a helper process
+(:mod:`~tripath.server.http.utility_routes`). The body is parsed on the event loop (pydantic holds the
 interpreter lock while it validates: a thread would stall the loop as long, and add two thread hops to every
 request), bounded by ``max_request_bytes``; token-id prompts are checked there too, at C speed (``min`` /
 ``max``). Connections themselves (header, body and send timeouts, a connection cap) are bounded below the
@@ -167,6 +168,7 @@ def build_app(make_engine: Callable[[], EngineCore] | None, *, model_name: str |
             log.info("engine stats every %g s (--log-stats-interval)", obs.log_stats_interval_s)
             stats = asyncio.ensure_future(log_engine_stats(obs.log_stats_interval_s, families))
         yield
+        await asyncio.get_running_loop().run_in_executor(None, state.close)   # the tokenizer helper, if any
         if stats is not None:
             stats.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -75,9 +75,13 @@ def check_model(state: ServerState, model: str) -> None:
 
 
 def check_ids(state: ServerState, ids: list[int], param: str) -> None:
+    check_vocab_ids(state.engine.vocab_size, ids, param)
+
+
+def check_vocab_ids(vocab: int, ids: list[int], param: str) -> None:
+    """400 naming ``param`` when ``ids`` is empty or holds an id outside ``[0, vocab)``."""
     if not ids:
         raise APIError(400, f"{param} is empty: a prompt needs at least one token", param=param)
-    vocab = state.engine.vocab_size
     if min(ids) >= 0 and max(ids) < vocab:
         return
     bad = [t for t in ids if not 0 <= t < vocab]

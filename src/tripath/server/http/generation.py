@@ -34,6 +34,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
+    def __reduce__(self):   # pickled whole: the tokenizer helper process raises it for the API server to answer
+        return type(self), (self.status, self.message, self.type, self.param, self.code)
+
 
 @dataclass
 class Delta:

@@ -8,6 +8,8 @@ from typing import Sequence
 from tripath.server.http import protocol as P
 from tripath.server.http.large_texts import LargeTextGate
 from tripath.server.metrics.metrics import ServerMetrics
+from tripath.server.processes.tokenizer_process import TokenizerProcess
+from tripath.server.transport.core_wire import tokenizer_handle
 from tripath.server.transport.submissions import Engine
 
 DEFAULT_MAX_STRUCTURED_OUTPUT_BYTES = 64 << 10
@@ -30,9 +32,22 @@ class ServerState:
         self.tokenizer_info = tokenizer_info   # serve GET /tokenizer_info
         self.outstanding = 0   # engine submissions of live HTTP requests (handler side)
         self.large_texts = LargeTextGate()
+        self._tokenizer_process: TokenizerProcess | None = None
 
     @property
     def capacity(self) -> int:
         """Engine requests the server holds at once: the ``max_num_seqs`` the engine runs and
         ``max_queue_depth`` more waiting."""
         return self.engine.max_num_seqs + self.max_queue_depth
+
+    def tokenizer_helper(self) -> TokenizerProcess:
+        """The helper process that tokenises large texts (:mod:`~tripath.server.processes.tokenizer_process`),
+        made on first use: once the engine is ready, with its tokenizer (which the model has)."""
+        if self._tokenizer_process is None:
+            self._tokenizer_process = TokenizerProcess(tokenizer_handle(self.engine.tokenizer))
+        return self._tokenizer_process
+
+    def close(self) -> None:
+        """Stop what the routes started: the tokenizer helper process."""
+        if self._tokenizer_process is not None:
+            self._tokenizer_process.close()

@@ -10,64 +10,36 @@ takes ``{"model"?, "tokens": [...]}`` and answers ``{"prompt": str}`` (special t
 is given must be one of the served names (404 otherwise); a model without a tokenizer gets 400.
 
 Both read JSON bodies as the OpenAI routes do (bounded by ``--max-request-bytes``, 415 unless sent as
-``application/json``) and sit behind the API key when one is set. A 16 MiB prompt is 3-4 million tokens: the
-tokenising, the decoding and the encoding of the reply all run in a worker thread, the reply's lists encoded
-a slice at a time so the event loop gets the interpreter lock between slices, and ``/health`` and the
-streams in flight keep answering; large texts are tokenised one at a time (:mod:`~tripath.server.http.large_texts`).
+``application/json``) and sit behind the API key when one is set. A 16 MiB prompt is 3-4 million tokens, and
+tokenising it holds the interpreter lock for long stretches (the tokenizer's Python lists, the reply's), so
+a body of :data:`TOKENIZE_IN_HELPER_BYTES` or more is tokenised, and its reply built, in the tokenizer helper
+process (:mod:`~tripath.server.processes.tokenizer_process`), as are :data:`DETOKENIZE_IN_HELPER_IDS` or more ids
+to decode: this process sends the body's bytes and sends back the reply's, and ``/health`` and the streams in
+flight keep answering. Smaller requests run in a worker thread (:mod:`~tripath.server.http.tokenizing` builds
+the replies of both paths alike); large texts are tokenised one at a time
+(:mod:`~tripath.server.http.large_texts`). A helper that dies is a 500 for the request it was serving; the next
+one starts another.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, StrictStr, model_validator
 
 import tripath
-from tripath.engine.chat import render_chat
 from tripath.server.http import protocol as P
-from tripath.server.http.engine_requests import (chat_template_kwargs, check_ids, check_model, check_ready, in_thread,
-                                                 openapi_body)
+from tripath.server.http.engine_requests import check_model, check_ready, in_thread, openapi_body
 from tripath.server.http.generation import APIError
 from tripath.server.http.request_body import read_json
+from tripath.server.http.tokenizing import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
+                                            TokenizerSettings, detokenize_body, detokenize_reply, tokenize_body,
+                                            tokenize_job, tokenize_reply)
+from tripath.server.processes.tokenizer_process import TokenizerProcessDied
 
-MAX_DETOKENIZE_TOKENS = 1 << 20
-ENCODE_SLICE = 1 << 15   # list items per json.dumps call: each holds the interpreter lock for a few ms at most
-
-
-class TokenizeRequest(P.RequestModel):
-    model: P.Name | None = None
-    prompt: StrictStr | None = None
-    messages: Annotated[list[P.ChatMessage], Field(min_length=1, max_length=P.MAX_MESSAGES)] | None = None
-    add_generation_prompt: P.Bool = True
-    add_special_tokens: P.Bool | None = None   # default: True for a prompt, False for messages (as vLLM)
-    return_token_strs: P.Bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-
-    @model_validator(mode="after")
-    def _prompt_or_messages(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt (text) and messages (a chat conversation)")
-        return self
-
-
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeRequest(P.RequestModel):
-    model: P.Name | None = None
-    tokens: Annotated[list[P.TokenId], Field(max_length=MAX_DETOKENIZE_TOKENS)]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
+TOKENIZE_IN_HELPER_BYTES = 256 << 10   # a /tokenize body this large is tokenised in the helper process
+DETOKENIZE_IN_HELPER_IDS = 1 << 16     # a /detokenize of this many ids is decoded in the helper process
 
 
 def _tokenizer(state):
@@ -77,53 +49,21 @@ def _tokenizer(state):
     return tokenizer
 
 
-def _tokenize(state, body: TokenizeRequest) -> Response:
-    tokenizer = _tokenizer(state)
-    if body.prompt is not None:
-        special = True if body.add_special_tokens is None else body.add_special_tokens
-        text, param = body.prompt, "prompt"
-    else:
-        special = bool(body.add_special_tokens)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = render_chat(tokenizer, messages, body.add_generation_prompt, chat_template_kwargs(body),
-                               state.chat_template)
-        except Exception as error:  # noqa: BLE001 - as chat completions: the template refused the messages
-            raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
-        param = "messages"
+def _settings(state) -> TokenizerSettings:
+    return TokenizerSettings(state.engine.max_model_len, state.engine.vocab_size, state.chat_template)
+
+
+async def _in_helper(state, fn, request: Request) -> Response:
+    """``fn(tokenizer, body, settings)`` in the tokenizer helper process, as the response; 500 if it dies first."""
     try:
-        encoded = tokenizer.encode(text, add_special_tokens=special)
-    except (ValueError, TypeError, UnicodeError) as error:
-        raise APIError(400, f"{param} could not be tokenised: {type(error).__name__}: {error}", param=param) from None
-    ids = [int(t) for t in getattr(encoded, "ids", encoded)]   # `tokenizers` returns an Encoding
-    del encoded   # the tokenizer's own copy (offsets, masks): gone before the reply is built
-    strs = None
-    if body.return_token_strs:
-        convert = getattr(tokenizer, "convert_ids_to_tokens", None) or tokenizer.id_to_token
-        strs = [convert(t) for t in ids]
-    return _json_reply(count=len(ids), max_model_len=state.engine.max_model_len, tokens=ids, token_strs=strs)
+        reply = await state.tokenizer_helper().run(fn, await request.body(), _settings(state))
+    except TokenizerProcessDied as error:
+        raise APIError(500, str(error), "server_error") from None
+    return _json_response(reply)
 
 
-def _detokenize(state, body: DetokenizeRequest) -> Response:
-    tokenizer = _tokenizer(state)
-    if body.tokens:
-        check_ids(state, body.tokens, "tokens")
-    return _json_reply(prompt=tokenizer.decode(list(body.tokens), skip_special_tokens=False))
-
-
-def _json_list(values: Sequence) -> str:
-    """``json.dumps(values)``, a slice at a time (see :data:`ENCODE_SLICE`)."""
-    return "[" + ",".join(json.dumps(values[i:i + ENCODE_SLICE], separators=(",", ":"))[1:-1]
-                          for i in range(0, len(values), ENCODE_SLICE)) + "]"
-
-
-def _json_reply(**fields) -> Response:
-    """A JSON response of ``fields`` in order (lists encoded by :func:`_json_list`), encoded here: in the worker
-    thread that built it, not on the event loop."""
-    parts = [f"{json.dumps(k)}:{_json_list(v) if isinstance(v, list) else json.dumps(v)}"
-             for k, v in fields.items()]
-    return Response(("{" + ",".join(parts) + "}").encode("ascii"),   # json.dumps escapes what is not ASCII
-                    media_type="application/json")
+def _json_response(reply: bytes | bytearray) -> Response:
+    return Response(memoryview(reply), media_type="application/json")
 
 
 def add_utility_routes(app: FastAPI, state) -> None:
@@ -139,13 +79,20 @@ def add_utility_routes(app: FastAPI, state) -> None:
     @app.post("/tokenize", response_model=TokenizeResponse, openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request):
         body = await _checked(request, TokenizeRequest)
-        async with state.large_texts.admit(len(await request.body())):   # the body bounds the text
-            return await in_thread(_tokenize, state, body)
+        tokenizer = _tokenizer(state)
+        size = len(await request.body())   # the body bounds the text
+        async with state.large_texts.admit(size):
+            if size >= TOKENIZE_IN_HELPER_BYTES:
+                return await _in_helper(state, tokenize_body, request)
+            return _json_response(await in_thread(tokenize_reply, tokenizer, tokenize_job(body), _settings(state)))
 
     @app.post("/detokenize", response_model=DetokenizeResponse, openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request):
         body = await _checked(request, DetokenizeRequest)
-        return await in_thread(_detokenize, state, body)
+        tokenizer = _tokenizer(state)
+        if len(body.tokens) >= DETOKENIZE_IN_HELPER_IDS:
+            return await _in_helper(state, detokenize_body, request)
+        return _json_response(await in_thread(detokenize_reply, tokenizer, body.tokens, _settings(state)))
 
     @app.get("/version")
     async def version():
