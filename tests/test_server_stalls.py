@@ -1,6 +1,7 @@
 """No request stalls the others (``tripath serve`` as real processes on loopback, CPU): a structured output
 whose grammar takes seconds to compile (SmolLM2, default limits), thousands of distinct schemas, an API
-server whose event loop stops reading, and a /tokenize of 16 MiB — while victim streams run. A victim's
+server whose event loop stops reading, and 16 MiB of text to tokenise (/tokenize, a completions prompt, a chat
+message) — while victim streams run. A victim's
 longest gap between two events stays within twice its unattacked value (or half a second, whichever is
 larger: a busy test machine's own pauses; 0.2 s for the /tokenize), and ``/health`` answers throughout."""
 
@@ -268,36 +269,54 @@ def _victims_while(server, busy: threading.Thread | None = None, seconds: float 
     return longest, count
 
 
-def test_a_16_mib_tokenize_stalls_no_other_stream(smollm2, tmp_path):
-    """SmolLM2 with the default limits; a /tokenize of 16 MiB of text (3.7 million tokens) while victims stream
-    one after another: their longest gap stays within twice the one they had streaming unattacked just before
-    (or :data:`TOKENIZE_GAP_FLOOR_S`), ``/health`` answers within a second throughout, and the reply is whole.
-    The text is tokenised in the helper process, which the server's stop ends."""
+def _attacked_gap(server, path: str, body: bytes) -> tuple[float, int, httpx.Response]:
+    """Victims streaming while ``body`` is posted to ``path``: their longest gap, how many ran, the answer."""
+    answers = []
+    attack = threading.Thread(target=lambda: answers.append(httpx.post(
+        server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=600)))
+    attack.start()
+    attacked, during = _victims_while(server, attack)
+    attack.join(600)
+    (answer,) = answers
+    return attacked, during, answer
+
+
+def test_a_16_mib_text_stalls_no_other_stream(smollm2, tmp_path):
+    """SmolLM2 with the default limits; a /tokenize of 16 MiB of text (3.7 million tokens), then a completions
+    request and a chat request of as much text, while victims stream one after another: their longest gap
+    stays within twice the one they had streaming unattacked just before (or :data:`TOKENIZE_GAP_FLOOR_S`),
+    ``/health`` answers within a second throughout; the /tokenize reply is whole, the prompts are refused as
+    longer than ``max_model_len``. The texts are tokenised in the helper process, which the server's stop
+    ends."""
     server = ServerProcess([smollm2, "--served-model-name", "m"], tmp_path / "server.log", log_level="info")
-    text = ("The quick brown fox jumps over the lazy dog. " * 400_000)[:TOKENIZE_ATTACK_BYTES - 16]
-    body = json.dumps({"prompt": text}).encode()   # built before: the client's own pauses are not the server's
-    assert len(body) <= TOKENIZE_ATTACK_BYTES
+    text = ("The quick brown fox jumps over the lazy dog. " * 400_000)[:TOKENIZE_ATTACK_BYTES - 256]
+    bodies = {   # built before: the client's own pauses are not the server's
+        "/tokenize": json.dumps({"prompt": text}).encode(),
+        "/v1/completions": json.dumps({"model": "m", "prompt": text, "max_tokens": 4}).encode(),
+        "/v1/chat/completions": json.dumps({"model": "m", "messages": [{"role": "user", "content": text}],
+                                            "max_tokens": 4}).encode()}
+    assert all(len(body) <= TOKENIZE_ATTACK_BYTES for body in bodies.values())
     try:
         _victims_while(server)   # the first request's one-time costs
-        watch = HealthWatch(server.url, interval_s=0.02)
-        try:
-            unattacked, before = _victims_while(server, seconds=BASELINE_S)
-            answers = []
-            attack = threading.Thread(target=lambda: answers.append(httpx.post(
-                server.url + "/tokenize", content=body, headers={"Content-Type": "application/json"}, timeout=600)))
-            attack.start()
-            attacked, during = _victims_while(server, attack)
-            attack.join(600)
-        finally:
-            watch.stop()
-        (answer,) = answers
-        assert answer.status_code == 200, answer.text[:500]
-        reply = answer.json()
-        print(f"victims' longest gap {attacked * 1e3:.1f} ms over {during} during a 16 MiB /tokenize, "
-              f"{unattacked * 1e3:.1f} ms over {before} before; slowest /health {watch.slowest * 1e3:.1f} ms")
-        assert reply["count"] == len(reply["tokens"]) > 3_000_000
-        assert attacked <= max(2 * unattacked, TOKENIZE_GAP_FLOOR_S), (attacked, unattacked)
-        assert watch.polls > 10 and watch.slowest < 1.0 and not watch.failures, (watch.slowest, watch.failures)
+        for path, body in bodies.items():
+            watch = HealthWatch(server.url, interval_s=0.02)
+            try:
+                unattacked, before = _victims_while(server, seconds=BASELINE_S)
+                attacked, during, answer = _attacked_gap(server, path, body)
+            finally:
+                watch.stop()
+            print(f"victims' longest gap {attacked * 1e3:.1f} ms over {during} during a 16 MiB {path}, "
+                  f"{unattacked * 1e3:.1f} ms over {before} before; slowest /health {watch.slowest * 1e3:.1f} ms")
+            if path == "/tokenize":
+                assert answer.status_code == 200, answer.text[:500]
+                reply = answer.json()
+                assert reply["count"] == len(reply["tokens"]) > 3_000_000
+            else:
+                assert answer.status_code == 400, answer.text[:500]
+                assert "leaves no room to generate within max_model_len" in answer.json()["error"]["message"]
+            assert attacked <= max(2 * unattacked, TOKENIZE_GAP_FLOOR_S), (path, attacked, unattacked)
+            assert watch.polls > 10 and watch.slowest < 1.0 and not watch.failures, \
+                (path, watch.slowest, watch.failures)
         helper = server.tokenizer_helper_pid()
     finally:
         server.close()

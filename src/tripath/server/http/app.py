@@ -49,8 +49,8 @@ from tripath.server.http.auth import DEFAULT_PUBLIC_PATHS, APIKeyCheck, check_pu
 from tripath.server.http.chat_prepare import prepare_chat
 from tripath.server.transport.engine_client import EngineClient
 from tripath.server.transport.in_process import InProcessClient
-from tripath.server.http.engine_requests import (check_fits, check_model, check_ready, echo_texts, generation,
-                                                 in_thread, openapi_body, prompt_ids, structured_output)
+from tripath.server.http.engine_requests import (check_fits, check_model, check_ready, echo_texts, encode_prompts,
+                                                 generation, in_thread, openapi_body, structured_output)
 from tripath.server.http.generation import APIError
 from tripath.server.metrics.metric_kinds import render as render_families
 from tripath.server.metrics.metrics import ServerMetrics
@@ -239,11 +239,7 @@ def build_app(make_engine: Callable[[], EngineCore] | None, *, model_name: str |
             raw_prompts = body.prompts()
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
-        if any(isinstance(p, str) for p in raw_prompts):   # tokenising text: in a worker thread
-            async with state.large_texts.admit(sum(len(p) for p in raw_prompts if isinstance(p, str))):
-                prompts = await in_thread(lambda: [prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)])
-        else:   # token ids: a bounds check at C speed, here
-            prompts = [prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)]
+        prompts = await encode_prompts(state, raw_prompts, await request.body())
         structured = await structured_output(state, body)
         echo = await in_thread(echo_texts, state, raw_prompts, prompts) if body.echo else None
         gen = generation(state, body, prompts, body.max_tokens, structured)   # no await from here to respond
@@ -255,7 +251,7 @@ def build_app(make_engine: Callable[[], EngineCore] | None, *, model_name: str |
         check_ready(state)
         check_model(state, body.model)
         check_fits(state, body.n)
-        gen, tools = await prepare_chat(state, body, len(await request.body()))
+        gen, tools = await prepare_chat(state, body, await request.body())
         return await respond(state, gen, body, request, chat=True, tools=tools)
 
     return app

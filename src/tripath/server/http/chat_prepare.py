@@ -3,6 +3,7 @@
 
 In order: the tool plan (400 naming the field for bad ``tools`` / ``tool_choice``, or ``auto`` without the
 server's flags), the prompt (the chat template in a worker thread, through the server's gate for large texts,
+in the tokenizer helper process for a body of ``PROMPT_IN_HELPER_CHARS`` bytes or more,
 given the tools in the chat API's shape and the history's tool calls and results), the output constraint (the
 plan's JSON schema for ``required`` / a named function, held to ``--max-structured-output-bytes`` and checked
 here, so a schema xgrammar cannot enforce is a 400 naming ``tools``; else the request's ``response_format`` /
@@ -19,17 +20,20 @@ from __future__ import annotations
 import json
 import logging
 
-from tripath.server.http.engine_requests import chat_prompt, constraint, generation, in_thread, structured_output
+from tripath.server.http.engine_requests import (chat_prompt, check_ids, constraint, generation, in_thread,
+                                                 structured_output)
+from tripath.server.http.large_prompts import PROMPT_IN_HELPER_CHARS, chat_messages, chat_prompt_in_helper
 from tripath.server.http.generation import APIError, Generation
 from tripath.server.http.tools import ToolError, ToolPlan, plan_tools
 
 log = logging.getLogger("tripath.server")
 
 
-async def prepare_chat(state, body, body_bytes: int) -> tuple[Generation, ToolPlan | None]:
+async def prepare_chat(state, body, raw: bytes, messages_of=chat_messages) -> tuple[Generation, ToolPlan | None]:
     """``body``: a :class:`~tripath.server.http.protocol.ChatCompletionRequest` the route has checked (ready, model,
-    fits); ``body_bytes``: the size of the HTTP body it came in (it bounds the messages' text). Raises
-    :class:`~tripath.server.http.generation.APIError`."""
+    fits); ``raw``: the HTTP body it came in (its size bounds the messages' text), from which ``messages_of``
+    reads ``body``'s messages again where a large one is tokenised in the helper process
+    (:mod:`~tripath.server.http.large_prompts`). Raises :class:`~tripath.server.http.generation.APIError`."""
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_settings,
                           constrained=body.structured_output() is not None)
@@ -39,8 +43,12 @@ async def prepare_chat(state, body, body_bytes: int) -> tuple[Generation, ToolPl
     template_kwargs = dict(body.chat_template_kwargs or {})
     if plan is not None and plan.tools and "tools" not in template_kwargs:
         template_kwargs["tools"] = plan.template_tools()
-    async with state.large_texts.admit(body_bytes):
-        prompt = await in_thread(chat_prompt, state, messages, body.add_generation_prompt, template_kwargs)
+    async with state.large_texts.admit(len(raw)):
+        if len(raw) >= PROMPT_IN_HELPER_CHARS:
+            prompt = await chat_prompt_in_helper(state, raw, messages_of, body.add_generation_prompt, template_kwargs)
+            check_ids(state, prompt, "messages")
+        else:
+            prompt = await in_thread(chat_prompt, state, messages, body.add_generation_prompt, template_kwargs)
     if plan is not None and plan.tools and not getattr(state, "tools_template_checked", False):
         state.tools_template_checked = True
         await in_thread(_check_template_renders_tools, state, prompt, plan)

@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING
 
 import pydantic
 
-from tripath.engine.chat import chat_token_ids, encode_text
 from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.requests.structured_output import StructuredOutput, constraint_size
 from tripath.server.http import protocol as P
 from tripath.server.http.generation import APIError, Generation
+from tripath.server.http.large_prompts import (PROMPT_IN_HELPER_CHARS, chat_ids, completion_prompt_in_helper,
+                                               text_ids)
 from tripath.server.http.sampling_defaults import defaulted_sampling
 
 if TYPE_CHECKING:
@@ -43,13 +44,7 @@ def chat_template_kwargs(body) -> dict:
 
 def chat_prompt(state: ServerState, messages: list[dict], add_generation_prompt: bool,
                  template_kwargs: dict) -> list[int]:
-    try:
-        prompt = chat_token_ids(state.engine.tokenizer, messages, add_generation_prompt, template_kwargs,
-                                state.chat_template)
-    except (ValueError, TypeError, UnicodeError) as error:   # ChatTemplateError included
-        raise APIError(400, str(error), param="messages") from None
-    except Exception as error:  # noqa: BLE001 - a template that refuses the conversation (jinja raise_exception)
-        raise APIError(400, f"the chat template rejected the messages: {error}", param="messages") from None
+    prompt = chat_ids(state.engine.tokenizer, messages, add_generation_prompt, template_kwargs, state.chat_template)
     check_ids(state, prompt, "messages")
     return prompt
 
@@ -89,16 +84,30 @@ def check_vocab_ids(vocab: int, ids: list[int], param: str) -> None:
         raise APIError(400, f"{param} holds token ids outside the vocabulary [0, {vocab}): {bad[:8]}", param=param)
 
 
+async def encode_prompts(state: ServerState, raw_prompts: list, raw: bytes) -> list[list[int]]:
+    """The token ids of a completions request's prompts (``raw``: its HTTP body): token ids checked here (at C
+    speed); texts in a worker thread, through the server's gate for large texts, and a text of
+    :data:`~tripath.server.http.large_prompts.PROMPT_IN_HELPER_CHARS` characters or more in the tokenizer helper
+    process, which reads it from ``raw`` (:mod:`~tripath.server.http.large_prompts`)."""
+    if not any(isinstance(p, str) for p in raw_prompts):
+        return [prompt_ids(state, p, i) for i, p in enumerate(raw_prompts)]
+    large = set() if state.engine.tokenizer is None else \
+        {i for i, p in enumerate(raw_prompts) if isinstance(p, str) and len(p) >= PROMPT_IN_HELPER_CHARS}
+    async with state.large_texts.admit(sum(len(p) for p in raw_prompts if isinstance(p, str))):
+        ids = await in_thread(lambda: {i: prompt_ids(state, p, i) for i, p in enumerate(raw_prompts) if i not in large})
+        for i in sorted(large):
+            param = "prompt" if i == 0 else f"prompt[{i}]"
+            ids[i] = await completion_prompt_in_helper(state, raw, i, param)
+            check_ids(state, ids[i], param)
+    return [ids[i] for i in range(len(raw_prompts))]
+
+
 def prompt_ids(state: ServerState, prompt, i: int) -> list[int]:
     param = "prompt" if i == 0 else f"prompt[{i}]"
     if isinstance(prompt, str):
         if state.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param=param)
-        try:
-            ids = encode_text(state.engine.tokenizer, prompt)
-        except (ValueError, TypeError, UnicodeError) as error:   # e.g. a lone surrogate: not encodable text
-            raise APIError(400, f"{param} could not be tokenised: {type(error).__name__}: {error}",
-                           param=param) from None
+        ids = text_ids(state.engine.tokenizer, prompt, param)
     else:
         ids = prompt   # validated token ids (ints >= 0)
     check_ids(state, ids, param)

@@ -173,6 +173,14 @@ def _response_format(text: dict | None) -> dict | None:
                    param="text.format")
 
 
+def responses_messages(payload: bytes) -> list[dict]:
+    """The messages of a ``/v1/responses`` body as the chat path hands them to the template (read again from
+    the body in the tokenizer helper process: :mod:`~tripath.server.http.large_prompts`)."""
+    body = ResponsesRequest.model_validate_json(payload)
+    chat = P.ChatCompletionRequest.model_validate({"model": body.model, "messages": chat_messages(body)})
+    return [m.model_dump(exclude_none=True) for m in chat.messages]
+
+
 def chat_request(state, body: ResponsesRequest) -> P.ChatCompletionRequest:
     """The chat request that runs ``body`` (its tools checked here, so errors name the Responses fields)."""
     try:
@@ -212,7 +220,7 @@ def add_responses_routes(app: FastAPI, state) -> None:
         check_ready(state)
         check_model(state, body.model)
         chat = chat_request(state, body)
-        gen, plan = await prepare_chat(state, chat, len(await request.body()))
+        gen, plan = await prepare_chat(state, chat, await request.body(), responses_messages)
         return await respond(state, gen, chat, request, chat=True, render=ResponsesRender(body, plan))
 
     @app.get("/v1/responses/{response_id}")
