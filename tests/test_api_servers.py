@@ -410,7 +410,8 @@ def test_a_refusal_by_the_shared_queue_counts_as_a_rejection_not_an_abort(tmp_pa
     (it used to count as an aborted request)."""
     server = ServerProcess(SERVE + ["--max-queue-depth", "1"], tmp_path / "server.log")
     try:
-        body = {"model": PRESET, "prompt": [5, 6], "max_tokens": 4, "n": 2}
+        # the first choice runs until it is withdrawn: it cannot finish before (a loaded machine took 4 tokens)
+        body = {"model": PRESET, "prompt": [5, 6], "max_tokens": 256, "ignore_eos": True, "n": 2}
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 503 and "(--max-queue-depth 1)" in r.json()["error"]["message"], r.text
         text = httpx.get(server.url + "/metrics", timeout=30).text

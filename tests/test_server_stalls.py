@@ -284,7 +284,8 @@ def _attacked_gap(server, path: str, body: bytes) -> tuple[float, int, httpx.Res
 def test_a_16_mib_text_stalls_no_other_stream(smollm2, tmp_path):
     """SmolLM2 with the default limits; a /tokenize of 16 MiB of text (3.7 million tokens), then a completions
     request and a chat request of as much text, while victims stream one after another: their longest gap
-    stays within twice the one they had streaming unattacked just before (or :data:`TOKENIZE_GAP_FLOOR_S`),
+    stays within twice the one they had streaming unattacked just before or just after, whichever is longer
+    (a loaded machine's own pauses come and go), or :data:`TOKENIZE_GAP_FLOOR_S`,
     ``/health`` answers within a second throughout; the /tokenize reply is whole, the prompts are refused as
     longer than ``max_model_len``. The texts are tokenised in the helper process, which the server's stop
     ends."""
@@ -301,12 +302,15 @@ def test_a_16_mib_text_stalls_no_other_stream(smollm2, tmp_path):
         for path, body in bodies.items():
             watch = HealthWatch(server.url, interval_s=0.02)
             try:
-                unattacked, before = _victims_while(server, seconds=BASELINE_S)
+                before, _ = _victims_while(server, seconds=BASELINE_S)
                 attacked, during, answer = _attacked_gap(server, path, body)
             finally:
                 watch.stop()
+            after, _ = _victims_while(server, seconds=BASELINE_S)
+            unattacked = max(before, after)   # the machine's own pauses, on either side of the attack
             print(f"victims' longest gap {attacked * 1e3:.1f} ms over {during} during a 16 MiB {path}, "
-                  f"{unattacked * 1e3:.1f} ms over {before} before; slowest /health {watch.slowest * 1e3:.1f} ms")
+                  f"{before * 1e3:.1f} ms before and {after * 1e3:.1f} ms after; slowest /health "
+                  f"{watch.slowest * 1e3:.1f} ms")
             if path == "/tokenize":
                 assert answer.status_code == 200, answer.text[:500]
                 reply = answer.json()
