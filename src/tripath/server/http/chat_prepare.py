@@ -22,8 +22,8 @@ import logging
 
 from tripath.server.http.engine_requests import (chat_prompt, check_ids, constraint, generation, in_thread,
                                                  structured_output)
-from tripath.server.http.large_prompts import PROMPT_IN_HELPER_CHARS, chat_messages, chat_prompt_in_helper
 from tripath.server.http.generation import APIError, Generation
+from tripath.server.http.large_prompts import PROMPT_IN_HELPER_CHARS, chat_messages, chat_prompt_in_helper
 from tripath.server.http.tools import ToolError, ToolPlan, plan_tools
 
 log = logging.getLogger("tripath.server")
