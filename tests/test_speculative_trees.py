@@ -16,6 +16,7 @@ from tripath.engine.speculative.acceptance import accept_tree
 from tripath.engine.speculative.oracle import OracleProposer
 from tripath.engine.speculative.trees import depths, merge_branches, path_moves, tree_mask_bits
 from tripath.models import load_model
+from tripath.ops.kv_cache import allocate_kv_cache, as_nhd, copy_cache_slots
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
 _models = {}
@@ -129,6 +130,29 @@ def test_ngram_trees_of_width_one_are_the_chains():
         for node in set(parents):   # siblings draft distinct tokens
             siblings = [wide[t] for t, p in enumerate(parents) if p == node]
             assert len(siblings) == len(set(siblings))
+
+
+@pytest.mark.parametrize("layout, dtype", [("nhd", torch.float16), ("shuffled", torch.float16),
+                                           ("nhd", torch.float8_e4m3fn), ("shuffled", torch.float8_e4m3fn)])
+def test_cache_slots_copy_every_head_in_either_layout(layout, dtype):
+    block_size, heads, head_size = 16, 2, 16
+    k_nhd = torch.randn(4, block_size, heads, head_size).to(dtype)
+    v_nhd = torch.randn(4, block_size, heads, head_size).to(dtype)
+    k_cache, v_cache = allocate_kv_cache(4, block_size, heads, head_size, dtype=dtype, layout=layout)
+    raw = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    if layout == "nhd":
+        k_cache.copy_(k_nhd), v_cache.copy_(v_nhd)
+    else:
+        x = k_cache.shape[4]
+        k_cache.view(raw).copy_(k_nhd.view(raw).reshape(4, block_size, heads, head_size // x, x).permute(0, 2, 3, 1, 4))
+        v_cache.view(raw).copy_(v_nhd.view(raw).reshape(4, block_size // x, x, heads, head_size).permute(0, 3, 1, 4, 2))
+    sources, targets = torch.tensor([20, 35, 17, 50]), torch.tensor([18, 19, 60, 20])   # 20: read, then written
+    copy_cache_slots(k_cache, v_cache, sources, targets, layout=layout)
+    got_k, got_v = as_nhd(k_cache, v_cache, layout)
+    for want, got in ((k_nhd, got_k), (v_nhd, got_v)):
+        rows = want.view(raw).reshape(-1, heads, head_size).clone()
+        rows[targets] = rows[sources]
+        assert torch.equal(got.contiguous().view(raw).reshape(-1, heads, head_size), rows)
 
 
 # -- tree acceptance ------------------------------------------------------------------------------------------
