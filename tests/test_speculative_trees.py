@@ -303,6 +303,28 @@ def test_an_accepted_later_sibling_moves_its_cache_rows(monkeypatch, backend, op
     assert llm.stats().spec_num_accepted_tokens == sum(len(p) for p in moved)
 
 
+@pytest.mark.parametrize("backend, options", [
+    ("torch", dict(num_kv_blocks=14, block_size=4, max_num_batched_tokens=24)),   # preemption
+    ("torch", dict(num_kv_blocks=128, block_size=4, max_num_batched_tokens=6)),   # trees cut to the budget
+    ("torch", dict(num_kv_blocks=128, block_size=8, max_num_seqs=2, max_num_batched_tokens=16)),
+    ("three_path", dict(num_kv_blocks=128, block_size=8, max_num_seqs=2, max_num_batched_tokens=16)),
+])
+def test_trees_beside_prompt_chunks_and_preemption(monkeypatch, backend, options):
+    """Short prompt chunks share the decode slice with the trees (causal masks there); preempted requests
+    recompute; both with each verify's path through later siblings."""
+    model, prompts = preset("tiny-llama"), branching_prompts()[:3]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    want = outputs(LLM(model, backend="torch", **options), prompts, params)
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if backend == "three_path" else "0")
+    llm = LLM(model, backend=backend, speculative_config=spec(2, k=4), **options)
+    llm.scheduler.proposer = _SecondSiblings({tuple(p): w for p, w in zip(prompts, want)}, 256)
+    assert outputs(llm, prompts, params) == want
+    stats = llm.stats()
+    assert stats.spec_num_accepted_tokens > 0 and stats.num_kv_blocks_used == 0
+    assert stats.num_preemptions > 0 or options["num_kv_blocks"] > 14
+
+
 def test_oracle_trees_accept_the_whole_recorded_branch_at_p_one(pure_torch):
     model, prompts = preset("tiny-llama"), branching_prompts()
     want = outputs(LLM(model, backend="torch", num_kv_blocks=400, block_size=4), prompts)

@@ -341,7 +341,7 @@ class ModelRunner(startup.RunnerStart):
         items = [scheduled[i] for i in inputs.verify_rows]
         args = ([item.request.sampling_params for item in items], [item.request.generator for item in items])
         path_rows = None   # draft trees: each verify's rows along its accepted path (root first)
-        if inputs.tree_mask is not None:
+        if any(item.draft_parents is not None for item in items):
             grid, paths = accept_tree(logits, [item.draft_token_ids for item in items], [chain_parents(len(
                 item.draft_token_ids)) if item.draft_parents is None else item.draft_parents for item in items], *args)
             move_tree_paths(self.caches, inputs, paths)

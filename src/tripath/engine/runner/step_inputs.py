@@ -10,8 +10,9 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
   ``width`` the longest row of the step;
 - ``logit_indices [S + R]`` int64: the last token of each request whose step reaches the end of its tokens
   (``S`` of them), then every token of each verify (speculative decoding: ``R`` rows in all);
-- ``tree_mask [R]`` int32 (a step with draft trees): each verify token's ancestors among its request's new
-  tokens (:func:`~tripath.engine.speculative.trees.tree_mask_bits`, chains causal), verify after verify;
+- ``tree_mask`` int32 (a step with draft trees): for each token of the decode slice's multi-token rows (the
+  verifies, and prompt chunks as short), its ancestors among its request's new tokens
+  (:func:`~tripath.engine.speculative.trees.tree_mask_bits`; chains and chunks causal), row after row;
   a tree's tokens sit at positions ``context_len + depth``, their slots those of ``context_len + row``;
 - ``deferred``: for decodes whose input token a launched step is still sampling (overlapped scheduling),
   ``(rows [K], sources [K])`` int64: ``input_ids[rows[k]]`` is to be taken from row ``sources[k]`` of that
@@ -52,7 +53,7 @@ class StepInputs:
     deferred: tuple[torch.Tensor, torch.Tensor] | None = None
     verify_rows: list[int] | None = None   # indices into the scheduled list of the verifies, in logit order
     verify_starts: list[int] | None = None   # each verify's first token row (its pending token), in that order
-    tree_mask: torch.Tensor | None = None    # [R] int32: the verifies' tree masks (draft trees), else None
+    tree_mask: torch.Tensor | None = None    # int32: the decode slice's multi-token rows' masks (draft trees)
 
 
 class _BlockArray:
@@ -150,13 +151,13 @@ class StepInputBuilder:
                     positions[at + 1:at + n] = start + np.asarray(depths(item.draft_parents), dtype=np.int64)
                 else:
                     positions[at:at + n] = pos
+            if trees and n > 1 and row < plan.num_decodes:   # the decode slice's multi-token rows: its verifies
+                parents = item.draft_parents                   # (and prompt chunks as short, causal)
+                tree_bits += tree_mask_bits(chain_parents(n - 1) if parents is None else parents)
             if item.draft_token_ids:
                 verify_logits.extend(range(at, at + n))
                 verify_rows.append(i)
                 verify_starts.append(at)
-                if trees:
-                    parents = item.draft_parents
-                    tree_bits += tree_mask_bits(chain_parents(n - 1) if parents is None else parents)
             elif item.samples:
                 logit_rows.append(at + n - 1)
                 sample_rows.append(i)
