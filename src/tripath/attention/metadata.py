@@ -39,7 +39,10 @@ def cumsum(values: list[int]) -> list[int]:
 class VerifyMetadata:
     """The decode slice's verifies (several tokens each; speculative decoding): its rows ``[first_row,
     num_reqs)`` and tokens ``[token_start, num_tokens)`` of the decode slice (one token for each row before
-    them), ``block_table`` / ``seq_lens`` their rows, ``cu_seqlens_q [V + 1]`` their token offsets from 0."""
+    them), ``block_table`` / ``seq_lens`` their rows, ``cu_seqlens_q [V + 1]`` their token offsets from 0;
+    ``tree_mask``: ``[num_tokens - token_start]`` int32, the verifies' draft trees (bit ``j`` of a token's
+    entry: it attends to its request's new token ``j``; :func:`tripath.ops.paged_verify`), None for chains
+    (causal). The engine sets it after ``build_metadata`` on backends with ``Capabilities.draft_trees``."""
 
     first_row: int
     token_start: int
@@ -47,6 +50,7 @@ class VerifyMetadata:
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     max_query_len: int
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclass

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--tree-width", type=int, default=1,
+                        help="draft trees of this many branches (ngram; the oracle's recorded branch and "
+                             "corrupted siblings); 1: chains")
     parser.add_argument("--method", choices=("ngram", "mtp"), default="ngram",
                         help="the speculating engine's method; its drafts are the oracle's either way (mtp: the "
                              "model's MTP layer runs and is timed)")
@@ -61,6 +64,8 @@ def _engine(args, speculative: int | None):
     options = dict(backend=args.backend, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks)
     if speculative:
         options["speculative_config"] = {"method": args.method, "num_speculative_tokens": speculative}
+        if getattr(args, "tree_width", 1) > 1:
+            options["speculative_config"]["tree_width"] = args.tree_width
     return LLM(args.model, **{k: v for k, v in options.items() if v is not None})
 
 

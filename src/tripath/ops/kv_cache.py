@@ -324,3 +324,30 @@ def advance_decodes(positions: torch.Tensor, seq_lens: torch.Tensor, context_len
         return
     launch(advance_decodes_kernel, (-(-n // ADVANCE_BLOCK),), positions, seq_lens, context_lens, block_table,
            slot_mapping, n, block_table.stride(0), block_size, BLOCK=ADVANCE_BLOCK)
+
+
+def copy_cache_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, *,
+                     layout: str = "nhd") -> None:
+    """Copy the K/V rows of slots ``sources [N]`` to slots ``targets [N]`` (int64, on the cache's device), in
+    place, for every KV head; all rows are read before any is written. The bytes are copied as they are
+    (fp8 included: the per-tensor scales stay). Speculative decoding's draft trees move an accepted path's
+    rows to its positions with it."""
+    if sources.shape != targets.shape or sources.dim() != 1:
+        raise ValueError(f"sources and targets must be [N] slot tensors of one shape, got {tuple(sources.shape)} "
+                         f"and {tuple(targets.shape)}")
+    k_raw, v_raw = (t.view(_RAW[t.element_size()]) for t in (k_cache, v_cache))
+    if layout == "nhd":
+        block_size = k_cache.shape[1]
+        for raw in (k_raw, v_raw):
+            raw[targets // block_size, targets % block_size] = raw[sources // block_size, sources % block_size]
+        return
+    check_layout(layout, k_cache.shape[3], k_cache.dtype)
+    block_size, x = k_cache.shape[3], k_cache.shape[4]
+    # K [blocks, H, D // x, block_size, x]: a slot's row is K[b, :, :, s, :]
+    k_raw[targets // block_size, :, :, targets % block_size] = k_raw[sources // block_size, :, :, sources % block_size]
+    # V [blocks, H, block_size // x, D, x]: a slot's row is V[b, :, s // x, :, s % x]
+    src, dst = sources % block_size, targets % block_size
+    v_raw[targets // block_size, :, dst // x, :, dst % x] = v_raw[sources // block_size, :, src // x, :, src % x]
+
+
+_RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}   # element size -> the integer dtype copied as bytes

@@ -66,7 +66,9 @@ class Capabilities:
     ``graphs``: which steps it lets the engine capture (:class:`GraphSupport`); ``verify_graphs``: with
     ``graphs`` at ``DECODE``, its forward of a step whose requests all sit in the decode slice as verifies of
     ``decode_threshold`` tokens each (speculative decoding's steps, padded) reads only device tensors too, so
-    the engine may capture those steps (:mod:`tripath.engine.runner.verify_graphs`).
+    the engine may capture those steps (:mod:`tripath.engine.runner.verify_graphs`); ``draft_trees``: its verify
+    route (MHA, verifies in the decode slice) reads ``metadata.decode.verify.tree_mask`` (speculative
+    decoding's draft trees).
 
     Block sizes (KV cache rows per block): ``block_sizes`` are the ones the backend takes (a spec with
     another is refused); ``cpu_block_size`` / ``gpu_block_size`` the one it prefers on the CPU / on a GPU,
@@ -83,6 +85,7 @@ class Capabilities:
     needs_triton: bool = True
     graphs: GraphSupport = GraphSupport.DECODE
     verify_graphs: bool = False
+    draft_trees: bool = False
     max_decode_threshold: int = 64
     block_sizes: tuple[int, ...] = BLOCK_SIZES
     cpu_block_size: int = DEFAULT_BLOCK_SIZE

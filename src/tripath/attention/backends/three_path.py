@@ -93,7 +93,7 @@ class ThreePathBackend(MHAAttentionBackend):
     name = "three_path"
     # verify graphs: paged_verify reads the captured verify slice's tensors; its host values (first row, token
     # start, max_query_len) are the padded plan's, the same on every step
-    capabilities = Capabilities(verify_graphs=True)
+    capabilities = Capabilities(verify_graphs=True, draft_trees=True)
 
     def __init__(self, spec, device="cpu"):
         super().__init__(spec, device)
@@ -178,7 +178,7 @@ class ThreePathBackend(MHAAttentionBackend):
             rows = slice(v.token_start, d.num_tokens)
             paged_verify(q[rows], cache.k_cache, cache.v_cache, v.block_table, v.seq_lens, v.cu_seqlens_q,
                          self.spec.decode_threshold, layout=cache.layout, k_scale=k_scale, v_scale=v_scale,
-                         out=out[rows], **opts)
+                         out=out[rows], tree_mask=v.tree_mask, **opts)
         else:
             unified_attention(q[:d.num_tokens], cache.k_cache, cache.v_cache, d.block_table, d.seq_lens,
                               d.cu_seqlens_q, d.max_query_len, layout=cache.layout, k_scale=k_scale,

@@ -45,7 +45,7 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
     every row, like the backends that attend through the cache (``unified``, ``two_path``)."""
 
     name = "torch"
-    capabilities = Capabilities(mla=True, needs_triton=False, graphs=GraphSupport.NONE)
+    capabilities = Capabilities(mla=True, needs_triton=False, graphs=GraphSupport.NONE, draft_trees=True)
 
     def __init__(self, spec, device="cpu", *, new_kv_from_cache: bool = False):
         super().__init__(spec, device)
@@ -82,7 +82,15 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
         sm_scale = opts.pop("sm_scale") or 1.0 / math.sqrt(self.spec.head_size)
         plan, start = meta.plan, 0
         block_size = self.spec.block_size
+        verify = meta.decode.verify if meta.decode is not None else None
+        trees = verify.tree_mask if verify is not None else None   # draft trees: the verifies' masks
         for j, (qlen, ctx) in enumerate(zip(plan.query_lens, plan.context_lens)):
+            if trees is not None and verify.first_row <= j < plan.num_decodes:
+                out[start:start + qlen] = self._attend_tree(q[start:start + qlen], meta, j, ctx, qlen,
+                                                            trees[start - verify.token_start:][:qlen], k_nhd,
+                                                            v_nhd, k_scale, v_scale, sm_scale, opts)
+                start += qlen
+                continue
             from_cache = self.new_kv_from_cache or j < plan.num_decodes
             pos = torch.arange(ctx + qlen if from_cache else ctx, device=q.device)
             blocks = meta.block_table[j, pos // block_size].long()
@@ -128,6 +136,19 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
                                                    sm_scale=sm_scale)
             start += qlen
         return out
+
+    def _attend_tree(self, q, meta, j: int, ctx: int, qlen: int, bits: torch.Tensor, k_nhd, v_nhd, k_scale, v_scale,
+                     sm_scale: float, opts: dict) -> torch.Tensor:
+        """Verify row ``j``'s draft tree (``bits [qlen]`` its tokens' masks): the context, then the new tokens
+        (read back from the cache) whose bits are set."""
+        block_size = self.spec.block_size
+        pos = torch.arange(ctx + qlen, device=q.device)
+        blocks = meta.block_table[j, pos // block_size].long()
+        keys = dequantize(k_nhd[blocks, pos % block_size], k_scale)
+        vals = dequantize(v_nhd[blocks, pos % block_size], v_scale)
+        visible = torch.ones(qlen, ctx + qlen, dtype=torch.bool, device=q.device)
+        visible[:, ctx:] = (bits.long()[:, None] >> torch.arange(qlen, device=q.device)[None, :]) & 1 == 1
+        return attend(q, keys, vals, q_start=ctx, causal=False, sm_scale=sm_scale, visible=visible, **opts)[0]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, q_start: int, sm_scale: float,
                 **opts) -> torch.Tensor:

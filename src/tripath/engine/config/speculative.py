@@ -8,6 +8,12 @@ target's vocabulary drafts greedily (:mod:`tripath.engine.drafters.draft_model`;
 (alias ``deepseek_mtp``, vLLM's name) — the target's own multi-token-prediction layer drafts greedily
 (:mod:`tripath.engine.drafters.mtp`; DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``, on one
 rank). Without a method, a ``model`` means ``draft_model``. Every error names the key and what is allowed.
+
+Draft trees (opt-in): ``tree_width`` ``w >= 2`` (``ngram`` only) drafts up to ``w`` alternative continuations
+per request, merged by common prefix into a tree of at most ``num_speculative_tokens`` nodes, and verifies
+the whole tree in one step (:mod:`tripath.engine.speculative.trees`); ``w = 1`` (the default) drafts a chain.
+Trees need a backend whose verify route takes a draft tree's mask (``three_path``, ``torch``; MHA models)
+and one rank.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, fields
 METHODS = ("ngram", "draft_model", "mtp")
 ALIASES = {"deepseek_mtp": "mtp"}   # vLLM's names of the same methods
 NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator")
+TREE_METHODS = ("ngram",)   # the methods whose proposer drafts trees (tree_width > 1)
 MAX_SPECULATIVE_TOKENS = 15   # a verify step feeds at most 16 query tokens per request
 
 
@@ -25,7 +32,8 @@ MAX_SPECULATIVE_TOKENS = 15   # a verify step feeds at most 16 query tokens per 
 class SpeculativeConfig:
     """``num_speculative_tokens`` (1–15): tokens drafted per request and step; ``prompt_lookup_max`` /
     ``prompt_lookup_min``: the longest and shortest suffix the n-gram method looks up (defaults 4 and 1);
-    ``model``: the draft model (``draft_model``); ``draft_tensor_parallel_size``: 1 or None (vLLM's key)."""
+    ``model``: the draft model (``draft_model``); ``draft_tensor_parallel_size``: 1 or None (vLLM's key);
+    ``tree_width`` (1–``num_speculative_tokens``): the most branches of a request's draft tree (1: a chain)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
@@ -33,6 +41,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
+    tree_width: int = 1
 
     def __post_init__(self):
         if self.method in ALIASES:
@@ -42,7 +51,7 @@ class SpeculativeConfig:
                              f"supported: {', '.join(METHODS)}")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is unknown; supported: {', '.join(METHODS)}")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "tree_width"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"speculative_config {name} must be an int, got {value!r}")
@@ -52,6 +61,13 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if not 1 <= self.tree_width <= self.num_speculative_tokens:
+            raise ValueError(f"speculative_config tree_width must be in [1, num_speculative_tokens="
+                             f"{self.num_speculative_tokens}] (branches of a draft tree of at most that many "
+                             f"tokens), got {self.tree_width}")
+        if self.tree_width > 1 and self.method not in TREE_METHODS:
+            raise ValueError(f"speculative_config tree_width={self.tree_width} (draft trees) is not supported by "
+                             f"method {self.method!r}; methods with draft trees: {', '.join(TREE_METHODS)}")
         if self.method == "draft_model" and (not isinstance(self.model, str) or not self.model):
             raise ValueError("speculative_config method 'draft_model' needs model (a preset, model directory or "
                              "hub id of a smaller model with the target's tokenizer)")
@@ -69,9 +85,15 @@ class SpeculativeConfig:
         return self.method == "mtp"
 
     @property
+    def uses_trees(self) -> bool:
+        """Whether requests draft trees (``tree_width > 1``), not chains."""
+        return self.tree_width > 1
+
+    @property
     def needs_one_rank(self) -> bool:
-        """Whether the method runs with tensor_parallel_size 1 only (its drafter is one rank's)."""
-        return self.method in ("draft_model", "mtp")
+        """Whether the method runs with tensor_parallel_size 1 only (its drafter is one rank's; draft trees:
+        rank 0 decides the accepted path, whose cache rows every rank would have to move)."""
+        return self.method in ("draft_model", "mtp") or self.uses_trees
 
     @classmethod
     def of(cls, value) -> "SpeculativeConfig | None":

@@ -108,6 +108,9 @@ class EngineCore:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         speculation = config.speculative_config
         if speculation is not None and speculation.needs_one_rank and tensor_parallel_size > 1:
+            if speculation.uses_trees:
+                raise ValueError(f"speculative_config tree_width={speculation.tree_width} (draft trees) runs with "
+                                 "tensor_parallel_size 1 (use tree_width 1 with tensor parallelism)")
             raise ValueError(f"speculative_config method {speculation.method!r} runs with tensor_parallel_size 1 "
                              "(use the ngram method with tensor parallelism)")
         mtp = speculation is not None and speculation.method == "mtp"   # the model's own MTP layer drafts

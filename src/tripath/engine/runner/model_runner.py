@@ -53,6 +53,7 @@ from tripath.attention.metadata import to_device
 from tripath.engine.config import EngineConfig
 from tripath.engine.runner import startup
 from tripath.engine.runner.decode_graphs import DecodeGraphs
+from tripath.engine.runner.draft_trees import check_draft_trees, move_tree_paths
 from tripath.engine.runner.executor import ExecutorCapabilities
 from tripath.engine.runner.launched_step import LaunchedStep, SampledStep, StepLogprobs
 from tripath.engine.runner.memory_plan import MemoryPlan
@@ -66,7 +67,8 @@ from tripath.engine.sampling.logprobs import position_logprobs
 from tripath.engine.sampling.step_sampling import LaunchSampler, score_prompts
 from tripath.engine.scheduling.block_manager import blocks_needed
 from tripath.engine.scheduling.scheduler import ScheduledRequest
-from tripath.engine.speculative.acceptance import accept_drafts
+from tripath.engine.speculative.acceptance import accept_drafts, accept_tree
+from tripath.engine.speculative.trees import chain_parents
 from tripath.models.layers import Experts
 from tripath.triton_internals import CompilePool
 
@@ -108,6 +110,8 @@ class ModelRunner(startup.RunnerStart):
             # verifies go to the backend's decode path (else, e.g. two_path, they are extends)
             self.spec = dataclasses.replace(self.spec, decode_threshold=verify_len)
             self.backend = select_backend(self.spec, name=self.backend.name, device=self.device)
+        if speculation is not None and speculation.uses_trees:
+            check_draft_trees(self.backend, self.spec, verify_len)
         self.num_layers = model.num_attention_layers
         max_position = int(model.config.max_position)  # the rotary tables' rows (rope scaling included)
         self.max_model_len = config.max_model_len or max_position
@@ -206,6 +210,8 @@ class ModelRunner(startup.RunnerStart):
             bs = graphs.batch_size(len(scheduled))
             if bs is not None:
                 return Route.DECODE_GRAPH, bs
+        if any(s.draft_parents is not None for s in scheduled):   # draft trees: eager (no graph takes a mask)
+            return Route.EAGER, None
         verify = self.verify_graphs
         if verify is not None and verify.takes(scheduled):
             bs = verify.batch_size(len(scheduled))
@@ -268,6 +274,8 @@ class ModelRunner(startup.RunnerStart):
             hidden, prenorm = self.verify_graphs.replay(graph_bs, inputs)
         else:
             meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
+            if inputs.tree_mask is not None:
+                meta.decode.verify.tree_mask = inputs.tree_mask
             ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending,
                                  watched=self.watched_paths)
             if route is Route.MIXED_GRAPHS:
@@ -315,7 +323,7 @@ class ModelRunner(startup.RunnerStart):
         positions = self._row_positions(inputs, num_sampled, sampler.needs_positions)
         tokens = sampler(logits[:num_sampled], 0, positions).unsqueeze(0) if num_sampled else None
         if inputs.verify_rows:
-            tokens, verify_logprobs = self._verify(scheduled, inputs.verify_rows, logits[num_sampled:], tokens)
+            tokens, verify_logprobs = self._verify(scheduled, inputs, logits[num_sampled:], tokens)
             step_logprobs = self._step_logprobs(sampler, prompt, verify_logprobs)
             if step_logprobs is not None and verify_logprobs is not None:
                 step_logprobs.verify_columns = [num_sampled + j for j in step_logprobs.verify_columns]
@@ -323,24 +331,32 @@ class ModelRunner(startup.RunnerStart):
                                 ragged=True)
         return LaunchedStep(scheduled, inputs.sample_rows, tokens, self._step_logprobs(sampler, prompt))
 
-    @staticmethod
-    def _verify(scheduled: list[ScheduledRequest], verify_rows: list[int], logits: torch.Tensor,
+    def _verify(self, scheduled: list[ScheduledRequest], inputs: StepInputs, logits: torch.Tensor,
                 tokens: torch.Tensor | None) -> tuple[torch.Tensor, tuple | None]:
-        """The verifies' tokens (:func:`~tripath.engine.speculative.acceptance.accept_drafts`) beside the other
-        rows' ``tokens [1, S]``: ``[K + 1, S + B]``, -1 past each column's tokens; and, for the verifies that
-        ask, ``(their indices among the verifies, rows each, k each, LogprobRows)`` of every row scored with
-        the token the verify yields there."""
-        items = [scheduled[i] for i in verify_rows]
-        grid = accept_drafts(logits, [item.draft_token_ids for item in items],
-                             [item.request.sampling_params for item in items],
-                             [item.request.generator for item in items])
+        """The verifies' tokens (:func:`~tripath.engine.speculative.acceptance.accept_drafts`; draft trees:
+        ``accept_tree``, then their paths' cache rows move, :mod:`tripath.engine.runner.draft_trees`) beside the
+        other rows' ``tokens [1, S]``: ``[K + 1, S + B]``, -1 past each column's tokens; and, for the verifies
+        that ask, ``(their indices among the verifies, rows each, k each, LogprobRows)`` of every row scored
+        with the token the verify yields there."""
+        items = [scheduled[i] for i in inputs.verify_rows]
+        args = ([item.request.sampling_params for item in items], [item.request.generator for item in items])
+        path_rows = None   # draft trees: each verify's rows along its accepted path (root first)
+        if any(item.draft_parents is not None for item in items):
+            grid, paths = accept_tree(logits, [item.draft_token_ids for item in items], [chain_parents(len(
+                item.draft_token_ids)) if item.draft_parents is None else item.draft_parents for item in items], *args)
+            move_tree_paths(self.caches, inputs, paths)
+            path_rows = [[0] + [1 + t for t in path] for path in paths]
+        else:
+            grid = accept_drafts(logits, [item.draft_token_ids for item in items], *args)
         verified = grid.t()
         logprobs = None
         asking = [j for j, item in enumerate(items) if item.request.sampling_params.logprobs is not None]
         if asking:
             counts = [item.num_new_tokens for item in items]
             starts = [sum(counts[:j]) for j in range(len(items))]
-            rows = [starts[j] + c for j in asking for c in range(counts[j])]
+            row = (lambda j, c: c) if path_rows is None else \
+                (lambda j, c: path_rows[j][c] if c < len(path_rows[j]) else 0)   # past the yield: dropped
+            rows = [starts[j] + row(j, c) for j in asking for c in range(counts[j])]
             cells = [(j, c) for j in asking for c in range(counts[j])]
             device = logits.device
             pick = to_device(rows, torch.int64, device)

@@ -10,6 +10,10 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
   ``width`` the longest row of the step;
 - ``logit_indices [S + R]`` int64: the last token of each request whose step reaches the end of its tokens
   (``S`` of them), then every token of each verify (speculative decoding: ``R`` rows in all);
+- ``tree_mask`` int32 (a step with draft trees): for each token of the decode slice's multi-token rows (the
+  verifies, and prompt chunks as short), its ancestors among its request's new tokens
+  (:func:`~tripath.engine.speculative.trees.tree_mask_bits`; chains and chunks causal), row after row;
+  a tree's tokens sit at positions ``context_len + depth``, their slots those of ``context_len + row``;
 - ``deferred``: for decodes whose input token a launched step is still sampling (overlapped scheduling),
   ``(rows [K], sources [K])`` int64: ``input_ids[rows[k]]`` is to be taken from row ``sources[k]`` of that
   step's sampled tokens on the device; None when every input token is known.
@@ -29,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tripath.engine.speculative.trees import chain_parents, depths, tree_mask_bits
+
 
 @dataclass
 class StepInputs:
@@ -46,6 +52,8 @@ class StepInputs:
     num_padding: int = 0
     deferred: tuple[torch.Tensor, torch.Tensor] | None = None
     verify_rows: list[int] | None = None   # indices into the scheduled list of the verifies, in logit order
+    verify_starts: list[int] | None = None   # each verify's first token row (its pending token), in that order
+    tree_mask: torch.Tensor | None = None    # int32: the decode slice's multi-token rows' masks (draft trees)
 
 
 class _BlockArray:
@@ -113,7 +121,8 @@ class StepInputBuilder:
         table = self._table.numpy()[:num_rows * width].reshape(num_rows, width)
         table.fill(0)
         logit_rows, sample_rows, deferred_rows, deferred_sources = [], [], [], []
-        verify_logits, verify_rows = [], []
+        verify_logits, verify_rows, verify_starts, tree_bits = [], [], [], []
+        trees = any(scheduled[i].draft_parents is not None for i in plan.order if i < len(scheduled))
         at = 0
         for row, i in enumerate(plan.order):
             if i >= len(scheduled):  # padding
@@ -136,11 +145,19 @@ class StepInputBuilder:
             else:
                 pos = np.arange(start, start + n, dtype=np.int64)
                 ids[at:at + n] = item.input_token_ids()
-                positions[at:at + n] = pos
                 slots[at:at + n] = blocks[pos // bs].astype(np.int64) * bs + pos % bs
+                if item.draft_parents is not None:   # a tree's tokens: at context_len + depth
+                    positions[at] = start
+                    positions[at + 1:at + n] = start + np.asarray(depths(item.draft_parents), dtype=np.int64)
+                else:
+                    positions[at:at + n] = pos
+            if trees and n > 1 and row < plan.num_decodes:   # the decode slice's multi-token rows: its verifies
+                parents = item.draft_parents                   # (and prompt chunks as short, causal)
+                tree_bits += tree_mask_bits(chain_parents(n - 1) if parents is None else parents)
             if item.draft_token_ids:
                 verify_logits.extend(range(at, at + n))
                 verify_rows.append(i)
+                verify_starts.append(at)
             elif item.samples:
                 logit_rows.append(at + n - 1)
                 sample_rows.append(i)
@@ -159,7 +176,9 @@ class StepInputBuilder:
         return StepInputs(plan=plan, input_ids=int64[:num_tokens], positions=int64[num_tokens:2 * num_tokens],
                           block_table=block_table, slot_mapping=int64[2 * num_tokens:3 * num_tokens],
                           logit_indices=int64[3 * num_tokens:end], sample_rows=sample_rows,
-                          num_padding=num_padding, deferred=deferred, verify_rows=verify_rows or None)
+                          num_padding=num_padding, deferred=deferred, verify_rows=verify_rows or None,
+                          verify_starts=verify_starts or None,
+                          tree_mask=torch.tensor(tree_bits, dtype=torch.int32).to(self.device) if tree_bits else None)
 
     @staticmethod
     def _inflight_row(inflight_rows: dict[int, int] | None, request) -> int:

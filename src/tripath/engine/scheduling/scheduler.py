@@ -41,7 +41,10 @@ cache rows) drafts for all of them, and each is scheduled as a *verify* of ``1 +
 step scores all of them and yields the accepted drafts and one token more; :meth:`update` moves
 ``num_computed_tokens`` back past the rejected drafts, whose cache rows the next tokens overwrite (a block
 enters the prefix cache only once computed tokens fill it). The engine runs such steps one after the other (no
-overlapped scheduling, no multi-step decoding).
+overlapped scheduling, no multi-step decoding). With draft trees (``tree_width > 1``) the proposer's
+``propose_trees([(request, d), ...], width)`` gives each a tree of at most ``d`` nodes
+(``ScheduledRequest.draft_parents``); the step yields its accepted path and one token more, whose cache rows
+the runner has moved to the path's positions, so :meth:`update` treats it as a chain's kept drafts.
 """
 
 from __future__ import annotations
@@ -66,13 +69,16 @@ class ScheduledRequest:
     ``samples``: the step reaches the end of the request's tokens (its last logits give a new token).
     ``draft_token_ids``: a *verify* (speculative decoding): the last ``len(draft_token_ids)`` of the new
     tokens are drafts following the request's pending token; every new token's logits are scored and the
-    step yields 1 to ``1 + len(draft_token_ids)`` tokens (:mod:`tripath.engine.speculative.acceptance`)."""
+    step yields 1 to ``1 + len(draft_token_ids)`` tokens (:mod:`tripath.engine.speculative.acceptance`).
+    ``draft_parents``: the drafts form a tree (``tree_width > 1``, :mod:`tripath.engine.speculative.trees`),
+    draft ``t`` following draft ``draft_parents[t]`` (-1: the pending token); None: a chain."""
 
     request: Request
     num_new_tokens: int
     num_computed_tokens: int
     samples: bool
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_parents: list[int] | None = None
 
     def input_token_ids(self) -> list[int]:
         """The step's new input tokens: the request's own, then the drafts."""
@@ -223,7 +229,13 @@ class Scheduler:
                 verifies.append((request, num_new - 1))
             else:
                 self._add(out, request, num_new)
-        if verifies:   # one call drafts for every verify; the room drafts did not fill returns to the budget
+        if verifies and self.speculation.uses_trees:   # draft trees: the first `room` nodes keep their parents
+            for (request, room), (drafts, parents) in zip(verifies, self.proposer.propose_trees(
+                    verifies, self.speculation.tree_width)):
+                drafts, parents = list(drafts)[:room], list(parents)[:room]
+                budget += room - len(drafts)
+                self._add(out, request, 1 + len(drafts), drafts=drafts, parents=parents)
+        elif verifies:   # one call drafts for every verify; the room drafts did not fill returns to the budget
             for (request, room), drafts in zip(verifies, self.proposer.propose(verifies)):
                 drafts = list(drafts)[:room]
                 budget += room - len(drafts)
@@ -277,14 +289,14 @@ class Scheduler:
 
     @staticmethod
     def _add(out: SchedulerOutput, request: Request, num_new: int, num_steps: int = 1,
-             drafts: list[int] | None = None) -> None:
+             drafts: list[int] | None = None, parents: list[int] | None = None) -> None:
         """Schedule ``num_new`` tokens of ``request``: they count as computed from now on, and a step that
         reaches the end of its tokens leaves one in flight (``num_steps`` decode steps: that many). A verify
         (``drafts``: the last ``len(drafts)`` of the new tokens) leaves ``1 + len(drafts)`` in flight, the
-        most it can yield; :meth:`update` takes back the drafts the model rejected."""
+        most it can yield; :meth:`update` takes back the drafts the model rejected (``parents``: a draft tree's)."""
         computed = request.num_computed_tokens
         if drafts:
-            out.scheduled.append(ScheduledRequest(request, num_new, computed, True, drafts))
+            out.scheduled.append(ScheduledRequest(request, num_new, computed, True, drafts, parents))
             request.num_computed_tokens = computed + num_new
             request.num_inflight_tokens += num_new
             return

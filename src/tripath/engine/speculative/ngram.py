@@ -6,6 +6,10 @@ that ``k`` tokens follow (else the earliest: the most tokens follow it); the dra
 (as many of the ``k`` as exist). No match for any ``n``: no drafts. Repetitive text
 (code edits, quoting, extraction, lists) drafts well; other text drafts little and then costs nothing.
 
+Draft trees (``tree_width = w > 1``, :meth:`NgramProposer.lookup_tree`): for the same ``n``, up to ``w``
+distinct continuations — the chain's first, then those of the other occurrences, latest first — merged by
+common prefix into a tree of at most ``k`` nodes (:func:`~tripath.engine.speculative.trees.merge_branches`).
+
 Cost per request and step: one comparison of the last token against the latest :data:`LOOKUP_WINDOW` tokens,
 then a few over its occurrences only; each request's tokens are kept in a NumPy array that grows by the new
 outputs (:class:`TokenHistory`), so no step converts the whole sequence.
@@ -17,7 +21,10 @@ import weakref
 
 import numpy as np
 
+from tripath.engine.speculative.trees import merge_branches
+
 LOOKUP_WINDOW = 16384   # the latest tokens searched: bounds the host's time per request and step
+TREE_CANDIDATES = 64    # the latest occurrences a draft tree's branches are taken from
 
 
 class TokenHistory:
@@ -64,12 +71,59 @@ class NgramProposer:
             history = self._histories[request] = TokenHistory(request)
         return self.lookup(history.sync(request), k)
 
+    def propose_trees(self, items, width: int) -> list[tuple[list[int], list[int]]]:
+        """For each ``(request, k)`` of ``items``: a draft tree ``(tokens, parents)`` of at most ``k`` nodes and
+        ``width`` branches (:mod:`~tripath.engine.speculative.trees`)."""
+        out = []
+        for request, k in items:
+            history = self._histories.get(request)
+            if history is None:
+                history = self._histories[request] = TokenHistory(request)
+            out.append(self.lookup_tree(history.sync(request), k, width))
+        return out
+
+    def lookup_tree(self, token_ids, k: int, width: int) -> tuple[list[int], list[int]]:
+        """A draft tree ``(tokens, parents)`` of at most ``k`` nodes to follow ``token_ids``: the continuations
+        of up to ``width`` occurrences of the longest suffix that occurs (module doc); ``width = 1``: the
+        chain of :meth:`lookup`."""
+        tokens = np.asarray(token_ids, dtype=np.int64)[-LOOKUP_WINDOW:]
+        found = self._matches(tokens, k)
+        if found is None:
+            return [], []
+        hits, n = found
+        length = tokens.shape[0]
+        first = self._pick(hits, n, k, length)
+        branches: list[list[int]] = []
+        for start in [first] + [int(h) for h in hits[::-1][:TREE_CANDIDATES] if int(h) != first]:
+            branch = tokens[start + n:start + n + k].tolist()
+            if branch and not any(other[:len(branch)] == branch for other in branches):
+                branches.append(branch)
+                if len(branches) == width:
+                    break
+        return merge_branches(branches, k)
+
     def lookup(self, token_ids, k: int) -> list[int]:
         """Up to ``k`` draft tokens to follow ``token_ids`` (a sequence of ints or a 1-D int array)."""
         tokens = np.asarray(token_ids, dtype=np.int64)[-LOOKUP_WINDOW:]
+        found = self._matches(tokens, k)
+        if found is None:
+            return []
+        hits, n = found
+        start = self._pick(hits, n, k, tokens.shape[0]) + n
+        return tokens[start:start + k].tolist()
+
+    @staticmethod
+    def _pick(hits, n: int, k: int, length: int) -> int:
+        """The chain's occurrence: the latest that ``k`` tokens follow, else the earliest."""
+        full = hits[hits + n + k <= length]
+        return int(full[-1] if full.size else hits[0])
+
+    def _matches(self, tokens: np.ndarray, k: int):
+        """``(starts, n)``: the starts (ascending) of the earlier occurrences of the longest suffix ``n`` that
+        occurs; None when none does."""
         length = tokens.shape[0]
         if k < 1 or length <= self.lookup_min:
-            return []
+            return None
         # Ends j (<= L - 2: a token follows) of matches of the last token, then how far each match extends back.
         ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
         longest = min(self.lookup_max, length - 1)
@@ -81,7 +135,5 @@ class NgramProposer:
         for n in range(longest, self.lookup_min - 1, -1):
             hits = ends[matched >= n] + 1 - n   # starts i of the n-token matches, ascending
             if hits.size:
-                full = hits[hits + n + k <= length]
-                start = int(full[-1] if full.size else hits[0]) + n
-                return tokens[start:start + k].tolist()
-        return []
+                return hits, n
+        return None

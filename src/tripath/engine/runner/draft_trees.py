@@ -1,0 +1,44 @@
+"""The runner's side of speculative decoding's draft trees (:mod:`tripath.engine.speculative.trees`): which
+backends verify them, and moving an accepted path's cache rows to its positions.
+
+A tree step runs eagerly (no verify or mixed graph: their captured metadata has no tree mask). The backend
+reads the verifies' ``tree_mask`` from ``metadata.decode.verify`` (``Capabilities.draft_trees``: ``three_path``
+through :func:`tripath.ops.paged_verify`, and the ``torch`` reference), so the verifies must sit in its
+decode slice (``decode_threshold = 1 + num_speculative_tokens``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tripath.attention.metadata import to_device
+from tripath.engine.speculative.trees import path_moves
+from tripath.ops.kv_cache import copy_cache_slots
+
+
+def check_draft_trees(backend, spec, verify_len: int) -> None:
+    """Refuse draft trees (``tree_width > 1``) on a backend whose verify route takes no tree mask, naming it."""
+    why = None
+    if not backend.capabilities.draft_trees:
+        why = "its verify route takes no draft tree's mask"
+    elif spec.is_mla:
+        why = "MLA models verify without a draft tree's mask"
+    elif spec.decode_threshold != verify_len:
+        why = f"verifies of {verify_len} tokens do not take its decode path (decode_threshold {spec.decode_threshold})"
+    if why is not None:
+        raise ValueError(f"speculative_config tree_width > 1 (draft trees) is not supported by the {backend.name} "
+                         f"backend: {why}; use backend 'three_path' (or 'torch'), or tree_width 1")
+
+
+def move_tree_paths(caches, inputs, paths: list[list[int]]) -> None:
+    """Copy each verify's accepted nodes' K/V (``paths[b]``: its accepted nodes by depth), in every layer's
+    cache, from the slots of their rows to those of their positions, on the device: a row ``r`` of the verify
+    starting at token ``inputs.verify_starts[b]`` has slot ``inputs.slot_mapping[start + r]``."""
+    moves = [(start + a, start + b) for start, path in zip(inputs.verify_starts, paths) for a, b in path_moves(path)]
+    if not moves:
+        return
+    slots = inputs.slot_mapping.index_select(
+        0, to_device([a for a, _ in moves] + [b for _, b in moves], torch.int64, inputs.slot_mapping.device))
+    sources, targets = slots[:len(moves)], slots[len(moves):]
+    for cache in caches:
+        copy_cache_slots(cache.k_cache, cache.v_cache, sources, targets, layout=cache.layout)
