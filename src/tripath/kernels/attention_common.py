@@ -51,6 +51,28 @@ def score_mods(qk, q_pos, k_pos, k_limit, slope2, qk_scale, softcap, window_left
 
 
 @triton.jit
+def load_query_tile(q_ptr, q_rows, heads, row_ok, dims_k, head_size, stride_q_t, stride_q_h, sm_scale,
+                    alibi_ptr, k_scale_ptr, v_scale_ptr, BLOCK_M: tl.constexpr, KV_FP8: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr):
+    """A tile's queries and what scales its scores: ``q [BLOCK_M, BLOCK_DK]`` (row ``r`` is token row
+    ``q_rows[r]``, head ``heads[r]``; 0 where ``row_ok`` is false or past ``head_size``), ``qk_scale`` (the
+    softmax scale times log2(e), times the fp8 key scale), ``v_scale`` (the fp8 value scale, else 1) and the
+    rows' ALiBi slopes times log2(e) (``[BLOCK_M]``, 0 without ALiBi)."""
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims_k[None, :],
+                mask=row_ok[:, None] & (dims_k[None, :] < head_size), other=0.0)
+    qk_scale = sm_scale * LOG2E
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    if HAS_ALIBI:
+        slope2 = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    else:
+        slope2 = tl.zeros([BLOCK_M], tl.float32)
+    return q, qk_scale, v_scale, slope2
+
+
+@triton.jit
 def softmax_update(s, v, m_i, l_i, acc, MASK: tl.constexpr):
     """One online-softmax step: scores ``s [M, N]`` (log2 domain), values ``v [N, Dv]``."""
     m_new = tl.maximum(m_i, tl.max(s, 1))

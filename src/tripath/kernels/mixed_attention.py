@@ -20,7 +20,7 @@ Nothing waits on another program, so any grid size is correct; the grid only set
 import triton
 import triton.language as tl
 
-from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize
+from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize, load_query_tile
 from tripath.kernels.mixed_plan import ITEM_FIELDS
 from tripath.triton_internals.specialize import STEP_INVARIANT
 
@@ -66,18 +66,10 @@ def attend_item(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, 
     dims_k = tl.arange(0, BLOCK_DK)
     dims_v = tl.arange(0, BLOCK_DV)
     q_rows = (q_begin + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims_k[None, :],
-                mask=row_ok[:, None] & (dims_k[None, :] < head_size), other=0.0)
+    q, qk_scale, v_scale, slope2 = load_query_tile(q_ptr, q_rows, heads, row_ok, dims_k, head_size, stride_q_t,
+                                                   stride_q_h, sm_scale, alibi_ptr, k_scale_ptr, v_scale_ptr,
+                                                   BLOCK_M, KV_FP8, HAS_ALIBI)
     q_pos = seq_len - query_len + tok
-    qk_scale = sm_scale * LOG2E
-    v_scale = 1.0
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    if HAS_ALIBI:
-        slope2 = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-    else:
-        slope2 = tl.zeros([BLOCK_M], tl.float32)
     # Pieces start at multiples of the key tile (mixed_plan): say so, so the shuffled V tiles load as 16-byte
     # runs and the pipeliner keeps both K and V asynchronous (a loaded lo alone lets it assume nothing).
     lo = (lo // BLOCK_N) * BLOCK_N

@@ -10,7 +10,7 @@ and sees the cached keys causally.
 import triton
 import triton.language as tl
 
-from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize
+from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize, load_query_tile
 from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
@@ -64,18 +64,10 @@ def unified_attention_kernel(
     dims_k = tl.arange(0, BLOCK_DK)
     dims_v = tl.arange(0, BLOCK_DV)
     q_rows = (q_begin + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + heads[:, None] * stride_q_h + dims_k[None, :],
-                mask=row_ok[:, None] & (dims_k[None, :] < head_size), other=0.0)
+    q, qk_scale, v_scale, slope2 = load_query_tile(q_ptr, q_rows, heads, row_ok, dims_k, head_size, stride_q_t,
+                                                   stride_q_h, sm_scale, alibi_ptr, k_scale_ptr, v_scale_ptr,
+                                                   BLOCK_M, KV_FP8, HAS_ALIBI)
     q_pos = context_len + tok
-    qk_scale = sm_scale * LOG2E
-    v_scale = 1.0
-    if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
-    if HAS_ALIBI:
-        slope2 = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-    else:
-        slope2 = tl.zeros([BLOCK_M], tl.float32)
 
     p_min = context_len + local_block * BLOCK_Q
     p_max = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len) - 1

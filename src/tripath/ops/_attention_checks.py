@@ -8,12 +8,16 @@ import torch
 from tripath.ops._checks import (
     FLOAT_DTYPES,
     check_block_table,
+    check_cu_seqlens_values,
     check_gqa,
     check_head_size,
     check_options,
+    check_out,
     check_per_head,
     check_scale,
+    check_seq_lens_values,
     check_tensor,
+    values_checked,
 )
 from tripath.ops.kv_cache import cache_geometry
 from tripath.platform import FP8_DTYPES
@@ -29,6 +33,19 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, device: torch.device) -> None:
 
 def num_cache_blocks(k_cache: torch.Tensor) -> int:
     return k_cache.shape[0]
+
+
+def check_new_tokens_out(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, block_size: int, head_size_v: int, out: torch.Tensor | None,
+                         validate: bool | None) -> None:
+    """For an op over requests of several new tokens each (``cu_seqlens_q``) in a paged cache: the offsets' and
+    lengths' values where ``validate`` asks (each request's ``seq_len`` holds its new tokens, its blocks are
+    in the cache), and ``out`` ``[T, Hq, head_size_v]`` of ``q``'s dtype."""
+    if values_checked(validate, cu_seqlens_q, block_table, seq_lens):
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+        check_seq_lens_values(seq_lens, block_table, block_size, num_cache_blocks(k_cache),
+                              min_lens=cu_seqlens_q[1:] - cu_seqlens_q[:-1])
+    check_out("out", out, (q.shape[0], q.shape[1], head_size_v), q.dtype, q.device)
 
 
 def lse_out(num_tokens: int, num_heads: int, device, return_lse: bool) -> torch.Tensor:

@@ -21,6 +21,7 @@ from tripath.ops import _configs, reference
 from tripath.ops._attention_checks import (
     check_attention_options,
     check_cu_seqlens,
+    check_new_tokens_out,
     check_paged,
     lse_out,
     num_cache_blocks,
@@ -338,12 +339,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if seq_lens.shape[0] != num_seqs or block_table.shape[0] < num_seqs:
         raise ValueError(f"seq_lens ({seq_lens.shape[0]}) and block_table ({block_table.shape[0]} rows) must "
                          f"have one entry per request of cu_seqlens_q ({num_seqs})")
-    if values_checked(validate, cu_seqlens_q, block_table, seq_lens):
-        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-        check_seq_lens_values(seq_lens, block_table, block_size, num_cache_blocks(k_cache),
-                              min_lens=cu_seqlens_q[1:] - cu_seqlens_q[:-1])
+    check_new_tokens_out(q, k_cache, block_table, seq_lens, cu_seqlens_q, block_size, head_size_v, out, validate)
     out_shape = (q.shape[0], q.shape[1], head_size_v)
-    check_out("out", out, out_shape, q.dtype, device)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_size)
     if not use_triton(device):
         return reference.unified_attention_ref(

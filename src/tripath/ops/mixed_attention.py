@@ -30,10 +30,9 @@ import torch
 from tripath.kernels.mixed_attention import mixed_attention_kernel
 from tripath.kernels.mixed_plan import ITEM_FIELDS, plan_mixed_work_kernel
 from tripath.ops import _configs, reference
-from tripath.ops._attention_checks import (check_attention_options, check_cu_seqlens, check_paged, lse_out,
-                                           num_cache_blocks)
-from tripath.ops._checks import (check_cu_seqlens_values, check_head_size, check_out, check_seq_lens_values,
-                                 check_tensor, next_pow2, values_checked)
+from tripath.ops._attention_checks import (check_attention_options, check_cu_seqlens, check_new_tokens_out,
+                                           check_paged, lse_out)
+from tripath.ops._checks import check_head_size, check_tensor, next_pow2
 from tripath.ops.kv_cache import cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform
 from tripath.triton_internals import launch, use_triton
@@ -230,12 +229,8 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                              f"has window_left={window_left} (plan_mixed_attention with the layers' window)")
     if workspace is not None:
         _check_workspace(workspace, q, num_kv_heads, head_size_v, num_seqs)
-    if values_checked(validate, cu_seqlens_q, block_table, seq_lens):
-        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-        check_seq_lens_values(seq_lens, block_table, block_size, num_cache_blocks(k_cache),
-                              min_lens=cu_seqlens_q[1:] - cu_seqlens_q[:-1])
+    check_new_tokens_out(q, k_cache, block_table, seq_lens, cu_seqlens_q, block_size, head_size_v, out, validate)
     out_shape = (q.shape[0], q.shape[1], head_size_v)
-    check_out("out", out, out_shape, q.dtype, device)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_size)
     if not use_triton(device):
         return reference.unified_attention_ref(
