@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from chi_square import chi_square
+
 from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.requests.request import Request
 from tripath.engine.requests.structured_output import StructuredOutput
@@ -121,14 +123,6 @@ def test_greedy_acceptance_keeps_the_matching_drafts_and_the_next_argmax():
     assert got.tolist() == [[3, 5, 1, -1], [2, -1, -1, -1], [0, 0, 0, -1]]
 
 
-def _chi_square(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    n = observed.sum()
-    support = probs > 0
-    assert observed[~support].sum() == 0, "a token outside the distribution's support was drawn"
-    expected = probs[support] * n
-    return float(((observed[support] - expected) ** 2 / expected).sum())
-
-
 @pytest.mark.parametrize("top_k", [0, 4])
 def test_sampled_acceptance_follows_the_target_distribution(top_k):
     """Two drafts per request, 6000 requests with their own generators: the first token's law is ``p_0`` and,
@@ -147,7 +141,7 @@ def test_sampled_acceptance_follows_the_target_distribution(top_k):
     critical = {5: 20.52, 3: 16.27}   # chi-square quantiles at 0.999 for the degrees of freedom
     for observed, probs in ((first, p[0].double()), (second, p[1].double())):
         dof = int((probs > 0).sum()) - 1
-        assert _chi_square(observed, probs) < critical[dof]
+        assert chi_square(observed, probs) < critical[dof]
     assert abs(kept.double().mean() - p[0, drafts[0]]) < 0.03   # the first draft kept with probability p_0(d)
 
 

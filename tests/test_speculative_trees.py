@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from chi_square import chi_square
+
 from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.runner import draft_trees
 from tripath.engine.sampling.sampler import filtered_probs, make_generator
@@ -181,14 +183,6 @@ def test_greedy_tree_acceptance_takes_the_longest_matching_path():
         accept_tree(torch.zeros(2, 4), [[1, 2]], [[-1, -1]], [SamplingParams(temperature=0)], [None])
 
 
-def _chi_square(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    n = observed.sum()
-    support = probs > 0
-    assert observed[~support].sum() == 0, "a token outside the distribution's support was drawn"
-    expected = probs[support] * n
-    return float(((observed[support] - expected) ** 2 / expected).sum())
-
-
 @pytest.mark.parametrize("top_k", [0, 5])
 def test_sampled_tree_acceptance_follows_the_target_distribution(top_k):
     """Root children 2, 4, 1 (nodes 0-2), node 0's children 0, 3: over 6000 requests the first token's law is
@@ -210,7 +204,7 @@ def test_sampled_tree_acceptance_follows_the_target_distribution(top_k):
         assert all(paths[i][:1] == [drafts.index(token)] for i in torch.nonzero(given).flatten().tolist())
         checks.append((torch.bincount(grid[given, 1], minlength=vocab).double(), p[row]))
     for observed, probs in checks:
-        assert _chi_square(observed, probs) < critical[int((probs > 0).sum()) - 1]
+        assert chi_square(observed, probs) < critical[int((probs > 0).sum()) - 1]
 
 
 # -- the engine -----------------------------------------------------------------------------------------------
