@@ -243,7 +243,7 @@ def test_queue_depth_counts_beyond_the_running_and_shutdown_answers_503(tmp_path
 def test_zero_queue_depth_is_refused(capsys):
     from tripath.cli.serve import main_serve
 
-    assert main_serve(["--model", "tiny-llama", "--max-queue-depth", "0"]) == 2
+    assert main_serve(["--model", "tiny-llama", "--port", "0", "--max-queue-depth", "0"]) == 2
     assert "--max-queue-depth must be >= 1" in capsys.readouterr().err
 
 

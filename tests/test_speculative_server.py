@@ -54,7 +54,7 @@ def test_greedy_completions_and_metrics_with_speculation(spec_server, tiny_hf_di
 
 
 def test_a_bad_speculative_config_names_the_flag(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "tripath.cli", "serve", "--model", "tiny-llama",
+    result = subprocess.run([sys.executable, "-m", "tripath.cli", "serve", "--model", "tiny-llama", "--port", "0",
                              "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
                             capture_output=True, text=True, timeout=120, env={"PYTHONPATH": SRC, "PATH": "/usr/bin"})
     assert result.returncode == 2
