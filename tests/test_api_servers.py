@@ -178,6 +178,12 @@ class _StandIn:
     def add_request(self, prompt, params, request_id=None):
         self.live[request_id] = 0
 
+    def add_requests(self, requests):
+        if any(not prompt for prompt, *_ in requests):
+            raise ValueError("the prompt is empty")
+        for prompt, params, request_id, _ in requests:
+            self.live[request_id] = 0
+
     def abort(self, request_id):
         self.aborted.append(request_id)
         self.live.pop(request_id, None)
@@ -404,22 +410,58 @@ def test_sigterm_while_streaming_drains_every_api_server_then_stops_the_core(tmp
         server.close()
 
 
-def test_a_refusal_by_the_shared_queue_counts_as_a_rejection_not_an_abort(tmp_path):
-    """Two choices reach the core in one message; with one engine request waiting allowed, it takes the first
-    and refuses the second: the HTTP request is one ``queue_full`` rejection, its first choice is withdrawn
-    (it used to count as an aborted request)."""
-    server = ServerProcess(SERVE + ["--max-queue-depth", "1"], tmp_path / "server.log")
+def test_one_http_requests_engine_requests_are_taken_or_refused_together():
+    """The choices of one HTTP request reach the core as one AddGroup: the shared waiting bound takes all of
+    them or none (none of a refused HTTP request ever runs), one larger than the bound enters only an empty
+    queue, and one that the engine refuses (an empty prompt, an id in flight) is refused whole."""
+    from tripath.server.transport.core_loop import CoreLoop
+    from tripath.server.transport.core_messages import AddGroup
+
+    pipes = [(os.pipe(), os.pipe())]
+    llm = _StandIn()
+    core = CoreLoop(llm, [(commands[0], updates[1]) for commands, updates in pipes], max_waiting=2)
+    frontend = core._frontends[0]
+
+    def group(name, *prompts):
+        return AddGroup(tuple(Add(f"{name}-{i}", p, SamplingParams(max_tokens=3)) for i, p in enumerate(prompts)))
+
+    def outcome():
+        got = ([r[:2] + r[4:] for r in frontend.refused], list(frontend.accepted))
+        frontend.clear()
+        return got
+
     try:
-        # the first choice runs until it is withdrawn: it cannot finish before (a loaded machine took 4 tokens)
-        body = {"model": PRESET, "prompt": [5, 6], "max_tokens": 256, "ignore_eos": True, "n": 2}
+        llm.waiting.append("someone")   # 1 of 2 waiting: room for one more engine request, not two
+        core._handle(0, group("a", [1], [1]))
+        assert outcome() == ([("a-0", 503, "queue_full"), ("a-1", 503, "queue_full")], []) and not llm.live
+        core._handle(0, group("b", [1]))
+        assert outcome() == ([], ["b-0"]) and set(llm.live) == {"b-0"}
+        llm.waiting.clear()
+        core._handle(0, group("c", [1], [2], [3]))   # more than the bound, into an empty queue: taken whole
+        assert outcome() == ([], ["c-0", "c-1", "c-2"]) and set(llm.live) == {"b-0", "c-0", "c-1", "c-2"}
+        core._handle(0, group("d", [1], []))          # the engine refuses the second: neither is queued
+        refused, accepted = outcome()
+        assert [r[:2] for r in refused] == [("d-0", 400), ("d-1", 400)] and not accepted
+        core._handle(0, AddGroup((Add("e-0", [1], SamplingParams()), Add("b-0", [1], SamplingParams()))))
+        refused, accepted = outcome()   # an id in flight: the whole group is refused
+        assert refused == [("e-0", 400, "duplicate_request_id"), ("b-0", 400, "duplicate_request_id")]
+        assert "d-0" not in llm.live and "e-0" not in llm.live and not llm.aborted
+    finally:
+        _close_pipes(pipes)
+
+
+def test_the_choices_of_one_request_cross_the_shared_queue_whole(tmp_path):
+    """Over real processes (two API servers, one core): a request of more choices than ``--max-queue-depth``
+    is taken whole by an idle engine, every choice running to its end."""
+    server = ServerProcess(SERVE + ["--max-queue-depth", "2"], tmp_path / "server.log")
+    try:
+        body = {"model": PRESET, "prompt": [5, 6], "max_tokens": 4, "ignore_eos": True, "n": 3, "seed": 1}
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-        assert r.status_code == 503 and "(--max-queue-depth 1)" in r.json()["error"]["message"], r.text
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 12 and len(r.json()["choices"]) == 3, r.text
         text = httpx.get(server.url + "/metrics", timeout=30).text
-        lines = [line for line in text.splitlines() if line.startswith(("tripath:requests_rejected_total{",
-                                                                        "tripath:request_success_total{"))]
-        assert [line for line in lines if line.startswith("tripath:requests_rejected")] == \
-            [f'tripath:requests_rejected_total{{engine="0",model_name="{PRESET}",reason="queue_full"}} 1.0'], lines
-        assert all(line.endswith(" 0.0") for line in lines if line.startswith("tripath:request_success")), lines
+        assert not [line for line in text.splitlines() if line.startswith("tripath:requests_rejected_total{")
+                    and not line.endswith(" 0.0")], text
     finally:
         server.close()
 

@@ -56,6 +56,27 @@ def test_a_core_adds_steps_and_aborts_as_the_facade_generates(model):
     assert core.abort("x") and not core.has_unfinished_requests()
 
 
+def test_requests_added_together_are_all_queued_or_none(model):
+    """``add_requests`` (one HTTP request's prompts x choices): every request validated before any is queued;
+    each sampled request gets its own seed."""
+    core = EngineCore(model, backend="torch", num_kv_blocks=32)
+    sampled = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    for bad, error in (([[1, 2], [10 ** 9]], "vocabulary"), ([[1, 2], []], "empty"),
+                       ([[1, 2], [3]], "already queued")):
+        ids = ["a", "b"] if error != "already queued" else ["a", "a"]
+        with pytest.raises(ValueError, match=error):
+            core.add_requests([(prompt, sampled, i, None) for prompt, i in zip(bad, ids)])
+        assert core.num_waiting == 0 and not core.has_unfinished_requests()
+    with pytest.raises(ValueError, match="n / best_of"):
+        core.add_requests([([1, 2], GREEDY, "a", None), ([1, 2], SamplingParams(n=2, temperature=0.5), "b", None)])
+    assert core.num_waiting == 0
+    assert core.add_requests([([1, 2], sampled, "a", None), ([1, 2], sampled, "b", None)]) == ["a", "b"]
+    assert core.num_waiting == 2
+    seeds = {r.request_id: r.sampling_seed for r in core.scheduler.waiting}
+    assert seeds["a"] != seeds["b"], seeds
+    assert set(run_to_end(core)) == {"a", "b"}
+
+
 def test_a_failing_step_is_reported_with_the_requests_it_aborted_and_the_core_serves_on(model, monkeypatch):
     core = EngineCore(model, backend="torch", num_kv_blocks=32, async_scheduling=False, step_time_target_s=0)
     real = core.runner.launch

@@ -80,8 +80,9 @@ class _EchoEngine:
     tokenizer = None
     request_id_prefix = "srv"
 
-    def submit(self, sub):
-        sub.events.put_nowait((sub.index, ACCEPTED))
+    def submit(self, subs):
+        for sub in subs:
+            sub.events.put_nowait((sub.index, ACCEPTED))
 
     def abort(self, request_id, outcome="abort"):
         pass

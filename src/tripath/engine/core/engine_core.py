@@ -244,13 +244,24 @@ class EngineCore:
         (see :class:`Scheduler`). ``grammar``: the compiled grammar of ``params.structured_output`` (from
         ``grammar_compiler().submit(...)``), else it is compiled here; ``prompt_text``: the text the ids
         encode, reported back in the outputs."""
-        if isinstance(params, SamplingParams) and params.num_choices > 1:
-            raise ValueError(f"sampling_params asks for {params.num_choices} completions (n / best_of): the step "
-                             "API runs one completion per request; add one request per completion (seed + i for "
-                             "choice i), or use generate()")
+        _check_one_choice(params)
         request = self.make_request(prompt_token_ids, params, request_id, prompt_text=prompt_text, grammar=grammar)
         self.add(request)
         return request.request_id
+
+    def add_requests(self, requests: Sequence[tuple]) -> list[str]:
+        """Queue several requests together, or none of them: ``requests`` as ``(prompt_token_ids, params,
+        request_id, grammar)`` each (as :meth:`add_request` takes them; ``grammar`` may be None). Raises as
+        :meth:`add_request` does for the first request that cannot be queued, and then nothing is queued.
+        Their ids, in order."""
+        made: list[Request] = []
+        for i, (prompt_token_ids, params, request_id, grammar) in enumerate(requests):
+            _check_one_choice(params)
+            made.append(self.make_request(prompt_token_ids, params, request_id, grammar=grammar,
+                                          number=self.num_requests_added + i, taken=[r.request_id for r in made]))
+        for request in made:
+            self.add(request)
+        return [r.request_id for r in made]
 
     def make_request(self, prompt_token_ids, params: SamplingParams | None = None, request_id: str | None = None,
                      *, prompt_text: str | None = None, name: str = "prompt", number: int | None = None,
@@ -368,3 +379,11 @@ class EngineCore:
 
     def __del__(self):
         self.close()
+
+
+def _check_one_choice(params) -> None:
+    """The step API runs one completion per request: ``ValueError`` for ``n`` / ``best_of`` above 1."""
+    if isinstance(params, SamplingParams) and params.num_choices > 1:
+        raise ValueError(f"sampling_params asks for {params.num_choices} completions (n / best_of): the step "
+                         "API runs one completion per request; add one request per completion (seed + i for "
+                         "choice i), or use generate()")

@@ -175,10 +175,10 @@ class Generation:
     async def start(self) -> None:
         """Submit every choice and wait until the engine has accepted all of them (else raise APIError)."""
         self._submitted = True
-        for c in self.choices:
-            if self.request_log is not None:
+        if self.request_log is not None:
+            for c in self.choices:
                 self.request_log.received(c.sub, self.engine.tokenizer)
-            self.engine.submit(c.sub)
+        self.engine.submit([c.sub for c in self.choices])   # taken together, or refused together
         pending = len(self.choices)
         error = None
         early: list = []
@@ -196,7 +196,7 @@ class Generation:
         except asyncio.TimeoutError:
             self.abort()
             raise APIError(504, "the request timed out before the engine accepted it", "timeout") from None
-        if error is not None:   # one HTTP request refused: one rejection; its accepted choices are withdrawn
+        if error is not None:   # one HTTP request refused: one rejection
             self.engine.metrics.rejected.labels(error.reason).inc()
             self.abort(None)
             raise APIError(error.status, error.message, error.type)

@@ -14,7 +14,9 @@ log-probabilities once), the requests a failed step failed, and ``EngineCore.sta
 nothing in a pass gets the stats alone at most every :data:`STATS_REFRESH_S`, and at once when the engine
 goes idle. The engine does not decode finished outputs here (``EngineCore(detokenize=False)`` in the core
 process): the HTTP sides detokenise. With several HTTP processes each bounds its own requests and the loop
-bounds the engine's waiting queue for all (``max_waiting``, ``CoreSpec.max_waiting``).
+bounds the engine's waiting queue for all (``max_waiting``, ``CoreSpec.max_waiting``). The engine requests of
+one HTTP request (its prompts × choices, an :class:`~tripath.server.transport.core_messages.AddGroup`) are taken
+together or refused together: none of a refused HTTP request ever runs.
 
 No request and no HTTP side holds the loop up. A request with a structured output waits for its grammar
 off the loop (:mod:`~tripath.server.transport.grammar_waits`: compiled on the engine's compiler threads, added once
@@ -52,9 +54,9 @@ from typing import Callable, Sequence
 from tripath.engine.core.engine_core import EngineCore
 from tripath.engine.core.engine_info import EngineInfo
 from tripath.server.transport.core_frontends import Frontend, LocalChannel
-from tripath.server.transport.core_messages import Abort, Add, Ready, Stop, Stopped, Update
+from tripath.server.transport.core_messages import Abort, Add, AddGroup, Ready, Stop, Stopped, Update
 from tripath.server.transport.core_wire import READ_BYTES, encode_output, encode_stats, tokenizer_handle
-from tripath.server.transport.engine_steps import add_request, close_engine, release_memory, take_step
+from tripath.server.transport.engine_steps import add_requests, close_engine, release_memory, take_step
 from tripath.server.transport.grammar_waits import GrammarWaits
 from tripath.server.transport.submissions import Failure
 
@@ -70,7 +72,8 @@ class CoreLoop:
     """The loop over one built engine core (see the module doc). ``frontends``: per HTTP side, the
     ``(commands, updates)`` file descriptors of its pipe ends (the update ends are made non-blocking; -1: not
     used) or a :class:`~tripath.server.transport.core_frontends.LocalChannel`; ``max_waiting``: with several, the most
-    requests the engine may hold waiting (an add beyond it is refused with 503), None for no bound here;
+    requests the engine may hold waiting (an add beyond it is refused with 503, see :meth:`_overloaded`), None for
+    no bound here;
     ``describe(info)``: the start-up log line sent with :class:`Ready`."""
 
     def __init__(self, core: EngineCore, frontends: Sequence[tuple[int, int] | LocalChannel],
@@ -171,19 +174,9 @@ class CoreLoop:
         with contextlib.suppress(BlockingIOError, OSError):   # full: a wake is pending anyway; closed: stopping
             os.write(self._wake_write, b"\0")
 
-    def _handle(self, index: int, command: Add | Abort | Stop) -> None:
-        if isinstance(command, Add):
-            request_id, prompt_token_ids, params = command.request_id, command.prompt_token_ids, command.params
-            in_flight = request_id in self._live or request_id in self._grammars
-            failure = self._overloaded() if not in_flight else \
-                Failure(400, f"request id {request_id!r} is in flight already", reason="duplicate_request_id")
-            if failure is None and params.structured_output is not None:
-                failure = self._grammars.start(request_id, prompt_token_ids, params, index)
-                if failure is None:
-                    return   # added once its grammar has compiled (_add_compiled)
-            if failure is None:
-                failure = add_request(self.core, request_id, prompt_token_ids, params)
-            self._added(index, request_id, failure)
+    def _handle(self, index: int, command: Add | AddGroup | Abort | Stop) -> None:
+        if isinstance(command, (Add, AddGroup)):
+            self._add(index, command.requests if isinstance(command, AddGroup) else (command,))
         elif isinstance(command, Abort):
             request_id = command.request_id
             entry = self._live.get(request_id)
@@ -203,29 +196,52 @@ class CoreLoop:
         else:
             log.warning("the engine core ignores an unknown command: %r", command)
 
-    def _added(self, index: int, request_id: str, failure: Failure | None) -> None:
+    def _add(self, index: int, adds: Sequence[Add]) -> None:
+        """Add one HTTP request's engine requests together (at once, or once their grammars have compiled),
+        or refuse them all with one reason."""
+        ids = [add.request_id for add in adds]
+        taken = next((i for i in ids if i in self._live or i in self._grammars), None)
+        if taken is None and len(set(ids)) < len(ids):
+            taken = next(i for i in ids if ids.count(i) > 1)
+        failure = self._overloaded(len(adds)) if taken is None else \
+            Failure(400, f"request id {taken!r} is in flight already", reason="duplicate_request_id")
+        if failure is None and any(add.params.structured_output is not None for add in adds):
+            failure = self._grammars.start(adds, index)
+            if failure is None:
+                return   # added once its grammars have compiled (_add_compiled)
+        if failure is None:
+            failure = add_requests(self.core, [(a.request_id, a.prompt_token_ids, a.params, None) for a in adds])
+        self._added(index, ids, failure)
+
+    def _added(self, index: int, request_ids: list[str], failure: Failure | None) -> None:
         frontend = self._frontends[index]
         if failure is None:
-            self._live[request_id] = [index, False]
-            frontend.accepted.append(request_id)
+            for request_id in request_ids:
+                self._live[request_id] = [index, False]
+            frontend.accepted.extend(request_ids)
             self._last_arrival = time.monotonic()
         else:
-            frontend.refused.append((request_id, failure.status, failure.message, failure.type, failure.reason))
+            frontend.refused.extend((request_id, failure.status, failure.message, failure.type, failure.reason)
+                                    for request_id in request_ids)
 
     def _add_compiled(self) -> None:
         """Add the requests whose grammars have compiled; refuse those whose compile failed or is overdue."""
-        for wait, grammar, failure in self._grammars.settled():
-            if wait.owner not in self._open:
+        for wait, grammars, failure in self._grammars.settled():
+            if wait.owner not in self._open or not wait.requests:
                 continue
             if failure is None:
-                failure = add_request(self.core, wait.request_id, wait.prompt_token_ids, wait.params, grammar)
-            self._added(wait.owner, wait.request_id, failure)
+                failure = add_requests(self.core, [(a.request_id, a.prompt_token_ids, a.params, grammar)
+                                                   for a, grammar in zip(wait.requests, grammars)])
+            self._added(wait.owner, wait.request_ids, failure)
 
-    def _overloaded(self) -> Failure | None:
+    def _overloaded(self, count: int) -> Failure | None:
+        """Why ``count`` more engine requests (one HTTP request's) may not wait now, or None: the bound of
+        ``max_waiting``, which one HTTP request of more engine requests than it passes only into an empty
+        queue (the HTTP side refuses one that could never run)."""
         if self._max_waiting is None:
             return None
         waiting = self.core.num_waiting + len(self._grammars)
-        if waiting < self._max_waiting:
+        if waiting == 0 or waiting + count <= self._max_waiting:
             return None
         return Failure(503, f"the server is overloaded: {waiting} engine requests wait for a place in the batch "
                             f"(--max-queue-depth {self._max_waiting}); retry later", "server_error", "queue_full")
@@ -267,7 +283,7 @@ class CoreLoop:
                 self.core.abort(request_id)
                 by_frontend.setdefault(entry[0], []).append(request_id)
         for wait in self._grammars.cancel_all(owner=index):
-            by_frontend.setdefault(wait.owner, []).append(wait.request_id)
+            by_frontend.setdefault(wait.owner, []).extend(wait.request_ids)
         for owner, ids in by_frontend.items():
             self._frontends[owner].failed.append((ids, status, message, "server_error"))
 

@@ -4,7 +4,7 @@ dataclass each. Over the process transport they cross the pipes pickled, in the 
 event loop); over the in-process transport (:mod:`~tripath.server.transport.in_process`) they are handed over as
 they are.
 
-Commands, HTTP side → core: :class:`Add`, :class:`Abort`, :class:`Stop`.
+Commands, HTTP side → core: :class:`Add` (or :class:`AddGroup`), :class:`Abort`, :class:`Stop`.
 Messages, core → HTTP side: :class:`Ready` once the engine is built (or :class:`StartFailed`), then an
 :class:`Update` per pass of the loop that produced anything for that HTTP side, and :class:`Stopped` when
 the core is done with it.
@@ -25,6 +25,14 @@ class Add:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class AddGroup:
+    """Add the engine requests of one HTTP request (its prompts × choices) together: the core takes all of
+    them, or refuses all with one reason, so no request of a refused HTTP request ever runs."""
+
+    requests: tuple[Add, ...]
 
 
 @dataclass(frozen=True, slots=True)

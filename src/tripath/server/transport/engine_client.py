@@ -45,7 +45,7 @@ from tripath.server.transport.core_messages import Abort, Add, Ready, StartFaile
 from tripath.server.transport.core_process import LOG_FORMAT, CoreSpec, core_main
 from tripath.server.transport.core_wire import READ_BYTES, FrameReader, Outbox, frame, load_tokenizer_handle, widen
 from tripath.server.transport.engine_front import EngineFront
-from tripath.server.transport.submissions import SHUTTING_DOWN, Failure, Submission
+from tripath.server.transport.submissions import SHUTTING_DOWN, Failure
 
 log = logging.getLogger("tripath.server")
 
@@ -203,13 +203,13 @@ class EngineClient(EngineFront):
         self._loop.add_reader(updates.fileno(), self._on_readable)
         self._reading = True
 
-    def submit(self, sub: Submission) -> None:
-        self._book.register(sub)
-        if self._stopping or self._closed:   # checked after registering: see SubmissionBook
-            self._book.refuse(sub.request_id, SHUTTING_DOWN if self._stopping else self._gone)
-            self._book.flush()
-            return
-        self._command(Add(sub.request_id, sub.prompt_token_ids, sub.params))
+    def _refusal(self) -> Failure | None:
+        if self._stopping or self._closed:
+            return SHUTTING_DOWN if self._stopping else self._gone
+        return None
+
+    def _send_command(self, command) -> None:
+        self._command(command)
 
     def abort(self, request_id: str, outcome: str | None = "abort") -> None:
         """Abort a request (``outcome``: its finish reason in the metrics, ``abort`` or ``stop``; None:

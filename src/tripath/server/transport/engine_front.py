@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
-from tripath.server.transport.core_messages import Ready, Update
+from tripath.server.transport.core_messages import Add, AddGroup, Ready, Update
 from tripath.server.transport.core_wire import decode_output, decode_stats
 from tripath.server.metrics.metrics import ServerMetrics
 from tripath.server.metrics.startup import cache_config
-from tripath.server.transport.submissions import Failure, SubmissionBook
+from tripath.server.transport.submissions import Failure, Submission, SubmissionBook
 
 log = logging.getLogger("tripath.server")
 
@@ -41,6 +41,29 @@ class EngineFront:
         self.generation_defaults: dict = {}
         self.startup_error: BaseException | None = None
         self._step_failures_seen = 0        # the core counts them since its start
+
+    def submit(self, subs: Sequence[Submission]) -> None:
+        """Send the engine requests of one HTTP request to the core, which takes them together or refuses them
+        all (:class:`AddGroup`); each handler hears :data:`~tripath.server.transport.submissions.ACCEPTED` or
+        its failure. Refused here at once when the engine is stopping or gone."""
+        for sub in subs:
+            self._book.register(sub)
+        refusal = self._refusal()   # checked after registering: see SubmissionBook
+        if refusal is not None:
+            for sub in subs:
+                self._book.refuse(sub.request_id, refusal)
+            self._book.flush()
+            return
+        adds = tuple(Add(sub.request_id, sub.prompt_token_ids, sub.params) for sub in subs)
+        self._send_command(adds[0] if len(adds) == 1 else AddGroup(adds))
+
+    def _refusal(self) -> Failure | None:
+        """Why no request can be submitted now (stopping, the engine gone), or None."""
+        raise NotImplementedError
+
+    def _send_command(self, command) -> None:
+        """Hand a command to the core's loop."""
+        raise NotImplementedError
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._settled.wait(timeout)

@@ -24,15 +24,19 @@ from tripath.server.transport.submissions import Failure
 log = logging.getLogger("tripath.server")
 
 
-def add_request(core: EngineCore, request_id: str, prompt_token_ids: list[int], params,
-                grammar=None) -> Failure | None:
-    """Add one request (``grammar``: its structured output's compiled grammar, :mod:`~tripath.server.
-    grammar_waits`); None when the engine took it, else why not."""
+def add_requests(core: EngineCore, requests: list[tuple]) -> Failure | None:
+    """Add requests together or none of them: ``requests`` as ``(request_id, prompt_token_ids, params,
+    grammar)`` (``grammar``: the structured output's compiled grammar, :mod:`~tripath.server.transport.
+    grammar_waits`, or None); None when the engine took them, else why not."""
     try:
-        if grammar is None:
-            core.add_request(prompt_token_ids, params, request_id=request_id)
+        if len(requests) == 1:
+            request_id, prompt_token_ids, params, grammar = requests[0]
+            if grammar is None:
+                core.add_request(prompt_token_ids, params, request_id=request_id)
+            else:
+                core.add_request(prompt_token_ids, params, request_id=request_id, grammar=grammar)
         else:
-            core.add_request(prompt_token_ids, params, request_id=request_id, grammar=grammar)
+            core.add_requests([(ids, params, request_id, grammar) for request_id, ids, params, grammar in requests])
     except (ValueError, TypeError, ImportError) as error:   # ImportError: structured output without xgrammar
         return Failure(400, str(error))
     except Exception as error:  # noqa: BLE001 - the request fails, the engine goes on

@@ -5,30 +5,43 @@ A request with a structured output is not added to the engine when it arrives: i
 engine's compiler threads (``GrammarCompiler.submit``) while the loop goes on stepping every other request,
 and the request is added, with the compiled grammar, once the compile is done — or refused: 400 when the
 constraint does not compile, or has not compiled within the compiler's ``timeout_s`` (``--grammar-compile-
-timeout``). The loop learns that a compile is done through ``wake`` (called on the compiler's thread) and
-takes the settled waits with :meth:`GrammarWaits.settled`, in the order they arrived.
+timeout``). The engine requests of one HTTP request (an :class:`~tripath.server.transport.core_messages.AddGroup`)
+wait as one: they are added together once every grammar of theirs has compiled, or all refused. The loop
+learns that a compile is done through ``wake`` (called on the compiler's thread) and takes the settled waits
+with :meth:`GrammarWaits.settled`, in the order they arrived.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from tripath.server.transport.submissions import Failure
 
 
 @dataclass(eq=False)
 class GrammarWait:
-    """One request waiting for its grammar: what the engine will be given, who sent it (``owner``: the
-    loop's own handle), the compile's future and when the request stops waiting."""
+    """The engine requests of one HTTP request waiting for their grammars: ``requests`` (the
+    :class:`~tripath.server.transport.core_messages.Add` of each) and ``futures`` (each one's compile; a done
+    future of None for one without a structured output), who sent them (``owner``: the loop's own handle) and
+    when they stop waiting."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: object
+    requests: list
+    futures: list
     owner: object
-    future: object
     deadline: float
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [add.request_id for add in self.requests]
+
+
+def _no_grammar() -> Future:
+    done: Future = Future()
+    done.set_result(None)
+    return done
 
 
 class GrammarWaits:
@@ -38,48 +51,71 @@ class GrammarWaits:
     def __init__(self, compiler: Callable[[], object], wake: Callable[[], None]):
         self._compiler = compiler
         self._wake = wake
-        self._waits: dict[str, GrammarWait] = {}
+        self._waits: dict[str, GrammarWait] = {}   # by request id: the requests of one group share their wait
 
     def __len__(self) -> int:
+        """The engine requests waiting."""
         return len(self._waits)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._waits
 
-    def start(self, request_id: str, prompt_token_ids: list[int], params, owner) -> Failure | None:
-        """Start compiling the grammar of ``params.structured_output``; None, or why the request is refused
-        at once (no xgrammar, a model without a tokenizer)."""
+    def start(self, adds: Sequence, owner) -> Failure | None:
+        """Start compiling the grammars of ``adds`` (one HTTP request's :class:`~tripath.server.transport.
+        core_messages.Add`, at least one with a structured output); None, or why they are refused at once (no
+        xgrammar, a model without a tokenizer)."""
+        futures: list = []
         try:
             compiler = self._compiler()
-            future = compiler.submit(params.structured_output)
+            for add in adds:
+                spec = add.params.structured_output
+                futures.append(_no_grammar() if spec is None else compiler.submit(spec))
         except (ValueError, TypeError, ImportError) as error:
+            self._drop(futures)
             return Failure(400, str(error))
-        wait = GrammarWait(request_id, prompt_token_ids, params, owner, future,
-                           time.monotonic() + compiler.timeout_s)
-        self._waits[request_id] = wait
-        future.add_done_callback(lambda _: self._wake())
+        wait = GrammarWait(list(adds), futures, owner, time.monotonic() + compiler.timeout_s)
+        for add in adds:
+            self._waits[add.request_id] = wait
+        for future in futures:
+            future.add_done_callback(lambda _: self._wake())
         return None
 
     def cancel(self, request_id: str) -> GrammarWait | None:
         """Stop waiting for one request (its compile, if not started and no other request waits for it, is
-        cancelled); the wait, or None."""
+        cancelled); its group's wait, or None."""
         wait = self._waits.pop(request_id, None)
-        if wait is not None:
-            self._drop(wait.future)
+        if wait is None:
+            return None
+        i = wait.request_ids.index(request_id)
+        del wait.requests[i]
+        self._drop([wait.futures.pop(i)])
         return wait
 
-    def _drop(self, future) -> None:
-        if all(other.future is not future for other in self._waits.values()):
-            future.cancel()
+    def _drop(self, futures: list) -> None:
+        """Cancel the compiles of ``futures`` that no request waits for any more."""
+        waited = {id(f) for wait in set(self._waits.values()) for f in wait.futures}
+        for future in futures:
+            if id(future) not in waited:
+                future.cancel()
 
     def owner(self, request_id: str):
         """Who sent a waiting request (the ``owner`` given to :meth:`start`)."""
         return self._waits[request_id].owner
 
     def cancel_all(self, owner=None) -> list[GrammarWait]:
-        """Stop waiting for every request (of ``owner``, when given); the waits, in arrival order."""
-        return [self.cancel(request_id) for request_id, wait in list(self._waits.items())
-                if owner is None or wait.owner == owner]
+        """Stop waiting for every request (of ``owner``, when given); their waits, whole, in arrival order."""
+        out = [wait for wait in self._unique() if owner is None or wait.owner == owner]
+        for wait in out:
+            self._remove(wait)
+            self._drop(wait.futures)
+        return out
+
+    def _unique(self) -> list[GrammarWait]:
+        return list(dict.fromkeys(self._waits.values()))
+
+    def _remove(self, wait: GrammarWait) -> None:
+        for request_id in wait.request_ids:
+            self._waits.pop(request_id, None)
 
     def seconds_to_deadline(self) -> float | None:
         """How long until the earliest wait times out (0 if one has), None with no waits."""
@@ -87,30 +123,38 @@ class GrammarWaits:
             return None
         return max(0.0, min(w.deadline for w in self._waits.values()) - time.monotonic())
 
-    def settled(self) -> list[tuple[GrammarWait, object, Failure | None]]:
-        """The waits that are over, in arrival order, and no longer waiting: ``(wait, compiled grammar,
-        None)`` to add, or ``(wait, None, failure)`` to refuse."""
+    def settled(self) -> list[tuple[GrammarWait, list | None, Failure | None]]:
+        """The waits that are over (every compile done, one failed, or past the deadline), in arrival order, and
+        no longer waiting: ``(wait, compiled grammars, None)`` to add (a grammar per request, None for one
+        without), or ``(wait, None, failure)`` to refuse."""
         now = time.monotonic()
         out = []
-        for request_id, wait in list(self._waits.items()):
-            if wait.future.done():
-                failure = None
-                try:
-                    compiled = wait.future.result()
-                except (ValueError, TypeError) as error:
-                    compiled, failure = None, Failure(400, str(error))
-                except Exception as error:  # noqa: BLE001 - the request fails, the engine goes on
-                    compiled, failure = None, Failure(500, f"compiling the structured output failed: "
-                                                           f"{type(error).__name__}: {error}", "server_error")
-            elif now >= wait.deadline:
-                compiled, failure = None, Failure(
+        for wait in self._unique():
+            done = [future for future in wait.futures if future.done()]
+            failure = next(filter(None, map(_failure_of, done)), None)
+            if failure is None and len(done) < len(wait.futures):
+                if now < wait.deadline:
+                    continue
+                failure = Failure(
                     400, f"the structured output did not compile within {self._compiler().timeout_s:g} s (the "
                          "server's --grammar-compile-timeout); simplify the schema or grammar",
                     reason="grammar_timeout")
-            else:
-                continue
-            del self._waits[request_id]
+            self._remove(wait)
             if failure is not None:
-                self._drop(wait.future)
-            out.append((wait, compiled, failure))
+                self._drop(wait.futures)
+                out.append((wait, None, failure))
+            else:
+                out.append((wait, [future.result() for future in wait.futures], None))
         return out
+
+
+def _failure_of(future: Future) -> Failure | None:
+    """Why a done compile failed (a cancelled one: its request was withdrawn meanwhile), else None."""
+    if future.cancelled():
+        return Failure(400, "the structured output's compile was cancelled")
+    error = future.exception()
+    if error is None:
+        return None
+    if isinstance(error, (ValueError, TypeError)):
+        return Failure(400, str(error))
+    return Failure(500, f"compiling the structured output failed: {type(error).__name__}: {error}", "server_error")

@@ -24,12 +24,12 @@ from tripath.engine.core.engine_core import EngineCore
 from tripath.engine.core.engine_info import EngineInfo
 from tripath.server.transport.core_frontends import LocalChannel
 from tripath.server.transport.core_loop import CoreLoop
-from tripath.server.transport.core_messages import Abort, Add, Ready, Stop, Update
+from tripath.server.transport.core_messages import Abort, Ready, Stop, Update
 from tripath.server.transport.core_process import checked_engine
 from tripath.server.transport.core_wire import load_tokenizer_handle
 from tripath.server.transport.engine_front import EngineFront
 from tripath.server.transport.engine_steps import prepare_grammars
-from tripath.server.transport.submissions import SHUTTING_DOWN, Failure, Submission
+from tripath.server.transport.submissions import SHUTTING_DOWN, Failure
 
 log = logging.getLogger("tripath.server")
 
@@ -72,15 +72,15 @@ class InProcessClient(EngineFront):
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, sub: Submission) -> None:
-        self._book.register(sub)
-        if self._stopping or self.fatal_error is not None:   # checked after registering: see SubmissionBook
-            failure = SHUTTING_DOWN if self._stopping else \
-                Failure(500, "the engine thread has stopped", "server_error", "engine_gone")
-            self._book.refuse(sub.request_id, failure)
-            self._book.flush()
-            return
-        self._channel.put(Add(sub.request_id, sub.prompt_token_ids, sub.params))
+    def _refusal(self) -> Failure | None:
+        if self._stopping:
+            return SHUTTING_DOWN
+        if self.fatal_error is not None:
+            return Failure(500, "the engine thread has stopped", "server_error", "engine_gone")
+        return None
+
+    def _send_command(self, command) -> None:
+        self._channel.put(command)
 
     def abort(self, request_id: str, outcome: str | None = "abort") -> None:
         """Abort a request (``outcome``: its finish reason in the metrics, ``abort`` or ``stop``; None:
