@@ -71,6 +71,37 @@ def test_warmup_predicts_every_variant(preset, backend, kv_cache_dtype):
     assert not missing, f"{len(missing)} variants the warm-up did not predict: {sorted(k[0] for k in missing)}"
 
 
+def test_warmup_predicts_the_draft_tree_variants():
+    """Speculative decoding with draft trees (n-gram, ``tree_width`` 2) on three_path: the warm-up probes each
+    verify step once more with a tree mask, so the verify kernel's tree variant (the one a step with a tree
+    launches) is among the predicted variants, beside the chains' variants."""
+    limits = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "tree_width": 2}
+    llm = LLM(shrunk("qwen3-235b-attn-tp8", dtype=torch.float16), backend="three_path", device="cpu",
+              block_size=default_block_size("three_path", False, "cuda"), num_kv_blocks=256,
+              speculative_config=spec, **limits)
+    with override_platform(H200):
+        report = warm_up(llm.runner, run_kernels=False)
+    g = torch.Generator().manual_seed(5)
+    a, b, c = (torch.randint(2, 500, (n,), generator=g).tolist() for n in (2, 5, 5))
+    prompts = [a + b + a + c + a + b + a + c + a, torch.randint(2, 500, (9,), generator=g).tolist() * 3]
+    with override_platform(H200), capture_launches() as records:
+        llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
+    seen = {launch_key(r) for r in records}
+    trees = {key for key in seen if key[0] == "paged_verify_kernel" and "True" in _constexpr(key, "TREE")}
+    assert trees, "no step drafted a tree: the workload does not exercise the tree variant"
+    missing = seen - report.variants
+    assert not missing, f"{len(missing)} variants the warm-up did not predict: {sorted(k[0] for k in missing)}"
+
+
+def _constexpr(key: tuple, name: str) -> str:
+    """The value a launch ``key`` (:func:`launch_key`) gives its kernel's constexpr ``name``."""
+    from tripath.kernels import paged_verify
+
+    names = list(paged_verify.paged_verify_kernel.arg_names)
+    return key[1][names.index(name)]
+
+
 def test_launch_key_ignores_step_varying_arguments():
     """Two launches that differ only in per-step values (request count, block-table width, the offset of a
     metadata slice) share a key; a change of a constexpr or of a model constant does not."""
@@ -117,6 +148,10 @@ def test_warmup_probes_verifies_when_decodes_take_several_tokens():
     assert any(5 in q and 0 in c for q, c in warmup_shapes(limits))   # a verify beside a prefill
     plain = WarmupLimits(max_num_seqs=24, max_num_batched_tokens=300, max_model_len=700)
     assert not any(all(x == 5 for x in q) and c[0] > 0 for q, c in warmup_shapes(plain))
+    trees = warmup_shapes(dataclasses.replace(limits, draft_trees=True))   # each step with verifies, as trees too
+    with_verifies = [(q, c) for q, c in warmup_shapes(limits) if any(1 < x <= 5 for x in q)]  # short chunks too
+    assert [(q, c) for q, c, *tree in trees if tree == [True]] == with_verifies and len(trees) == \
+        len(warmup_shapes(limits)) + len(with_verifies)
 
 
 def test_saved_plan_is_keyed_and_reused(tmp_path, monkeypatch):

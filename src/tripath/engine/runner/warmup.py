@@ -50,6 +50,7 @@ import torch
 from tripath import _env
 from tripath.attention import ForwardContext
 from tripath.engine.scheduling.block_manager import blocks_needed
+from tripath.engine.speculative.trees import chain_parents, tree_mask_bits
 from tripath.platform import current_platform
 from tripath.triton_internals import CompilePool, PoolReport, collect_compilations
 from tripath.triton_internals import capture_launches, launch_key
@@ -162,13 +163,15 @@ class _RecordingContext(ForwardContext):
 class WarmupLimits:
     """What bounds a step: requests, new tokens, tokens of one request, and the decode threshold;
     ``verify_graph_sizes``: the verify graphs' batch sizes (none: no verify graphs), whose padded verifies
-    of ``decode_threshold`` tokens may exceed the token budget."""
+    of ``decode_threshold`` tokens may exceed the token budget; ``draft_trees``: verifies may carry draft
+    trees (the verify kernel's tree-mask variant)."""
 
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
     decode_threshold: int = 1
     verify_graph_sizes: tuple[int, ...] = ()
+    draft_trees: bool = False
 
 
 def levels(limit: int, start: int = 1) -> list[int]:
@@ -187,7 +190,7 @@ def powers_of_two(limit: int, start: int = 1) -> list[int]:
     return sorted(out | ({limit} if limit >= start else set()))
 
 
-Step = tuple[list[int], list[int]]  # (query_lens, context_lens)
+Step = tuple  # (query_lens, context_lens), or (query_lens, context_lens, True): its verifies as draft trees
 
 
 def warmup_shapes(limits: WarmupLimits) -> list[Step]:
@@ -200,7 +203,8 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
     - extend only: query lengths, cached contexts (one and several chunks) and request counts in powers of
       two that fit;
     - mixes of two or three classes, small and large members, so the launches that run beside each other
-      (and pick their tiles for it) occur.
+      (and pick their tiles for it) occur;
+    - with ``draft_trees``, every step with verifies once more, its verifies as draft trees.
     """
     b_max, n_max, l_max = limits.max_num_seqs, limits.max_num_batched_tokens, limits.max_model_len
     dq = limits.decode_threshold
@@ -238,6 +242,8 @@ def warmup_shapes(limits: WarmupLimits) -> list[Step]:
                 if len(members) > b_max or sum(q for q, _ in members) > n_max:
                     continue
                 steps.append(([q for q, _ in members], [c for _, c in members]))
+    if limits.draft_trees and dq > 1:
+        steps += [(q, c, True) for q, c in steps if any(1 < n <= dq for n in q)]
     return steps
 
 
@@ -293,12 +299,24 @@ def synthetic_tables(plan, block_size: int, num_blocks: int, device) -> tuple[to
     return torch.from_numpy(table).to(device), slots.to(device)
 
 
+def step_metadata(runner: WarmupRunner, step: Step) -> tuple[object, object]:
+    """The plan of a synthetic ``step`` and its metadata on :func:`synthetic_tables`; a draft-tree step's
+    verifies carry tree masks (each a chain's: the same attention as causal, through the tree variant)."""
+    plan = runner.backend.plan(step[0], step[1])
+    tables = synthetic_tables(plan, runner.block_size, runner.num_blocks, runner.device)
+    meta = runner.backend.build_metadata(plan, *tables)
+    verify = meta.decode.verify if len(step) > 2 and meta.decode is not None else None
+    if verify is not None:
+        rows = plan.query_lens[verify.first_row:plan.num_decodes]
+        bits = [b for q in rows for b in tree_mask_bits(chain_parents(q - 1))]
+        verify.tree_mask = torch.tensor(bits, dtype=torch.int32, device=runner.device)
+    return plan, meta
+
+
 def probe(runner: WarmupRunner, calls: Sequence[AttentionCall], step: Step) -> tuple[object, set]:
     """The metadata of ``step`` and the variant keys its attention launches would use (nothing runs)."""
     backend = runner.backend
-    plan = backend.plan(*step)
-    block_table, slot_mapping = synthetic_tables(plan, runner.block_size, runner.num_blocks, runner.device)
-    meta = backend.build_metadata(plan, block_table, slot_mapping)
+    plan, meta = step_metadata(runner, step)
     ctx = ForwardContext(backend, meta, runner.caches)
     with capture_launches(keep=launch_key) as keys, torch.inference_mode():  # no launch's tensors kept
         for call in calls:
@@ -309,8 +327,9 @@ def probe(runner: WarmupRunner, calls: Sequence[AttentionCall], step: Step) -> t
 def runner_limits(runner: WarmupRunner) -> WarmupLimits:
     config = runner.config
     sizes = tuple(config.cuda_graph_batch_sizes()) if runner.captures_verify_graphs else ()
+    speculation = config.speculative_config
     return WarmupLimits(config.max_num_seqs, config.max_num_batched_tokens, runner.max_model_len,
-                        runner.spec.decode_threshold, sizes)
+                        runner.spec.decode_threshold, sizes, speculation is not None and speculation.uses_trees)
 
 
 def warm_up(runner: WarmupRunner, shapes: Iterable[Step] | None = None, *, run_kernels: bool = True,
@@ -361,9 +380,8 @@ def run_steps(runner: WarmupRunner, calls: Sequence[AttentionCall], steps: Itera
     generator = torch.Generator(device=runner.device).manual_seed(0)
     count = 0
     for step in steps:
-        plan = runner.backend.plan(*step)
-        tables = synthetic_tables(plan, runner.block_size, runner.num_blocks, runner.device)
-        ctx = ForwardContext(runner.backend, runner.backend.build_metadata(plan, *tables), runner.caches)
+        plan, meta = step_metadata(runner, step)
+        ctx = ForwardContext(runner.backend, meta, runner.caches)
         with torch.inference_mode():
             for call in calls:
                 call.replay(ctx, plan.num_tokens, generator)
@@ -400,7 +418,8 @@ def _load_plan(path: Path | None) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text())
-        return {"steps": [(list(q), list(c)) for q, c in data["steps"]], "steps_probed": int(data["steps_probed"]),
+        return {"steps": [(list(q), list(c), *trees) for q, c, *trees in data["steps"]],
+                "steps_probed": int(data["steps_probed"]),
                 "variants": int(data["variants"])}
     except (OSError, ValueError, KeyError, TypeError):
         logger.warning("ignoring an unreadable warm-up plan at %s", path)
