@@ -110,3 +110,61 @@ def test_a_decode_of_a_token_no_launched_step_samples_is_refused():
     plan = plan_batch([1], [3], block_size=BS)
     with pytest.raises(RuntimeError, match="no launched step is sampling"):
         builder.build(plan, [ScheduledRequest(request, 1, 3, True)], 0, {})
+
+
+def _tensors(value, path="meta"):
+    """Every tensor reachable from metadata ``value``, by its attribute path (plan and host ints left out)."""
+    import dataclasses
+
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            if f.name != "plan":
+                yield from _tensors(getattr(value, f.name), f"{path}.{f.name}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, f"{path}[{i}]")
+
+
+@pytest.mark.parametrize("name", ["three_path", "two_path", "unified", "mla", "mla_triton"])
+def test_the_metadata_integers_travel_with_the_block_table_and_equal_an_own_upload(name):
+    """``backend.step_ints(plan)`` staged by the builder: the step's metadata integers reach the device in the
+    block table's copy (one storage), and ``StepInputs.metadata`` equals the metadata the backend uploads on its
+    own — for steps of one-token decodes, verifies, extends over several context chunks and prefills, and the
+    backends' own integers (three_path's joined prompts, MLA's decode rows)."""
+    from tripath.attention import AttentionSpec, select_backend
+    from tripath.attention.spec import MLASpec
+
+    mla = MLASpec(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32) \
+        if name.startswith("mla") else None
+    spec = AttentionSpec(4, 1 if mla else 2, 80 if mla else 64, dtype=torch.float16, block_size=BS,
+                         extend_chunk_budget=24, decode_threshold=1 if name == "two_path" else 3, mla=mla)
+    backend = select_backend(spec, name, "cpu")
+    builder = StepInputBuilder(torch.device("cpu"), BS, max_tokens=256, max_requests=16, max_blocks_per_seq=64)
+    rng = random.Random(hash(name) % 1000)
+    steps = [[(1, 30), (1, 7), (3, 12), (2, 5), (40, 50), (9, 3), (20, 0), (6, 0)],   # all classes, chunked
+             [(25, 20), (30, 0)],                                                    # one chunk + prefill: joined
+             [(1, 4), (1, 90), (3, 9)]]                                               # decodes and a verify
+    for lens in steps:
+        requests = []
+        for q, c in lens:
+            request = Request([rng.randrange(2, 100) for _ in range(q + c)], SamplingParams(max_tokens=4))
+            request.block_ids = list(range(1 + 20 * len(requests), 1 + 20 * len(requests) + (q + c + BS) // BS))
+            request.num_computed_tokens = c
+            requests.append(ScheduledRequest(request, q, c, True))
+        plan = backend.plan([q for q, _ in lens], [c for _, c in lens])
+        inputs = builder.build(plan, requests, 0, ints=backend.step_ints(plan))
+        got = inputs.metadata(backend)
+        own = {"three_path": "prompts", "mla": "decode_rows", "mla_triton": "decode_rows"}.get(name)
+        if own and lens is steps[1 if name == "three_path" else 2]:
+            assert getattr(got, own) is not None   # the backend's own integers are part of the step
+        want = backend.build_metadata(plan, inputs.block_table.clone(), inputs.slot_mapping.clone())
+        got_tensors, want_tensors = dict(_tensors(got)), dict(_tensors(want))
+        assert got_tensors.keys() == want_tensors.keys()
+        for path, tensor in got_tensors.items():
+            assert torch.equal(tensor, want_tensors[path]), path
+        storage = inputs.block_table.untyped_storage().data_ptr()
+        shared = [path for path, t in got_tensors.items() if t.dtype == torch.int32 and "block_table" not in path
+                  and path != "meta.context_cu_seqlens_q"]   # two_path's: one subtraction on the device
+        assert shared and all(got_tensors[p].untyped_storage().data_ptr() == storage for p in shared), shared

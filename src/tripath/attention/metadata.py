@@ -18,21 +18,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from tripath.attention.planner import BatchPlan
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a 1-D tensor on ``device``. On a GPU it goes through pinned host memory with an
-    asynchronous copy, which never waits for the work already queued on the device (a copy from pageable
-    memory may), so a step can be prepared while the previous one runs."""
-    pin = device.type == "cuda"
-    return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
-
-
-def cumsum(values: list[int]) -> list[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+from tripath.attention.step_ints import StepInts, add_common_ints, tail_lengths
 
 
 @dataclass
@@ -215,8 +201,10 @@ def copy_step_tensor(name: str, mine: torch.Tensor | None, theirs: torch.Tensor 
 
 
 def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
-                   decode_num_splits: int | None = None) -> AttentionMetadata:
-    """Turn a plan and the step's block table / slot mapping (rows and tokens in plan order) into metadata."""
+                   decode_num_splits: int | None = None, ints: StepInts | None = None) -> AttentionMetadata:
+    """Turn a plan and the step's block table / slot mapping (rows and tokens in plan order) into metadata.
+    ``ints``: the step's integers already on the device (:mod:`tripath.attention.step_ints`, holding at least
+    :func:`~tripath.attention.step_ints.add_common_ints`'s lists); None: gathered and uploaded here."""
     if block_table.dim() != 2 or block_table.dtype != torch.int32:
         raise TypeError(f"block_table must be a [num_requests, max_blocks] int32 tensor, got "
                         f"{block_table.dtype} of shape {tuple(block_table.shape)}")
@@ -230,12 +218,12 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
     device = block_table.device
     if slot_mapping.device != device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device} but block_table on {device}")
+    if ints is None:
+        ints = add_common_ints(plan, StepInts()).upload(device)
 
     seq_lens_host = plan.seq_lens
-    cu_q_host = cumsum(plan.query_lens)
     nd, nv = plan.num_decodes, plan.num_verifies
-    cu_verify_host = cumsum(plan.query_lens[nd - nv:nd]) if nv else []
-    packed = to_device(seq_lens_host + plan.context_lens + cu_q_host + cu_verify_host, torch.int32, device)
+    packed = ints.view("packed")
     b = plan.num_requests
     seq_lens, context_lens, cu_seqlens_q = packed[:b], packed[b:2 * b], packed[2 * b:3 * b + 1]
     meta = AttentionMetadata(
@@ -257,51 +245,28 @@ def build_metadata(plan: BatchPlan, block_table: torch.Tensor, slot_mapping: tor
             cu_seqlens_q=cu_seqlens_q[:nd + 1], max_query_len=max(plan.query_lens[:nd]),
             max_seq_len=max(seq_lens_host[:nd]), single_token=max(plan.query_lens[:nd]) == 1,
             num_splits=decode_num_splits, verify=verify)
-    local_tensors = []
     if ne:
         e0, e1 = plan.extend_tokens
         ext_q = plan.query_lens[nd:nd + ne]
         ext_ctx = plan.context_lens[nd:nd + ne]
         chunks = plan.extend_chunks
-        local_tensors.append(cumsum(ext_q))
-        for c in range(chunks.num_chunks):
-            local_tensors.append(chunks.cu_lens(c))
-            local_tensors.append(chunks.starts[c])
-            local_tensors.append([ctx - s for ctx, s in zip(ext_ctx, chunks.starts[c])])
-        # The tail: each extend's positions [min(last start, context_len), seq_len) (a context that ended in
-        # an earlier chunk contributes only its new tokens).
-        tail_starts = [min(s, ctx) for s, ctx in zip(chunks.starts[-1], ext_ctx)] if chunks.num_chunks else []
-        tail_lens = [ctx - s + q for s, ctx, q in zip(tail_starts, ext_ctx, ext_q)]
-        if tail_lens:
-            local_tensors += [cumsum(tail_lens), tail_starts, [ctx - s for s, ctx in zip(tail_starts, ext_ctx)]]
-    if npf:
-        local_tensors.append(cumsum(plan.query_lens[nd + ne:]))
-    flat = [v for t in local_tensors for v in t]
-    dev_flat = to_device(flat, torch.int32, device) if flat else None
-    pieces, at = [], 0
-    for t in local_tensors:
-        pieces.append(dev_flat[at:at + len(t)])
-        at += len(t)
-    it = iter(pieces)
-    if ne:
-        e0, e1 = plan.extend_tokens
-        cu_q_ext = next(it)
-        chunk_list = []
-        for c in range(chunks.num_chunks):
-            chunk_list.append(ContextChunk(cu_seqlens_k=next(it), seq_starts=next(it), q_positions_start=next(it),
-                                           max_len=max(chunks.lens[c]), num_tokens=sum(chunks.lens[c])))
-        tail = None
-        if tail_lens:
-            tail = ContextChunk(cu_seqlens_k=next(it), seq_starts=next(it), q_positions_start=next(it),
-                                max_len=max(tail_lens), num_tokens=sum(tail_lens))
+
+        def chunk(name: str, max_len: int, num_tokens: int) -> ContextChunk:
+            view = ints.view(name)
+            return ContextChunk(cu_seqlens_k=view[:ne + 1], seq_starts=view[ne + 1:2 * ne + 1],
+                                q_positions_start=view[2 * ne + 1:], max_len=max_len, num_tokens=num_tokens)
+
+        chunk_list = [chunk(f"chunk{c}", max(chunks.lens[c]), sum(chunks.lens[c])) for c in range(chunks.num_chunks)]
+        _, tail_lens = tail_lengths(plan)
+        tail = chunk("tail", max(tail_lens), sum(tail_lens)) if tail_lens else None
         meta.extend = ExtendMetadata(
             num_reqs=ne, token_start=e0, token_end=e1, block_table=block_table[nd:nd + ne],
-            seq_lens=seq_lens[nd:nd + ne], context_lens=context_lens[nd:nd + ne], cu_seqlens_q=cu_q_ext,
+            seq_lens=seq_lens[nd:nd + ne], context_lens=context_lens[nd:nd + ne], cu_seqlens_q=ints.view("extend_cu_q"),
             max_query_len=max(ext_q), max_context_len=max(ext_ctx), chunks=chunk_list,
             workspace_tokens=chunks.workspace_tokens, tail=tail, tail_tokens=sum(tail_lens))
     if npf:
         p0, p1 = plan.prefill_tokens
-        meta.prefill = PrefillMetadata(num_reqs=npf, token_start=p0, token_end=p1, cu_seqlens_q=next(it),
+        meta.prefill = PrefillMetadata(num_reqs=npf, token_start=p0, token_end=p1,
+                                       cu_seqlens_q=ints.view("prefill_cu_q"),
                                        max_query_len=max(plan.query_lens[nd + ne:]))
     return meta
-

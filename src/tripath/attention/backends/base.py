@@ -25,6 +25,7 @@ import torch
 
 from tripath import _env
 from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, build_metadata
+from tripath.attention.step_ints import StepInts, add_common_ints
 from tripath.attention.planner import BatchPlan, plan_batch
 from tripath.attention.spec import AttentionSpec, KVCache, MLACache, MLALayerWeights
 from tripath.constants import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, MAX_HEAD_SIZE, MIN_HEAD_SIZE
@@ -186,15 +187,32 @@ class AttentionBackend(ABC):
         return plan_batch(query_lens, context_lens, decode_threshold=spec.decode_threshold,
                           chunk_budget=spec.extend_chunk_budget, block_size=spec.block_size)
 
+    def step_ints(self, plan: BatchPlan) -> StepInts:
+        """The step's metadata integers on the host (:mod:`tripath.attention.step_ints`): the common lists,
+        then this backend's own (:meth:`add_own_ints`), for the caller to send to the device in one copy."""
+        ints = add_common_ints(plan, StepInts())
+        self.add_own_ints(plan, ints)
+        return ints
+
+    def add_own_ints(self, plan: BatchPlan, ints: StepInts) -> None:
+        """Add the per-step integers this backend's own metadata holds to ``ints`` (named); none here."""
+
+    def device_ints(self, plan: BatchPlan, device: torch.device, ints: StepInts | None) -> StepInts:
+        """``ints`` (already on the device), or the step's integers gathered and uploaded now."""
+        return self.step_ints(plan).upload(device) if ints is None else ints
+
     def build_metadata(self, plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
-                       decode_num_splits: int | None = None) -> AttentionMetadata:
-        """Once per step; every layer's forward reuses the result. A backend with per-step data of its own
-        overrides this and returns a subclass of :class:`AttentionMetadata` holding it (built here, never in
+                       decode_num_splits: int | None = None, ints: StepInts | None = None) -> AttentionMetadata:
+        """Once per step; every layer's forward reuses the result. ``ints``: :meth:`step_ints` of ``plan``
+        placed on the device by the caller (with the step's other inputs, in one copy); None: uploaded here.
+        A backend with per-step data of its own adds its integers in :meth:`add_own_ints` and overrides this
+        to return a subclass of :class:`AttentionMetadata` holding views of them (built here, never in
         forward)."""
         if plan.decode_threshold != self.spec.decode_threshold:
             raise ValueError(f"the plan's decode_threshold ({plan.decode_threshold}) differs from the spec's "
                              f"({self.spec.decode_threshold})")
-        return build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
+        return build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits,
+                              ints=self.device_ints(plan, block_table.device, ints))
 
 
 class MHAAttentionBackend(AttentionBackend):

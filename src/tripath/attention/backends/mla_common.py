@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from tripath.attention.backends.base import Capabilities, MLAAttentionBackend, attend_joined_chunks
-from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, both_set, copy_step_tensor, to_device
+from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, both_set, copy_step_tensor
 from tripath.attention.spec import MLACache, MLALayerWeights
 from tripath.attention.validate import expect, host_ints
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
@@ -125,15 +125,24 @@ class MLABackendBase(MLAAttentionBackend):
         return reasons
 
     # -- metadata --------------------------------------------------------------------------------------
-    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> MLAMetadata:
-        common = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
+    def add_own_ints(self, plan, ints) -> None:
+        """``decode_rows`` (a decode slice of several tokens a row): :func:`_decode_rows`' request rows, then
+        their lengths."""
+        nd = plan.num_decodes
+        if nd and max(plan.query_lens[:nd]) > 1:
+            rows, lens = _decode_rows(plan.query_lens[:nd], plan.context_lens[:nd])
+            ints.add("decode_rows", rows + lens)
+
+    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None, ints=None) -> MLAMetadata:
+        ints = self.device_ints(plan, block_table.device, ints)
+        common = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits,
+                                        ints=ints)
         d = common.decode
         decode_rows = None
         if d is not None and not d.single_token:
-            rows, lens = _decode_rows(plan.query_lens[:d.num_reqs], plan.context_lens[:d.num_reqs])
-            index = to_device(rows, torch.long, block_table.device)
-            decode_rows = MLADecodeRows(block_table.index_select(0, index),
-                                        to_device(lens, torch.int32, block_table.device))
+            packed = ints.view("decode_rows")
+            n = packed.shape[0] // 2
+            decode_rows = MLADecodeRows(block_table.index_select(0, packed[:n]), packed[n:])
         return MLAMetadata.from_common(common, decode_rows=decode_rows)
 
     # -- forward ---------------------------------------------------------------------------------------

@@ -43,8 +43,8 @@ import torch
 
 from tripath import _env
 from tripath.attention.backends.base import MHAAttentionBackend, Capabilities, attend_joined_chunks
-from tripath.attention.metadata import (AttentionMetadata, ContextChunk, ExtendMetadata, cumsum, copy_step_tensor,
-                                        to_device)
+from tripath.attention.metadata import AttentionMetadata, ContextChunk, ExtendMetadata, copy_step_tensor
+from tripath.attention.step_ints import StepInts, cumsum
 from tripath.attention.validate import check_offsets, expect, host_ints
 from tripath.attention.spec import KVCache
 from tripath.ops import gather_kv_cache, merge_states, paged_decode, paged_verify, unified_attention, varlen_attention
@@ -99,18 +99,33 @@ class ThreePathBackend(MHAAttentionBackend):
         super().__init__(spec, device)
         self._side_streams: dict[str, torch.cuda.Stream] = {}
 
-    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> ThreePathMetadata:
-        common = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
+    @staticmethod
+    def _joins_prompts(plan) -> bool:
+        """Extends of one context chunk beside prefills: one gather and one causal launch for both."""
+        return bool(plan.num_extends and plan.num_prefills and plan.extend_chunks.num_chunks == 1)
+
+    def add_own_ints(self, plan, ints: StepInts) -> None:
+        """``prompts`` (steps that join extends and prefills): their ``cu_seqlens_k [R + 1]``, ``seq_starts
+        [R]`` (zeros), ``q_positions_start [R]`` (context lengths) and ``cu_seqlens_q [R + 1]``, ``R`` the
+        prompt rows."""
+        if self._joins_prompts(plan):
+            nd, rows = plan.num_decodes, plan.num_requests - plan.num_decodes
+            ints.add("prompts", cumsum(plan.seq_lens[nd:]) + [0] * rows + list(plan.context_lens[nd:]) +
+                     cumsum(plan.query_lens[nd:]))
+
+    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None,
+                       ints=None) -> ThreePathMetadata:
+        ints = self.device_ints(plan, block_table.device, ints)
+        common = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits,
+                                        ints=ints)
         prompts = prompts_cu_q = None
-        if plan.num_extends and plan.num_prefills and plan.extend_chunks.num_chunks == 1:
+        if self._joins_prompts(plan):
             nd, rows = plan.num_decodes, plan.num_requests - plan.num_decodes
             seq_lens = plan.seq_lens[nd:]
-            cu_k, cu_q = cumsum(seq_lens), cumsum(plan.query_lens[nd:])
-            packed = to_device(cu_k + [0] * rows + list(plan.context_lens[nd:]) + cu_q, torch.int32,
-                               block_table.device)
+            packed = ints.view("prompts")
             prompts = ContextChunk(cu_seqlens_k=packed[:rows + 1], seq_starts=packed[rows + 1:2 * rows + 1],
                                    q_positions_start=packed[2 * rows + 1:3 * rows + 1], max_len=max(seq_lens),
-                                   num_tokens=cu_k[-1])
+                                   num_tokens=sum(seq_lens))
             prompts_cu_q = packed[3 * rows + 1:]
         return ThreePathMetadata.from_common(common, prompts=prompts, prompts_cu_seqlens_q=prompts_cu_q)
 

@@ -48,8 +48,9 @@ class TwoPathBackend(MHAAttentionBackend):
     # lengths (they take today's route: piecewise graphs or eager)
     capabilities = Capabilities(max_decode_threshold=1)
 
-    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None) -> TwoPathMetadata:
-        common = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits)
+    def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None, ints=None) -> TwoPathMetadata:
+        common = super().build_metadata(plan, block_table, slot_mapping, decode_num_splits=decode_num_splits,
+                                        ints=ints)
         nd = plan.num_decodes
         context_cu = None
         if nd < plan.num_requests:  # one subtraction on the device per step (no host sync)

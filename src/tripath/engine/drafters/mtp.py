@@ -210,9 +210,9 @@ class MTPProposer:
                                                   seg.tokens), len(seg.tokens), seg.start, samples)
                      for seg in segments]
         plan = self.backend.plan([len(seg.tokens) for seg in segments], [seg.start for seg in segments])
-        inputs = self.inputs.build(plan, scheduled, 0)
+        inputs = self.inputs.build(plan, scheduled, 0, ints=self.backend.step_ints(plan))
         hidden = torch.cat([piece for i in plan.order for piece in segments[i].hidden])
-        meta = self.backend.build_metadata(plan, inputs.block_table, inputs.slot_mapping)
+        meta = inputs.metadata(self.backend)
         ctx = ForwardContext(self.backend, meta, [self.cache], calibrate_kv_scales=self._calibrate)
         self._calibrate = False
         g = self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, ctx)

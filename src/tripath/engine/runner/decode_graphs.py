@@ -87,7 +87,7 @@ class DecodeGraphs:
         """``(graph, meta, hidden)`` of size ``bs`` with its captured metadata and input rows holding the
         step's."""
         graph, meta, hidden = self.graphs[bs]
-        meta.copy_(self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping))
+        meta.copy_(inputs.metadata(self.backend))
         self.input_ids[:bs].copy_(inputs.input_ids)
         self.positions[:bs].copy_(inputs.positions)
         return graph, meta, hidden

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tripath.attention.metadata import to_device
+from tripath.attention.step_ints import to_device
 from tripath.engine.speculative.trees import path_moves
 from tripath.ops.kv_cache import copy_cache_slots
 

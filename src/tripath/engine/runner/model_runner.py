@@ -6,7 +6,8 @@ Per step (host work once, shared by every layer):
 - flat ``input_ids [T]`` / ``positions [T]`` int64, the new tokens request by request in plan order;
 - ``block_table [B, max_blocks]`` int32 (rows in plan order, unused entries 0: block 0 is reserved) and
   ``slot_mapping [T]`` int64, ``block_ids[p // block_size] * block_size + p % block_size`` of position ``p``;
-- ``meta = backend.build_metadata(plan, block_table, slot_mapping)``, the model runs under
+- the metadata's integers (``backend.step_ints(plan)``) staged with the block table, the int32 arrays and
+  the int64 ones each sent in one copy; ``meta = inputs.metadata(backend)``, the model runs under
   ``ForwardContext(backend, meta, caches)`` and logits ``[N, vocab]`` are computed only for the last token of
   each request whose step reaches the end of its tokens (a decode, or the last chunk of a prompt); the
   sampled tokens go back to the scheduler's order (:mod:`tripath.engine.sampling.step_sampling`); where every sampled
@@ -49,7 +50,7 @@ import torch
 
 from tripath.attention import ForwardContext, WatchedPaths, default_block_size, select_backend
 from tripath.attention.backends.base import GraphSupport
-from tripath.attention.metadata import to_device
+from tripath.attention.step_ints import to_device
 from tripath.engine.config import EngineConfig
 from tripath.engine.runner import startup
 from tripath.engine.runner.decode_graphs import DecodeGraphs
@@ -236,7 +237,8 @@ class ModelRunner(startup.RunnerStart):
         query_lens += [1] * num_padding
         context_lens += [1] * num_padding
         plan = self.backend.plan(query_lens, context_lens)
-        inputs = self.inputs.build(plan, scheduled, num_padding, None if previous is None else previous.rows)
+        inputs = self.inputs.build(plan, scheduled, num_padding, None if previous is None else previous.rows,
+                                   ints=self.backend.step_ints(plan))
         if inputs.deferred is not None:
             rows, sources = inputs.deferred
             inputs.input_ids.index_copy_(0, rows, previous.last_tokens.index_select(0, sources))
@@ -273,9 +275,7 @@ class ModelRunner(startup.RunnerStart):
         elif route is Route.VERIFY_GRAPH:
             hidden, prenorm = self.verify_graphs.replay(graph_bs, inputs)
         else:
-            meta = self.backend.build_metadata(inputs.plan, inputs.block_table, inputs.slot_mapping)
-            if inputs.tree_mask is not None:
-                meta.decode.verify.tree_mask = inputs.tree_mask
+            meta = inputs.metadata(self.backend)
             ctx = ForwardContext(self.backend, meta, self.caches, calibrate_kv_scales=self.kv_scales_pending,
                                  watched=self.watched_paths)
             if route is Route.MIXED_GRAPHS:
@@ -431,7 +431,7 @@ class ModelRunner(startup.RunnerStart):
             ids, positions = self.decode_graphs.input_ids[:graph_bs], self.decode_graphs.positions[:graph_bs]
             run = graph.replay
         else:
-            meta = self.backend.build_metadata(plan, inputs.block_table, inputs.slot_mapping)
+            meta = inputs.metadata(self.backend)
             ids, positions = inputs.input_ids, inputs.positions
             ctx = ForwardContext(self.backend, meta, self.caches, watched=self.watched_paths)
             run = functools.partial(self.model, ids, positions, ctx)

@@ -1,4 +1,5 @@
-"""A step's device inputs, built on the host with little Python per request and sent in two copies.
+"""A step's device inputs, built on the host with little Python per request and sent in two copies, the
+attention metadata's integers among them.
 
 For a step whose requests are in plan order (``plan.order``), with request ``r`` contributing tokens
 ``[start_r, start_r + n_r)``:
@@ -16,11 +17,13 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
   a tree's tokens sit at positions ``context_len + depth``, their slots those of ``context_len + row``;
 - ``deferred``: for decodes whose input token a launched step is still sampling (overlapped scheduling),
   ``(rows [K], sources [K])`` int64: ``input_ids[rows[k]]`` is to be taken from row ``sources[k]`` of that
-  step's sampled tokens on the device; None when every input token is known.
+  step's sampled tokens on the device; None when every input token is known;
+- ``ints``: the backend's metadata integers of the step (:mod:`tripath.attention.step_ints`), placed on the
+  device, from which :meth:`StepInputs.metadata` builds the step's attention metadata.
 
-The int64 arrays are written into one pinned host buffer and the block table into another, each sent to
-the device with one asynchronous copy; an event guards the buffers, so a step never overwrites host memory a
-previous step's copy still reads. Each scheduled request's block list is mirrored in a NumPy array that
+The int64 arrays are written into one pinned host buffer, the int32 ones (block table, metadata integers,
+tree masks) into another, each sent to the device with one asynchronous copy; an event guards the buffers,
+so a step never overwrites host memory a previous step's copy still reads. Each scheduled request's block list is mirrored in a NumPy array that
 only grows while the request keeps that list (the block manager replaces the list when it frees the
 blocks), so a row costs one array copy, not a conversion of Python ints; mirrors of lists no step
 scheduled last time are dropped.
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tripath.attention.step_ints import StepInts
 from tripath.engine.speculative.trees import chain_parents, depths, tree_mask_bits
 
 
@@ -54,6 +58,15 @@ class StepInputs:
     verify_rows: list[int] | None = None   # indices into the scheduled list of the verifies, in logit order
     verify_starts: list[int] | None = None   # each verify's first token row (its pending token), in that order
     tree_mask: torch.Tensor | None = None    # int32: the decode slice's multi-token rows' masks (draft trees)
+    ints: StepInts | None = None             # the metadata's integers, on the device (None: not staged)
+
+    def metadata(self, backend):
+        """The step's attention metadata (``backend.build_metadata`` of these inputs: its integers are on the
+        device already, the draft trees' masks set)."""
+        meta = backend.build_metadata(self.plan, self.block_table, self.slot_mapping, ints=self.ints)
+        if self.tree_mask is not None:
+            meta.decode.verify.tree_mask = self.tree_mask
+        return meta
 
 
 class _BlockArray:
@@ -89,7 +102,8 @@ class StepInputBuilder:
         pin = device.type == "cuda"
         max_tokens = max(max_tokens, max_requests)  # a padded decode step has a token per row
         self._int64 = torch.zeros(3 * max_tokens + 3 * max_requests, dtype=torch.int64, pin_memory=pin)
-        self._table = torch.zeros(max_requests * max_blocks_per_seq, dtype=torch.int32, pin_memory=pin)
+        self._pin = pin
+        self._int32 = torch.zeros(max_requests * (max_blocks_per_seq + 8), dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
 
     def block_rows(self, scheduled) -> list[np.ndarray]:
@@ -105,11 +119,13 @@ class StepInputBuilder:
         self._mirrors = mirrors
         return rows
 
-    def build(self, plan, scheduled, num_padding: int, inflight_rows: dict[int, int] | None = None) -> StepInputs:
+    def build(self, plan, scheduled, num_padding: int, inflight_rows: dict[int, int] | None = None,
+              ints: StepInts | None = None) -> StepInputs:
         """Inputs for ``scheduled`` (the caller's order) laid out in ``plan``'s order; rows past
         ``len(scheduled)`` are ``num_padding`` decode rows at position 1 reading block 0, writing nothing.
         ``inflight_rows``: ``id(request) -> row`` of the launched step's sampled tokens, for requests whose
-        input token is still in flight."""
+        input token is still in flight. ``ints``: the backend's ``step_ints(plan)``, sent with the block table
+        and placed."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
         bs = self.block_size
@@ -118,7 +134,11 @@ class StepInputBuilder:
         width = max(1, max((len(r) for r in rows), default=1))
         flat = self._int64.numpy()
         ids, positions, slots = flat[:num_tokens], flat[num_tokens:2 * num_tokens], flat[2 * num_tokens:3 * num_tokens]
-        table = self._table.numpy()[:num_rows * width].reshape(num_rows, width)
+        n_table = num_rows * width
+        num_ints = 0 if ints is None else len(ints.values)
+        self._reserve_int32(n_table + num_ints + num_tokens)   # tree masks: at most a bit word per token
+        int32 = self._int32.numpy()
+        table = int32[:n_table].reshape(num_rows, width)
         table.fill(0)
         logit_rows, sample_rows, deferred_rows, deferred_sources = [], [], [], []
         verify_logits, verify_rows, verify_starts, tree_bits = [], [], [], []
@@ -169,7 +189,13 @@ class StepInputBuilder:
         flat[end:end + num_deferred] = deferred_rows
         flat[end + num_deferred:end + 2 * num_deferred] = deferred_sources
         int64 = self._to_device(self._int64[:end + 2 * num_deferred])
-        block_table = self._to_device(self._table[:num_rows * width]).view(num_rows, width)
+        if num_ints:
+            int32[n_table:n_table + num_ints] = ints.values
+        int32[n_table + num_ints:n_table + num_ints + len(tree_bits)] = tree_bits
+        int32_dev = self._to_device(self._int32[:n_table + num_ints + len(tree_bits)])
+        block_table = int32_dev[:n_table].view(num_rows, width)
+        if ints is not None:
+            ints.place(int32_dev[n_table:n_table + num_ints])
         if self._copied is not None:
             self._copied.record()
         deferred = (int64[end:end + num_deferred], int64[end + num_deferred:]) if num_deferred else None
@@ -178,7 +204,12 @@ class StepInputBuilder:
                           logit_indices=int64[3 * num_tokens:end], sample_rows=sample_rows,
                           num_padding=num_padding, deferred=deferred, verify_rows=verify_rows or None,
                           verify_starts=verify_starts or None,
-                          tree_mask=torch.tensor(tree_bits, dtype=torch.int32).to(self.device) if tree_bits else None)
+                          tree_mask=int32_dev[n_table + num_ints:] if tree_bits else None, ints=ints)
+
+    def _reserve_int32(self, size: int) -> None:
+        """Grow the int32 staging buffer to hold ``size`` values (called once the last copy has read it)."""
+        if self._int32.shape[0] < size:
+            self._int32 = torch.zeros(max(size, 2 * self._int32.shape[0]), dtype=torch.int32, pin_memory=self._pin)
 
     @staticmethod
     def _inflight_row(inflight_rows: dict[int, int] | None, request) -> int:

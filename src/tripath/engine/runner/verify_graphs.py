@@ -28,7 +28,7 @@ import torch
 
 from tripath import _env
 from tripath.attention import ForwardContext
-from tripath.attention.metadata import to_device
+from tripath.attention.step_ints import to_device
 from tripath.engine.runner.decode_graphs import DecodeGraphs
 from tripath.engine.runner.step_inputs import StepInputs
 from tripath.engine.scheduling.block_manager import blocks_needed

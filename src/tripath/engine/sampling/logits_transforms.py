@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from tripath.attention.metadata import to_device
+from tripath.attention.step_ints import to_device
 from tripath.engine.requests.request import Request, RequestStatus
 from tripath.engine.requests.structured_output import apply_bitmask, new_bitmask
 

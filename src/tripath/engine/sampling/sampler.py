@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from tripath.attention.metadata import to_device
+from tripath.attention.step_ints import to_device
 from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.sampling.logits_transforms import StepTransforms
 from tripath.ops.lm_head_sample import logits_sample

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from tripath.attention.metadata import to_device
+from tripath.attention.step_ints import to_device
 from tripath.engine.requests.request import Request
 from tripath.engine.sampling.logits_transforms import PenaltyState, step_transforms
 from tripath.engine.sampling.logprobs import LogprobRows, position_logprobs, prompt_logprobs

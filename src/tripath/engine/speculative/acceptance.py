@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from tripath.attention.metadata import to_device
+from tripath.attention.step_ints import to_device
 from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.sampling.sampler import filtered_probs
 
