@@ -125,6 +125,44 @@ def test_speculative_decodes(name):
     assert step.plan.num_decodes == 3
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("name", ["mla", "mla_triton"])
+def test_draft_tree_verifies(name, kv_cache_dtype):
+    """Verifies carrying random draft trees (``metadata.decode.verify.tree_mask``) beside one-token decodes, a
+    causal chain's mask (a prompt chunk short enough for the decode slice) and a prefill: the decode kernel
+    on the cached context merged with the trees' own tokens equals the reference, and differs from the same
+    step without the masks (so the masks are read)."""
+    import random
+
+    from tripath.engine.speculative.trees import chain_parents, tree_mask_bits
+
+    spec = mla_spec(decode_threshold=6, extend_chunk_budget=64, kv_cache_dtype=kv_cache_dtype)
+    requests = [(20, 6), (9, 4), (30, 1), (3, 3), (14, 5), (0, 9)]
+    step = make_mla_step(spec, requests, seed=7)
+    rng = random.Random(3)
+    plan = step.plan
+    bits, branched = [], False
+    for j in range(plan.num_decodes - plan.num_verifies, plan.num_decodes):
+        n, ctx = plan.query_lens[j], plan.context_lens[j]
+        parents = chain_parents(n - 1) if n == 3 else [rng.randrange(-1, t) for t in range(n - 1)]
+        branched |= parents != chain_parents(n - 1)
+        bits += tree_mask_bits(parents)
+    assert plan.num_verifies == 4 and branched
+
+    def run(backend, trees):
+        meta = backend.build_metadata(plan, step.block_table, step.slot_mapping)
+        if trees:
+            meta.decode.verify.tree_mask = torch.tensor(bits, dtype=torch.int32, device=DEVICE)
+        return backend.forward_mla(step.q_nope, step.q_pe, step.kv_c, step.k_pe, step.positions, step.fresh_cache(),
+                                   meta, step.weights).float()
+
+    got = run(select_backend(spec, name, DEVICE), True)
+    want = run(TorchBackend(spec, DEVICE), True)
+    torch.testing.assert_close(got, want, **(FP8_TOL if kv_cache_dtype == "fp8" else TOL[spec.dtype]))
+    chains = run(TorchBackend(spec, DEVICE), False)
+    assert not torch.allclose(chains, want, atol=1e-2), "the trees' masks changed nothing"
+
+
 def test_deepseek_dims():
     """The real latent geometry (L 512, R 64, P 128, V 128; prefill qk 192 / v 128) on a small batch."""
     spec = mla_spec(DEEPSEEK, heads=2, extend_chunk_budget=64)

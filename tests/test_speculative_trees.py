@@ -85,7 +85,7 @@ def test_tree_width_one_is_the_default_chain():
 @pytest.mark.parametrize("name, backend, message", [
     ("tiny-llama", "unified", "not supported by the unified backend"),
     ("tiny-llama", "two_path", "not supported by the two_path backend"),
-    ("tiny-deepseek", "torch", "not supported by the torch backend: MLA"),
+    ("tiny-deepseek", "sdpa", "not supported by the sdpa backend"),
 ])
 def test_backends_without_tree_verification_are_refused(name, backend, message):
     with pytest.raises(ValueError, match=message):
@@ -295,6 +295,46 @@ def test_an_accepted_later_sibling_moves_its_cache_rows(monkeypatch, backend, op
     assert outputs(llm, prompts, params) == want
     assert moved and all(path[0] == 1 for path in moved)   # the second child of the root each time
     assert llm.stats().spec_num_accepted_tokens == sum(len(p) for p in moved)
+
+
+@pytest.mark.parametrize("backend, options", [
+    ("torch", dict(block_size=4)),
+    ("torch", dict(block_size=8, kv_cache_dtype="fp8")),
+    ("mla", dict(block_size=8)),
+    ("mla_triton", dict(block_size=16)),
+])
+def test_mla_trees_through_later_siblings_keep_the_greedy_tokens(monkeypatch, backend, options):
+    """An MLA model (tiny-deepseek) end to end: every accepted node is a later sibling, so the accepted latent
+    rows must move to their positions; the tokens are those without speculation. (That the trees' masks are
+    read: tests/test_mla_backends.py.)"""
+    model, prompts = preset("tiny-deepseek"), branching_prompts()[:2]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=64, **options), prompts, params)
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if backend == "torch" else "1")
+    llm = LLM(model, backend=backend, num_kv_blocks=64, speculative_config=spec(2, k=4), **options)
+    llm.scheduler.proposer = _SecondSiblings({tuple(p): w for p, w in zip(prompts, want)}, 256)
+    moved = []
+    move = draft_trees.move_tree_paths
+
+    def spy(caches, inputs, paths):
+        moved.extend(p for p in paths if p)
+        move(caches, inputs, paths)
+
+    monkeypatch.setattr("tripath.engine.runner.model_runner.move_tree_paths", spy)
+    assert outputs(llm, prompts, params) == want
+    assert moved and all(path[0] == 1 for path in moved)
+    assert llm.stats().spec_num_accepted_tokens == sum(len(p) for p in moved)
+
+
+def test_mla_ngram_tree_greedy_outputs_are_those_without_speculation(pure_torch):
+    model, prompts = preset("tiny-deepseek"), branching_prompts()
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=400, block_size=4), prompts)
+    llm = LLM(model, backend="torch", num_kv_blocks=400, block_size=4, speculative_config=spec(2))
+    trees = _spy_trees(llm)
+    assert outputs(llm, prompts) == want
+    assert any(t[1].count(-1) > 1 or len(set(t[1])) < len(t[1]) for t in trees), "no tree branched"
+    assert 0 < llm.stats().spec_num_accepted_tokens
 
 
 @pytest.mark.parametrize("backend, options", [

@@ -71,15 +71,21 @@ def test_warmup_predicts_every_variant(preset, backend, kv_cache_dtype):
     assert not missing, f"{len(missing)} variants the warm-up did not predict: {sorted(k[0] for k in missing)}"
 
 
-def test_warmup_predicts_the_draft_tree_variants():
-    """Speculative decoding with draft trees (n-gram, ``tree_width`` 2) on three_path: the warm-up probes each
-    verify step once more with a tree mask, so the verify kernel's tree variant (the one a step with a tree
-    launches) is among the predicted variants, beside the chains' variants."""
+@pytest.mark.parametrize("preset, backend, kernel, flag", [
+    ("qwen3-235b-attn-tp8", "three_path", "paged_verify_kernel", "TREE"),
+    ("deepseek-r1-attn-tp8", "mla", "mla_decode_kernel", "RETURN_LSE"),
+])
+def test_warmup_predicts_the_draft_tree_variants(preset, backend, kernel, flag):
+    """Speculative decoding with draft trees (n-gram, ``tree_width`` 2): the warm-up probes each verify step
+    once more with a tree mask, so the variants a step with a tree launches (three_path: the verify kernel's
+    tree variant; MLA: the decode kernel with its LSE, for the merge with the trees' own tokens) are among the
+    predicted ones, beside the chains' variants."""
+    mla = PRESETS[preset]().mla is not None
     limits = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "tree_width": 2}
-    llm = LLM(shrunk("qwen3-235b-attn-tp8", dtype=torch.float16), backend="three_path", device="cpu",
-              block_size=default_block_size("three_path", False, "cuda"), num_kv_blocks=256,
-              speculative_config=spec, **limits)
+    llm = LLM(shrunk(preset, dtype=torch.float16), backend=backend, device="cpu",
+              block_size=default_block_size(backend, mla, "cuda"), num_kv_blocks=256, speculative_config=spec,
+              **limits)
     with override_platform(H200):
         report = warm_up(llm.runner, run_kernels=False)
     g = torch.Generator().manual_seed(5)
@@ -88,18 +94,18 @@ def test_warmup_predicts_the_draft_tree_variants():
     with override_platform(H200), capture_launches() as records:
         llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     seen = {launch_key(r) for r in records}
-    trees = {key for key in seen if key[0] == "paged_verify_kernel" and "True" in _constexpr(key, "TREE")}
+    trees = {key for key in seen if key[0] == kernel and _constexpr(kernel, key, flag) == "True"}
     assert trees, "no step drafted a tree: the workload does not exercise the tree variant"
     missing = seen - report.variants
     assert not missing, f"{len(missing)} variants the warm-up did not predict: {sorted(k[0] for k in missing)}"
 
 
-def _constexpr(key: tuple, name: str) -> str:
-    """The value a launch ``key`` (:func:`launch_key`) gives its kernel's constexpr ``name``."""
-    from tripath.kernels import paged_verify
+def _constexpr(kernel: str, key: tuple, name: str) -> str:
+    """The value a launch ``key`` (:func:`launch_key`) of ``kernel`` gives its constexpr ``name``."""
+    from tripath.kernels import mla_decode, paged_verify
 
-    names = list(paged_verify.paged_verify_kernel.arg_names)
-    return key[1][names.index(name)]
+    fn = {"paged_verify_kernel": paged_verify.paged_verify_kernel, "mla_decode_kernel": mla_decode.mla_decode_kernel}
+    return key[1][list(fn[kernel].arg_names).index(name)]
 
 
 def test_launch_key_ignores_step_varying_arguments():

@@ -326,20 +326,24 @@ def advance_decodes(positions: torch.Tensor, seq_lens: torch.Tensor, context_len
            slot_mapping, n, block_table.stride(0), block_size, BLOCK=ADVANCE_BLOCK)
 
 
-def copy_cache_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, sources: torch.Tensor, targets: torch.Tensor, *,
-                     layout: str = "nhd") -> None:
+def copy_cache_slots(k_cache: torch.Tensor, v_cache: torch.Tensor | None, sources: torch.Tensor,
+                     targets: torch.Tensor, *, layout: str = "nhd") -> None:
     """Copy the K/V rows of slots ``sources [N]`` to slots ``targets [N]`` (int64, on the cache's device), in
     place, for every KV head; all rows are read before any is written. The bytes are copied as they are
-    (fp8 included: the per-tensor scales stay). Speculative decoding's draft trees move an accepted path's
-    rows to its positions with it."""
+    (fp8 included: the per-tensor scales stay). ``v_cache`` None: ``k_cache`` is an MLA cache
+    ``[num_blocks, block_size, L + R]`` (``layout`` ``nhd``). Speculative decoding's draft trees move an
+    accepted path's rows to its positions with it."""
     if sources.shape != targets.shape or sources.dim() != 1:
         raise ValueError(f"sources and targets must be [N] slot tensors of one shape, got {tuple(sources.shape)} "
                          f"and {tuple(targets.shape)}")
-    k_raw, v_raw = (t.view(_RAW[t.element_size()]) for t in (k_cache, v_cache))
+    if v_cache is None and layout != "nhd":
+        raise ValueError(f"an MLA cache (v_cache None) has the nhd layout, got layout={layout!r}")
+    k_raw, v_raw = (None if t is None else t.view(_RAW[t.element_size()]) for t in (k_cache, v_cache))
     if layout == "nhd":
         block_size = k_cache.shape[1]
         for raw in (k_raw, v_raw):
-            raw[targets // block_size, targets % block_size] = raw[sources // block_size, sources % block_size]
+            if raw is not None:
+                raw[targets // block_size, targets % block_size] = raw[sources // block_size, sources % block_size]
         return
     check_layout(layout, k_cache.shape[3], k_cache.dtype)
     block_size, x = k_cache.shape[3], k_cache.shape[4]

@@ -35,7 +35,8 @@ from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, both_s
 from tripath.attention.spec import MLACache, MLALayerWeights
 from tripath.attention.validate import expect, host_ints
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
-                         gather_mla_cache, merge_states, mla_decode, rotary_embedding, varlen_attention)
+                         gather_mla_cache, merge_states, mla_decode, mla_draft_attention, rotary_embedding,
+                         varlen_attention)
 from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.platform import FP8_DTYPES
 
@@ -48,10 +49,14 @@ class MLADecodeRows:
     request with ``c`` cached tokens sees ``c + i + 1`` rows through its request's block-table row.
 
     ``block_table``: ``[Td, width]`` int32, row ``t`` = the block-table row of token ``t``'s request (the
-    step's ``width``); ``seq_lens``: ``[Td]`` int32, the rows token ``t`` attends to."""
+    step's ``width``); ``seq_lens``: ``[Td]`` int32, the rows token ``t`` attends to; ``first_tokens``:
+    ``[Td]`` int32, the decode-slice index of the first new token of ``t``'s request (draft trees: token ``t``
+    is its request's new token ``t - first_tokens[t]``, after ``seq_lens[t] - (t - first_tokens[t]) - 1``
+    cached rows)."""
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
+    first_tokens: torch.Tensor
 
 
 @dataclass
@@ -71,6 +76,7 @@ class MLAMetadata(AttentionMetadata):
         if both_set("decode_rows", mine, theirs):
             copy_step_tensor("decode_rows.block_table", mine.block_table, theirs.block_table, table=True)
             copy_step_tensor("decode_rows.seq_lens", mine.seq_lens, theirs.seq_lens)
+            copy_step_tensor("decode_rows.first_tokens", mine.first_tokens, theirs.first_tokens)
         return self
 
     def validate_own(self, num_blocks: int, block_size: int) -> None:
@@ -80,9 +86,12 @@ class MLAMetadata(AttentionMetadata):
             return
         expect(rows is not None, "metadata.decode_rows is missing for decodes of several tokens")
         plan = self.plan
-        want_rows, want_lens = _decode_rows(plan.query_lens[:d.num_reqs], plan.context_lens[:d.num_reqs])
+        want_rows, want_lens, want_first = _decode_rows(plan.query_lens[:d.num_reqs],
+                                                        plan.context_lens[:d.num_reqs])
         expect(host_ints(rows.seq_lens) == want_lens,
                f"metadata.decode_rows.seq_lens is {host_ints(rows.seq_lens)}, expected {want_lens}")
+        expect(host_ints(rows.first_tokens) == want_first,
+               f"metadata.decode_rows.first_tokens is {host_ints(rows.first_tokens)}, expected {want_first}")
         table = self.block_table
         expect(rows.block_table.shape == (len(want_rows), table.shape[1]),
                f"metadata.decode_rows.block_table has shape {tuple(rows.block_table.shape)}, expected "
@@ -92,13 +101,15 @@ class MLAMetadata(AttentionMetadata):
             expect(got == by_request[r], f"metadata.decode_rows.block_table row {t} is not request {r}'s row")
 
 
-def _decode_rows(query_lens, context_lens) -> tuple[list[int], list[int]]:
-    """Per decode token: its request's row and the rows it attends to (``context + i + 1``)."""
-    rows, lens = [], []
+def _decode_rows(query_lens, context_lens) -> tuple[list[int], list[int], list[int]]:
+    """Per decode token: its request's row, the rows it attends to (``context + i + 1``) and the index of its
+    request's first new token."""
+    rows, lens, first = [], [], []
     for j, (q, c) in enumerate(zip(query_lens, context_lens)):
+        first += [len(rows)] * q
         rows += [j] * q
         lens += [c + i + 1 for i in range(q)]
-    return rows, lens
+    return rows, lens, first
 
 
 class MLABackendBase(MLAAttentionBackend):
@@ -109,7 +120,7 @@ class MLABackendBase(MLAAttentionBackend):
     # packed kernel's descriptor tiles (pages holding whole tiles). Other sizes run the pointer-load kernel.
     # Verify graphs: a verify's tokens are decode rows (MLAMetadata.decode_rows, copied in place).
     capabilities = Capabilities(mha=False, mla=True, features=frozenset({"fp8_kv"}), layouts=frozenset({"nhd"}),
-                                gpu_block_size=64, verify_graphs=True)
+                                gpu_block_size=64, verify_graphs=True, draft_trees=True)
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
 
@@ -126,12 +137,12 @@ class MLABackendBase(MLAAttentionBackend):
 
     # -- metadata --------------------------------------------------------------------------------------
     def add_own_ints(self, plan, ints) -> None:
-        """``decode_rows`` (a decode slice of several tokens a row): :func:`_decode_rows`' request rows, then
-        their lengths."""
+        """``decode_rows`` (a decode slice of several tokens a row): :func:`_decode_rows`' request rows, their
+        lengths and their requests' first tokens."""
         nd = plan.num_decodes
         if nd and max(plan.query_lens[:nd]) > 1:
-            rows, lens = _decode_rows(plan.query_lens[:nd], plan.context_lens[:nd])
-            ints.add("decode_rows", rows + lens)
+            rows, lens, first = _decode_rows(plan.query_lens[:nd], plan.context_lens[:nd])
+            ints.add("decode_rows", rows + lens + first)
 
     def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None, ints=None) -> MLAMetadata:
         ints = self.device_ints(plan, block_table.device, ints)
@@ -141,8 +152,8 @@ class MLABackendBase(MLAAttentionBackend):
         decode_rows = None
         if d is not None and not d.single_token:
             packed = ints.view("decode_rows")
-            n = packed.shape[0] // 2
-            decode_rows = MLADecodeRows(block_table.index_select(0, packed[:n]), packed[n:])
+            n = packed.shape[0] // 3
+            decode_rows = MLADecodeRows(block_table.index_select(0, packed[:n]), packed[n:2 * n], packed[2 * n:])
         return MLAMetadata.from_common(common, decode_rows=decode_rows)
 
     # -- forward ---------------------------------------------------------------------------------------
@@ -274,11 +285,23 @@ class MLABackendBase(MLAAttentionBackend):
         block_table, seq_lens = (rows.block_table, rows.seq_lens) if rows is not None else (d.block_table,
                                                                                              d.seq_lens)
         _, q_scale = self._query_format(cache, weights, out.dtype)
-        o_latent = torch.empty(q_decode.shape[0], q_decode.shape[1], self.spec.mla.kv_lora_rank, dtype=out.dtype,
-                               device=out.device)
-        mla_decode(q_decode, cache.kv_cache, block_table, seq_lens, kv_lora_rank=self.spec.mla.kv_lora_rank,
-                   sm_scale=self.sm_scale, kv_scale=self._kv_scale(cache), q_scale=q_scale,
-                   num_splits=d.num_splits, variant=self.decode_variant, out=o_latent)
+        lat = self.spec.mla.kv_lora_rank
+        o_latent = torch.empty(q_decode.shape[0], q_decode.shape[1], lat, dtype=out.dtype, device=out.device)
+        options = dict(kv_lora_rank=lat, sm_scale=self.sm_scale, kv_scale=self._kv_scale(cache), q_scale=q_scale)
+        trees = d.verify.tree_mask if d.verify is not None else None
+        if trees is None:
+            mla_decode(q_decode, cache.kv_cache, block_table, seq_lens, num_splits=d.num_splits,
+                       variant=self.decode_variant, out=o_latent, **options)
+        else:   # draft trees: the cached context in the decode kernel, the trees' own tokens beside it, merged
+            num_tokens = q_decode.shape[0]
+            rank = torch.arange(num_tokens, dtype=torch.int32, device=out.device) - rows.first_tokens
+            o_context, lse_context = mla_decode(q_decode, cache.kv_cache, block_table, seq_lens - rank - 1,
+                                                num_splits=d.num_splits, variant="packed", return_lse=True,
+                                                **options)
+            bits = torch.cat([torch.ones(d.verify.token_start, dtype=torch.int32, device=out.device), trees])
+            o_new, lse_new = mla_draft_attention(q_decode, cache.kv_cache, meta.slot_mapping[:num_tokens],
+                                                 rows.first_tokens, bits, d.max_query_len, **options)
+            merge_states(o_context, lse_context, o_new.to(o_context.dtype), lse_new, out=o_latent)
         out.copy_(torch.bmm(o_latent.transpose(0, 1), weights.w_uv).transpose(0, 1))  # [H,Td,L]x[H,L,V]
 
     def _up_project(self, latent, k_pe_rot, weights):

@@ -123,6 +123,8 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
             out = torch.empty(num_tokens, num_heads, mla.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
         plan, start, block_size = meta.plan, 0, self.spec.block_size
         lat = mla.kv_lora_rank
+        verify = meta.decode.verify if meta.decode is not None else None
+        trees = verify.tree_mask if verify is not None else None   # draft trees: the verifies' masks
         for j, (qlen, ctx) in enumerate(zip(plan.query_lens, plan.context_lens)):
             from_cache = self.new_kv_from_cache or j < plan.num_decodes  # as for MHA: decodes read back
             pos = torch.arange(ctx + qlen if from_cache else ctx, device=q_nope.device)
@@ -132,8 +134,13 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
             k_nope = torch.einsum("sl,hpl->shp", latent[:, :lat], w_uk)
             keys = torch.cat([k_nope, latent[:, None, lat:].expand(-1, num_heads, -1)], dim=-1)
             vals = torch.einsum("sl,hlv->shv", latent[:, :lat], w_uv)
-            out[start:start + qlen] = self._attend(q_full[start:start + qlen], keys, vals, q_start=ctx,
-                                                   sm_scale=sm_scale)
+            if trees is not None and verify.first_row <= j < plan.num_decodes:
+                visible = _tree_visibility(trees[start - verify.token_start:][:qlen], ctx, qlen)
+                out[start:start + qlen] = attend(q_full[start:start + qlen], keys, vals, q_start=ctx, causal=False,
+                                                 sm_scale=sm_scale, visible=visible)[0]
+            else:
+                out[start:start + qlen] = self._attend(q_full[start:start + qlen], keys, vals, q_start=ctx,
+                                                       sm_scale=sm_scale)
             start += qlen
         return out
 
@@ -146,9 +153,8 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
         blocks = meta.block_table[j, pos // block_size].long()
         keys = dequantize(k_nhd[blocks, pos % block_size], k_scale)
         vals = dequantize(v_nhd[blocks, pos % block_size], v_scale)
-        visible = torch.ones(qlen, ctx + qlen, dtype=torch.bool, device=q.device)
-        visible[:, ctx:] = (bits.long()[:, None] >> torch.arange(qlen, device=q.device)[None, :]) & 1 == 1
-        return attend(q, keys, vals, q_start=ctx, causal=False, sm_scale=sm_scale, visible=visible, **opts)[0]
+        return attend(q, keys, vals, q_start=ctx, causal=False, sm_scale=sm_scale,
+                      visible=_tree_visibility(bits, ctx, qlen), **opts)[0]
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, q_start: int, sm_scale: float,
                 **opts) -> torch.Tensor:
@@ -166,3 +172,11 @@ class TorchBackend(MHAAttentionBackend, MLAAttentionBackend):
             values = (values / cache.kv_scale.float()).clamp(-limit, limit)
         block_size = cache.kv_cache.shape[1]
         cache.kv_cache[slots // block_size, slots % block_size] = values.to(cache.kv_cache.dtype)
+
+
+def _tree_visibility(bits: torch.Tensor, ctx: int, qlen: int) -> torch.Tensor:
+    """``[qlen, ctx + qlen]`` bool: a draft tree's tokens (``bits [qlen]``, bit ``j``: sees new token ``j``) see
+    the whole context and the new tokens whose bits are set."""
+    visible = torch.ones(qlen, ctx + qlen, dtype=torch.bool, device=bits.device)
+    visible[:, ctx:] = (bits.long()[:, None] >> torch.arange(qlen, device=bits.device)[None, :]) & 1 == 1
+    return visible

@@ -12,8 +12,8 @@ rank). Without a method, a ``model`` means ``draft_model``. Every error names th
 Draft trees (opt-in): ``tree_width`` ``w >= 2`` (``ngram`` only) drafts up to ``w`` alternative continuations
 per request, merged by common prefix into a tree of at most ``num_speculative_tokens`` nodes, and verifies
 the whole tree in one step (:mod:`tripath.engine.speculative.trees`); ``w = 1`` (the default) drafts a chain.
-Trees need a backend whose verify route takes a draft tree's mask (``three_path``, ``torch``; MHA models)
-and one rank.
+Trees need a backend whose verify route takes a draft tree's mask (``three_path``, ``torch``; for MLA models
+``mla``, ``mla_triton``, ``torch``) and one rank.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ backends verify them, and moving an accepted path's cache rows to its positions.
 
 A tree step runs eagerly (no verify or mixed graph: their captured metadata has no tree mask). The backend
 reads the verifies' ``tree_mask`` from ``metadata.decode.verify`` (``Capabilities.draft_trees``: ``three_path``
-through :func:`tripath.ops.paged_verify`, and the ``torch`` reference), so the verifies must sit in its
-decode slice (``decode_threshold = 1 + num_speculative_tokens``).
+through :func:`tripath.ops.paged_verify`, the MLA backends through :func:`tripath.ops.mla_decode` on the
+cached context and :func:`tripath.ops.mla_draft_attention` on the trees' own tokens, and the ``torch``
+reference), so the verifies must sit in its decode slice (``decode_threshold = 1 + num_speculative_tokens``).
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ def check_draft_trees(backend, spec, verify_len: int) -> None:
     why = None
     if not backend.capabilities.draft_trees:
         why = "its verify route takes no draft tree's mask"
-    elif spec.is_mla:
-        why = "MLA models verify without a draft tree's mask"
     elif spec.decode_threshold != verify_len:
         why = f"verifies of {verify_len} tokens do not take its decode path (decode_threshold {spec.decode_threshold})"
     if why is not None:
         raise ValueError(f"speculative_config tree_width > 1 (draft trees) is not supported by the {backend.name} "
-                         f"backend: {why}; use backend 'three_path' (or 'torch'), or tree_width 1")
+                         f"backend: {why}; use backend 'three_path' ('mla' for MLA models, or 'torch'), or "
+                         "tree_width 1")
 
 
 def move_tree_paths(caches, inputs, paths: list[list[int]]) -> None:
@@ -41,4 +41,7 @@ def move_tree_paths(caches, inputs, paths: list[list[int]]) -> None:
         0, to_device([a for a, _ in moves] + [b for _, b in moves], torch.int64, inputs.slot_mapping.device))
     sources, targets = slots[:len(moves)], slots[len(moves):]
     for cache in caches:
-        copy_cache_slots(cache.k_cache, cache.v_cache, sources, targets, layout=cache.layout)
+        if hasattr(cache, "kv_cache"):   # MLA: one latent row a slot
+            copy_cache_slots(cache.kv_cache, None, sources, targets)
+        else:
+            copy_cache_slots(cache.k_cache, cache.v_cache, sources, targets, layout=cache.layout)
