@@ -3,7 +3,8 @@ process (spawned: ``make_engine`` is pickled to it) can build them as well as th
 
 A step whose batch holds a prompt starting with :data:`POISON` raises ``RuntimeError("injected fault")``,
 with :data:`OOM_POISON` a device out-of-memory error; adding the prompt :data:`ADD_POISON` raises in
-``add_request``; ``slow_s`` sleeps that long in every step."""
+``add_request`` (and ``add_requests``, for a request of several prompts or choices); ``slow_s`` sleeps that
+long in every step."""
 
 import time
 
@@ -40,4 +41,12 @@ def faulty_llm(slow_s: float = 0.0, num_kv_blocks: int = 16):
         return add(prompt, params, request_id)
 
     core.add_request = faulty_add
+    add_many = core.add_requests
+
+    def faulty_add_many(requests):
+        if any(list(prompt) == ADD_POISON for prompt, *_ in requests):
+            raise RuntimeError("injected add fault")
+        return add_many(requests)
+
+    core.add_requests = faulty_add_many
     return core

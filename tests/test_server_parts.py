@@ -191,8 +191,7 @@ def test_a_refused_add_counts_as_one_rejection_by_reason_not_as_an_abort(monkeyp
     try:
         r = served.post({"model": "tiny", "prompt": ADD_POISON, "max_tokens": 4})
         assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
-        # two prompts: the engine takes the first and refuses the second; the first is withdrawn, not aborted
-        # (long enough that it cannot end first, whatever the machine)
+        # two prompts: the engine refuses both together (none of them runs: nothing to withdraw or abort)
         r = served.post({"model": "tiny", "prompt": [[4, 5, 6], ADD_POISON], "max_tokens": 200, "ignore_eos": True})
         assert r.status_code == 500 and "injected add fault" in r.json()["error"]["message"]
         r = served.post({"model": "tiny", "prompt": [4, 5], "max_tokens": 300})   # more KV blocks than it has

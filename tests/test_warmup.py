@@ -73,13 +73,12 @@ def test_warmup_predicts_every_variant(preset, backend, kv_cache_dtype):
 
 @pytest.mark.parametrize("preset, backend, kernel, flag", [
     ("qwen3-235b-attn-tp8", "three_path", "paged_verify_kernel", "TREE"),
-    ("deepseek-r1-attn-tp8", "mla", "mla_decode_kernel", "RETURN_LSE"),
+    ("deepseek-r1-attn-tp8", "mla", "mla_verify_kernel", "TREE"),
 ])
 def test_warmup_predicts_the_draft_tree_variants(preset, backend, kernel, flag):
     """Speculative decoding with draft trees (n-gram, ``tree_width`` 2): the warm-up probes each verify step
-    once more with a tree mask, so the variants a step with a tree launches (three_path: the verify kernel's
-    tree variant; MLA: the decode kernel with its LSE, for the merge with the trees' own tokens) are among the
-    predicted ones, beside the chains' variants."""
+    once more with a tree mask, so the variants a step with a tree launches (the verify kernels' tree
+    variants) are among the predicted ones, beside the chains' variants."""
     mla = PRESETS[preset]().mla is not None
     limits = dict(max_num_seqs=4, max_num_batched_tokens=128, max_model_len=512)
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "tree_width": 2}
@@ -102,9 +101,9 @@ def test_warmup_predicts_the_draft_tree_variants(preset, backend, kernel, flag):
 
 def _constexpr(kernel: str, key: tuple, name: str) -> str:
     """The value a launch ``key`` (:func:`launch_key`) of ``kernel`` gives its constexpr ``name``."""
-    from tripath.kernels import mla_decode, paged_verify
+    from tripath.kernels import mla_verify, paged_verify
 
-    fn = {"paged_verify_kernel": paged_verify.paged_verify_kernel, "mla_decode_kernel": mla_decode.mla_decode_kernel}
+    fn = {"paged_verify_kernel": paged_verify.paged_verify_kernel, "mla_verify_kernel": mla_verify.mla_verify_kernel}
     return key[1][list(fn[kernel].arg_names).index(name)]
 
 

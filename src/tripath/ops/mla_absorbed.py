@@ -27,11 +27,12 @@ from tripath.triton_internals import launch, use_triton
 DECODE_VARIANTS = ("auto", "gluon", "packed", "grouped")
 
 
-def _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_scale, variant, num_splits,
-                  sm_scale, validate):
+def check_mla_query(q, kv_cache, kv_lora_rank, kv_scale, q_scale, sm_scale) -> tuple:
+    """The checks an absorbed MLA query ``q [*, H, L + R]`` and its cache share (dtypes, widths, scales);
+    ``(device, block_size, num_blocks)``."""
     check_tensor("q", q, ndim=3, dtypes=CACHE_DTYPES)
     device = q.device
-    batch, _, width = q.shape
+    width = q.shape[2]
     num_blocks, block_size, _ = check_mla_cache(kv_cache, device, width)
     q_fp8 = q.dtype in FP8_DTYPES
     if q_fp8 and kv_cache.dtype != q.dtype:
@@ -40,18 +41,25 @@ def _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_
         raise TypeError(f"kv_cache dtype {kv_cache.dtype} must equal q's ({q.dtype}) or be fp8 (e4m3)")
     if not 0 < kv_lora_rank < width:
         raise ValueError(f"kv_lora_rank={kv_lora_rank} must be between 1 and q.shape[-1] - 1 ({width - 1})")
+    check_sm_scale(sm_scale)
+    check_scale("kv_scale", kv_scale, kv_cache.dtype, device)
+    if q_fp8 and q_scale is None:
+        raise ValueError("q_scale is required for an fp8 q (a one-element float32 tensor)")
+    check_scale("q_scale", q_scale, q.dtype, device)
+    return device, block_size, num_blocks
+
+
+def _check_decode(q, kv_cache, block_table, seq_lens, kv_lora_rank, kv_scale, q_scale, variant, num_splits,
+                  sm_scale, validate):
+    device, block_size, num_blocks = check_mla_query(q, kv_cache, kv_lora_rank, kv_scale, q_scale, sm_scale)
+    batch = q.shape[0]
     check_block_table(block_table, device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32,), device=device)
     if block_table.shape[0] < batch or seq_lens.shape[0] != batch:
         raise ValueError(f"block_table ({block_table.shape[0]} rows) and seq_lens ({seq_lens.shape[0]}) must "
                          f"have one row per request of q ({batch})")
-    check_sm_scale(sm_scale)
     if values_checked(validate, block_table, seq_lens):
         check_seq_lens_values(seq_lens, block_table, block_size, num_blocks)
-    check_scale("kv_scale", kv_scale, kv_cache.dtype, device)
-    if q_fp8 and q_scale is None:
-        raise ValueError("q_scale is required for an fp8 q (a one-element float32 tensor)")
-    check_scale("q_scale", q_scale, q.dtype, device)
     if variant not in DECODE_VARIANTS:
         raise ValueError(f"variant={variant!r} is not supported; supported: {', '.join(DECODE_VARIANTS)}")
     if num_splits is not None and not 1 <= int(num_splits) <= 256:
@@ -231,39 +239,3 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         )
     return (out, lse) if return_lse else out
 
-
-def mla_draft_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, first_tokens: torch.Tensor,
-                        tree_bits: torch.Tensor, max_new: int, *, kv_lora_rank: int, sm_scale: float,
-                        kv_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA attention of a decode slice's tokens to their requests' new tokens alone: the part of a
-    draft tree's attention beside its cached context (that part: :func:`mla_decode` with ``return_lse`` on the
-    context lengths; merge the two with :func:`~tripath.ops.merge_states`).
-
-    ``q [T, H, W]`` (``W`` = ``kv_lora_rank`` + rope dims; fp8 with ``q_scale``); ``kv_cache [num_blocks,
-    block_size, W]`` holding the step's rows (fp8 with ``kv_scale``); ``slots [T]`` int64, token ``t``'s cache
-    slot; ``first_tokens [T]`` int32, the index of the first new token of ``t``'s request; ``tree_bits [T]``
-    int32, bit ``j`` set when ``t`` sees its request's new token ``j`` (itself and its ancestors; at most
-    ``max_new`` new tokens a request). Scores ``sm_scale · q·c`` over the visible rows, softmax, values their
-    first ``kv_lora_rank`` columns. Returns ``(out [T, H, kv_lora_rank], lse [T, H])`` fp32, natural log.
-    PyTorch on the device, no host synchronisation; a few ``[T, max_new, W]`` tiles, small beside the
-    context's."""
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES + FP8_DTYPES)
-    device, num_tokens = q.device, q.shape[0]
-    for name, value, dtypes in (("slots", slots, (torch.int64,)), ("first_tokens", first_tokens, (torch.int32,)),
-                                ("tree_bits", tree_bits, (torch.int32,))):
-        check_tensor(name, value, ndim=1, dtypes=dtypes, device=device, shape=(num_tokens,))
-    new = torch.arange(max_new, device=device)
-    index = (first_tokens.long()[:, None] + new[None, :]).clamp_(max=max(num_tokens - 1, 0))   # [T, K]
-    visible = ((tree_bits.long()[:, None] >> new[None, :]) & 1).bool()
-    slot = slots.clamp(min=0)[index]
-    block_size = kv_cache.shape[1]
-    rows = kv_cache[slot // block_size, slot % block_size].float()   # [T, K, W]
-    if kv_cache.dtype in FP8_DTYPES:
-        rows = rows * kv_scale.float()
-    queries = q.float() * (q_scale.float() if q.dtype in FP8_DTYPES else 1.0)
-    scores = torch.einsum("thw,tkw->thk", queries, rows) * sm_scale
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("thk,tkl->thl", torch.softmax(scores, dim=-1), rows[..., :kv_lora_rank])
-    return out, lse

@@ -133,3 +133,36 @@ def fused_qk_rope_concat_and_cache_mla_ref(ql_nope, q_pe, kv_c, k_pe, kv_cache, 
     parts = [kv_c[keep].float(), k_pe[keep].float()]
     rows = torch.cat(parts if is_nope_first else parts[::-1], dim=-1)
     kv_cache[blocks, offsets] = quantize_to(rows, kv_cache.dtype, k_scale)
+
+
+def mla_verify_ref(q, kv_cache, block_table, seq_lens, cu_seqlens_q, *, kv_lora_rank=512, sm_scale, kv_scale=None,
+                   q_scale=None, tree_mask=None, out=None, return_lse=False):
+    """Reference of :func:`tripath.ops.mla_verify`: request ``b``'s tokens against its ``seq_lens[b]`` cache
+    rows, causally from position ``seq_lens[b] - n_b``, or along the draft trees of ``tree_mask``."""
+    num_tokens, num_heads, _ = q.shape
+    block_size = kv_cache.shape[1]
+    qf = _dequant(q, q_scale, q.dtype in FP8_DTYPES)
+    fp8 = kv_cache.dtype in FP8_DTYPES
+    lens, cu = seq_lens.tolist(), cu_seqlens_q.tolist()
+    out_f = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(len(cu) - 1):
+        start, n = cu[b], cu[b + 1] - cu[b]
+        if n == 0:
+            continue
+        ctx = lens[b] - n
+        pos = torch.arange(lens[b], device=q.device)
+        rows = _dequant(kv_cache[block_table[b, pos // block_size].long(), pos % block_size], kv_scale, fp8)
+        visible = None
+        if tree_mask is not None:
+            bits = tree_mask[start:start + n].long().to(q.device)
+            visible = torch.ones(n, lens[b], dtype=torch.bool, device=q.device)
+            visible[:, ctx:] = (bits[:, None] >> torch.arange(n, device=q.device)[None, :]) & 1 == 1
+        o, l = attend(qf[start:start + n], rows[:, None, :], rows[:, None, :kv_lora_rank], q_start=ctx,
+                      causal=visible is None, sm_scale=sm_scale, visible=visible)
+        out_f[start:start + n], lse[start:start + n] = o, l
+    if out is None:
+        out = out_f.to(torch.bfloat16 if q.dtype in FP8_DTYPES else q.dtype)
+    else:
+        out[:cu[-1]].copy_(out_f[:cu[-1]])
+    return (out, lse) if return_lse else out

@@ -63,20 +63,8 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_table, seq_lens, layout, k_scale, v_scale)
     group = check_attention_options(q, num_kv_heads, head_size, head_size_v, window_left, softcap, alibi_slopes,
                                     sinks, sm_scale)
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
-    batch = cu_seqlens_q.shape[0] - 1
-    if seq_lens.shape[0] != batch or block_table.shape[0] < batch:
-        raise ValueError(f"seq_lens ({seq_lens.shape[0]}) and block_table ({block_table.shape[0]} rows) must "
-                         f"have one entry per request of cu_seqlens_q ({batch})")
-    if not isinstance(max_query_len, int) or not 1 <= max_query_len <= MAX_VERIFY_TOKENS:
-        raise ValueError(f"max_query_len must be an int in [1, {MAX_VERIFY_TOKENS}], got {max_query_len!r}")
-    if values_checked(validate, cu_seqlens_q, block_table, seq_lens):
-        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-        lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        if batch and int(lens.max()) > max_query_len:
-            raise ValueError(f"a request brings {int(lens.max())} new tokens, more than max_query_len "
-                             f"({max_query_len})")
-        check_seq_lens_values(seq_lens, block_table, block_size, num_cache_blocks(k_cache), min_lens=lens)
+    batch = check_verify_requests(q.shape[0], block_table, seq_lens, cu_seqlens_q, max_query_len, block_size,
+                                  num_cache_blocks(k_cache), validate)
     if tree_mask is not None:
         check_tree_mask(tree_mask, cu_seqlens_q, q.shape[0], device, window_left, alibi_slopes)
     if num_splits is not None and not 1 <= int(num_splits) <= 256:
@@ -129,6 +117,30 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     )
     merge_splits(part_out, part_lse, splits_used, out, lse, sinks, num_splits, block_dv, return_lse)
     return (out, lse) if return_lse else out
+
+
+def check_verify_requests(num_tokens: int, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, max_query_len: int, block_size: int, num_blocks: int,
+                          validate: bool | None) -> int:
+    """The checks a verify's requests share (``cu_seqlens_q`` over ``num_tokens`` query rows, one
+    ``seq_lens`` entry and block-table row a request, ``max_query_len`` a host int in ``[1,
+    MAX_VERIFY_TOKENS]`` bounding every request's new tokens, the lengths within the table); the batch."""
+    device = block_table.device
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, device)
+    batch = cu_seqlens_q.shape[0] - 1
+    if seq_lens.shape[0] != batch or block_table.shape[0] < batch:
+        raise ValueError(f"seq_lens ({seq_lens.shape[0]}) and block_table ({block_table.shape[0]} rows) must "
+                         f"have one entry per request of cu_seqlens_q ({batch})")
+    if not isinstance(max_query_len, int) or not 1 <= max_query_len <= MAX_VERIFY_TOKENS:
+        raise ValueError(f"max_query_len must be an int in [1, {MAX_VERIFY_TOKENS}], got {max_query_len!r}")
+    if values_checked(validate, cu_seqlens_q, block_table, seq_lens):
+        check_cu_seqlens_values("cu_seqlens_q", cu_seqlens_q, num_tokens)
+        lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        if batch and int(lens.max()) > max_query_len:
+            raise ValueError(f"a request brings {int(lens.max())} new tokens, more than max_query_len "
+                             f"({max_query_len})")
+        check_seq_lens_values(seq_lens, block_table, block_size, num_blocks, min_lens=lens)
+    return batch
 
 
 def check_tree_mask(tree_mask: torch.Tensor, cu_seqlens_q: torch.Tensor, num_tokens: int, device,

@@ -29,7 +29,7 @@ import torch
 
 from tripath import ops
 from tripath.ops import activation, mla, mla_absorbed, norm, rotary
-from tripath.portability import compile_scenarios_mixed, compile_scenarios_sampling
+from tripath.portability import compile_scenarios_mixed, compile_scenarios_mla_verify, compile_scenarios_sampling
 from tripath.platform import Platform, fp8_dtype
 
 
@@ -441,5 +441,6 @@ def all_scenarios() -> list[Scenario]:
     for inter in (14336, 1536):
         rows.append(_s(f"silu_and_mul I={inter} bf16", _build_silu_and_mul, ci=inter == 14336, inter=inter))
     rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_mixed.rows(_cache, _features)]
+    rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_mla_verify.rows(_mla_cache)]
     rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_sampling.rows()]
     return rows

@@ -36,6 +36,8 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "write_kv_cache_kernel": KernelRole(False, "deliberate: row copy / fp8 quantising store, no matmul"),
     "gather_kv_cache_kernel": KernelRole(False, "deliberate: row gather / fp8 dequantising copy, no matmul"),
     "mla_decode_kernel": KernelRole(True, "heads packed into tiles: q·c^T (latent and rope parts) and P·c_lat"),
+    "mla_verify_kernel": KernelRole(True, "(token, head) rows of a request: q·c^T (latent and rope parts) and "
+                                          "P·c_lat"),
     "mla_decode_few_heads_sm90_kernel": KernelRole(True, "transposed products, loader warp (Gluon)",
                                                    targets=("sm90",)),
     "mla_decode_sm90_kernel": KernelRole(True, "scores once per tile, two value warpgroups (Gluon)",

@@ -35,8 +35,7 @@ from tripath.attention.metadata import AttentionMetadata, ExtendMetadata, both_s
 from tripath.attention.spec import MLACache, MLALayerWeights
 from tripath.attention.validate import expect, host_ints
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
-                         gather_mla_cache, merge_states, mla_decode, mla_draft_attention, rotary_embedding,
-                         varlen_attention)
+                         gather_mla_cache, merge_states, mla_decode, mla_verify, rotary_embedding, varlen_attention)
 from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.platform import FP8_DTYPES
 
@@ -49,14 +48,10 @@ class MLADecodeRows:
     request with ``c`` cached tokens sees ``c + i + 1`` rows through its request's block-table row.
 
     ``block_table``: ``[Td, width]`` int32, row ``t`` = the block-table row of token ``t``'s request (the
-    step's ``width``); ``seq_lens``: ``[Td]`` int32, the rows token ``t`` attends to; ``first_tokens``:
-    ``[Td]`` int32, the decode-slice index of the first new token of ``t``'s request (draft trees: token ``t``
-    is its request's new token ``t - first_tokens[t]``, after ``seq_lens[t] - (t - first_tokens[t]) - 1``
-    cached rows)."""
+    step's ``width``); ``seq_lens``: ``[Td]`` int32, the rows token ``t`` attends to."""
 
     block_table: torch.Tensor
     seq_lens: torch.Tensor
-    first_tokens: torch.Tensor
 
 
 @dataclass
@@ -76,7 +71,6 @@ class MLAMetadata(AttentionMetadata):
         if both_set("decode_rows", mine, theirs):
             copy_step_tensor("decode_rows.block_table", mine.block_table, theirs.block_table, table=True)
             copy_step_tensor("decode_rows.seq_lens", mine.seq_lens, theirs.seq_lens)
-            copy_step_tensor("decode_rows.first_tokens", mine.first_tokens, theirs.first_tokens)
         return self
 
     def validate_own(self, num_blocks: int, block_size: int) -> None:
@@ -86,12 +80,9 @@ class MLAMetadata(AttentionMetadata):
             return
         expect(rows is not None, "metadata.decode_rows is missing for decodes of several tokens")
         plan = self.plan
-        want_rows, want_lens, want_first = _decode_rows(plan.query_lens[:d.num_reqs],
-                                                        plan.context_lens[:d.num_reqs])
+        want_rows, want_lens = _decode_rows(plan.query_lens[:d.num_reqs], plan.context_lens[:d.num_reqs])
         expect(host_ints(rows.seq_lens) == want_lens,
                f"metadata.decode_rows.seq_lens is {host_ints(rows.seq_lens)}, expected {want_lens}")
-        expect(host_ints(rows.first_tokens) == want_first,
-               f"metadata.decode_rows.first_tokens is {host_ints(rows.first_tokens)}, expected {want_first}")
         table = self.block_table
         expect(rows.block_table.shape == (len(want_rows), table.shape[1]),
                f"metadata.decode_rows.block_table has shape {tuple(rows.block_table.shape)}, expected "
@@ -101,15 +92,13 @@ class MLAMetadata(AttentionMetadata):
             expect(got == by_request[r], f"metadata.decode_rows.block_table row {t} is not request {r}'s row")
 
 
-def _decode_rows(query_lens, context_lens) -> tuple[list[int], list[int], list[int]]:
-    """Per decode token: its request's row, the rows it attends to (``context + i + 1``) and the index of its
-    request's first new token."""
-    rows, lens, first = [], [], []
+def _decode_rows(query_lens, context_lens) -> tuple[list[int], list[int]]:
+    """Per decode token: its request's row and the rows it attends to (``context + i + 1``)."""
+    rows, lens = [], []
     for j, (q, c) in enumerate(zip(query_lens, context_lens)):
-        first += [len(rows)] * q
         rows += [j] * q
         lens += [c + i + 1 for i in range(q)]
-    return rows, lens, first
+    return rows, lens
 
 
 class MLABackendBase(MLAAttentionBackend):
@@ -123,6 +112,11 @@ class MLABackendBase(MLAAttentionBackend):
                                 gpu_block_size=64, verify_graphs=True, draft_trees=True)
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
+    # Verifies of chains (several tokens a request, no tree): "rows", each token a decode row of the decode
+    # kernels (MLAMetadata.decode_rows: each reads its request's cache rows), or "packed", the verify kernel
+    # (tripath.ops.mla_verify: every token and head of a request in one tile, each cache row read once for
+    # them). Draft trees always take the verify kernel.
+    verify_kernel: ClassVar[str] = "rows"
 
     @classmethod
     def unsupported_reasons(cls, spec, device) -> list[str]:
@@ -137,12 +131,12 @@ class MLABackendBase(MLAAttentionBackend):
 
     # -- metadata --------------------------------------------------------------------------------------
     def add_own_ints(self, plan, ints) -> None:
-        """``decode_rows`` (a decode slice of several tokens a row): :func:`_decode_rows`' request rows, their
-        lengths and their requests' first tokens."""
+        """``decode_rows`` (a decode slice of several tokens a row): :func:`_decode_rows`' request rows, then
+        their lengths."""
         nd = plan.num_decodes
         if nd and max(plan.query_lens[:nd]) > 1:
-            rows, lens, first = _decode_rows(plan.query_lens[:nd], plan.context_lens[:nd])
-            ints.add("decode_rows", rows + lens + first)
+            rows, lens = _decode_rows(plan.query_lens[:nd], plan.context_lens[:nd])
+            ints.add("decode_rows", rows + lens)
 
     def build_metadata(self, plan, block_table, slot_mapping, *, decode_num_splits=None, ints=None) -> MLAMetadata:
         ints = self.device_ints(plan, block_table.device, ints)
@@ -152,8 +146,8 @@ class MLABackendBase(MLAAttentionBackend):
         decode_rows = None
         if d is not None and not d.single_token:
             packed = ints.view("decode_rows")
-            n = packed.shape[0] // 3
-            decode_rows = MLADecodeRows(block_table.index_select(0, packed[:n]), packed[n:2 * n], packed[2 * n:])
+            n = packed.shape[0] // 2
+            decode_rows = MLADecodeRows(block_table.index_select(0, packed[:n]), packed[n:])
         return MLAMetadata.from_common(common, decode_rows=decode_rows)
 
     # -- forward ---------------------------------------------------------------------------------------
@@ -282,26 +276,24 @@ class MLABackendBase(MLAAttentionBackend):
     def _decode(self, q_decode, cache, meta, weights, out):
         d = meta.decode
         rows = meta.decode_rows
-        block_table, seq_lens = (rows.block_table, rows.seq_lens) if rows is not None else (d.block_table,
-                                                                                             d.seq_lens)
         _, q_scale = self._query_format(cache, weights, out.dtype)
         lat = self.spec.mla.kv_lora_rank
         o_latent = torch.empty(q_decode.shape[0], q_decode.shape[1], lat, dtype=out.dtype, device=out.device)
-        options = dict(kv_lora_rank=lat, sm_scale=self.sm_scale, kv_scale=self._kv_scale(cache), q_scale=q_scale)
+        options = dict(kv_lora_rank=lat, sm_scale=self.sm_scale, kv_scale=self._kv_scale(cache), q_scale=q_scale,
+                       num_splits=d.num_splits, out=o_latent)
         trees = d.verify.tree_mask if d.verify is not None else None
-        if trees is None:
-            mla_decode(q_decode, cache.kv_cache, block_table, seq_lens, num_splits=d.num_splits,
-                       variant=self.decode_variant, out=o_latent, **options)
-        else:   # draft trees: the cached context in the decode kernel, the trees' own tokens beside it, merged
-            num_tokens = q_decode.shape[0]
-            rank = torch.arange(num_tokens, dtype=torch.int32, device=out.device) - rows.first_tokens
-            o_context, lse_context = mla_decode(q_decode, cache.kv_cache, block_table, seq_lens - rank - 1,
-                                                num_splits=d.num_splits, variant="packed", return_lse=True,
-                                                **options)
-            bits = torch.cat([torch.ones(d.verify.token_start, dtype=torch.int32, device=out.device), trees])
-            o_new, lse_new = mla_draft_attention(q_decode, cache.kv_cache, meta.slot_mapping[:num_tokens],
-                                                 rows.first_tokens, bits, d.max_query_len, **options)
-            merge_states(o_context, lse_context, o_new.to(o_context.dtype), lse_new, out=o_latent)
+        if trees is not None or (rows is not None and self.verify_kernel == "packed"):
+            # every token and head of a request in one tile (each cache row read once for them), along the
+            # draft trees' masks (one-token decodes: their own bit)
+            bits = None if trees is None else torch.cat(
+                [torch.ones(d.verify.token_start, dtype=torch.int32, device=out.device), trees])
+            mla_verify(q_decode, cache.kv_cache, d.block_table, d.seq_lens, d.cu_seqlens_q, d.max_query_len,
+                       tree_mask=bits, **options)
+        elif rows is not None:   # each token a decode row of its own, through the decode kernels
+            mla_decode(q_decode, cache.kv_cache, rows.block_table, rows.seq_lens, variant=self.decode_variant,
+                       **options)
+        else:
+            mla_decode(q_decode, cache.kv_cache, d.block_table, d.seq_lens, variant=self.decode_variant, **options)
         out.copy_(torch.bmm(o_latent.transpose(0, 1), weights.w_uv).transpose(0, 1))  # [H,Td,L]x[H,L,V]
 
     def _up_project(self, latent, k_pe_rot, weights):
