@@ -32,9 +32,13 @@ def test_verify_rows_are_read_against_the_decode_of_their_batch_and_context():
                           Row("verify", "8 × 4096 × 8", "tripath paged_verify", 25.0, 2560, "GB/s"),
                           Row("verify", "1 × 131072 × 1", "tripath paged_decode", 80.0, 3400, "GB/s"),
                           Row("verify", "1 × 131072 × 8", "tripath unified_attention", 400.0, 680, "GB/s")])
+    report.rows += [Row("mla_verify", "H=16 · 8 × 4096 × 1", "tripath mla_decode", 10.0, 3000, "GB/s"),
+                    Row("mla_verify", "H=16 · 8 × 4096 × 4", "tripath mla_verify", 12.5, 2400, "GB/s")]
     text = format_report(report)
     assert "| 8 × 4096 × 8 | tripath paged_verify | 25.0 µs | 2560 | 64% | 1.25× |" in text
     assert "| 1 × 131072 × 8 | tripath unified_attention | 400.0 µs | 680 | 17% | 5.00× |" in text
+    assert "### MLA verify" in text and "| H=16 · 8 × 4096 × 4 | tripath mla_verify | 12.5 µs | 2400 | 60% | 1.25× |" \
+        in text
 
 
 SMI_PERFORMANCE = """
@@ -67,9 +71,10 @@ def test_gpu_benchmark_functions_name_only_defined_globals():
     import inspect
 
     import tripath.bench.kernels as kernels
+    import tripath.bench.kernels_verify as kernels_verify
     import tripath.bench.tune as tune
 
-    for module in (kernels, tune):
+    for module in (kernels, kernels_verify, tune):
         for name, fn in inspect.getmembers(module, inspect.isfunction):
             fn = inspect.unwrap(fn)
             if fn.__module__ != module.__name__:

@@ -30,7 +30,7 @@ def _tree(rng: random.Random, n: int, tree: bool) -> tuple[list[int], list[int]]
     return parents, bits
 
 
-def _verify_f64(q, rows, ctx, parents, sm_scale):
+def _verify_f64(q, rows, ctx, parents, sm_scale, lat):
     """Token ``t`` (``q [H, W]``) against the context rows and its own ancestors' rows, in float64."""
     out, lse = [], []
     for t in range(len(parents)):
@@ -40,7 +40,7 @@ def _verify_f64(q, rows, ctx, parents, sm_scale):
             node = parents[node]
         keys = rows[list(range(ctx)) + sorted(seen)]
         s = (q[t].double() @ keys.T) * sm_scale
-        out.append(torch.softmax(s, dim=-1) @ keys[:, :LAT])
+        out.append(torch.softmax(s, dim=-1) @ keys[:, :lat])
         lse.append(torch.logsumexp(s, dim=-1))
     return torch.stack(out), torch.stack(lse)
 
@@ -57,25 +57,39 @@ CASES = [  # (heads, block size, splits, cache dtype, fp8 query)
 @pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
 @pytest.mark.parametrize("heads, block_size, num_splits, cache_dtype, q_fp8", CASES)
 def test_mla_verify_matches_f64(tree, heads, block_size, num_splits, cache_dtype, q_fp8):
+    check_verify(tree, heads, block_size, num_splits, cache_dtype, q_fp8, [4, 1, 6, 3, 8], [37, 5, 0, 90, 12],
+                 LAT, ROPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
+@pytest.mark.parametrize("heads, num_splits, cache_dtype, q_fp8", [(16, None, torch.bfloat16, False),
+                                                                   (128, None, torch.bfloat16, False),
+                                                                   (16, 4, FP8, False), (16, None, FP8, True)])
+def test_mla_verify_deepseek_dims_gpu(tree, heads, num_splits, cache_dtype, q_fp8):
+    """DeepSeek's latent rows (512 + 64), 64-row pages, contexts to 8K, on the GPU's launch configurations."""
+    check_verify(tree, heads, 64, num_splits, cache_dtype, q_fp8, [4, 8, 1, 16], [8000, 3000, 17, 700], 512, 64)
+
+
+def check_verify(tree, heads, block_size, num_splits, cache_dtype, q_fp8, query_lens, contexts, lat, rope):
     rng = random.Random(hash((tree, heads, block_size)) % 1000)
-    query_lens, contexts = [4, 1, 6, 3, 8], [37, 5, 0, 90, 12]
     seq_lens = [c + n for c, n in zip(contexts, query_lens)]
     fp8 = cache_dtype == FP8
     kv_scale = scale_tensor(0.05) if fp8 else None
-    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, LAT + ROPE, cache_dtype, kv_scale)
-    dtype = torch.float32 if cache_dtype == torch.float32 else torch.float16
+    cache, block_table, rows = filled_mla_cache(seq_lens, block_size, lat + rope, cache_dtype, kv_scale)
+    dtype = cache_dtype if cache_dtype in (torch.float32, torch.bfloat16) else torch.float16
     num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens + 2, heads, LAT + ROPE, device=DEVICE).to(dtype)   # 2 rows past the last request
+    q = torch.randn(num_tokens + 2, heads, lat + rope, device=DEVICE).to(dtype)   # 2 rows past the last request
     q_scale = None
     if q_fp8:
         q_scale = scale_tensor(0.02)
         q = (q.float() / q_scale.item()).clamp(-448, 448).to(FP8)
     trees = [_tree(rng, n, tree) for n in query_lens]
     tree_mask = torch.tensor([b for _, bits in trees for b in bits] + [1, 1], dtype=torch.int32, device=DEVICE)
-    sm_scale = 1.0 / math.sqrt(48)
-    out = poison((num_tokens + 2, heads, LAT), torch.float16 if q_fp8 else dtype, DEVICE)
+    sm_scale = 1.0 / math.sqrt(3 * rope)
+    out = poison((num_tokens + 2, heads, lat), torch.float16 if q_fp8 else dtype, DEVICE)
     got, lse = mla_verify(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                          cu_seqlens(query_lens, DEVICE), max(query_lens), kv_lora_rank=LAT, sm_scale=sm_scale,
+                          cu_seqlens(query_lens, DEVICE), max(query_lens), kv_lora_rank=lat, sm_scale=sm_scale,
                           kv_scale=kv_scale, q_scale=q_scale, tree_mask=tree_mask if tree else None,
                           num_splits=num_splits, out=out, return_lse=True)
     assert got is out and torch.isnan(out[num_tokens:]).all()   # rows of no request: not written
@@ -83,7 +97,7 @@ def test_mla_verify_matches_f64(tree, heads, block_size, num_splits, cache_dtype
     tol = FP8_TOL if fp8 else TOL[dtype]
     start = 0
     for b, (n, ctx) in enumerate(zip(query_lens, contexts)):
-        want_o, want_lse = _verify_f64(q64[start:start + n].cpu(), rows[b].cpu(), ctx, trees[b][0], sm_scale)
+        want_o, want_lse = _verify_f64(q64[start:start + n].cpu(), rows[b].cpu(), ctx, trees[b][0], sm_scale, lat)
         torch.testing.assert_close(got[start:start + n].double().cpu(), want_o, **tol)
         torch.testing.assert_close(lse[start:start + n].double().cpu(), want_lse, atol=1e-3, rtol=1e-3)
         start += n

@@ -23,7 +23,7 @@ from tripath.bench.kernel_timing import (Report, Row, bench_eager, bench_graph, 
                                          portable, power_capping_us, random_table)
 from tripath.bench.kernels_lm_head import bench_lm_head, format_lm_head
 from tripath.bench.kernels_mla import bench_mla_backends, bench_mla_decode, bench_mla_prefill, bench_mla_prep
-from tripath.bench.kernels_verify import bench_verify
+from tripath.bench.kernels_verify import bench_mla_verify, bench_verify
 from tripath.ops import mixed_attention, mixed_attention_workspace, paged_decode, varlen_attention
 from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache
 from tripath.platform import current_platform
@@ -196,6 +196,7 @@ def format_report(report: Report) -> str:
                      " run (nvidia-smi's SW Power Capping counter): compute-bound rows read low while it does.")
     for table, title in (("decode", "Paged decode, 32/8/128, block 16, bf16, random block order"),
                          ("verify", "Verify (batch × context × new tokens a request), 32/8/128, block 16, bf16"),
+                         ("mla_verify", "MLA verify (heads · batch × context × new tokens), 576-wide rows, bf16"),
                          ("prefill", "Causal prefill (varlen), 32/8/128, bf16"),
                          ("host",
                           "Host time a call of the causal prefill rows (Python, checks, launch; GPU kept busy)"),
@@ -220,7 +221,7 @@ def format_report(report: Report) -> str:
         elif table in ("mla_prep", "mla_backend"):
             lines += ["| shape | implementation | time | speed-up |", "|---|---|---|---|"]
             lines += [f"| {r.shape} | {r.impl} | {r.us:.2f} µs{_spread(r)} | {r.metric:.2f}× |" for r in rows]
-        elif table == "verify":   # each against the one-token decode of its batch and context
+        elif table in ("verify", "mla_verify"):   # each against the one-token decode of its batch and context
             decode = {r.shape.rsplit(" × ", 1)[0]: r.us for r in rows if r.shape.endswith(" × 1")}
             lines += ["| shape | kernel | time | GB/s | % of floor | time / decode's |", "|---|---|---|---|---|---|"]
             lines += [f"| {r.shape} | {r.impl} | {r.us:.1f} µs{_spread(r)} | {r.metric:.0f} | "
@@ -283,7 +284,7 @@ def run(sections=("decode", "verify", "prefill", "mixed", "mla", "lm_head"), rep
     torch.manual_seed(0)
     check_correctness(report)
     measure_floors(report)
-    parts = {"decode": [bench_decode], "verify": [bench_verify], "prefill": [bench_prefill],
+    parts = {"decode": [bench_decode], "verify": [bench_verify, bench_mla_verify], "prefill": [bench_prefill],
              "mixed": [bench_mixed],
              "mla": [bench_mla_decode, bench_mla_prefill, bench_mla_prep, bench_mla_backends],
              "lm_head": [bench_lm_head]}

@@ -10,6 +10,12 @@ tokens). Llama-3-8B's attention: 32 query heads, 8 KV heads, 128 dims, bf16, 16-
 importable, its paged prefill wrapper (causal, a request's new tokens against its pages: the path peers take
 for multi-token decodes) runs on the same cache and block tables beside them; a FlashInfer failure is
 reported and leaves the other rows.
+
+:func:`bench_mla_verify` (the same section, its own table): MLA's absorbed verify, DeepSeek's latent rows
+(576 wide, 512-wide values, bf16, 64-row pages) at 16 heads (TP 8) and 128, against the one-token
+:func:`~tripath.ops.mla_decode` of the batch: the decode kernel on a decode row a token (the MLA backends'
+default route for chains) and :func:`~tripath.ops.mla_verify` (every token and head of a request in one
+tile), with the bandwidth of reading every context's rows once.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from __future__ import annotations
 import torch
 
 from tripath.bench.kernel_timing import Report, Row, bench_graph, random_table
-from tripath.ops import paged_decode, paged_verify, unified_attention
+from tripath.ops import mla_decode, mla_verify, paged_decode, paged_verify, unified_attention
 from tripath.ops.kv_cache import allocate_kv_cache
 
 SHAPES = ((1, 4096), (8, 4096), (32, 4096), (8, 32768), (1, 131072))
 NEW_TOKENS = (4, 8, 16)
+MLA_SHAPES = ((8, 4096), (32, 4096), (8, 32768), (1, 131072))
+MLA_SCALE = 1.0 / (128 + 64) ** 0.5
 
 
 def bench_verify(report: Report, shapes=SHAPES, new_tokens=NEW_TOKENS, heads=(32, 8), head_size=128,
@@ -64,6 +72,43 @@ def bench_verify(report: Report, shapes=SHAPES, new_tokens=NEW_TOKENS, heads=(32
             del q, out
         del k_cache, v_cache
         torch.cuda.empty_cache()
+
+
+def bench_mla_verify(report: Report, shapes=MLA_SHAPES, new_tokens=(4, 8), heads=(16, 128),
+                     block_size: int = 64) -> None:
+    dev = torch.device("cuda")
+    for h in heads:
+        for batch, ctx in shapes:
+            table, num_blocks = random_table(batch, ctx, block_size, dev)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+            cache = torch.randn(num_blocks, block_size, 576, dtype=torch.bfloat16, device=dev)
+            nbytes = batch * ctx * 576 * 2
+            q1 = torch.randn(batch, h, 576, dtype=torch.bfloat16, device=dev)
+            out1 = torch.empty(batch, h, 512, dtype=torch.bfloat16, device=dev)
+            decode_us = bench_graph(lambda: mla_decode(q1, cache, table, seq_lens, kv_lora_rank=512,
+                                                       sm_scale=MLA_SCALE, out=out1))
+            base = f"H={h} · {batch} × {ctx}"
+            report.rows.append(Row("mla_verify", f"{base} × 1", "tripath mla_decode", decode_us,
+                                   nbytes / (decode_us * 1e-6) / 1e9, "GB/s"))
+            for n in new_tokens:
+                q = torch.randn(batch * n, h, 576, dtype=torch.bfloat16, device=dev)
+                cu = torch.arange(0, batch * n + 1, n, dtype=torch.int32, device=dev)
+                out = torch.empty(batch * n, h, 512, dtype=torch.bfloat16, device=dev)
+                rows_table = table.repeat_interleave(n, 0)   # a decode row a token, causal lengths
+                rows_lens = (seq_lens[:, None] - n + 1 + torch.arange(n, device=dev)[None, :]).flatten().int()
+                runs = (("tripath mla_decode, a row a token",
+                         lambda: mla_decode(q, cache, rows_table, rows_lens, kv_lora_rank=512, sm_scale=MLA_SCALE,
+                                            out=out)),
+                        ("tripath mla_verify",
+                         lambda: mla_verify(q, cache, table, seq_lens, cu, n, kv_lora_rank=512, sm_scale=MLA_SCALE,
+                                            out=out)))
+                for name, fn in runs:
+                    us = bench_graph(fn)
+                    report.rows.append(Row("mla_verify", f"{base} × {n}", name, us, nbytes / (us * 1e-6) / 1e9,
+                                           "GB/s"))
+                del q, out
+            del cache
+            torch.cuda.empty_cache()
 
 
 def flashinfer_verify(q, k_cache, v_cache, table, seq_lens, cu_seqlens_q, hq: int, hkv: int, head_size: int,
