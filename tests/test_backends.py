@@ -38,7 +38,7 @@ def _run(backend, step):
 
 @pytest.mark.parametrize("spec_name", list(SPECS))
 @pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("name", ["three_path", "unified", "two_path", "sdpa"])
+@pytest.mark.parametrize("name", ["three_path", "unified", "two_path", "mixed", "sdpa"])
 def test_backend_matches_torch(name, batch, spec_name):
     # a 24-token chunk budget: the extends' contexts take several chunks
     spec = AttentionSpec(dtype=torch.float16, extend_chunk_budget=24, **SPECS[spec_name])
@@ -56,7 +56,7 @@ def test_backend_matches_torch(name, batch, spec_name):
     assert torch.equal(got_cache.v_cache.view(torch.uint8), want_cache.v_cache.view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ["three_path", "unified", "two_path", "sdpa", "torch"])
+@pytest.mark.parametrize("name", ["three_path", "unified", "two_path", "mixed", "sdpa", "torch"])
 def test_layer_window_overrides_the_spec(name):
     """A layer's ``window_left`` (models mixing sliding-window and full-attention layers): −1 on a windowed
     spec gives full attention, and 5 gives what a spec with window 5 gives; bad values are refused."""

@@ -102,7 +102,7 @@ def test_presets_match_a_no_cache_reference(pure_torch, name):
     assert llm.block_manager.num_hit_tokens > 0
 
 
-@pytest.mark.parametrize("backend", ["three_path", "unified", "two_path"])
+@pytest.mark.parametrize("backend", ["three_path", "unified", "two_path", "mixed"])
 def test_triton_backends_give_the_reference_tokens(monkeypatch, backend):
     model = preset("tiny-llama")
     prompts = prompts_with_shared_prefix(n=3, seed=1, shared=9, lo=2, hi=12, vocab=256)
@@ -341,7 +341,7 @@ def test_default_block_size(pure_torch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,backend", [("tiny-llama", "three_path"), ("tiny-llama", "unified"),
-                                          ("tiny-llama", "two_path"), ("tiny-qwen3", "auto"),
+                                          ("tiny-llama", "two_path"), ("tiny-llama", "mixed"), ("tiny-qwen3", "auto"),
                                           ("tiny-deepseek", "auto"), ("tiny-kimi-nope", "auto")])
 def test_cuda_graphs_memory_and_fp8_on_gpu(name, backend):
     # float16: graph replays use the padded batch and a fixed decode split count, so their rounding differs

@@ -200,7 +200,7 @@ def test_greedy_outputs_are_those_without_speculation(pure_torch, name, variant)
         assert stats.prefix_cache_hit_tokens > 0
 
 
-@pytest.mark.parametrize("backend", ["three_path", "two_path", "unified"])
+@pytest.mark.parametrize("backend", ["three_path", "two_path", "unified", "mixed"])
 def test_triton_backends_verify_as_the_reference(monkeypatch, backend):
     model, prompts = preset("tiny-llama"), repetitive_prompts()[:2]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -22,6 +22,7 @@ from tripath.attention.spec import AttentionSpec
 BACKENDS = {
     "three_path": "tripath.attention.backends.three_path:ThreePathBackend",
     "unified": "tripath.attention.backends.unified:UnifiedBackend",
+    "mixed": "tripath.attention.backends.mixed:MixedBackend",
     "two_path": "tripath.attention.backends.two_path:TwoPathBackend",
     "sdpa": "tripath.attention.backends.sdpa:SdpaBackend",
     "torch": "tripath.attention.backends.torch_ref:TorchBackend",

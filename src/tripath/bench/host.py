@@ -32,7 +32,7 @@ from tripath.attention.spec import AttentionSpec
 from tripath.bench.batches import make_step
 from tripath.triton_internals import record_launches
 
-MHA_BACKENDS = ("three_path", "two_path", "unified")
+MHA_BACKENDS = ("three_path", "two_path", "unified", "mixed")
 
 
 def tp8_mixed_step(seed: int = 0) -> list[tuple[int, int]]:

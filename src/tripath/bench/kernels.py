@@ -105,7 +105,7 @@ def bench_prefill(report: Report, shapes=((1, 8192), (8, 2048), (16, 512)), head
 MIXED_STEP = [(4096, 1)] * 48 + [(4096, 512)] * 8 + [(0, 2048)] * 2
 
 
-def bench_mixed(report: Report, backends=("three_path", "unified", "two_path"), layout="nhd") -> None:
+def bench_mixed(report: Report, backends=("three_path", "unified", "two_path", "mixed"), layout="nhd") -> None:
     """The mixed step (48 decodes on 4096 cached tokens, 8 extends of 512 on 4096, 2 prefills of 2048;
     32/8/128 bf16) per backend, eager and as GPU time of a CUDA-graph replay; then the one-launch
     mixed attention on the same step (:func:`bench_mixed_one_launch`)."""

@@ -57,7 +57,7 @@ class Workload:
         return self.max_input_len + self.output_len
 
 
-MHA = ("three_path", "unified", "two_path")
+MHA = ("three_path", "unified", "two_path", "mixed")
 MLA = ("mla", "mla_triton")
 WORKLOADS = {
     "mha-tp8": Workload("qwen3-235b-attn-tp8", MHA, 256, 2048, 0.5, 512, 64,

@@ -1,0 +1,55 @@
+"""``mixed``: a step's attention in one persistent launch a layer (:func:`tripath.ops.mixed_attention`): its
+decodes, extends and prefills walk one work list that a planning launch builds on the device from the step's
+lengths, so the host does the same few calls for any mix, and every step reads device tensors only.
+
+The backend keeps one workspace (:func:`tripath.ops.mixed_attention_workspace`: work list, merge counters, split
+partials), made for the first step and grown to the next powers of two of tokens and requests when a step does
+not fit it; the engine's start runs its largest step first, so serving uses the final one. Each layer plans
+(one small launch) before it attends: planning once a step, shared by the layers, needs a per-step hook the
+engine does not give backends yet. Not among ``auto``'s choices: opt in with ``backend="mixed"``
+(``tripath bench`` compares it with the others).
+"""
+
+from __future__ import annotations
+
+from tripath.attention.backends.base import Capabilities, MHAAttentionBackend
+from tripath.ops import MixedAttentionWorkspace, mixed_attention, mixed_attention_workspace
+
+MIN_WORKSPACE_TOKENS = 256   # the first workspace's tokens at least (the requests: 16)
+
+
+class MixedBackend(MHAAttentionBackend):
+    name = "mixed"
+    capabilities = Capabilities(verify_graphs=True)   # one launch on device tensors for any step
+
+    def __init__(self, spec, device="cpu"):
+        super().__init__(spec, device)
+        self._workspace: MixedAttentionWorkspace | None = None
+
+    def workspace(self, num_tokens: int, num_seqs: int, num_heads: int, device) -> MixedAttentionWorkspace:
+        """The backend's workspace, grown (to powers of two) when a step of ``num_tokens`` new tokens and
+        ``num_seqs`` requests does not fit it."""
+        ws = self._workspace
+        if ws is not None and num_tokens <= ws.max_num_tokens and num_seqs <= ws.max_num_seqs:
+            return ws
+        tokens = max(num_tokens, MIN_WORKSPACE_TOKENS, ws.max_num_tokens if ws else 0)
+        seqs = max(num_seqs, 16, ws.max_num_seqs if ws else 0)
+        spec = self.spec
+        self._workspace = mixed_attention_workspace(num_heads, spec.num_kv_heads, spec.head_size,
+                                                    head_size_v=spec.head_size_v or spec.head_size,
+                                                    max_num_tokens=_pow2(tokens), max_num_seqs=_pow2(seqs),
+                                                    device=device)
+        return self._workspace
+
+    def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None, window_left=None):
+        opts = self._options(alibi_slopes, sinks, window_left)
+        self._write(k, v, cache, meta)
+        k_scale, v_scale = self._scales(cache)
+        ws = self.workspace(q.shape[0], meta.plan.num_requests, q.shape[1], q.device)
+        return mixed_attention(q, cache.k_cache, cache.v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
+                               layout=cache.layout, k_scale=k_scale, v_scale=v_scale, workspace=ws,
+                               out=self._out(q, out), **opts)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
