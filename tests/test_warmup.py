@@ -41,6 +41,7 @@ def random_workload(rng: random.Random, max_len: int, max_requests: int) -> list
 
 
 CASES = [("qwen3-235b-attn-tp8", "three_path", "auto"), ("qwen3-235b-attn-tp8", "two_path", "auto"),
+         ("qwen3-235b-attn-tp8", "mixed", "auto"),
          ("qwen3-235b-attn-tp8", "unified", "fp8"), ("qwen3-235b-attn-tp8", "three_path", "fp8"),
          ("deepseek-r1-attn-tp8", "mla", "auto")]
 
