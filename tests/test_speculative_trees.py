@@ -278,10 +278,18 @@ class _SecondSiblings:
     ("three_path", dict(block_size=8)),
 ])
 def test_an_accepted_later_sibling_moves_its_cache_rows(monkeypatch, backend, options):
-    model, prompts = preset("tiny-llama"), branching_prompts()[:2]
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if backend == "three_path" else "0")
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    check_later_siblings(monkeypatch, "tiny-llama", backend, options, 12)
+
+
+def check_later_siblings(monkeypatch, name: str, backend: str, options: dict, max_tokens: int) -> None:
+    """Trees whose accepted node is always the root's second child (:class:`_SecondSiblings`) on ``backend``
+    (Triton kernels in the interpreter): the greedy tokens are those without speculation, and every accepted
+    path's cache rows moved."""
+    model, prompts = preset(name), branching_prompts()[:2]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     want = outputs(LLM(model, backend="torch", num_kv_blocks=64, **options), prompts, params)
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if backend == "torch" else "1")
     llm = LLM(model, backend=backend, num_kv_blocks=64, speculative_config=spec(2, k=4), **options)
     llm.scheduler.proposer = _SecondSiblings({tuple(p): w for p, w in zip(prompts, want)}, 256)
     moved = []
@@ -307,24 +315,7 @@ def test_mla_trees_through_later_siblings_keep_the_greedy_tokens(monkeypatch, ba
     """An MLA model (tiny-deepseek) end to end: every accepted node is a later sibling, so the accepted latent
     rows must move to their positions; the tokens are those without speculation. (That the trees' masks are
     read: tests/test_mla_backends.py.)"""
-    model, prompts = preset("tiny-deepseek"), branching_prompts()[:2]
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    want = outputs(LLM(model, backend="torch", num_kv_blocks=64, **options), prompts, params)
-    monkeypatch.setenv("TRITON_INTERPRET", "0" if backend == "torch" else "1")
-    llm = LLM(model, backend=backend, num_kv_blocks=64, speculative_config=spec(2, k=4), **options)
-    llm.scheduler.proposer = _SecondSiblings({tuple(p): w for p, w in zip(prompts, want)}, 256)
-    moved = []
-    move = draft_trees.move_tree_paths
-
-    def spy(caches, inputs, paths):
-        moved.extend(p for p in paths if p)
-        move(caches, inputs, paths)
-
-    monkeypatch.setattr("tripath.engine.runner.model_runner.move_tree_paths", spy)
-    assert outputs(llm, prompts, params) == want
-    assert moved and all(path[0] == 1 for path in moved)
-    assert llm.stats().spec_num_accepted_tokens == sum(len(p) for p in moved)
+    check_later_siblings(monkeypatch, "tiny-deepseek", backend, options, 10)
 
 
 def test_mla_ngram_tree_greedy_outputs_are_those_without_speculation(pure_torch):
