@@ -56,7 +56,7 @@ def _softmax_step(s, c_lat, m_i, l_i, acc, P_FP8: tl.constexpr, FP8_MAX: tl.cons
 
 
 @triton.jit
-def _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr):
+def latent_score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8: tl.constexpr, Q_FP8: tl.constexpr):
     qk_scale = sm_scale * LOG2E
     v_scale = 1.0
     if KV_FP8:
@@ -86,7 +86,7 @@ def _store_result(out, lse, seq, heads, split, row_ok, lse_ok, dims_l, kv_lora_r
 
 
 @triton.jit
-def _load_tile(kv_cache_ptr, lat_desc, pe_desc, block_row_ptr, start, pos, valid, mine, other, dims_r,
+def load_latent_tile(kv_cache_ptr, lat_desc, pe_desc, block_row_ptr, start, pos, valid, mine, other, dims_r,
                mine_ok, other_ok, pe_ok, part, stride_c_block, stride_c_slot, kv_lora_rank, block_size,
                BLOCK_V: tl.constexpr, V_PARTS: tl.constexpr, USE_TMA: tl.constexpr):
     """One tile of cache rows at positions ``pos [N]``: ``(c_mine [N, V], c_other [N, V], c_pe [N, R])``
@@ -149,7 +149,7 @@ def _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_
                               128 // (kv_cache_ptr.dtype.element_ty.primitive_bitwidth // 8))
         pos = start + offs_n
         valid = pos < hi
-        c_mine, c_other, c_pe = _load_tile(kv_cache_ptr, lat_desc, pe_desc, block_row_ptr, start, pos, valid,
+        c_mine, c_other, c_pe = load_latent_tile(kv_cache_ptr, lat_desc, pe_desc, block_row_ptr, start, pos, valid,
                                            mine, other, dims_r, mine_ok, other_ok, pe_ok, part, stride_c_block,
                                            stride_c_slot, kv_lora_rank, block_size, BLOCK_V, V_PARTS, USE_TMA)
         c_mine = c_mine.to(q_mine.dtype)
@@ -227,7 +227,7 @@ def mla_decode_kernel(
     if V_PARTS == 2:
         q_other = tl.load(q_rows + other[None, :], mask=row_ok[:, None] & other_ok[None, :], other=0.0)
     q_pe = tl.load(q_rows + kv_lora_rank + dims_r[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0)
-    qk_scale, v_scale = _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8, Q_FP8)
+    qk_scale, v_scale = latent_score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8, Q_FP8)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from tripath.kernels.attention_common import finalize
-from tripath.kernels.mla_decode import _load_tile, _score_scale, split_range
+from tripath.kernels.mla_decode import load_latent_tile, latent_score_scale, split_range
 from tripath.kernels.quant import round_to_fp8_grid
 from tripath.triton_internals.specialize import STEP_INVARIANT
 
@@ -71,7 +71,7 @@ def mla_verify_kernel(
     q_rows = q_ptr + token[:, None] * stride_q_t + heads[:, None] * stride_q_h
     q_lat = tl.load(q_rows + dims_l[None, :], mask=row_ok[:, None] & lat_ok[None, :], other=0.0)
     q_pe = tl.load(q_rows + kv_lora_rank + dims_r[None, :], mask=row_ok[:, None] & pe_ok[None, :], other=0.0)
-    qk_scale, v_scale = _score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8, Q_FP8)
+    qk_scale, v_scale = latent_score_scale(sm_scale, q_scale_ptr, kv_scale_ptr, KV_FP8, Q_FP8)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -81,7 +81,7 @@ def mla_verify_kernel(
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        c_lat, _, c_pe = _load_tile(kv_cache_ptr, kv_cache_ptr, kv_cache_ptr, block_row_ptr, start, pos, valid,
+        c_lat, _, c_pe = load_latent_tile(kv_cache_ptr, kv_cache_ptr, kv_cache_ptr, block_row_ptr, start, pos, valid,
                                     dims_l, dims_l, dims_r, lat_ok, lat_ok, pe_ok, 0, stride_c_block,
                                     stride_c_slot, kv_lora_rank, block_size, BLOCK_L, 1, False)
         c_lat = c_lat.to(q_lat.dtype)
