@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
 from tripath.server.transport.core_messages import Add, AddGroup, Ready, Update
@@ -22,7 +23,7 @@ from tripath.server.transport.submissions import Failure, Submission, Submission
 log = logging.getLogger("tripath.server")
 
 
-class EngineFront:
+class EngineFront(ABC):
     """What both clients share (see the module doc). The facts (``tokenizer`` ... ``generation_defaults``) are
     set once ready; ``startup_error``: the engine could not be built."""
 
@@ -57,13 +58,13 @@ class EngineFront:
         adds = tuple(Add(sub.request_id, sub.prompt_token_ids, sub.params) for sub in subs)
         self._send_command(adds[0] if len(adds) == 1 else AddGroup(adds))
 
+    @abstractmethod
     def _refusal(self) -> Failure | None:
         """Why no request can be submitted now (stopping, the engine gone), or None."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _send_command(self, command) -> None:
-        """Hand a command to the core's loop."""
-        raise NotImplementedError
+        """Hand a command to the core's loop (over its pipe, or its local channel)."""
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._settled.wait(timeout)
