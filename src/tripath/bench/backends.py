@@ -30,7 +30,7 @@ CPU_STEPS = {
     "extend": [(50, 8), (33, 6)],
     "prefill": [(0, 20), (0, 9)],
 }
-MHA_BACKENDS = ("three_path", "unified", "two_path", "torch")
+MHA_BACKENDS = ("three_path", "unified", "two_path", "mixed", "torch")
 MLA_BACKENDS = ("mla", "mla_triton", "torch")
 GPU_MLA_STEPS = {"MLA decode-heavy (64 × 4096 + 2 × 512)": [(4096, 1)] * 64 + [(0, 512)] * 2,
                  "MLA mixed (16 dec + 2 ext + 1 pre)": [(4096, 1)] * 16 + [(2048, 256)] * 2 + [(0, 1024)]}
