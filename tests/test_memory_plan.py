@@ -251,7 +251,8 @@ def test_a_gpu_preset_with_defaults_serves_a_worst_case_workload_within_its_plan
     free, total = torch.cuda.mem_get_info()
     device_used = total - free   # what the driver holds too: the caching allocator's reserve, contexts, local memory
     print(f"{preset} {backend}: peak {peak / 2**30:.2f} GiB allocated, planned {plan.planned_peak / 2**30:.2f} GiB; "
-          f"the device {device_used / 2**30:.2f} GiB in use after it, budget {plan.budget / 2**30:.2f} GiB; "
+          f"the device {device_used / 2**30:.2f} GiB in use after it ({torch.cuda.memory_reserved() / 2**30:.2f} "
+          f"GiB reserved by PyTorch), budget {plan.budget / 2**30:.2f} GiB; "
           f"{llm.num_compiled_since_start} compiled after start")
     assert all(len(o.output_token_ids) == out_len for o in outputs)
     assert peak <= plan.planned_peak

@@ -210,6 +210,31 @@ def test_one_workspace_serves_many_calls_and_mixes():
             assert not ws.counters.any()
 
 
+def test_a_grown_workspace_shares_partials_and_the_outgrown_one_still_serves():
+    """The ``mixed`` backend grows its workspace for a larger step; a CUDA graph captured on the smaller one
+    holds that one's buffers, so it must stay alive, share the partials and counters, and still attend right
+    after the larger step ran on the new one."""
+    from tripath.attention import AttentionSpec
+    from tripath.attention.backends.mixed import MixedBackend
+
+    hq, hkv = 4, 2
+    backend = MixedBackend(AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_size=D), device=DEVICE)
+    small = backend.workspace(8, 4, hq, DEVICE)
+    assert backend.workspace(200, 16, hq, DEVICE) is small   # fits: no growth
+    large = backend.workspace(300, 40, hq, DEVICE)
+    assert large is not small and (large.max_num_tokens, large.max_num_seqs) == (512, 64)
+    assert large.part_out is small.part_out and large.counters is small.counters and large.counts is small.counts
+    assert large.items.data_ptr() != small.items.data_ptr() and small in backend._outgrown
+    steps = ([(300, 1), (0, 250)], [(40, 1), (9, 1), (30, 6)])
+    for ws, requests in ((large, steps[0]), (small, steps[1]), (large, steps[0])):
+        q, k_cache, v_cache, bt, sl, cq = _step(requests, hq, hkv)
+        got = mixed_attention(q, k_cache, v_cache, bt, sl, cq, workspace=ws, kv_split=16)
+        _compare(got, R.unified_attention_ref(q, k_cache, v_cache, bt, sl, cq), q.dtype)
+        assert not ws.counters.any()
+    with pytest.raises(ValueError, match="share"):
+        mixed_attention_workspace(8, 2, D, max_num_tokens=6, max_num_seqs=2, device=DEVICE, share=small)
+
+
 def test_without_a_workspace_and_on_the_torch_path(monkeypatch):
     requests = [(20, 1), (7, 5)]
     q, k_cache, v_cache, bt, sl, cq = _step(requests, 4, 2)

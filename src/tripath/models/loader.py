@@ -16,6 +16,7 @@ rank the slices of the same random weights as the unsharded model.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -73,7 +74,11 @@ def build_model(config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, dev
         raise TypeError(f"dtype={dtype} is not supported; supported: float16, bfloat16, float32")
     with torch.device("meta"):
         model = MODEL_CLASSES[config.family](config, dtype, parallel)
-    model = model.to_empty(device=torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda":   # an engine the caller dropped may still hold the GPU through a reference cycle
+        gc.collect()
+        torch.cuda.empty_cache()
+    model = model.to_empty(device=device)
     model.requires_grad_(False)
     return model.eval()
 

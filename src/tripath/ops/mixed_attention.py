@@ -90,11 +90,17 @@ class MixedAttentionWorkspace:
 
 def mixed_attention_workspace(num_heads: int, num_kv_heads: int, head_size: int, *, max_num_tokens: int,
                               max_num_seqs: int, device, head_size_v: int | None = None,
-                              split_budget: int | None = None, programs: int | None = None) -> MixedAttentionWorkspace:
+                              split_budget: int | None = None, programs: int | None = None,
+                              share: MixedAttentionWorkspace | None = None) -> MixedAttentionWorkspace:
     """Allocate the buffers of :func:`mixed_attention` for steps of at most ``max_num_tokens`` new tokens and
     ``max_num_seqs`` requests. ``split_budget`` (default: the platform's, twice the cost model's target) bounds
     the list's pieces beyond one a tile, and sizes the partials (``2 · split_budget`` slots); ``programs``
-    replaces the persistent grid's size (default: :func:`tripath.ops._configs.mixed_schedule`)."""
+    replaces the persistent grid's size (default: :func:`tripath.ops._configs.mixed_schedule`).
+
+    ``share``: a workspace of the same heads, head sizes, device and split budget whose partials, merge
+    counters and counts the new one uses too (they do not depend on the bucket): a larger bucket then costs
+    only its work list, and ``share``'s own work list stays valid for whatever holds it (a captured CUDA
+    graph). The two serve one launch at a time between them."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:   # "cuda": the current device, as tensors name it
         device = torch.device("cuda", torch.cuda.current_device())
@@ -121,15 +127,28 @@ def mixed_attention_workspace(num_heads: int, num_kv_heads: int, head_size: int,
     max_items = int(max_num_tokens) // config["BLOCK_Q"] + int(max_num_seqs) + split_budget
     programs = min(int(programs or default_programs), max_items * num_kv_heads)
     slots = 2 * split_budget
-    f32 = dict(dtype=torch.float32, device=device)
+    items = torch.zeros(max_items, ITEM_FIELDS.value, dtype=torch.int32, device=device)
+    if share is not None:
+        _check_shared(share, (num_heads, num_kv_heads, head_size, head_size_v, device, split_budget))
+        shared = dict(counts=share.counts, part_out=share.part_out, part_lse=share.part_lse, counters=share.counters)
+    else:
+        f32 = dict(dtype=torch.float32, device=device)
+        shared = dict(counts=torch.zeros(4, dtype=torch.int32, device=device),
+                      part_out=torch.empty(slots, num_kv_heads, block_m, config["BLOCK_DV"], **f32),
+                      part_lse=torch.empty(slots, num_kv_heads, block_m, **f32),
+                      counters=torch.zeros(slots, num_kv_heads, dtype=torch.int32, device=device))
     return MixedAttentionWorkspace(
         num_heads, num_kv_heads, head_size, head_size_v, int(max_num_tokens), int(max_num_seqs), device, config,
-        programs, target_items, split_budget, min_split,
-        items=torch.zeros(max_items, ITEM_FIELDS.value, dtype=torch.int32, device=device),
-        counts=torch.zeros(4, dtype=torch.int32, device=device),
-        part_out=torch.empty(slots, num_kv_heads, block_m, config["BLOCK_DV"], **f32),
-        part_lse=torch.empty(slots, num_kv_heads, block_m, **f32),
-        counters=torch.zeros(slots, num_kv_heads, dtype=torch.int32, device=device))
+        programs, target_items, split_budget, min_split, items=items, **shared)
+
+
+def _check_shared(share, want: tuple) -> None:
+    if not isinstance(share, MixedAttentionWorkspace):
+        raise TypeError(f"share must be a MixedAttentionWorkspace, got {type(share).__name__}")
+    got = (share.num_heads, share.num_kv_heads, share.head_size, share.head_size_v, share.device, share.split_budget)
+    if got != want:
+        raise ValueError(f"share was made for (num_heads, num_kv_heads, head_size, head_size_v, device, "
+                         f"split_budget) = {got}, the new workspace has {want}")
 
 
 def plan_mixed_attention(workspace: MixedAttentionWorkspace, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, *,

@@ -4,7 +4,9 @@ lengths, so the host does the same few calls for any mix, and every step reads d
 
 The backend keeps one workspace (:func:`tripath.ops.mixed_attention_workspace`: work list, merge counters, split
 partials), made for the first step and grown to the next powers of two of tokens and requests when a step does
-not fit it; the engine's start runs its largest step first, so serving uses the final one. Each layer plans
+not fit it. A grown workspace shares the partials and counters of the one before, and the backend keeps every
+outgrown work list: a CUDA graph captured on a smaller step (a decode graph captured before the engine's first
+large step) replays on the buffers it captured. Each layer plans
 (one small launch) before it attends: planning once a step, shared by the layers, needs a per-step hook the
 engine does not give backends yet. Not among ``auto``'s choices: opt in with ``backend="mixed"``
 (``tripath bench`` compares it with the others).
@@ -25,6 +27,7 @@ class MixedBackend(MHAAttentionBackend):
     def __init__(self, spec, device="cpu"):
         super().__init__(spec, device)
         self._workspace: MixedAttentionWorkspace | None = None
+        self._outgrown: list[MixedAttentionWorkspace] = []   # their work lists, which captured graphs may hold
 
     def workspace(self, num_tokens: int, num_seqs: int, num_heads: int, device) -> MixedAttentionWorkspace:
         """The backend's workspace, grown (to powers of two) when a step of ``num_tokens`` new tokens and
@@ -38,7 +41,9 @@ class MixedBackend(MHAAttentionBackend):
         self._workspace = mixed_attention_workspace(num_heads, spec.num_kv_heads, spec.head_size,
                                                     head_size_v=spec.head_size_v or spec.head_size,
                                                     max_num_tokens=_pow2(tokens), max_num_seqs=_pow2(seqs),
-                                                    device=device)
+                                                    device=device, share=ws)
+        if ws is not None:
+            self._outgrown.append(ws)
         return self._workspace
 
     def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None, window_left=None):

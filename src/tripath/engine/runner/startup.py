@@ -137,6 +137,10 @@ class RunnerStart:
                 if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
                     self.mixed_graphs = capture_mixed_graphs(self)
                 hold_step_memory(self)
+        if self.memory_plan is not None:   # what the device holds that PyTorch's allocator does not count
+            free, total = torch.cuda.mem_get_info(self.device)
+            outside = total - free - torch.cuda.memory_reserved(self.device)
+            self.memory_plan.measured["outside the allocator"] = outside
 
     def close(self) -> None:
         """Release the start's compile pool, if open (one rank, in this process: nothing else); idempotent."""
