@@ -103,6 +103,11 @@ def test_rounds_report_the_median_round_with_the_first_rounds_starts():
     assert serve_rounds.merge_rounds([single]) is single
     failed = {"backend": "b", "error": "the benchmark process exited with 1"}
     assert serve_rounds.merge_rounds([single, failed]) is failed
+    line = serve_rounds.round_line({**result_of(3.0, 20.0, compiled=1), "passes": [
+        {"elapsed_s": 9.0, "compiled_after_start": 1}, {"elapsed_s": 3.0, "compiled_after_start": 0, "floor_fraction": 0.5}]})
+    assert line == "   b: start 20.0 s (10.0 s on the warm cache); passes 9.000 / 3.000 s; warm pass 50.0% of the floor; " \
+                   "1 compiled after start"   # printed as each round ends
+    assert serve_rounds.round_line(failed) == "   b: the benchmark process exited with 1"
     row = {"backend": "b", "first_pass_s": 0.7, "warm_passes_s": [0.5], "round_warm_passes_s": [0.5, 0.55]}
     assert serve_rounds.format_passes(row).endswith("; warm pass of each round 0.500 / 0.550 s (within 10.0%; "
                                              "reported: the median round)")

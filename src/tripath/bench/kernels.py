@@ -13,6 +13,8 @@ GPU time of CUDA-graph replays, since an eager launch of such a kernel also meas
 from __future__ import annotations
 
 import statistics
+import sys
+import time
 
 import torch
 
@@ -282,19 +284,23 @@ def run(sections=("decode", "verify", "prefill", "mixed", "mla", "lm_head"), rep
     report = Report(device=torch.cuda.get_device_name())
     capped_before = power_capping_us()
     torch.manual_seed(0)
+    began = time.perf_counter()
     check_correctness(report)
     measure_floors(report)
+    print(f"== correctness and floors: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     parts = {"decode": [bench_decode], "verify": [bench_verify, bench_mla_verify], "prefill": [bench_prefill],
              "mixed": [bench_mixed],
              "mla": [bench_mla_decode, bench_mla_prefill, bench_mla_prep, bench_mla_backends],
              "lm_head": [bench_lm_head]}
     for section in sections:
         for fn in parts[section]:
+            began = time.perf_counter()
             try:
                 fn(report)
             except Exception as exc:  # one broken section must not hide the others' numbers
                 report.errors.append(f"{fn.__name__}: {type(exc).__name__}: {exc}")
             torch.cuda.empty_cache()
+            print(f"== {fn.__name__}: {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
     capped_after = power_capping_us()
     if capped_before is not None and capped_after is not None:
         report.power_capped_s = (capped_after - capped_before) / 1e6

@@ -45,7 +45,26 @@ def run_rounds(workload: Workload, workload_name: str, args) -> list[dict]:
                     again = spawn_backend(workload, backend, args, caches[backend], start_only=True)
                     result["warm_start_s"] = again.get("start_s")
                 rounds[backend].append(result)
+                print(round_line(result), file=sys.stderr, flush=True)   # a run cut short still says this much
     return [merge_rounds(rounds[backend]) for backend in workload.backends]
+
+
+def round_line(result: dict) -> str:
+    """One backend's round in a line, printed as it ends: its starts, every pass, the warm pass's share of
+    the floor and what compiled after start (or its error)."""
+    if "error" in result:
+        return f"   {result['backend']}: {result['error']}"
+    passes = result.get("passes", [])
+    line = f"   {result['backend']}: start {result.get('start_s', float('nan')):.1f} s"
+    if result.get("warm_start_s") is not None:
+        line += f" ({result['warm_start_s']:.1f} s on the warm cache)"
+    if passes:
+        warm = median_pass(passes[1:] or passes)
+        line += "; passes " + " / ".join(f"{p['elapsed_s']:.3f}" for p in passes) + " s"
+        if warm.get("floor_fraction") is not None:
+            line += f"; warm pass {100 * warm['floor_fraction']:.1f}% of the floor"
+        line += f"; {sum(p['compiled_after_start'] for p in passes)} compiled after start"
+    return line
 
 
 def median_pass(passes: list[dict]) -> dict:
