@@ -76,6 +76,39 @@ def test_layer_window_overrides_the_spec(name):
         backend.forward(step.q, step.k, step.v, step.fresh_cache(), meta, window_left=-3)
 
 
+def test_mixed_plans_once_a_pass_and_again_where_a_layer_changes_the_window(monkeypatch):
+    """Through a ForwardContext the ``mixed`` backend plans its work list in ``begin_pass`` (once a forward
+    pass) and its layers attend on it; a layer with another window plans again, and so does the next layer
+    back on the spec's window; a second pass on the context (multi-step decoding, a graph capture after its
+    eager run) plans again. Every layer's output matches ``torch``'s."""
+    import tripath.attention.backends.mixed as mixed_module
+    from tripath.attention import ForwardContext
+
+    plans = []
+    real_plan = mixed_module.plan_mixed_attention
+    monkeypatch.setattr(mixed_module, "plan_mixed_attention",
+                        lambda ws, cq, sl, window_left: plans.append(window_left) or real_plan(ws, cq, sl,
+                                                                                              window_left=window_left))
+    spec = AttentionSpec(4, 2, 64, dtype=torch.float16, window_left=12, extend_chunk_budget=24)
+    backend = select_backend(spec, "mixed", DEVICE)
+    reference = TorchBackend(spec, DEVICE, new_kv_from_cache=True)
+    step = make_step(spec, BATCHES["mixed"], backend, device=DEVICE, seed=9)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    windows = [None, None, -1, None]
+    want = [reference.forward(step.q, step.k, step.v, step.fresh_cache(), meta, window_left=w) for w in windows]
+    ctx = ForwardContext(backend, meta, [step.fresh_cache() for _ in windows], replay_launches=False)
+    for expected_plans in ([12, -1, 12], [12, -1, 12, 12, -1, 12]):
+        for layer, window in enumerate(windows):
+            got = ctx.attend(layer, step.q, step.k, step.v, window_left=window)
+            torch.testing.assert_close(got.float(), want[layer].float(), **TOL[torch.float16])
+        assert plans == expected_plans
+    plans.clear()   # without a context: a plan for a metadata not planned last, none for the same one again
+    other = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    for _ in range(2):
+        backend.forward(step.q, step.k, step.v, step.fresh_cache(), other)
+    assert plans == [12]
+
+
 def test_torch_backend_matches_float64():
     spec = AttentionSpec(4, 2, 32, dtype=torch.float32, window_left=6, use_sinks=True, use_alibi=True)
     backend = select_backend(spec, "torch", "cpu")

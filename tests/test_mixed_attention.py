@@ -219,9 +219,9 @@ def test_a_grown_workspace_shares_partials_and_the_outgrown_one_still_serves():
 
     hq, hkv = 4, 2
     backend = MixedBackend(AttentionSpec(num_heads=hq, num_kv_heads=hkv, head_size=D), device=DEVICE)
-    small = backend.workspace(8, 4, hq, DEVICE)
-    assert backend.workspace(200, 16, hq, DEVICE) is small   # fits: no growth
-    large = backend.workspace(300, 40, hq, DEVICE)
+    small = backend.workspace(8, 4, DEVICE)
+    assert backend.workspace(200, 16, DEVICE) is small   # fits: no growth
+    large = backend.workspace(300, 40, DEVICE)
     assert large is not small and (large.max_num_tokens, large.max_num_seqs) == (512, 64)
     assert large.part_out is small.part_out and large.counters is small.counters and large.counts is small.counts
     assert large.items.data_ptr() != small.items.data_ptr() and small in backend._outgrown

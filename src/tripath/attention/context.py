@@ -61,6 +61,8 @@ class StepBackend(Protocol):
     @property
     def capabilities(self) -> BackendCapabilities: ...
 
+    def begin_pass(self, meta: AttentionMetadata) -> None: ...
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, meta: AttentionMetadata, *,
                 alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                 out: torch.Tensor | None = None, window_left: int | None = None) -> torch.Tensor: ...
@@ -88,6 +90,10 @@ class ForwardContext:
     ``watched``: the :class:`~tripath.attention.layer_replay.WatchedPaths` the caller keeps across steps (the
     engine keeps one), so later steps on a known code path record without watching. :attr:`replay_refusals`
     lists why each refused recording of the context was refused.
+
+    Before the first MHA layer of each forward pass (the first call, and every call whose layer already
+    attended: the next pass on this context, as multi-step decoding and graph captures make) the context
+    calls the backend's ``begin_pass(metadata)``, where a backend does the step's work its layers share.
     """
 
     backend: StepBackend
@@ -98,6 +104,7 @@ class ForwardContext:
     replay_launches: bool = True
     watched: "WatchedPaths | None" = None
     _replay: "LayerReplay | None" = field(default=None, init=False, repr=False)
+    _pass_layers: set = field(default_factory=set, init=False, repr=False)   # the MHA layers of this pass
 
     def __post_init__(self):
         if self.validate is False or (self.validate is None and not _env.validate()):
@@ -118,6 +125,10 @@ class ForwardContext:
         if not self.backend.capabilities.mha:
             raise TypeError(f"backend {self.backend.name!r} serves MLA models only: MLA layers call attend_mla")
         cache = self.caches[layer_idx]
+        if not self._pass_layers or layer_idx in self._pass_layers:
+            self._pass_layers.clear()
+            self.backend.begin_pass(self.metadata)
+        self._pass_layers.add(layer_idx)
         if self.calibrate_kv_scales:
             calibrate_kv_scales(cache, k, v)
 

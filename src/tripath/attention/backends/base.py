@@ -201,6 +201,11 @@ class AttentionBackend(ABC):
         """``ints`` (already on the device), or the step's integers gathered and uploaded now."""
         return self.step_ints(plan).upload(device) if ints is None else ints
 
+    def begin_pass(self, meta: AttentionMetadata) -> None:
+        """Called by :class:`~tripath.attention.ForwardContext` before the first MHA layer of each forward pass
+        on ``meta``, inside any CUDA graph that captures the pass: the place for work the layers share that
+        reads device values of the step (the ``mixed`` backend's work list). Nothing here."""
+
     def build_metadata(self, plan: BatchPlan, block_table: torch.Tensor, slot_mapping: torch.Tensor, *,
                        decode_num_splits: int | None = None, ints: StepInts | None = None) -> AttentionMetadata:
         """Once per step; every layer's forward reuses the result. ``ints``: :meth:`step_ints` of ``plan``

@@ -2,20 +2,23 @@
 decodes, extends and prefills walk one work list that a planning launch builds on the device from the step's
 lengths, so the host does the same few calls for any mix, and every step reads device tensors only.
 
+The work list is planned once a forward pass (:meth:`MixedBackend.begin_pass`, one small launch before the
+first layer, with the spec's window) and every layer attends on it (one launch); a layer whose window differs
+from the last plan's plans again, and a caller that runs the forward without a
+:class:`~tripath.attention.ForwardContext` gets a plan for each new metadata.
+
 The backend keeps one workspace (:func:`tripath.ops.mixed_attention_workspace`: work list, merge counters, split
 partials), made for the first step and grown to the next powers of two of tokens and requests when a step does
 not fit it. A grown workspace shares the partials and counters of the one before, and the backend keeps every
 outgrown work list: a CUDA graph captured on a smaller step (a decode graph captured before the engine's first
-large step) replays on the buffers it captured. Each layer plans
-(one small launch) before it attends: planning once a step, shared by the layers, needs a per-step hook the
-engine does not give backends yet. Not among ``auto``'s choices: opt in with ``backend="mixed"``
+large step) replays on the buffers it captured. Not among ``auto``'s choices: opt in with ``backend="mixed"``
 (``tripath bench`` compares it with the others).
 """
 
 from __future__ import annotations
 
 from tripath.attention.backends.base import Capabilities, MHAAttentionBackend
-from tripath.ops import MixedAttentionWorkspace, mixed_attention, mixed_attention_workspace
+from tripath.ops import MixedAttentionWorkspace, mixed_attention, mixed_attention_workspace, plan_mixed_attention
 
 MIN_WORKSPACE_TOKENS = 256   # the first workspace's tokens at least (the requests: 16)
 
@@ -28,8 +31,9 @@ class MixedBackend(MHAAttentionBackend):
         super().__init__(spec, device)
         self._workspace: MixedAttentionWorkspace | None = None
         self._outgrown: list[MixedAttentionWorkspace] = []   # their work lists, which captured graphs may hold
+        self._planned_for = None   # the metadata whose work list the workspace holds
 
-    def workspace(self, num_tokens: int, num_seqs: int, num_heads: int, device) -> MixedAttentionWorkspace:
+    def workspace(self, num_tokens: int, num_seqs: int, device) -> MixedAttentionWorkspace:
         """The backend's workspace, grown (to powers of two) when a step of ``num_tokens`` new tokens and
         ``num_seqs`` requests does not fit it."""
         ws = self._workspace
@@ -38,7 +42,7 @@ class MixedBackend(MHAAttentionBackend):
         tokens = max(num_tokens, MIN_WORKSPACE_TOKENS, ws.max_num_tokens if ws else 0)
         seqs = max(num_seqs, 16, ws.max_num_seqs if ws else 0)
         spec = self.spec
-        self._workspace = mixed_attention_workspace(num_heads, spec.num_kv_heads, spec.head_size,
+        self._workspace = mixed_attention_workspace(spec.num_heads, spec.num_kv_heads, spec.head_size,
                                                     head_size_v=spec.head_size_v or spec.head_size,
                                                     max_num_tokens=_pow2(tokens), max_num_seqs=_pow2(seqs),
                                                     device=device, share=ws)
@@ -46,13 +50,25 @@ class MixedBackend(MHAAttentionBackend):
             self._outgrown.append(ws)
         return self._workspace
 
+    def begin_pass(self, meta) -> None:
+        """Plan the pass's work list (the spec's window) into the workspace, for every layer to attend on."""
+        self._plan(meta, meta.plan.num_tokens, self.spec.window_left, meta.block_table.device)
+
+    def _plan(self, meta, num_tokens: int, window_left: int, device) -> MixedAttentionWorkspace:
+        ws = self.workspace(num_tokens, meta.plan.num_requests, device)
+        plan_mixed_attention(ws, meta.cu_seqlens_q, meta.seq_lens, window_left=window_left)
+        self._planned_for = meta
+        return ws
+
     def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None, window_left=None):
         opts = self._options(alibi_slopes, sinks, window_left)
         self._write(k, v, cache, meta)
         k_scale, v_scale = self._scales(cache)
-        ws = self.workspace(q.shape[0], meta.plan.num_requests, q.shape[1], q.device)
+        ws = self.workspace(q.shape[0], meta.plan.num_requests, q.device)
+        if self._planned_for is not meta or ws.window_left != opts["window_left"]:
+            ws = self._plan(meta, q.shape[0], opts["window_left"], q.device)
         return mixed_attention(q, cache.k_cache, cache.v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
-                               layout=cache.layout, k_scale=k_scale, v_scale=v_scale, workspace=ws,
+                               layout=cache.layout, k_scale=k_scale, v_scale=v_scale, workspace=ws, planned=True,
                                out=self._out(q, out), **opts)
 
 
