@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from helpers import FP8_TOL, TOL, naive_attention
+from helpers import FP8_TOL, TOL, naive_attention, poison
 from tripath.attention import AttentionSpec, BackendUnavailableError, explain, select_backend
 from tripath.attention.backends.torch_ref import TorchBackend
 from tripath.bench.batches import make_step
@@ -107,6 +107,38 @@ def test_mixed_plans_once_a_pass_and_again_where_a_layer_changes_the_window(monk
     for _ in range(2):
         backend.forward(step.q, step.k, step.v, step.fresh_cache(), other)
     assert plans == [12]
+
+
+def test_mixed_on_a_padded_bucket_matches_the_step():
+    """A whole-step graph's replay in eager form: the step's metadata copied into a larger bucket's
+    (``copy_padded_``: padding requests of no tokens and no keys, padding tokens writing nothing) gives the
+    step's output on its rows and the step's cache writes, for two different steps into the same bucket."""
+    from tripath.engine.runner.whole_step_graphs import WholeStepGraphs
+
+    spec = AttentionSpec(4, 2, 64, dtype=torch.float16, extend_chunk_budget=24)
+    backend = select_backend(spec, "mixed", DEVICE)
+    graphs = WholeStepGraphs(None, backend, [], sizes=[96], max_num_seqs=10, max_blocks_per_seq=12, device=DEVICE)
+    bucket = graphs.bucket_metadata(96)
+    assert (bucket.plan.num_requests, bucket.num_tokens, bucket.block_table.shape[1]) == (10, 96, 12)
+    for seed, requests in ((5, BATCHES["mixed"]), (6, [(20, 1), (0, 33), (41, 7)])):
+        step = make_step(spec, requests, backend, device=DEVICE, seed=seed)
+        meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+        want_cache = step.fresh_cache()
+        want = TorchBackend(spec, DEVICE, new_kv_from_cache=True).forward(step.q, step.k, step.v, want_cache, meta)
+        bucket.copy_padded_(meta)
+        t = step.q.shape[0]
+        pad = 96 - t
+        q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:], dtype=x.dtype, device=DEVICE)])
+                   for x in (step.q, step.k, step.v))
+        cache = step.fresh_cache()
+        got = backend.forward(q, k, v, cache, bucket, out=poison((96, 4, 64), torch.float16, DEVICE))
+        torch.testing.assert_close(got[:t].float(), want.float(), **TOL[torch.float16])
+        assert got[t:].isnan().all()   # padding rows are not written
+        assert torch.equal(cache.k_cache.view(torch.uint8), want_cache.k_cache.view(torch.uint8))
+        assert torch.equal(cache.v_cache.view(torch.uint8), want_cache.v_cache.view(torch.uint8))
+    big = make_step(spec, [(3, 9)] * 11, backend, device=DEVICE)
+    with pytest.raises(ValueError, match="does not fit the captured bucket"):
+        bucket.copy_padded_(backend.build_metadata(big.plan, big.block_table, big.slot_mapping))
 
 
 def test_torch_backend_matches_float64():

@@ -2,7 +2,9 @@
 between attention calls replayed per padded token count, attention eager between them. On a GPU the
 replayed hidden states equal the eager model's, and an engine with them gives the tokens of one without
 them (prefix hits, chunked prefill with extends beside decodes, tight memory, MHA and MLA backends), with
-nothing compiled after start. On the CPU: the sizes, when the graphs apply, bad sizes."""
+nothing compiled after start. Whole-step graphs (:mod:`tripath.engine.runner.whole_step_graphs`, the ``mixed``
+backend): the same on a GPU, with no attention call left outside the graph. On the CPU: the sizes, when the
+graphs apply, bad sizes."""
 
 import dataclasses
 import random
@@ -15,6 +17,7 @@ from tripath.attention.layer_replay import MIN_LAYERS_TO_REPLAY
 from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.runner.mixed_graphs import MixedStepGraphs
 from tripath.engine.runner.startup import nothing_written_context
+from tripath.engine.runner.whole_step_graphs import WholeStepGraphs
 from tripath.models import load_model
 from tripath.models.loader import build_model, init_random_weights
 from tripath.models.parallel import ParallelState
@@ -150,3 +153,42 @@ def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatc
             assert len(forwards) == len(attends) > 0
     monkeypatch.setattr(ForwardContext, "attend", real_attend)
     assert runs and max(runs) == 256 and llm.block_manager.num_hit_tokens > 0
+
+
+@pytest.mark.gpu
+def test_whole_step_graphs_of_the_mixed_backend_on_gpu(monkeypatch):
+    """``mixed`` reads only device tensors in every step, so the engine captures whole steps with prompt tokens:
+    replayed hidden states equal the eager model's, and the engine's tokens equal an engine's without them
+    (prefix hits, chunked prefill beside decodes), no layer attends outside the graph, nothing compiles."""
+    from model_steps import assert_same_or_near_tie
+
+    model = three_layer_qwen3("cuda", torch.float16)
+    common = dict(backend="mixed", max_num_batched_tokens=256, max_num_seqs=8, device="cuda")
+    llm = LLM(model, num_kv_blocks=8192 // 16, **common)
+    graphs = llm.runner.mixed_graphs
+    assert isinstance(graphs, WholeStepGraphs) and sorted(graphs.graphs) == [16, 32, 64, 128, 256]
+    vocab = model.config.vocab_size
+    for tokens in (5, 100, 256):
+        ctx = nothing_written_context(llm.runner, tokens)
+        ids = torch.randint(0, vocab, (tokens,), device="cuda")
+        positions = torch.randint(0, 200, (tokens,), device="cuda")
+        with torch.inference_mode():
+            eager = model(ids, positions, ctx).clone()
+            replayed = graphs.run(ids, positions, ctx).clone()
+        torch.testing.assert_close(replayed, eager, atol=3e-2, rtol=2e-2)  # fp16; padded GEMMs may round apart
+    rng = random.Random(4)
+    shared = [rng.randrange(1, 256) for _ in range(40)]
+    prompts = [shared * (i % 2) + [rng.randrange(1, 256) for _ in range(rng.randrange(10, 300))] for i in range(14)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    eager_llm = LLM(model, num_kv_blocks=8192 // 16, mixed_cuda_graphs=False, **common)
+    assert eager_llm.runner.mixed_graphs is None
+    expected = [o.output_token_ids for o in eager_llm.generate(prompts, params, use_tqdm=False)]
+    runs, attends = [], []
+    real_run, real_attend = WholeStepGraphs.run, ForwardContext.attend
+    monkeypatch.setattr(WholeStepGraphs, "run", lambda self, *a: runs.append(a[0].shape[0]) or real_run(self, *a))
+    monkeypatch.setattr(ForwardContext, "attend", lambda self, *a, **kw: attends.append(1) or real_attend(self, *a, **kw))
+    got = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert_same_or_near_tie(model, prompts, expected, got)
+    assert runs and max(runs) == 256 and llm.block_manager.num_hit_tokens > 0
+    assert not attends   # every step replayed a graph: decode graphs or whole-step graphs
+    assert llm.num_compiled_since_start == 0

@@ -123,6 +123,7 @@ class AttentionMetadata:
     decode: DecodeMetadata | None = None
     extend: ExtendMetadata | None = None
     prefill: PrefillMetadata | None = None
+    version: int = 0   # bumped by each in-place change of the step tensors (copy_, copy_padded_, advance_decodes_)
 
     @classmethod
     def from_common(cls, common: "AttentionMetadata", **own):
@@ -148,6 +149,35 @@ class AttentionMetadata:
         mine, theirs = (m.decode.verify if m.decode is not None else None for m in (self, other))
         if mine is not None and theirs is not None:   # its table and lengths are views of the above
             copy_step_tensor("decode.verify.cu_seqlens_q", mine.cu_seqlens_q, theirs.cu_seqlens_q)
+        self.version += 1
+        return self
+
+    def copy_padded_(self, other: "AttentionMetadata") -> "AttentionMetadata":
+        """Copy a step of ``b`` requests and ``t`` new tokens (``other``) into this captured bucket of
+        ``B >= b`` requests and ``T >= t`` tokens, in place (whole-step CUDA-graph replay): the step's rows
+        and tokens first; requests ``b .. B - 1`` become padding of no new tokens and no keys
+        (``seq_lens`` / ``context_lens`` 0, ``cu_seqlens_q`` at ``t``), and tokens ``t .. T - 1`` write
+        nothing (slot −1). Only the common tensors are copied, so this serves backends whose forward reads
+        only them (:attr:`~tripath.attention.backends.base.GraphSupport.ALL`); the per-class views keep the
+        captured step's partition. The block table may be narrower than the captured one (as in
+        :meth:`copy_`)."""
+        if type(other) is not type(self):
+            raise TypeError(f"metadata of type {type(other).__name__} cannot be copied into the captured "
+                            f"{type(self).__name__} (build both with the same backend)")
+        b, t = other.plan.num_requests, other.num_tokens
+        if b > self.plan.num_requests or t > self.num_tokens:
+            raise ValueError(f"a step of {b} requests and {t} tokens does not fit the captured bucket of "
+                             f"{self.plan.num_requests} requests and {self.num_tokens} tokens")
+        copy_step_tensor("slot_mapping", self.slot_mapping[:t], other.slot_mapping)
+        self.slot_mapping[t:].fill_(-1)
+        copy_step_tensor("block_table", self.block_table[:b], other.block_table, table=True)
+        for name in ("seq_lens", "context_lens"):
+            mine = getattr(self, name)
+            copy_step_tensor(name, mine[:b], getattr(other, name))
+            mine[b:].zero_()
+        copy_step_tensor("cu_seqlens_q", self.cu_seqlens_q[:b + 1], other.cu_seqlens_q)
+        self.cu_seqlens_q[b + 1:].fill_(t)
+        self.version += 1
         return self
 
     def advance_decodes_(self, positions: torch.Tensor, block_size: int) -> None:
@@ -169,6 +199,7 @@ class AttentionMetadata:
 
         advance = advance_decodes if positions.is_cuda else advance_decodes_ref
         advance(positions, self.seq_lens, self.context_lens, self.block_table, self.slot_mapping, block_size)
+        self.version += 1
 
     def validate_own(self, num_blocks: int, block_size: int) -> None:
         """Check a subclass's own fields against the plan and the common ones (see

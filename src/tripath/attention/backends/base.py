@@ -59,6 +59,9 @@ class GraphSupport(enum.Enum):
     NONE = "none"      # the forward reads the step's host values (the plan's lists): never captured
     DECODE = "decode"  # a decode-only forward reads only device tensors: captured once, replayed after
                        # AttentionMetadata.copy_ (and advanced on the device for multi-step decoding)
+    ALL = "all"        # DECODE, and every forward reads only the metadata's common tensors, its launches
+                       # sized by the step's token and request counts alone: whole steps with prompt tokens
+                       # are captured per token bucket and replayed after AttentionMetadata.copy_padded_
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,22 @@ lengths, so the host does the same few calls for any mix, and every step reads d
 The work list is planned once a forward pass (:meth:`MixedBackend.begin_pass`, one small launch before the
 first layer, with the spec's window) and every layer attends on it (one launch); a layer whose window differs
 from the last plan's plans again, and a caller that runs the forward without a
-:class:`~tripath.attention.ForwardContext` gets a plan for each new metadata.
+:class:`~tripath.attention.ForwardContext` gets a plan for each new metadata or new contents of one
+(``AttentionMetadata.version``).
 
 The backend keeps one workspace (:func:`tripath.ops.mixed_attention_workspace`: work list, merge counters, split
 partials), made for the first step and grown to the next powers of two of tokens and requests when a step does
 not fit it. A grown workspace shares the partials and counters of the one before, and the backend keeps every
 outgrown work list: a CUDA graph captured on a smaller step (a decode graph captured before the engine's first
-large step) replays on the buffers it captured. Not among ``auto``'s choices: opt in with ``backend="mixed"``
+large step) replays on the buffers it captured. Its forward reads only the metadata's common tensors, so the
+engine captures whole steps with prompt tokens in CUDA graphs too (:mod:`tripath.engine.runner.whole_step_graphs`).
+Not among ``auto``'s choices: opt in with ``backend="mixed"``
 (``tripath bench`` compares it with the others).
 """
 
 from __future__ import annotations
 
-from tripath.attention.backends.base import Capabilities, MHAAttentionBackend
+from tripath.attention.backends.base import Capabilities, GraphSupport, MHAAttentionBackend
 from tripath.ops import MixedAttentionWorkspace, mixed_attention, mixed_attention_workspace, plan_mixed_attention
 
 MIN_WORKSPACE_TOKENS = 256   # the first workspace's tokens at least (the requests: 16)
@@ -25,13 +28,13 @@ MIN_WORKSPACE_TOKENS = 256   # the first workspace's tokens at least (the reques
 
 class MixedBackend(MHAAttentionBackend):
     name = "mixed"
-    capabilities = Capabilities(verify_graphs=True)   # one launch on device tensors for any step
+    capabilities = Capabilities(graphs=GraphSupport.ALL, verify_graphs=True)   # device tensors alone, any step
 
     def __init__(self, spec, device="cpu"):
         super().__init__(spec, device)
         self._workspace: MixedAttentionWorkspace | None = None
         self._outgrown: list[MixedAttentionWorkspace] = []   # their work lists, which captured graphs may hold
-        self._planned_for = None   # the metadata whose work list the workspace holds
+        self._planned_for = (None, 0)   # the metadata (and its version) whose work list the workspace holds
 
     def workspace(self, num_tokens: int, num_seqs: int, device) -> MixedAttentionWorkspace:
         """The backend's workspace, grown (to powers of two) when a step of ``num_tokens`` new tokens and
@@ -57,7 +60,7 @@ class MixedBackend(MHAAttentionBackend):
     def _plan(self, meta, num_tokens: int, window_left: int, device) -> MixedAttentionWorkspace:
         ws = self.workspace(num_tokens, meta.plan.num_requests, device)
         plan_mixed_attention(ws, meta.cu_seqlens_q, meta.seq_lens, window_left=window_left)
-        self._planned_for = meta
+        self._planned_for = (meta, meta.version)
         return ws
 
     def forward(self, q, k, v, cache, meta, *, alibi_slopes=None, sinks=None, out=None, window_left=None):
@@ -65,7 +68,8 @@ class MixedBackend(MHAAttentionBackend):
         self._write(k, v, cache, meta)
         k_scale, v_scale = self._scales(cache)
         ws = self.workspace(q.shape[0], meta.plan.num_requests, q.device)
-        if self._planned_for is not meta or ws.window_left != opts["window_left"]:
+        planned_meta, planned_version = self._planned_for
+        if planned_meta is not meta or planned_version != meta.version or ws.window_left != opts["window_left"]:
             ws = self._plan(meta, q.shape[0], opts["window_left"], q.device)
         return mixed_attention(q, cache.k_cache, cache.v_cache, meta.block_table, meta.seq_lens, meta.cu_seqlens_q,
                                layout=cache.layout, k_scale=k_scale, v_scale=v_scale, workspace=ws, planned=True,

@@ -20,7 +20,7 @@ from tripath.engine.runner.step_inputs import StepInputs
 from tripath.ops.attention import tables_span_max_len
 
 
-def _capture(run, pool, device: torch.device):
+def capture_graph(run, pool, device: torch.device):
     """``(graph, static output, pool)`` of ``run`` captured after one eager call (kernels compile outside).
     Both run with :func:`~tripath.ops.attention.tables_span_max_len`: the captured block table is as wide
     as the longest context served, and paged decode picks its tiles for any length."""
@@ -70,7 +70,7 @@ class DecodeGraphs:
             meta = self.backend.build_metadata(plan, block_table, slots)
             ctx = ForwardContext(self.backend, meta, self.caches)
             run = functools.partial(self.model, self.input_ids[:bs * q], self.positions[:bs * q], ctx)
-            graph, hidden, pool = _capture(run, pool, self.device)
+            graph, hidden, pool = capture_graph(run, pool, self.device)
             self.graphs[bs] = (graph, meta, hidden)
             self.prenorm[bs] = getattr(self.model, "prenorm_hidden", None) if \
                 getattr(self.model, "keep_prenorm_hidden", False) else None   # the captured graph's tensor

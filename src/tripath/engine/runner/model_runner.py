@@ -146,7 +146,7 @@ class ModelRunner(startup.RunnerStart):
     def captures_decode_graphs(self) -> bool:
         """Whether decode-only steps replay CUDA graphs: graphs on, and a backend whose decode forward reads
         only device tensors (:attr:`GraphSupport.DECODE`: graph replay changes them)."""
-        return self.config.use_cuda_graphs and self.backend.capabilities.graphs is GraphSupport.DECODE
+        return self.config.use_cuda_graphs and self.backend.capabilities.graphs is not GraphSupport.NONE
 
     @property
     def captures_verify_graphs(self) -> bool:
@@ -158,11 +158,11 @@ class ModelRunner(startup.RunnerStart):
 
     @property
     def uses_mixed_graphs(self) -> bool:
-        """Whether steps with prompt tokens may replay piecewise graphs (:mod:`tripath.engine.runner.mixed_graphs`):
-        on a GPU with graphs on and ``mixed_cuda_graphs``, on one rank (the decision at start is measured per
-        process, and ranks that decided differently would run different collectives), for a model without
-        mixture-of-experts layers. They are captured when the largest eager step measures host-bound at start
-        (:data:`tripath.engine.runner.startup.MIXED_GRAPHS_MIN_HOST_SHARE`)."""
+        """Whether steps with prompt tokens may replay graphs: on a GPU with graphs on and ``mixed_cuda_graphs``,
+        on one rank (ranks must run the same collectives), for a model without mixture-of-experts layers.
+        Whole steps for a backend of :attr:`GraphSupport.ALL` (:mod:`tripath.engine.runner.whole_step_graphs`),
+        else piecewise graphs (:mod:`tripath.engine.runner.mixed_graphs`), captured when the largest eager step
+        measures host-bound at start (:data:`tripath.engine.runner.startup.MIXED_GRAPHS_MIN_HOST_SHARE`)."""
         parallel = getattr(self.model, "parallel", None)
         return (self.config.use_cuda_graphs and self.config.mixed_cuda_graphs
                 and (parallel is None or parallel.world_size == 1)

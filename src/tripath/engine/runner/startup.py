@@ -35,12 +35,14 @@ from typing import TYPE_CHECKING, Iterator, Protocol
 import torch
 
 from tripath.attention import ForwardContext
+from tripath.attention.backends.base import GraphSupport
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
 from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.runner import warmup
 from tripath.engine.runner.executor import Executor, ExecutorCapabilities
 from tripath.engine.runner.memory_plan import MemoryPlan, plan_gpu_memory
 from tripath.engine.runner.mixed_graphs import MixedStepGraphs
+from tripath.engine.runner.whole_step_graphs import WholeStepGraphs
 from tripath.engine.runner.warmup import RunnerBasics, WarmupRunner, saved_plan_path
 from tripath.engine.sampling import fused_sampling
 from tripath.engine.sampling.sampler import make_generator, sample
@@ -134,7 +136,8 @@ class RunnerStart:
                 self.capture_decode_graphs()
             if self.device.type == "cuda":
                 self.largest_step_host_share = time_largest_step(self)
-                if self.uses_mixed_graphs and self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE:
+                whole = self.backend.capabilities.graphs is GraphSupport.ALL
+                if self.uses_mixed_graphs and (whole or self.largest_step_host_share >= MIXED_GRAPHS_MIN_HOST_SHARE):
                     self.mixed_graphs = capture_mixed_graphs(self)
                 hold_step_memory(self)
         if self.memory_plan is not None:   # what the device holds that PyTorch's allocator does not count
@@ -160,6 +163,9 @@ class StartingRunner(RunnerBasics, Protocol):
 
     @property
     def decode_graphs(self) -> DecodeGraphs | None: ...   # whose memory pool the piecewise graphs share
+
+    @property
+    def max_blocks_per_seq(self) -> int: ...   # the block table's width for max_model_len (graph captures)
 
     @property
     def fused_sampling(self) -> FusedSampling | None: ...   # measured at start (fused_sampling.measure)
@@ -228,10 +234,16 @@ def nothing_written_context(runner: StartingRunner, num_tokens: int) -> ForwardC
     return ForwardContext(runner.backend, runner.backend.build_metadata(plan, block_table, slots), runner.caches)
 
 
-def capture_mixed_graphs(runner: StartingRunner) -> MixedStepGraphs:
-    """Piecewise graphs of steps with prompt tokens for ``config.mixed_cuda_graph_sizes()``, captured (in the
-    decode graphs' memory pool); the capture's attention calls see prompts that write nothing."""
+def capture_mixed_graphs(runner: StartingRunner) -> MixedStepGraphs | WholeStepGraphs:
+    """Graphs of steps with prompt tokens for ``config.mixed_cuda_graph_sizes()``, captured (in the decode
+    graphs' memory pool): whole steps for a backend of :attr:`GraphSupport.ALL`, else piecewise graphs whose
+    capture's attention calls see prompts that write nothing."""
     pool = None if runner.decode_graphs is None else runner.decode_graphs.pool
+    if runner.backend.capabilities.graphs is GraphSupport.ALL:
+        whole = WholeStepGraphs(runner.model, runner.backend, runner.caches, runner.config.mixed_cuda_graph_sizes(),
+                                runner.config.max_num_seqs, runner.max_blocks_per_seq, runner.device, pool=pool)
+        whole.capture()
+        return whole
     graphs = MixedStepGraphs(runner.model, runner.config.mixed_cuda_graph_sizes(), runner.device, pool=pool)
     with torch.inference_mode():
         graphs.capture(lambda n: nothing_written_context(runner, n))
