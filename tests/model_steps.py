@@ -137,4 +137,4 @@ def record_graph_captures(monkeypatch) -> None:
         hidden = run()
         return ReplayRecorder(run, hidden), hidden, None
 
-    monkeypatch.setattr("tripath.engine.runner.decode_graphs._capture", capture)
+    monkeypatch.setattr("tripath.engine.runner.decode_graphs.capture_graph", capture)

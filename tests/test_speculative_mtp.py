@@ -361,7 +361,7 @@ def emulate_decode_graphs(monkeypatch, model) -> list:
 
         return Replay(), hidden, None
 
-    monkeypatch.setattr("tripath.engine.runner.decode_graphs._capture", capture)
+    monkeypatch.setattr("tripath.engine.runner.decode_graphs.capture_graph", capture)
     return replays
 
 

@@ -65,7 +65,7 @@ def emulate_graphs(monkeypatch, model) -> None:
 
         return Replay(), hidden, None
 
-    monkeypatch.setattr("tripath.engine.runner.decode_graphs._capture", capture)
+    monkeypatch.setattr("tripath.engine.runner.decode_graphs.capture_graph", capture)
 
 
 def count_routes(llm) -> dict:

@@ -6,7 +6,7 @@ graph's captured metadata (:meth:`AttentionMetadata.copy_`), and the padding row
 capture's inputs (one query token at position 1 reading block 0, slot −1: nothing is written). Every graph
 shares one memory pool (the largest is captured first) and is replayed once at capture, so the upload of
 its work to the device is not on a request's time. The backend must declare
-:attr:`~tripath.attention.backends.base.GraphSupport.DECODE` (its decode forward reads only device tensors).
+:attr:`~tripath.attention.backends.base.GraphSupport.DECODE` or ``ALL`` (its decode forward reads only device tensors).
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class ModelRunner(startup.RunnerStart):
         self.max_blocks_per_seq = blocks_needed(self.max_model_len, self.block_size)
         self.inputs = StepInputBuilder(self.device, self.block_size, config.max_num_batched_tokens,
                                        config.max_num_seqs, self.max_blocks_per_seq)
-        graph_safe = self.backend.capabilities.graphs is GraphSupport.DECODE
+        graph_safe = self.backend.capabilities.graphs is not GraphSupport.NONE
         self.capabilities = ExecutorCapabilities(overlap=True, multi_step=graph_safe)
         self.kv_scales_pending = config.calculate_kv_scales  # set from the first step's keys and values
         self.penalties = PenaltyState(config.max_num_seqs, self.device)  # token counts for the penalties
@@ -145,7 +145,7 @@ class ModelRunner(startup.RunnerStart):
     @property
     def captures_decode_graphs(self) -> bool:
         """Whether decode-only steps replay CUDA graphs: graphs on, and a backend whose decode forward reads
-        only device tensors (:attr:`GraphSupport.DECODE`: graph replay changes them)."""
+        only device tensors (:attr:`GraphSupport.DECODE` or ``ALL``: graph replay changes them)."""
         return self.config.use_cuda_graphs and self.backend.capabilities.graphs is not GraphSupport.NONE
 
     @property

@@ -20,7 +20,7 @@ import functools
 import torch
 
 from tripath.attention import ForwardContext
-from tripath.engine.runner.decode_graphs import capture_graph
+from tripath.engine.runner import decode_graphs
 
 
 class WholeStepGraphs:
@@ -65,7 +65,7 @@ class WholeStepGraphs:
             meta = self.bucket_metadata(n)
             ctx = ForwardContext(self.backend, meta, self.caches, replay_launches=False)
             run = functools.partial(self.model, self.input_ids[:n], self.positions[:n], ctx)
-            graph, hidden, self.pool = capture_graph(run, self.pool, self.device)
+            graph, hidden, self.pool = decode_graphs.capture_graph(run, self.pool, self.device)
             self.graphs[n] = (graph, meta, hidden)
             self.prenorms[n] = getattr(self.model, "prenorm_hidden", None) if \
                 getattr(self.model, "keep_prenorm_hidden", False) else None   # the captured graph's tensor
