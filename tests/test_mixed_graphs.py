@@ -155,6 +155,38 @@ def test_engine_tokens_equal_eager_prompt_steps_on_gpu(name, backend, monkeypatc
     assert runs and max(runs) == 256 and llm.block_manager.num_hit_tokens > 0
 
 
+def test_whole_step_graphs_replay_steps_of_any_mix_on_their_bucket(monkeypatch):
+    """Whole-step graphs emulated on the CPU (a replay re-runs the captured forward on the bucket's inputs and
+    metadata, as a CUDA graph rewrites its memory): steps of different mixes and sizes, one after the other,
+    replay the smallest bucket holding them and give the eager model's hidden states on their rows. The
+    ``mixed`` backend keeps multi-step decoding."""
+    from model_steps import record_graph_captures
+
+    record_graph_captures(monkeypatch)
+    model = load_model("tiny-llama", dtype=torch.float32)
+    llm = LLM(model, backend="mixed", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, device="cpu")
+    runner = llm.runner
+    assert runner.capabilities.multi_step
+    graphs = WholeStepGraphs(model, runner.backend, runner.caches, [16, 64], max_num_seqs=4,
+                             max_blocks_per_seq=runner.max_blocks_per_seq, device=torch.device("cpu"))
+    graphs.capture()
+    g = torch.Generator().manual_seed(0)
+    for query_lens, context_lens, bucket in (([1, 1, 7], [20, 9, 0], 16), ([1, 30, 20], [40, 12, 0], 64),
+                                             ([5], [0], 16), ([1, 1, 1, 13], [3, 50, 7, 0], 16)):
+        plan = runner.backend.plan(query_lens, context_lens)
+        blocks = -(-max(c + q for c, q in zip(plan.context_lens, plan.query_lens)) // runner.block_size)
+        table = torch.randint(1, 64, (len(query_lens), blocks), generator=g, dtype=torch.int32)
+        meta = runner.backend.build_metadata(plan, table, torch.full((plan.num_tokens,), -1, dtype=torch.int64))
+        ctx = ForwardContext(runner.backend, meta, runner.caches)
+        ids = torch.randint(0, model.config.vocab_size, (plan.num_tokens,), generator=g)
+        positions = torch.cat([torch.arange(c, c + q) for q, c in zip(plan.query_lens, plan.context_lens)])
+        with torch.inference_mode():
+            eager = model(ids, positions, ctx).clone()
+            replayed = graphs.run(ids, positions, ctx).clone()
+        assert graphs.bucket(plan.num_tokens) == bucket
+        torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.gpu
 def test_whole_step_graphs_of_the_mixed_backend_on_gpu(monkeypatch):
     """``mixed`` reads only device tensors in every step, so the engine captures whole steps with prompt tokens:

@@ -71,7 +71,8 @@ class WholeStepGraphs:
                 getattr(self.model, "keep_prenorm_hidden", False) else None   # the captured graph's tensor
         for graph, _, _ in self.graphs.values():
             graph.replay()
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """The model's hidden states ``[t, hidden]`` for a step's ``input_ids [t]`` / ``positions [t]`` and its
