@@ -10,7 +10,7 @@ captures."""
 import pytest
 import torch
 
-from tripath.attention import select_backend
+from tripath.attention import ForwardContext, select_backend
 from tripath.engine import LLM, SamplingParams
 from tripath.engine.runner.memory_plan import VERIFY_GRAPHS, worst_steps
 from tripath.engine.runner.model_runner import Route
@@ -127,6 +127,46 @@ def test_three_path_verify_steps_replay_graphs_with_the_outputs_of_no_speculatio
     assert outputs(llm, batch) == want
     assert counts.get(Route.VERIFY_GRAPH, 0) > 0 and counts["padded_batch"] > 0   # 3 requests in the graph of 4
     assert counts["padded_tokens"] > 0
+    assert llm.stats().spec_num_accepted_tokens > 0
+
+
+def test_tree_steps_replay_verify_graphs_with_their_masks(monkeypatch):
+    """An engine drafting trees captures its verify graphs with draft-tree masks: steps with trees (and steps of
+    chains, with a chain's masks) take the verify-graph route, and greedy outputs stay those without
+    speculation (three_path, the verify kernel's tree variant). The drafts' right token is always the second
+    child, so a row that saw its wrong sibling (a chain's mask) would change the tokens."""
+    from test_speculative_trees import _SecondSiblings, branching_prompts, spec
+
+    model = model_of("tiny-llama")
+    prompts = branching_prompts()[:3]
+    options = dict(num_kv_blocks=96, block_size=8, max_num_seqs=4)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    want = outputs(LLM(model, backend="torch", **options), prompts)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    llm = graph_engine(monkeypatch, model, "three_path", spec(2, k=4), **options)
+    llm.scheduler.proposer = _SecondSiblings({tuple(p): w for p, w in zip(prompts, want)}, model.config.vocab_size)
+    assert llm.runner.verify_graphs.trees
+    assert llm.runner.verify_graphs.graphs.graphs[4][1].decode.verify.tree_mask is not None
+    runner, checked = llm.runner, []
+    route, replay = runner.route, runner.verify_graphs.replay
+
+    def routed(scheduled):
+        which = route(scheduled)
+        assert which[0] is Route.VERIFY_GRAPH or not any(s.draft_parents is not None for s in scheduled)
+        return which
+
+    def replayed(bs, inputs):   # a tree step's rows against the eager forward of the step (same K/V rewritten)
+        hidden, prenorm = replay(bs, inputs)
+        if inputs.tree_mask is not None:
+            ctx = ForwardContext(runner.backend, inputs.metadata(runner.backend), runner.caches)
+            torch.testing.assert_close(hidden, runner.model(inputs.input_ids, inputs.positions, ctx),
+                                       atol=1e-4, rtol=1e-4)
+            checked.append(bs)
+        return hidden, prenorm
+
+    runner.route, runner.verify_graphs.replay = routed, replayed
+    assert outputs(llm, prompts) == want
+    assert checked
     assert llm.stats().spec_num_accepted_tokens > 0
 
 

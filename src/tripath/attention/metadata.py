@@ -149,6 +149,7 @@ class AttentionMetadata:
         mine, theirs = (m.decode.verify if m.decode is not None else None for m in (self, other))
         if mine is not None and theirs is not None:   # its table and lengths are views of the above
             copy_step_tensor("decode.verify.cu_seqlens_q", mine.cu_seqlens_q, theirs.cu_seqlens_q)
+            copy_step_tensor("decode.verify.tree_mask", mine.tree_mask, theirs.tree_mask)
         self.version += 1
         return self
 

@@ -45,12 +45,13 @@ class DecodeGraphs:
     :mod:`tripath.engine.runner.verify_graphs`), so a graph of size ``bs`` takes ``bs * query_len`` token rows."""
 
     def __init__(self, model, backend, caches: list, sizes: list[int], max_blocks_per_seq: int,
-                 device: torch.device, query_len: int = 1):
+                 device: torch.device, query_len: int = 1, prepare_metadata=None):
         self.model, self.backend, self.caches = model, backend, caches
         self.sizes = sorted(sizes)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.device = device
         self.query_len = query_len
+        self.prepare_metadata = prepare_metadata   # (meta, bs) -> None: completes a size's captured metadata
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object, torch.Tensor]] = {}
         # each graph's hidden states before the final norm (where the model keeps them: keep_prenorm_hidden)
         self.prenorm: dict[int, torch.Tensor | None] = {}
@@ -68,6 +69,8 @@ class DecodeGraphs:
             block_table = torch.zeros(bs, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
             slots = torch.full((bs * q,), -1, dtype=torch.int64, device=self.device)
             meta = self.backend.build_metadata(plan, block_table, slots)
+            if self.prepare_metadata is not None:
+                self.prepare_metadata(meta, bs)
             ctx = ForwardContext(self.backend, meta, self.caches)
             run = functools.partial(self.model, self.input_ids[:bs * q], self.positions[:bs * q], ctx)
             graph, hidden, pool = capture_graph(run, pool, self.device)

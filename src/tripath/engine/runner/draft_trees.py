@@ -1,11 +1,12 @@
 """The runner's side of speculative decoding's draft trees (:mod:`tripath.engine.speculative.trees`): which
 backends verify them, and moving an accepted path's cache rows to its positions.
 
-A tree step runs eagerly (no verify or mixed graph: their captured metadata has no tree mask). The backend
-reads the verifies' ``tree_mask`` from ``metadata.decode.verify`` (``Capabilities.draft_trees``: ``three_path``
-through :func:`tripath.ops.paged_verify`, the MLA backends through :func:`tripath.ops.mla_decode` on the
-cached context and :func:`tripath.ops.mla_draft_attention` on the trees' own tokens, and the ``torch``
-reference), so the verifies must sit in its decode slice (``decode_threshold = 1 + num_speculative_tokens``).
+A step of decodes and tree verifies alone replays a verify graph captured with tree masks
+(:mod:`tripath.engine.runner.verify_graphs`); a tree step beside prompt tokens runs eagerly (the other graphs'
+captured metadata has no tree mask). The backend reads the verifies' ``tree_mask`` from
+``metadata.decode.verify`` (``Capabilities.draft_trees``: ``three_path`` through :func:`tripath.ops.paged_verify`,
+the MLA backends through :func:`tripath.ops.mla_verify`, and the ``torch`` reference), so the verifies must
+sit in its decode slice (``decode_threshold = 1 + num_speculative_tokens``).
 """
 
 from __future__ import annotations

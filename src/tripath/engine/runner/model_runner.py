@@ -17,11 +17,11 @@ Per step (host work once, shared by every layer):
 A step takes one of four routes, chosen in one place (:meth:`ModelRunner.route`): a decode-only step
 replays the decode graph of its padded batch size (:mod:`tripath.engine.runner.decode_graphs`); with speculative
 decoding, a step of decodes and verifies alone replays the verify graph of its padded batch size
-(:mod:`tripath.engine.runner.verify_graphs`); a step with prompt
-tokens replays the piecewise graphs of its padded token count where they were captured
-(:mod:`tripath.engine.runner.mixed_graphs`); any other step runs the model eagerly. Inside the graphs' routes the
-layers' attention still runs on the step's own metadata, and the context replays the first layer's launches
-for the others (:mod:`tripath.attention.layer_replay`).
+(:mod:`tripath.engine.runner.verify_graphs`, draft trees' masks too when the engine drafts trees); a step with
+prompt tokens replays the graphs of its padded token count where captured: whole steps for a backend of
+``GraphSupport.ALL`` (:mod:`tripath.engine.runner.whole_step_graphs`), else piecewise graphs between eager
+attention calls whose first layer's launches the others replay (:mod:`tripath.engine.runner.mixed_graphs`);
+any other step runs the model eagerly.
 
 :meth:`ModelRunner.launch` only queues that work on the device and returns a
 :class:`~tripath.engine.runner.launched_step.LaunchedStep`, whose ``sampled()`` waits for the tokens (copied to
@@ -93,9 +93,7 @@ class ModelRunner(startup.RunnerStart):
     def __init__(self, model, config: EngineConfig, *, extra_cache_bytes=None):
         self.model = model
         self.extra_cache_bytes = extra_cache_bytes   # block_size -> bytes another cache sized with this one takes
-        # Takes every launch's hidden states before the final norm: observe(scheduled, inputs, prenorm [T, H])
-        # (the mtp proposer). The model keeps them from before the graphs are captured, so each graph has its own.
-        self.hidden_observer = None
+        self.hidden_observer = None   # the mtp proposer: observe(scheduled, inputs, prenorm [T, H]) (module doc)
         speculation = config.speculative_config
         if speculation is not None and speculation.needs_target_hidden:
             model.keep_prenorm_hidden = True
@@ -178,9 +176,10 @@ class ModelRunner(startup.RunnerStart):
     def capture_verify_graphs(self) -> None:
         """Capture the verify graphs (:class:`VerifyGraphs`) for ``config.cuda_graph_batch_sizes()``, before
         the decode graphs, which then share their memory pool."""
+        speculation = self.config.speculative_config
         self.verify_graphs = VerifyGraphs(self.model, self.backend, self.caches, self.config.cuda_graph_batch_sizes(),
                                           self.max_blocks_per_seq, self.block_size, self.spec.decode_threshold,
-                                          self.device)
+                                          self.device, trees=speculation is not None and speculation.uses_trees)
         self.verify_graphs.capture()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -202,22 +201,22 @@ class ModelRunner(startup.RunnerStart):
 
     # ---- the route ----------------------------------------------------------------------------------
     def route(self, scheduled: list[ScheduledRequest]) -> tuple[Route, int | None]:
-        """How the step runs, and the decode graph's padded batch size on that route: decodes alone replay
-        the smallest decode graph that holds them, decodes and verifies alone the smallest verify graph (the
-        batch size returned too); a step whose token count has a piecewise-graph bucket
-        (and whose KV scales are set) replays that bucket; anything else, eager."""
+        """How the step runs, and the graph's padded batch size: decodes alone replay the smallest decode graph
+        holding them, decodes and verifies alone the smallest verify graph (draft trees only where it takes
+        their masks); a step whose token count has a bucket (KV scales set) replays it; anything else, eager."""
         graphs = self.decode_graphs
         if graphs is not None and all(s.num_new_tokens == 1 and s.num_computed_tokens > 0 for s in scheduled):
             bs = graphs.batch_size(len(scheduled))
             if bs is not None:
                 return Route.DECODE_GRAPH, bs
-        if any(s.draft_parents is not None for s in scheduled):   # draft trees: eager (no graph takes a mask)
-            return Route.EAGER, None
         verify = self.verify_graphs
-        if verify is not None and verify.takes(scheduled):
+        trees = any(s.draft_parents is not None for s in scheduled)   # only verify graphs may take their masks
+        if verify is not None and (verify.trees or not trees) and verify.takes(scheduled):
             bs = verify.batch_size(len(scheduled))
             if bs is not None:
                 return Route.VERIFY_GRAPH, bs
+        if trees:
+            return Route.EAGER, None
         mixed = self.mixed_graphs
         if mixed is not None and not self.kv_scales_pending and \
                 mixed.bucket(sum(s.num_new_tokens for s in scheduled)):

@@ -20,6 +20,11 @@ written earlier, or the cache's zeros). Their rotary position is 1 (only their d
 outgrows the model's rotary table. After the replay the real tokens' hidden states (and those before the
 final norm, for the ``mtp`` proposer) are gathered back into the eager step's row order, and the logits,
 acceptance and sampling run outside the graph as for the decode graphs.
+
+When the engine drafts trees (``tree_width > 1``) the graphs are captured with draft-tree masks
+(``metadata.decode.verify.tree_mask``, one int32 a row: :func:`~tripath.engine.speculative.trees.tree_mask_bits`)
+and every replay carries one: a chain's rows (and padding rows) the causal chain's masks, a tree's rows its
+own, so tree steps replay the graphs too; the backend's verify route then runs its tree variant always.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from tripath.attention import ForwardContext
 from tripath.attention.step_ints import to_device
 from tripath.engine.runner.decode_graphs import DecodeGraphs
 from tripath.engine.runner.step_inputs import StepInputs
+from tripath.engine.speculative.trees import chain_parents, tree_mask_bits
 from tripath.engine.scheduling.block_manager import blocks_needed
 
 
@@ -39,10 +45,16 @@ class VerifyGraphs:
     (``query_len = 1 + k = decode_threshold``) and the padding of a step's inputs into its rows."""
 
     def __init__(self, model, backend, caches: list, sizes: list[int], max_blocks_per_seq: int,
-                 block_size: int, query_len: int, device: torch.device):
+                 block_size: int, query_len: int, device: torch.device, trees: bool = False):
         self.block_size, self.query_len = block_size, query_len
         self.max_blocks = max_blocks_per_seq
-        self.graphs = DecodeGraphs(model, backend, caches, sizes, self.max_blocks, device, query_len=query_len)
+        self.trees = trees   # captured with draft-tree masks: tree steps replay too
+        self.chain_masks = to_device(tree_mask_bits(chain_parents(query_len - 1)) * max(sizes), torch.int32,
+                                     device) if trees else None   # every row of every size, as chains
+        prepare = (lambda meta, bs: setattr(meta.decode.verify, "tree_mask", self.chain_masks[:bs * query_len].clone())) \
+            if trees else None
+        self.graphs = DecodeGraphs(model, backend, caches, sizes, self.max_blocks, device, query_len=query_len,
+                                   prepare_metadata=prepare)
         self.backend, self.device = backend, device
         self.slots = torch.full((max(sizes) * query_len,), -1, dtype=torch.int64, device=device)
         self.prenorm = self.graphs.prenorm
@@ -85,6 +97,12 @@ class VerifyGraphs:
         padded = self.backend.plan([q] * bs, list(plan.context_lens) + [1] * (bs - n))
         graph, meta, hidden = graphs.graphs[bs]
         step = self.backend.build_metadata(padded, table, slots)
+        if self.trees:   # chains' masks, a tree's own rows replaced by its mask
+            mask = self.chain_masks[:bs * q].clone()
+            if inputs.tree_mask is not None:
+                tree_rows = [p * q + t for p, ql in enumerate(plan.query_lens) if ql > 1 for t in range(ql)]
+                mask.index_copy_(0, to_device(tree_rows, torch.int64, self.device), inputs.tree_mask)
+            step.decode.verify.tree_mask = mask
         if _env.validate():   # the padded step against the caches (ForwardContext checks on construction)
             ForwardContext(self.backend, step, graphs.caches)
         meta.copy_(step)
