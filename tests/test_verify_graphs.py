@@ -20,6 +20,7 @@ from tripath.models import load_model
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 DRAFT = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3}
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
+TREES = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "tree_width": 2}
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 _models = {}
@@ -227,7 +228,8 @@ def test_memory_plan_and_warm_up_cover_the_largest_verify_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,backend,spec", [("tiny-llama", "three_path", NGRAM), ("tiny-llama", "unified", NGRAM),
                                                ("tiny-llama", "three_path", DRAFT),
-                                               ("tiny-deepseek", "mla", MTP)])
+                                               ("tiny-deepseek", "mla", MTP), ("tiny-llama", "three_path", TREES),
+                                               ("tiny-deepseek", "mla", TREES)])
 def test_verify_graphs_on_the_gpu(name, backend, spec):
     """Real captures with the engine's GPU defaults (warm-up, memory plan, graphs): verify steps replay graphs,
     greedy outputs are those without speculation (up to near ties), nothing compiles after start."""
