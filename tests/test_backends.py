@@ -117,9 +117,13 @@ def test_mixed_on_a_padded_bucket_matches_the_step():
 
     spec = AttentionSpec(4, 2, 64, dtype=torch.float16, extend_chunk_budget=24)
     backend = select_backend(spec, "mixed", DEVICE)
-    graphs = WholeStepGraphs(None, backend, [], sizes=[96], max_num_seqs=10, max_blocks_per_seq=12, device=DEVICE)
+    graphs = WholeStepGraphs(None, backend, [], sizes=[96], max_num_seqs=10, max_model_len=192, max_blocks_per_seq=12,
+                             device=DEVICE)
     bucket = graphs.bucket_metadata(96)
     assert (bucket.plan.num_requests, bucket.num_tokens, bucket.block_table.shape[1]) == (10, 96, 12)
+    assert bucket.plan.query_lens == [10] * 6 + [9] * 4
+    assert WholeStepGraphs(None, backend, [], sizes=[96], max_num_seqs=2, max_model_len=40, max_blocks_per_seq=3,
+                           device=DEVICE).bucket_metadata(96) is None   # two prompts of 48 pass max_model_len
     for seed, requests in ((5, BATCHES["mixed"]), (6, [(20, 1), (0, 33), (41, 7)])):
         step = make_step(spec, requests, backend, device=DEVICE, seed=seed)
         meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)

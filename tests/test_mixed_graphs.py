@@ -167,9 +167,11 @@ def test_whole_step_graphs_replay_steps_of_any_mix_on_their_bucket(monkeypatch):
     llm = LLM(model, backend="mixed", num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4, device="cpu")
     runner = llm.runner
     assert runner.capabilities.multi_step
-    graphs = WholeStepGraphs(model, runner.backend, runner.caches, [16, 64], max_num_seqs=4,
-                             max_blocks_per_seq=runner.max_blocks_per_seq, device=torch.device("cpu"))
+    graphs = WholeStepGraphs(model, runner.backend, runner.caches, [16, 64, 16384], max_num_seqs=4,
+                             max_model_len=runner.max_model_len, max_blocks_per_seq=runner.max_blocks_per_seq,
+                             device=torch.device("cpu"))
     graphs.capture()
+    assert sorted(graphs.graphs) == [16, 64] and graphs.bucket(100) is None   # 4 x 4096 pass max_model_len
     g = torch.Generator().manual_seed(0)
     for query_lens, context_lens, bucket in (([1, 1, 7], [20, 9, 0], 16), ([1, 30, 20], [40, 12, 0], 64),
                                              ([5], [0], 16), ([1, 1, 1, 13], [3, 50, 7, 0], 16)):

@@ -241,7 +241,8 @@ def capture_mixed_graphs(runner: StartingRunner) -> MixedStepGraphs | WholeStepG
     pool = None if runner.decode_graphs is None else runner.decode_graphs.pool
     if runner.backend.capabilities.graphs is GraphSupport.ALL:
         whole = WholeStepGraphs(runner.model, runner.backend, runner.caches, runner.config.mixed_cuda_graph_sizes(),
-                                runner.config.max_num_seqs, runner.max_blocks_per_seq, runner.device, pool=pool)
+                                runner.config.max_num_seqs, runner.max_model_len, runner.max_blocks_per_seq,
+                                runner.device, pool=pool)
         whole.capture()
         return whole
     graphs = MixedStepGraphs(runner.model, runner.config.mixed_cuda_graph_sizes(), runner.device, pool=pool)

@@ -2,7 +2,8 @@
 only device tensors (:attr:`~tripath.attention.backends.base.GraphSupport.ALL`: ``mixed``).
 
 One graph per bucket of ``N`` tokens: the whole model captured on a bucket's metadata of
-``R = min(max_num_seqs, N)`` requests (block tables as wide as ``max_model_len`` needs, nothing written).
+``R = min(max_num_seqs, N)`` prompts sharing the ``N`` tokens (block tables as wide as ``max_model_len`` needs,
+nothing written); a bucket whose prompts would pass ``max_model_len`` holds no step and is not captured.
 A step of ``t <= N`` tokens and ``b <= R`` requests copies its ids and positions into the first ``t`` rows and
 its metadata into the bucket's (:meth:`~tripath.attention.metadata.AttentionMetadata.copy_padded_`: requests
 ``b ..`` become padding of no tokens and no keys, tokens ``t ..`` write nothing), then replays the one graph:
@@ -27,13 +28,13 @@ class WholeStepGraphs:
     """Whole-step graphs of ``model`` on ``backend`` / ``caches`` for token counts ``sizes``; the same face as
     :class:`~tripath.engine.runner.mixed_graphs.MixedStepGraphs` (``bucket``, ``run``, ``prenorm``)."""
 
-    def __init__(self, model, backend, caches: list, sizes: list[int], max_num_seqs: int, max_blocks_per_seq: int,
-                 device: torch.device, pool=None):
+    def __init__(self, model, backend, caches: list, sizes: list[int], max_num_seqs: int, max_model_len: int,
+                 max_blocks_per_seq: int, device: torch.device, pool=None):
         if not sizes or min(sizes) < 1:
             raise ValueError(f"whole-step graph sizes must be positive token counts, got {sizes}")
         self.model, self.backend, self.caches = model, backend, caches
         self.sizes = sorted(set(int(s) for s in sizes))
-        self.max_num_seqs, self.max_blocks_per_seq = max_num_seqs, max_blocks_per_seq
+        self.max_num_seqs, self.max_model_len, self.max_blocks_per_seq = max_num_seqs, max_model_len, max_blocks_per_seq
         self.device = device
         self.pool = pool
         top = self.sizes[-1]
@@ -48,11 +49,14 @@ class WholeStepGraphs:
         return next((n for n in self.sizes if n >= num_tokens and n in self.graphs), None)
 
     def bucket_metadata(self, n: int):
-        """The metadata a bucket of ``n`` tokens is captured on: ``min(max_num_seqs, n)`` requests (single
-        tokens on a one-token context, the rest of the tokens as the last one's prompt), every block id 0 and
-        every slot −1."""
+        """The metadata a bucket of ``n`` tokens is captured on: ``r = min(max_num_seqs, n)`` prompts of
+        ``n / r`` tokens (the first ``n mod r`` one more), every block id 0 and every slot −1; None when they
+        would pass ``max_model_len`` (no step has that many tokens)."""
         r = min(self.max_num_seqs, n)
-        plan = self.backend.plan([1] * (r - 1) + [n - r + 1], [1] * (r - 1) + [0])
+        if -(-n // r) > self.max_model_len:
+            return None
+        lens = [n // r + (i < n % r) for i in range(r)]
+        plan = self.backend.plan(lens, [0] * r)
         block_table = torch.zeros(r, self.max_blocks_per_seq, dtype=torch.int32, device=self.device)
         slots = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         return self.backend.build_metadata(plan, block_table, slots)
@@ -63,6 +67,8 @@ class WholeStepGraphs:
         outside the capture), then replay each once so its upload is not on a request's time."""
         for n in reversed(self.sizes):
             meta = self.bucket_metadata(n)
+            if meta is None:
+                continue
             ctx = ForwardContext(self.backend, meta, self.caches, replay_launches=False)
             run = functools.partial(self.model, self.input_ids[:n], self.positions[:n], ctx)
             graph, hidden, self.pool = decode_graphs.capture_graph(run, self.pool, self.device)
