@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-steps", type=int, default=8,
                         help="model steps a step of decodes alone runs on the device (multi-step decoding; 1: off)")
     parser.add_argument("--no-mixed-cuda-graphs", action="store_true",
-                        help="run steps with prompt tokens eagerly (default: piecewise CUDA graphs around attention)")
+                        help="run steps with prompt tokens eagerly (default: CUDA graphs, piecewise around "
+                             "attention, or of whole steps for the mixed backend)")
     parser.add_argument("--step-breakdown", action="store_true",
                         help="per kind of step of the warm pass: host time inside the launch and GPU span (one rank)")
     parser.add_argument("--no-progress", action="store_true")

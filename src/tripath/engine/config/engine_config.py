@@ -54,10 +54,10 @@ class EngineConfig:
     many as fit in ``gpu_memory_utilization`` of the GPU after the weights and a warm-up step (on the CPU,
     ``CPU_DEFAULT_KV_BLOCKS``). ``enforce_eager`` turns CUDA graphs off; graphs are captured for decode-only
     steps of padded batch sizes up to ``max_cuda_graph_batch_size`` and, with ``mixed_cuda_graphs``, for
-    the other steps too: the layers between attention calls, per padded token count
-    (:meth:`mixed_cuda_graph_sizes`), attention eager between the replays
-    (:mod:`tripath.engine.runner.mixed_graphs`; one rank, not for models with mixture-of-experts layers, and only
-    where the largest eager step measures host-bound at start). ``calculate_kv_scales`` (fp8 KV
+    the other steps too, per padded token count (:meth:`mixed_cuda_graph_sizes`): the layers between
+    attention calls, attention eager between the replays (:mod:`tripath.engine.runner.mixed_graphs`, where the
+    largest eager step measures host-bound at start), or the whole step for the ``mixed`` backend
+    (:mod:`tripath.engine.runner.whole_step_graphs`); one rank, not for models with mixture-of-experts layers. ``calculate_kv_scales`` (fp8 KV
     cache only): the first step's keys and values set each layer's cache scales (amax / fp8 max) instead
     of 1.0, so layers whose keys or values exceed e4m3's ±448 are not clipped. ``warmup`` (GPU): compile
     every kernel variant the limits allow before the engine serves (:mod:`tripath.engine.runner.warmup`), so no

@@ -79,7 +79,7 @@ class Route(enum.Enum):
 
     DECODE_GRAPH = "decode graph"
     VERIFY_GRAPH = "verify graph"
-    MIXED_GRAPHS = "piecewise graphs"
+    MIXED_GRAPHS = "prompt-step graphs"   # piecewise, or whole steps (GraphSupport.ALL)
     EAGER = "eager"
 
 
