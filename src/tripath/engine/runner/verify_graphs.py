@@ -36,8 +36,8 @@ from tripath.attention import ForwardContext
 from tripath.attention.step_ints import to_device
 from tripath.engine.runner.decode_graphs import DecodeGraphs
 from tripath.engine.runner.step_inputs import StepInputs
-from tripath.engine.speculative.trees import chain_parents, tree_mask_bits
 from tripath.engine.scheduling.block_manager import blocks_needed
+from tripath.engine.speculative.trees import chain_parents, tree_mask_bits
 
 
 class VerifyGraphs:
@@ -51,13 +51,16 @@ class VerifyGraphs:
         self.trees = trees   # captured with draft-tree masks: tree steps replay too
         self.chain_masks = to_device(tree_mask_bits(chain_parents(query_len - 1)) * max(sizes), torch.int32,
                                      device) if trees else None   # every row of every size, as chains
-        prepare = (lambda meta, bs: setattr(meta.decode.verify, "tree_mask", self.chain_masks[:bs * query_len].clone())) \
-            if trees else None
         self.graphs = DecodeGraphs(model, backend, caches, sizes, self.max_blocks, device, query_len=query_len,
-                                   prepare_metadata=prepare)
+                                   prepare_metadata=self._chain_masks_into if trees else None)
         self.backend, self.device = backend, device
         self.slots = torch.full((max(sizes) * query_len,), -1, dtype=torch.int64, device=device)
         self.prenorm = self.graphs.prenorm
+
+    def _chain_masks_into(self, meta, bs: int) -> None:
+        """Give a size's captured metadata draft-tree masks (every request a chain), so it captures the
+        verify route's tree variant."""
+        meta.decode.verify.tree_mask = self.chain_masks[:bs * self.query_len].clone()
 
     @property
     def pool(self):
