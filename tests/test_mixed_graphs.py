@@ -16,6 +16,7 @@ from tripath.attention import ForwardContext
 from tripath.attention.layer_replay import MIN_LAYERS_TO_REPLAY
 from tripath.engine import LLM, EngineConfig, SamplingParams
 from tripath.engine.runner.mixed_graphs import MixedStepGraphs
+from tripath.engine.runner.model_runner import Route
 from tripath.engine.runner.startup import nothing_written_context
 from tripath.engine.runner.whole_step_graphs import WholeStepGraphs
 from tripath.models import load_model
@@ -226,3 +227,88 @@ def test_whole_step_graphs_of_the_mixed_backend_on_gpu(monkeypatch):
     assert runs and max(runs) == 256 and llm.block_manager.num_hit_tokens > 0
     assert not attends   # every step replayed a graph: decode graphs or whole-step graphs
     assert llm.num_compiled_since_start == 0
+
+
+class _EmulatedPiecewise(MixedStepGraphs):
+    """Piecewise graphs without a GPU: a replay computes what the captured layers compute, with every attention
+    call on the step's own context (as :meth:`MixedStepGraphs.run` makes them between the pieces). Counts the
+    steps it ran that verified draft trees."""
+
+    def __init__(self, model, sizes):
+        super().__init__(model, sizes, torch.device("cpu"))
+        self.buckets = dict.fromkeys(self.sizes)
+        self.tree_steps = 0
+
+    def run(self, input_ids, positions, ctx):
+        verify = ctx.metadata.decode.verify if ctx.metadata.decode is not None else None
+        self.tree_steps += verify is not None and verify.tree_mask is not None
+        return self.model(input_ids, positions, ctx)
+
+
+@pytest.mark.parametrize("backend", ["three_path", "torch"])
+def test_tree_steps_beside_prompt_tokens_take_the_piecewise_graphs(monkeypatch, backend):
+    """Draft trees verified beside a chunked prompt replay the piecewise graphs (their attention reads the
+    step's tree masks), and the greedy tokens stay those without speculation; whole-step graphs take no tree
+    step (their captured metadata has no mask)."""
+    from test_speculative_trees import _SecondSiblings, branching_prompts, spec
+
+    model = load_model("tiny-llama", dtype=torch.float32)
+    prompts = branching_prompts()[:3]   # the third waits for a seat, then its prompt runs beside trees
+    options = dict(num_kv_blocks=64, block_size=8, max_num_seqs=2, max_num_batched_tokens=16, device="cpu")
+    monkeypatch.setenv("TRIPATH_VALIDATE", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    want = [o.output_token_ids for o in LLM(model, backend="torch", **options).generate(prompts, params,
+                                                                                        use_tqdm=False)]
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if backend == "torch" else "1")
+    llm = LLM(model, backend=backend, speculative_config=spec(2, k=4), **options)
+    llm.scheduler.proposer = _SecondSiblings({tuple(p): w for p, w in zip(prompts, want)}, 256)
+    graphs = llm.runner.mixed_graphs = _EmulatedPiecewise(model, [16])
+    route, beside_prompts = llm.runner.route, []
+
+    def routed(scheduled):
+        which = route(scheduled)
+        if any(s.draft_parents is not None for s in scheduled):
+            assert which[0] is Route.MIXED_GRAPHS   # no verify graphs here: every tree step replays these
+            if any(not s.draft_token_ids and s.num_new_tokens > 1 for s in scheduled):
+                beside_prompts.append(list(scheduled))
+        return which
+
+    llm.runner.route = routed
+    got = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert beside_prompts and graphs.tree_steps >= len(beside_prompts)
+    assert llm.stats().spec_num_accepted_tokens > 0
+    whole = WholeStepGraphs.__new__(WholeStepGraphs)   # only its type and buckets matter to the route
+    whole.bucket = lambda num_tokens: 16
+    llm.runner.mixed_graphs = whole
+    assert route(beside_prompts[0]) == (Route.EAGER, None)
+
+
+@pytest.mark.gpu
+def test_tree_steps_beside_prompt_tokens_replay_the_piecewise_graphs_on_gpu(monkeypatch):
+    """Real piecewise graphs: an engine drafting n-gram trees gives the greedy tokens of one without speculation
+    while its tree steps beside prompt chunks replay the prompt-step graphs, nothing compiled after start."""
+    from model_steps import assert_same_or_near_tie
+    from test_speculative_trees import branching_prompts, spec
+
+    model = three_layer_qwen3("cuda", torch.float16)
+    prompts = [p[:200] for p in branching_prompts()] * 3
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    common = dict(backend="three_path", max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=4096 // 16,
+                  device="cuda")
+    expected = [o.output_token_ids for o in LLM(model, mixed_cuda_graphs=False, **common).generate(
+        prompts, params, use_tqdm=False)]
+    llm = LLM(model, speculative_config=spec(2, k=4), **common)
+    assert isinstance(llm.runner.mixed_graphs, MixedStepGraphs)
+    tree_runs, real_run = [], MixedStepGraphs.run
+
+    def run(self, ids, positions, ctx):
+        verify = ctx.metadata.decode.verify if ctx.metadata.decode is not None else None
+        tree_runs.append(verify is not None and verify.tree_mask is not None)
+        return real_run(self, ids, positions, ctx)
+
+    monkeypatch.setattr(MixedStepGraphs, "run", run)
+    got = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert_same_or_near_tie(model, prompts, expected, got)
+    assert any(tree_runs) and llm.num_compiled_since_start == 0

@@ -2,8 +2,9 @@
 backends verify them, and moving an accepted path's cache rows to its positions.
 
 A step of decodes and tree verifies alone replays a verify graph captured with tree masks
-(:mod:`tripath.engine.runner.verify_graphs`); a tree step beside prompt tokens runs eagerly (the other graphs'
-captured metadata has no tree mask). The backend reads the verifies' ``tree_mask`` from
+(:mod:`tripath.engine.runner.verify_graphs`); a tree step beside prompt tokens replays the piecewise prompt-step
+graphs where they are captured (:mod:`tripath.engine.runner.mixed_graphs`: attention runs between them on the
+step's own metadata, masks included), else it runs eagerly. The backend reads the verifies' ``tree_mask`` from
 ``metadata.decode.verify`` (``Capabilities.draft_trees``: ``three_path`` through :func:`tripath.ops.paged_verify`,
 the MLA backends through :func:`tripath.ops.mla_verify`, and the ``torch`` reference), so the verifies must
 sit in its decode slice (``decode_threshold = 1 + num_speculative_tokens``).

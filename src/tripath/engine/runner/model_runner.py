@@ -203,7 +203,8 @@ class ModelRunner(startup.RunnerStart):
     def route(self, scheduled: list[ScheduledRequest]) -> tuple[Route, int | None]:
         """How the step runs, and the graph's padded batch size: decodes alone replay the smallest decode graph
         holding them, decodes and verifies alone the smallest verify graph (draft trees only where it takes
-        their masks); a step whose token count has a bucket (KV scales set) replays it; anything else, eager."""
+        their masks); a step whose token count has a bucket (KV scales set) replays it (draft trees only in
+        piecewise graphs, whose attention runs on the step's own metadata); anything else, eager."""
         graphs = self.decode_graphs
         if graphs is not None and all(s.num_new_tokens == 1 and s.num_computed_tokens > 0 for s in scheduled):
             bs = graphs.batch_size(len(scheduled))
@@ -215,11 +216,9 @@ class ModelRunner(startup.RunnerStart):
             bs = verify.batch_size(len(scheduled))
             if bs is not None:
                 return Route.VERIFY_GRAPH, bs
-        if trees:
-            return Route.EAGER, None
         mixed = self.mixed_graphs
-        if mixed is not None and not self.kv_scales_pending and \
-                mixed.bucket(sum(s.num_new_tokens for s in scheduled)):
+        if mixed is not None and not self.kv_scales_pending and (not trees or isinstance(mixed, MixedStepGraphs)) \
+                and mixed.bucket(sum(s.num_new_tokens for s in scheduled)):
             return Route.MIXED_GRAPHS, None
         return Route.EAGER, None
 
