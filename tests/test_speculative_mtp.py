@@ -429,15 +429,15 @@ def test_bad_mtp_configs_are_refused():
         LLM("tiny-deepseek-v2", speculative_config=MTP)
     with pytest.raises(ValueError, match=r"built without it: load it with .*load_model\(\.\.\., mtp=True\)"):
         LLM(load_model("tiny-deepseek", dtype=torch.float32), speculative_config=MTP)
-    with pytest.raises(ValueError, match="method 'mtp' runs with tensor_parallel_size 1"):
-        LLM("tiny-deepseek", tensor_parallel_size=2, speculative_config=MTP)
+    with pytest.raises(ValueError, match="speculative_config method 'mtp' .* LlamaForCausalLM config has none"):
+        LLM("tiny-llama", tensor_parallel_size=2, speculative_config=MTP)   # before any rank starts
 
 
 
 def test_the_memory_plan_counts_the_mtp_cache_as_allocated():
     """The target's GPU memory plan sizes the MTP layer's cache to the same blocks with ``mtp_cache_bytes``: the
     bytes the proposer's cache takes, per block."""
-    from tripath.engine.drafters.mtp import mtp_cache_bytes
+    from tripath.engine.runner.mtp_layer import mtp_cache_bytes
 
     llm = LLM(tiny_deepseek(), backend="torch", num_kv_blocks=24, block_size=8, speculative_config=MTP)
     cache = llm.scheduler.proposer.cache.kv_cache

@@ -275,6 +275,36 @@ def test_llm_tp2_speculative_decoding_gives_tp1_tokens():
         assert llm.stats().spec_num_drafts > 0
 
 
+def recorded_drafts(llm) -> list:
+    """The drafts rank 0's proposer returns, in order."""
+    proposer, drafts = llm.scheduler.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda items: drafts.append(propose(items)) or drafts[-1]
+    return drafts
+
+
+def test_llm_tp2_mtp_drafts_what_one_rank_drafts():
+    """``mtp`` under tensor parallelism: every rank runs its shard of the MTP layer (MoE, as DeepSeek-V3's) on
+    the runs rank 0's proposer shares, so rank 0 drafts what one rank drafts, step after step (a run a worker
+    made wrong would change the all-reduced rows and the drafts), and the greedy tokens are those of one rank
+    without speculation. Chunked prefill (budget 16) and a second wave of prefix hits."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    waves = [PROMPTS[:2], [PROMPTS[1], PROMPTS[0][:5] + [3]]]
+    plain = LLM("tiny-deepseek", **ENGINE)
+    want = [tokens(plain.generate(wave, greedy, use_tqdm=False)) for wave in waves]
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    one = LLM("tiny-deepseek", speculative_config=spec, **ENGINE)
+    one_drafts = recorded_drafts(one)
+    assert [tokens(one.generate(wave, greedy, use_tqdm=False)) for wave in waves] == want
+    with LLM("tiny-deepseek", tensor_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
+        drafts = recorded_drafts(llm)
+        assert [tokens(llm.generate(wave, greedy, use_tqdm=False)) for wave in waves] == want
+        stats = llm.stats()
+        assert stats.spec_num_drafts > 0 and stats.prefix_cache_hit_tokens > 0
+        assert type(llm.scheduler.proposer).__name__ == "MTPProposer"
+    assert drafts == one_drafts and any(any(d) for d in drafts)
+
+
 def test_llm_tp2_draws_without_logits_as_tp1_samples():
     """With the fused LM head and draw forced on, each rank draws from its vocabulary rows and the ranks merge
     their draws: greedy and seeded plain-temperature tokens equal one rank's unfused sampling."""

@@ -34,6 +34,7 @@ from tripath.models.base import DecoderLayer, feed_forward
 from tripath.models.config import ModelConfig
 from tripath.models.deepseek import MLAAttention
 from tripath.models.layers import RMSNorm
+from tripath.models.parallel import SINGLE, ParallelState
 
 
 class NoMTPLayer(ValueError):
@@ -50,11 +51,14 @@ def check_has_mtp(config: ModelConfig) -> None:
 
 class MTPLayer(DecoderLayer):
     """One MTP layer: the decoder layer's weights plus ``enorm``, ``hnorm``, ``eh_proj`` and
-    ``shared_head.norm``. Its attention calls the step's context as layer 0 (the MTP's own cache list)."""
+    ``shared_head.norm``. Its attention calls the step's context as layer 0 (the MTP's own cache list). Under
+    ``parallel`` the decoder layer is the rank's shard, as the target's layers are; ``eh_proj`` and the norms
+    are whole on every rank (their inputs and output are the replicated hidden states)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, dtype):
+    def __init__(self, config: ModelConfig, layer_idx: int, dtype, parallel: ParallelState = SINGLE):
         hidden = config.hidden_size
-        super().__init__(config, MLAAttention(config, 0, dtype), feed_forward(config, layer_idx, dtype), dtype)
+        super().__init__(config, MLAAttention(config, 0, dtype, parallel),
+                         feed_forward(config, layer_idx, dtype, parallel), dtype)
         self.enorm = RMSNorm(hidden, config.rms_norm_eps, dtype=dtype)
         self.hnorm = RMSNorm(hidden, config.rms_norm_eps, dtype=dtype)
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False, dtype=dtype)
@@ -71,17 +75,19 @@ class MTPLayer(DecoderLayer):
 
 
 class DeepseekMTP(nn.Module):
-    """The MTP layer of a DeepSeek model (``model.layers.{L}``, parameters named as in the checkpoint).
+    """The MTP layer of a DeepSeek model (``model.layers.{L}``, parameters named as in the checkpoint; under
+    ``parallel``, the rank's shard).
     Attached to its target as ``target.mtp`` (:func:`tripath.models.load_model` with ``mtp=True``), which
     supplies the embedding and the LM head: :meth:`DeepseekForCausalLM.mtp_forward` / ``mtp_logits``."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16, parallel: ParallelState = SINGLE):
         super().__init__()
         check_has_mtp(config)
         self.config = config
+        self.parallel = parallel
         self.index = config.num_layers
         self.model = nn.Module()
-        self.model.layers = nn.ModuleDict({str(self.index): MTPLayer(config, self.index, dtype)})
+        self.model.layers = nn.ModuleDict({str(self.index): MTPLayer(config, self.index, dtype, parallel)})
 
     @property
     def layer(self) -> MTPLayer:

@@ -192,12 +192,14 @@ def init_random_weights(model: CausalLM | DeepseekMTP, seed: int = 0, std: float
             param.normal_(0.0, std, generator=generator)
 
 
-def build_mtp(config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device="cpu") -> DeepseekMTP:
-    """The first multi-token-prediction layer of ``config`` with uninitialised parameters on ``device``;
-    :class:`~tripath.models.deepseek_mtp.NoMTPLayer` when the config has none."""
+def build_mtp(config: ModelConfig, *, dtype: torch.dtype = torch.bfloat16, device="cpu",
+              parallel: ParallelState = SINGLE) -> DeepseekMTP:
+    """The first multi-token-prediction layer of ``config`` (the rank's shard under ``parallel``) with
+    uninitialised parameters on ``device``; :class:`~tripath.models.deepseek_mtp.NoMTPLayer` when the config
+    has none."""
     check_has_mtp(config)
     with torch.device("meta"):
-        mtp = DeepseekMTP(config, dtype)
+        mtp = DeepseekMTP(config, dtype, parallel)
     mtp = mtp.to_empty(device=torch.device(device))
     mtp.requires_grad_(False)
     return mtp.eval()
@@ -208,10 +210,8 @@ def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, devi
     """A model from a local Hugging Face directory, a Hugging Face hub id (from the local cache, or downloaded:
     :func:`~tripath.models.hub.resolve_model_path`) or a preset name (random weights from ``seed``); under
     ``parallel``, the rank's shard. ``mtp``: with its first multi-token-prediction layer as ``model.mtp``
-    (DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``; one rank)."""
+    (DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``; under ``parallel``, its shard too)."""
     path_or_preset = resolve_model_path(os.fspath(path_or_preset))
-    if mtp and parallel.is_parallel:
-        raise ValueError("load_model(mtp=True) loads the multi-token-prediction layer on one rank only")
     if os.path.isdir(path_or_preset):
         config = load_config(path_or_preset)
         if mtp:
@@ -219,7 +219,7 @@ def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, devi
         model = build_model(config, dtype=dtype, device=device, parallel=parallel)
         load_weights(model, path_or_preset)
         if mtp:
-            model.mtp = build_mtp(config, dtype=dtype, device=device)
+            model.mtp = build_mtp(config, dtype=dtype, device=device, parallel=parallel)
             load_weights(model.mtp, path_or_preset)
     elif path_or_preset in PRESETS:
         if mtp:
@@ -227,7 +227,7 @@ def load_model(path_or_preset: str, *, dtype: torch.dtype = torch.bfloat16, devi
         model = build_model(PRESETS[path_or_preset](), dtype=dtype, device=device, parallel=parallel)
         init_random_weights(model, seed)
         if mtp:
-            model.mtp = build_mtp(model.config, dtype=dtype, device=device)
+            model.mtp = build_mtp(model.config, dtype=dtype, device=device, parallel=parallel)
             init_random_weights(model.mtp, seed + 1)
     elif os.path.exists(path_or_preset):
         raise FileNotFoundError(f"{path_or_preset} is a file: pass the model directory (with config.json)")

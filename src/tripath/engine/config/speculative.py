@@ -6,8 +6,8 @@ tokens that followed the latest earlier occurrence of the request's last ``n`` t
 in ``[prompt_lookup_min, prompt_lookup_max]`` that occurs; ``draft_model`` — a smaller ``model`` with the
 target's vocabulary drafts greedily (:mod:`tripath.engine.drafters.draft_model`; on one rank); ``mtp``
 (alias ``deepseek_mtp``, vLLM's name) — the target's own multi-token-prediction layer drafts greedily
-(:mod:`tripath.engine.drafters.mtp`; DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``, on one
-rank). Without a method, a ``model`` means ``draft_model``. Every error names the key and what is allowed.
+(:mod:`tripath.engine.drafters.mtp`; DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``; under
+tensor parallelism every rank runs its shard of the layer). Without a method, a ``model`` means ``draft_model``. Every error names the key and what is allowed.
 
 Draft trees (opt-in): ``tree_width`` ``w >= 2`` (``ngram`` only) drafts up to ``w`` alternative continuations
 per request, merged by common prefix into a tree of at most ``num_speculative_tokens`` nodes, and verifies
@@ -91,9 +91,10 @@ class SpeculativeConfig:
 
     @property
     def needs_one_rank(self) -> bool:
-        """Whether the method runs with tensor_parallel_size 1 only (its drafter is one rank's; draft trees:
-        rank 0 decides the accepted path, whose cache rows every rank would have to move)."""
-        return self.method in ("draft_model", "mtp") or self.uses_trees
+        """Whether the method runs with tensor_parallel_size 1 only (``draft_model``: its drafter is one rank's;
+        draft trees: rank 0 decides the accepted path, whose cache rows every rank would have to move). ``mtp``
+        runs on every rank, each with its shard of the MTP layer."""
+        return self.method == "draft_model" or self.uses_trees
 
     @classmethod
     def of(cls, value) -> "SpeculativeConfig | None":

@@ -112,20 +112,19 @@ class EngineCore:
                 raise ValueError(f"speculative_config tree_width={speculation.tree_width} (draft trees) runs with "
                                  "tensor_parallel_size 1 (use tree_width 1 with tensor parallelism)")
             raise ValueError(f"speculative_config method {speculation.method!r} runs with tensor_parallel_size 1 "
-                             "(use the ngram method with tensor parallelism)")
+                             "(use the ngram or mtp method with tensor parallelism)")
         mtp = speculation is not None and speculation.method == "mtp"   # the model's own MTP layer drafts
         self.runner = None
-        if tensor_parallel_size > 1:
-            from tripath.engine.runner.parallel_executor import ParallelExecutor
-            from tripath.models import load_tokenizer
-            self.runner = ParallelExecutor(model, config, tensor_parallel_size)
-            model = self.runner.model
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
-        elif isinstance(model, str):
+        if tensor_parallel_size > 1 or isinstance(model, str):
             from tripath.models import load_model, load_tokenizer
             from tripath.models.deepseek_mtp import NoMTPLayer
             try:
-                model = load_model(model, dtype=config.dtype, device=config.device, mtp=mtp)
+                if tensor_parallel_size > 1:
+                    from tripath.engine.runner.parallel_executor import ParallelExecutor
+                    self.runner = ParallelExecutor(model, config, tensor_parallel_size)
+                    model = self.runner.model
+                else:
+                    model = load_model(model, dtype=config.dtype, device=config.device, mtp=mtp)
             except NoMTPLayer as error:
                 raise ValueError(f"speculative_config method 'mtp' drafts with the model's multi-token-prediction "
                                  f"layer, and {error}") from None
@@ -139,7 +138,8 @@ class EngineCore:
             draft = load_draft_model(speculation.model, config)   # its weights in use before the cache is sized
             extra_cache_bytes = draft_cache_bytes(draft, config)
         if mtp:
-            from tripath.engine.drafters.mtp import check_mtp_model, mtp_cache_bytes
+            from tripath.engine.drafters.mtp import check_mtp_model
+            from tripath.engine.runner.mtp_layer import mtp_cache_bytes
             check_mtp_model(model)
             extra_cache_bytes = mtp_cache_bytes(model, config)
         if self.runner is None:

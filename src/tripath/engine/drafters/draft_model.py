@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 
-from tripath.engine.runner.worker import StepRequest
+from tripath.engine.runner.step_request import StepRequest
 from tripath.engine.scheduling.scheduler import ScheduledRequest
 
 

@@ -4,7 +4,8 @@ norm) and the token ``t_{p+1}``, attends the MTP rows ``0 .. p`` and gives logit
 
 The MTP layer's KV cache (one MLA layer of the target's block count) is indexed by the requests' own block
 tables, as the draft model's is (:mod:`tripath.engine.drafters.draft_model`): row ``p`` sits in the slot of
-position ``p``. On a GPU the memory plan counts its bytes in every block (:func:`mtp_cache_bytes`). Rows are
+position ``p``. On a GPU the memory plan counts its bytes in every block
+(:func:`tripath.engine.runner.mtp_layer.mtp_cache_bytes`). Rows are
 computed where their inputs are known:
 
 - **observe** (the runner hands over every launch's hidden states before the final norm, after queuing the
@@ -34,9 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tripath.attention import ForwardContext, select_backend
-from tripath.engine.runner.step_inputs import StepInputBuilder
-from tripath.engine.runner.worker import StepRequest
+from tripath.engine.runner.mtp_layer import MTPLayerRunner, MTPRun, MTPSegment
 from tripath.engine.scheduling.scheduler import ScheduledRequest
 
 
@@ -53,16 +52,6 @@ def check_mtp_model(model) -> None:
                      f"the {getattr(config, 'architecture', type(model).__name__)} config has none "
                      f"(num_nextn_predict_layers={getattr(config, 'num_nextn_predict_layers', 0)}; DeepSeek-V3/R1 "
                      "checkpoints have 1)")
-
-
-def mtp_cache_bytes(model, config):
-    """``block_size -> bytes`` of the MTP layer's cache for one block, for the target's memory plan."""
-    def bytes_per_block(block_size: int) -> int:
-        spec = model.attention_spec(block_size=block_size, kv_cache_dtype=config.kv_cache_dtype,
-                                    kv_layout=config.kv_layout, dtype=config.dtype)
-        return select_backend(spec, name=config.backend, device=config.device).cache_bytes_per_block()
-
-    return bytes_per_block
 
 
 @dataclass
@@ -106,19 +95,19 @@ class MTPProposer:
     """Drafts with ``model.mtp`` (module doc). ``runner``: the target's
     :class:`~tripath.engine.runner.model_runner.ModelRunner` (its backend, block geometry and hidden states; the
     proposer becomes its ``hidden_observer``); ``config``: the engine's
-    :class:`~tripath.engine.config.EngineConfig`."""
+    :class:`~tripath.engine.config.EngineConfig`; ``share``: under tensor parallelism, rank 0's hand-over of
+    each MTP run to the workers (:mod:`tripath.engine.runner.mtp_layer`; ``runner`` is then rank 0's)."""
 
-    def __init__(self, model, runner, config):
+    def __init__(self, model, runner, config, share=None):
         check_mtp_model(model)
-        self.model, self.backend = model, runner.backend
-        self.cache = runner.backend.allocate_cache(runner.num_blocks, runner.device)
-        most = 1 + config.speculative_config.num_speculative_tokens   # rows a request may add to a step
-        self.inputs = StepInputBuilder(runner.device, runner.block_size,
-                                       config.max_num_batched_tokens + config.max_num_seqs * most,
-                                       config.max_num_seqs, runner.max_blocks_per_seq)
-        self._calibrate = config.calculate_kv_scales   # fp8: the cache's scale from the first step's rows
+        self.layer = MTPLayerRunner(model, runner, config, share)
         self._rows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # request -> _Rows
         runner.hidden_observer = self
+
+    @property
+    def cache(self):
+        """The MTP layer's KV cache (the target's block geometry)."""
+        return self.layer.cache
 
     def _state(self, request, start: int) -> _Rows:
         """The request's rows before a step (or drafting) from position ``start``."""
@@ -206,21 +195,5 @@ class MTPProposer:
     def _run(self, segments: list[_Segment], samples: bool = False):
         """Run the MTP layer over ``segments`` (writing their cache rows). With ``samples``: ``(g [N, H],
         greedy tokens [N])`` of each segment's last row, in ``segments``' order."""
-        scheduled = [ScheduledRequest(StepRequest(seg.start + len(seg.tokens), seg.request.block_ids, seg.start,
-                                                  seg.tokens), len(seg.tokens), seg.start, samples)
-                     for seg in segments]
-        plan = self.backend.plan([len(seg.tokens) for seg in segments], [seg.start for seg in segments])
-        inputs = self.inputs.build(plan, scheduled, 0, ints=self.backend.step_ints(plan))
-        hidden = torch.cat([piece for i in plan.order for piece in segments[i].hidden])
-        meta = inputs.metadata(self.backend)
-        ctx = ForwardContext(self.backend, meta, [self.cache], calibrate_kv_scales=self._calibrate)
-        self._calibrate = False
-        g = self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, ctx)
-        if not samples:
-            return None
-        last = g.index_select(0, inputs.logit_indices)   # row r: segments[inputs.sample_rows[r]]
-        order = torch.empty(len(segments), dtype=torch.int64)
-        order[torch.tensor(inputs.sample_rows, dtype=torch.int64)] = torch.arange(len(segments))
-        last = last.index_select(0, order.to(last.device))
-        tokens = self.model.mtp_logits(last, upcast=False).argmax(dim=-1).tolist()
-        return last, tokens
+        run = MTPRun([MTPSegment(seg.start, seg.tokens, seg.request.block_ids) for seg in segments], samples)
+        return self.layer.run(run, torch.cat([piece for seg in segments for piece in seg.hidden]))

@@ -43,10 +43,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_shardable(model: str, world: int) -> None:
-    """Raise what loading would (unknown model, bad config) or the first shape ``world`` ranks cannot split,
-    before any process starts: the model is built for rank 0 on the meta device (no memory)."""
+def check_shardable(model: str, world: int, mtp: bool = False) -> None:
+    """Raise what loading would (unknown model, bad config, no multi-token-prediction layer where ``mtp``) or
+    the first shape ``world`` ranks cannot split, before any process starts: the model (and its MTP layer) is
+    built for rank 0 on the meta device (no memory)."""
     from tripath.models import load_config, load_model
+    from tripath.models.deepseek_mtp import DeepseekMTP
     from tripath.models.loader import MODEL_CLASSES
     from tripath.models.parallel import ParallelState
     from tripath.models.presets import PRESETS
@@ -59,6 +61,8 @@ def check_shardable(model: str, world: int) -> None:
         load_model(model)  # raises its FileNotFoundError
     with torch.device("meta"):
         MODEL_CLASSES[config.family](config, torch.float32, ParallelState(0, world))
+        if mtp:
+            DeepseekMTP(config, torch.float32, ParallelState(0, world))
 
 
 class _Shutdown:
@@ -96,7 +100,8 @@ class ParallelExecutor:
             raise TypeError(f"tensor_parallel_size={tensor_parallel_size} needs the model as a path or preset name "
                             f"(each rank loads its own shard), not a {type(model).__name__}")
         world = tensor_parallel_size
-        check_shardable(os.fspath(model), world)
+        speculation = config.speculative_config
+        check_shardable(os.fspath(model), world, mtp=speculation is not None and speculation.method == "mtp")
         self.processes = []
         torchrun = _env.torchrun_ranks()
         if torchrun is not None:

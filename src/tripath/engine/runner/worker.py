@@ -13,7 +13,8 @@ through the same phases, so their collectives line up:
    ``allocate_kv_cache``, ``warm_up``, ``capture_graphs``) and broadcasts each as a :class:`StartPhase`; every
    rank runs it on its runner, then all exchange a status (``plan_memory``'s: the rank's KV blocks, of which
    every rank allocates the smallest), so a failure on one rank stops them all there;
-5. workers: run every step rank 0 broadcasts over the control group until it broadcasts ``None``.
+5. workers: run every step rank 0 broadcasts over the control group until it broadcasts ``None`` (and, with
+   speculative decoding's ``mtp`` method, every run of the MTP layer: :mod:`tripath.engine.runner.mtp_layer`).
 
 A step message is ``(forget, items, draw_keys)``: ``items`` has one tuple per scheduled request, ``(key,
 num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids)`` —
@@ -42,11 +43,12 @@ import torch.distributed as dist
 from tripath.engine.config import EngineConfig
 from tripath.engine.requests.request import RequestStatus
 from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.runner.mtp_layer import MTPLayerRunner, MTPRun, mtp_cache_bytes
 from tripath.engine.runner.startup import PHASES
+from tripath.engine.runner.step_request import GREEDY, StepRequest
 from tripath.engine.sampling.step_sampling import noise_seed
 from tripath.engine.scheduling.scheduler import ScheduledRequest
 
-GREEDY = SamplingParams(temperature=0.0)
 # Workers wait for rank 0's next step as long as the engine is idle: the control group never times out.
 CONTROL_TIMEOUT = timedelta(days=365)
 
@@ -73,24 +75,6 @@ class StartPhase:
     def __post_init__(self):
         if self.name not in PHASES:
             raise ValueError(f"no start phase {self.name!r}; the phases: {', '.join(PHASES)}")
-
-
-@dataclass
-class StepRequest:
-    """The part of a :class:`~tripath.engine.requests.request.Request` a ModelRunner reads, rebuilt from a step
-    message."""
-
-    num_tokens: int
-    block_ids: list[int]
-    start: int
-    new_token_ids: list[int]
-    sampling_params: SamplingParams = GREEDY
-    generator: torch.Generator | None = None
-    sampling_seed: int | None = None   # the draw's noise key, on steps drawn without logits
-    grammar: None = None   # workers sample nothing (rank 0's samples are the engine's); drafts sample greedily
-
-    def token_ids(self, start: int, stop: int) -> list[int]:
-        return self.new_token_ids[start - self.start:stop - self.start]
 
 
 class StepEncoder:
@@ -199,8 +183,9 @@ def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, cont
     from tripath.triton_internals import default_workers
 
     model = runner = None
+    mtp = config.speculative_config is not None and config.speculative_config.method == "mtp"
     try:
-        model = load_model(setup.model, dtype=config.dtype, device=config.device, parallel=parallel)
+        model = load_model(setup.model, dtype=config.dtype, device=config.device, parallel=parallel, mtp=mtp)
         status = 0
     except Exception as error:  # reported to every rank, so none waits for a rank that will never come
         status = f"{type(error).__name__}: {error}"
@@ -210,7 +195,7 @@ def start_rank(setup: RankSetup, rank: int, config: EngineConfig, parallel, cont
     if config.compile_workers is None:  # the ranks share the cores while they compile the same kernels
         config = replace(config, compile_workers=max(1, default_workers() // setup.world_size))
     try:
-        runner = ModelRunner(model, config)
+        runner = ModelRunner(model, config, extra_cache_bytes=mtp_cache_bytes(model, config) if mtp else None)
         status = 0
     except Exception as error:
         status = f"{type(error).__name__}: {error}"
@@ -239,9 +224,10 @@ def run_start_phase(runner, phase: StartPhase, control) -> int:
 def serve(runner, control) -> None:
     """A worker's loop: run each broadcast start phase, then each broadcast step until the stop message
     (computing the logits, whose LM head gathers over the ranks, without sampling: rank 0's samples are the
-    engine's)."""
+    engine's), and each run of the MTP layer rank 0's proposer makes (:mod:`tripath.engine.runner.mtp_layer`;
+    its cache allocated at the first)."""
     runner.samples = False
-    box, decoder = [None], StepDecoder()
+    box, decoder, mtp_layer = [None], StepDecoder(), None
     try:
         while True:
             dist.broadcast_object_list(box, src=0, group=control)
@@ -250,6 +236,10 @@ def serve(runner, control) -> None:
                 return
             if isinstance(message, StartPhase):
                 run_start_phase(runner, message, control)
+            elif isinstance(message, MTPRun):
+                if mtp_layer is None:
+                    mtp_layer = MTPLayerRunner(runner.model, runner, runner.config)
+                mtp_layer.run_shared(message)
             else:
                 runner.execute(decoder.decode(message), fused=message[2] is not None)
     finally:

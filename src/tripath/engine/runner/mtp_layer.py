@@ -1,0 +1,121 @@
+"""Runs the target's multi-token-prediction layer (speculative decoding's ``mtp`` method) over rows of its own
+KV cache, on every tensor-parallel rank.
+
+A run (:class:`MTPRun`) is a list of segments, each the MTP rows ``start .. start + len(tokens) - 1`` of one
+request: fed those next tokens, written to the slots of those positions in the request's blocks. With it
+come the hidden states the rows read, ``[N, H]`` segment after segment (``N = Σ len(tokens)``). Rank 0's
+proposer (:mod:`tripath.engine.drafters.mtp`) decides the runs and :class:`MTPLayerRunner` makes them: the
+layer over the rows, and with ``samples`` each segment's last row's ``g`` and greedy token.
+
+Under tensor parallelism rank 0 first hands each run to the workers (``share``): the run as a control message,
+then the hidden states broadcast over the model's process group. Every rank runs its shard of the layer on
+them, meeting the others in the layer's all-reduces and the LM head's gather; the workers' tokens are not
+used. The broadcast costs ``N · H`` activations per run (a prompt step's rows, or a row per drafting request),
+the values every rank already holds, which keeps the workers free of the proposer's bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tripath.attention import ForwardContext, select_backend
+from tripath.engine.runner.step_inputs import StepInputBuilder
+from tripath.engine.runner.step_request import StepRequest
+from tripath.engine.scheduling.scheduler import ScheduledRequest
+
+
+@dataclass(frozen=True)
+class MTPSegment:
+    """MTP rows ``start .. start + len(tokens) - 1`` of a request whose KV blocks are ``block_ids``, fed
+    ``tokens`` (row ``p`` the token at ``p + 1``)."""
+
+    start: int
+    tokens: list[int]
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class MTPRun:
+    """One run of the MTP layer over ``segments``; ``samples``: each segment's last row's greedy token too."""
+
+    segments: list[MTPSegment]
+    samples: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(segment.tokens) for segment in self.segments)
+
+
+def mtp_cache_bytes(model, config):
+    """``block_size -> bytes`` of the MTP layer's cache for one block, for the target's memory plan."""
+    def bytes_per_block(block_size: int) -> int:
+        spec = model.attention_spec(block_size=block_size, kv_cache_dtype=config.kv_cache_dtype,
+                                    kv_layout=config.kv_layout, dtype=config.dtype)
+        return select_backend(spec, name=config.backend, device=config.device).cache_bytes_per_block()
+
+    return bytes_per_block
+
+
+class MTPLayerRunner:
+    """The MTP layer of ``model`` (loaded with ``mtp=True``; a rank's shard under tensor parallelism) on a cache
+    of ``runner.num_blocks`` blocks (``runner``: the rank's :class:`~tripath.engine.runner.model_runner.ModelRunner`,
+    started). ``share(run, hidden)``: rank 0's hand-over of each run to the workers (None on one rank)."""
+
+    def __init__(self, model, runner, config, share=None):
+        self.model, self.backend, self.device = model, runner.backend, runner.device
+        self.dtype, self.hidden_size = config.dtype, int(model.config.hidden_size)
+        self.cache = runner.backend.allocate_cache(runner.num_blocks, runner.device)
+        most = 1 + config.speculative_config.num_speculative_tokens   # rows a request may add to a step
+        self.inputs = StepInputBuilder(runner.device, runner.block_size,
+                                       config.max_num_batched_tokens + config.max_num_seqs * most,
+                                       config.max_num_seqs, runner.max_blocks_per_seq)
+        self._calibrate = config.calculate_kv_scales   # fp8: the cache's scale from the first run's rows
+        self.share = share
+
+    @torch.inference_mode()
+    def run(self, run: MTPRun, hidden: torch.Tensor):
+        """Run the layer over ``run``'s rows with ``hidden [run.num_rows, H]`` (segment after segment), writing
+        their cache rows. With ``run.samples``: ``(g [S, H], greedy tokens [S])`` of each segment's last row,
+        in segment order; else None."""
+        if self.share is not None:
+            self.share(run, hidden)
+        segments = run.segments
+        scheduled = [ScheduledRequest(StepRequest(seg.start + len(seg.tokens), seg.block_ids, seg.start, seg.tokens),
+                                      len(seg.tokens), seg.start, run.samples) for seg in segments]
+        plan = self.backend.plan([len(seg.tokens) for seg in segments], [seg.start for seg in segments])
+        inputs = self.inputs.build(plan, scheduled, 0, ints=self.backend.step_ints(plan))
+        bounds = [0]
+        for seg in segments:
+            bounds.append(bounds[-1] + len(seg.tokens))
+        hidden = torch.cat([hidden[bounds[i]:bounds[i + 1]] for i in plan.order])
+        ctx = ForwardContext(self.backend, inputs.metadata(self.backend), [self.cache],
+                             calibrate_kv_scales=self._calibrate)
+        self._calibrate = False
+        g = self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, ctx)
+        if not run.samples:
+            return None
+        last = g.index_select(0, inputs.logit_indices)   # row r: segments[inputs.sample_rows[r]]
+        order = torch.empty(len(segments), dtype=torch.int64)
+        order[torch.tensor(inputs.sample_rows, dtype=torch.int64)] = torch.arange(len(segments))
+        last = last.index_select(0, order.to(last.device))
+        tokens = self.model.mtp_logits(last, upcast=False).argmax(dim=-1).tolist()
+        return last, tokens
+
+    def run_shared(self, run: MTPRun):
+        """A worker's side of :meth:`run`: receive the hidden states rank 0 broadcasts, then run."""
+        hidden = torch.empty(run.num_rows, self.hidden_size, dtype=self.dtype, device=self.device)
+        dist.broadcast(hidden, src=0)
+        return self.run(run, hidden)
+
+
+def share_over(control):
+    """Rank 0's ``share`` for :class:`MTPLayerRunner` under tensor parallelism: ``run`` over the ``control``
+    group (the workers' loop takes it as a message), then ``hidden`` over the default group."""
+    def share(run: MTPRun, hidden: torch.Tensor) -> None:
+        dist.broadcast_object_list([run], src=0, group=control)
+        dist.broadcast(hidden.contiguous(), src=0)
+
+    return share
