@@ -305,6 +305,30 @@ def test_llm_tp2_mtp_drafts_what_one_rank_drafts():
     assert drafts == one_drafts and any(any(d) for d in drafts)
 
 
+def test_llm_tp2_draft_model_runs_beside_rank_0():
+    """``draft_model`` under tensor parallelism: the draft (here the target's own preset, unsharded) runs on rank
+    0 beside its shard and drafts what it drafts beside one rank's target, nearly every draft is kept, and the
+    greedy tokens are one rank's without speculation."""
+    from tripath.engine.drafters.draft_model import draft_cache_bytes
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = tokens(LLM("tiny-qwen3-moe", **ENGINE).generate(PROMPTS[:2], greedy, use_tqdm=False))
+    spec = {"model": "tiny-qwen3-moe", "num_speculative_tokens": 3}
+    one = LLM("tiny-qwen3-moe", speculative_config=spec, **ENGINE)
+    one_drafts = recorded_drafts(one)
+    assert tokens(one.generate(PROMPTS[:2], greedy, use_tqdm=False)) == want
+    with LLM("tiny-qwen3-moe", tensor_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
+        drafts = recorded_drafts(llm)
+        assert tokens(llm.generate(PROMPTS[:2], greedy, use_tqdm=False)) == want
+        stats = llm.stats()
+        assert type(llm.scheduler.proposer).__name__ == "DraftModelProposer"
+        assert llm.scheduler.proposer.runner.num_blocks == llm.runner.num_blocks
+        draft_bytes = draft_cache_bytes(llm.scheduler.proposer.model, llm.config)(4)   # in rank 0's memory plan
+        assert draft_bytes > 0 and llm.runner.runner.extra_cache_bytes(4) == draft_bytes
+    assert drafts == one_drafts
+    assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
+
+
 def test_llm_tp2_draws_without_logits_as_tp1_samples():
     """With the fused LM head and draw forced on, each rank draws from its vocabulary rows and the ranks merge
     their draws: greedy and seeded plain-temperature tokens equal one rank's unfused sampling."""

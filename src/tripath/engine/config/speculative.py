@@ -4,7 +4,8 @@ text, ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
 Methods: ``ngram`` — prompt lookup (:mod:`tripath.engine.speculative.ngram`): no weights, the drafts are the
 tokens that followed the latest earlier occurrence of the request's last ``n`` tokens, for the largest ``n``
 in ``[prompt_lookup_min, prompt_lookup_max]`` that occurs; ``draft_model`` — a smaller ``model`` with the
-target's vocabulary drafts greedily (:mod:`tripath.engine.drafters.draft_model`; on one rank); ``mtp``
+target's vocabulary drafts greedily (:mod:`tripath.engine.drafters.draft_model`; under tensor parallelism
+unsharded, beside rank 0's shard); ``mtp``
 (alias ``deepseek_mtp``, vLLM's name) — the target's own multi-token-prediction layer drafts greedily
 (:mod:`tripath.engine.drafters.mtp`; DeepSeek checkpoints with ``num_nextn_predict_layers >= 1``; under
 tensor parallelism every rank runs its shard of the layer). Without a method, a ``model`` means ``draft_model``. Every error names the key and what is allowed.
@@ -32,7 +33,8 @@ MAX_SPECULATIVE_TOKENS = 15   # a verify step feeds at most 16 query tokens per 
 class SpeculativeConfig:
     """``num_speculative_tokens`` (1–15): tokens drafted per request and step; ``prompt_lookup_max`` /
     ``prompt_lookup_min``: the longest and shortest suffix the n-gram method looks up (defaults 4 and 1);
-    ``model``: the draft model (``draft_model``); ``draft_tensor_parallel_size``: 1 or None (vLLM's key);
+    ``model``: the draft model (``draft_model``); ``draft_tensor_parallel_size``: 1 or None (vLLM's key: the
+    draft runs on one rank);
     ``tree_width`` (1–``num_speculative_tokens``): the most branches of a request's draft tree (1: a chain)."""
 
     method: str = "ngram"
@@ -91,10 +93,11 @@ class SpeculativeConfig:
 
     @property
     def needs_one_rank(self) -> bool:
-        """Whether the method runs with tensor_parallel_size 1 only (``draft_model``: its drafter is one rank's;
-        draft trees: rank 0 decides the accepted path, whose cache rows every rank would have to move). ``mtp``
-        runs on every rank, each with its shard of the MTP layer."""
-        return self.method == "draft_model" or self.uses_trees
+        """Whether speculation runs with tensor_parallel_size 1 only: draft trees (rank 0 decides the accepted
+        path, whose cache rows every rank would have to move). Under tensor parallelism ``draft_model``'s
+        draft runs unsharded beside rank 0's shard, and ``mtp`` on every rank, each with its shard of the MTP
+        layer."""
+        return self.uses_trees
 
     @classmethod
     def of(cls, value) -> "SpeculativeConfig | None":

@@ -108,11 +108,8 @@ class EngineCore:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         speculation = config.speculative_config
         if speculation is not None and speculation.needs_one_rank and tensor_parallel_size > 1:
-            if speculation.uses_trees:
-                raise ValueError(f"speculative_config tree_width={speculation.tree_width} (draft trees) runs with "
-                                 "tensor_parallel_size 1 (use tree_width 1 with tensor parallelism)")
-            raise ValueError(f"speculative_config method {speculation.method!r} runs with tensor_parallel_size 1 "
-                             "(use the ngram or mtp method with tensor parallelism)")
+            raise ValueError(f"speculative_config tree_width={speculation.tree_width} (draft trees) runs with "
+                             "tensor_parallel_size 1 (use tree_width 1 with tensor parallelism)")
         mtp = speculation is not None and speculation.method == "mtp"   # the model's own MTP layer drafts
         self.runner = None
         if tensor_parallel_size > 1 or isinstance(model, str):
@@ -144,6 +141,8 @@ class EngineCore:
             extra_cache_bytes = mtp_cache_bytes(model, config)
         if self.runner is None:
             self.runner = ModelRunner(model, config, extra_cache_bytes=extra_cache_bytes)
+        elif draft is not None:   # tensor parallelism: the draft runs beside rank 0's shard, whose plan counts it
+            self.runner.reserve_rank0_cache(extra_cache_bytes)
         # the executor's start, in order: plan_memory, allocate_kv_cache, warm_up, capture_graphs
         start_executor(self.runner)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size, config.enable_prefix_caching,

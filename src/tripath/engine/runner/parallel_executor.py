@@ -160,6 +160,14 @@ class ParallelExecutor:
             self._shutdown.serving = False   # every worker left its loop with the same error
             raise
 
+    def reserve_rank0_cache(self, extra_cache_bytes) -> None:
+        """Count another cache of as many blocks in rank 0's memory plan (``block_size -> bytes`` per block: a
+        draft model's, which runs beside rank 0's shard); every rank then allocates rank 0's smaller count.
+        Before :meth:`plan_memory`."""
+        if self.num_blocks:
+            raise RuntimeError("reserve_rank0_cache comes before the memory plan")
+        self.runner.extra_cache_bytes = extra_cache_bytes
+
     def plan_memory(self) -> int:
         """The KV blocks of the smallest rank's plan."""
         return self._start_phase("plan_memory")
