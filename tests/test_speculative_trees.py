@@ -92,11 +92,6 @@ def test_backends_without_tree_verification_are_refused(name, backend, message):
         LLM(preset(name), backend=backend, num_kv_blocks=32, block_size=8, speculative_config=spec(2))
 
 
-def test_trees_refuse_tensor_parallelism():
-    with pytest.raises(ValueError, match="tree_width=2 .*tensor_parallel_size 1"):
-        LLM(preset("tiny-llama"), backend="torch", tensor_parallel_size=2, speculative_config=spec(2))
-
-
 # -- trees and the n-gram proposer ----------------------------------------------------------------------------
 
 def test_branches_merge_by_common_prefix_breadth_first_within_the_budget():

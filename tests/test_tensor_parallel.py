@@ -232,6 +232,7 @@ def test_step_messages_rebuild_what_the_runner_reads():
                 (want.num_new_tokens, want.num_computed_tokens, want.samples)
             assert got.request.block_ids == want.request.block_ids
             assert got.request.token_ids(start, stop) == want.request.token_ids(start, stop)
+            assert (got.draft_token_ids, got.draft_parents) == (want.draft_token_ids, want.draft_parents)
         sent += sum(len(item[5]) for item in message[1])
         total += sum(len(s.request.block_ids) for s in out.scheduled)
         scheduler.update(out, [[7] if s.samples else [] for s in out.scheduled])
@@ -327,6 +328,22 @@ def test_llm_tp2_draft_model_runs_beside_rank_0():
         assert draft_bytes > 0 and llm.runner.runner.extra_cache_bytes(4) == draft_bytes
     assert drafts == one_drafts
     assert stats.spec_num_accepted_tokens >= 0.9 * stats.spec_num_draft_tokens > 0
+
+
+def test_llm_tp2_draft_trees_move_every_ranks_cache_rows():
+    """Draft trees under tensor parallelism: the workers build each tree's mask from the step message, and move
+    the cache slots rank 0 moved along the accepted paths (the right token is always a later sibling, so every
+    kept draft's rows move): the greedy tokens are one rank's without speculation."""
+    from test_speculative_trees import _SecondSiblings, branching_prompts, spec
+
+    prompts = branching_prompts()[:3]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    engine = {**ENGINE, "num_kv_blocks": 128}
+    want = tokens(LLM("tiny-llama", **engine).generate(prompts, greedy, use_tqdm=False))
+    with LLM("tiny-llama", tensor_parallel_size=2, speculative_config=spec(2, k=4), **engine) as llm:
+        llm.scheduler.proposer = _SecondSiblings({tuple(p): w for p, w in zip(prompts, want)}, 256)
+        assert tokens(llm.generate(prompts, greedy, use_tqdm=False)) == want
+        assert llm.stats().spec_num_accepted_tokens > 0
 
 
 def test_llm_tp2_draws_without_logits_as_tp1_samples():

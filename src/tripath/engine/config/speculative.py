@@ -14,7 +14,7 @@ Draft trees (opt-in): ``tree_width`` ``w >= 2`` (``ngram`` only) drafts up to ``
 per request, merged by common prefix into a tree of at most ``num_speculative_tokens`` nodes, and verifies
 the whole tree in one step (:mod:`tripath.engine.speculative.trees`); ``w = 1`` (the default) drafts a chain.
 Trees need a backend whose verify route takes a draft tree's mask (``three_path``, ``torch``; for MLA models
-``mla``, ``mla_triton``, ``torch``) and one rank.
+``mla``, ``mla_triton``, ``torch``).
 """
 
 from __future__ import annotations
@@ -90,14 +90,6 @@ class SpeculativeConfig:
     def uses_trees(self) -> bool:
         """Whether requests draft trees (``tree_width > 1``), not chains."""
         return self.tree_width > 1
-
-    @property
-    def needs_one_rank(self) -> bool:
-        """Whether speculation runs with tensor_parallel_size 1 only: draft trees (rank 0 decides the accepted
-        path, whose cache rows every rank would have to move). Under tensor parallelism ``draft_model``'s
-        draft runs unsharded beside rank 0's shard, and ``mtp`` on every rank, each with its shard of the MTP
-        layer."""
-        return self.uses_trees
 
     @classmethod
     def of(cls, value) -> "SpeculativeConfig | None":

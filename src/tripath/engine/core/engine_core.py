@@ -107,9 +107,6 @@ class EngineCore:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tensor_parallel_size!r}")
         speculation = config.speculative_config
-        if speculation is not None and speculation.needs_one_rank and tensor_parallel_size > 1:
-            raise ValueError(f"speculative_config tree_width={speculation.tree_width} (draft trees) runs with "
-                             "tensor_parallel_size 1 (use tree_width 1 with tensor parallelism)")
         mtp = speculation is not None and speculation.method == "mtp"   # the model's own MTP layer drafts
         self.runner = None
         if tensor_parallel_size > 1 or isinstance(model, str):

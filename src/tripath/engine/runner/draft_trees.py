@@ -7,7 +7,9 @@ graphs where they are captured (:mod:`tripath.engine.runner.mixed_graphs`: atten
 step's own metadata, masks included), else it runs eagerly. The backend reads the verifies' ``tree_mask`` from
 ``metadata.decode.verify`` (``Capabilities.draft_trees``: ``three_path`` through :func:`tripath.ops.paged_verify`,
 the MLA backends through :func:`tripath.ops.mla_verify`, and the ``torch`` reference), so the verifies must
-sit in its decode slice (``decode_threshold = 1 + num_speculative_tokens``).
+sit in its decode slice (``decode_threshold = 1 + num_speculative_tokens``). Under tensor parallelism rank 0
+decides the paths and hands the slots it moved to the workers, which move the same slots in their caches
+(:mod:`tripath.engine.runner.worker`).
 """
 
 from __future__ import annotations
@@ -32,16 +34,24 @@ def check_draft_trees(backend, spec, verify_len: int) -> None:
                          "tree_width 1")
 
 
-def move_tree_paths(caches, inputs, paths: list[list[int]]) -> None:
+def move_tree_paths(caches, inputs, paths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Copy each verify's accepted nodes' K/V (``paths[b]``: its accepted nodes by depth), in every layer's
     cache, from the slots of their rows to those of their positions, on the device: a row ``r`` of the verify
-    starting at token ``inputs.verify_starts[b]`` has slot ``inputs.slot_mapping[start + r]``."""
+    starting at token ``inputs.verify_starts[b]`` has slot ``inputs.slot_mapping[start + r]``. Returns the
+    ``(source slots, target slots)`` moved (int64, on the device), or None when no row moved."""
     moves = [(start + a, start + b) for start, path in zip(inputs.verify_starts, paths) for a, b in path_moves(path)]
     if not moves:
-        return
+        return None
     slots = inputs.slot_mapping.index_select(
         0, to_device([a for a, _ in moves] + [b for _, b in moves], torch.int64, inputs.slot_mapping.device))
     sources, targets = slots[:len(moves)], slots[len(moves):]
+    move_cache_slots(caches, sources, targets)
+    return sources, targets
+
+
+def move_cache_slots(caches, sources: torch.Tensor, targets: torch.Tensor) -> None:
+    """Copy slot ``sources[i]``'s K/V to slot ``targets[i]`` in every layer's cache (int64 slots on the cache's
+    device; a tensor-parallel worker makes rank 0's moves with them)."""
     for cache in caches:
         if hasattr(cache, "kv_cache"):   # MLA: one latent row a slot
             copy_cache_slots(cache.kv_cache, None, sources, targets)

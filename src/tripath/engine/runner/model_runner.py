@@ -135,6 +135,7 @@ class ModelRunner(startup.RunnerStart):
         self.mixed_graphs: MixedStepGraphs | None = None
         self.largest_step_host_share: float | None = None  # host time / GPU span of the largest eager step
         self.samples = True   # False on a tensor-parallel worker: logits computed (collectives), nothing sampled
+        self.share_tree_moves = None   # rank 0 of tensor parallelism: hands an accepted tree's slot moves on
         self.fused_sampling = fused_sampling.choose(self)   # which steps draw without logits (set at start)
         self.num_fused_sampling_steps = 0   # model steps whose tokens were drawn so
         self._phases = startup.PhaseOrder("ModelRunner")   # plan_memory, allocate_kv_cache, warm_up, capture_graphs
@@ -197,7 +198,6 @@ class ModelRunner(startup.RunnerStart):
         """Columns of the logits :meth:`compute_logits` returns (the vocabulary, padded as the model pads it)."""
         hidden = torch.zeros(1, int(self.model.config.hidden_size), dtype=self.config.dtype, device=self.device)
         return int(self.compute_logits(hidden).shape[-1])
-
 
     # ---- the route ----------------------------------------------------------------------------------
     def route(self, scheduled: list[ScheduledRequest]) -> tuple[Route, int | None]:
@@ -342,7 +342,9 @@ class ModelRunner(startup.RunnerStart):
         if any(item.draft_parents is not None for item in items):
             grid, paths = accept_tree(logits, [item.draft_token_ids for item in items], [chain_parents(len(
                 item.draft_token_ids)) if item.draft_parents is None else item.draft_parents for item in items], *args)
-            move_tree_paths(self.caches, inputs, paths)
+            moved = move_tree_paths(self.caches, inputs, paths)
+            if moved is not None and self.share_tree_moves is not None:
+                self.share_tree_moves(*moved)
             path_rows = [[0] + [1 + t for t in path] for path in paths]
         else:
             grid = accept_drafts(logits, [item.draft_token_ids for item in items], *args)

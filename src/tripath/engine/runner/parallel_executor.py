@@ -32,7 +32,8 @@ from tripath.engine.config import EngineConfig
 from tripath.engine.runner.executor import ExecutorCapabilities
 from tripath.engine.runner.launched_step import LaunchedStep, SampledStep
 from tripath.engine.runner.worker import (RankSetup, StartPhase, StepEncoder, join_groups, leave_groups, rank_device,
-                                          run_start_phase, run_worker, spawned_worker, start_rank)
+                                          run_start_phase, run_worker, share_tree_moves_over, spawned_worker,
+                                          start_rank)
 
 JOIN_TIMEOUT_S = 30.0
 
@@ -138,6 +139,7 @@ class ParallelExecutor:
             self.close()
             raise
         self._shutdown.serving = True   # the workers wait for start phases and steps
+        self.runner.share_tree_moves = share_tree_moves_over(self.control)
         self.num_blocks = 0   # until allocate_kv_cache
         self.encoder = StepEncoder()
 

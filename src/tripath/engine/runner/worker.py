@@ -17,14 +17,16 @@ through the same phases, so their collectives line up:
    speculative decoding's ``mtp`` method, every run of the MTP layer: :mod:`tripath.engine.runner.mtp_layer`).
 
 A step message is ``(forget, items, draw_keys)``: ``items`` has one tuple per scheduled request, ``(key,
-num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids)`` —
-what a ModelRunner reads of the request (a verify's drafts apart from its own tokens), with only the KV block
+num_new_tokens, num_computed_tokens, num_tokens, first_block, new_blocks, new_token_ids, draft_token_ids,
+draft_parents)`` — what a ModelRunner reads of the request (a verify's drafts apart from its own tokens, and
+the parents of a draft tree's nodes), with only the KV block
 ids the workers have not seen (its block list is ``known[:first_block] + new_blocks``); ``forget`` lists the
 keys of requests that finished or were preempted. Workers compute the logits (the LM head gathers over the
 ranks) and sample nothing; rank 0's samples are the engine's. A step that rank 0 draws without logits
 (:mod:`tripath.engine.sampling.fused_sampling`) has ``draw_keys``, each request's ``(temperature, sampling seed)``:
 every rank draws from its vocabulary rows with them (the draw's collective), rank 0 keeps the tokens;
-``draw_keys`` is None for the other steps.
+``draw_keys`` is None for the other steps. A step that verified draft trees is followed by a :class:`TreeMoves`
+message: the cache slots rank 0 moved along the accepted paths, which every worker moves in its caches.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import torch.distributed as dist
 from tripath.engine.config import EngineConfig
 from tripath.engine.requests.request import RequestStatus
 from tripath.engine.requests.sampling_params import SamplingParams
+from tripath.engine.runner.draft_trees import move_cache_slots
 from tripath.engine.runner.mtp_layer import MTPLayerRunner, MTPRun, mtp_cache_bytes
 from tripath.engine.runner.startup import PHASES
 from tripath.engine.runner.step_request import GREEDY, StepRequest
@@ -77,6 +80,24 @@ class StartPhase:
             raise ValueError(f"no start phase {self.name!r}; the phases: {', '.join(PHASES)}")
 
 
+@dataclass(frozen=True)
+class TreeMoves:
+    """The cache slots rank 0 moved after a step's draft trees were accepted: slot ``sources[i]`` to
+    ``targets[i]`` (:func:`tripath.engine.runner.draft_trees.move_tree_paths`)."""
+
+    sources: list[int]
+    targets: list[int]
+
+
+def share_tree_moves_over(control):
+    """Rank 0's ``ModelRunner.share_tree_moves`` under tensor parallelism: the moved slots as a
+    :class:`TreeMoves` message over the ``control`` group."""
+    def share(sources: torch.Tensor, targets: torch.Tensor) -> None:
+        dist.broadcast_object_list([TreeMoves(sources.tolist(), targets.tolist())], src=0, group=control)
+
+    return share
+
+
 class StepEncoder:
     """Rank 0's side of the step messages. A running request's block list only grows (by appending) and is
     replaced when the request is admitted again, so the workers get each block id once: all of them when the
@@ -100,7 +121,8 @@ class StepEncoder:
             self.known[request.index] = (request, blocks, len(blocks))
             drafts = item.draft_token_ids
             items.append((request.index, item.num_new_tokens, start, request.num_tokens, sent, blocks[sent:],
-                          request.token_ids(start, start + item.num_new_tokens - len(drafts)), drafts))
+                          request.token_ids(start, start + item.num_new_tokens - len(drafts)), drafts,
+                          item.draft_parents))
         keys = [(item.request.sampling_params.temperature, noise_seed(item.request)) for item in scheduled] \
             if fused else None
         return forget, items, keys
@@ -118,7 +140,7 @@ class StepDecoder:
         for key in forget:
             self.blocks.pop(key, None)
         scheduled = []
-        for key, num_new, computed, num_tokens, first_block, new_blocks, token_ids, drafts in items:
+        for key, num_new, computed, num_tokens, first_block, new_blocks, token_ids, drafts, parents in items:
             blocks = self.blocks.get(key)
             if blocks is None or len(blocks) != first_block:
                 blocks = self.blocks[key] = (blocks or [])[:first_block]
@@ -130,7 +152,7 @@ class StepDecoder:
                     self.params[temperature] = SamplingParams(temperature=temperature)
                 request.sampling_params = self.params[temperature]
             samples = bool(drafts) or computed + num_new == num_tokens
-            scheduled.append(ScheduledRequest(request, num_new, computed, samples, drafts))
+            scheduled.append(ScheduledRequest(request, num_new, computed, samples, drafts, parents))
         return scheduled
 
 
@@ -224,8 +246,9 @@ def run_start_phase(runner, phase: StartPhase, control) -> int:
 def serve(runner, control) -> None:
     """A worker's loop: run each broadcast start phase, then each broadcast step until the stop message
     (computing the logits, whose LM head gathers over the ranks, without sampling: rank 0's samples are the
-    engine's), and each run of the MTP layer rank 0's proposer makes (:mod:`tripath.engine.runner.mtp_layer`;
-    its cache allocated at the first)."""
+    engine's), the cache slots rank 0 moved along accepted draft trees (:class:`TreeMoves`), and each run of the
+    MTP layer rank 0's proposer makes (:mod:`tripath.engine.runner.mtp_layer`; its cache allocated at the
+    first)."""
     runner.samples = False
     box, decoder, mtp_layer = [None], StepDecoder(), None
     try:
@@ -236,6 +259,10 @@ def serve(runner, control) -> None:
                 return
             if isinstance(message, StartPhase):
                 run_start_phase(runner, message, control)
+            elif isinstance(message, TreeMoves):
+                device = runner.device
+                move_cache_slots(runner.caches, torch.tensor(message.sources, dtype=torch.int64, device=device),
+                                 torch.tensor(message.targets, dtype=torch.int64, device=device))
             elif isinstance(message, MTPRun):
                 if mtp_layer is None:
                     mtp_layer = MTPLayerRunner(runner.model, runner, runner.config)
