@@ -41,7 +41,10 @@ def pure_torch(monkeypatch):
     ({"num_speculative_tokens": 16}, r"num_speculative_tokens must be in \[1, 15\]"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens must be an int"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-    ({"num_speculative_tokens": 2, "disable_by_batch_size": 4}, "unknown key.*disable_by_batch_size"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size must be an int >= 1"),
+    ({"num_speculative_tokens": 2, "acceptance_threshold": 1.0}, r"acceptance_threshold must be a number in \[0, 1\)"),
+    ({"num_speculative_tokens": 2, "acceptance_threshold": "0.5"}, "acceptance_threshold must be a number"),
+    ({"num_speculative_tokens": 2, "min_acceptance": 0.5}, "unknown key.*min_acceptance"),
     ("{not json", "not valid JSON"),
 ])
 def test_bad_settings_name_what_is_wrong(config, message):
@@ -212,6 +215,78 @@ def test_triton_backends_verify_as_the_reference(monkeypatch, backend):
     assert llm.stats().spec_num_accepted_tokens > 0
     # verifies take the decode path (paged_verify on three_path), except on two_path (decodes of one token)
     assert llm.runner.spec.decode_threshold == (1 if backend == "two_path" else 1 + SPEC["num_speculative_tokens"])
+
+
+# -- how many tokens a request drafts ------------------------------------------------------------------------
+
+class _Request:   # what DraftLengths keys on: any object a weak reference can hold
+    pass
+
+
+def test_draft_lengths_follow_each_requests_acceptance():
+    """A new request drafts k; rejected drafts shorten its length to the largest j with a^j >= θ, down to none,
+    with a probe of one draft every PROBE_EVERY steps; kept drafts bring it back. Requests are apart."""
+    from tripath.engine.speculative.draft_length import PROBE_EVERY, DraftLengths
+
+    lengths, request, other = DraftLengths(0.3), _Request(), _Request()
+    assert lengths.length(request, 4) == 4 and lengths.length(request, 2) == 2 and lengths.length(request, 0) == 0
+    seen = []
+    for _ in range(6):
+        lengths.observe(request, 4, 0)
+        a = lengths.acceptance(request)
+        seen.append(lengths.length(request, 4))
+        assert seen[-1] == 0 or (a ** seen[-1] >= 0.3 and (seen[-1] == 4 or a ** (seen[-1] + 1) < 0.3))
+    assert seen[0] == 2 and seen[-1] == 0 and seen == sorted(seen, reverse=True)
+    calls = [lengths.length(request, 4) for _ in range(2 * PROBE_EVERY)]
+    probes = [i for i, n in enumerate(calls) if n]
+    assert set(calls) == {0, 1} and len(probes) == 2 and probes[1] - probes[0] == PROBE_EVERY
+    for _ in range(12):
+        lengths.observe(request, 1, 1)
+    assert lengths.length(request, 4) == 4 and lengths.length(other, 4) == 4
+    with pytest.raises(ValueError, match=r"acceptance_threshold must be in \(0, 1\)"):
+        DraftLengths(0.0)
+
+
+def oracle_engine(model, prompts, want, p: float, **spec) -> LLM:
+    from tripath.engine.speculative.oracle import OracleProposer
+
+    llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4,
+              speculative_config={"num_speculative_tokens": 4, **spec})
+    llm.scheduler.proposer = OracleProposer({tuple(q): w for q, w in zip(prompts, want)}, p, 256)
+    return llm
+
+
+def test_an_acceptance_threshold_stops_drafting_what_is_rejected(pure_torch):
+    """Oracle drafts that are always wrong (p = 0): with ``acceptance_threshold`` each request soon drafts only
+    its probes, a fraction of the draft tokens of fixed-length speculation; always right (p = 1): every draft,
+    as without it. Greedy outputs are those without speculation either way."""
+    model, prompts = preset("tiny-llama"), repetitive_prompts()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=128, block_size=4), prompts, params)
+    drafted = {}
+    for p in (0.0, 1.0):
+        for threshold in (0.0, 0.4):
+            llm = oracle_engine(model, prompts, want, p, acceptance_threshold=threshold)
+            assert outputs(llm, prompts, params) == want
+            stats = llm.stats()
+            drafted[p, threshold] = stats.spec_num_draft_tokens
+            assert stats.spec_num_accepted_tokens == (stats.spec_num_draft_tokens if p else 0)
+    assert drafted[0.0, 0.4] < 0.3 * drafted[0.0, 0.0]
+    assert drafted[1.0, 0.4] == drafted[1.0, 0.0] > 0
+
+
+def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(pure_torch):
+    """``disable_by_batch_size`` 1 (vLLM's key): nothing is drafted while two or three requests run; the one left
+    running drafts; greedy outputs are those without speculation."""
+    model, prompts = preset("tiny-llama"), repetitive_prompts()[:3]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (4, 8, 30)]
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=128, block_size=4), prompts, params)
+    llm = oracle_engine(model, prompts, want, 1.0, disable_by_batch_size=1)
+    proposer, running = llm.scheduler.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda items: running.append(len(llm.scheduler.running)) or propose(items)
+    assert outputs(llm, prompts, params) == want
+    assert running and max(running) == 1 and llm.stats().spec_num_accepted_tokens > 0
 
 
 def test_sampled_requests_are_seeded_and_speculation_turns_overlap_off(pure_torch):

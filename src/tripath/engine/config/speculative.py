@@ -35,7 +35,10 @@ class SpeculativeConfig:
     ``prompt_lookup_min``: the longest and shortest suffix the n-gram method looks up (defaults 4 and 1);
     ``model``: the draft model (``draft_model``); ``draft_tensor_parallel_size``: 1 or None (vLLM's key: the
     draft runs on one rank);
-    ``tree_width`` (1–``num_speculative_tokens``): the most branches of a request's draft tree (1: a chain)."""
+    ``tree_width`` (1–``num_speculative_tokens``): the most branches of a request's draft tree (1: a chain);
+    ``acceptance_threshold`` (in ``[0, 1)``; 0, the default: off): each request drafts only the tokens whose
+    estimated chance of being kept is at least this (:mod:`tripath.engine.speculative.draft_length`);
+    ``disable_by_batch_size`` (vLLM's key; None: off): no request drafts while more requests than this run."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 0
@@ -44,6 +47,8 @@ class SpeculativeConfig:
     model: str | None = None
     draft_tensor_parallel_size: int | None = None
     tree_width: int = 1
+    acceptance_threshold: float = 0.0
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method in ALIASES:
@@ -77,6 +82,15 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config model={self.model!r} is for method 'draft_model'; the "
                              f"{self.method} method takes no model" +
                              (" (it drafts with the target's own MTP layer)" if self.method == "mtp" else ""))
+        threshold = self.acceptance_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold < 1:
+            raise ValueError(f"speculative_config acceptance_threshold must be a number in [0, 1) (the least chance "
+                             f"of being kept a draft is worth; 0: always draft num_speculative_tokens), got "
+                             f"{threshold!r}")
+        object.__setattr__(self, "acceptance_threshold", float(threshold))
+        limit = self.disable_by_batch_size
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be an int >= 1 or None, got {limit!r}")
         if self.draft_tensor_parallel_size not in (None, 1):
             raise ValueError(f"speculative_config draft_tensor_parallel_size must be 1 (the draft model runs on "
                              f"one rank), got {self.draft_tensor_parallel_size!r}")

@@ -57,7 +57,9 @@ from tripath.engine.config.speculative import SpeculativeConfig
 from tripath.engine.requests.request import FinishReason, Request, RequestStatus
 from tripath.engine.scheduling.block_manager import BlockManager, blocks_needed
 from tripath.engine.scheduling.stats import DraftCounts
+from tripath.engine.speculative.draft_length import DraftLengths
 from tripath.engine.speculative.ngram import NgramProposer
+from tripath.engine.speculative.trees import depths
 
 MIN_TOKEN_BUDGET = 64  # the smallest step budget an out-of-memory step shrinks it to (shrink_token_budget)
 MIN_PACED_BUDGET = 16  # the smallest step budget step pacing sets (pace)
@@ -122,6 +124,8 @@ class Scheduler:
             proposer = NgramProposer(speculation.prompt_lookup_min, speculation.prompt_lookup_max)
         self.proposer = proposer   # drafts for the verifies (speculative decoding: ``propose([(request, k)])``)
         self.draft_counts = DraftCounts(0 if speculation is None else speculation.num_speculative_tokens)
+        threshold = 0.0 if speculation is None else speculation.acceptance_threshold
+        self.draft_lengths = DraftLengths(threshold) if threshold > 0 else None   # adaptive draft lengths
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -279,13 +283,18 @@ class Scheduler:
     def _draft_room(self, request: Request) -> int:
         """How many drafts a running request's next step may verify (speculative decoding): as many as
         ``num_speculative_tokens`` and its ``max_tokens`` allow; none for a request whose sampling needs
-        each token before the next (a structured output, penalties, ``min_tokens``, ``logit_bias``), and
-        none while a token of it is in flight."""
-        params = request.sampling_params
+        each token before the next (a structured output, penalties, ``min_tokens``, ``logit_bias``), none
+        while a token of it is in flight or while more requests run than ``disable_by_batch_size``; with an
+        ``acceptance_threshold``, as many as its acceptance pays for
+        (:mod:`tripath.engine.speculative.draft_length`)."""
+        params, speculation = request.sampling_params, self.speculation
         if request.num_inflight_tokens or request.grammar is not None or params.transforms_logits:
             return 0
+        if speculation.disable_by_batch_size is not None and len(self.running) > speculation.disable_by_batch_size:
+            return 0
         room = params.max_tokens - request.num_output_tokens - 1   # the verify step yields up to 1 + drafts
-        return max(0, min(self.speculation.num_speculative_tokens, room))
+        room = max(0, min(speculation.num_speculative_tokens, room))
+        return room if self.draft_lengths is None else self.draft_lengths.length(request, room)
 
     @staticmethod
     def _add(out: SchedulerOutput, request: Request, num_new: int, num_steps: int = 1,
@@ -349,6 +358,10 @@ class Scheduler:
             if item.draft_token_ids:   # a verify: its accepted drafts and the token after them
                 request.num_inflight_tokens -= item.num_new_tokens
                 self.draft_counts.observe(len(item.draft_token_ids), len(tokens) - 1)
+                if self.draft_lengths is not None:
+                    parents = item.draft_parents   # a tree scores its depth
+                    scored = len(item.draft_token_ids) if parents is None else max(depths(parents))
+                    self.draft_lengths.observe(request, scored, len(tokens) - 1)
                 if running:   # the rejected drafts' cache rows are rewritten by the tokens that follow
                     request.num_computed_tokens = item.num_computed_tokens + len(tokens)
             else:

@@ -1,0 +1,73 @@
+"""How many tokens a request drafts in a step: speculative decoding's adaptive length.
+
+With an ``acceptance_threshold`` ``θ > 0`` each request keeps an estimate ``a`` of the chance that the target
+keeps its next draft, and drafts the largest ``j <= k`` with ``a^j >= θ``: draft ``j`` is kept only when
+drafts ``1 .. j`` all are (chance ``a^j`` under a constant per-token acceptance), while it costs a row of the
+verify either way. ``θ`` is the least chance of being kept that a draft's row is worth: about the cost of a
+verify row relative to a decode step's (small where decode steps are bound by memory bandwidth, near 1 where
+a large batch makes them compute-bound).
+
+The estimate: a verify that scored ``d`` drafts and kept the first ``n`` saw ``n`` drafts kept and, when
+``n < d``, one rejected (a draft tree counts its depth as ``d``). The counts decay by half every
+:data:`HALF_LIFE` verifies, so the estimate follows a request whose text turns easier or harder to predict,
+and start at :data:`PRIOR_KEPT` kept and none rejected, so a new request drafts ``k``. A request whose
+estimate allows no draft drafts one every :data:`PROBE_EVERY` steps, so that its estimate can recover.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+HALF_LIFE = 4          # verifies after which an observation weighs half
+PRIOR_KEPT = 2.0       # a new request's kept drafts (none rejected): it starts by drafting k
+PROBE_EVERY = 8        # a request that drafts nothing drafts one token every this many steps
+_DECAY = 0.5 ** (1.0 / HALF_LIFE)
+
+
+@dataclass
+class _Estimate:
+    kept: float = PRIOR_KEPT
+    rejected: float = 0.0
+    idle_steps: int = 0   # steps since the request last drafted (its estimate allowing none)
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / (self.kept + self.rejected)
+
+
+class DraftLengths:
+    """The adaptive draft length of each request (module doc) for ``threshold`` ``θ`` in ``(0, 1)``."""
+
+    def __init__(self, threshold: float):
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"acceptance_threshold must be in (0, 1), got {threshold}")
+        self.threshold = threshold
+        self._estimates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # request -> _Estimate
+
+    def acceptance(self, request) -> float:
+        """The request's estimated chance that its next draft is kept."""
+        estimate = self._estimates.get(request)
+        return 1.0 if estimate is None else estimate.acceptance
+
+    def length(self, request, most: int) -> int:
+        """How many of at most ``most`` drafts the request takes this step (one call per step it decodes)."""
+        if most <= 0:
+            return 0
+        estimate = self._estimates.setdefault(request, _Estimate())
+        a, j = estimate.acceptance, 0
+        while j < most and a ** (j + 1) >= self.threshold:
+            j += 1
+        if j == 0:
+            estimate.idle_steps += 1
+            if estimate.idle_steps >= PROBE_EVERY:
+                j = 1
+        if j:
+            estimate.idle_steps = 0
+        return j
+
+    def observe(self, request, drafted: int, kept: int) -> None:
+        """A verify of the request scored ``drafted`` drafts (a tree: its depth) and kept the first ``kept``."""
+        estimate = self._estimates.setdefault(request, _Estimate())
+        estimate.kept = estimate.kept * _DECAY + kept
+        estimate.rejected = estimate.rejected * _DECAY + (1.0 if kept < drafted else 0.0)
