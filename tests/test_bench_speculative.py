@@ -56,3 +56,19 @@ def test_bench_speculative_runs_the_mtp_layer_under_the_oracles_drafts(monkeypat
     rows = json.loads(out.read_text())["rows"]
     assert [r["acceptance"] for r in rows] == [0.0, 1.0] and all(r["same_outputs"] == 1.0 for r in rows)
     assert drafted
+
+
+def test_bench_speculative_with_adaptive_draft_lengths_drafts_less_where_nothing_is_kept(monkeypatch, tmp_path):
+    """``--acceptance-threshold``: at p = 0 each request soon stops drafting (the rows' ``draft_tokens``), at p = 1
+    it drafts as the fixed length does; outputs stay the recorded ones."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    common = ["--model", "tiny-llama", "--batch-sizes", "2", "--input-len", "12", "--output-len", "30",
+              "--acceptance", "0,1", "--num-speculative-tokens", "4", "--num-kv-blocks", "64", "--device", "cpu"]
+    drafted = {}
+    for threshold in ("0", "0.4"):
+        out = tmp_path / f"spec-{threshold}.json"
+        assert main(common + ["--acceptance-threshold", threshold, "--json", str(out)]) == 0
+        rows = json.loads(out.read_text())["rows"]
+        assert all(r["same_outputs"] == 1.0 for r in rows)
+        drafted[threshold] = [r["draft_tokens"] for r in rows]
+    assert drafted["0.4"][0] < 0.5 * drafted["0"][0] and drafted["0.4"][1] == drafted["0"][1] > 0

@@ -16,8 +16,9 @@ For each ``--batch-sizes`` entry ``B``, ``B`` greedy requests of ``--input-len``
    the first) and output tok/s, and the recorded outputs;
 2. on an engine with ``num_speculative_tokens = --num-speculative-tokens``, for each ``--acceptance`` ``p``:
    TPOT, output tok/s, their ratio to the baseline, the measured acceptance (drafts kept / drafted), tokens
-   per verify step, and the share of outputs equal to the recorded ones (greedy: 1.0 unless the verify's
-   kernels break a near-tie of the logits the other way).
+   per verify step, the tokens drafted, and the share of outputs equal to the recorded ones (greedy: 1.0 unless the verify's
+   kernels break a near-tie of the logits the other way). ``--acceptance-threshold`` turns on adaptive
+   draft lengths (:mod:`tripath.engine.speculative.draft_length`).
 
 Each measured run follows an unmeasured one of the same shapes (compilation, caches). One engine at a time
 holds the device. ``--json`` writes the rows.
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=("ngram", "mtp"), default="ngram",
                         help="the speculating engine's method; its drafts are the oracle's either way (mtp: the "
                              "model's MTP layer runs and is timed)")
+    parser.add_argument("--acceptance-threshold", type=float, default=0.0,
+                        help="speculative_config acceptance_threshold: adaptive draft lengths (0: off)")
     parser.add_argument("--acceptance", default="0,0.5,0.7,0.9",
                         help="chances p that a drafted token is the recorded one, comma-separated")
     parser.add_argument("--backend", default="auto")
@@ -66,6 +69,8 @@ def _engine(args, speculative: int | None):
         options["speculative_config"] = {"method": args.method, "num_speculative_tokens": speculative}
         if getattr(args, "tree_width", 1) > 1:
             options["speculative_config"]["tree_width"] = args.tree_width
+        if getattr(args, "acceptance_threshold", 0.0) > 0:
+            options["speculative_config"]["acceptance_threshold"] = args.acceptance_threshold
     return LLM(args.model, **{k: v for k, v in options.items() if v is not None})
 
 
@@ -123,7 +128,7 @@ def run(args) -> list[dict]:
                              tpot_speedup=baseline[b]["tpot_ms"] / measured["tpot_ms"] if measured["tpot_ms"] else 0.0,
                              acceptance=accepted / drafted if drafted else 0.0,
                              tokens_per_verify=1 + accepted / verifies if verifies else 1.0,
-                             same_outputs=same))
+                             draft_tokens=drafted, same_outputs=same))
     _release(llm)
     return rows
 
@@ -133,11 +138,12 @@ def print_rows(rows: list[dict], args) -> None:
           f"{args.num_speculative_tokens} drafted tokens per verify (oracle drafts"
           + (", the MTP layer running)" if args.method == "mtp" else ")"))
     print(f"{'batch':>5} {'p':>5} {'TPOT ms':>9} {'base ms':>9} {'speed-up':>8} {'tok/s':>9} {'base tok/s':>10} "
-          f"{'accepted':>8} {'tok/verify':>10} {'same out':>8}")
+          f"{'accepted':>8} {'tok/verify':>10} {'drafted':>8} {'same out':>8}")
     for r in rows:
         print(f"{r['batch']:>5} {r['p']:>5.2f} {r['tpot_ms']:>9.3f} {r['baseline_tpot_ms']:>9.3f} "
               f"{r['tpot_speedup']:>7.2f}x {r['output_tok_s']:>9.1f} {r['baseline_output_tok_s']:>10.1f} "
-              f"{r['acceptance']:>8.1%} {r['tokens_per_verify']:>10.2f} {r['same_outputs']:>8.0%}")
+              f"{r['acceptance']:>8.1%} {r['tokens_per_verify']:>10.2f} {r['draft_tokens']:>8} "
+              f"{r['same_outputs']:>8.0%}")
 
 
 def main(argv=None) -> int:
