@@ -312,15 +312,84 @@ def test_requests_needing_each_token_first_decode_without_drafts(pure_torch):
     assert llm.stats().spec_num_drafts == 0
 
 
-def test_structured_outputs_decode_without_drafts(pure_torch, tiny_hf_dir):
+def test_structured_outputs_verify_drafts_under_their_grammar(pure_torch, tiny_hf_dir):
+    """A grammar-constrained request takes drafts: each verify row is masked by its grammar's state after the
+    drafts before it, and drafts the grammar refuses are cut before the step. Greedy outputs are those without
+    speculation with n-gram drafts and with an oracle's half-corrupted ones (each corruption the grammar
+    refuses cuts the drafts there); sampled outputs (drafts: a sampled run's tokens) match the grammar."""
     pytest.importorskip("xgrammar")
-    params = SamplingParams(max_tokens=12, temperature=0, structured_output=StructuredOutput(regex=r"(ab){2,6}"))
-    prompts = ["abababab", "ab ab ab"]
+    import re
+
+    from tripath.engine.speculative.oracle import OracleProposer
+
+    regex = r"(ab){2,6}"
+    greedy = SamplingParams(max_tokens=14, temperature=0, structured_output=StructuredOutput(regex=regex))
+    sampled = SamplingParams(max_tokens=14, temperature=1.0, seed=5, structured_output=StructuredOutput(regex=regex))
+    prompts = ["abababab", "ab ab ab", "abc"]
     base = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64)
-    llm = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64, speculative_config=SPEC)
-    assert [o.text for o in llm.generate(prompts, params, use_tqdm=False)] == \
-        [o.text for o in base.generate(prompts, params, use_tqdm=False)]
-    assert llm.stats().spec_num_drafts == 0
+    want = base.generate(prompts, greedy, use_tqdm=False)
+    want_sampled = base.generate(prompts, sampled, use_tqdm=False)
+    recorded = {tuple(o.prompt_token_ids): o.output_token_ids for o in want}
+    recorded_sampled = {tuple(o.prompt_token_ids): o.output_token_ids for o in want_sampled}
+    ngram = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64, speculative_config=SPEC)
+    assert [o.output_token_ids for o in ngram.generate(prompts, greedy, use_tqdm=False)] == \
+        [o.output_token_ids for o in want]
+    assert ngram.stats().spec_num_drafts > 0
+    vocab = int(ngram.model.config.vocab_size)
+    for p, params, runs in ((0.5, greedy, recorded), (1.0, greedy, recorded), (1.0, sampled, recorded_sampled)):
+        llm = LLM(tiny_hf_dir, backend="torch", num_kv_blocks=64, speculative_config={"num_speculative_tokens": 4})
+        llm.scheduler.proposer = OracleProposer(runs, p, vocab, seed=1)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert all(re.fullmatch(regex, o.text) for o in got)
+        stats = llm.stats()
+        assert stats.spec_num_accepted_tokens > 0
+        if params is sampled:   # rejection sampling: the same distribution, not the same draws
+            continue
+        assert [o.output_token_ids for o in got] == list(runs.values())
+        if p == 1.0:
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+        else:   # corrupted drafts the grammar refuses were cut before the step
+            assert stats.spec_num_draft_tokens < 4 * stats.spec_num_drafts
+
+
+def test_a_grammars_draft_masks_are_those_of_its_state_after_each_draft(tiny_hf_dir):
+    """``GrammarState.fill_drafts``: row j of a chain (a tree's node: its path) is the mask a fresh matcher gives
+    after the same tokens; a row past a refused draft allows everything; the matcher is left as it was."""
+    pytest.importorskip("xgrammar")
+    from tripath.engine.requests.structured_output import GrammarCompiler, new_bitmask
+    from tripath.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_hf_dir)
+    vocab = len(tokenizer)
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    spec = StructuredOutput(regex=r"(ab|ac){1,4}")
+    a, b, c = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c"))
+    state = compiler.state(spec)
+    assert state.accept(a)
+
+    def mask_after(tokens):
+        fresh = compiler.state(spec)
+        assert all(fresh.accept(t) for t in [a] + tokens)
+        mask = new_bitmask(1, vocab)
+        fresh.fill(mask, 0)
+        return mask[0]
+
+    everything = new_bitmask(1, vocab)[0]
+    chain = [b, a, c, c]   # the last one refused: after "abac" only "a" or the end may come
+    mask = new_bitmask(5, vocab)
+    state.fill_drafts(mask, 0, chain)
+    assert state.valid_drafts(chain) == 3
+    for j in range(4):
+        assert torch.equal(mask[j], mask_after(chain[:j]))
+    assert torch.equal(mask[4], everything)
+    tree, parents = [b, c, a, a], [-1, -1, 0, 1]   # "b", "c", "b"+"a", "c"+"a"
+    mask = new_bitmask(5, vocab)
+    state.fill_drafts(mask, 0, tree, parents)
+    for row, path in enumerate([[], [b], [c], [b, a], [c, a]]):
+        assert torch.equal(mask[row], mask_after(path))
+    fresh = new_bitmask(1, vocab)
+    state.fill(fresh, 0)
+    assert torch.equal(fresh[0], mask_after([]))   # left after "a"
 
 
 def test_log_probabilities_of_verified_tokens_are_those_without_speculation(pure_torch):

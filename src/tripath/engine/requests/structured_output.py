@@ -14,7 +14,10 @@ disallowed logits become ``-inf`` on the device before any other transform; each
 then fed to the matcher. The grammar allows the end-of-sequence tokens exactly when the text is complete, so
 the request ends there. Because the mask of a step needs the token of the step before, a step with such a
 request does not overlap the previous one (the engine reads the previous step first) and does not run
-several decode steps in one launch; other steps are unaffected.
+several decode steps in one launch; other steps are unaffected. With speculative decoding a verify's rows
+take the masks of the grammar's states after each draft (:meth:`GrammarState.fill_drafts`; the matcher
+advanced and rolled back), and drafts the grammar refuses are cut before the step
+(:meth:`GrammarState.valid_drafts`).
 """
 
 from __future__ import annotations
@@ -299,6 +302,46 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Advance past ``token``; False (nothing changes) when the grammar does not allow it next."""
         return self.done or bool(self.matcher.accept_token(int(token)))
+
+    def _advance(self, tokens: Sequence[int]) -> int:
+        """Feed ``tokens`` while the grammar takes them (not past the end of the text); how many it took."""
+        taken = 0
+        for token in tokens:
+            if self.done or not self.matcher.accept_token(int(token)):
+                break
+            taken += 1
+        return taken
+
+    def _back(self, taken: int) -> None:
+        if taken:
+            self.matcher.rollback(taken)
+
+    def valid_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of speculative decoding's ``drafts`` (in order) the grammar allows after the request's
+        tokens, up to the one that completes the text; the matcher is left as it was."""
+        taken = self._advance(drafts)
+        self._back(taken)
+        return taken
+
+    def fill_drafts(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int],
+                    parents: Sequence[int] | None = None) -> None:
+        """Rows ``row .. row + len(drafts)`` of the host ``bitmask`` for a verify: the tokens allowed after the
+        request's tokens, then after each draft (a draft tree's node: after its path, ``parents[i]`` its
+        parent, -1 the request's last token). A row past a draft the grammar refuses allows every token
+        (the verify never reaches it). The matcher is left as it was."""
+        self.fill(bitmask, row)
+        for i in range(len(drafts)):
+            path, node = [], i
+            while node >= 0:
+                path.append(drafts[node])
+                node = node - 1 if parents is None else parents[node]
+            path.reverse()
+            taken = self._advance(path)
+            if taken == len(path):
+                self.fill(bitmask, row + 1 + i)
+            else:
+                bitmask[row + 1 + i].fill_(-1)
+            self._back(taken)
 
 
 def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:

@@ -242,6 +242,8 @@ class Scheduler:
         elif verifies:   # one call drafts for every verify; the room drafts did not fill returns to the budget
             for (request, room), drafts in zip(verifies, self.proposer.propose(verifies)):
                 drafts = list(drafts)[:room]
+                if request.grammar is not None:   # a draft its grammar refuses, and those after it, go unscored
+                    drafts = drafts[:request.grammar.valid_drafts(drafts)]
                 budget += room - len(drafts)
                 self._add(out, request, 1 + len(drafts), drafts=drafts)
         # 3. waiting requests, in order, while the budget, the sequence limit and the free blocks allow.
@@ -283,12 +285,13 @@ class Scheduler:
     def _draft_room(self, request: Request) -> int:
         """How many drafts a running request's next step may verify (speculative decoding): as many as
         ``num_speculative_tokens`` and its ``max_tokens`` allow; none for a request whose sampling needs
-        each token before the next (a structured output, penalties, ``min_tokens``, ``logit_bias``), none
-        while a token of it is in flight or while more requests run than ``disable_by_batch_size``; with an
+        each token before the next (penalties, ``min_tokens``, ``logit_bias``; a structured output's grammar
+        masks each verify row, :mod:`tripath.engine.speculative.constrained`), none while a token of it is in
+        flight or while more requests run than ``disable_by_batch_size``; with an
         ``acceptance_threshold``, as many as its acceptance pays for
         (:mod:`tripath.engine.speculative.draft_length`)."""
         params, speculation = request.sampling_params, self.speculation
-        if request.num_inflight_tokens or request.grammar is not None or params.transforms_logits:
+        if request.num_inflight_tokens or params.transforms_logits:
             return 0
         if speculation.disable_by_batch_size is not None and len(self.running) > speculation.disable_by_batch_size:
             return 0
