@@ -503,3 +503,24 @@ def test_gpu_llm_tp2_with_cuda_graphs_matches_tp1(tmp_path, kind):
         got = tokens(llm.generate(prompts, params, use_tqdm=False))
     agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
     assert got[0][:4] == want[0][:4] and agree >= 0.9, (got, want)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("model, spec", [
+    ("tiny-deepseek", {"method": "mtp", "num_speculative_tokens": 2}),
+    ("tiny-llama", {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "tree_width": 2}),
+    ("tiny-qwen3-moe", {"model": "tiny-qwen3-moe", "num_speculative_tokens": 3}),
+], ids=["mtp", "ngram-trees", "draft_model"])
+def test_gpu_llm_tp2_speculates_as_one_rank(model, spec):
+    """Speculative decoding under tensor parallelism over NCCL with CUDA graphs (verify graphs included): the
+    greedy tokens of one rank without speculation, but for near ties of fp16."""
+    prompts = [[5, 17, 33, 9, 2, 70, 12] * 3, [40, 41, 42] * 30, [7, 8]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    engine = dict(device="cuda", dtype="float16", num_kv_blocks=256)
+    want = tokens(LLM(model, **engine).generate(prompts, params, use_tqdm=False))
+    with LLM(model, tensor_parallel_size=2, speculative_config=spec, **engine) as llm:
+        got = tokens(llm.generate(prompts, params, use_tqdm=False))
+        assert llm.stats().spec_num_drafts > 0
+    agree = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(len(w) for w in want)
+    assert got[1][:4] == want[1][:4] and agree >= 0.9, (got, want)
