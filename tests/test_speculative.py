@@ -299,17 +299,37 @@ def test_sampled_requests_are_seeded_and_speculation_turns_overlap_off(pure_torc
     assert llm.stats().spec_num_drafts > 0
 
 
-def test_requests_needing_each_token_first_decode_without_drafts(pure_torch):
-    """Penalties, min_tokens and logit_bias: no drafts for those requests, and the same outputs as without
-    speculation."""
-    model, prompts = preset("tiny-llama"), repetitive_prompts()[:2]
-    kinds = [dict(repetition_penalty=1.3), dict(min_tokens=5), dict(logit_bias={7: 2.0})]
-    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, **kind) for kind in kinds]
+def test_penalties_min_tokens_and_logit_bias_apply_to_every_verify_row(pure_torch):
+    """Requests with penalties, ``min_tokens`` or ``logit_bias`` take drafts: each verify row's logits are
+    transformed as a non-speculative step at its place would (the penalties counting the drafts before the
+    row, ``min_tokens`` counting them too), so greedy outputs are those without speculation with n-gram drafts
+    and with an oracle's (every draft right: all kept; half corrupted), and the penalties' counts gain the
+    tokens each verify yields. ``logit_bias`` pushes the end-of-sequence token, which ``min_tokens`` holds off
+    for exactly its count."""
+    from tripath.engine.speculative.oracle import OracleProposer
+
+    model, prompts = preset("tiny-llama"), repetitive_prompts()
+    eos = int(model.config.eos_token_ids[0])
+    kinds = [dict(repetition_penalty=1.6, ignore_eos=True), dict(frequency_penalty=0.8, presence_penalty=0.5,
+                                                                 ignore_eos=True),
+             dict(min_tokens=6, logit_bias={eos: 30.0, 7: 1.5})]
     base = LLM(model, backend="torch", num_kv_blocks=128, block_size=4)
-    llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, speculative_config=SPEC)
-    for p in params:
-        assert outputs(llm, prompts, p) == outputs(base, prompts, p)
-    assert llm.stats().spec_num_drafts == 0
+    for kind in kinds:
+        params = SamplingParams(max_tokens=16, temperature=0, **kind)
+        want = outputs(base, prompts, params)
+        if "min_tokens" in kind:
+            assert all(len(w) == 7 and w[-1] == eos for w in want)
+        llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, speculative_config=SPEC)
+        assert outputs(llm, prompts, params) == want, kind
+        for p in (1.0, 0.5):
+            llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4,
+                      speculative_config={"num_speculative_tokens": 4})
+            llm.scheduler.proposer = OracleProposer({tuple(q): w for q, w in zip(prompts, want)}, p, 256, seed=2)
+            assert outputs(llm, prompts, params) == want, (kind, p)
+            stats = llm.stats()
+            assert stats.spec_num_accepted_tokens > 0
+            if p == 1.0:
+                assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, (kind, stats)
 
 
 def test_structured_outputs_verify_drafts_under_their_grammar(pure_torch, tiny_hf_dir):

@@ -290,9 +290,9 @@ def check_later_siblings(monkeypatch, name: str, backend: str, options: dict, ma
     moved = []
     move = draft_trees.move_tree_paths
 
-    def spy(caches, inputs, paths):
+    def spy(caches, inputs, paths, share=None):
         moved.extend(p for p in paths if p)
-        move(caches, inputs, paths)
+        move(caches, inputs, paths, share)
 
     monkeypatch.setattr("tripath.engine.runner.model_runner.move_tree_paths", spy)
     assert outputs(llm, prompts, params) == want

@@ -34,19 +34,21 @@ def check_draft_trees(backend, spec, verify_len: int) -> None:
                          "tree_width 1")
 
 
-def move_tree_paths(caches, inputs, paths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+def move_tree_paths(caches, inputs, paths: list[list[int]], share=None) -> None:
     """Copy each verify's accepted nodes' K/V (``paths[b]``: its accepted nodes by depth), in every layer's
     cache, from the slots of their rows to those of their positions, on the device: a row ``r`` of the verify
-    starting at token ``inputs.verify_starts[b]`` has slot ``inputs.slot_mapping[start + r]``. Returns the
-    ``(source slots, target slots)`` moved (int64, on the device), or None when no row moved."""
+    starting at token ``inputs.verify_starts[b]`` has slot ``inputs.slot_mapping[start + r]``. ``share(sources,
+    targets)``: handed the slots moved (int64, on the device) when any row moved (rank 0 of tensor
+    parallelism: to the workers)."""
     moves = [(start + a, start + b) for start, path in zip(inputs.verify_starts, paths) for a, b in path_moves(path)]
     if not moves:
-        return None
+        return
     slots = inputs.slot_mapping.index_select(
         0, to_device([a for a, _ in moves] + [b for _, b in moves], torch.int64, inputs.slot_mapping.device))
     sources, targets = slots[:len(moves)], slots[len(moves):]
     move_cache_slots(caches, sources, targets)
-    return sources, targets
+    if share is not None:
+        share(sources, targets)
 
 
 def move_cache_slots(caches, sources: torch.Tensor, targets: torch.Tensor) -> None:

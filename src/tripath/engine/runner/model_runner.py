@@ -69,7 +69,7 @@ from tripath.engine.sampling.step_sampling import LaunchSampler, score_prompts
 from tripath.engine.scheduling.block_manager import blocks_needed
 from tripath.engine.scheduling.scheduler import ScheduledRequest
 from tripath.engine.speculative.acceptance import accept_drafts, accept_tree
-from tripath.engine.speculative.constrained import constrained_logits
+from tripath.engine.speculative.verify_transforms import verify_transforms
 from tripath.engine.speculative.trees import chain_parents
 from tripath.models.layers import Experts
 from tripath.triton_internals import CompilePool
@@ -332,24 +332,24 @@ class ModelRunner(startup.RunnerStart):
 
     def _verify(self, scheduled: list[ScheduledRequest], inputs: StepInputs, logits: torch.Tensor,
                 tokens: torch.Tensor | None) -> tuple[torch.Tensor, tuple | None]:
-        """The verifies' tokens (``accept_drafts`` on the rows as grammars constrain them; draft trees:
+        """The verifies' tokens (``accept_drafts`` on the rows' transformed logits; draft trees:
         ``accept_tree``, then their paths' cache rows move) beside the other rows' ``tokens [1, S]``: ``[K + 1,
         S + B]``, -1 past each column's tokens; and, for the verifies that ask, ``(their indices among the
         verifies, rows each, k each, LogprobRows)`` of every row scored with the token the verify yields there."""
         items = [scheduled[i] for i in inputs.verify_rows]
         args = ([item.request.sampling_params for item in items], [item.request.generator for item in items])
-        path_rows, scored = None, constrained_logits(logits, items)   # path_rows: trees' accepted rows, root first
+        transforms = verify_transforms(items, self.penalties, logits.shape[-1], logits.device)
+        path_rows, scored = None, logits if transforms is None else transforms.apply(logits)   # rows: trees' paths
         if any(item.draft_parents is not None for item in items):
             grid, paths = accept_tree(scored, [item.draft_token_ids for item in items], [chain_parents(len(
                 item.draft_token_ids)) if item.draft_parents is None else item.draft_parents for item in items], *args)
-            moved = move_tree_paths(self.caches, inputs, paths)
-            if moved is not None and self.share_tree_moves is not None:
-                self.share_tree_moves(*moved)
+            move_tree_paths(self.caches, inputs, paths, share=self.share_tree_moves)
             path_rows = [[0] + [1 + t for t in path] for path in paths]
         else:
             grid = accept_drafts(scored, [item.draft_token_ids for item in items], *args)
-        verified = grid.t()
-        logprobs = None
+        if transforms is not None:
+            transforms.record(grid)   # the penalties' counts gain the tokens each verify yields
+        verified, logprobs = grid.t(), None
         asking = [j for j, item in enumerate(items) if item.request.sampling_params.logprobs is not None]
         if asking:
             counts = [item.num_new_tokens for item in items]

@@ -96,7 +96,9 @@ class StepTransforms:
 
     ``ban_rows / ban_tokens / ban_left``: a stop token of a row under ``min_tokens``, banned while the model
     step index is below ``ban_left`` (outputs still missing when the launch began); ``bias_*``: logit_bias
-    entries; ``penalty_rows`` and their ``slots`` with per-row ``repetition / frequency / presence``."""
+    entries; ``penalty_rows`` and their ``slots`` with per-row ``repetition / frequency / presence``, and
+    ``prefix_rows / prefix_tokens``: tokens counted for one penalty row beyond its slot's (a verify row's
+    drafts before it, :mod:`tripath.engine.speculative.verify_transforms`)."""
 
     grammar_rows: torch.Tensor | None = None
     grammar_mask: torch.Tensor | None = None
@@ -112,6 +114,8 @@ class StepTransforms:
     frequency: torch.Tensor | None = None
     presence: torch.Tensor | None = None
     state: PenaltyState | None = None
+    prefix_rows: torch.Tensor | None = None     # speculative verifies: a penalty row's drafts before it,
+    prefix_tokens: torch.Tensor | None = None   # counted on top of its slot's counts (index into penalty_rows)
 
     def apply(self, logits: torch.Tensor, step: int = 0) -> torch.Tensor:
         """A float32 copy of ``logits [N, V]`` with the transforms applied for model step ``step`` of the
@@ -127,6 +131,10 @@ class StepTransforms:
         if self.penalty_rows is not None:
             rows = out.index_select(0, self.penalty_rows)
             counts = self.state.counts.index_select(0, self.slots)
+            if self.prefix_rows is not None:
+                counts.index_put_((self.prefix_rows, self.prefix_tokens), torch.ones_like(self.prefix_rows,
+                                                                                          dtype=torch.int32),
+                                  accumulate=True)
             seen = self.state.in_prompt.index_select(0, self.slots) | (counts > 0)
             r = self.repetition[:, None]
             rows = torch.where(seen, torch.where(rows > 0, rows / r, rows * r), rows)

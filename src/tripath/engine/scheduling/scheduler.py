@@ -284,14 +284,13 @@ class Scheduler:
 
     def _draft_room(self, request: Request) -> int:
         """How many drafts a running request's next step may verify (speculative decoding): as many as
-        ``num_speculative_tokens`` and its ``max_tokens`` allow; none for a request whose sampling needs
-        each token before the next (penalties, ``min_tokens``, ``logit_bias``; a structured output's grammar
-        masks each verify row, :mod:`tripath.engine.speculative.constrained`), none while a token of it is in
-        flight or while more requests run than ``disable_by_batch_size``; with an
+        ``num_speculative_tokens`` and its ``max_tokens`` allow (each verify row then takes the request's logit
+        transforms as of its drafts, :mod:`tripath.engine.speculative.verify_transforms`); none while a token
+        of it is in flight or while more requests run than ``disable_by_batch_size``; with an
         ``acceptance_threshold``, as many as its acceptance pays for
         (:mod:`tripath.engine.speculative.draft_length`)."""
         params, speculation = request.sampling_params, self.speculation
-        if request.num_inflight_tokens or params.transforms_logits:
+        if request.num_inflight_tokens:
             return 0
         if speculation.disable_by_batch_size is not None and len(self.running) > speculation.disable_by_batch_size:
             return 0
