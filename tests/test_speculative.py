@@ -332,6 +332,69 @@ def test_penalties_min_tokens_and_logit_bias_apply_to_every_verify_row(pure_torc
                 assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens, (kind, stats)
 
 
+def test_verify_rows_transform_as_their_paths_do():
+    """``verify_transforms`` against the formulas: each row of a verify (chains and trees) gets ``min_tokens``,
+    ``logit_bias`` and the penalties over the request's prompt, outputs and its path's drafts (a tree node's
+    path skips its earlier siblings); ``record`` adds the tokens each verify yielded to its counts."""
+    from tripath.engine.sampling.logits_transforms import PenaltyState
+    from tripath.engine.scheduling.scheduler import ScheduledRequest
+    from tripath.engine.speculative.verify_transforms import verify_transforms
+
+    def paths(drafts, parents):   # row 0: none; row 1 + i: draft i's ancestors, then itself
+        out = [[]]
+        for i in range(len(drafts)):
+            node, path = i, []
+            while node >= 0:
+                path.append(drafts[node])
+                node = node - 1 if parents is None else parents[node]
+            out.append(path[::-1])
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 40
+    cases = [  # sampling params, drafts, parents
+        (SamplingParams(repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=0.3), [3, 5, 3], None),
+        (SamplingParams(min_tokens=5, logit_bias={4: 2.5}, stop_token_ids=[9]), [9, 2, 9], None),
+        (SamplingParams(repetition_penalty=1.3, frequency_penalty=0.9), [7, 8, 8, 7], [-1, -1, 1, 1]),
+        (SamplingParams(), [1], None),   # no transforms: its rows stay as they are
+    ]
+    verifies = []
+    for params, drafts, parents in cases:
+        prompt = torch.randint(0, vocab, (6,), generator=g).tolist()
+        request = Request(prompt, params, eos_token_ids=[1])
+        for token in torch.randint(0, vocab, (3,), generator=g).tolist():
+            request.append_token(token)
+        verifies.append(ScheduledRequest(request, 1 + len(drafts), len(prompt) + 2, True, drafts, parents))
+    logits = torch.randn(sum(v.num_new_tokens for v in verifies), vocab, generator=g)
+    state = PenaltyState(4, torch.device("cpu"))
+    transforms = verify_transforms(verifies, state, vocab, torch.device("cpu"))
+    got = transforms.apply(logits)
+    row = 0
+    for item in verifies:
+        request, params = item.request, item.request.sampling_params
+        for path in paths(item.draft_token_ids, item.draft_parents):
+            z = logits[row].clone()
+            if len(request.output_token_ids) + len(path) < params.min_tokens:
+                z[[9, 1]] = float("-inf")
+            for token, bias in (params.logit_bias or {}).items():
+                z[token] += bias
+            if params.has_penalties:
+                counts = torch.bincount(torch.tensor(request.output_token_ids + path), minlength=vocab)
+                seen = (counts > 0) | torch.isin(torch.arange(vocab), torch.tensor(request.prompt_token_ids))
+                r = params.repetition_penalty
+                z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+                z = z - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+            torch.testing.assert_close(got[row], z, msg=lambda m: f"row {row}: {m}")
+            row += 1
+    yielded = torch.tensor([[3, 5, -1, -1], [2, -1, -1, -1], [8, 7, 11, -1], [1, 2, -1, -1]])
+    transforms.record(yielded)
+    for j in (0, 2):
+        slot = state.slots_for([verifies[j].request], vocab)[0]
+        kept = [t for t in yielded[j].tolist() if t >= 0]
+        want = torch.bincount(torch.tensor(verifies[j].request.output_token_ids + kept), minlength=vocab)
+        assert torch.equal(state.counts[slot].long(), want)
+
+
 def test_structured_outputs_verify_drafts_under_their_grammar(pure_torch, tiny_hf_dir):
     """A grammar-constrained request takes drafts: each verify row is masked by its grammar's state after the
     drafts before it, and drafts the grammar refuses are cut before the step. Greedy outputs are those without

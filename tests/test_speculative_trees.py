@@ -276,6 +276,28 @@ def test_an_accepted_later_sibling_moves_its_cache_rows(monkeypatch, backend, op
     check_later_siblings(monkeypatch, "tiny-llama", backend, options, 12)
 
 
+@pytest.mark.parametrize("kind", [dict(repetition_penalty=1.6, frequency_penalty=0.4),
+                                  dict(structured_output="regex")], ids=["penalties", "grammar"])
+def test_trees_verify_requests_with_penalties_or_a_grammar(pure_torch, kind, tiny_hf_dir):
+    """Penalties and a grammar on draft trees, the right token always the second child: greedy outputs are
+    those without speculation (each row's own path: ``test_verify_rows_transform_as_their_paths_do`` and
+    ``test_a_grammars_draft_masks_are_those_of_its_state_after_each_draft``)."""
+    from tripath.engine.requests.structured_output import StructuredOutput
+
+    if kind.get("structured_output"):
+        pytest.importorskip("xgrammar")
+        kind = dict(structured_output=StructuredOutput(regex=r"(ab|ba|a|b){2,12}"))
+        model, prompts = tiny_hf_dir, [[1, 5, 6, 7, 8] * 3, [1, 9, 10, 11] * 4]
+    else:
+        model, prompts = preset("tiny-llama"), branching_prompts()[:2]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **kind)
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=64, block_size=4), prompts, params)
+    llm = LLM(model, backend="torch", num_kv_blocks=64, block_size=4, speculative_config=spec(2, k=4))
+    llm.scheduler.proposer = _SecondSiblings({tuple(p): w for p, w in zip(prompts, want)}, 256)
+    assert outputs(llm, prompts, params) == want
+    assert llm.stats().spec_num_accepted_tokens > 0
+
+
 def check_later_siblings(monkeypatch, name: str, backend: str, options: dict, max_tokens: int) -> None:
     """Trees whose accepted node is always the root's second child (:class:`_SecondSiblings`) on ``backend``
     (Triton kernels in the interpreter): the greedy tokens are those without speculation, and every accepted
