@@ -132,20 +132,18 @@ def test_mtp_logits_match_the_formula_over_steps_of_its_own_cache():
     torch.testing.assert_close(torch.cat(got).double(), want, atol=2e-4, rtol=2e-4)
 
 
-def test_the_layer_loads_from_a_checkpoint_by_its_names(tmp_path):
-    """Layer ``L`` of a checkpoint (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the decoder layer)
-    loads into ``model.mtp``; its copies of the embedding and the LM head are left to the target's; the
-    target alone loads as before."""
+def save_deepseek_with_mtp(path, seed: int = 7):
+    """A small DeepSeek-V3 checkpoint (transformers' config: ``num_nextn_predict_layers`` 1) with its MTP layer
+    ``L`` (weights that show in the outputs, the layer's copies of the embedding and the LM head zero) in
+    ``mtp.safetensors``; returns the layer as tripath builds it."""
     from safetensors.torch import save_file
 
     from test_model_loading import save_deepseek
 
-    save_deepseek(tmp_path)   # transformers' DeepseekV3Config: num_nextn_predict_layers 1
-    config_path = tmp_path / "config.json"
-    raw = json.loads(config_path.read_text())
-    assert raw["num_nextn_predict_layers"] == 1
-    reference = build_mtp(load_model(str(tmp_path), dtype=torch.float32).config, dtype=torch.float32)
-    randomize(reference, 7)
+    save_deepseek(path)
+    raw = json.loads((path / "config.json").read_text())
+    reference = build_mtp(load_model(str(path), dtype=torch.float32).config, dtype=torch.float32)
+    randomize(reference, seed)
     tensors = {k: v.contiguous() for k, v in reference.state_dict().items() if ".experts." not in k}
     layer = f"model.layers.{reference.index}"
     for e in range(reference.config.moe.num_experts):
@@ -153,7 +151,18 @@ def test_the_layer_loads_from_a_checkpoint_by_its_names(tmp_path):
             tensors[f"{layer}.mlp.experts.{e}.{proj}.weight"] = getattr(reference.layer.mlp.experts, proj)[e].clone()
     tensors[f"{layer}.embed_tokens.weight"] = torch.zeros(raw["vocab_size"], raw["hidden_size"])
     tensors[f"{layer}.shared_head.head.weight"] = torch.zeros(raw["vocab_size"], raw["hidden_size"])
-    save_file(tensors, str(tmp_path / "mtp.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    return reference
+
+
+def test_the_layer_loads_from_a_checkpoint_by_its_names(tmp_path):
+    """Layer ``L`` of a checkpoint (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``, the decoder layer)
+    loads into ``model.mtp``; its copies of the embedding and the LM head are left to the target's; the
+    target alone loads as before."""
+    reference = save_deepseek_with_mtp(tmp_path)
+    config_path = tmp_path / "config.json"
+    raw = json.loads(config_path.read_text())
+    assert raw["num_nextn_predict_layers"] == 1
     model = load_model(str(tmp_path), dtype=torch.float32, mtp=True)
     for name, param in reference.named_parameters():
         torch.testing.assert_close(dict(model.mtp.named_parameters())[name], param, msg=name)

@@ -284,26 +284,36 @@ def recorded_drafts(llm) -> list:
     return drafts
 
 
-def test_llm_tp2_mtp_drafts_what_one_rank_drafts():
+def test_llm_tp2_mtp_drafts_what_one_rank_drafts(tmp_path):
     """``mtp`` under tensor parallelism: every rank runs its shard of the MTP layer (MoE, as DeepSeek-V3's) on
-    the runs rank 0's proposer shares, so rank 0 drafts what one rank drafts, step after step (a run a worker
-    made wrong would change the all-reduced rows and the drafts), and the greedy tokens are those of one rank
-    without speculation. Chunked prefill (budget 16) and a second wave of prefix hits."""
+    the runs rank 0's proposer shares, the rows of the launch just made from its own hidden states, so rank 0
+    drafts what one rank drafts, step after step (a run a worker made wrong would change the all-reduced rows,
+    its cache rows, and the drafts), and the greedy tokens are those of one rank without speculation. Chunked
+    prefill (budget 16) and a second wave of prefix hits; a checkpoint whose weights show in the outputs."""
+    from test_speculative_mtp import save_deepseek_with_mtp
+
+    save_deepseek_with_mtp(tmp_path)
+    model = str(tmp_path)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     waves = [PROMPTS[:2], [PROMPTS[1], PROMPTS[0][:5] + [3]]]
-    plain = LLM("tiny-deepseek", **ENGINE)
+    plain = LLM(model, **ENGINE)
     want = [tokens(plain.generate(wave, greedy, use_tqdm=False)) for wave in waves]
     spec = {"method": "mtp", "num_speculative_tokens": 3}
-    one = LLM("tiny-deepseek", speculative_config=spec, **ENGINE)
+    one = LLM(model, speculative_config=spec, **ENGINE)
     one_drafts = recorded_drafts(one)
     assert [tokens(one.generate(wave, greedy, use_tqdm=False)) for wave in waves] == want
-    with LLM("tiny-deepseek", tensor_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
+    with LLM(model, tensor_parallel_size=2, speculative_config=spec, **ENGINE) as llm:
         drafts = recorded_drafts(llm)
+        layer, rows = llm.scheduler.proposer.layer, []   # rows a run reads, and those rank 0 sent
+        share = layer.share
+        layer.share = lambda run, hidden: rows.append((run.num_rows, sum(n for _, n in run.sent_pieces()))) or \
+            share(run, hidden)
         assert [tokens(llm.generate(wave, greedy, use_tqdm=False)) for wave in waves] == want
         stats = llm.stats()
         assert stats.spec_num_drafts > 0 and stats.prefix_cache_hit_tokens > 0
         assert type(llm.scheduler.proposer).__name__ == "MTPProposer"
     assert drafts == one_drafts and any(any(d) for d in drafts)
+    assert 0 < sum(sent for _, sent in rows) < sum(n for n, _ in rows) / 2   # most rows: the workers' own
 
 
 def test_llm_tp2_draft_model_runs_beside_rank_0():

@@ -88,7 +88,8 @@ class _Segment:
     request: object
     start: int
     tokens: list[int]
-    hidden: list[torch.Tensor]   # pieces, ``len(tokens)`` rows in all
+    hidden: list[tuple[torch.Tensor, int]]   # pieces, ``len(tokens)`` rows in all: (rows, first row in the
+                                             # launch just made, or -1 for rows from elsewhere)
 
 
 class MTPProposer:
@@ -140,7 +141,7 @@ class MTPProposer:
             tokens = request.token_ids(start + 1, s + 1) + item.input_token_ids()[1:]
             if goes_on:
                 tokens += request.token_ids(s + q, s + q + 1)
-            pieces = ([redo] if s > start else []) + ([prenorm[row:row + end - s]] if end > s else [])
+            pieces = ([(redo, -1)] if s > start else []) + ([(prenorm[row:row + end - s], row)] if end > s else [])
             if tokens:
                 segments.append(_Segment(request, start, tokens, pieces))
             first_kept = s if verify else s + q - 1   # a prompt's last token may be drafted after: row s + q - 1
@@ -170,7 +171,7 @@ class MTPProposer:
             hidden = state.kept_hidden(start, s) if s > 0 else None
             if hidden is None:
                 continue
-            segments.append(_Segment(request, start, request.token_ids(start + 1, s + 1), [hidden]))
+            segments.append(_Segment(request, start, request.token_ids(start + 1, s + 1), [(hidden, -1)]))
             owners.append(n)
             state.done, state.hidden = s, None
         if not segments:
@@ -183,7 +184,7 @@ class MTPProposer:
             if not active:
                 break
             chained = [_Segment(segments[m].request, segments[m].request.num_computed_tokens - 1 + j,
-                                [drafts[owners[m]][-1]], [g[m:m + 1]]) for m in active]
+                                [drafts[owners[m]][-1]], [(g[m:m + 1], -1)]) for m in active]
             g_next, tokens = self._run(chained, samples=True)
             g = g.clone()
             for r, m in enumerate(active):
@@ -195,5 +196,7 @@ class MTPProposer:
     def _run(self, segments: list[_Segment], samples: bool = False):
         """Run the MTP layer over ``segments`` (writing their cache rows). With ``samples``: ``(g [N, H],
         greedy tokens [N])`` of each segment's last row, in ``segments``' order."""
-        run = MTPRun([MTPSegment(seg.start, seg.tokens, seg.request.block_ids) for seg in segments], samples)
-        return self.layer.run(run, torch.cat([piece for seg in segments for piece in seg.hidden]))
+        pieces = [piece for seg in segments for piece in seg.hidden]
+        run = MTPRun([MTPSegment(seg.start, seg.tokens, seg.request.block_ids) for seg in segments], samples,
+                     [(row, rows.shape[0]) for rows, row in pieces])
+        return self.layer.run(run, torch.cat([rows for rows, _ in pieces]))

@@ -8,15 +8,17 @@ proposer (:mod:`tripath.engine.drafters.mtp`) decides the runs and :class:`MTPLa
 layer over the rows, and with ``samples`` each segment's last row's ``g`` and greedy token.
 
 Under tensor parallelism rank 0 first hands each run to the workers (``share``): the run as a control message,
-then the hidden states broadcast over the model's process group. Every rank runs its shard of the layer on
-them, meeting the others in the layer's all-reduces and the LM head's gather; the workers' tokens are not
-used. The broadcast costs ``N · H`` activations per run (a prompt step's rows, or a row per drafting request),
-the values every rank already holds, which keeps the workers free of the proposer's bookkeeping.
+then the hidden states the workers lack broadcast over the model's process group. A run says where each piece
+of its hidden states comes from (:attr:`MTPRun.pieces`): rows of the launch just made, which every rank holds
+alike (its hidden states before the final norm, replicated after the last all-reduce; a worker keeps them,
+:class:`LaunchHidden`), or rows kept from earlier steps or made by the layer itself, which rank 0 sends — a
+row per drafting request and step, and the rows a verify redoes. Every rank then runs its shard of the layer,
+meeting the others in the layer's all-reduces and the LM head's gather; the workers' tokens are not used.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,14 +41,37 @@ class MTPSegment:
 
 @dataclass(frozen=True)
 class MTPRun:
-    """One run of the MTP layer over ``segments``; ``samples``: each segment's last row's greedy token too."""
+    """One run of the MTP layer over ``segments``; ``samples``: each segment's last row's greedy token too;
+    ``pieces``: where the hidden states come from, piece after piece, ``(first row, rows)``: rows of the
+    launch just made from that row on, or ``-1`` for rows sent with the run (empty: all sent)."""
 
     segments: list[MTPSegment]
     samples: bool = False
+    pieces: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
         return sum(len(segment.tokens) for segment in self.segments)
+
+    def sent_pieces(self) -> list[tuple[int, int]]:
+        """``(offset in the run's hidden states, rows)`` of each piece rank 0 sends."""
+        pieces, out, at = self.pieces or [(-1, self.num_rows)], [], 0
+        for row, count in pieces:
+            if row < 0:
+                out.append((at, count))
+            at += count
+        return out
+
+
+class LaunchHidden:
+    """A worker's ``hidden_observer`` under the ``mtp`` method: keeps the hidden states before the final norm of
+    the launch just made, which rank 0's MTP runs refer to by row."""
+
+    def __init__(self):
+        self.prenorm: torch.Tensor | None = None
+
+    def observe(self, scheduled, inputs, prenorm: torch.Tensor) -> None:
+        self.prenorm = prenorm
 
 
 def mtp_cache_bytes(model, config):
@@ -104,18 +129,32 @@ class MTPLayerRunner:
         tokens = self.model.mtp_logits(last, upcast=False).argmax(dim=-1).tolist()
         return last, tokens
 
-    def run_shared(self, run: MTPRun):
-        """A worker's side of :meth:`run`: receive the hidden states rank 0 broadcasts, then run."""
-        hidden = torch.empty(run.num_rows, self.hidden_size, dtype=self.dtype, device=self.device)
-        dist.broadcast(hidden, src=0)
-        return self.run(run, hidden)
+    def run_shared(self, run: MTPRun, launch: LaunchHidden):
+        """A worker's side of :meth:`run`: the rows rank 0 sends (broadcast) beside those of ``launch``'s
+        hidden states, then the run."""
+        sent = run.sent_pieces()
+        received = torch.empty(sum(count for _, count in sent), self.hidden_size, dtype=self.dtype,
+                               device=self.device)
+        if received.shape[0]:
+            dist.broadcast(received, src=0)
+        parts, at = [], 0
+        for row, count in run.pieces or [(-1, run.num_rows)]:
+            if row < 0:
+                parts.append(received[at:at + count])
+                at += count
+            else:
+                parts.append(launch.prenorm[row:row + count])
+        return self.run(run, torch.cat(parts))
 
 
 def share_over(control):
     """Rank 0's ``share`` for :class:`MTPLayerRunner` under tensor parallelism: ``run`` over the ``control``
-    group (the workers' loop takes it as a message), then ``hidden`` over the default group."""
+    group (the workers' loop takes it as a message), then the rows of ``hidden`` the workers lack over the
+    default group."""
     def share(run: MTPRun, hidden: torch.Tensor) -> None:
         dist.broadcast_object_list([run], src=0, group=control)
-        dist.broadcast(hidden.contiguous(), src=0)
+        sent = run.sent_pieces()
+        if sent:
+            dist.broadcast(torch.cat([hidden[at:at + count] for at, count in sent]).contiguous(), src=0)
 
     return share

@@ -46,7 +46,7 @@ from tripath.engine.config import EngineConfig
 from tripath.engine.requests.request import RequestStatus
 from tripath.engine.requests.sampling_params import SamplingParams
 from tripath.engine.runner.draft_trees import move_cache_slots
-from tripath.engine.runner.mtp_layer import MTPLayerRunner, MTPRun, mtp_cache_bytes
+from tripath.engine.runner.mtp_layer import LaunchHidden, MTPLayerRunner, MTPRun, mtp_cache_bytes
 from tripath.engine.runner.startup import PHASES
 from tripath.engine.runner.step_request import GREEDY, StepRequest
 from tripath.engine.sampling.step_sampling import noise_seed
@@ -251,6 +251,9 @@ def serve(runner, control) -> None:
     first)."""
     runner.samples = False
     box, decoder, mtp_layer = [None], StepDecoder(), None
+    speculation = runner.config.speculative_config
+    if speculation is not None and speculation.method == "mtp":   # MTP runs read the launches' hidden states
+        launch = runner.hidden_observer = LaunchHidden()
     try:
         while True:
             dist.broadcast_object_list(box, src=0, group=control)
@@ -266,7 +269,7 @@ def serve(runner, control) -> None:
             elif isinstance(message, MTPRun):
                 if mtp_layer is None:
                     mtp_layer = MTPLayerRunner(runner.model, runner, runner.config)
-                mtp_layer.run_shared(message)
+                mtp_layer.run_shared(message, launch)
             else:
                 runner.execute(decoder.decode(message), fused=message[2] is not None)
     finally:
