@@ -1,4 +1,4 @@
-"""Speculative decoding under random settings (hypothesis): any mix of sampling transforms (penalties,
+"""Speculative decoding under random settings (hypothesis): any mix of sampling transforms (penalties, a grammar,
 ``min_tokens`` with ``logit_bias`` on the end-of-sequence token), drafting (chains or trees, draft lengths,
 adaptive lengths, ``disable_by_batch_size``), budgets and cache sizes (chunked prefill, preemption) keeps the
 greedy outputs of the engine without speculation. Drafts come from an oracle that replays those outputs with
@@ -79,3 +79,37 @@ def test_speculation_keeps_the_greedy_outputs(monkeypatch, batch, spec, p, engin
     stats = llm.stats()
     assert stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
     assert stats.num_kv_blocks_used == 0
+
+
+REGEXES = (r"(ab|ba){1,6}", r"[abc]{2,9}", r"(a|bb|ccc)+d?", r"\{\"k\": (true|false|[0-9]{1,3})\}")
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow,
+                                                                                   HealthCheck.function_scoped_fixture])
+@given(regex=st.sampled_from(REGEXES), spec=speculation(), p=st.sampled_from([0.0, 0.5, 1.0]),
+       prompts=st.lists(st.sampled_from(["abab", "cab", "{\"k\": 1", "ddd", "a"]), min_size=1, max_size=3))
+def test_speculation_keeps_the_greedy_outputs_of_structured_requests(monkeypatch, tiny_hf_dir, regex, spec, p,
+                                                                      prompts):
+    """A grammar's matcher advanced and rolled back over drafts (chains or trees, cut where it refuses) and the
+    verify rows masked by its states: greedy outputs stay those without speculation and match the regex."""
+    import re
+
+    import pytest
+
+    pytest.importorskip("xgrammar")
+    from tripath.engine.requests.structured_output import StructuredOutput
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    params = SamplingParams(max_tokens=10, temperature=0, structured_output=StructuredOutput(regex=regex))
+    engine = dict(backend="torch", num_kv_blocks=64, block_size=4)
+    base = LLM(tiny_hf_dir, **engine)
+    want = base.generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_hf_dir, speculative_config=spec, **engine)
+    recorded = {}
+    for out in want:
+        recorded.setdefault(tuple(out.prompt_token_ids), out.output_token_ids)
+    llm.scheduler.proposer = OracleProposer(recorded, p, int(llm.model.config.vocab_size), seed=4)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
+    assert all(o.finish_reason != "error" for o in got)
+    assert all(re.fullmatch(regex, o.text) for o in got if o.finish_reason == "stop")
