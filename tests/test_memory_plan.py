@@ -80,9 +80,11 @@ def test_a_synthetic_step_writes_nothing_to_the_cache(monkeypatch):
 
 
 def test_a_synthetic_verify_step_samples_every_token_and_writes_nothing(monkeypatch):
-    """Speculative decoding: the plan's verify step (decode_threshold tokens a request) runs the acceptance
-    rule and log-probabilities over every verify token, and leaves the cache untouched."""
+    """Speculative decoding: the plan's verify step (decode_threshold tokens a request) runs the penalties'
+    transforms, the acceptance rule and log-probabilities over every verify token, and leaves the cache
+    untouched."""
     import tripath.engine.runner.memory_plan as memory_plan
+    from tripath.engine.sampling.logits_transforms import StepTransforms
     from tripath.engine.speculative import acceptance
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -94,10 +96,14 @@ def test_a_synthetic_verify_step_samples_every_token_and_writes_nothing(monkeypa
     real = acceptance.accept_drafts
     monkeypatch.setattr(acceptance, "accept_drafts", lambda logits, *a: rows.append(logits.shape[0]) or
                         real(logits, *a))
+    transformed, apply = [], StepTransforms.apply
+    monkeypatch.setattr(StepTransforms, "apply", lambda self, logits, *a: transformed.append(
+        (logits.shape[0], self.penalty_rows is not None)) or apply(self, logits, *a))
     before = [(c.k_cache.clone(), c.v_cache.clone()) for c in runner.caches]
     steps = memory_plan.worst_steps(WarmupLimits(4, 64, 200, decode_threshold=4), runner.spec.extend_chunk_budget)
     run_synthetic_step(runner, steps["verify"], runner.caches)
     assert rows == [16]   # 4 verifies of 4 tokens
+    assert transformed[0] == (16, True)   # then the sampled rows' own
     for (k, v), cache in zip(before, runner.caches):
         assert torch.equal(k, cache.k_cache) and torch.equal(v, cache.v_cache)
 

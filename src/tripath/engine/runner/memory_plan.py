@@ -214,17 +214,24 @@ def run_synthetic_step(runner: PlanningRunner, step: Step, caches: list) -> None
 
 
 def _verify_rows(runner: PlanningRunner, plan, hidden: torch.Tensor, params, generator) -> None:
-    """A verify step's sampling at its largest: the logits of every verify token, the acceptance rule with
-    temperature and top-k / top-p on all of them, and their log-probabilities."""
+    """A verify step's sampling at its largest: the logits of every verify token, the penalties' transformed
+    copy of them (:mod:`tripath.engine.speculative.verify_transforms`), the acceptance rule with temperature
+    and top-k / top-p on all of them, and their log-probabilities."""
+    from tripath.engine.requests.request import Request, RequestStatus
     from tripath.engine.requests.sampling_params import MAX_LOGPROBS
     from tripath.engine.sampling.logprobs import position_logprobs
+    from tripath.engine.scheduling.scheduler import ScheduledRequest
     from tripath.engine.speculative.acceptance import accept_drafts
+    from tripath.engine.speculative.verify_transforms import verify_transforms
 
     nd, nv = plan.num_decodes, plan.num_verifies
     first = sum(plan.query_lens[:nd - nv])
     lens = plan.query_lens[nd - nv:nd]
     logits = runner.compute_logits(hidden[first:first + sum(lens)])
-    grid = accept_drafts(logits, [[0] * (q - 1) for q in lens], [params] * nv, [generator] * nv)
+    items = [ScheduledRequest(Request([1], params, request_id=f"plan-verify-{i}", status=RequestStatus.FINISHED),
+                              q, 1, True, [0] * (q - 1)) for i, q in enumerate(lens)]
+    scored = verify_transforms(items, runner.penalties, logits.shape[-1], logits.device).apply(logits)
+    grid = accept_drafts(scored, [[0] * (q - 1) for q in lens], [params] * nv, [generator] * nv)
     position_logprobs(logits, grid.new_zeros(logits.shape[0]), MAX_LOGPROBS)
 
 
