@@ -11,9 +11,11 @@ One ``step`` call::
      ▼
  StepResult(outputs of N)
 
-Without overlap (``async_scheduling`` off, tensor parallelism, speculative decoding) a step is read right
-after its launch. A step whose requests hold structured outputs reads the step before it first (its grammar
-masks need that step's tokens).
+Without overlap (``async_scheduling`` off, tensor parallelism, speculative decoding's ``mtp`` method) a step is
+read right after its launch. A step whose requests hold structured outputs reads the step before it first
+(its grammar masks need that step's tokens). With speculative decoding the step in flight is read before the
+next is scheduled while a request may draft (no more running requests than ``disable_by_batch_size``) or when
+it verified drafts: steps overlap only while nothing is drafted.
 
 Every failure ends in :class:`StepFailure`, logged once with its traceback (whose frames, and the step's
 tensors they hold, are then released): a launch or a read that raises aborts the requests of the steps it
@@ -99,21 +101,23 @@ class StepRunner:
 
     def _step(self, decode_steps: int) -> list[RequestOutput]:
         previous, self._inflight = self._inflight, None
+        early: list[RequestOutput] | None = None   # the outputs of ``previous`` when read before the launch
+        if previous is not None and self._read_first(previous[0]):
+            early, previous = self._read_before(previous, None), None
         try:
             out = self.scheduler.schedule(decode_steps)
         except Exception as error:  # noqa: BLE001 - no step was formed: what ran is failed, nothing is lost unseen
-            outputs = self._read(previous) if previous is not None else []
+            outputs = self._read(previous) if previous is not None else early or []
             running = [r.request_id for r in list(self.scheduler.running)]
             for request_id in running:
                 self.scheduler.abort(request_id)
             raise _Failed(self._failure(error, running), outputs) from None
         if out.is_empty:
             if previous is None:
-                if self.scheduler.has_unfinished:
+                if self.scheduler.has_unfinished and early is None:
                     raise RuntimeError("the scheduler could not schedule any unfinished request")
-                return []
+                return early or []
             return self._read(previous)
-        early: list[RequestOutput] | None = None
         if self.overlap and previous is not None and any(s.request.grammar is not None for s in out.scheduled):
             early = self._read_before(previous, out)   # the grammars' masks need the previous step's tokens
             out.scheduled = [s for s in out.scheduled if not s.request.is_finished]  # the read ended them
@@ -163,16 +167,24 @@ class StepRunner:
             self._abort_scheduled(previous[0], out)
             raise
 
-    def _read_before(self, previous: tuple[SchedulerOutput, LaunchedStep], out: SchedulerOutput
+    def _read_first(self, previous: SchedulerOutput) -> bool:
+        """Whether to read the step in flight before scheduling the next (speculative decoding): drafting
+        needs every token on the host, and a verify's yield (how many of its drafts it kept) moves its
+        request's next positions."""
+        return self.scheduler.speculation is not None and (
+            self.scheduler.may_draft() or any(item.draft_token_ids for item in previous.scheduled))
+
+    def _read_before(self, previous: tuple[SchedulerOutput, LaunchedStep], out: SchedulerOutput | None
                      ) -> list[RequestOutput]:
-        """Read ``previous`` before launching ``out`` (a step with structured output); on failure ``out``'s
-        requests are aborted too."""
+        """Read ``previous`` before launching ``out`` (a step with structured output; None: before scheduling
+        the next step); on failure ``out``'s requests are aborted too."""
+        outs = (previous[0],) if out is None else (previous[0], out)
         try:
             return self._read(previous)
         except Exception as error:  # noqa: BLE001
-            raise _Failed(self._failure(error, self._abort_scheduled(previous[0], out)), []) from None
+            raise _Failed(self._failure(error, self._abort_scheduled(*outs)), []) from None
         except BaseException:
-            self._abort_scheduled(previous[0], out)
+            self._abort_scheduled(*outs)
             raise
 
     def _failure(self, error: Exception, request_ids: list[str]) -> StepFailure:

@@ -151,7 +151,9 @@ class EngineCore:
                                    speculation=config.speculative_config,
                                    proposer=self._proposer(config, model, draft))
         speculating = config.speculative_config is not None   # verify steps read their drafts' outcome
-        overlap = config.async_scheduling and self.runner.capabilities.overlap and not speculating
+        # with speculation, steps overlap while nothing is drafted (core_steps); the mtp layer reads every
+        # launch's tokens on the host, so it never overlaps
+        overlap = config.async_scheduling and self.runner.capabilities.overlap and not mtp
         pacing = config.step_pacing_s
         if pacing > 0 and overlap and config.device.type != "cpu":
             raise ValueError("step_time_target_s on a GPU needs async_scheduling=False: with overlapped steps the "

@@ -40,8 +40,9 @@ and up to ``d`` drafts, as a prompt chunk would (fewer when they do not fit); th
 cache rows) drafts for all of them, and each is scheduled as a *verify* of ``1 + len(drafts)`` new tokens. The
 step scores all of them and yields the accepted drafts and one token more; :meth:`update` moves
 ``num_computed_tokens`` back past the rejected drafts, whose cache rows the next tokens overwrite (a block
-enters the prefix cache only once computed tokens fill it). The engine runs such steps one after the other (no
-overlapped scheduling, no multi-step decoding). With draft trees (``tree_width > 1``) the proposer's
+enters the prefix cache only once computed tokens fill it). A request with a token in flight takes no drafts:
+the engine reads the step in flight first while :meth:`Scheduler.may_draft` holds or the step verified drafts
+(overlapped scheduling only while nothing is drafted), and runs no multi-step decoding. With draft trees (``tree_width > 1``) the proposer's
 ``propose_trees([(request, d), ...], width)`` gives each a tree of at most ``d`` nodes
 (``ScheduledRequest.draft_parents``); the step yields its accepted path and one token more, whose cache rows
 the runner has moved to the path's positions, so :meth:`update` treats it as a chain's kept drafts.
@@ -281,6 +282,14 @@ class Scheduler:
         bs = self.block_manager.block_size
         need = sum(max(0, blocks_needed(r.num_computed_tokens + steps, bs) - len(r.block_ids)) for r in decodes)
         return steps if need <= self.block_manager.num_free_blocks else 1
+
+    def may_draft(self) -> bool:
+        """Whether a decode scheduled now may take drafts: speculation is on and no more requests run than
+        ``disable_by_batch_size`` (a request with a token in flight takes none: the engine reads the step in
+        flight first while this holds)."""
+        speculation = self.speculation
+        return speculation is not None and self.proposer is not None and (
+            speculation.disable_by_batch_size is None or len(self.running) <= speculation.disable_by_batch_size)
 
     def _draft_room(self, request: Request) -> int:
         """How many drafts a running request's next step may verify (speculative decoding): as many as
