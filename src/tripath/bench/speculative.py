@@ -87,9 +87,8 @@ def _run(llm, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]
                                                    elapsed_s=metrics.elapsed_s)
 
 
-def _release(llm) -> None:
-    llm.close()
-    del llm
+def _free_device() -> None:
+    """Return the memory of the engines no longer referenced to the device, before the next one loads."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -108,7 +107,9 @@ def run(args) -> list[dict]:
     baseline, recorded = {}, {}
     for b in batch_sizes:
         recorded[b], baseline[b] = _run(llm, prompts[b], args.output_len)
-    _release(llm)
+    llm.close()
+    llm = None   # the baseline's memory goes back before the speculating engine loads
+    _free_device()
     llm = _engine(args, args.num_speculative_tokens)
     drafter = llm.scheduler.proposer   # mtp: runs, its drafts replaced by the oracle's
     rows = []
@@ -129,7 +130,9 @@ def run(args) -> list[dict]:
                              acceptance=accepted / drafted if drafted else 0.0,
                              tokens_per_verify=1 + accepted / verifies if verifies else 1.0,
                              draft_tokens=drafted, same_outputs=same))
-    _release(llm)
+    llm.close()
+    llm = None
+    _free_device()
     return rows
 
 
