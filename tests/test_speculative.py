@@ -289,51 +289,58 @@ def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(pure_torch
     assert running and max(running) == 1 and llm.stats().spec_num_accepted_tokens > 0
 
 
-def test_sampled_requests_are_seeded_and_speculation_runs_one_model_step_a_launch(pure_torch):
+def test_sampled_requests_are_seeded(pure_torch):
     model, prompts = preset("tiny-llama"), repetitive_prompts()
     params = SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)
     llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4, speculative_config=SPEC)
-    assert llm.decode_steps == 1
     first, again = outputs(llm, prompts, params), outputs(llm, prompts, params)
     assert first == again and all(len(o) == 16 for o in first)
     assert llm.stats().spec_num_drafts > 0
 
 
-def test_steps_overlap_while_nothing_is_drafted(pure_torch, monkeypatch):
-    """``async_scheduling`` with speculation: while more requests run than ``disable_by_batch_size`` each step is
-    launched before the one before it is read (no drafts: their tokens are in flight); once few run, the step
-    in flight is read first and they draft, and no step is launched while a verify is in flight. Greedy
-    outputs are those without speculation. The ``mtp`` method never overlaps (it reads every launch's tokens)."""
-    from tripath.engine.runner.launched_step import LaunchedStep
+def test_draft_lengths_tell_the_steps_before_a_probe():
+    """``steps_without_draft`` counts the calls of ``length`` that would give no draft (0 once the estimate
+    allows one, or a probe is due), and ``skip`` counts steps as those calls do."""
+    from tripath.engine.speculative.draft_length import PROBE_EVERY, DraftLengths
 
-    model, prompts = preset("tiny-llama"), repetitive_prompts()
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 9, 24, 30)]
+    request = _Request()
+    assert DraftLengths(0.5).steps_without_draft(request, 8) == 0   # new: drafts k
+    for skipped in range(PROBE_EVERY):
+        lengths = DraftLengths(0.5)
+        for _ in range(4):
+            lengths.observe(request, 4, 0)
+        if skipped:
+            lengths.skip(request, skipped)
+        ahead = lengths.steps_without_draft(request, 100)
+        assert ahead == max(0, PROBE_EVERY - 1 - skipped) and lengths.steps_without_draft(request, 2) == min(2, ahead)
+        calls = [lengths.length(request, 4) for _ in range(ahead + 1)]
+        assert calls == [0] * ahead + [1], (skipped, calls)
+
+
+def test_steps_between_probes_run_several_model_steps(monkeypatch):
+    """Adaptive draft lengths with every draft wrong: once the requests draft only their probes, the steps
+    between the probes run as one launch of ``decode_steps`` model steps (a graph backend, here under the
+    interpreter) with nothing drafted. Greedy outputs are those without speculation."""
+    from tripath.engine.speculative.draft_length import PROBE_EVERY
+    from tripath.engine.speculative.oracle import OracleProposer
+
+    model, prompts = preset("tiny-llama"), repetitive_prompts()[:2]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     want = outputs(LLM(model, backend="torch", num_kv_blocks=128, block_size=4), prompts, params)
-    llm = LLM(model, backend="torch", num_kv_blocks=128, block_size=4,
-              speculative_config={**SPEC, "disable_by_batch_size": 2})
-    assert llm.overlap
-    events, launch, sampled = [], llm.runner.launch, LaunchedStep.sampled
+    llm = LLM(model, backend="three_path", num_kv_blocks=128, block_size=4,
+              speculative_config={"num_speculative_tokens": 4, "acceptance_threshold": 0.4})
+    llm.scheduler.proposer = OracleProposer({tuple(q): w for q, w in zip(prompts, want)}, 0.0, 256)
+    assert llm.decode_steps > 1
+    launches, launch = [], llm.runner.launch
 
     def launched(scheduled, previous=None, num_steps=1):
-        step = launch(scheduled, previous, num_steps)
-        events.append(("launch", step, any(s.draft_token_ids for s in scheduled)))
-        return step
+        launches.append((num_steps, any(s.draft_token_ids for s in scheduled)))
+        return launch(scheduled, previous, num_steps)
 
     monkeypatch.setattr(llm.runner, "launch", launched)
-    monkeypatch.setattr(LaunchedStep, "sampled", lambda self: events.append(("read", self, None)) or sampled(self))
     assert outputs(llm, prompts, params) == want
-    steps = [(step, verifies) for kind, step, verifies in events if kind == "launch"]
-    read_at = {}
-    for i, (kind, step, _) in enumerate(events):
-        if kind == "read":
-            read_at.setdefault(id(step), i)
-    launch_at = {id(step): i for i, (kind, step, _) in enumerate(events) if kind == "launch"}
-    overlapped = [n for n in range(1, len(steps)) if launch_at[id(steps[n][0])] < read_at[id(steps[n - 1][0])]]
-    assert overlapped and llm.stats().spec_num_drafts > 0
-    assert not any(steps[n][1] or steps[n - 1][1] for n in overlapped)   # nothing drafted or in flight verified
-    mtp = LLM("tiny-deepseek", backend="torch", num_kv_blocks=64, block_size=4,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 1})
-    assert not mtp.overlap
+    multi = [n for n, drafted in launches if n > 1]
+    assert multi.count(PROBE_EVERY - 1) >= 2 and not any(drafted for n, drafted in launches if n > 1), launches
 
 
 def test_penalties_min_tokens_and_logit_bias_apply_to_every_verify_row(pure_torch):

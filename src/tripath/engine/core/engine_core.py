@@ -150,7 +150,6 @@ class EngineCore:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    speculation=config.speculative_config,
                                    proposer=self._proposer(config, model, draft))
-        speculating = config.speculative_config is not None   # verify steps read their drafts' outcome
         # with speculation, steps overlap while nothing is drafted (core_steps); the mtp layer reads every
         # launch's tokens on the host, so it never overlaps
         overlap = config.async_scheduling and self.runner.capabilities.overlap and not mtp
@@ -160,7 +159,9 @@ class EngineCore:
                              "host does not wait for a step, so it cannot time one")
         pacer = StepPacer(self.scheduler, pacing) if pacing > 0 else None   # on the CPU a launch computes
         # model steps a step of decodes alone may take (multi-step decoding), where the executor can
-        self.decode_steps = config.decode_steps if self.runner.capabilities.multi_step and not speculating else 1
+        # (with speculation, the scheduler takes several only where nothing is drafted; the mtp layer runs
+        # over every model step's hidden states, so it takes one)
+        self.decode_steps = config.decode_steps if self.runner.capabilities.multi_step and not mtp else 1
         self.detokenize = detokenize
         self.step_tokens = StepTokenCounts()   # new tokens per model step, for stats()
         self._steps = StepRunner(self.scheduler, self.runner, overlap, pacer, self.step_tokens, self._finished_text)

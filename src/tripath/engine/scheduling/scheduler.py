@@ -42,7 +42,9 @@ step scores all of them and yields the accepted drafts and one token more; :meth
 ``num_computed_tokens`` back past the rejected drafts, whose cache rows the next tokens overwrite (a block
 enters the prefix cache only once computed tokens fill it). A request with a token in flight takes no drafts:
 the engine reads the step in flight first while :meth:`Scheduler.may_draft` holds or the step verified drafts
-(overlapped scheduling only while nothing is drafted), and runs no multi-step decoding. With draft trees (``tree_width > 1``) the proposer's
+(overlapped scheduling only while nothing is drafted). Multi-step decoding takes only steps in which no
+request would draft: with ``disable_by_batch_size`` exceeded, or with adaptive draft lengths
+(:mod:`tripath.engine.speculative.draft_length`) between the probes of requests that draft nothing. With draft trees (``tree_width > 1``) the proposer's
 ``propose_trees([(request, d), ...], width)`` gives each a tree of at most ``d`` nodes
 (``ScheduledRequest.draft_parents``); the step yields its accepted path and one token more, whose cache rows
 the runner has moved to the path's positions, so :meth:`update` treats it as a chain's kept drafts.
@@ -215,6 +217,8 @@ class Scheduler:
             for request, _ in decodes:
                 grown = self.block_manager.grow(request, steps)
                 assert grown, "_decode_steps counted the free blocks"
+                if self.draft_lengths is not None:
+                    self.draft_lengths.skip(request, steps)
                 self._add(out, request, 1, steps)
             out.num_steps = steps
             return out
@@ -277,19 +281,29 @@ class Scheduler:
             return 1
         steps = min(most, min(r.sampling_params.max_tokens - r.num_output_tokens - r.num_inflight_tokens
                               for r in decodes))
+        if self._drafting():   # speculation: only steps in which no request would draft
+            lengths = self.draft_lengths
+            steps = 1 if lengths is None else min(steps, min(lengths.steps_without_draft(r, steps) for r in decodes))
         if steps <= 1:
             return 1
         bs = self.block_manager.block_size
         need = sum(max(0, blocks_needed(r.num_computed_tokens + steps, bs) - len(r.block_ids)) for r in decodes)
         return steps if need <= self.block_manager.num_free_blocks else 1
 
-    def may_draft(self) -> bool:
-        """Whether a decode scheduled now may take drafts: speculation is on and no more requests run than
-        ``disable_by_batch_size`` (a request with a token in flight takes none: the engine reads the step in
-        flight first while this holds)."""
+    def _drafting(self) -> bool:
+        """Speculation is on and no more requests run than ``disable_by_batch_size``."""
         speculation = self.speculation
         return speculation is not None and self.proposer is not None and (
             speculation.disable_by_batch_size is None or len(self.running) <= speculation.disable_by_batch_size)
+
+    def may_draft(self) -> bool:
+        """Whether a decode scheduled now may take drafts: speculation is on, no more requests run than
+        ``disable_by_batch_size``, and (with adaptive draft lengths) a running request's next step would
+        draft. A request with a token in flight takes none: the engine reads the step in flight first while
+        this holds."""
+        lengths = self.draft_lengths
+        return self._drafting() and (lengths is None or any(lengths.steps_without_draft(r, 1) == 0
+                                                            for r in self.running))
 
     def _draft_room(self, request: Request) -> int:
         """How many drafts a running request's next step may verify (speculative decoding): as many as

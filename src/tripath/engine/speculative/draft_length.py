@@ -12,6 +12,10 @@ The estimate: a verify that scored ``d`` drafts and kept the first ``n`` saw ``n
 :data:`HALF_LIFE` verifies, so the estimate follows a request whose text turns easier or harder to predict,
 and start at :data:`PRIOR_KEPT` kept and none rejected, so a new request drafts ``k``. A request whose
 estimate allows no draft drafts one every :data:`PROBE_EVERY` steps, so that its estimate can recover.
+
+Between its probes such a request drafts nothing, and the engine knows it ahead of time
+(:meth:`DraftLengths.steps_without_draft`): while no running request wants a draft, steps overlap and decodes
+run several model steps a launch, as without speculation (:mod:`tripath.engine.scheduling.scheduler`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,21 @@ class DraftLengths:
         if j:
             estimate.idle_steps = 0
         return j
+
+    def steps_without_draft(self, request, most: int) -> int:
+        """How many of the request's next steps, at most ``most``, will draft nothing (what :meth:`length`
+        would give them, its estimate being fixed until the next verify): 0 when the next step drafts, else
+        the steps before its next probe."""
+        estimate = self._estimates.get(request)
+        if estimate is None or estimate.acceptance >= self.threshold:
+            return 0
+        return max(0, min(most, PROBE_EVERY - 1 - estimate.idle_steps))
+
+    def skip(self, request, steps: int) -> None:
+        """The request decoded ``steps`` steps without drafts (several model steps of one launch, which
+        :meth:`length` was not asked for); at most :meth:`steps_without_draft` of them."""
+        estimate = self._estimates.setdefault(request, _Estimate())
+        estimate.idle_steps += steps
 
     def observe(self, request, drafted: int, kept: int) -> None:
         """A verify of the request scored ``drafted`` drafts (a tree: its depth) and kept the first ``kept``."""
