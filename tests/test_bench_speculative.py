@@ -33,7 +33,7 @@ def test_bench_speculative_reports_acceptance_against_the_baseline(monkeypatch, 
     rows = json.loads(out.read_text())["rows"]
     assert [(r["batch"], r["p"]) for r in rows] == [(1, 0.0), (1, 1.0), (3, 0.0), (3, 1.0)]
     for r in rows:
-        assert r["same_outputs"] == 1.0
+        assert r["same_outputs"] == 1.0 and r["reference_same_as_baseline"] == 1.0
         assert r["acceptance"] == r["p"]
         assert r["tpot_ms"] > 0 and r["baseline_tpot_ms"] > 0
     assert all(r["tokens_per_verify"] > 3 for r in rows if r["p"] == 1.0)
@@ -72,3 +72,30 @@ def test_bench_speculative_with_adaptive_draft_lengths_drafts_less_where_nothing
         assert all(r["same_outputs"] == 1.0 for r in rows)
         drafted[threshold] = [r["draft_tokens"] for r in rows]
     assert drafted["0.4"][0] < 0.5 * drafted["0"][0] and drafted["0.4"][1] == drafted["0"][1] > 0
+
+
+def test_the_oracle_replays_the_speculating_engines_own_greedy_run(monkeypatch, tmp_path):
+    """Where the baseline's greedy tokens differ from the speculating engine's (a near-tie broken the other way
+    by the verify's kernels; emulated by changing the baseline's record), the oracle replays the speculating
+    engine's reference run: acceptance is still the set one, outputs equal the reference, and the rows tell
+    that the reference differs from the baseline."""
+    import tripath.bench.speculative as bench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    run = bench._run
+    calls = []
+
+    def baseline_then_speculation(llm, prompts, output_len):
+        outputs, measured = run(llm, prompts, output_len)
+        calls.append(len(prompts))
+        if len(calls) == 1:   # the baseline's record: request 0 turns at its third token
+            outputs[0] = outputs[0][:2] + [(t + 1) % 256 for t in outputs[0][2:]]
+        return outputs, measured
+
+    monkeypatch.setattr(bench, "_run", baseline_then_speculation)
+    out = tmp_path / "spec.json"
+    assert main(["--model", "tiny-llama", "--batch-sizes", "2", "--input-len", "12", "--output-len", "10",
+                 "--acceptance", "1", "--num-speculative-tokens", "3", "--num-kv-blocks", "64", "--device",
+                 "cpu", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["same_outputs"] == 1.0 and row["acceptance"] == 1.0 and row["reference_same_as_baseline"] == 0.5

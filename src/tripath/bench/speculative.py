@@ -13,12 +13,18 @@ For each ``--batch-sizes`` entry ``B``, ``B`` greedy requests of ``--input-len``
 ``--output-len`` outputs run at once:
 
 1. on the engine with its defaults (no speculation): the baseline's TPOT (mean time per output token after
-   the first) and output tok/s, and the recorded outputs;
-2. on an engine with ``num_speculative_tokens = --num-speculative-tokens``, for each ``--acceptance`` ``p``:
-   TPOT, output tok/s, their ratio to the baseline, the measured acceptance (drafts kept / drafted), tokens
-   per verify step, the tokens drafted, and the share of outputs equal to the recorded ones (greedy: 1.0 unless the verify's
-   kernels break a near-tie of the logits the other way). ``--acceptance-threshold`` turns on adaptive
-   draft lengths (:mod:`tripath.engine.speculative.draft_length`).
+   the first) and output tok/s, and its outputs;
+2. on an engine with ``num_speculative_tokens = --num-speculative-tokens``: the *reference* run, the
+   speculating engine's own greedy outputs, drafted from the baseline's with every draft right. A verify
+   step's rows are computed by other kernels than a decode step's (other GEMM shapes, the verify attention),
+   so where two logits of a bf16 model nearly tie the two engines may take different tokens, and the
+   baseline's outputs from there on would be wrong drafts. The reference does not depend on the drafts
+   (greedy verification keeps exactly the target's tokens), so the oracle replays it;
+   ``reference_same_as_baseline`` is the share of its outputs equal to the baseline's;
+3. for each ``--acceptance`` ``p``: TPOT, output tok/s, their ratio to the baseline, the measured acceptance
+   (drafts kept / drafted), tokens per verify step, the tokens drafted, and the share of outputs equal to the
+   reference (1.0 unless a verify of another length breaks a near-tie the other way: adaptive draft lengths).
+   ``--acceptance-threshold`` turns on adaptive draft lengths (:mod:`tripath.engine.speculative.draft_length`).
 
 Each measured run follows an unmeasured one of the same shapes (compilation, caches). One engine at a time
 holds the device. ``--json`` writes the rows.
@@ -87,6 +93,13 @@ def _run(llm, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]
                                                    elapsed_s=metrics.elapsed_s)
 
 
+def _greedy(llm, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    from tripath.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    return [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def _free_device() -> None:
     """Return the memory of the engines no longer referenced to the device, before the next one loads."""
     gc.collect()
@@ -112,24 +125,31 @@ def run(args) -> list[dict]:
     _free_device()
     llm = _engine(args, args.num_speculative_tokens)
     drafter = llm.scheduler.proposer   # mtp: runs, its drafts replaced by the oracle's
+
+    def propose(b: int, record: list[list[int]], p: float) -> None:
+        oracle = OracleProposer({tuple(x): y for x, y in zip(prompts[b], record)}, p, vocab, args.seed)
+        llm.scheduler.proposer = SteeredProposer(drafter, oracle) if args.method == "mtp" else oracle
+
     rows = []
     for b in batch_sizes:
+        propose(b, recorded[b], 1.0)
+        reference = _greedy(llm, prompts[b], args.output_len)
+        agree = sum(r == x for r, x in zip(reference, recorded[b])) / b
         for p in chances:
-            oracle = OracleProposer({tuple(x): y for x, y in zip(prompts[b], recorded[b])}, p, vocab, args.seed)
-            llm.scheduler.proposer = SteeredProposer(drafter, oracle) if args.method == "mtp" else oracle
+            propose(b, reference, p)
             before = llm.stats()
             outputs, measured = _run(llm, prompts[b], args.output_len)
             after = llm.stats()
             drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
             accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
             verifies = after.spec_num_drafts - before.spec_num_drafts
-            same = sum(o == r for o, r in zip(outputs, recorded[b])) / b
+            same = sum(o == r for o, r in zip(outputs, reference)) / b
             rows.append(dict(batch=b, p=p, **measured, baseline_tpot_ms=baseline[b]["tpot_ms"],
                              baseline_output_tok_s=baseline[b]["output_tok_s"],
                              tpot_speedup=baseline[b]["tpot_ms"] / measured["tpot_ms"] if measured["tpot_ms"] else 0.0,
                              acceptance=accepted / drafted if drafted else 0.0,
                              tokens_per_verify=1 + accepted / verifies if verifies else 1.0,
-                             draft_tokens=drafted, same_outputs=same))
+                             draft_tokens=drafted, same_outputs=same, reference_same_as_baseline=agree))
     llm.close()
     llm = None
     _free_device()
@@ -141,12 +161,12 @@ def print_rows(rows: list[dict], args) -> None:
           f"{args.num_speculative_tokens} drafted tokens per verify (oracle drafts"
           + (", the MTP layer running)" if args.method == "mtp" else ")"))
     print(f"{'batch':>5} {'p':>5} {'TPOT ms':>9} {'base ms':>9} {'speed-up':>8} {'tok/s':>9} {'base tok/s':>10} "
-          f"{'accepted':>8} {'tok/verify':>10} {'drafted':>8} {'same out':>8}")
+          f"{'accepted':>8} {'tok/verify':>10} {'drafted':>8} {'same out':>8} {'ref=base':>8}")
     for r in rows:
         print(f"{r['batch']:>5} {r['p']:>5.2f} {r['tpot_ms']:>9.3f} {r['baseline_tpot_ms']:>9.3f} "
               f"{r['tpot_speedup']:>7.2f}x {r['output_tok_s']:>9.1f} {r['baseline_output_tok_s']:>10.1f} "
               f"{r['acceptance']:>8.1%} {r['tokens_per_verify']:>10.2f} {r['draft_tokens']:>8} "
-              f"{r['same_outputs']:>8.0%}")
+              f"{r['same_outputs']:>8.0%} {r['reference_same_as_baseline']:>8.0%}")
 
 
 def main(argv=None) -> int:
