@@ -70,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine(args, speculative: int | None):
     from tripath.engine import LLM
 
-    options = dict(backend=args.backend, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks)
+    # no prefix caching: a prompt computed again from cached blocks takes other kernels than its prefill (an
+    # extend of its last tokens), which may break a near-tie of a bf16 model's logits the other way, and the
+    # oracle replays a run whose prompts were all prefilled
+    options = dict(backend=args.backend, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
+                   enable_prefix_caching=False)
     if speculative:
         options["speculative_config"] = {"method": args.method, "num_speculative_tokens": speculative}
         if getattr(args, "tree_width", 1) > 1:
