@@ -18,13 +18,18 @@ For each ``--batch-sizes`` entry ``B``, ``B`` greedy requests of ``--input-len``
    speculating engine's own greedy outputs, drafted from the baseline's with every draft right. A verify
    step's rows are computed by other kernels than a decode step's (other GEMM shapes, the verify attention),
    so where two logits of a bf16 model nearly tie the two engines may take different tokens, and the
-   baseline's outputs from there on would be wrong drafts. The reference does not depend on the drafts
-   (greedy verification keeps exactly the target's tokens), so the oracle replays it;
-   ``reference_same_as_baseline`` is the share of its outputs equal to the baseline's;
+   baseline's outputs from there on would be wrong drafts. Greedy verification keeps exactly the target's
+   tokens, so the oracle replays the reference; ``reference_same_as_baseline`` is the share of its outputs
+   equal to the baseline's;
 3. for each ``--acceptance`` ``p``: TPOT, output tok/s, their ratio to the baseline, the measured acceptance
    (drafts kept / drafted), tokens per verify step, the tokens drafted, and the share of outputs equal to the
-   reference (1.0 unless a verify of another length breaks a near-tie the other way: adaptive draft lengths).
+   reference. That share falls below 1.0 where another acceptance changes a step's shapes enough to break a
+   near-tie the other way (adaptive draft lengths, large batches); from the first such token on, the request's
+   drafts are wrong, so the measured acceptance, not ``p``, is what the row ran at.
    ``--acceptance-threshold`` turns on adaptive draft lengths (:mod:`tripath.engine.speculative.draft_length`).
+
+Both engines run without prefix caching: a prompt computed again from cached blocks would take other
+kernels than its prefill (an extend of its last tokens), another source of near-ties broken the other way.
 
 Each measured run follows an unmeasured one of the same shapes (compilation, caches). One engine at a time
 holds the device. ``--json`` writes the rows.
@@ -70,9 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _engine(args, speculative: int | None):
     from tripath.engine import LLM
 
-    # no prefix caching: a prompt computed again from cached blocks takes other kernels than its prefill (an
-    # extend of its last tokens), which may break a near-tie of a bf16 model's logits the other way, and the
-    # oracle replays a run whose prompts were all prefilled
+    # no prefix caching (module doc): every run prefills its prompts as the recorded ones did
     options = dict(backend=args.backend, device=args.device, dtype=args.dtype, num_kv_blocks=args.num_kv_blocks,
                    enable_prefix_caching=False)
     if speculative:
