@@ -244,6 +244,21 @@ def test_without_a_workspace_and_on_the_torch_path(monkeypatch):
     _compare(mixed_attention(q, k_cache, v_cache, bt, sl, cq), want, q.dtype)
 
 
+def test_sm90_tiles_follow_the_cache_dtype(monkeypatch):
+    """On sm_90 a workspace for a 16-bit cache takes 64-key prompt tiles (measured faster), one for an fp8 cache
+    32-key ones (64 spill there); ``mixed_attention`` without a workspace picks by its cache."""
+    import importlib
+
+    from tripath.platform import H200
+
+    op = importlib.import_module("tripath.ops.mixed_attention")   # the module (the package exports the function)
+    monkeypatch.setattr(op, "current_platform", lambda device: H200)
+    tiles = {fp8: mixed_attention_workspace(32, 8, 128, max_num_tokens=64, max_num_seqs=4, device="cpu",
+                                            kv_fp8=fp8).config for fp8 in (False, True)}
+    assert (tiles[False]["BLOCK_N"], tiles[True]["BLOCK_N"]) == (64, 32)
+    assert tiles[False]["BLOCK_Q"] == tiles[True]["BLOCK_Q"] == 16
+
+
 def test_argument_errors_name_the_argument():
     requests = [(20, 1), (7, 5)]
     q, k_cache, v_cache, bt, sl, cq = _step(requests, 4, 2)

@@ -161,13 +161,15 @@ def unified_config(platform: Platform, head_size: int, group_pad: int) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
-def mixed_config(platform: Platform, head_size: int, group_pad: int) -> dict:
+def mixed_config(platform: Platform, head_size: int, group_pad: int, kv_fp8: bool = False) -> dict:
     """The one-launch mixed attention (:mod:`tripath.kernels.mixed_attention`): the prompt tile of
     :func:`unified_config` (``BLOCK_M = BLOCK_Q · BLOCK_G`` rows, ``BLOCK_N`` keys), the decode tile's key tiles
     (``DECODE_BLOCK_N``: :func:`decode_config`'s short tiles), one set of warps and stages for both (they share a
     kernel). Heads over 128 dims: 32-row prompt tiles, since the persistent loop keeps more values live than
     unified's one tile a program and 64 rows spilled up to 144 B on sm_90 (8 warps) and VGPRs on gfx950
-    (``tripath check-compile --only mixed``). Not timed yet (``tripath bench kernels --only mixed``)."""
+    (``tripath check-compile --only mixed``). NVIDIA, 128 dims: 64-key prompt tiles took 14–16% less GPU time
+    than 32-key ones on an H100 (docs/BENCHMARKS.md, "The mixed step"), but on an fp8 cache (``kv_fp8``) with
+    the shuffled layout and the LSE output they spill 16 bytes on sm_90, so fp8 caches keep 32-key tiles."""
     if platform.backend == "cpu":
         return {"BLOCK_M": 16, "BLOCK_N": 16, "DECODE_BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     if platform.is_hip:
@@ -176,7 +178,7 @@ def mixed_config(platform: Platform, head_size: int, group_pad: int) -> dict:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "DECODE_BLOCK_N": 64, **_amd(4, 2, 1)}
     if head_size > 128:
         return {"BLOCK_M": 32, "BLOCK_N": 16, "DECODE_BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "DECODE_BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32 if kv_fp8 else 64, "DECODE_BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 MIXED_PROGRAMS_PER_SM = 2  # the persistent grid of the mixed attention: programs an SM (mixed_schedule)

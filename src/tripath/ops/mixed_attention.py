@@ -91,9 +91,11 @@ class MixedAttentionWorkspace:
 def mixed_attention_workspace(num_heads: int, num_kv_heads: int, head_size: int, *, max_num_tokens: int,
                               max_num_seqs: int, device, head_size_v: int | None = None,
                               split_budget: int | None = None, programs: int | None = None,
-                              share: MixedAttentionWorkspace | None = None) -> MixedAttentionWorkspace:
+                              share: MixedAttentionWorkspace | None = None,
+                              kv_fp8: bool = False) -> MixedAttentionWorkspace:
     """Allocate the buffers of :func:`mixed_attention` for steps of at most ``max_num_tokens`` new tokens and
-    ``max_num_seqs`` requests. ``split_budget`` (default: the platform's, twice the cost model's target) bounds
+    ``max_num_seqs`` requests. ``kv_fp8``: the KV cache it serves is fp8 (the launch's tiles are chosen for it,
+    :func:`tripath.ops._configs.mixed_config`; any cache gives the same results). ``split_budget`` (default: the platform's, twice the cost model's target) bounds
     the list's pieces beyond one a tile, and sizes the partials (``2 · split_budget`` slots); ``programs``
     replaces the persistent grid's size (default: :func:`tripath.ops._configs.mixed_schedule`).
 
@@ -118,7 +120,7 @@ def mixed_attention_workspace(num_heads: int, num_kv_heads: int, head_size: int,
         raise ValueError(f"programs must be at least 1, got {programs}")
     platform = current_platform(device)
     block_g = next_pow2(num_heads // num_kv_heads)
-    cfg = dict(_configs.mixed_config(platform, head_size, block_g))
+    cfg = dict(_configs.mixed_config(platform, head_size, block_g, bool(kv_fp8)))
     block_m = max(cfg.pop("BLOCK_M"), 16, block_g)
     config = dict(BLOCK_Q=block_m // block_g, BLOCK_G=block_g, DECODE_G=max(16, block_g), PART_ROWS=block_m,
                   BLOCK_DK=next_pow2(head_size), BLOCK_DV=next_pow2(head_size_v), **cfg)
@@ -259,7 +261,8 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if workspace is None:
         workspace = mixed_attention_workspace(q.shape[1], num_kv_heads, head_size, head_size_v=head_size_v,
                                               max_num_tokens=max(1, max_num_tokens or q.shape[0]),
-                                              max_num_seqs=max(1, max_num_seqs or num_seqs), device=device)
+                                              max_num_seqs=max(1, max_num_seqs or num_seqs), device=device,
+                                              kv_fp8=k_cache.dtype in FP8_DTYPES)
         _check_workspace(workspace, q, num_kv_heads, head_size_v, num_seqs)
     if not planned:
         plan_mixed_attention(workspace, cu_seqlens_q, seq_lens, window_left=window_left, kv_split=kv_split)

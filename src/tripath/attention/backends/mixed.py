@@ -48,7 +48,7 @@ class MixedBackend(MHAAttentionBackend):
         self._workspace = mixed_attention_workspace(spec.num_heads, spec.num_kv_heads, spec.head_size,
                                                     head_size_v=spec.head_size_v or spec.head_size,
                                                     max_num_tokens=_pow2(tokens), max_num_seqs=_pow2(seqs),
-                                                    device=device, share=ws)
+                                                    device=device, share=ws, kv_fp8=spec.kv_cache_dtype == "fp8")
         if ws is not None:
             self._outgrown.append(ws)
         return self._workspace
