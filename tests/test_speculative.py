@@ -298,6 +298,34 @@ def test_sampled_requests_are_seeded(pure_torch):
     assert llm.stats().spec_num_drafts > 0
 
 
+def test_rejected_probes_space_out_and_a_kept_one_brings_them_back():
+    """A request that drafts nothing probes after PROBE_EVERY idle steps; each probe rejected doubles the gap, up
+    to MOST_PROBE_GAP; a probe kept brings it back to PROBE_EVERY."""
+    from tripath.engine.speculative.draft_length import MOST_PROBE_GAP, PROBE_EVERY, DraftLengths
+
+    lengths, request = DraftLengths(0.5), _Request()
+    for _ in range(4):
+        lengths.observe(request, 4, 0)
+
+    def gap_to_next_probe() -> int:
+        ahead = lengths.steps_without_draft(request, 10_000)
+        calls = [lengths.length(request, 4) for _ in range(ahead + 1)]
+        assert calls == [0] * ahead + [1]
+        return ahead + 1
+
+    gaps = []
+    for _ in range(6):
+        gaps.append(gap_to_next_probe())
+        lengths.observe(request, 1, 0)
+    want = [min(PROBE_EVERY * 2 ** n, MOST_PROBE_GAP) for n in range(6)]
+    assert gaps == want and want[-1] == MOST_PROBE_GAP
+    gap_to_next_probe()
+    lengths.observe(request, 1, 1)   # kept: the estimate may now allow drafts; once it does not, probes come sooner
+    while lengths.length(request, 4):
+        lengths.observe(request, 1, 0)
+    assert lengths.steps_without_draft(request, 10_000) < PROBE_EVERY
+
+
 def test_draft_lengths_tell_the_steps_before_a_probe():
     """``steps_without_draft`` counts the calls of ``length`` that would give no draft (0 once the estimate
     allows one, or a probe is due), and ``skip`` counts steps as those calls do."""
@@ -340,7 +368,8 @@ def test_steps_between_probes_run_several_model_steps(monkeypatch):
     monkeypatch.setattr(llm.runner, "launch", launched)
     assert outputs(llm, prompts, params) == want
     multi = [n for n, drafted in launches if n > 1]
-    assert multi.count(PROBE_EVERY - 1) >= 2 and not any(drafted for n, drafted in launches if n > 1), launches
+    assert multi[0] == PROBE_EVERY - 1 and len(multi) >= 2, launches
+    assert not any(drafted for n, drafted in launches if n > 1), launches
 
 
 def test_penalties_min_tokens_and_logit_bias_apply_to_every_verify_row(pure_torch):

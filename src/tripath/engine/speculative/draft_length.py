@@ -11,7 +11,10 @@ The estimate: a verify that scored ``d`` drafts and kept the first ``n`` saw ``n
 ``n < d``, one rejected (a draft tree counts its depth as ``d``). The counts decay by half every
 :data:`HALF_LIFE` verifies, so the estimate follows a request whose text turns easier or harder to predict,
 and start at :data:`PRIOR_KEPT` kept and none rejected, so a new request drafts ``k``. A request whose
-estimate allows no draft drafts one every :data:`PROBE_EVERY` steps, so that its estimate can recover.
+estimate allows no draft drafts one (a *probe*) after :data:`PROBE_EVERY` steps without, so that its estimate
+can recover; each probe the target rejects doubles that gap, up to :data:`MOST_PROBE_GAP`, and a probe kept
+brings it back to :data:`PROBE_EVERY`. A probe costs more than its row: the engine reads the step before it
+and the probe's own verify before it schedules on, so the steps around it do not overlap.
 
 Between its probes such a request drafts nothing, and the engine knows it ahead of time
 (:meth:`DraftLengths.steps_without_draft`): while no running request wants a draft, steps overlap and decodes
@@ -25,7 +28,8 @@ from dataclasses import dataclass
 
 HALF_LIFE = 4          # verifies after which an observation weighs half
 PRIOR_KEPT = 2.0       # a new request's kept drafts (none rejected): it starts by drafting k
-PROBE_EVERY = 8        # a request that drafts nothing drafts one token every this many steps
+PROBE_EVERY = 8        # a request that drafts nothing drafts one token (a probe) after this many steps
+MOST_PROBE_GAP = 64    # the gap doubles with each probe rejected, up to this
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 
 
@@ -34,6 +38,8 @@ class _Estimate:
     kept: float = PRIOR_KEPT
     rejected: float = 0.0
     idle_steps: int = 0   # steps since the request last drafted (its estimate allowing none)
+    probe_gap: int = PROBE_EVERY   # idle steps before its next probe
+    probing: bool = False          # its last drafts were a probe
 
     @property
     def acceptance(self) -> float:
@@ -62,12 +68,13 @@ class DraftLengths:
         a, j = estimate.acceptance, 0
         while j < most and a ** (j + 1) >= self.threshold:
             j += 1
+        probe = False
         if j == 0:
             estimate.idle_steps += 1
-            if estimate.idle_steps >= PROBE_EVERY:
-                j = 1
+            probe = estimate.idle_steps >= estimate.probe_gap
+            j = int(probe)
         if j:
-            estimate.idle_steps = 0
+            estimate.idle_steps, estimate.probing = 0, probe
         return j
 
     def steps_without_draft(self, request, most: int) -> int:
@@ -77,7 +84,7 @@ class DraftLengths:
         estimate = self._estimates.get(request)
         if estimate is None or estimate.acceptance >= self.threshold:
             return 0
-        return max(0, min(most, PROBE_EVERY - 1 - estimate.idle_steps))
+        return max(0, min(most, estimate.probe_gap - 1 - estimate.idle_steps))
 
     def skip(self, request, steps: int) -> None:
         """The request decoded ``steps`` steps without drafts (several model steps of one launch, which
@@ -90,3 +97,6 @@ class DraftLengths:
         estimate = self._estimates.setdefault(request, _Estimate())
         estimate.kept = estimate.kept * _DECAY + kept
         estimate.rejected = estimate.rejected * _DECAY + (1.0 if kept < drafted else 0.0)
+        if estimate.probing:
+            estimate.probe_gap = PROBE_EVERY if kept else min(2 * estimate.probe_gap, MOST_PROBE_GAP)
+            estimate.probing = False
