@@ -87,24 +87,21 @@ def _engine(args, speculative: int | None):
     return LLM(args.model, **{k: v for k, v in options.items() if v is not None})
 
 
-def _run(llm, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], dict]:
-    """Warm run, then the measured one: ``(outputs, {tpot_ms, output_tok_s, elapsed_s})``."""
-    from tripath.engine import SamplingParams
-
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    metrics = llm.last_metrics
-    return [o.output_token_ids for o in outs], dict(tpot_ms=metrics.mean_tpot_s * 1e3,
-                                                   output_tok_s=metrics.output_throughput,
-                                                   elapsed_s=metrics.elapsed_s)
-
-
 def _greedy(llm, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+    """One greedy run of ``prompts`` (``output_len`` tokens each, no stop): the outputs' token ids."""
     from tripath.engine import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     return [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _run(llm, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], dict]:
+    """Warm run, then the measured one: ``(outputs, {tpot_ms, output_tok_s, elapsed_s})``."""
+    _greedy(llm, prompts, output_len)
+    outputs = _greedy(llm, prompts, output_len)
+    metrics = llm.last_metrics
+    return outputs, dict(tpot_ms=metrics.mean_tpot_s * 1e3, output_tok_s=metrics.output_throughput,
+                         elapsed_s=metrics.elapsed_s)
 
 
 def _free_device() -> None:

@@ -95,9 +95,10 @@ def mixed_attention_workspace(num_heads: int, num_kv_heads: int, head_size: int,
                               kv_fp8: bool = False) -> MixedAttentionWorkspace:
     """Allocate the buffers of :func:`mixed_attention` for steps of at most ``max_num_tokens`` new tokens and
     ``max_num_seqs`` requests. ``kv_fp8``: the KV cache it serves is fp8 (the launch's tiles are chosen for it,
-    :func:`tripath.ops._configs.mixed_config`; any cache gives the same results). ``split_budget`` (default: the platform's, twice the cost model's target) bounds
-    the list's pieces beyond one a tile, and sizes the partials (``2 · split_budget`` slots); ``programs``
-    replaces the persistent grid's size (default: :func:`tripath.ops._configs.mixed_schedule`).
+    :func:`tripath.ops._configs.mixed_config`; any cache gives the same results). ``split_budget`` (default:
+    the platform's, twice the cost model's target) bounds the list's pieces beyond one a tile, and sizes the
+    partials (``2 · split_budget`` slots); ``programs`` replaces the persistent grid's size (default:
+    :func:`tripath.ops._configs.mixed_schedule`).
 
     ``share``: a workspace of the same heads, head sizes, device and split budget whose partials, merge
     counters and counts the new one uses too (they do not depend on the bucket): a larger bucket then costs

@@ -44,10 +44,11 @@ enters the prefix cache only once computed tokens fill it). A request with a tok
 the engine reads the step in flight first while :meth:`Scheduler.may_draft` holds or the step verified drafts
 (overlapped scheduling only while nothing is drafted). Multi-step decoding takes only steps in which no
 request would draft: with ``disable_by_batch_size`` exceeded, or with adaptive draft lengths
-(:mod:`tripath.engine.speculative.draft_length`) between the probes of requests that draft nothing. With draft trees (``tree_width > 1``) the proposer's
-``propose_trees([(request, d), ...], width)`` gives each a tree of at most ``d`` nodes
-(``ScheduledRequest.draft_parents``); the step yields its accepted path and one token more, whose cache rows
-the runner has moved to the path's positions, so :meth:`update` treats it as a chain's kept drafts.
+(:mod:`tripath.engine.speculative.draft_length`) between the probes of requests that draft nothing. With
+draft trees (``tree_width > 1``) the proposer's ``propose_trees([(request, d), ...], width)`` gives each a
+tree of at most ``d`` nodes (``ScheduledRequest.draft_parents``); the step yields its accepted path and one
+token more, whose cache rows the runner has moved to the path's positions, so :meth:`update` treats it as a
+chain's kept drafts.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class DraftLengths:
 
     def skip(self, request, steps: int) -> None:
         """The request decoded ``steps`` steps without drafts (several model steps of one launch, which
-        :meth:`length` was not asked for); at most :meth:`steps_without_draft` of them."""
+        :meth:`length` was not asked for): they count toward its next probe as idle steps of :meth:`length` do."""
         estimate = self._estimates.setdefault(request, _Estimate())
         estimate.idle_steps += steps
 
