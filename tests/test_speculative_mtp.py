@@ -351,24 +351,28 @@ def test_the_mtp_cache_holds_the_right_rows_for_the_kept_tokens(variant):
 
 
 def emulate_decode_graphs(monkeypatch, model) -> list:
-    """Decode graphs without a GPU: a replay re-runs the captured forward and writes the captured hidden
-    states and those before the final norm, as a CUDA graph replay rewrites its own memory. Returns the
-    replay count (a one-item list)."""
-    replays = [0]
+    """Decode graphs without a GPU: a replay re-runs the captured forward and writes the captured outputs (and,
+    for the target's graphs, the hidden states before the final norm), as a CUDA graph replay rewrites its
+    own memory. Returns the replay counts: ``[target's, MTP layer's]``."""
+    replays = [0, 0]
 
     def capture(run, pool, device):
-        hidden = run()
-        prenorm = model.prenorm_hidden
+        target = run.func is model   # else the MTP layer's graphs (MTPStep): no prenorm of their own
+        out = run()
+        prenorm = model.prenorm_hidden if target else None
 
         class Replay:
             def replay(self):   # no Python runs in a real replay: the model's attribute stays as it was
-                replays[0] += 1
+                replays[0 if target else 1] += 1
                 before = model.prenorm_hidden
-                hidden.copy_(run())
-                prenorm.copy_(model.prenorm_hidden)
+                fresh = run()
+                for static, value in zip(*((out, fresh) if isinstance(out, tuple) else ((out,), (fresh,)))):
+                    static.copy_(value)
+                if target:
+                    prenorm.copy_(model.prenorm_hidden)
                 model.prenorm_hidden = before
 
-        return Replay(), hidden, None
+        return Replay(), out, None
 
     monkeypatch.setattr("tripath.engine.runner.decode_graphs.capture_graph", capture)
     return replays
@@ -391,6 +395,37 @@ def test_decode_graph_steps_hand_their_hidden_states_on(monkeypatch):
     replays[0] = 0
     assert outputs(llm, batch, params) == want
     assert replays[0] > 0 and llm.stats().spec_num_accepted_tokens > 0
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    check_mtp_rows(model, seen)
+
+
+def test_the_mtp_layers_graphs_draft_what_its_eager_runs_draft(monkeypatch):
+    """The MTP layer's own graphs (drafting one row a request with the draw inside, observing a verify's
+    rows; emulated replays, mla_triton in the interpreter): they replay, every draft is the eager layer's
+    (the same tokens kept), the MTP rows right, the outputs the target's."""
+    model = follower(0.6)
+    batch = [p[:6] for p in prompts(model.config.vocab_size)[:3]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=64, block_size=4), batch, params)
+    replays = emulate_decode_graphs(monkeypatch, model)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    results = []
+    for graphs in (False, True):
+        llm = LLM(model, backend="mla_triton", num_kv_blocks=64, block_size=4, max_num_seqs=4,
+                  speculative_config=MTP)
+        llm.runner.capture_decode_graphs()
+        layer = llm.scheduler.proposer.layer
+        if graphs:
+            layer.capture_graphs()
+        else:
+            assert layer.graphs is None
+        seen = record_mtp_rows(llm)
+        replays[:] = [0, 0]
+        results.append((outputs(llm, batch, params), llm.stats().spec_num_accepted_tokens, replays[1]))
+    (eager, eager_kept, eager_replays), (graphed, graphed_kept, graphed_replays) = results
+    assert eager == graphed == want
+    assert eager_replays == 0 and graphed_replays > 0
+    assert graphed_kept == eager_kept > 0
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     check_mtp_rows(model, seen)
 

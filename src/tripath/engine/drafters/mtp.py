@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tripath.attention.step_ints import to_device
 from tripath.engine.runner.mtp_layer import MTPLayerRunner, MTPRun, MTPSegment
 from tripath.engine.scheduling.scheduler import ScheduledRequest
 
@@ -161,7 +162,8 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, items) -> list[list[int]]:
         """For each ``(request, k)`` of decodes about to verify: ``k`` greedy drafts of the MTP layer (none for a
-        request whose last row's hidden state is not kept)."""
+        request whose last row's hidden state is not kept). The chain stays on the device: each run after the
+        first is fed the tokens the run before drew, and the drafts are read back once."""
         drafts: list[list[int]] = [[] for _ in items]
         segments, owners = [], []
         for n, (request, k) in enumerate(items):
@@ -177,26 +179,32 @@ class MTPProposer:
         if not segments:
             return drafts
         g, tokens = self._run(segments, samples=True)
-        for m, n in enumerate(owners):
-            drafts[n].append(tokens[m])
+        drawn, active = [(list(owners), tokens)], list(owners)   # per depth: who drew, and their tokens
         for j in range(1, max(k for _, k in items)):   # draft j + 1 from draft j and the MTP's own g
-            active = [m for m, n in enumerate(owners) if items[n][1] > j]
-            if not active:
+            still = [a for a, n in enumerate(active) if items[n][1] > j]   # positions in the run before
+            if not still:
                 break
-            chained = [_Segment(segments[m].request, segments[m].request.num_computed_tokens - 1 + j,
-                                [drafts[owners[m]][-1]], [(g[m:m + 1], -1)]) for m in active]
-            g_next, tokens = self._run(chained, samples=True)
-            g = g.clone()
-            for r, m in enumerate(active):
-                drafts[owners[m]].append(tokens[r])
-                g[m] = g_next[r]
+            active = [active[a] for a in still]
+            chained = [_Segment(items[n][0], items[n][0].num_computed_tokens - 1 + j, [0], []) for n in active]
+            hidden = g if len(still) == g.shape[0] else \
+                g.index_select(0, to_device(still, torch.int64, g.device))
+            g, tokens = self._run(chained, samples=True, fed_by=still, hidden=hidden)
+            drawn.append((active, tokens))
+        flat = torch.cat([tokens for _, tokens in drawn]).tolist()   # the chain's one read-back
+        at = 0
+        for who, _ in drawn:
+            for n in who:
+                drafts[n].append(flat[at])
+                at += 1
         return drafts
 
     # ---- one MTP step -------------------------------------------------------------------------------
-    def _run(self, segments: list[_Segment], samples: bool = False):
-        """Run the MTP layer over ``segments`` (writing their cache rows). With ``samples``: ``(g [N, H],
-        greedy tokens [N])`` of each segment's last row, in ``segments``' order."""
+    def _run(self, segments: list[_Segment], samples: bool = False, fed_by: list[int] | None = None,
+             hidden: torch.Tensor | None = None):
+        """Run the MTP layer over ``segments`` (writing their cache rows) on their hidden pieces, or on
+        ``hidden`` (rows sent with the run). With ``samples``: ``(g [N, H], greedy tokens [N] on the device)``
+        of each segment's last row, in ``segments``' order. ``fed_by``: :attr:`MTPRun.fed_by`."""
         pieces = [piece for seg in segments for piece in seg.hidden]
         run = MTPRun([MTPSegment(seg.start, seg.tokens, seg.request.block_ids) for seg in segments], samples,
-                     [(row, rows.shape[0]) for rows, row in pieces])
-        return self.layer.run(run, torch.cat([rows for rows, _ in pieces]))
+                     [(row, rows.shape[0]) for rows, row in pieces], fed_by)
+        return self.layer.run(run, hidden if hidden is not None else torch.cat([rows for rows, _ in pieces]))

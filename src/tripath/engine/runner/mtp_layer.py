@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tripath.attention import ForwardContext, select_backend
+from tripath.attention.step_ints import to_device
+from tripath.engine.runner.mtp_graphs import MTPGraphs, graphs_fit
 from tripath.engine.runner.step_inputs import StepInputBuilder
 from tripath.engine.runner.step_request import StepRequest
 from tripath.engine.scheduling.scheduler import ScheduledRequest
@@ -43,11 +45,14 @@ class MTPSegment:
 class MTPRun:
     """One run of the MTP layer over ``segments``; ``samples``: each segment's last row's greedy token too;
     ``pieces``: where the hidden states come from, piece after piece, ``(first row, rows)``: rows of the
-    launch just made from that row on, or ``-1`` for rows sent with the run (empty: all sent)."""
+    launch just made from that row on, or ``-1`` for rows sent with the run (empty: all sent); ``fed_by``: a
+    drafting chain's next run, whose segments are one row each fed the token the run before drew for its
+    segment ``fed_by[m]`` (on the device: ``tokens`` is a placeholder of one token)."""
 
     segments: list[MTPSegment]
     samples: bool = False
     pieces: list[tuple[int, int]] = field(default_factory=list)
+    fed_by: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -99,35 +104,72 @@ class MTPLayerRunner:
                                        config.max_num_seqs, runner.max_blocks_per_seq)
         self._calibrate = config.calculate_kv_scales   # fp8: the cache's scale from the first run's rows
         self.share = share
+        self.last_tokens: torch.Tensor | None = None   # the last drafting run's draws (segment order)
+        self.graphs: MTPGraphs | None = None
+        self._graph_sizes = config.cuda_graph_batch_sizes()
+        self._max_blocks, self._block_size, self._k = runner.max_blocks_per_seq, runner.block_size, most - 1
+        if graphs_fit(runner, share):
+            self.capture_graphs(runner.decode_graphs.pool)
+
+    def capture_graphs(self, pool=None) -> None:
+        """Capture the layer's drafting and observing graphs (:mod:`tripath.engine.runner.mtp_graphs`) in
+        ``pool`` (the target's graphs' pool)."""
+        self.graphs = MTPGraphs(self.model, self.backend, self.cache, self._graph_sizes, self._max_blocks,
+                                self._block_size, self._k, self.device, self.hidden_size, self.dtype)
+        self.graphs.capture(pool)
 
     @torch.inference_mode()
     def run(self, run: MTPRun, hidden: torch.Tensor):
         """Run the layer over ``run``'s rows with ``hidden [run.num_rows, H]`` (segment after segment), writing
-        their cache rows. With ``run.samples``: ``(g [S, H], greedy tokens [S])`` of each segment's last row,
-        in segment order; else None."""
+        their cache rows. With ``run.samples``: ``(g [S, H], greedy tokens [S] on the device)`` of each
+        segment's last row, in segment order (the tokens are kept for the next run's ``fed_by``); else None."""
         if self.share is not None:
             self.share(run, hidden)
-        segments = run.segments
-        scheduled = [ScheduledRequest(StepRequest(seg.start + len(seg.tokens), seg.block_ids, seg.start, seg.tokens),
-                                      len(seg.tokens), seg.start, run.samples) for seg in segments]
-        plan = self.backend.plan([len(seg.tokens) for seg in segments], [seg.start for seg in segments])
-        inputs = self.inputs.build(plan, scheduled, 0, ints=self.backend.step_ints(plan))
+        segments, fed = run.segments, run.fed_by
+        graphs, bs = self.graphs, None
+        if graphs is not None and not self._calibrate:
+            bs = graphs.draft_size(segments) if run.samples else graphs.rows_size(segments)
+        pad = bs - len(segments) if bs is not None and run.samples else 0   # drafting graphs take whole batches
+        steps = [StepRequest(seg.start + (0 if fed is not None else len(seg.tokens)), seg.block_ids, seg.start,
+                             seg.tokens) for seg in segments]   # fed: the token is the last run's draw
+        scheduled = [ScheduledRequest(step, len(seg.tokens), seg.start, run.samples)
+                     for step, seg in zip(steps, segments)]
+        plan = self.backend.plan([len(seg.tokens) for seg in segments] + [1] * pad,
+                                 [seg.start for seg in segments] + [1] * pad)
+        inflight = None if fed is None else {id(step): source for step, source in zip(steps, fed)}
+        inputs = self.inputs.build(plan, scheduled, pad, inflight, ints=self.backend.step_ints(plan))
+        if inputs.deferred is not None:
+            rows, sources = inputs.deferred
+            inputs.input_ids.index_copy_(0, rows, self.last_tokens.index_select(0, sources))
         bounds = [0]
         for seg in segments:
             bounds.append(bounds[-1] + len(seg.tokens))
-        hidden = torch.cat([hidden[bounds[i]:bounds[i + 1]] for i in plan.order])
-        ctx = ForwardContext(self.backend, inputs.metadata(self.backend), [self.cache],
-                             calibrate_kv_scales=self._calibrate)
-        self._calibrate = False
-        g = self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, ctx)
-        if not run.samples:
+        order = [i for i in plan.order if i < len(segments)]
+        hidden = hidden if order == list(range(len(segments))) else \
+            torch.cat([hidden[bounds[i]:bounds[i + 1]] for i in order])
+        if bs is not None and not run.samples:
+            graphs.replay_rows(bs, inputs, hidden)
             return None
-        last = g.index_select(0, inputs.logit_indices)   # row r: segments[inputs.sample_rows[r]]
-        order = torch.empty(len(segments), dtype=torch.int64)
-        order[torch.tensor(inputs.sample_rows, dtype=torch.int64)] = torch.arange(len(segments))
-        last = last.index_select(0, order.to(last.device))
-        tokens = self.model.mtp_logits(last, upcast=False).argmax(dim=-1).tolist()
-        return last, tokens
+        if bs is not None:
+            g, tokens = graphs.replay_draft(bs, inputs, hidden)   # row r: segments[order[r]]
+            rows = [0] * len(segments)
+            for r, i in enumerate(order):
+                rows[i] = r
+        else:
+            ctx = ForwardContext(self.backend, inputs.metadata(self.backend), [self.cache],
+                                 calibrate_kv_scales=self._calibrate)
+            self._calibrate = False
+            g = self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, ctx)
+            if not run.samples:
+                return None
+            g = g.index_select(0, inputs.logit_indices)   # row r: segments[inputs.sample_rows[r]]
+            tokens = self.model.mtp_logits(g, upcast=False).argmax(dim=-1)
+            rows = [0] * len(segments)
+            for r, i in enumerate(inputs.sample_rows):
+                rows[i] = r
+        index = to_device(rows, torch.int64, self.device)
+        self.last_tokens = tokens.index_select(0, index)
+        return g.index_select(0, index), self.last_tokens
 
     def run_shared(self, run: MTPRun, launch: LaunchHidden):
         """A worker's side of :meth:`run`: the rows rank 0 sends (broadcast) beside those of ``launch``'s

@@ -79,9 +79,11 @@ class VerifyGraphs:
         return all(0 < s.num_computed_tokens <= span and s.num_new_tokens == 1 + len(s.draft_token_ids)
                    and s.num_new_tokens <= self.query_len for s in scheduled)
 
-    def replay(self, bs: int, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def replay(self, bs: int, inputs: StepInputs, row_inputs=()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replay size ``bs`` on the step ``inputs`` (unpadded, plan order): ``(hidden [T, H], hidden before
-        the final norm [T, H] or None)`` of the step's own tokens, in its rows."""
+        the final norm [T, H] or None)`` of the step's own tokens, in its rows. ``row_inputs``: ``(static
+        [rows, ...], values [T, ...])`` pairs of further inputs the captured forward reads by row (the MTP
+        layer's hidden states): each token's values go to its row, as its id does."""
         plan, q = inputs.plan, self.query_len
         n = plan.num_requests
         rows = [p * q + t for p, ql in enumerate(plan.query_lens) for t in range(ql)]
@@ -93,6 +95,8 @@ class VerifyGraphs:
         positions.index_copy_(0, index, inputs.positions)
         slots.fill_(-1)
         slots.index_copy_(0, index, inputs.slot_mapping)
+        for static, values in row_inputs:
+            static.index_copy_(0, index, values)
         width = min(self.max_blocks, max(inputs.block_table.shape[1],
                                          blocks_needed(max(plan.context_lens) + q, self.block_size)))
         table = torch.zeros(bs, width, dtype=torch.int32, device=self.device)
