@@ -151,7 +151,7 @@ class MTPProposer:
             state.done, state.tentative = (s, list(item.draft_token_ids)) if verify else (end, [])
         if segments:
             self._run(segments)
-        kept = prenorm.index_select(0, torch.tensor(kept_rows, dtype=torch.int64).to(prenorm.device)) \
+        kept = prenorm.index_select(0, to_device(kept_rows, torch.int64, prenorm.device)) \
             if kept_rows else None
         at = 0
         for state, first, count in keep:

@@ -62,8 +62,9 @@ def accept_drafts(logits: torch.Tensor, drafts: Sequence[Sequence[int]], params:
         outcome[rows], kept[rows] = _sample_rows(logits.index_select(0, rows), drafted.index_select(0, rows),
                                                  [counts[b] for b in sampled], [params[b] for b in sampled],
                                                  [generators[b] for b in sampled])
-    column = torch.cat([torch.arange(c, device=device) for c in counts])
-    request = torch.repeat_interleave(torch.arange(num, device=device), to_device(counts, torch.int64, device))
+    # each row's column and request (pinned copies: nothing here waits for the device)
+    column = to_device([c for count in counts for c in range(count)], torch.int64, device)
+    request = to_device([b for b, count in enumerate(counts) for _ in range(count)], torch.int64, device)
     grid = torch.full((num, width), -1, dtype=torch.int64, device=device)
     grid[request, column] = outcome
     kept_grid = torch.zeros(num, width, dtype=torch.int32, device=device)
