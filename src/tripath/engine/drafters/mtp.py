@@ -178,18 +178,12 @@ class MTPProposer:
             state.done, state.hidden = s, None
         if not segments:
             return drafts
-        g, tokens = self._run(segments, samples=True)
-        drawn, active = [(list(owners), tokens)], list(owners)   # per depth: who drew, and their tokens
-        for j in range(1, max(k for _, k in items)):   # draft j + 1 from draft j and the MTP's own g
-            still = [a for a, n in enumerate(active) if items[n][1] > j]   # positions in the run before
-            if not still:
-                break
-            active = [active[a] for a in still]
-            chained = [_Segment(items[n][0], items[n][0].num_computed_tokens - 1 + j, [0], []) for n in active]
-            hidden = g if len(still) == g.shape[0] else \
-                g.index_select(0, to_device(still, torch.int64, g.device))
-            g, tokens = self._run(chained, samples=True, fed_by=still, hidden=hidden)
-            drawn.append((active, tokens))
+        ks = {items[n][1] for n in owners}
+        if len(ks) == 1:   # one draft length: the whole chain as one run (one graph replayed k times)
+            _, tokens = self._run(segments, samples=True, steps=ks.pop())
+            drawn = [(list(owners), tokens[:, j]) for j in range(tokens.shape[1])]
+        else:
+            drawn = self._chain(segments, owners, items)
         flat = torch.cat([tokens for _, tokens in drawn]).tolist()   # the chain's one read-back
         at = 0
         for who, _ in drawn:
@@ -198,13 +192,30 @@ class MTPProposer:
                 at += 1
         return drafts
 
+    def _chain(self, segments: list[_Segment], owners: list[int], items) -> list[tuple[list[int], torch.Tensor]]:
+        """Drafts of several lengths: one run per depth over the requests still drafting there. Returns, per
+        depth, the items drawing and their tokens (device)."""
+        g, tokens = self._run(segments, samples=True)
+        drawn, active = [(list(owners), tokens[:, 0])], list(owners)
+        for j in range(1, max(k for _, k in items)):   # draft j + 1 from draft j and the MTP's own g
+            still = [a for a, n in enumerate(active) if items[n][1] > j]   # positions in the run before
+            if not still:
+                break
+            active = [active[a] for a in still]
+            chained = [_Segment(items[n][0], items[n][0].num_computed_tokens - 1 + j, [0], []) for n in active]
+            hidden = g if len(still) == g.shape[0] else g.index_select(0, to_device(still, torch.int64, g.device))
+            g, tokens = self._run(chained, samples=True, fed_by=still, hidden=hidden)
+            drawn.append((active, tokens[:, 0]))
+        return drawn
+
     # ---- one MTP step -------------------------------------------------------------------------------
     def _run(self, segments: list[_Segment], samples: bool = False, fed_by: list[int] | None = None,
-             hidden: torch.Tensor | None = None):
+             hidden: torch.Tensor | None = None, steps: int = 1):
         """Run the MTP layer over ``segments`` (writing their cache rows) on their hidden pieces, or on
-        ``hidden`` (rows sent with the run). With ``samples``: ``(g [N, H], greedy tokens [N] on the device)``
-        of each segment's last row, in ``segments``' order. ``fed_by``: :attr:`MTPRun.fed_by`."""
+        ``hidden`` (rows sent with the run). With ``samples``: ``(g [N, H], greedy tokens [N, steps] on the
+        device)`` of each segment's last row, in ``segments``' order. ``fed_by`` / ``steps``:
+        :attr:`MTPRun.fed_by` / :attr:`MTPRun.steps`."""
         pieces = [piece for seg in segments for piece in seg.hidden]
         run = MTPRun([MTPSegment(seg.start, seg.tokens, seg.request.block_ids) for seg in segments], samples,
-                     [(row, rows.shape[0]) for rows, row in pieces], fed_by)
+                     [(row, rows.shape[0]) for rows, row in pieces], fed_by, steps)
         return self.layer.run(run, hidden if hidden is not None else torch.cat([rows for rows, _ in pieces]))

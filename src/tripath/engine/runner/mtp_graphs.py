@@ -57,7 +57,7 @@ class MTPGraphs:
 
     def __init__(self, model, backend, cache, sizes: list[int], max_blocks_per_seq: int, block_size: int, k: int,
                  device: torch.device, hidden_size: int, dtype: torch.dtype):
-        self.k = k
+        self.k, self.block_size = k, block_size
         self.hidden = torch.zeros(max(sizes) * k, hidden_size, dtype=dtype, device=device)
         self.draft = DecodeGraphs(MTPStep(model, self.hidden, True), backend, [cache], sizes, max_blocks_per_seq,
                                   device)
@@ -83,11 +83,25 @@ class MTPGraphs:
             return self.rows.batch_size(len(segments))
         return None
 
-    def replay_draft(self, bs: int, inputs, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay_draft(self, bs: int, inputs, hidden: torch.Tensor, steps: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay drafting size ``bs`` on ``inputs`` (padded to ``bs`` rows, plan order) with ``hidden [n, H]``
-        (plan order): ``(g [bs, H], tokens [bs])`` in the graph's rows."""
-        self.hidden[:hidden.shape[0]].copy_(hidden)
-        return self.draft.replay(bs, inputs)
+        (plan order), ``steps`` times: each replay after the first is fed the draws and ``g`` of the one
+        before, its metadata moved on a position on the device
+        (:meth:`~tripath.attention.metadata.AttentionMetadata.advance_decodes_`). ``(g [bs, H] of the last
+        replay, tokens [bs, steps])`` in the graph's rows."""
+        graph, meta, (g, tokens) = self.draft.load(bs, inputs)
+        n = hidden.shape[0]
+        self.hidden[:n].copy_(hidden)
+        drawn = torch.empty(bs, steps, dtype=torch.int64, device=self.hidden.device)
+        for step in range(steps):
+            if step:
+                self.draft.input_ids[:n].copy_(tokens[:n])
+                self.hidden[:n].copy_(g[:n])
+                meta.advance_decodes_(self.draft.positions[:n], self.block_size)
+            graph.replay()
+            drawn[:, step] = tokens
+        return g, drawn
 
     def replay_rows(self, bs: int, inputs, hidden: torch.Tensor) -> torch.Tensor:
         """Replay observing size ``bs`` on ``inputs`` (unpadded, plan order) with ``hidden [T, H]`` (plan

@@ -18,7 +18,7 @@ meeting the others in the layer's all-reduces and the LM head's gather; the work
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -47,12 +47,15 @@ class MTPRun:
     ``pieces``: where the hidden states come from, piece after piece, ``(first row, rows)``: rows of the
     launch just made from that row on, or ``-1`` for rows sent with the run (empty: all sent); ``fed_by``: a
     drafting chain's next run, whose segments are one row each fed the token the run before drew for its
-    segment ``fed_by[m]`` (on the device: ``tokens`` is a placeholder of one token)."""
+    segment ``fed_by[m]`` (on the device: ``tokens`` is a placeholder of one token); ``steps``: a drafting
+    run of one-row segments made that many times, each time a position on, fed the draws and ``g`` of the
+    time before (a whole draft chain)."""
 
     segments: list[MTPSegment]
     samples: bool = False
     pieces: list[tuple[int, int]] = field(default_factory=list)
     fed_by: list[int] | None = None
+    steps: int = 1
 
     @property
     def num_rows(self) -> int:
@@ -121,14 +124,26 @@ class MTPLayerRunner:
     @torch.inference_mode()
     def run(self, run: MTPRun, hidden: torch.Tensor):
         """Run the layer over ``run``'s rows with ``hidden [run.num_rows, H]`` (segment after segment), writing
-        their cache rows. With ``run.samples``: ``(g [S, H], greedy tokens [S] on the device)`` of each
-        segment's last row, in segment order (the tokens are kept for the next run's ``fed_by``); else None."""
+        their cache rows. With ``run.samples``: ``(g [S, H], greedy tokens [S, run.steps] on the device)`` of
+        each segment's last row (the last step's ``g``), in segment order (the last step's tokens are kept
+        for the next run's ``fed_by``); else None."""
         if self.share is not None:
             self.share(run, hidden)
+        return self._run(run, hidden)
+
+    def _run(self, run: MTPRun, hidden: torch.Tensor):
         segments, fed = run.segments, run.fed_by
         graphs, bs = self.graphs, None
         if graphs is not None and not self._calibrate:
             bs = graphs.draft_size(segments) if run.samples else graphs.rows_size(segments)
+        if run.steps > 1 and bs is None:   # the chain run by run, each fed the draws of the one before
+            g, tokens = self._run(replace(run, steps=1), hidden)
+            drawn = [tokens]
+            for step in range(1, run.steps):
+                chained = [MTPSegment(seg.start + len(seg.tokens) - 1 + step, [0], seg.block_ids) for seg in segments]
+                g, tokens = self._run(MTPRun(chained, True, [], list(range(len(segments)))), g)
+                drawn.append(tokens)
+            return g, torch.cat(drawn, dim=1)
         pad = bs - len(segments) if bs is not None and run.samples else 0   # drafting graphs take whole batches
         steps = [StepRequest(seg.start + (0 if fed is not None else len(seg.tokens)), seg.block_ids, seg.start,
                              seg.tokens) for seg in segments]   # fed: the token is the last run's draw
@@ -151,7 +166,7 @@ class MTPLayerRunner:
             graphs.replay_rows(bs, inputs, hidden)
             return None
         if bs is not None:
-            g, tokens = graphs.replay_draft(bs, inputs, hidden)   # row r: segments[order[r]]
+            g, tokens = graphs.replay_draft(bs, inputs, hidden, run.steps)   # row r: segments[order[r]]
             rows = [0] * len(segments)
             for r, i in enumerate(order):
                 rows[i] = r
@@ -163,13 +178,14 @@ class MTPLayerRunner:
             if not run.samples:
                 return None
             g = g.index_select(0, inputs.logit_indices)   # row r: segments[inputs.sample_rows[r]]
-            tokens = self.model.mtp_logits(g, upcast=False).argmax(dim=-1)
+            tokens = self.model.mtp_logits(g, upcast=False).argmax(dim=-1, keepdim=True)
             rows = [0] * len(segments)
             for r, i in enumerate(inputs.sample_rows):
                 rows[i] = r
         index = to_device(rows, torch.int64, self.device)
-        self.last_tokens = tokens.index_select(0, index)
-        return g.index_select(0, index), self.last_tokens
+        tokens = tokens.index_select(0, index)
+        self.last_tokens = tokens[:, -1]
+        return g.index_select(0, index), tokens
 
     def run_shared(self, run: MTPRun, launch: LaunchHidden):
         """A worker's side of :meth:`run`: the rows rank 0 sends (broadcast) beside those of ``launch``'s
