@@ -378,18 +378,30 @@ def emulate_decode_graphs(monkeypatch, model) -> list:
     return replays
 
 
-def test_decode_graph_steps_hand_their_hidden_states_on(monkeypatch):
-    """Steps of decodes alone replay the decode graphs (mla_triton, in the interpreter), whose own tensors hold
-    the hidden states before the final norm: the MTP rows are still right, the outputs the target's."""
+def graph_case(monkeypatch):
+    """A steered model, three short prompts and the torch backend's greedy outputs of them; emulated graphs
+    and the interpreter from here on. Returns ``(model, batch, params, want, replays)``."""
     model = follower(0.6)
     batch = [p[:6] for p in prompts(model.config.vocab_size)[:3]]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     want = outputs(LLM(model, backend="torch", num_kv_blocks=64, block_size=4), batch, params)
     replays = emulate_decode_graphs(monkeypatch, model)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    llm = LLM(model, backend="mla_triton", num_kv_blocks=64, block_size=4, max_num_seqs=4,
-              speculative_config=MTP)
+    return model, batch, params, want, replays
+
+
+def mla_triton_with_graphs(model):
+    """An mla_triton engine drafting with the MTP layer, the target's decode graphs captured."""
+    llm = LLM(model, backend="mla_triton", num_kv_blocks=64, block_size=4, max_num_seqs=4, speculative_config=MTP)
     llm.runner.capture_decode_graphs()
+    return llm
+
+
+def test_decode_graph_steps_hand_their_hidden_states_on(monkeypatch):
+    """Steps of decodes alone replay the decode graphs (mla_triton, in the interpreter), whose own tensors hold
+    the hidden states before the final norm: the MTP rows are still right, the outputs the target's."""
+    model, batch, params, want, replays = graph_case(monkeypatch)
+    llm = mla_triton_with_graphs(model)
     no_drafts_every_third_step(llm.scheduler)
     seen = record_mtp_rows(llm)
     replays[0] = 0
@@ -403,17 +415,10 @@ def test_the_mtp_layers_graphs_draft_what_its_eager_runs_draft(monkeypatch):
     """The MTP layer's own graphs (drafting one row a request with the draw inside, observing a verify's
     rows; emulated replays, mla_triton in the interpreter): they replay, every draft is the eager layer's
     (the same tokens kept), the MTP rows right, the outputs the target's."""
-    model = follower(0.6)
-    batch = [p[:6] for p in prompts(model.config.vocab_size)[:3]]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    want = outputs(LLM(model, backend="torch", num_kv_blocks=64, block_size=4), batch, params)
-    replays = emulate_decode_graphs(monkeypatch, model)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model, batch, params, want, replays = graph_case(monkeypatch)
     results = []
     for graphs in (False, True):
-        llm = LLM(model, backend="mla_triton", num_kv_blocks=64, block_size=4, max_num_seqs=4,
-                  speculative_config=MTP)
-        llm.runner.capture_decode_graphs()
+        llm = mla_triton_with_graphs(model)
         layer = llm.scheduler.proposer.layer
         if graphs:
             layer.capture_graphs()
