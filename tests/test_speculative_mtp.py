@@ -390,9 +390,10 @@ def graph_case(monkeypatch):
     return model, batch, params, want, replays
 
 
-def mla_triton_with_graphs(model):
+def mla_triton_with_graphs(model, **options):
     """An mla_triton engine drafting with the MTP layer, the target's decode graphs captured."""
-    llm = LLM(model, backend="mla_triton", num_kv_blocks=64, block_size=4, max_num_seqs=4, speculative_config=MTP)
+    llm = LLM(model, backend="mla_triton", num_kv_blocks=64, block_size=4, max_num_seqs=4, speculative_config=MTP,
+              **options)
     llm.runner.capture_decode_graphs()
     return llm
 
@@ -411,14 +412,16 @@ def test_decode_graph_steps_hand_their_hidden_states_on(monkeypatch):
     check_mtp_rows(model, seen)
 
 
-def test_the_mtp_layers_graphs_draft_what_its_eager_runs_draft(monkeypatch):
-    """The MTP layer's own graphs (drafting one row a request with the draw inside, observing a verify's
-    rows; emulated replays, mla_triton in the interpreter): they replay, every draft is the eager layer's
-    (the same tokens kept), the MTP rows right, the outputs the target's."""
+@pytest.mark.parametrize("fused_sampling", ["off", "on"])
+def test_the_mtp_layers_graphs_draft_what_its_eager_runs_draft(monkeypatch, fused_sampling):
+    """The MTP layer's own graphs (drafting one row a request with the draw inside — from the logits, or
+    without them as the target's fused sampling does —, observing a verify's rows; emulated replays,
+    mla_triton in the interpreter): they replay, every draft is the eager layer's (the same tokens kept), the
+    MTP rows right, the outputs the target's."""
     model, batch, params, want, replays = graph_case(monkeypatch)
     results = []
     for graphs in (False, True):
-        llm = mla_triton_with_graphs(model)
+        llm = mla_triton_with_graphs(model, fused_sampling=fused_sampling if graphs else "off")
         layer = llm.scheduler.proposer.layer
         if graphs:
             layer.capture_graphs()

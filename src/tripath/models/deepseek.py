@@ -111,3 +111,10 @@ class DeepseekForCausalLM(CausalLM):
         """``[N, vocab]`` logits of the token after next from the MTP's ``g [N, H]``: this model's LM head after
         the MTP's ``shared_head.norm``."""
         return self.compute_logits(self.mtp.layer.shared_head.norm(g), upcast=upcast)
+
+    def mtp_greedy(self, g: torch.Tensor, *, fused: bool = False) -> torch.Tensor:
+        """``[N]`` greedy tokens of :meth:`mtp_logits`: their argmax, or with ``fused`` drawn by the LM head
+        without writing the logits (:meth:`sample_tokens`; a near tie may resolve the other way)."""
+        if fused:
+            return self.sample_tokens(self.mtp.layer.shared_head.norm(g)).tokens
+        return self.mtp_logits(g, upcast=False).argmax(dim=-1)

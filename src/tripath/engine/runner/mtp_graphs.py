@@ -30,16 +30,20 @@ from tripath.engine.runner.verify_graphs import VerifyGraphs
 
 class MTPStep:
     """The MTP layer over a graph's rows, as the graphs call a model: ``(input_ids [T], positions [T], ctx)``
-    with the rows' hidden states ``hidden[:T]`` -> ``g [T, H]``; with ``draws``, ``(g, greedy tokens [T])``."""
+    with the rows' hidden states ``hidden[:T]`` -> ``g [T, H]``; with ``draws``, ``(g, greedy tokens [T])``,
+    drawn without logits where ``fused(T)`` says so (the target's start-time choice for that many rows,
+    :mod:`tripath.engine.sampling.fused_sampling`: the same LM head)."""
 
-    def __init__(self, model, hidden: torch.Tensor, draws: bool):
+    def __init__(self, model, hidden: torch.Tensor, draws: bool, fused=None):
         self.model, self.hidden, self.draws = model, hidden, draws
+        self.fused = fused or (lambda rows: False)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx):
-        g = self.model.mtp_forward(input_ids, positions, self.hidden[:input_ids.shape[0]], ctx)
+        rows = input_ids.shape[0]
+        g = self.model.mtp_forward(input_ids, positions, self.hidden[:rows], ctx)
         if not self.draws:
             return g
-        return g, self.model.mtp_logits(g, upcast=False).argmax(dim=-1)
+        return g, self.model.mtp_greedy(g, fused=self.fused(rows))
 
 
 def graphs_fit(runner, share) -> bool:
@@ -53,13 +57,13 @@ def graphs_fit(runner, share) -> bool:
 class MTPGraphs:
     """The drafting and observing graphs of one MTP layer (module doc). ``model``: the target with its
     ``mtp``; ``cache``: the layer's KV cache; ``k``: the drafted tokens a verify carries (the rows an observed
-    verify adds per request)."""
+    verify adds per request); ``fused(rows)``: whether a drafting graph of that many rows draws without logits."""
 
     def __init__(self, model, backend, cache, sizes: list[int], max_blocks_per_seq: int, block_size: int, k: int,
-                 device: torch.device, hidden_size: int, dtype: torch.dtype):
+                 device: torch.device, hidden_size: int, dtype: torch.dtype, fused=None):
         self.k, self.block_size = k, block_size
         self.hidden = torch.zeros(max(sizes) * k, hidden_size, dtype=dtype, device=device)
-        self.draft = DecodeGraphs(MTPStep(model, self.hidden, True), backend, [cache], sizes, max_blocks_per_seq,
+        self.draft = DecodeGraphs(MTPStep(model, self.hidden, True, fused), backend, [cache], sizes, max_blocks_per_seq,
                                   device)
         self.rows = VerifyGraphs(MTPStep(model, self.hidden, False), backend, [cache], sizes, max_blocks_per_seq,
                                  block_size, k, device)

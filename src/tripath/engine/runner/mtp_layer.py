@@ -18,6 +18,7 @@ meeting the others in the layer's all-reduces and the LM head's gather; the work
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -92,6 +93,13 @@ def mtp_cache_bytes(model, config):
     return bytes_per_block
 
 
+def _draws_fused(runner, rows: int) -> bool:
+    """Whether the target draws ``rows`` greedy rows without logits (its start's choice; the MTP layer drafts
+    with the same LM head)."""
+    choice = getattr(runner, "fused_sampling", None)
+    return choice is not None and choice.use(rows, sampled=False)
+
+
 class MTPLayerRunner:
     """The MTP layer of ``model`` (loaded with ``mtp=True``; a rank's shard under tensor parallelism) on a cache
     of ``runner.num_blocks`` blocks (``runner``: the rank's :class:`~tripath.engine.runner.model_runner.ModelRunner`,
@@ -111,6 +119,7 @@ class MTPLayerRunner:
         self.graphs: MTPGraphs | None = None
         self._graph_sizes = config.cuda_graph_batch_sizes()
         self._max_blocks, self._block_size, self._k = runner.max_blocks_per_seq, runner.block_size, most - 1
+        self._fused = functools.partial(_draws_fused, runner)
         if graphs_fit(runner, share):
             self.capture_graphs(runner.decode_graphs.pool)
 
@@ -118,7 +127,7 @@ class MTPLayerRunner:
         """Capture the layer's drafting and observing graphs (:mod:`tripath.engine.runner.mtp_graphs`) in
         ``pool`` (the target's graphs' pool)."""
         self.graphs = MTPGraphs(self.model, self.backend, self.cache, self._graph_sizes, self._max_blocks,
-                                self._block_size, self._k, self.device, self.hidden_size, self.dtype)
+                                self._block_size, self._k, self.device, self.hidden_size, self.dtype, self._fused)
         self.graphs.capture(pool)
 
     @torch.inference_mode()
@@ -178,7 +187,7 @@ class MTPLayerRunner:
             if not run.samples:
                 return None
             g = g.index_select(0, inputs.logit_indices)   # row r: segments[inputs.sample_rows[r]]
-            tokens = self.model.mtp_logits(g, upcast=False).argmax(dim=-1, keepdim=True)
+            tokens = self.model.mtp_greedy(g)[:, None]
             rows = [0] * len(segments)
             for r, i in enumerate(inputs.sample_rows):
                 rows[i] = r
