@@ -225,11 +225,13 @@ class _Request:   # what DraftLengths keys on: any object a weak reference can h
 
 def test_draft_lengths_follow_each_requests_acceptance():
     """A new request drafts k; rejected drafts shorten its length to the largest j with a^j >= θ, down to none,
-    with a probe of one draft every PROBE_EVERY steps; kept drafts bring it back. Requests are apart."""
+    with a probe of one draft every PROBE_EVERY steps; kept drafts bring it back. Requests seen are apart:
+    another's verifies do not move their estimates."""
     from tripath.engine.speculative.draft_length import PROBE_EVERY, DraftLengths
 
     lengths, request, other = DraftLengths(0.3), _Request(), _Request()
     assert lengths.length(request, 4) == 4 and lengths.length(request, 2) == 2 and lengths.length(request, 0) == 0
+    assert lengths.length(other, 4) == 4
     seen = []
     for _ in range(6):
         lengths.observe(request, 4, 0)
@@ -245,6 +247,25 @@ def test_draft_lengths_follow_each_requests_acceptance():
     assert lengths.length(request, 4) == 4 and lengths.length(other, 4) == 4
     with pytest.raises(ValueError, match=r"acceptance_threshold must be in \(0, 1\)"):
         DraftLengths(0.0)
+
+
+def test_a_new_request_starts_from_the_engines_recent_acceptance():
+    """Before any verify a new request drafts k; after many rejected verifies (of other requests) a new one
+    drafts nothing until its first probe, PROBE_EVERY steps on, and the steps before it are known ahead; after
+    many kept ones a new request drafts k again."""
+    from tripath.engine.speculative.draft_length import PROBE_EVERY, DraftLengths
+
+    lengths = DraftLengths(0.3)
+    assert lengths.length(_Request(), 4) == 4
+    for _ in range(40):
+        lengths.observe(_Request(), 4, 0)
+    late = _Request()
+    assert lengths.acceptance(late) < 0.3 and lengths.steps_without_draft(late, 64) == PROBE_EVERY - 1
+    calls = [lengths.length(late, 4) for _ in range(PROBE_EVERY)]
+    assert calls == [0] * (PROBE_EVERY - 1) + [1]
+    for _ in range(200):
+        lengths.observe(_Request(), 4, 4)
+    assert lengths.length(_Request(), 4) == 4
 
 
 def oracle_engine(model, prompts, want, p: float, **spec) -> LLM:
@@ -273,6 +294,25 @@ def test_an_acceptance_threshold_stops_drafting_what_is_rejected(pure_torch):
             assert stats.spec_num_accepted_tokens == (stats.spec_num_draft_tokens if p else 0)
     assert drafted[0.0, 0.4] < 0.3 * drafted[0.0, 0.0]
     assert drafted[1.0, 0.4] == drafted[1.0, 0.0] > 0
+
+
+def test_requests_that_draft_nothing_still_probe_and_new_ones_start_there(pure_torch):
+    """Every draft wrong, ``acceptance_threshold`` 0.4, steps overlapping (a decode's token in flight when it is
+    scheduled): each request still probes, its steps without drafts counting toward the probe; a second pass
+    on the same engine starts its new requests from the engine's acceptance, so all it drafts are one-token
+    probes. Greedy outputs are those without speculation."""
+    model, prompts = preset("tiny-llama"), repetitive_prompts()
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = outputs(LLM(model, backend="torch", num_kv_blocks=128, block_size=4), prompts, params)
+    llm = oracle_engine(model, prompts, want, 0.0, acceptance_threshold=0.4)
+    assert llm.overlap
+    assert outputs(llm, prompts, params) == want
+    first = llm.stats()
+    assert outputs(llm, prompts, params) == want
+    second = llm.stats()
+    probes = second.spec_num_drafts - first.spec_num_drafts
+    assert probes >= len(prompts) and second.spec_num_draft_tokens - first.spec_num_draft_tokens == probes
+    assert second.spec_num_accepted_tokens == 0
 
 
 def test_no_drafts_while_more_requests_run_than_disable_by_batch_size(pure_torch):

@@ -314,9 +314,10 @@ class Scheduler:
         ``acceptance_threshold``, as many as its acceptance pays for
         (:mod:`tripath.engine.speculative.draft_length`)."""
         params, speculation = request.sampling_params, self.speculation
-        if request.num_inflight_tokens:
-            return 0
-        if speculation.disable_by_batch_size is not None and len(self.running) > speculation.disable_by_batch_size:
+        if request.num_inflight_tokens or (speculation.disable_by_batch_size is not None
+                                           and len(self.running) > speculation.disable_by_batch_size):
+            if self.draft_lengths is not None:   # a step without drafts counts toward its next probe
+                self.draft_lengths.skip(request, 1)
             return 0
         room = params.max_tokens - request.num_output_tokens - 1   # the verify step yields up to 1 + drafts
         room = max(0, min(speculation.num_speculative_tokens, room))
