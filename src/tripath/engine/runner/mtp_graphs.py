@@ -7,7 +7,9 @@ batch size (``config.cuda_graph_batch_sizes()``), in the target's graph memory p
 
 - **drafting** (:attr:`MTPGraphs.draft`): one row per request (a decode of the MTP layer's own cache), with
   the greedy token of every row drawn inside the graph — the layer, its ``shared_head.norm``, the target's
-  LM head and the argmax. A :class:`~tripath.engine.runner.decode_graphs.DecodeGraphs` of query length 1;
+  LM head and the argmax (or the draw without logits, where the target's fused sampling is chosen for that
+  many rows). A :class:`~tripath.engine.runner.decode_graphs.DecodeGraphs` of query length 1, replayed once
+  per draft of a chain;
 - **observing a verify** (:attr:`MTPGraphs.rows`): up to ``k`` rows per request (a verify's tokens with its
   drafts as their next tokens), no draws. A :class:`~tripath.engine.runner.verify_graphs.VerifyGraphs` of
   query length ``k``, whose padding rows write nothing.
