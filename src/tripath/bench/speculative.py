@@ -26,7 +26,8 @@ For each ``--batch-sizes`` entry ``B``, ``B`` greedy requests of ``--input-len``
    reference. That share falls below 1.0 where another acceptance changes a step's shapes enough to break a
    near-tie the other way (adaptive draft lengths, large batches); from the first such token on, the request's
    drafts are wrong, so the measured acceptance, not ``p``, is what the row ran at.
-   ``--acceptance-threshold`` turns on adaptive draft lengths (:mod:`tripath.engine.speculative.draft_length`).
+   ``--acceptance-threshold`` turns on adaptive draft lengths (:mod:`tripath.engine.speculative.draft_length`),
+   learned afresh for each row (its unmeasured run first, then the measured one).
 
 Both engines run without prefix caching: a prompt computed again from cached blocks would take other
 kernels than its prefill (an extend of its last tokens), another source of near-ties broken the other way.
@@ -112,6 +113,7 @@ def _free_device() -> None:
 
 
 def run(args) -> list[dict]:
+    from tripath.engine.speculative.draft_length import DraftLengths
     from tripath.engine.speculative.oracle import OracleProposer, SteeredProposer
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -133,6 +135,8 @@ def run(args) -> list[dict]:
     def propose(b: int, record: list[list[int]], p: float) -> None:
         oracle = OracleProposer({tuple(x): y for x, y in zip(prompts[b], record)}, p, vocab, args.seed)
         llm.scheduler.proposer = SteeredProposer(drafter, oracle) if args.method == "mtp" else oracle
+        if llm.scheduler.draft_lengths is not None:   # each row learns its own acceptance from the first prior
+            llm.scheduler.draft_lengths = DraftLengths(args.acceptance_threshold)
 
     rows = []
     for b in batch_sizes:
