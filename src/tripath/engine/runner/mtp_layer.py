@@ -175,10 +175,8 @@ class MTPLayerRunner:
             graphs.replay_rows(bs, inputs, hidden)
             return None
         if bs is not None:
-            g, tokens = graphs.replay_draft(bs, inputs, hidden, run.steps)   # row r: segments[order[r]]
-            rows = [0] * len(segments)
-            for r, i in enumerate(order):
-                rows[i] = r
+            g, tokens = graphs.replay_draft(bs, inputs, hidden, run.steps)
+            owners = order   # row r: segments[order[r]]
         else:
             ctx = ForwardContext(self.backend, inputs.metadata(self.backend), [self.cache],
                                  calibrate_kv_scales=self._calibrate)
@@ -186,11 +184,12 @@ class MTPLayerRunner:
             g = self.model.mtp_forward(inputs.input_ids, inputs.positions, hidden, ctx)
             if not run.samples:
                 return None
-            g = g.index_select(0, inputs.logit_indices)   # row r: segments[inputs.sample_rows[r]]
+            g = g.index_select(0, inputs.logit_indices)
             tokens = self.model.mtp_greedy(g)[:, None]
-            rows = [0] * len(segments)
-            for r, i in enumerate(inputs.sample_rows):
-                rows[i] = r
+            owners = inputs.sample_rows   # row r: segments[sample_rows[r]]
+        rows = [0] * len(segments)   # each segment's row
+        for r, i in enumerate(owners):
+            rows[i] = r
         index = to_device(rows, torch.int64, self.device)
         tokens = tokens.index_select(0, index)
         self.last_tokens = tokens[:, -1]
