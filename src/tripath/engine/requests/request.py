@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from tripath.engine.requests.sampling_params import SamplingParams, token_ids_of
@@ -68,6 +69,7 @@ class Request:
     cumulative_logprob: float | None = None                  # with logprobs: the sum over the output tokens
     grammar: GrammarState | None = None                      # with structured_output: its matcher
     error: str | None = None                                 # why it finished with FinishReason.ERROR
+    _prompt_array: tuple | None = field(default=None, init=False, repr=False)   # (prompt list, its int64 array)
 
     def __post_init__(self):
         self.prompt_token_ids = token_ids_of(self.prompt_token_ids, "prompt_token_ids")
@@ -113,6 +115,16 @@ class Request:
         if start >= len(prompt):
             return self.output_token_ids[start - len(prompt):stop - len(prompt)]
         return prompt[start:] + self.output_token_ids[:stop - len(prompt)]
+
+    def token_array(self, start: int, stop: int) -> np.ndarray:
+        """:meth:`token_ids` as an int64 array; a slice of the prompt is a view of an array made once (a
+        step's prompt chunk is one memory copy, not a conversion of Python ints)."""
+        prompt = self.prompt_token_ids
+        if stop > len(prompt):
+            return np.asarray(self.token_ids(start, stop), dtype=np.int64)
+        if self._prompt_array is None or self._prompt_array[0] is not prompt:
+            self._prompt_array = (prompt, np.asarray(prompt, dtype=np.int64))
+        return self._prompt_array[1][start:stop]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -26,7 +26,10 @@ tree masks) into another, each sent to the device with one asynchronous copy; an
 so a step never overwrites host memory a previous step's copy still reads. Each scheduled request's block list is mirrored in a NumPy array that
 only grows while the request keeps that list (the block manager replaces the list when it frees the
 blocks), so a row costs one array copy, not a conversion of Python ints; mirrors of lists no step
-scheduled last time are dropped.
+scheduled last time are dropped. The block table is filled in one masked assignment, positions and slots
+for every row at once from the rows' starts and counts, and a prompt chunk's ids are a slice of the
+request's prompt array (:meth:`~tripath.engine.requests.request.Request.token_array`): the Python left per
+row is a decode's one token and its bookkeeping.
 """
 
 from __future__ import annotations
@@ -131,7 +134,13 @@ class StepInputBuilder:
         bs = self.block_size
         num_tokens, num_rows = plan.num_tokens, plan.num_requests
         rows = self.block_rows(scheduled)
-        width = max(1, max((len(r) for r in rows), default=1))
+        num_scheduled = len(scheduled)
+        items = [scheduled[i] if i < num_scheduled else None for i in plan.order]   # None: a padding row
+        real = [row for row, item in enumerate(items) if item is not None]
+        ordered_blocks = [rows[plan.order[row]] for row in real]
+        lens = np.zeros(num_rows, dtype=np.int64)
+        lens[real] = [len(blocks) for blocks in ordered_blocks]
+        width = max(1, int(lens.max(initial=0)))
         flat = self._int64.numpy()
         ids, positions, slots = flat[:num_tokens], flat[num_tokens:2 * num_tokens], flat[2 * num_tokens:3 * num_tokens]
         n_table = num_rows * width
@@ -140,48 +149,56 @@ class StepInputBuilder:
         int32 = self._int32.numpy()
         table = int32[:n_table].reshape(num_rows, width)
         table.fill(0)
+        if ordered_blocks:   # row after row, each from column 0: the mask's row-major order
+            table[np.arange(width) < lens[:, None]] = np.concatenate(ordered_blocks)
+        # positions and slots, every row at once: row r's tokens sit at start_r .. start_r + n_r - 1
+        counts = np.ones(num_rows, dtype=np.int64)
+        starts = np.ones(num_rows, dtype=np.int64)
+        counts[real] = [items[row].num_new_tokens for row in real]
+        starts[real] = [items[row].num_computed_tokens for row in real]
+        first = np.cumsum(counts) - counts            # each row's first token
+        token_row = np.repeat(np.arange(num_rows), counts)
+        positions[:] = np.arange(num_tokens) - np.repeat(first - starts, counts)
+        slots[:] = table[token_row, positions // bs].astype(np.int64) * bs + positions % bs
         logit_rows, sample_rows, deferred_rows, deferred_sources = [], [], [], []
         verify_logits, verify_rows, verify_starts, tree_bits = [], [], [], []
-        trees = any(scheduled[i].draft_parents is not None for i in plan.order if i < len(scheduled))
-        at = 0
-        for row, i in enumerate(plan.order):
-            if i >= len(scheduled):  # padding
-                ids[at], positions[at], slots[at] = 0, 1, -1
-                at += 1
+        trees = any(scheduled[i].draft_parents is not None for i in plan.order if i < num_scheduled)
+        single_rows, single_ids = [], []   # one-token rows (decodes, padding) and their tokens
+        for row, item in enumerate(items):
+            at = int(first[row])
+            if item is None:  # padding: token 0 at position 1, writing nothing
+                single_rows.append(at)
+                single_ids.append(0)
+                slots[at] = -1
                 continue
-            item = scheduled[i]
-            blocks = rows[i]
-            table[row, :len(blocks)] = blocks
             start, n = item.num_computed_tokens, item.num_new_tokens
             if n == 1:
+                single_rows.append(at)
                 if start < item.request.num_tokens:
-                    ids[at] = item.request.token_ids(start, start + 1)[0]
+                    single_ids += item.request.token_ids(start, start + 1)
                 else:  # the token a launched step is sampling: filled in on the device
-                    ids[at] = 0
+                    single_ids.append(0)
                     deferred_rows.append(at)
                     deferred_sources.append(self._inflight_row(inflight_rows, item.request))
-                positions[at] = start
-                slots[at] = int(blocks[start // bs]) * bs + start % bs
             else:
-                pos = np.arange(start, start + n, dtype=np.int64)
-                ids[at:at + n] = item.input_token_ids()
-                slots[at:at + n] = blocks[pos // bs].astype(np.int64) * bs + pos % bs
+                drafts = item.draft_token_ids
+                own = n - len(drafts)
+                ids[at:at + own] = item.request.token_array(start, start + own)
+                if drafts:
+                    ids[at + own:at + n] = drafts
                 if item.draft_parents is not None:   # a tree's tokens: at context_len + depth
-                    positions[at] = start
                     positions[at + 1:at + n] = start + np.asarray(depths(item.draft_parents), dtype=np.int64)
-                else:
-                    positions[at:at + n] = pos
             if trees and n > 1 and row < plan.num_decodes:   # the decode slice's multi-token rows: its verifies
                 parents = item.draft_parents                   # (and prompt chunks as short, causal)
                 tree_bits += tree_mask_bits(chain_parents(n - 1) if parents is None else parents)
             if item.draft_token_ids:
                 verify_logits.extend(range(at, at + n))
-                verify_rows.append(i)
+                verify_rows.append(plan.order[row])
                 verify_starts.append(at)
             elif item.samples:
                 logit_rows.append(at + n - 1)
-                sample_rows.append(i)
-            at += n
+                sample_rows.append(plan.order[row])
+        ids[single_rows] = single_ids
         logit_rows += verify_logits
         num_logits, num_deferred = len(logit_rows), len(deferred_rows)
         end = 3 * num_tokens + num_logits

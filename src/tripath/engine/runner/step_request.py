@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tripath.engine.requests.sampling_params import SamplingParams
@@ -29,3 +30,6 @@ class StepRequest:
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         return self.new_token_ids[start - self.start:stop - self.start]
+
+    def token_array(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.token_ids(start, stop), dtype=np.int64)
