@@ -63,7 +63,12 @@ def test_the_step_breakdown_counts_every_launch_by_kind(overlap):
     assert {"prompt", "decode (eager)"} <= set(summary) <= {"prompt", "mixed", "decode (eager)"}  # CPU: no graphs
     assert summary["decode (eager)"]["tokens"] <= 3
     assert all(s["host_ms"] > 0 and s["gpu_span_ms"] is None for s in summary.values())
-    assert llm.runner.launch.__func__ is type(llm.runner).launch  # detached
+    for s in summary.values():   # the host time's phases: each measured, together the whole
+        assert s["inputs_ms"] > 0 and s["sample_ms"] > 0 and s["forward_ms"] > 0
+        assert s["inputs_ms"] + s["sample_ms"] + s["forward_ms"] == pytest.approx(s["host_ms"])
+    runner = type(llm.runner)
+    assert (llm.runner.launch.__func__, llm.runner.prepare.__func__, llm.runner._sample.__func__) == \
+        (runner.launch, runner.prepare, runner._sample)  # detached
     assert "decode (eager)" in format_breakdown("torch", summary)
 
 

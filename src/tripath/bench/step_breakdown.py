@@ -8,6 +8,11 @@ Kinds: ``decode (graph)`` (a decode-only step replayed from a CUDA graph), ``dec
 (multi-step decoding) is its own kind, ``decode (graph) x k`` / ``decode (eager) x k``, whose times cover
 all ``k`` steps.
 
+The host time is split into phases: *inputs* (``runner.prepare``: the plan, the metadata integers, the step's
+input arrays and their copies), *sample* (``runner._sample``: the logits or the fused draw, acceptance, the
+tokens' copy to the host queued) and the rest (*forward*: the metadata objects, the graph replays or the eager
+forward; a multi-step launch's draws are in it).
+
 A GPU span close to the host time means the GPU waited for the host inside the step (host-bound); a span
 well above it means the launch ran ahead of the GPU.
 """
@@ -25,6 +30,8 @@ class _Record:
     num_tokens: int
     host_s: float
     events: tuple | None
+    inputs_s: float = 0.0
+    sample_s: float = 0.0
 
 
 def step_kind(runner, scheduled, num_steps: int = 1) -> str:
@@ -46,6 +53,7 @@ class StepBreakdown:
         self.runner = llm.runner
         self._launch = None
         self.records: list[_Record] = []
+        self._phases = {"inputs": 0.0, "sample": 0.0}   # the launch in progress's host seconds by phase
 
     def attach(self) -> "StepBreakdown":
         import torch
@@ -59,25 +67,44 @@ class StepBreakdown:
             start = time.perf_counter()
             if events:
                 events[0].record()
+            self._phases.update(inputs=0.0, sample=0.0)
             launched = real(scheduled, previous, num_steps=num_steps)
             if events:
                 events[1].record()
             self.records.append(_Record(kind, num_steps * sum(s.num_new_tokens for s in scheduled),
-                                        time.perf_counter() - start, events))
+                                        time.perf_counter() - start, events, self._phases["inputs"],
+                                        self._phases["sample"]))
             return launched
 
         self._launch = real
+        self._saved = {name: runner.__dict__.get(name) for name in ("launch", "prepare", "_sample")}
         runner.launch = timed_launch
+        runner.prepare = self._timed("inputs", runner.prepare)
+        runner._sample = self._timed("sample", runner._sample)
         return self
+
+    def _timed(self, phase: str, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._phases[phase] += time.perf_counter() - start
+        return timed
 
     def detach(self) -> None:
         if self._launch is not None:
-            self.runner.launch = self._launch
+            for name, own in self._saved.items():   # what the runner had: the class's methods, or its own
+                if own is None:
+                    del self.runner.__dict__[name]
+                else:
+                    setattr(self.runner, name, own)
             self._launch = None
 
     def summary(self) -> dict[str, dict]:
-        """``{kind: {steps, host_ms, gpu_span_ms (None off a GPU), tokens}}``, means per step (waits for
-        the GPU to finish the recorded steps)."""
+        """``{kind: {steps, host_ms, inputs_ms, sample_ms, forward_ms, gpu_span_ms (None off a GPU), tokens}}``,
+        means per step (``host_ms`` = inputs + sample + forward; waits for the GPU to finish the recorded
+        steps)."""
         if any(r.events for r in self.records):
             import torch
             torch.cuda.synchronize(self.runner.device)
@@ -88,7 +115,10 @@ class StepBreakdown:
         for kind, records in sorted(by_kind.items()):
             n = len(records)
             spans = [r.events[0].elapsed_time(r.events[1]) for r in records if r.events]
-            out[kind] = {"steps": n, "host_ms": 1e3 * sum(r.host_s for r in records) / n,
+            host, inputs, sample = (1e3 * sum(getattr(r, f) for r in records) / n
+                                    for f in ("host_s", "inputs_s", "sample_s"))
+            out[kind] = {"steps": n, "host_ms": host, "inputs_ms": inputs, "sample_ms": sample,
+                         "forward_ms": host - inputs - sample,
                          "gpu_span_ms": sum(spans) / len(spans) if spans else None,
                          "tokens": sum(r.num_tokens for r in records) / n}
         return out
@@ -98,6 +128,7 @@ def format_breakdown(backend: str, summary: dict[str, dict]) -> str:
     lines = [f"{backend}: per launched step, warm pass"]
     for kind, s in summary.items():
         span = "-" if s["gpu_span_ms"] is None else f"{s['gpu_span_ms']:.3f} ms"
-        lines.append(f"  {kind:15s} {s['steps']:6d} steps  host in launch {s['host_ms']:.3f} ms  GPU span {span}  "
-                     f"{s['tokens']:.0f} new tokens")
+        lines.append(f"  {kind:15s} {s['steps']:6d} steps  host in launch {s['host_ms']:.3f} ms (inputs "
+                     f"{s['inputs_ms']:.3f}, forward {s['forward_ms']:.3f}, sample {s['sample_ms']:.3f})  "
+                     f"GPU span {span}  {s['tokens']:.0f} new tokens")
     return "\n".join(lines)
