@@ -366,48 +366,6 @@ def test_rejected_probes_space_out_and_a_kept_one_brings_them_back():
     assert lengths.steps_without_draft(request, 10_000) < PROBE_EVERY
 
 
-def test_a_probe_due_soon_rides_along_in_a_step_that_verifies_anyway():
-    """In a step that verifies drafts anyway (``riding``), a request that drafts nothing probes once it has waited
-    half its gap, not before; in other steps it waits the whole gap."""
-    from tripath.engine.speculative.draft_length import PROBE_EVERY, DraftLengths
-
-    lengths, request = DraftLengths(0.5), _Request()
-    for _ in range(4):
-        lengths.observe(request, 4, 0)
-    half = PROBE_EVERY // 2
-    assert [lengths.length(request, 4, riding=True) for _ in range(half)] == [0] * (half - 1) + [1]
-    lengths.observe(request, 1, 0)   # rejected: the gap doubles, counted from this probe
-    assert [lengths.length(request, 4) for _ in range(2 * PROBE_EVERY)] == [0] * (2 * PROBE_EVERY - 1) + [1]
-
-
-def test_probes_of_requests_that_arrived_at_different_times_fall_into_step(pure_torch):
-    """Every draft wrong, ``acceptance_threshold`` 0.4, requests of different lengths admitted as others finish
-    (their probe schedules staggered): probes ride together, at least two on average in each step that verifies
-    (one a step when each probe pays for a synchronous step of its own). Greedy outputs are those without
-    speculation."""
-    from tripath.engine.speculative.oracle import OracleProposer
-
-    model = preset("tiny-llama")
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(2, 256, (int(n),), generator=g).tolist() for n in torch.randint(8, 40, (24,), generator=g)]
-    params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
-              for n in torch.randint(40, 120, (24,), generator=g)]
-    want = outputs(LLM(model, backend="torch", num_kv_blocks=512, block_size=4, max_num_seqs=8), prompts, params)
-    llm = LLM(model, backend="torch", num_kv_blocks=512, block_size=4, max_num_seqs=8,
-              speculative_config={"num_speculative_tokens": 4, "acceptance_threshold": 0.4})
-    llm.scheduler.proposer = OracleProposer({tuple(q): w for q, w in zip(prompts, want)}, 0.0, 256)
-    assert outputs(llm, prompts, params) == want   # the engine's acceptance is 0 from here on
-    verify_steps, launch = [0], llm.runner.launch
-    llm.runner.launch = lambda scheduled, *a, **k: (
-        verify_steps.__setitem__(0, verify_steps[0] + any(s.draft_token_ids for s in scheduled))
-        or launch(scheduled, *a, **k))
-    before = llm.stats()
-    assert outputs(llm, prompts, params) == want
-    probes = llm.stats().spec_num_drafts - before.spec_num_drafts
-    assert probes == llm.stats().spec_num_draft_tokens - before.spec_num_draft_tokens   # one-token probes
-    assert probes >= len(prompts) and verify_steps[0] <= probes / 2
-
-
 def test_draft_lengths_tell_the_steps_before_a_probe():
     """``steps_without_draft`` counts the calls of ``length`` that would give no draft (0 once the estimate
     allows one, or a probe is due), and ``skip`` counts steps as those calls do."""

@@ -99,7 +99,7 @@ def varied_drafts(llm) -> LLM:
         return schedule(*args, **kwargs)
 
     scheduler.schedule = counted_schedule
-    scheduler._draft_room = lambda request, *riding: min((0, 1, 3)[steps[0] % 3], draft_room(request, *riding))
+    scheduler._draft_room = lambda request: min((0, 1, 3)[steps[0] % 3], draft_room(request))
     return llm
 
 

@@ -224,15 +224,12 @@ class Scheduler:
             out.num_steps = steps
             return out
         verifies: list[tuple[Request, int]] = []   # requests to draft for, with the drafts they have room for
-        lengths = self.draft_lengths   # adaptive lengths: probes ride along in a step that verifies anyway
-        riding = lengths is not None and self._drafting() and any(
-            not r.num_inflight_tokens and lengths.steps_without_draft(r, 1) == 0 for r, _ in decodes)
         for request, pending in decodes + chunks:
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted by a request before it
                 continue
-            room = self._draft_room(request, riding) if pending == 1 and self.proposer is not None else 0
+            room = self._draft_room(request) if pending == 1 and self.proposer is not None else 0
             num_new = self._make_room(request, min(pending + room, budget), scheduled, out)
             if num_new == 0:
                 continue
@@ -309,14 +306,13 @@ class Scheduler:
         return self._drafting() and (lengths is None or any(lengths.steps_without_draft(r, 1) == 0
                                                             for r in self.running))
 
-    def _draft_room(self, request: Request, riding: bool = False) -> int:
+    def _draft_room(self, request: Request) -> int:
         """How many drafts a running request's next step may verify (speculative decoding): as many as
         ``num_speculative_tokens`` and its ``max_tokens`` allow (each verify row then takes the request's logit
         transforms as of its drafts, :mod:`tripath.engine.speculative.verify_transforms`); none while a token
         of it is in flight or while more requests run than ``disable_by_batch_size``; with an
         ``acceptance_threshold``, as many as its acceptance pays for
-        (:mod:`tripath.engine.speculative.draft_length`; ``riding``: the step verifies drafts anyway, so a
-        probe due soon is taken now)."""
+        (:mod:`tripath.engine.speculative.draft_length`)."""
         params, speculation = request.sampling_params, self.speculation
         if request.num_inflight_tokens or (speculation.disable_by_batch_size is not None
                                            and len(self.running) > speculation.disable_by_batch_size):
@@ -325,7 +321,7 @@ class Scheduler:
             return 0
         room = params.max_tokens - request.num_output_tokens - 1   # the verify step yields up to 1 + drafts
         room = max(0, min(speculation.num_speculative_tokens, room))
-        return room if self.draft_lengths is None else self.draft_lengths.length(request, room, riding)
+        return room if self.draft_lengths is None else self.draft_lengths.length(request, room)
 
     @staticmethod
     def _add(out: SchedulerOutput, request: Request, num_new: int, num_steps: int = 1,

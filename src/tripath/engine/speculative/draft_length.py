@@ -18,10 +18,7 @@ prior is all kept, so the engine's first requests draft ``k``. A request whose
 estimate allows no draft drafts one (a *probe*) after :data:`PROBE_EVERY` steps without, so that its estimate
 can recover; each probe the target rejects doubles that gap, up to :data:`MOST_PROBE_GAP`, and a probe kept
 brings it back to :data:`PROBE_EVERY`. A probe costs more than its row: the engine reads the step before it
-and the probe's own verify before it schedules on, so the steps around it do not overlap. So probes ride
-together: in a step that verifies anyway (another request drafts or probes), a request that has waited at
-least half its gap probes too, early, rather than costing a step of its own later; requests that arrived at
-different times fall into step.
+and the probe's own verify before it schedules on, so the steps around it do not overlap.
 
 Between its probes such a request drafts nothing, and the engine knows it ahead of time
 (:meth:`DraftLengths.steps_without_draft`): while no running request wants a draft, steps overlap and decodes
@@ -83,10 +80,8 @@ class DraftLengths:
         estimate = self._estimates.get(request)
         return (self._new_estimate() if estimate is None else estimate).acceptance
 
-    def length(self, request, most: int, riding: bool = False) -> int:
-        """How many of at most ``most`` drafts the request takes this step (one call per step it decodes).
-        ``riding``: the step verifies drafts anyway, so a probe due within the second half of its gap is
-        taken now (module doc)."""
+    def length(self, request, most: int) -> int:
+        """How many of at most ``most`` drafts the request takes this step (one call per step it decodes)."""
         if most <= 0:
             return 0
         estimate = self._estimate(request)
@@ -96,8 +91,7 @@ class DraftLengths:
         probe = False
         if j == 0:
             estimate.idle_steps += 1
-            waited, gap = estimate.idle_steps, estimate.probe_gap
-            probe = waited >= gap or (riding and 2 * waited >= gap)
+            probe = estimate.idle_steps >= estimate.probe_gap
             j = int(probe)
         if j:
             estimate.idle_steps, estimate.probing = 0, probe
@@ -105,8 +99,8 @@ class DraftLengths:
 
     def steps_without_draft(self, request, most: int) -> int:
         """How many of the request's next steps, at most ``most``, will draft nothing (what :meth:`length`
-        would give them, its estimate being fixed until the next verify, in steps that verify nothing else):
-        0 when the next step drafts, else the steps before its next probe."""
+        would give them, its estimate being fixed until the next verify): 0 when the next step drafts, else
+        the steps before its next probe."""
         estimate = self._estimates.get(request)
         if estimate is None:   # not seen yet: it starts from the engine's prior
             estimate = self._new_estimate()
