@@ -23,8 +23,8 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
 
 The int64 arrays are written into one pinned host buffer, the int32 ones (block table, metadata integers,
 tree masks) into another, each sent to the device with one asynchronous copy; an event guards the buffers,
-so a step never overwrites host memory a previous step's copy still reads. Each scheduled request's block list is mirrored in a NumPy array that
-only grows while the request keeps that list (the block manager replaces the list when it frees the
+so a step never overwrites host memory a previous step's copy still reads. Each scheduled request's block
+list is mirrored in a NumPy array that only grows while the request keeps that list (the block manager replaces the list when it frees the
 blocks), so a row costs one array copy, not a conversion of Python ints; mirrors of lists no step
 scheduled last time are dropped. The block table is filled in one masked assignment, positions and slots
 for every row at once from the rows' starts and counts, and a prompt chunk's ids are a slice of the
