@@ -21,15 +21,15 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
 - ``ints``: the backend's metadata integers of the step (:mod:`tripath.attention.step_ints`), placed on the
   device, from which :meth:`StepInputs.metadata` builds the step's attention metadata.
 
-The int64 arrays are written into one pinned host buffer, the int32 ones (block table, metadata integers,
-tree masks) into another, each sent to the device with one asynchronous copy; an event guards the buffers,
-so a step never overwrites host memory a previous step's copy still reads. Each scheduled request's block
-list is mirrored in a NumPy array that only grows while the request keeps that list (the block manager replaces the list when it frees the
-blocks), so a row costs one array copy, not a conversion of Python ints; mirrors of lists no step
-scheduled last time are dropped. The block table is filled in one masked assignment, positions and slots
-for every row at once from the rows' starts and counts, and a prompt chunk's ids are a slice of the
-request's prompt array (:meth:`~tripath.engine.requests.request.Request.token_array`): the Python left per
-row is a decode's one token and its bookkeeping.
+The int64 arrays are written into one pinned host buffer, the int32 ones (block table, metadata integers, tree
+masks) into another, each sent to the device with one asynchronous copy; an event guards the buffers, so a
+step never overwrites host memory a previous step's copy still reads. Each scheduled request's block list is
+mirrored in a NumPy array that only grows while the request keeps that list (the block manager replaces the
+list when it frees the blocks), so a row costs one array copy, not a conversion of Python ints; mirrors of
+lists no step scheduled last time are dropped. The block table is filled in one masked assignment, positions
+and slots for every row at once from the rows' starts and counts, and a prompt chunk's ids are a slice of the
+request's prompt array (:meth:`~tripath.engine.requests.request.Request.token_array`): the Python left per row
+is a decode's one token and its bookkeeping.
 """
 
 from __future__ import annotations
