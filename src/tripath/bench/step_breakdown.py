@@ -51,7 +51,7 @@ class StepBreakdown:
         if not isinstance(llm.runner, ModelRunner):
             raise ValueError("the step breakdown needs a one-rank engine (its runner a ModelRunner)")
         self.runner = llm.runner
-        self._launch = None
+        self._saved: dict | None = None   # while attached: the runner's own attributes it replaced
         self.records: list[_Record] = []
         self._phases = {"inputs": 0.0, "sample": 0.0}   # the launch in progress's host seconds by phase
 
@@ -76,7 +76,6 @@ class StepBreakdown:
                                         self._phases["sample"]))
             return launched
 
-        self._launch = real
         self._saved = {name: runner.__dict__.get(name) for name in ("launch", "prepare", "_sample")}
         runner.launch = timed_launch
         runner.prepare = self._timed("inputs", runner.prepare)
@@ -93,13 +92,13 @@ class StepBreakdown:
         return timed
 
     def detach(self) -> None:
-        if self._launch is not None:
+        if self._saved is not None:
             for name, own in self._saved.items():   # what the runner had: the class's methods, or its own
                 if own is None:
                     del self.runner.__dict__[name]
                 else:
                     setattr(self.runner, name, own)
-            self._launch = None
+            self._saved = None
 
     def summary(self) -> dict[str, dict]:
         """``{kind: {steps, host_ms, inputs_ms, sample_ms, forward_ms, gpu_span_ms (None off a GPU), tokens}}``,

@@ -162,7 +162,7 @@ class StepInputBuilder:
         slots[:] = table[token_row, positions // bs].astype(np.int64) * bs + positions % bs
         logit_rows, sample_rows, deferred_rows, deferred_sources = [], [], [], []
         verify_logits, verify_rows, verify_starts, tree_bits = [], [], [], []
-        trees = any(scheduled[i].draft_parents is not None for i in plan.order if i < num_scheduled)
+        trees = any(item is not None and item.draft_parents is not None for item in items)
         single_rows, single_ids = [], []   # one-token rows (decodes, padding) and their tokens
         for row, item in enumerate(items):
             at = int(first[row])
