@@ -118,22 +118,28 @@ def test_yarn_scale_block_size_and_fp8_query(name):
     check_against_torch(name, spec, [(150, 1), (70, 1), (200, 20), (0, 7)], q_scale=q_scale)
 
 
-@pytest.mark.parametrize("verify_kernel", ["rows", "packed"])
+@pytest.mark.parametrize("verify_kernel, gluon, min_tokens, packed", [
+    ("rows", True, 2, False), ("packed", False, 8, True), ("auto", False, 2, False), ("auto", True, 2, True),
+    ("auto", True, 4, False)])
 @pytest.mark.parametrize("name", ["mla", "mla_triton"])
-def test_speculative_decodes(name, verify_kernel, monkeypatch):
-    """Verifies of chains: a decode row a token (the decode kernels), or every token and head of a request in
-    one tile (``verify_kernel = "packed"``: ``mla_verify``, which then launches instead of the decode kernel)."""
+def test_speculative_decodes(name, verify_kernel, gluon, min_tokens, packed, monkeypatch):
+    """Verifies of chains (3 tokens at most here): a decode row a token (the decode kernels), or every token and
+    head of a request in one program (``verify_kernel = "packed"``: ``mla_verify``, which then launches instead
+    of the decode kernel); ``"auto"`` packs them where ``mla_verify`` runs its Gluon kernel (here: told it does
+    or not) and the step's verifies bring ``PACKED_VERIFY_MIN_TOKENS`` tokens or more."""
     from tripath.attention.backends import mla_common
 
     spec = mla_spec(decode_threshold=3, extend_chunk_budget=64)
     monkeypatch.setattr(type(select_backend(spec, name, DEVICE)), "verify_kernel", verify_kernel)
+    monkeypatch.setattr(mla_common, "gluon_verify_applies", lambda *a: gluon)
+    monkeypatch.setattr(mla_common, "PACKED_VERIFY_MIN_TOKENS", min_tokens)
     calls = []
     for op in ("mla_verify", "mla_decode"):
         real = getattr(mla_common, op)
         monkeypatch.setattr(mla_common, op, lambda *a, _op=op, _real=real, **k: calls.append(_op) or _real(*a, **k))
     step, _ = check_against_torch(name, spec, [(20, 3), (9, 2), (0, 4), (30, 6), (14, 1)])
     assert step.plan.num_decodes == 3
-    assert calls == ["mla_verify" if verify_kernel == "packed" else "mla_decode"]
+    assert calls == ["mla_verify" if packed else "mla_decode"]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])

@@ -63,15 +63,22 @@ def test_mla_verify_matches_f64(tree, heads, block_size, num_splits, cache_dtype
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
-@pytest.mark.parametrize("heads, num_splits, cache_dtype, q_fp8", [(16, None, torch.bfloat16, False),
-                                                                   (128, None, torch.bfloat16, False),
-                                                                   (16, 4, FP8, False), (16, None, FP8, True)])
-def test_mla_verify_deepseek_dims_gpu(tree, heads, num_splits, cache_dtype, q_fp8):
-    """DeepSeek's latent rows (512 + 64), 64-row pages, contexts to 8K, on the GPU's launch configurations."""
-    check_verify(tree, heads, 64, num_splits, cache_dtype, q_fp8, [4, 8, 1, 16], [8000, 3000, 17, 700], 512, 64)
+@pytest.mark.parametrize("heads, num_splits, cache_dtype, q_fp8, variant", [
+    (16, None, torch.bfloat16, False, "auto"), (16, 4, torch.bfloat16, False, "auto"),
+    (16, 1, torch.bfloat16, False, "auto"), (128, None, torch.bfloat16, False, "auto"),
+    (16, None, torch.bfloat16, False, "triton"), (128, None, torch.bfloat16, False, "triton"),
+    (16, 4, FP8, False, "auto"), (16, None, FP8, True, "auto")])
+def test_mla_verify_deepseek_dims_gpu(tree, heads, num_splits, cache_dtype, q_fp8, variant):
+    """DeepSeek's latent rows (512 + 64), 64-row pages, contexts to 8K, on the GPU's launch configurations:
+    ``"auto"`` takes the Gluon kernel on sm_90 for the 16-bit rows. A request of 16 tokens spans four 64-row
+    tiles at 16 heads; at 4 splits the last request's last split holds only its new tokens after the first, so
+    that token's rows see no key there."""
+    check_verify(tree, heads, 64, num_splits, cache_dtype, q_fp8, [4, 8, 1, 16, 4], [8000, 3000, 17, 700, 127],
+                 512, 64, variant)
 
 
-def check_verify(tree, heads, block_size, num_splits, cache_dtype, q_fp8, query_lens, contexts, lat, rope):
+def check_verify(tree, heads, block_size, num_splits, cache_dtype, q_fp8, query_lens, contexts, lat, rope,
+                 variant="auto"):
     rng = random.Random(hash((tree, heads, block_size)) % 1000)
     seq_lens = [c + n for c, n in zip(contexts, query_lens)]
     fp8 = cache_dtype == FP8
@@ -91,7 +98,7 @@ def check_verify(tree, heads, block_size, num_splits, cache_dtype, q_fp8, query_
     got, lse = mla_verify(q, cache, block_table, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
                           cu_seqlens(query_lens, DEVICE), max(query_lens), kv_lora_rank=lat, sm_scale=sm_scale,
                           kv_scale=kv_scale, q_scale=q_scale, tree_mask=tree_mask if tree else None,
-                          num_splits=num_splits, out=out, return_lse=True)
+                          num_splits=num_splits, out=out, return_lse=True, variant=variant)
     assert got is out and torch.isnan(out[num_tokens:]).all()   # rows of no request: not written
     q64 = q.double() * (q_scale.item() if q_fp8 else 1.0)
     tol = FP8_TOL if fp8 else TOL[dtype]
@@ -120,3 +127,25 @@ def test_mla_verify_bad_input():
         mla_verify(q, cache, block_table, seq_lens, cu, 3, tree_mask=bad_tree, **ok)
     with pytest.raises(ValueError, match="kv_lora_rank=80 must be between 1 and"):
         mla_verify(q, cache, block_table, seq_lens, cu, 3, kv_lora_rank=80, sm_scale=0.1)
+    with pytest.raises(ValueError, match="variant='fast' is not supported; supported: auto, gluon, triton"):
+        mla_verify(q, cache, block_table, seq_lens, cu, 3, variant="fast", **ok)
+
+
+def test_gluon_verify_conditions():
+    """Where the Gluon verify runs: sm_90, 16-bit query and cache of one dtype, 512 + 64 latent rows, blocks
+    a multiple of 32 rows, contiguous tensors; every head count (a verify's rows are its tokens' heads)."""
+    from tripath.ops._mla_decode_sm90 import gluon_verify_unsupported
+    from tripath.platform import H200
+
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    for heads in (1, 16, 24, 128):
+        assert gluon_verify_unsupported(H200, torch.zeros(8, heads, 576, dtype=torch.bfloat16), cache, 512,
+                                        None) is None
+    q = torch.zeros(8, 16, 576, dtype=torch.bfloat16)
+    assert "multiple of 32" in gluon_verify_unsupported(H200, q, torch.zeros(4, 16, 576, dtype=torch.bfloat16),
+                                                         512, None)
+    assert "16-bit query and cache" in gluon_verify_unsupported(H200, q.half(), cache, 512, None)
+    assert "kv_lora_rank 512" in gluon_verify_unsupported(H200, torch.zeros(8, 16, 640, dtype=torch.bfloat16),
+                                                          torch.zeros(4, 64, 640, dtype=torch.bfloat16), 576, None)
+    assert "contiguous out" in gluon_verify_unsupported(H200, q, cache, 512,
+                                                        torch.zeros(16, 8, 512, dtype=torch.bfloat16).transpose(0, 1))

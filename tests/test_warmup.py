@@ -74,7 +74,7 @@ def test_warmup_predicts_every_variant(preset, backend, kv_cache_dtype):
 
 @pytest.mark.parametrize("preset, backend, kernel, flag", [
     ("qwen3-235b-attn-tp8", "three_path", "paged_verify_kernel", "TREE"),
-    ("deepseek-r1-attn-tp8", "mla", "mla_verify_kernel", "TREE"),
+    ("deepseek-r1-attn-tp8", "mla", "mla_decode_sm90_kernel", "TREE"),   # the Gluon verify (sm_90, 512 + 64)
 ])
 def test_warmup_predicts_the_draft_tree_variants(preset, backend, kernel, flag):
     """Speculative decoding with draft trees (n-gram, ``tree_width`` 2): the warm-up probes each verify step
@@ -102,9 +102,10 @@ def test_warmup_predicts_the_draft_tree_variants(preset, backend, kernel, flag):
 
 def _constexpr(kernel: str, key: tuple, name: str) -> str:
     """The value a launch ``key`` (:func:`launch_key`) of ``kernel`` gives its constexpr ``name``."""
-    from tripath.kernels import mla_verify, paged_verify
+    from tripath.kernels import mla_decode_sm90, mla_verify, paged_verify
 
-    fn = {"paged_verify_kernel": paged_verify.paged_verify_kernel, "mla_verify_kernel": mla_verify.mla_verify_kernel}
+    fn = {"paged_verify_kernel": paged_verify.paged_verify_kernel, "mla_verify_kernel": mla_verify.mla_verify_kernel,
+          "mla_decode_sm90_kernel": mla_decode_sm90.mla_decode_sm90_kernel}
     return key[1][list(fn[kernel].arg_names).index(name)]
 
 

@@ -14,8 +14,9 @@ reported and leaves the other rows.
 :func:`bench_mla_verify` (the same section, its own table): MLA's absorbed verify, DeepSeek's latent rows
 (576 wide, 512-wide values, bf16, 64-row pages) at 16 heads (TP 8) and 128, against the one-token
 :func:`~tripath.ops.mla_decode` of the batch: the decode kernel on a decode row a token (the MLA backends'
-default route for chains) and :func:`~tripath.ops.mla_verify` (every token and head of a request in one
-tile), with the bandwidth of reading every context's rows once.
+route for chains where the Gluon verify does not run) and :func:`~tripath.ops.mla_verify` (every token and head
+of a request in one program: the Gluon kernel on sm_90, the backends' route there, and the portable kernel), with
+the bandwidth of reading every context's rows once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from tripath.bench.kernel_timing import Report, Row, bench_graph, random_table
 from tripath.ops import mla_decode, mla_verify, paged_decode, paged_verify, unified_attention
 from tripath.ops.kv_cache import allocate_kv_cache
+from tripath.ops.mla_verify import gluon_verify_applies
 
 SHAPES = ((1, 4096), (8, 4096), (32, 4096), (8, 32768), (1, 131072))
 NEW_TOKENS = (4, 8, 16)
@@ -99,9 +101,14 @@ def bench_mla_verify(report: Report, shapes=MLA_SHAPES, new_tokens=(4, 8), heads
                 runs = (("tripath mla_decode, a row a token",
                          lambda: mla_decode(q, cache, rows_table, rows_lens, kv_lora_rank=512, sm_scale=MLA_SCALE,
                                             out=out)),
-                        ("tripath mla_verify",
+                        ("tripath mla_verify (Gluon, sm_90)",
                          lambda: mla_verify(q, cache, table, seq_lens, cu, n, kv_lora_rank=512, sm_scale=MLA_SCALE,
-                                            out=out)))
+                                            out=out, variant="gluon")),
+                        ("tripath mla_verify (portable kernel)",
+                         lambda: mla_verify(q, cache, table, seq_lens, cu, n, kv_lora_rank=512, sm_scale=MLA_SCALE,
+                                            out=out, variant="triton")))
+                if not gluon_verify_applies(q, cache, 512, out):   # not sm_90: the Gluon kernel does not run
+                    runs = runs[:1] + runs[2:]
                 for name, fn in runs:
                     us = bench_graph(fn)
                     report.rows.append(Row("mla_verify", f"{base} × {n}", name, us, nbytes / (us * 1e-6) / 1e9,

@@ -113,13 +113,29 @@ def _shared_scores(i, s_tok, q_smem, c_smem, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _verify_mask(s, start, ctx, row_tok, row_bits, offs_n, TREE: gl.constexpr):
+    """A verify's scores ``s [HEADS, BLOCK_N]`` of the tile at key ``start``, masked: the row of token ``t``
+    (at position ``ctx + t``) sees key ``p`` when ``p < ctx`` (the context) or, for a new token ``j = p - ctx``,
+    when ``j <= t`` (a chain) or bit ``j`` of its tree mask ``row_bits`` is set (a draft tree)."""
+    rel = gl.expand_dims(start + offs_n - ctx, 0)
+    if TREE:
+        bit = (gl.expand_dims(row_bits, 1) >> gl.minimum(gl.maximum(rel, 0), 31)) & 1
+        seen = (rel < 0) | (bit != 0)
+    else:
+        seen = rel <= gl.expand_dims(row_tok, 1)
+    return gl.where(seen, s, float("-inf"))
+
+
+@gluon.jit
 def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready,
             kv_ready, p_ready, p_empty, done, q_row, lo, hi, num_tiles, qk_scale, L_HALF: gl.constexpr,
             ROPE: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr,
-            RESCALE_SLACK: gl.constexpr):
+            RESCALE_SLACK: gl.constexpr, head0, num_heads, num_q_rows, ctx, q_start, n_new, tree_mask_ptr,
+            VERIFY: gl.constexpr, TREE: gl.constexpr):
     """The score warpgroup: the query rows (the second latent half by TMA, the rest into registers), then
     per tile the scores, the online softmax, ``p`` and ``alpha`` handed on; at the end the row maxima and
-    sums (``ml_smem [2, HEADS]``)."""
+    sums (``ml_smem [2, HEADS]``). With ``VERIFY`` row ``head0 + r`` of the request is token
+    ``(head0 + r) // num_heads`` at position ``ctx`` + that, masked as :func:`_verify_mask` says."""
     mbarrier.expect(q_ready, q_desc.block_type.nbytes)
     tma_load(q_desc, [q_row, L_HALF], q_ready, q_smem)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -130,9 +146,19 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
     q_rows = gl.expand_dims((q_row + gl.arange(0, HEADS, layout=gl.SliceLayout(1, a_layout))).to(gl.int64), 1)
     q_cols = gl.expand_dims(gl.arange(0, L_HALF, layout=gl.SliceLayout(0, a_layout)), 0)
     pe_cols = gl.expand_dims(gl.arange(0, ROPE, layout=gl.SliceLayout(0, a_layout)), 0)
-    q_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + q_cols)
-    qpe_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + 2 * L_HALF + pe_cols)
+    if VERIFY:  # the last request's tile may reach past the query's rows
+        q_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + q_cols,
+                        mask=(q_rows < num_q_rows) & (q_cols < L_HALF), other=0.0)
+        qpe_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + 2 * L_HALF + pe_cols,
+                          mask=(q_rows < num_q_rows) & (pe_cols < ROPE), other=0.0)
+    else:
+        q_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + q_cols)
+        qpe_reg = gl.load(q_ptr + q_rows * (2 * L_HALF + ROPE) + 2 * L_HALF + pe_cols)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_tok = (head0 + gl.arange(0, HEADS, layout=row_s)) // num_heads  # VERIFY: each row's token
+    row_bits = row_tok
+    if TREE:
+        row_bits = gl.load(tree_mask_ptr + q_start + row_tok, mask=row_tok < n_new, other=0)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero_s = gl.zeros([HEADS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)
@@ -157,12 +183,18 @@ def _scorer(q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem
         if n_valid < BLOCK_N:  # the split's ragged last tile: mask the scores, zero the rows past the request
             s = gl.where(gl.expand_dims(offs_n < n_valid, 0), s, float("-inf"))
             zero_tail_rows(c_smem, stage, n_valid, BLOCK_N, 8)  # 8 rows at a time: few registers beside q
+        if VERIFY:
+            if start + BLOCK_N > ctx:  # the tile holds the new tokens' rows
+                s = _verify_mask(s, start, ctx, row_tok, row_bits, offs_n, TREE)
         # Lazy rescaling: a row keeps its stale maximum until the tile's exceeds it by RESCALE_SLACK (log2 units),
         # so p ≤ 2^RESCALE_SLACK and alpha is exactly 1 for most tiles, which the value warpgroups then skip.
         m_tile = gl.max(s, axis=1) * qk_scale
         m_new = gl.where(m_tile > m_i + RESCALE_SLACK, m_tile, m_i)
-        alpha = gl.exp2(m_i - m_new)  # m_new is finite: every tile holds at least one row of the request
-        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        m_use = m_new  # finite for a decode: every tile holds at least one row of the request
+        if VERIFY:  # a verify's row may have seen no row yet (the split's rows so far all past its token)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
         p = p.to(p_smem.dtype)
@@ -184,8 +216,9 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
             block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0,
             split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, num_splits, SPLIT: gl.constexpr,
-            RETURN_LSE: gl.constexpr, TMA_OUT: gl.constexpr):
-    """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 heads."""
+            RETURN_LSE: gl.constexpr, TMA_OUT: gl.constexpr, out_seq, num_rows, direct):
+    """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 rows (heads, or a verify's
+    token-major heads); ``seq`` the request (its block-table row), ``out_seq`` the output's row block."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, L_HALF, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -235,19 +268,23 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
     out_smem = None
     if TMA_OUT:  # one TMA store of this warpgroup's [64, L/2] output tile, staged in the (now free) ring
         out_smem = c_smem._reinterpret(out_desc.dtype, [NUM_STAGES, HEADS, L_HALF], out_desc.layout).index(half)
-    store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
-               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, num_splits, SPLIT, RETURN_LSE, out_desc, out_smem)
+    store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, out_seq, head0, split, num_heads,
+               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, num_splits, SPLIT, RETURN_LSE, num_rows, out_desc,
+               out_smem, direct)
 
 
 @gluon.jit
 def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
                stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr, num_splits, SPLIT: gl.constexpr,
-               RETURN_LSE: gl.constexpr, out_desc=None, out_smem=None):
+               RETURN_LSE: gl.constexpr, num_rows, out_desc=None, out_smem=None, direct=False):
     """The epilogue of a warpgroup that holds output columns ``half · L/2 + [0, L/2)`` of 64 heads:
     ``acc [64, L/2]`` normalised by the row sums ``l_i`` into ``out [B, H, L]`` (one split) or the fp32
     partials, and (warpgroup of half 0) the LSE from the row maxima ``m_i`` (log2 domain). Given
     ``out_desc`` (over ``out`` as ``[B·H, L]``) and a free ``[64, L/2]`` shared buffer ``out_smem``, the
-    one-split output goes through ``out_smem`` and a TMA store instead of pointer stores."""
+    one-split output goes through ``out_smem`` and a TMA store instead of pointer stores. Rows from
+    ``num_rows`` on (``num_heads`` for a decode) are not stored: a verify's ``seq`` is its first token and its rows
+    run over its tokens' heads (``out [T, H, L]`` contiguous). ``direct`` (a verify's request that took one of
+    its splits): ``out`` itself although ``SPLIT``."""
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     seen = l_i > 0.0
@@ -255,25 +292,38 @@ def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr
     lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     heads = head0 + gl.arange(0, HEADS, layout=row_o)
     cols = half * L_HALF + gl.arange(0, L_HALF, layout=gl.SliceLayout(0, o_layout))
-    row_ok = gl.expand_dims(heads < num_heads, 1)
+    head_ok = heads < num_rows
+    row_ok = gl.expand_dims(head_ok, 1)
     if not SPLIT and out_smem is not None:  # out [B·H, L] by TMA from out_smem [64, L/2]
         out_smem.store(out.to(out_desc.dtype))
         fence_async_shared()
         tma_store(out_desc, [seq * num_heads + head0, half * L_HALF], out_smem)
         if RETURN_LSE and half == 0:
-            gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=heads < num_heads)
+            gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=head_ok)
         tma.store_wait(0)
     elif not SPLIT:
-        ptrs = (out_ptr + seq.to(gl.int64) * stride_o_b + gl.expand_dims(heads * stride_o_h, 1)
-                + gl.expand_dims(cols, 0))
-        gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok)
-        if RETURN_LSE and half == 0:
-            gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=heads < num_heads)
+        _store_out(out, lse, half, out_ptr, lse_ptr, seq, heads, cols, head_ok, stride_o_b, stride_o_h, stride_lse_b,
+                   stride_lse_h, RETURN_LSE)
+    elif direct:
+        _store_out(out, lse, half, out_ptr, lse_ptr, seq, heads, cols, head_ok, stride_o_b, stride_o_h, stride_lse_b,
+                   stride_lse_h, RETURN_LSE)
     else:
         part = (seq.to(gl.int64) * num_heads + heads) * num_splits + split
         gl.store(part_out_ptr + gl.expand_dims(part * (2 * L_HALF), 1) + gl.expand_dims(cols, 0), out, mask=row_ok)
         if half == 0:
-            gl.store(part_lse_ptr + part, lse, mask=heads < num_heads)
+            gl.store(part_lse_ptr + part, lse, mask=head_ok)
+
+
+@gluon.jit
+def _store_out(out, lse, half, out_ptr, lse_ptr, seq, heads, cols, head_ok, stride_o_b, stride_o_h, stride_lse_b,
+               stride_lse_h, RETURN_LSE: gl.constexpr):
+    """Rows ``heads`` (where ``head_ok``) of ``out [B, H, L]``'s columns ``cols`` by pointer stores, and the LSE
+    from the warpgroup of half 0."""
+    ptrs = (out_ptr + seq.to(gl.int64) * stride_o_b + gl.expand_dims(heads * stride_o_h, 1)
+            + gl.expand_dims(cols, 0))
+    gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(head_ok, 1))
+    if RETURN_LSE and half == 0:
+        gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=head_ok)
 
 
 
@@ -284,16 +334,53 @@ def mla_decode_sm90_kernel(
     part_lse_ptr, qk_scale, stride_bt, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, num_heads, block_size,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, num_splits, SPLIT: gl.constexpr,
     RETURN_LSE: gl.constexpr, RESCALE_SLACK: gl.constexpr, TMA_OUT: gl.constexpr,
+    cu_seqlens_q_ptr, tree_mask_ptr, splits_used_ptr, num_q_rows, min_split_tiles, VERIFY: gl.constexpr,
+    TREE: gl.constexpr,
 ):
     """Grid ``(H / 64, B, num_splits)``; ``num_warps=4`` (the score warpgroup; the two value
     warpgroups are extra warps). ``q_ptr``/``q_desc``: ``[B·H, L + R]`` contiguous, with ``[64, L/2]``
     boxes; ``c_desc``/``cpe_desc``: the cache rows
-    ``[blocks · block_size, L + R]`` with ``[BLOCK_N, L/2]`` and ``[BLOCK_N, R]`` boxes."""
+    ``[blocks · block_size, L + R]`` with ``[BLOCK_N, L/2]`` and ``[BLOCK_N, R]`` boxes.
+
+    ``VERIFY`` (speculative decoding; :func:`tripath.ops.mla_verify`): request ``b`` brings ``n_b`` new tokens,
+    query rows ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1`` of ``q [T, H, L + R]`` (``num_q_rows = T · H``
+    rows of ``q_ptr``), and its ``n_b · H`` (token, head) rows, token-major, are the programs' 64-row tiles:
+    grid ``(⌈max n_b · H / 64⌉, B, num_splits)``, each cache row read once for all of them (the tiles of a
+    request side by side, as the head blocks of a decode). Token ``t`` at position ``seq_lens[b] - n_b + t``
+    sees the context and, among the new tokens, those up to ``t`` (chains) or the bits of its ``tree_mask``
+    entry (``TREE``). ``out [T, H, L]`` contiguous (``lse [T, H]`` contiguous). ``num_splits`` is an upper
+    bound: request ``b`` takes ``used = min(num_splits, ⌊tiles / min_split_tiles⌋)`` (at least 1) of them for
+    its ``tiles = ⌈seq_lens[b] / BLOCK_N⌉``, the programs past ``used`` return at once, one split writes ``out``
+    itself, and program ``(0, b, 0)`` stores ``used`` in ``splits_used`` for each of the request's tokens
+    (the merge's count)."""
     L_HALF: gl.constexpr = q_desc.block_type.shape[1]
     head0 = gl.program_id(0) * HEADS  # the head blocks of a request run side by side: the second reads from L2
     seq = gl.program_id(1)
     split = gl.program_id(2)
-    lo, hi = split_range(gl.load(seq_lens_ptr + seq), split, num_splits, BLOCK_N)
+    seq_len = gl.load(seq_lens_ptr + seq)
+    out_seq = seq
+    num_rows = num_heads
+    ctx = seq_len
+    n_new = 1
+    used = num_splits
+    direct = False
+    if VERIFY:
+        out_seq = gl.load(cu_seqlens_q_ptr + seq)
+        n_new = gl.load(cu_seqlens_q_ptr + seq + 1) - out_seq
+        num_rows = n_new * num_heads
+        ctx = seq_len - n_new
+        if SPLIT:  # the splits this request's own length calls for (a graph's num_splits follows its table width)
+            used = gl.maximum(gl.minimum(num_splits, gl.cdiv(seq_len, BLOCK_N) // min_split_tiles), 1)
+            direct = used == 1
+            if head0 == 0 and split == 0:
+                toks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [4], [0]))
+                gl.store(splits_used_ptr + out_seq + toks, gl.full([16], 0, gl.int32, toks.type.layout) + used,
+                         mask=toks < n_new)
+            if split >= used:
+                return
+        if head0 >= num_rows:  # a row tile past this request's tokens
+            return
+    lo, hi = split_range(seq_len, split, used, BLOCK_N)
     num_tiles = gl.cdiv(gl.maximum(hi - lo, 0), BLOCK_N)
 
     dtype: gl.constexpr = q_desc.dtype
@@ -321,16 +408,19 @@ def mla_decode_sm90_kernel(
 
     gl.warp_specialize([
         (_scorer, (q_ptr, q_desc, q_smem, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, q_ready, kv_ready,
-                   p_ready, p_empty, done, seq * num_heads + head0, lo, hi, num_tiles, qk_scale, L_HALF,
-                   cpe_desc.block_type.shape[1], BLOCK_N, NUM_STAGES, P_STAGES, RESCALE_SLACK)),
+                   p_ready, p_empty, done, out_seq * num_heads + head0, lo, hi, num_tiles, qk_scale, L_HALF,
+                   cpe_desc.block_type.shape[1], BLOCK_N, NUM_STAGES, P_STAGES, RESCALE_SLACK, head0, num_heads,
+                   num_q_rows, ctx, out_seq, n_new, tree_mask_ptr, VERIFY, TREE)),
         (_valuer, (0, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT, out_seq, num_rows,
+                   direct)),
         (_valuer, (1, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT, out_seq, num_rows,
+                   direct)),
     # Registers: the value warpgroups keep 160 a thread (a 128-register accumulator and the loop; at 152 ptxas
     # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left,
     # which loosens ptxas's schedule of the softmax (faster than 168 each).

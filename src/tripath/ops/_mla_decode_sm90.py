@@ -1,5 +1,7 @@
-"""Launcher of the warp-specialised Gluon MLA decode kernel (``mla_decode(..., variant="gluon")``, sm_90, and
-``variant="auto"`` wherever :func:`gluon_unsupported` finds nothing against it)."""
+"""Launchers of the warp-specialised Gluon MLA decode kernels (``mla_decode(..., variant="gluon")``, sm_90, and
+``variant="auto"`` wherever :func:`gluon_unsupported` finds nothing against it), and of the many-heads kernel
+as a verify (``mla_verify(..., variant="gluon")``, and ``"auto"`` where :func:`gluon_verify_unsupported` finds
+nothing against it)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ FEW_HEADS = (8, 16, 32)
 FEW_BLOCK_N = 64  # cache rows per tile = the M of the transposed wgmma (cache rows as its rows)
 FEW_PAGE_SIZES = (16, 32)  # smaller blocks: a tile gathers 64 / block_size pages, one TMA copy each
 FEW_STAGES = 2  # two 72 KiB tiles beside the query: within the 227 KiB of shared memory
+VERIFY_MIN_SPLIT_TILES = 4  # a verify's request splits its rows no finer than 4 tiles a split (as the decode's
+# host choice does with the table's width; a verify decides on the device, from its own length)
 
 
 def is_few_heads(num_heads: int) -> bool:
@@ -36,6 +40,22 @@ def block_n(num_heads: int) -> int:
 
 def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
     """Why ``variant="gluon"`` cannot run this call (None when it can)."""
+    reason = _common_unsupported(platform, q, kv_cache, kv_lora_rank)
+    if reason is not None:
+        return reason
+    num_heads = q.shape[1]
+    if num_heads % 64 and not is_few_heads(num_heads):
+        return f"needs 8, 16, 32 or a multiple of 64 heads, got {num_heads}"
+    block_size = kv_cache.shape[1]
+    if is_few_heads(num_heads) and not (block_size % FEW_BLOCK_N == 0 or block_size in FEW_PAGE_SIZES):
+        return f"needs a block size of 16, 32 or a multiple of {FEW_BLOCK_N} for {num_heads} heads, got {block_size}"
+    if not is_few_heads(num_heads) and block_size % BLOCK_N:
+        return f"needs a block size that is a multiple of {BLOCK_N}, got {block_size}"
+    return None
+
+
+def _common_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """What both Gluon kernels need of the GPU, the dtypes, the latent geometry and the layouts."""
     num_heads, width = q.shape[1], q.shape[2]
     if not platform.is_hopper:
         return f"needs sm_90, got {platform.backend} {platform.arch}"
@@ -47,13 +67,6 @@ def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tenso
         return f"needs a 16-bit query and cache of one dtype, got {q.dtype} / {kv_cache.dtype}"
     if kv_lora_rank != 512 or width - kv_lora_rank != 64:
         return f"needs kv_lora_rank 512 and a 64-wide rotary part, got {kv_lora_rank} + {width - kv_lora_rank}"
-    if num_heads % 64 and not is_few_heads(num_heads):
-        return f"needs 8, 16, 32 or a multiple of 64 heads, got {num_heads}"
-    block_size = kv_cache.shape[1]
-    if is_few_heads(num_heads) and not (block_size % FEW_BLOCK_N == 0 or block_size in FEW_PAGE_SIZES):
-        return f"needs a block size of 16, 32 or a multiple of {FEW_BLOCK_N} for {num_heads} heads, got {block_size}"
-    if not is_few_heads(num_heads) and block_size % BLOCK_N:
-        return f"needs a block size that is a multiple of {BLOCK_N}, got {block_size}"
     if q.stride(2) != 1 or q.stride(1) != width or q.stride(0) != num_heads * width:
         return "needs a contiguous query"
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) != kv_cache.shape[1] * width:
@@ -99,5 +112,53 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
         block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
         kv_cache.shape[1],
         BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, num_splits=num_splits, SPLIT=num_splits > 1,
-        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, TMA_OUT=tma_out, num_warps=4, maxnreg=MAXNREG,
+        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, TMA_OUT=tma_out,
+        cu_seqlens_q_ptr=seq_lens, tree_mask_ptr=seq_lens, splits_used_ptr=seq_lens, num_q_rows=0,
+        min_split_tiles=1, VERIFY=False, TREE=False, num_warps=4, maxnreg=MAXNREG,
+    )
+
+
+def gluon_verify_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+                             out: torch.Tensor | None) -> str | None:
+    """Why :func:`launch_mla_verify_sm90` cannot run this verify (None when it can): the many-heads kernel's
+    conditions on the query, the cache and its block size; any head count (a verify's rows are its tokens'
+    heads); ``out`` contiguous."""
+    reason = _common_unsupported(platform, q, kv_cache, kv_lora_rank)
+    if reason is None and kv_cache.shape[1] % BLOCK_N:
+        reason = f"needs a block size that is a multiple of {BLOCK_N}, got {kv_cache.shape[1]}"
+    if reason is None and out is not None and not out.is_contiguous():
+        reason = "needs a contiguous out"
+    return reason
+
+
+def verify_row_blocks(max_query_len: int, num_heads: int) -> int:
+    """The verify grid's first dimension: 64-row tiles of the longest request's (token, head) rows."""
+    return -(-max_query_len * num_heads // 64)
+
+
+def launch_mla_verify_sm90(launch, q, kv_cache, block_table, seq_lens, cu_seqlens_q, max_query_len: int, tree_mask,
+                           out, lse, part_out, part_lse, splits_used, sm_scale, num_splits: int, return_lse: bool,
+                           kv_lora_rank: int) -> None:
+    """The verify of :func:`tripath.ops.mla_verify` on the many-heads kernel (``VERIFY``): ``q [T, H, L + R]``,
+    ``out [T, H, L]`` and ``lse [T, H]`` contiguous, partials ``[T, H, S, L]`` for ``S = num_splits > 1``."""
+    from tripath.kernels.mla_decode_sm90 import mla_decode_sm90_kernel
+
+    num_tokens, num_heads, width = q.shape
+    half = kv_lora_rank // 2
+    q2 = q.reshape(num_tokens * num_heads, width)
+    c2 = kv_cache.reshape(kv_cache.shape[0] * kv_cache.shape[1], width)
+    q_desc = _descriptor(q2, [64, half])
+    batch = cu_seqlens_q.shape[0] - 1
+    launch(
+        mla_decode_sm90_kernel, (verify_row_blocks(max_query_len, num_heads), batch, num_splits), q2, q_desc,
+        _descriptor(c2, [BLOCK_N, half]), _descriptor(c2, [BLOCK_N, width - kv_lora_rank]),
+        block_table, seq_lens, out, q_desc, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
+        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
+        kv_cache.shape[1],
+        BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, num_splits=num_splits, SPLIT=num_splits > 1,
+        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, TMA_OUT=False,
+        cu_seqlens_q_ptr=cu_seqlens_q, tree_mask_ptr=tree_mask if tree_mask is not None else seq_lens,
+        splits_used_ptr=splits_used, num_q_rows=num_tokens * num_heads, min_split_tiles=VERIFY_MIN_SPLIT_TILES,
+        VERIFY=True, TREE=tree_mask is not None,
+        num_warps=4, maxnreg=MAXNREG,
     )

@@ -1,6 +1,6 @@
 """The portability check's calls of the absorbed MLA verify (:mod:`tripath.ops.mla_verify`): DeepSeek's latent
 geometry at 16 heads (TP 8) and 128, 4 new tokens a request, chains and draft trees, bf16 and fp8 caches and
-queries, one split and several. :func:`tripath.portability.compile_scenarios.all_scenarios` adds :func:`rows`,
+queries, one split and several; the portable kernel everywhere and, on sm_90, the Gluon kernel's verify. :func:`tripath.portability.compile_scenarios.all_scenarios` adds :func:`rows`,
 handing over its latent-cache maker."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ TOKENS = 4   # new tokens a request: a pending token and 3 drafts
 
 
 def build_mla_verify(platform: Platform, *, make_cache: Callable, num_heads: int, fp8_cache: bool,
-                     fp8_query: bool, tree: bool, num_splits: int) -> None:
+                     fp8_query: bool, tree: bool, num_splits: int, variant: str = "triton") -> None:
     kv_cache, scale = make_cache(platform, fp8_cache, block_size=64)
     batch, context_blocks = 4, 64
     q = torch.randn(batch * TOKENS, num_heads, MLA_L + MLA_R).to(torch.bfloat16)
@@ -28,7 +28,7 @@ def build_mla_verify(platform: Platform, *, make_cache: Callable, num_heads: int
     tree_mask = torch.tensor([1, 3, 5, 11] * batch, dtype=torch.int32) if tree else None   # two branches
     mla_verify(q, kv_cache, torch.zeros(batch, context_blocks, dtype=torch.int32),
                torch.full((batch,), context_blocks * 64, dtype=torch.int32), cu, TOKENS, kv_lora_rank=MLA_L,
-               sm_scale=1.0 / (128 + 64) ** 0.5, tree_mask=tree_mask, num_splits=num_splits, **scale)
+               sm_scale=1.0 / (128 + 64) ** 0.5, tree_mask=tree_mask, num_splits=num_splits, variant=variant, **scale)
 
 
 def rows(make_cache: Callable) -> list[tuple[str, object, bool, dict]]:
@@ -47,4 +47,9 @@ def rows(make_cache: Callable) -> list[tuple[str, object, bool, dict]]:
     out.append(("MLA verify H=16 bf16 one split", build_mla_verify, False,
                 dict(make_cache=make_cache, num_heads=16, fp8_cache=False, fp8_query=False, tree=False,
                      num_splits=1)))
+    for heads, tree, splits in ((16, False, 4), (16, True, 4), (16, False, 1), (128, True, 4)):
+        name = f"MLA verify gluon H={heads} bf16{' tree' if tree else ''}{' one split' if splits == 1 else ''} (sm_90)"
+        out.append((name, build_mla_verify, heads == 16 and splits == 4,
+                    dict(make_cache=make_cache, num_heads=heads, fp8_cache=False, fp8_query=False, tree=tree,
+                         num_splits=splits, variant="gluon", targets=("sm90",))))
     return out

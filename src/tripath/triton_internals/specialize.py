@@ -16,7 +16,7 @@ does not have are ignored.
 """
 
 STEP_INTS = ("stride_bt", "num_seqs", "num_m_blocks", "num_splits", "fill_splits", "min_split_tiles", "num_tokens",
-             "batch", "num_rows", "kv_split")
+             "batch", "num_rows", "kv_split", "num_q_rows")
 STEP_INDEX_POINTERS = ("block_table_ptr", "seq_lens_ptr", "cu_seqlens_ptr", "cu_seqlens_q_ptr", "cu_seqlens_k_ptr",
                        "q_start_ptr", "seq_starts_ptr", "splits_used_ptr", "slot_mapping_ptr", "positions_ptr",
                        "context_lens_ptr", "tree_mask_ptr", "k_scale_ptr", "v_scale_ptr", "kv_scale_ptr",

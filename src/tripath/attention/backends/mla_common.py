@@ -36,10 +36,16 @@ from tripath.attention.spec import MLACache, MLALayerWeights
 from tripath.attention.validate import expect, host_ints
 from tripath.ops import (concat_and_cache_mla, concat_mla_query, fused_qk_rope_concat_and_cache_mla,
                          gather_mla_cache, merge_states, mla_decode, mla_verify, rotary_embedding, varlen_attention)
+from tripath.ops.mla_verify import gluon_verify_applies
 from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.platform import FP8_DTYPES
 
 FLOAT_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Chains of this many tokens a verify or more take the Gluon verify under verify_kernel "auto". Decode rows cost
+# about a decode per token, the Gluon verify about 1.1-1.5 decodes whatever the count but ~3 µs more at short
+# contexts (16 heads, H100): at 8 tokens it was faster from 8 x 2112 and 32 x 576 on, at 4 tokens only from
+# 32 x 2112 (docs/BENCHMARKS.md, Speculative decoding).
+PACKED_VERIFY_MIN_TOKENS = 8
 
 
 @dataclass
@@ -113,10 +119,11 @@ class MLABackendBase(MLAAttentionBackend):
     decode_variant: ClassVar[str] = "packed"
     fused_prep: ClassVar[bool] = False
     # Verifies of chains (several tokens a request, no tree): "rows", each token a decode row of the decode
-    # kernels (MLAMetadata.decode_rows: each reads its request's cache rows), or "packed", the verify kernel
-    # (tripath.ops.mla_verify: every token and head of a request in one tile, each cache row read once for
-    # them). Draft trees always take the verify kernel.
-    verify_kernel: ClassVar[str] = "rows"
+    # kernels (MLAMetadata.decode_rows: each reads its request's cache rows), "packed", the verify kernel
+    # (tripath.ops.mla_verify: every token and head of a request in one program, each cache row read once for
+    # them), or "auto": "packed" where mla_verify runs the Gluon kernel (sm_90, 16-bit) and verifies bring
+    # PACKED_VERIFY_MIN_TOKENS tokens or more, else "rows". Draft trees always take the verify kernel.
+    verify_kernel: ClassVar[str] = "auto"
 
     @classmethod
     def unsupported_reasons(cls, spec, device) -> list[str]:
@@ -282,7 +289,10 @@ class MLABackendBase(MLAAttentionBackend):
         options = dict(kv_lora_rank=lat, sm_scale=self.sm_scale, kv_scale=self._kv_scale(cache), q_scale=q_scale,
                        num_splits=d.num_splits, out=o_latent)
         trees = d.verify.tree_mask if d.verify is not None else None
-        if trees is not None or (rows is not None and self.verify_kernel == "packed"):
+        packed = self.verify_kernel == "packed" or (
+            self.verify_kernel == "auto" and d.max_query_len >= PACKED_VERIFY_MIN_TOKENS
+            and gluon_verify_applies(q_decode, cache.kv_cache, lat, o_latent))
+        if trees is not None or (rows is not None and packed):
             # every token and head of a request in one tile (each cache row read once for them), along the
             # draft trees' masks (one-token decodes: their own bit)
             bits = None if trees is None else torch.cat(
