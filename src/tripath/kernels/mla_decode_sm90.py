@@ -216,9 +216,11 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
             block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0,
             split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, num_splits, SPLIT: gl.constexpr,
-            RETURN_LSE: gl.constexpr, TMA_OUT: gl.constexpr, out_seq, num_rows, direct):
+            RETURN_LSE: gl.constexpr, TMA_OUT: gl.constexpr, VERIFY: gl.constexpr, out_seq, num_rows, direct):
     """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 rows (heads, or a verify's
-    token-major heads); ``seq`` the request (its block-table row), ``out_seq`` the output's row block."""
+    token-major heads); ``seq`` the request (its block-table row); with ``VERIFY`` ``out_seq`` the output's row
+    block, ``num_rows`` its rows and ``direct`` whether its one split writes ``out`` (a decode passes 0 for the
+    three: nothing more is captured, and its epilogue is the decode's own)."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, L_HALF, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -268,9 +270,9 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
     out_smem = None
     if TMA_OUT:  # one TMA store of this warpgroup's [64, L/2] output tile, staged in the (now free) ring
         out_smem = c_smem._reinterpret(out_desc.dtype, [NUM_STAGES, HEADS, L_HALF], out_desc.layout).index(half)
-    store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, out_seq, head0, split, num_heads,
-               stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, num_splits, SPLIT, RETURN_LSE, num_rows, out_desc,
-               out_smem, direct)
+    store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, out_seq if VERIFY else seq, head0,
+               split, num_heads, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, num_splits, SPLIT,
+               RETURN_LSE, num_rows if VERIFY else num_heads, out_desc, out_smem, direct if VERIFY else False)
 
 
 @gluon.jit
@@ -414,13 +416,13 @@ def mla_decode_sm90_kernel(
         (_valuer, (0, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT, out_seq, num_rows,
-                   direct)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT, VERIFY,
+                   out_seq if VERIFY else 0, num_rows if VERIFY else 0, direct if VERIFY else 0)),
         (_valuer, (1, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
-                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT, out_seq, num_rows,
-                   direct)),
+                   L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT, VERIFY,
+                   out_seq if VERIFY else 0, num_rows if VERIFY else 0, direct if VERIFY else 0)),
     # Registers: the value warpgroups keep 160 a thread (a 128-register accumulator and the loop; at 152 ptxas
     # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left,
     # which loosens ptxas's schedule of the softmax (faster than 168 each).
