@@ -118,18 +118,19 @@ def test_yarn_scale_block_size_and_fp8_query(name):
     check_against_torch(name, spec, [(150, 1), (70, 1), (200, 20), (0, 7)], q_scale=q_scale)
 
 
-@pytest.mark.parametrize("verify_kernel, gluon, min_tokens, packed", [
-    ("rows", True, 2, False), ("packed", False, 8, True), ("auto", False, 2, False), ("auto", True, 2, True),
-    ("auto", True, 4, False)])
+@pytest.mark.parametrize("verify_kernel, gluon, min_tokens, heads, packed", [
+    ("rows", True, 2, 4, False), ("packed", False, 8, 4, True), ("auto", False, 2, 4, False),
+    ("auto", True, 2, 4, True), ("auto", True, 4, 4, False), ("auto", True, 2, 64, False)])
 @pytest.mark.parametrize("name", ["mla", "mla_triton"])
-def test_speculative_decodes(name, verify_kernel, gluon, min_tokens, packed, monkeypatch):
+def test_speculative_decodes(name, verify_kernel, gluon, min_tokens, heads, packed, monkeypatch):
     """Verifies of chains (3 tokens at most here): a decode row a token (the decode kernels), or every token and
     head of a request in one program (``verify_kernel = "packed"``: ``mla_verify``, which then launches instead
     of the decode kernel); ``"auto"`` packs them where ``mla_verify`` runs its Gluon kernel (here: told it does
-    or not) and the step's verifies bring ``PACKED_VERIFY_MIN_TOKENS`` tokens or more."""
+    or not), the layer has fewer than 64 heads and the step's verifies bring ``PACKED_VERIFY_MIN_TOKENS``
+    tokens or more."""
     from tripath.attention.backends import mla_common
 
-    spec = mla_spec(decode_threshold=3, extend_chunk_budget=64)
+    spec = mla_spec(heads=heads, decode_threshold=3, extend_chunk_budget=64)
     monkeypatch.setattr(type(select_backend(spec, name, DEVICE)), "verify_kernel", verify_kernel)
     monkeypatch.setattr(mla_common, "gluon_verify_applies", lambda *a: gluon)
     monkeypatch.setattr(mla_common, "PACKED_VERIFY_MIN_TOKENS", min_tokens)

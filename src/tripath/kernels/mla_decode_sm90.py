@@ -43,6 +43,11 @@ Output: ``out [B, H, L]`` for one split, else fp32 partials ``[B, H, S, L]`` and
 the ring, free once all three warpgroups have passed ``done``, and stores it with one TMA copy: every
 program finishes at about the same time, and pointer stores of that burst cost a measurable share of a
 program's time.
+
+The same kernel verifies (``VERIFY``, :func:`tripath.ops.mla_verify` on sm_90): a request's new tokens × heads,
+token-major, take the place of the heads, 64 of those rows a program, each row masked to the keys its token
+sees (the context and, among the new tokens, its chain prefix or its draft tree's ancestors), so each cache row
+is read once for every token of the request (see the kernel's docstring). A decode compiles without any of it.
 """
 
 from triton.experimental import gluon
@@ -375,7 +380,7 @@ def mla_decode_sm90_kernel(
             used = gl.maximum(gl.minimum(num_splits, gl.cdiv(seq_len, BLOCK_N) // min_split_tiles), 1)
             direct = used == 1
             if head0 == 0 and split == 0:
-                toks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [4], [0]))
+                toks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [4], [0]))  # MAX_VERIFY_TOKENS
                 gl.store(splits_used_ptr + out_seq + toks, gl.full([16], 0, gl.int32, toks.type.layout) + used,
                          mask=toks < n_new)
             if split >= used:

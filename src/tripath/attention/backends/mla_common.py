@@ -41,8 +41,9 @@ from tripath.constants import MAX_HEAD_SIZE, MIN_HEAD_SIZE
 from tripath.platform import FP8_DTYPES
 
 FLOAT_TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Chains of this many tokens a verify or more take the Gluon verify under verify_kernel "auto". Decode rows cost
-# about a decode per token, the Gluon verify about 1.1-1.5 decodes whatever the count but ~3 µs more at short
+# Chains of this many tokens a verify or more take the Gluon verify under verify_kernel "auto" (with fewer than
+# 64 heads: from 64 on, a 64-row tile holds one token's heads either way, and decode rows were faster). Decode
+# rows cost about a decode per token, the Gluon verify 1.1-2.4 decodes at 4-8 tokens but ~3 µs more at short
 # contexts (16 heads, H100): at 8 tokens it was faster from 8 x 2112 and 32 x 576 on, at 4 tokens only from
 # 32 x 2112 (docs/BENCHMARKS.md, Speculative decoding).
 PACKED_VERIFY_MIN_TOKENS = 8
@@ -121,8 +122,9 @@ class MLABackendBase(MLAAttentionBackend):
     # Verifies of chains (several tokens a request, no tree): "rows", each token a decode row of the decode
     # kernels (MLAMetadata.decode_rows: each reads its request's cache rows), "packed", the verify kernel
     # (tripath.ops.mla_verify: every token and head of a request in one program, each cache row read once for
-    # them), or "auto": "packed" where mla_verify runs the Gluon kernel (sm_90, 16-bit) and verifies bring
-    # PACKED_VERIFY_MIN_TOKENS tokens or more, else "rows". Draft trees always take the verify kernel.
+    # them), or "auto": "packed" where mla_verify runs the Gluon kernel (sm_90, 16-bit), the layer has fewer
+    # than 64 heads and verifies bring PACKED_VERIFY_MIN_TOKENS tokens or more, else "rows". Draft trees always
+    # take the verify kernel.
     verify_kernel: ClassVar[str] = "auto"
 
     @classmethod
@@ -291,7 +293,7 @@ class MLABackendBase(MLAAttentionBackend):
         trees = d.verify.tree_mask if d.verify is not None else None
         packed = self.verify_kernel == "packed" or (
             self.verify_kernel == "auto" and d.max_query_len >= PACKED_VERIFY_MIN_TOKENS
-            and gluon_verify_applies(q_decode, cache.kv_cache, lat, o_latent))
+            and q_decode.shape[1] < 64 and gluon_verify_applies(q_decode, cache.kv_cache, lat, o_latent))
         if trees is not None or (rows is not None and packed):
             # every token and head of a request in one tile (each cache row read once for them), along the
             # draft trees' masks (one-token decodes: their own bit)
