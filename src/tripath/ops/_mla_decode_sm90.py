@@ -80,8 +80,6 @@ def _descriptor(t2d: torch.Tensor, block: list[int]):
 
 def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse, part_out, part_lse, sm_scale,
                            num_splits: int, return_lse: bool, kv_lora_rank: int) -> None:
-    from tripath.kernels.mla_decode_sm90 import mla_decode_sm90_kernel
-
     batch, num_heads, width = q.shape
     half = kv_lora_rank // 2
     q2 = q.reshape(batch * num_heads, width)
@@ -105,16 +103,26 @@ def launch_mla_decode_sm90(launch, q, kv_cache, block_table, seq_lens, out, lse,
     # its output tile by TMA; otherwise by pointer stores.
     tma_out = num_splits == 1 and out.is_contiguous() and out.dtype == q.dtype and out.data_ptr() % 16 == 0
     out_desc = _descriptor(out.view(batch * num_heads, kv_lora_rank), [64, half]) if tma_out else q_desc
+    _launch_many_heads(launch, (num_heads // 64, batch, num_splits), q2, q_desc, c2, block_table, seq_lens, out,
+                       out_desc, lse, part_out, part_lse, sm_scale, num_heads, kv_cache.shape[1], kv_lora_rank,
+                       num_splits, return_lse, TMA_OUT=tma_out, cu_seqlens_q_ptr=seq_lens, tree_mask_ptr=seq_lens,
+                       splits_used_ptr=seq_lens, num_q_rows=0, min_split_tiles=1, VERIFY=False, TREE=False)
+
+
+def _launch_many_heads(launch, grid, q2, q_desc, c2, block_table, seq_lens, out, out_desc, lse, part_out, part_lse,
+                       sm_scale, num_heads: int, block_size: int, kv_lora_rank: int, num_splits: int, return_lse: bool,
+                       **mode) -> None:
+    """One launch of the many-heads kernel on the rows ``q2 [rows, L + R]`` and the cache rows ``c2``; ``mode``:
+    the decode's or the verify's own arguments (``TMA_OUT`` and the ``VERIFY`` ones)."""
+    from tripath.kernels.mla_decode_sm90 import mla_decode_sm90_kernel
+
+    half, rope = kv_lora_rank // 2, q2.shape[1] - kv_lora_rank
     launch(
-        mla_decode_sm90_kernel, (num_heads // 64, batch, num_splits), q2, q_desc,
-        _descriptor(c2, [BLOCK_N, half]), _descriptor(c2, [BLOCK_N, width - kv_lora_rank]),
+        mla_decode_sm90_kernel, grid, q2, q_desc, _descriptor(c2, [BLOCK_N, half]), _descriptor(c2, [BLOCK_N, rope]),
         block_table, seq_lens, out, out_desc, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
-        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
-        kv_cache.shape[1],
+        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads, block_size,
         BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, num_splits=num_splits, SPLIT=num_splits > 1,
-        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, TMA_OUT=tma_out,
-        cu_seqlens_q_ptr=seq_lens, tree_mask_ptr=seq_lens, splits_used_ptr=seq_lens, num_q_rows=0,
-        min_split_tiles=1, VERIFY=False, TREE=False, num_warps=4, maxnreg=MAXNREG,
+        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, num_warps=4, maxnreg=MAXNREG, **mode,
     )
 
 
@@ -141,24 +149,13 @@ def launch_mla_verify_sm90(launch, q, kv_cache, block_table, seq_lens, cu_seqlen
                            kv_lora_rank: int) -> None:
     """The verify of :func:`tripath.ops.mla_verify` on the many-heads kernel (``VERIFY``): ``q [T, H, L + R]``,
     ``out [T, H, L]`` and ``lse [T, H]`` contiguous, partials ``[T, H, S, L]`` for ``S = num_splits > 1``."""
-    from tripath.kernels.mla_decode_sm90 import mla_decode_sm90_kernel
-
     num_tokens, num_heads, width = q.shape
-    half = kv_lora_rank // 2
     q2 = q.reshape(num_tokens * num_heads, width)
     c2 = kv_cache.reshape(kv_cache.shape[0] * kv_cache.shape[1], width)
-    q_desc = _descriptor(q2, [64, half])
-    batch = cu_seqlens_q.shape[0] - 1
-    launch(
-        mla_decode_sm90_kernel, (verify_row_blocks(max_query_len, num_heads), batch, num_splits), q2, q_desc,
-        _descriptor(c2, [BLOCK_N, half]), _descriptor(c2, [BLOCK_N, width - kv_lora_rank]),
-        block_table, seq_lens, out, q_desc, lse, part_out, part_lse, float(sm_scale) * 1.4426950408889634,
-        block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), num_heads,
-        kv_cache.shape[1],
-        BLOCK_N=BLOCK_N, NUM_STAGES=NUM_STAGES, P_STAGES=P_STAGES, num_splits=num_splits, SPLIT=num_splits > 1,
-        RETURN_LSE=bool(return_lse), RESCALE_SLACK=RESCALE_SLACK, TMA_OUT=False,
-        cu_seqlens_q_ptr=cu_seqlens_q, tree_mask_ptr=tree_mask if tree_mask is not None else seq_lens,
-        splits_used_ptr=splits_used, num_q_rows=num_tokens * num_heads, min_split_tiles=VERIFY_MIN_SPLIT_TILES,
-        VERIFY=True, TREE=tree_mask is not None,
-        num_warps=4, maxnreg=MAXNREG,
-    )
+    q_desc = _descriptor(q2, [64, kv_lora_rank // 2])
+    grid = (verify_row_blocks(max_query_len, num_heads), cu_seqlens_q.shape[0] - 1, num_splits)
+    _launch_many_heads(launch, grid, q2, q_desc, c2, block_table, seq_lens, out, q_desc, lse, part_out, part_lse,
+                       sm_scale, num_heads, kv_cache.shape[1], kv_lora_rank, num_splits, return_lse, TMA_OUT=False,
+                       cu_seqlens_q_ptr=cu_seqlens_q, tree_mask_ptr=tree_mask if tree_mask is not None else seq_lens,
+                       splits_used_ptr=splits_used, num_q_rows=num_tokens * num_heads,
+                       min_split_tiles=VERIFY_MIN_SPLIT_TILES, VERIFY=True, TREE=tree_mask is not None)
