@@ -40,7 +40,7 @@ def block_n(num_heads: int) -> int:
 
 def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
     """Why ``variant="gluon"`` cannot run this call (None when it can)."""
-    reason = _common_unsupported(platform, q, kv_cache, kv_lora_rank)
+    reason = _target_unsupported(platform, q, kv_cache, kv_lora_rank)
     if reason is not None:
         return reason
     num_heads = q.shape[1]
@@ -51,12 +51,12 @@ def gluon_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tenso
         return f"needs a block size of 16, 32 or a multiple of {FEW_BLOCK_N} for {num_heads} heads, got {block_size}"
     if not is_few_heads(num_heads) and block_size % BLOCK_N:
         return f"needs a block size that is a multiple of {BLOCK_N}, got {block_size}"
-    return None
+    return _layout_unsupported(q, kv_cache)
 
 
-def _common_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
-    """What both Gluon kernels need of the GPU, the dtypes, the latent geometry and the layouts."""
-    num_heads, width = q.shape[1], q.shape[2]
+def _target_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> str | None:
+    """What both Gluon kernels need of the GPU, the dtypes and the latent geometry."""
+    width = q.shape[2]
     if not platform.is_hopper:
         return f"needs sm_90, got {platform.backend} {platform.arch}"
     if _env.gluon_disabled():
@@ -67,6 +67,12 @@ def _common_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torch.Ten
         return f"needs a 16-bit query and cache of one dtype, got {q.dtype} / {kv_cache.dtype}"
     if kv_lora_rank != 512 or width - kv_lora_rank != 64:
         return f"needs kv_lora_rank 512 and a 64-wide rotary part, got {kv_lora_rank} + {width - kv_lora_rank}"
+    return None
+
+
+def _layout_unsupported(q: torch.Tensor, kv_cache: torch.Tensor) -> str | None:
+    """What both Gluon kernels need of the layouts: a contiguous query and cache."""
+    num_heads, width = q.shape[1], q.shape[2]
     if q.stride(2) != 1 or q.stride(1) != width or q.stride(0) != num_heads * width:
         return "needs a contiguous query"
     if kv_cache.stride(2) != 1 or kv_cache.stride(1) != width or kv_cache.stride(0) != kv_cache.shape[1] * width:
@@ -131,9 +137,10 @@ def gluon_verify_unsupported(platform: Platform, q: torch.Tensor, kv_cache: torc
     """Why :func:`launch_mla_verify_sm90` cannot run this verify (None when it can): the many-heads kernel's
     conditions on the query, the cache and its block size; any head count (a verify's rows are its tokens'
     heads); ``out`` contiguous."""
-    reason = _common_unsupported(platform, q, kv_cache, kv_lora_rank)
+    reason = _target_unsupported(platform, q, kv_cache, kv_lora_rank)
     if reason is None and kv_cache.shape[1] % BLOCK_N:
         reason = f"needs a block size that is a multiple of {BLOCK_N}, got {kv_cache.shape[1]}"
+    reason = reason or _layout_unsupported(q, kv_cache)
     if reason is None and out is not None and not out.is_contiguous():
         reason = "needs a contiguous out"
     return reason
