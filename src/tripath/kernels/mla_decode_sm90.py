@@ -221,11 +221,10 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
             block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0,
             split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr,
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, P_STAGES: gl.constexpr, num_splits, SPLIT: gl.constexpr,
-            RETURN_LSE: gl.constexpr, TMA_OUT: gl.constexpr, VERIFY: gl.constexpr, out_seq, num_rows, direct):
+            RETURN_LSE: gl.constexpr, TMA_OUT: gl.constexpr, VERIFY: gl.constexpr, out_seq, num_rows):
     """A value warpgroup: output columns ``half · L_HALF + [0, L_HALF)`` of the 64 rows (heads, or a verify's
     token-major heads); ``seq`` the request (its block-table row); with ``VERIFY`` ``out_seq`` the output's row
-    block, ``num_rows`` its rows and ``direct`` whether its one split writes ``out`` (a decode passes 0 for the
-    three: nothing more is captured, and its epilogue is the decode's own)."""
+    block and ``num_rows`` its rows (a decode passes 0 for both: nothing more is captured)."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, L_HALF, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -277,21 +276,20 @@ def _valuer(half, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_sme
         out_smem = c_smem._reinterpret(out_desc.dtype, [NUM_STAGES, HEADS, L_HALF], out_desc.layout).index(half)
     store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, out_seq if VERIFY else seq, head0,
                split, num_heads, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF, num_splits, SPLIT,
-               RETURN_LSE, num_rows if VERIFY else num_heads, out_desc, out_smem, direct if VERIFY else False)
+               RETURN_LSE, num_rows if VERIFY else num_heads, out_desc, out_smem)
 
 
 @gluon.jit
 def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, seq, head0, split, num_heads,
                stride_o_b, stride_o_h, stride_lse_b, stride_lse_h, L_HALF: gl.constexpr, num_splits, SPLIT: gl.constexpr,
-               RETURN_LSE: gl.constexpr, num_rows, out_desc=None, out_smem=None, direct=False):
+               RETURN_LSE: gl.constexpr, num_rows, out_desc=None, out_smem=None):
     """The epilogue of a warpgroup that holds output columns ``half · L/2 + [0, L/2)`` of 64 heads:
     ``acc [64, L/2]`` normalised by the row sums ``l_i`` into ``out [B, H, L]`` (one split) or the fp32
     partials, and (warpgroup of half 0) the LSE from the row maxima ``m_i`` (log2 domain). Given
     ``out_desc`` (over ``out`` as ``[B·H, L]``) and a free ``[64, L/2]`` shared buffer ``out_smem``, the
     one-split output goes through ``out_smem`` and a TMA store instead of pointer stores. Rows from
     ``num_rows`` on (``num_heads`` for a decode) are not stored: a verify's ``seq`` is its first token and its rows
-    run over its tokens' heads (``out [T, H, L]`` contiguous). ``direct`` (a verify's request that took one of
-    its splits): ``out`` itself although ``SPLIT``."""
+    run over its tokens' heads (``out [T, H, L]`` contiguous)."""
     o_layout: gl.constexpr = acc.type.layout
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     seen = l_i > 0.0
@@ -309,30 +307,16 @@ def store_half(acc, m_i, l_i, half, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr
             gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=head_ok)
         tma.store_wait(0)
     elif not SPLIT:
-        _store_out(out, lse, half, out_ptr, lse_ptr, seq, heads, cols, head_ok, stride_o_b, stride_o_h, stride_lse_b,
-                   stride_lse_h, RETURN_LSE)
-    elif direct:
-        _store_out(out, lse, half, out_ptr, lse_ptr, seq, heads, cols, head_ok, stride_o_b, stride_o_h, stride_lse_b,
-                   stride_lse_h, RETURN_LSE)
+        ptrs = (out_ptr + seq.to(gl.int64) * stride_o_b + gl.expand_dims(heads * stride_o_h, 1)
+                + gl.expand_dims(cols, 0))
+        gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok)
+        if RETURN_LSE and half == 0:
+            gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=head_ok)
     else:
         part = (seq.to(gl.int64) * num_heads + heads) * num_splits + split
         gl.store(part_out_ptr + gl.expand_dims(part * (2 * L_HALF), 1) + gl.expand_dims(cols, 0), out, mask=row_ok)
         if half == 0:
             gl.store(part_lse_ptr + part, lse, mask=head_ok)
-
-
-@gluon.jit
-def _store_out(out, lse, half, out_ptr, lse_ptr, seq, heads, cols, head_ok, stride_o_b, stride_o_h, stride_lse_b,
-               stride_lse_h, RETURN_LSE: gl.constexpr):
-    """Rows ``heads`` (where ``head_ok``) of ``out [B, H, L]``'s columns ``cols`` by pointer stores, and the LSE
-    from the warpgroup of half 0."""
-    ptrs = (out_ptr + seq.to(gl.int64) * stride_o_b + gl.expand_dims(heads * stride_o_h, 1)
-            + gl.expand_dims(cols, 0))
-    gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=gl.expand_dims(head_ok, 1))
-    if RETURN_LSE and half == 0:
-        gl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=head_ok)
-
-
 
 
 @gluon.jit(**STEP_INVARIANT)
@@ -356,10 +340,9 @@ def mla_decode_sm90_kernel(
     request side by side, as the head blocks of a decode). Token ``t`` at position ``seq_lens[b] - n_b + t``
     sees the context and, among the new tokens, those up to ``t`` (chains) or the bits of its ``tree_mask``
     entry (``TREE``). ``out [T, H, L]`` contiguous (``lse [T, H]`` contiguous). ``num_splits`` is an upper
-    bound: request ``b`` takes ``used = min(num_splits, ⌊tiles / min_split_tiles⌋)`` (at least 1) of them for
-    its ``tiles = ⌈seq_lens[b] / BLOCK_N⌉``, the programs past ``used`` return at once, one split writes ``out``
-    itself, and program ``(0, b, 0)`` stores ``used`` in ``splits_used`` for each of the request's tokens
-    (the merge's count)."""
+    bound: request ``b`` takes ``used = min(num_splits, ⌊tiles / min_split_tiles⌋)`` (at least 2) of them for
+    its ``tiles = ⌈seq_lens[b] / BLOCK_N⌉``, the programs past ``used`` return at once, and program ``(0, b, 0)``
+    stores ``used`` in ``splits_used`` for each of the request's tokens (the merge's count)."""
     L_HALF: gl.constexpr = q_desc.block_type.shape[1]
     head0 = gl.program_id(0) * HEADS  # the head blocks of a request run side by side: the second reads from L2
     seq = gl.program_id(1)
@@ -370,15 +353,14 @@ def mla_decode_sm90_kernel(
     ctx = seq_len
     n_new = 1
     used = num_splits
-    direct = False
     if VERIFY:
         out_seq = gl.load(cu_seqlens_q_ptr + seq)
         n_new = gl.load(cu_seqlens_q_ptr + seq + 1) - out_seq
         num_rows = n_new * num_heads
         ctx = seq_len - n_new
-        if SPLIT:  # the splits this request's own length calls for (a graph's num_splits follows its table width)
-            used = gl.maximum(gl.minimum(num_splits, gl.cdiv(seq_len, BLOCK_N) // min_split_tiles), 1)
-            direct = used == 1
+        if SPLIT:  # the splits this request's own length calls for (a graph's num_splits follows its table width),
+            # two at least: every program then writes partials, as a decode's do (one epilogue, fewer registers)
+            used = gl.maximum(gl.minimum(num_splits, gl.cdiv(seq_len, BLOCK_N) // min_split_tiles), 2)
             if head0 == 0 and split == 0:
                 toks = gl.arange(0, 16, layout=gl.BlockedLayout([1], [32], [4], [0]))  # MAX_VERIFY_TOKENS
                 gl.store(splits_used_ptr + out_seq + toks, gl.full([16], 0, gl.int32, toks.type.layout) + used,
@@ -422,12 +404,12 @@ def mla_decode_sm90_kernel(
                    done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
                    L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT, VERIFY,
-                   out_seq if VERIFY else 0, num_rows if VERIFY else 0, direct if VERIFY else 0)),
+                   out_seq if VERIFY else 0, num_rows if VERIFY else 0)),
         (_valuer, (1, c_desc, cpe_desc, c_smem, cpe_smem, p_smem, alpha_smem, ml_smem, kv_ready, p_ready, p_empty,
                    done, block_table_ptr, stride_bt, block_size, out_ptr, out_desc, lse_ptr, part_out_ptr, part_lse_ptr,
                    seq, head0, split, lo, num_heads, num_tiles, stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
                    L_HALF, BLOCK_N, NUM_STAGES, P_STAGES, num_splits, SPLIT, RETURN_LSE, TMA_OUT, VERIFY,
-                   out_seq if VERIFY else 0, num_rows if VERIFY else 0, direct if VERIFY else 0)),
+                   out_seq if VERIFY else 0, num_rows if VERIFY else 0)),
     # Registers: the value warpgroups keep 160 a thread (a 128-register accumulator and the loop; at 152 ptxas
     # ignored the limit and serialised their products), so setmaxnreg gives the score warpgroup the 184 left,
     # which loosens ptxas's schedule of the softmax (faster than 168 each).

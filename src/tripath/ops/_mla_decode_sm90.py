@@ -26,7 +26,9 @@ FEW_BLOCK_N = 64  # cache rows per tile = the M of the transposed wgmma (cache r
 FEW_PAGE_SIZES = (16, 32)  # smaller blocks: a tile gathers 64 / block_size pages, one TMA copy each
 FEW_STAGES = 2  # two 72 KiB tiles beside the query: within the 227 KiB of shared memory
 VERIFY_MIN_SPLIT_TILES = 4  # a verify's request splits its rows no finer than 4 tiles a split (as the decode's
-# host choice does with the table's width; a verify decides on the device, from its own length)
+# host choice does with the table's width; a verify decides on the device, from its own length), in 2 splits at
+# least where the launch has several (every program then has the decode's epilogue: under Triton 3.9 a runtime
+# choice between writing out and partials spilled 264 B)
 
 
 def is_few_heads(num_heads: int) -> bool:
