@@ -22,6 +22,7 @@ from tripath.triton_internals import launch, use_triton
 
 VERIFY_VARIANTS = ("auto", "gluon", "triton")
 
+
 def verify_launch(platform, rows: int, kv_elem_bytes: int, q_fp8: bool) -> dict:
     """``BLOCK_M`` (query rows of a program: ``max_query_len · H`` of them), ``BLOCK_N`` and the warps. The
     16-row tiles are the few-heads decode's (:func:`~tripath.ops._mla_configs.mla_decode_config`, which
