@@ -302,7 +302,9 @@ def test_a_16_mib_text_stalls_no_other_stream(smollm2, tmp_path):
     (a loaded machine's own pauses come and go), or half a second,
     ``/health`` answers within a second throughout; the /tokenize reply is whole, the prompts are refused as
     longer than ``max_model_len``. The texts are tokenised in the helper process, which the server's stop
-    ends."""
+    ends. An attack runs for a minute on a busy two-core machine (the helper yields the CPU), against baselines
+    of seconds: a victim gap over the bound is measured once more, and fails only if it comes again (as a stall
+    the attack causes would)."""
     server = ServerProcess([smollm2, "--served-model-name", "m"], tmp_path / "server.log", log_level="info")
     text = ("The quick brown fox jumps over the lazy dog. " * 400_000)[:TOKENIZE_ATTACK_BYTES - 256]
     bodies = {
@@ -317,25 +319,28 @@ def test_a_16_mib_text_stalls_no_other_stream(smollm2, tmp_path):
     try:
         _victims_while(server)   # the first request's one-time costs
         for path, body_file in files.items():
-            watch = HealthWatch(server.url, interval_s=0.02)
-            try:
-                before, _ = _victims_while(server, seconds=BASELINE_S)
-                attacked, during, answer = _attacked_gap(server, path, body_file)
-            finally:
-                watch.stop()
-            after, _ = _victims_while(server, seconds=BASELINE_S)
-            unattacked = max(before, after)   # the machine's own pauses, on either side of the attack
-            print(f"victims' longest gap {attacked * 1e3:.1f} ms over {during} during a 16 MiB {path}, "
-                  f"{before * 1e3:.1f} ms before and {after * 1e3:.1f} ms after; slowest /health "
-                  f"{watch.slowest * 1e3:.1f} ms")
-            if path == "/tokenize":
-                assert answer["status"] == 200 and answer["count"] == answer["tokens"] > 3_000_000, answer
-            else:
-                assert answer["status"] == 400, answer
-                assert "leaves no room to generate within max_model_len" in answer["message"]
+            for attempt in (1, 2):   # a stall the text causes comes again; a busy machine's pause need not
+                watch = HealthWatch(server.url, interval_s=0.02)
+                try:
+                    before, _ = _victims_while(server, seconds=BASELINE_S)
+                    attacked, during, answer = _attacked_gap(server, path, body_file)
+                finally:
+                    watch.stop()
+                after, _ = _victims_while(server, seconds=BASELINE_S)
+                unattacked = max(before, after)   # the machine's own pauses, on either side of the attack
+                print(f"victims' longest gap {attacked * 1e3:.1f} ms over {during} during a 16 MiB {path}, "
+                      f"{before * 1e3:.1f} ms before and {after * 1e3:.1f} ms after; slowest /health "
+                      f"{watch.slowest * 1e3:.1f} ms (attempt {attempt})")
+                if path == "/tokenize":
+                    assert answer["status"] == 200 and answer["count"] == answer["tokens"] > 3_000_000, answer
+                else:
+                    assert answer["status"] == 400, answer
+                    assert "leaves no room to generate within max_model_len" in answer["message"]
+                assert watch.polls > 10 and watch.slowest < 1.0 and not watch.failures, \
+                    (path, watch.slowest, watch.failures)
+                if attacked <= _gap_limit(unattacked) or attempt == 2:
+                    break
             assert attacked <= _gap_limit(unattacked), (path, attacked, unattacked)
-            assert watch.polls > 10 and watch.slowest < 1.0 and not watch.failures, \
-                (path, watch.slowest, watch.failures)
         helper = server.tokenizer_helper_pid()
     finally:
         server.close()
