@@ -5,6 +5,7 @@ message) — while victim streams run. A victim's
 longest gap between two events stays within twice its unattacked value (or half a second, whichever is
 larger: a busy test machine's own pauses), and ``/health`` answers throughout."""
 
+import gc
 import json
 import os
 import random
@@ -23,12 +24,22 @@ pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 pytest.importorskip("xgrammar")
 
-pytestmark = pytest.mark.usefixtures("pure_torch_one_thread")
+pytestmark = pytest.mark.usefixtures("pure_torch_one_thread", "no_collections_over_earlier_tests")
 
 BASE = ["--backend", "torch", "--max-num-seqs", "16"]
 WINDOW_S = 4.0   # how long the stopped API server's victim is watched, and before the stop
 HEALTH_S = 1.0   # /health answers within this (about 10 ms here)
 LARGE_SCHEMAS = ["--max-structured-output-bytes", str(1 << 20)]   # the 30,000-word enum: 0.5 MB
+
+
+@pytest.fixture
+def no_collections_over_earlier_tests():
+    """The victims' clocks run in this process: what earlier tests of a worker left is moved out of the
+    collector's reach (``gc.freeze``), so that a full collection over it does not pause them here."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
 
 
 def _victim_body(model: str, max_tokens: int = 480) -> dict:
