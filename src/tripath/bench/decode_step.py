@@ -16,8 +16,8 @@ random prompt tokens; once every request decodes, the bench
 
 ``--fused-sampling on|off`` forces the LM head with the draw on or off (default ``auto``: the engine's choice
 at start; the result says which and how many model steps took it); ``--skinny-gemm on|off`` the projections'
-split-K GEMM (default ``auto``: per weight shape and bucket of rows, the start's measurement). ``--json`` writes everything as one
-object. GPU only.
+split-K GEMM (default ``auto``: per weight shape and bucket of rows, the start's measurement). ``--json``
+writes everything as one object. GPU only.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ def format_result(r: dict) -> str:
              f"{r['copy_GB/s']:.0f} GB/s): {r['step_gpu_ms'] / r['floor_ms']:.2f}x the floor",
              f"LM head with the draw: {r.get('fused_sampling', 'off')} "
              f"({r.get('fused_sampling_steps', 0)} model steps drew without logits)",
-             f"GEMMs for few rows ({r.get('skinny_gemm', 'auto')}): " + ("; ".join(r.get("gemm_choices", [])) or "library"),
+             f"GEMMs for few rows ({r.get('skinny_gemm', 'auto')}): "
+             + ("; ".join(r.get("gemm_choices", [])) or "the library's"),
              "", f"kernels per model step ({r['profiled_steps']} steps profiled):",
              "| kernel | µs / step | launches / step |", "|---|---|---|"]
     total = 0.0
@@ -185,9 +186,10 @@ def format_result(r: dict) -> str:
     lines.append(f"| total kernel time | {total:.1f} | {sum(k['launches_per_step'] for k in r['kernels']):.1f} |")
     if "gemms" in r:
         lines += ["", "F.linear (cuBLAS) and skinny_gemm (split-K), GPU time of graph replays:",
-                  "| weight | N × K | M | F.linear µs | of copy | split-K µs | of copy |", "|---|---|---|---|---|---|---|"]
-        lines += [f"| {g['weight']} | {g['N']} × {g['K']} | {g['M']} | {g['us']:.1f} | {100 * g['of_copy']:.0f} % | "
-                  f"{g['split_k_us']:.1f} | {100 * g['split_k_of_copy']:.0f} % |" for g in r["gemms"]]
+                  "| weight | N × K | M | F.linear µs | of copy | split-K µs | of copy |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {g['weight']} | {g['N']} × {g['K']} | {g['M']} | {g['us']:.1f} | {100 * g['of_copy']:.0f} % "
+                  f"| {g['split_k_us']:.1f} | {100 * g['split_k_of_copy']:.0f} % |" for g in r["gemms"]]
     return "\n".join(lines)
 
 
