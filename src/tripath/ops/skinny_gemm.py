@@ -2,7 +2,7 @@
 batch), split over K with the partials summed in the same launch (:mod:`tripath.kernels.skinny_gemm`), with
 its PyTorch reference (``F.linear``).
 
-The split is chosen so that the grid covers the GPU about twice (:func:`skinny_gemm_config`): a projection of
+The split is chosen so that the grid covers the GPU about once (:func:`skinny_gemm_config`): a projection of
 a TP-8 shard (N of 1–2K rows) spreads over every SM where a library GEMM's tiles leave most of them idle.
 Whether it beats the library's GEMM depends on the shape: the engine measures both at start and keeps the
 faster per shape (:class:`tripath.models.linear.LinearChoice`).
@@ -36,15 +36,17 @@ def skinny_gemm_config(num_rows: int, n: int, k: int, dtype: torch.dtype, num_sm
                        block_k: int | None = None) -> dict:
     """Launch settings: ``BLOCK_M`` (rows of ``x`` a program: 16–64), ``BLOCK_N`` (weight rows, 64 by
     default), ``BLOCK_K`` (128 for 16-bit, 64 for fp32), ``k_per_split`` (a multiple of ``BLOCK_K``) and
-    ``SPLIT_K``: by default about ``2 · num_sms`` programs (fewer where each split would have under two
-    ``BLOCK_K`` steps; the steps are shared out whole, so the count may fall short of it)."""
+    ``SPLIT_K``: by default about one program an SM (``round(num_sms / tiles)`` splits, fewer where a split
+    would have under two ``BLOCK_K`` steps; the steps are shared out whole, so the count may fall short).
+    On an H100 the best of a sweep of the presets' projections at 1 and 8 rows was within a split of it on
+    most shapes (docs/BENCHMARKS.md)."""
     block_m = min(64, dot_width(num_rows))
     block_n = block_n or 64
     block_k = block_k or (64 if dtype == torch.float32 else 128)
     programs = -(-num_rows // block_m) * -(-n // block_n)
     steps = -(-k // block_k)
     if split_k is None:
-        split_k = max(1, min(-(-2 * num_sms // programs), steps // 2))
+        split_k = max(1, min(round(num_sms / programs), steps // 2))
     split_k = max(1, min(int(split_k), steps))
     k_per_split = -(-steps // split_k) * block_k
     split_k = -(-k // k_per_split)

@@ -4,8 +4,9 @@ With ``skinny_gemm="auto"`` (the default) the start times, on a GPU and before a
 distinct projection weight of the model (its ``(N, K, dtype)``) at each bucket of row counts (powers of two up
 to :data:`tripath.ops.skinny_gemm.MAX_ROWS`) both ways, ``F.linear`` and
 :func:`~tripath.ops.skinny_gemm.skinny_gemm`, each as a CUDA graph of :data:`TIMED_REPS` calls (the decode
-graphs replay them so), and keeps the faster in :data:`~tripath.models.linear.GEMM_CHOICES`. Every kernel
-variant a bucket's row counts take is compiled there. ``"on"`` runs the split-K kernel at every bucket without
+graphs replay them so), and keeps the split-K kernel where it takes at most 97% of the library's time
+(:data:`MIN_GAIN`) in :data:`~tripath.models.linear.GEMM_CHOICES`. Every kernel variant a bucket's row counts
+take is compiled there. ``"on"`` runs the split-K kernel at every bucket without
 measuring (tests); ``"off"`` keeps ``F.linear`` everywhere, and so does ``"auto"`` on the CPU.
 The table is the process's: an engine started later in the same process measures the shapes again.
 """
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 SKINNY_GEMM_MODES = ("auto", "on", "off")
 TIMED_REPS = 20   # calls in the timed graph of each path
+MIN_GAIN = 0.03   # the split-K kernel is kept where it takes at most 97% of the library's time
 FUSED_WEIGHTS = ("qkv_weight", "gate_up_weight")   # stacked weights the layers multiply by through linear()
 
 
@@ -102,7 +104,7 @@ def measure(runner) -> list[str]:
             if mode == "auto":
                 library = _graph_us(lambda: F.linear(x, weight, bias))
                 split_k = _graph_us(lambda: skinny_gemm(x, weight, bias))
-                choice[b] = split_k < library
+                choice[b] = split_k < (1 - MIN_GAIN) * library
                 times.append(f"{b}: {split_k:.1f}/{library:.1f}")
         GEMM_CHOICES.set(weight, choice)
         if times:
