@@ -10,14 +10,13 @@ random prompt tokens; once every request decodes, the bench
   (:func:`tripath.bench.serve_floor.measure_ceilings`);
 - profiles the same steps' kernels (``torch.profiler``; kernels replayed from CUDA graphs included) and
   lists them by GPU time per model step;
-- times each distinct projection weight of the first layer and the LM head as ``F.linear`` (cuBLAS) and as
-  :func:`tripath.ops.skinny_gemm.skinny_gemm` (split-K) at ``M`` = 1, 8, 64, 256 rows, GPU time of graph
-  replays, against the copy bandwidth: the skinny GEMMs a decode step runs.
+- times each distinct projection weight of the first layer and the LM head as ``F.linear`` (cuBLAS) at
+  ``M`` = 1, 8, 64, 256 rows, GPU time of graph replays, against the copy bandwidth: the skinny GEMMs a
+  decode step runs.
 
 ``--fused-sampling on|off`` forces the LM head with the draw on or off (default ``auto``: the engine's choice
-at start; the result says which and how many model steps took it); ``--skinny-gemm on|off`` the projections'
-split-K GEMM (default ``auto``: per weight shape and bucket of rows, the start's measurement). ``--json``
-writes everything as one object. GPU only.
+at start; the result says which and how many model steps took it). ``--json`` writes everything as one
+object. GPU only.
 """
 
 from __future__ import annotations
@@ -109,32 +108,27 @@ def gemm_table(model, copy_bytes_per_s: float, rows=GEMM_ROWS) -> list[dict]:
     import torch.nn.functional as F
     import triton.testing
 
-    from tripath.ops.skinny_gemm import skinny_gemm
-
     out = []
     for name, w in projection_weights(model):
         n, k = w.shape
         for m in rows:
             x = torch.randn(m, k, device=w.device, dtype=w.dtype)
             ms = triton.testing.do_bench_cudagraph(lambda: F.linear(x, w), rep=100, return_mode="median")
-            split_ms = triton.testing.do_bench_cudagraph(lambda: skinny_gemm(x, w), rep=100, return_mode="median")
             moved = (n * k + m * k + m * n) * w.element_size()
-            out.append({"weight": name, "N": n, "K": k, "M": m, "us": 1e3 * ms, "split_k_us": 1e3 * split_ms,
-                        "GB/s": moved / (ms * 1e-3) / 1e9, "of_copy": moved / (ms * 1e-3) / copy_bytes_per_s,
-                        "split_k_of_copy": moved / (split_ms * 1e-3) / copy_bytes_per_s})
+            out.append({"weight": name, "N": n, "K": k, "M": m, "us": 1e3 * ms,
+                        "GB/s": moved / (ms * 1e-3) / 1e9, "of_copy": moved / (ms * 1e-3) / copy_bytes_per_s})
     return out
 
 
 def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool,
-        fused_sampling: str = "auto", skinny_gemm: str = "auto") -> dict:
+        fused_sampling: str = "auto") -> dict:
     import torch
 
     from tripath.engine import LLM
-    from tripath.models.linear import GEMM_CHOICES
     from tripath.bench.serve_floor import measure_ceilings, model_costs
     from tripath.bench.step_breakdown import StepBreakdown
 
-    llm = LLM(model, max_num_seqs=batch, fused_sampling=fused_sampling, skinny_gemm=skinny_gemm)
+    llm = LLM(model, max_num_seqs=batch, fused_sampling=fused_sampling)
     try:
         _decode_ready(llm, batch, context, seed)
         for _ in range(4):
@@ -159,7 +153,6 @@ def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool
             "kernels": kernels, "profiled_steps": profiled_steps,
             "fused_sampling": llm.core.info().fused_sampling,
             "fused_sampling_steps": llm.stats().fused_sampling_steps,
-            "skinny_gemm": skinny_gemm, "gemm_choices": GEMM_CHOICES.summary(),
         }
         if gemms:
             result["gemms"] = gemm_table(llm.model, copy)
@@ -175,8 +168,6 @@ def format_result(r: dict) -> str:
              f"{r['copy_GB/s']:.0f} GB/s): {r['step_gpu_ms'] / r['floor_ms']:.2f}x the floor",
              f"LM head with the draw: {r.get('fused_sampling', 'off')} "
              f"({r.get('fused_sampling_steps', 0)} model steps drew without logits)",
-             f"GEMMs for few rows ({r.get('skinny_gemm', 'auto')}): "
-             + ("; ".join(r.get("gemm_choices", [])) or "the library's"),
              "", f"kernels per model step ({r['profiled_steps']} steps profiled):",
              "| kernel | µs / step | launches / step |", "|---|---|---|"]
     total = 0.0
@@ -185,11 +176,10 @@ def format_result(r: dict) -> str:
         lines.append(f"| {k['kernel'][:90]} | {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} |")
     lines.append(f"| total kernel time | {total:.1f} | {sum(k['launches_per_step'] for k in r['kernels']):.1f} |")
     if "gemms" in r:
-        lines += ["", "F.linear (cuBLAS) and skinny_gemm (split-K), GPU time of graph replays:",
-                  "| weight | N × K | M | F.linear µs | of copy | split-K µs | of copy |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {g['weight']} | {g['N']} × {g['K']} | {g['M']} | {g['us']:.1f} | {100 * g['of_copy']:.0f} % "
-                  f"| {g['split_k_us']:.1f} | {100 * g['split_k_of_copy']:.0f} % |" for g in r["gemms"]]
+        lines += ["", "F.linear (cuBLAS), GPU time of graph replays:",
+                  "| weight | N × K | M | µs | GB/s | of copy |", "|---|---|---|---|---|---|"]
+        lines += [f"| {g['weight']} | {g['N']} × {g['K']} | {g['M']} | {g['us']:.1f} | {g['GB/s']:.0f} | "
+                  f"{100 * g['of_copy']:.0f} % |" for g in r["gemms"]]
     return "\n".join(lines)
 
 
@@ -203,8 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gemms", action="store_true", help="skip the F.linear table")
     parser.add_argument("--fused-sampling", default="auto", choices=["auto", "on", "off"],
                         help="the LM head with the draw: the start's choice (auto), forced on or off")
-    parser.add_argument("--skinny-gemm", default="auto", choices=["auto", "on", "off"],
-                        help="the projections' split-K GEMM for few rows: the start's choice (auto), forced on or off")
     parser.add_argument("--json", help="write the result here as JSON")
     args = parser.parse_args(argv)
     import torch
@@ -212,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the decode-step bench needs a GPU")
     result = run(args.model, args.batch, args.context, args.calls, args.seed, not args.no_gemms,
-                 args.fused_sampling, args.skinny_gemm)
+                 args.fused_sampling)
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:

@@ -43,14 +43,14 @@ class MLAAttention(nn.Module):
         self.layer_idx, self.num_heads, self.mla = layer_idx, split.num_heads, mla
         qk_size, kv_b_size = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.qk_nope_head_dim + mla.v_head_dim
         if config.q_lora_rank:
-            self.q_a_proj = ColumnParallelLinear(hidden, config.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
+            self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, dtype=dtype)
             self.q_b_proj = ColumnParallelLinear(config.q_lora_rank, heads * qk_size, bias=False, dtype=dtype,
                                                  rows=split.q_rows(qk_size))
         else:
             self.q_proj = ColumnParallelLinear(hidden, heads * qk_size, bias=False, dtype=dtype,
                                                rows=split.q_rows(qk_size))
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, mla.cache_width, bias=config.qkv_bias, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.cache_width, bias=config.qkv_bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps, dtype=dtype)
         self.kv_b_proj = ColumnParallelLinear(mla.kv_lora_rank, heads * kv_b_size, bias=False, dtype=dtype,
                                               rows=split.q_rows(kv_b_size))

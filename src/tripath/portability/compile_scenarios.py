@@ -29,8 +29,7 @@ import torch
 
 from tripath import ops
 from tripath.ops import activation, mla, mla_absorbed, norm, rotary
-from tripath.portability import (compile_scenarios_gemm, compile_scenarios_mixed, compile_scenarios_mla_verify,
-                                 compile_scenarios_sampling)
+from tripath.portability import compile_scenarios_mixed, compile_scenarios_mla_verify, compile_scenarios_sampling
 from tripath.platform import Platform, fp8_dtype
 
 
@@ -444,5 +443,4 @@ def all_scenarios() -> list[Scenario]:
     rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_mixed.rows(_cache, _features)]
     rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_mla_verify.rows(_mla_cache)]
     rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_sampling.rows()]
-    rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_gemm.rows()]
     return rows

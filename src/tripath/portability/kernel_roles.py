@@ -53,8 +53,6 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "lm_head_sample_kernel": KernelRole(True, "LM head tiles [BLOCK_V tokens x BLOCK_M rows] = W_tile · hᵀ"),
     "logits_sample_kernel": KernelRole(False, "deliberate: a pass over written logits (argmax / Gumbel keys, LSE)"),
     "sample_partials_reduce_kernel": KernelRole(False, "deliberate: per-row reduction of tile partials"),
-    "skinny_gemm_kernel": KernelRole(True, "projection tiles [BLOCK_N weight rows x BLOCK_M rows] = W_tile · xᵀ, "
-                                           "split over K"),
 }
 
 # Findings accepted on purpose: (kernel, target name or "*", kind) -> reason. Kinds: "spill", "shared",

@@ -87,10 +87,7 @@ class EngineConfig:
     ``fused_sampling``: whether steps whose requests allow it draw their tokens straight from the LM head,
     without writing logits (:mod:`tripath.engine.sampling.fused_sampling`): ``"auto"`` where a measurement at start on
     the GPU found it faster, per bucket of row counts (never on the CPU); ``"on"`` wherever the requests
-    allow; ``"off"`` never. ``skinny_gemm``: whether the projections of steps of up to 256 rows may run the
-    split-K GEMM for few rows (:mod:`tripath.engine.runner.gemm_choice`): ``"auto"`` per weight shape and bucket of
-    row counts where a measurement at start on the GPU found it faster than ``F.linear``; ``"on"`` everywhere
-    (tests); ``"off"`` never.
+    allow; ``"off"`` never.
     """
 
     backend: str = "auto"
@@ -121,7 +118,6 @@ class EngineConfig:
     step_time_target_s: float | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
     fused_sampling: str = "auto"
-    skinny_gemm: str = "auto"
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -174,8 +170,6 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.fused_sampling not in ("auto", "on", "off"):
             raise ValueError(f"fused_sampling must be 'auto', 'on' or 'off', got {self.fused_sampling!r}")
-        if self.skinny_gemm not in ("auto", "on", "off"):
-            raise ValueError(f"skinny_gemm must be 'auto', 'on' or 'off', got {self.skinny_gemm!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 

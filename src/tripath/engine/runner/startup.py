@@ -8,10 +8,9 @@
 3. ``warm_up`` (GPU, Triton backends): every kernel variant the limits allow is compiled
    (:mod:`tripath.engine.runner.warmup`), by worker processes when the Triton cache is empty
    (:func:`compile_pool`, opened by phase 1 and closed by this one);
-4. ``capture_graphs``: first (GPU) each projection's GEMM for few rows, the library's or the split-K kernel,
-   timed per bucket of row counts (:mod:`tripath.engine.runner.gemm_choice`); the verify graphs
-   (:mod:`tripath.engine.runner.verify_graphs`: speculative decoding, where the backend allows them), then the
-   decode graphs (:mod:`tripath.engine.runner.decode_graphs`) in their memory pool; then (GPU) the largest eager step, run once writing nothing and timed, the LM head and the sampler for
+4. ``capture_graphs``: the verify graphs (:mod:`tripath.engine.runner.verify_graphs`: speculative decoding, where the
+   backend allows them), then the decode graphs (:mod:`tripath.engine.runner.decode_graphs`) in their memory pool;
+   then (GPU) the largest eager step, run once writing nothing and timed, the LM head and the sampler for
    every row count (:func:`warm_sampling`), and the fused LM head and draw, timed against them per bucket of
    row counts (:func:`tripath.engine.sampling.fused_sampling.measure`); where the step's host time is at least
    ``MIXED_GRAPHS_MIN_HOST_SHARE`` of its GPU span, steps with prompt tokens get piecewise graphs
@@ -39,7 +38,7 @@ from tripath.attention import ForwardContext
 from tripath.attention.backends.base import GraphSupport
 from tripath.engine.config import CPU_DEFAULT_KV_BLOCKS
 from tripath.engine.requests.sampling_params import SamplingParams
-from tripath.engine.runner import gemm_choice, warmup
+from tripath.engine.runner import warmup
 from tripath.engine.runner.executor import Executor, ExecutorCapabilities
 from tripath.engine.runner.memory_plan import MemoryPlan, plan_gpu_memory
 from tripath.engine.runner.mixed_graphs import MixedStepGraphs
@@ -130,7 +129,6 @@ class RunnerStart:
 
     def capture_graphs(self) -> None:
         self._phases.enter("capture_graphs")
-        gemm_choice.measure(self)   # before any capture: the graphs keep the choice
         with noting_growth(self.memory_plan, self.device, "graph pools"):
             if self.captures_verify_graphs:
                 self.capture_verify_graphs()
