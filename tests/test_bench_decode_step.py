@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tripath.bench.decode_step import format_result, main, projection_weights
+from tripath.bench.decode_step import format_result, main, projection_weights, weight_copies
 from tripath.models import build_model
 from tripath.models.presets import PRESETS
 
@@ -24,6 +24,17 @@ def test_projection_weights_are_the_gemm_operands(preset):
         assert {"self_attn.qkv_weight", "mlp.gate_up_weight", "self_attn.o_proj.weight",
                 "mlp.down_proj.weight"} <= set(names)
         assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")) for n in names)
+
+
+def test_the_gemm_table_reads_each_weight_from_memory():
+    """Enough copies of a weight to overflow L2 twice (each a clone, equal to it), at most the cap; a weight
+    larger than twice L2 alone."""
+    w = torch.randn(256, 1024)   # 1 MiB
+    copies = weight_copies(w, l2_bytes=3 << 20)
+    assert len(copies) == 6 and copies[0] is w and all(torch.equal(c, w) for c in copies)
+    assert len({c.data_ptr() for c in copies}) == 6
+    assert len(weight_copies(w, l2_bytes=1 << 30, most=4)) == 4
+    assert weight_copies(w, l2_bytes=1 << 10) == [w]
 
 
 def test_report_names_the_floor_ratio_and_kernels():
