@@ -1,4 +1,5 @@
-"""silu_and_mul against float64 math; the MLP's stacked gate/up weight; bad input."""
+"""silu_and_mul against float64 math; the stacked weights (the MLP's gate/up, GQA's q/k/v, MLA's q_a/kv_a); bad
+input."""
 
 import pytest
 import torch
@@ -86,3 +87,43 @@ def test_fused_qkv_weights_are_the_projections_and_match_them(qk_norm, bias):
     assert attn.v_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.weight.shape[0] +
                                                            attn.k_proj.weight.shape[0]:].data_ptr()
     assert "qkv_weight" not in attn.state_dict() and "q_proj.weight" in attn.state_dict()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_mla_latent_projections_are_the_linears_and_match_them(bias):
+    """After fuse_weights an MLA layer with ``q_lora_rank`` runs one GEMM for ``q_a`` and ``kv_a`` and hands
+    attention what its separate projections give; the two linears are views of the stacked weight. Without
+    ``q_lora_rank`` there is nothing to stack."""
+    import dataclasses
+
+    from tripath.models.deepseek import MLAAttention
+    from tripath.models.presets import tiny_deepseek, tiny_deepseek_v2
+
+    config = dataclasses.replace(tiny_deepseek(), qkv_bias=bias)
+    torch.manual_seed(0)
+    attn = MLAAttention(config, 0, torch.float32)
+    with torch.no_grad():
+        attn.q_a_layernorm.weight.uniform_(0.5, 1.5)
+        attn.kv_a_layernorm.weight.uniform_(0.5, 1.5)
+    seen = []
+
+    class Ctx:  # records what reaches attention; returns q_nope as the output
+        def attend_mla(self, layer, q_nope, q_pe, kv_c, k_pe, positions, weights):
+            seen.append((q_nope.clone(), q_pe.clone(), kv_c.clone(), k_pe.clone()))
+            return q_nope[..., :config.mla.v_head_dim]
+
+    x, positions = torch.randn(6, config.hidden_size), torch.arange(3, 9)
+    with torch.no_grad():
+        want = attn(x, positions, Ctx())
+        attn.fuse_weights()
+        got = attn(x, positions, Ctx())
+    for a, b in zip(seen[1], seen[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert attn.qkv_a_weight.shape == (config.q_lora_rank + config.mla.cache_width, config.hidden_size)
+    assert attn.q_a_proj.weight.data_ptr() == attn.qkv_a_weight.data_ptr()
+    assert attn.kv_a_proj_with_mqa.weight.data_ptr() == attn.qkv_a_weight[config.q_lora_rank:].data_ptr()
+    assert "qkv_a_weight" not in attn.state_dict() and "q_a_proj.weight" in attn.state_dict()
+    plain = MLAAttention(tiny_deepseek_v2(), 0, torch.float32)
+    plain.fuse_weights()
+    assert plain.qkv_a_weight is None

@@ -24,6 +24,9 @@ def test_projection_weights_are_the_gemm_operands(preset):
         assert {"self_attn.qkv_weight", "mlp.gate_up_weight", "self_attn.o_proj.weight",
                 "mlp.down_proj.weight"} <= set(names)
         assert not any(n.endswith(("q_proj.weight", "k_proj.weight", "gate_proj.weight")) for n in names)
+    else:  # the latent projections stacked: q_a and kv_a are one weight
+        assert "self_attn.qkv_a_weight" in names
+        assert not any(n.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")) for n in names)
 
 
 def test_the_gemm_table_reads_each_weight_from_memory():

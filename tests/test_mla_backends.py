@@ -221,6 +221,35 @@ def test_decode_step_launches():
                         "mla_decode_kernel"]
 
 
+def test_the_decode_output_projection_writes_the_output_rows_itself():
+    """``· W_UV`` of the absorbed decode writes its ``[H, Td, V]`` product straight into the ``[Td, H, V]``
+    output (a strided batch), with no copy after it; the result is the reference's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    spec = mla_spec()
+    step = make_mla_step(spec, BATCHES["decode_only"])
+    backend = select_backend(spec, "mla_triton", DEVICE)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    cache = step.fresh_cache()
+    with Ops() as ops:
+        got = backend.forward_mla(step.q_nope, step.q_pe, step.kv_c, step.k_pe, step.positions, cache, meta,
+                                  step.weights)
+    bmms = [i for i, name in enumerate(ops.seen) if name == "aten.bmm"]
+    assert len(bmms) == 2   # q_nope · W_UK, then · W_UV into the output
+    assert "aten.copy_" not in ops.seen[bmms[-1]:]
+    want, _ = run_mla(TorchBackend(spec, DEVICE), step)
+    torch.testing.assert_close(got.float(), want.float(), **TOL[spec.dtype])
+
+
 def test_non_absorbed_attention_scores_the_rotary_part_separately():
     """Prefill and extend attention take ``[q_nope | q_pe]`` and ``[k_nope | k_pe]`` as two parts (no
     concatenated copy, no padding of 192-wide heads): every varlen launch has the rotary part, 32 + 16

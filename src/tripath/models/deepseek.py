@@ -9,6 +9,10 @@ Dims: heads ``H``, latent ``L = kv_lora_rank``, rotary ``R``, no-position ``P``,
     out          = ctx.attend_mla(layer, q_nope, q_pe, kv_c, k_pe, positions, weights)          [T, H, V]
     y            = out·Woᵀ
 
+With ``q_lora_rank``, once the weights are loaded (:meth:`MLAAttention.fuse_weights`) ``W_q_a`` and ``W_kv_a``
+(both read ``x``) are stacked into one ``[q_lora_rank + L + R, hidden]`` weight, so a step runs one GEMM for the
+two and ``q_a``, ``kv_c`` and ``k_pe`` are views of its output.
+
 ``kv_b_proj`` ``[H·(P+V), L]`` is split once into ``W_UK [H, P, L]`` (``k_nope_h = W_UK[h]·kv_c``) and
 ``W_UV [H, L, V]`` (``v_h = kv_c·W_UV[h]``). ``q_pe``/``k_pe`` go to the backend UNROTATED with the rotary
 tables (GPT-J pairs unless ``rope_interleave`` is false); the score is
@@ -26,12 +30,13 @@ A model loaded with its multi-token-prediction layer (``load_model(..., mtp=True
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tripath.attention.spec import MLALayerWeights
 from tripath.models.base import CausalLM, decoder_layers
 from tripath.models.config import DEEPSEEK_ARCHITECTURES, ModelConfig
-from tripath.models.layers import RMSNorm, rotary_tables
+from tripath.models.layers import RMSNorm, rotary_tables, stack_linears
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
 
 
@@ -57,6 +62,16 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * mla.v_head_dim, hidden, bias=config.o_bias, dtype=dtype,
                                         parallel=parallel, what="num_attention_heads * v_head_dim")
         self.weights: MLALayerWeights | None = None  # built by build_weights() once kv_b_proj is loaded
+        self.register_buffer("qkv_a_weight", None, persistent=False)  # set by fuse_weights
+        self.register_buffer("qkv_a_bias", None, persistent=False)
+
+    def fuse_weights(self) -> None:
+        """With ``q_lora_rank``: one weight (and bias) ``[q_lora_rank + L + R, hidden]`` for ``q_a_proj`` and
+        ``kv_a_proj_with_mqa``, whose parameters become views of its row blocks."""
+        if hasattr(self, "q_a_proj"):
+            weight, bias = stack_linears((self.q_a_proj, self.kv_a_proj_with_mqa))
+            self.register_buffer("qkv_a_weight", weight, persistent=False)
+            self.register_buffer("qkv_a_bias", bias, persistent=False)
 
     def build_weights(self, rotary) -> None:
         """``W_UK [H, P, L]`` and ``W_UV [H, L, V]`` as views of ``kv_b_proj``'s weight."""
@@ -68,11 +83,22 @@ class MLAAttention(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``q [T, H·(P + R)]``, the unnormalised ``kv_c [T, L]`` and ``k_pe [T, R]``; with fused weights one
+        GEMM makes ``q_a``, ``kv_c`` and ``k_pe``."""
+        mla = self.mla
+        if self.qkv_a_weight is None:
+            kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            return self.project_q(x), kv_c, k_pe
+        q_a, kv_c, k_pe = F.linear(x, self.qkv_a_weight, self.qkv_a_bias).split(
+            [self.q_a_proj.out_features, mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        return self.q_b_proj(self.q_a_layernorm(q_a)), kv_c, k_pe
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         mla, num_tokens = self.mla, x.shape[0]
-        q = self.project_q(x).view(num_tokens, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        q, kv_c, k_pe = self._project(x)
+        q = q.view(num_tokens, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)
         out = ctx.attend_mla(self.layer_idx, q_nope, q_pe, kv_c, k_pe, positions, self.weights)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))

@@ -306,7 +306,8 @@ class MLABackendBase(MLAAttentionBackend):
                        **options)
         else:
             mla_decode(q_decode, cache.kv_cache, d.block_table, d.seq_lens, variant=self.decode_variant, **options)
-        out.copy_(torch.bmm(o_latent.transpose(0, 1), weights.w_uv).transpose(0, 1))  # [H,Td,L]x[H,L,V]
+        # [H, Td, L] x [H, L, V] straight into out's [Td, H, V] rows (a strided batch: no copy after)
+        torch.bmm(o_latent.transpose(0, 1), weights.w_uv, out=out.transpose(0, 1))
 
     def _up_project(self, latent, k_pe_rot, weights):
         """Non-absorbed keys of latent rows ``latent [n, L]`` and rotated rotary keys ``k_pe_rot [n, R]``:
