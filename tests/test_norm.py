@@ -1,11 +1,12 @@
-"""rms_norm (the fused RMSNorm / residual-add kernel) and rms_norm_rope_heads (per-head norms of a packed QKV
-view, two weights, and RoPE in one launch) against float64 math; strided rows; bad input."""
+"""rms_norm (the fused RMSNorm / residual-add kernel), rms_norm_pair (two norms in one launch) and
+rms_norm_rope_heads (per-head norms of a packed QKV view, two weights, and RoPE in one launch) against float64
+math; strided rows; bad input."""
 
 import pytest
 import torch
 
 from conftest import DEVICE
-from tripath.ops.norm import MAX_NORM_SIZE, norm_config, rms_norm, rms_norm_rope_heads
+from tripath.ops.norm import MAX_NORM_SIZE, norm_config, rms_norm, rms_norm_pair, rms_norm_rope_heads
 from tripath.ops.rotary import rope_cos_sin
 
 
@@ -91,6 +92,36 @@ def rope_f64(x, positions, cos, sin, is_neox):
         xd[..., 0:2 * half:2], xd[..., 1:2 * half:2] = x1 * c - x2 * s, x2 * c + x1 * s
     return xd
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens,width_a,width_b", [(5, 96, 32), (33, 1536, 512), (1, 40, 200)])
+def test_rms_norm_pair_matches_float64_and_the_two_norms(dtype, tokens, width_a, width_b):
+    """Two column ranges of one projection's output (MLA's q_a and kv_c, the rotary columns after them left
+    alone), each with its weight and eps: float64 math, and the bits of two rms_norm calls."""
+    packed = torch.randn(tokens, width_a + width_b + 16, dtype=dtype, device=DEVICE) * 3
+    a, b = packed[:, :width_a], packed[:, width_a:width_a + width_b]
+    weight_a = (1 + 0.3 * torch.randn(width_a)).to(dtype).to(DEVICE)
+    weight_b = (1 + 0.3 * torch.randn(width_b)).to(dtype).to(DEVICE)
+    out_a, out_b = rms_norm_pair(a, weight_a, 1e-6, b, weight_b, 1e-5)
+    assert out_a.is_contiguous() and out_b.is_contiguous() and out_a.dtype == out_b.dtype == dtype
+    torch.testing.assert_close(out_a, norm_f64(a, weight_a, 1e-6), **tolerance(dtype))
+    torch.testing.assert_close(out_b, norm_f64(b, weight_b, 1e-5), **tolerance(dtype))
+    assert torch.equal(out_a, rms_norm(a, weight_a, 1e-6)) and torch.equal(out_b, rms_norm(b, weight_b, 1e-5))
+
+
+def test_rms_norm_pair_bad_input():
+    a, b, wa, wb = torch.randn(4, 64), torch.randn(4, 32), torch.ones(64), torch.ones(32)
+    with pytest.raises(ValueError, match="same rows"):
+        rms_norm_pair(a, wa, 1e-6, torch.randn(3, 32), wb, 1e-6)
+    with pytest.raises(ValueError, match="weight_b"):
+        rms_norm_pair(a, wa, 1e-6, b, torch.ones(31), 1e-6)
+    with pytest.raises(ValueError, match="eps_a must be positive"):
+        rms_norm_pair(a, wa, 0.0, b, wb, 1e-6)
+    with pytest.raises(ValueError, match="b must be contiguous in its last dimension"):
+        rms_norm_pair(a, wa, 1e-6, torch.randn(32, 4).t(), wb, 1e-6)
+    with pytest.raises(TypeError, match="b has dtype"):
+        rms_norm_pair(a, wa, 1e-6, b.half(), wb, 1e-6)
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("tokens,q_heads,kv_heads,head_size,rotary_dim,is_neox",

@@ -7,12 +7,25 @@ For a row ``x [N]`` (and ``r [N]`` when a residual is added):
   row rounded to the activation dtype before the weight multiplies it (Hugging Face's order).
 
 ``x`` is read once and ``s`` / ``y`` written once per row; the unfused PyTorch graph of the same math makes
-seven passes over fp32 copies of the row.
+seven passes over fp32 copies of the row. :func:`rms_norm_pair_kernel` normalises two tensors' rows (each its
+own width, weight and eps) in one launch, with the same math for each.
 """
 
 import triton
 import triton.language as tl
 from tripath.triton_internals.specialize import STEP_INVARIANT
+
+
+@triton.jit
+def normalize_rows(x, rows64, row_ok, cols, n_cols, weight_ptr, out_ptr, stride_o, eps):
+    """``y = round(w · round(x · rsqrt(mean(x²) + eps)))`` of the rows ``x [BLOCK_M, BLOCK_N]`` (activation dtype,
+    zero past ``n_cols``) stored to rows ``rows64`` of ``out`` (``stride_o`` apart)."""
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, axis=1) / n_cols
+    normed = (xf * (1.0 / tl.sqrt(mean_sq + eps))[:, None]).to(x.dtype)
+    w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
+    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], y, mask=row_ok[:, None] & (cols[None, :] < n_cols))
 
 
 @triton.jit(**STEP_INVARIANT)
@@ -34,9 +47,26 @@ def rms_norm_kernel(
         r = tl.load(residual_ptr + rows64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + rows64[:, None] * stride_s + cols[None, :], x, mask=mask)
-    xf = x.to(tl.float32)
-    mean_sq = tl.sum(xf * xf, axis=1) / n_cols
-    normed = (xf * (1.0 / tl.sqrt(mean_sq + eps))[:, None]).to(x.dtype)
-    w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0)[None, :]
-    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
-    tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], y, mask=mask)
+    normalize_rows(x, rows64, row_ok, cols, n_cols, weight_ptr, out_ptr, stride_o, eps)
+
+
+@triton.jit(**STEP_INVARIANT)
+def rms_norm_pair_kernel(
+    a_ptr, weight_a_ptr, out_a_ptr, b_ptr, weight_b_ptr, out_b_ptr,
+    num_tokens, cols_a, cols_b, stride_a, stride_oa, stride_b, stride_ob, eps_a, eps_b,
+    BLOCK_M: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Program ``p`` normalises rows ``[p · BLOCK_M, (p + 1) · BLOCK_M)`` of ``a`` (``cols_a`` wide) into
+    ``out_a`` and the same rows of ``b`` (``cols_b`` wide) into ``out_b``, each with its own weight and eps:
+    two norms of one row block in one launch (MLA's ``q_a`` and ``kv_a`` norms)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_tokens
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_A)
+    a = tl.load(a_ptr + rows64[:, None] * stride_a + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < cols_a),
+                other=0.0)
+    normalize_rows(a, rows64, row_ok, cols, cols_a, weight_a_ptr, out_a_ptr, stride_oa, eps_a)
+    cols = tl.arange(0, BLOCK_B)
+    b = tl.load(b_ptr + rows64[:, None] * stride_b + cols[None, :], mask=row_ok[:, None] & (cols[None, :] < cols_b),
+                other=0.0)
+    normalize_rows(b, rows64, row_ok, cols, cols_b, weight_b_ptr, out_b_ptr, stride_ob, eps_b)

@@ -11,7 +11,8 @@ Dims: heads ``H``, latent ``L = kv_lora_rank``, rotary ``R``, no-position ``P``,
 
 With ``q_lora_rank``, once the weights are loaded (:meth:`MLAAttention.fuse_weights`) ``W_q_a`` and ``W_kv_a``
 (both read ``x``) are stacked into one ``[q_lora_rank + L + R, hidden]`` weight, so a step runs one GEMM for the
-two and ``q_a``, ``kv_c`` and ``k_pe`` are views of its output.
+two and ``q_a``, ``kv_c`` and ``k_pe`` are views of its output; on a GPU one launch normalises ``q_a`` and
+``kv_c`` (:func:`tripath.ops.norm.rms_norm_pair`).
 
 ``kv_b_proj`` ``[H·(P+V), L]`` is split once into ``W_UK [H, P, L]`` (``k_nope_h = W_UK[h]·kv_c``) and
 ``W_UV [H, L, V]`` (``v_h = kv_c·W_UV[h]``). ``q_pe``/``k_pe`` go to the backend UNROTATED with the rotary
@@ -38,6 +39,7 @@ from tripath.models.base import CausalLM, decoder_layers
 from tripath.models.config import DEEPSEEK_ARCHITECTURES, ModelConfig
 from tripath.models.layers import RMSNorm, rotary_tables, stack_linears
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
+from tripath.ops.norm import rms_norm_pair, rms_norm_pair_ref
 
 
 class MLAAttention(nn.Module):
@@ -84,22 +86,24 @@ class MLAAttention(nn.Module):
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``q [T, H·(P + R)]``, the unnormalised ``kv_c [T, L]`` and ``k_pe [T, R]``; with fused weights one
-        GEMM makes ``q_a``, ``kv_c`` and ``k_pe``."""
+        """``q [T, H·(P + R)]``, the normalised ``kv_c [T, L]`` and ``k_pe [T, R]``; with fused weights one GEMM
+        makes ``q_a``, ``kv_c`` and ``k_pe``, and one launch normalises ``q_a`` and ``kv_c``."""
         mla = self.mla
         if self.qkv_a_weight is None:
             kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-            return self.project_q(x), kv_c, k_pe
+            return self.project_q(x), self.kv_a_layernorm(kv_c), k_pe
         q_a, kv_c, k_pe = F.linear(x, self.qkv_a_weight, self.qkv_a_bias).split(
             [self.q_a_proj.out_features, mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        return self.q_b_proj(self.q_a_layernorm(q_a)), kv_c, k_pe
+        q_norm, kv_norm = self.q_a_layernorm, self.kv_a_layernorm
+        q_a, kv_c = (rms_norm_pair if x.is_cuda else rms_norm_pair_ref)(q_a, q_norm.weight, q_norm.eps, kv_c,
+                                                                        kv_norm.weight, kv_norm.eps)
+        return self.q_b_proj(q_a), kv_c, k_pe
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         mla, num_tokens = self.mla, x.shape[0]
         q, kv_c, k_pe = self._project(x)
         q = q.view(num_tokens, self.num_heads, mla.qk_nope_head_dim + mla.qk_rope_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        kv_c = self.kv_a_layernorm(kv_c)
         out = ctx.attend_mla(self.layer_idx, q_nope, q_pe, kv_c, k_pe, positions, self.weights)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * mla.v_head_dim))
 

@@ -4,6 +4,8 @@
 normalised value rounded to ``x``'s dtype before the weight, as Hugging Face computes it).
 ``rms_norm(x, weight, eps, residual=r)`` → ``(s, rms_norm(s))`` with ``s = x + r`` rounded to ``x``'s dtype:
 the residual stream's new value and its norm, in one pass (:mod:`tripath.kernels.rms_norm`).
+``rms_norm_pair(a [T, Na], weight_a, eps_a, b [T, Nb], weight_b, eps_b)`` → ``(rms_norm(a), rms_norm(b))`` in
+one launch (the rows may be strided views of one projection's output: MLA's ``q_a`` and ``kv_a`` norms).
 ``rms_norm_rope_heads(x [T, H, D], weight, eps, positions, (cos, sin), is_neox=…, second_weight=w2,
 second_from=S)`` → the norm of each head (heads ``S`` on with ``w2``; the heads may be strided, a view of a
 packed QKV projection) with the rotary embedding applied to each head at its token's position, in one
@@ -15,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tripath.kernels.qk_norm_rope import rms_norm_rope_heads_kernel
-from tripath.kernels.rms_norm import rms_norm_kernel
+from tripath.kernels.rms_norm import rms_norm_kernel, rms_norm_pair_kernel
 from tripath.ops._checks import FLOAT_DTYPES, check_tensor, next_pow2
 from tripath.triton_internals import launch, use_triton
 from tripath.ops._mla_configs import rotary_config
@@ -77,6 +79,45 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, residual: tor
            x2, r2, weight, total2, out2, num_tokens, n_cols, x2.stride(0), r2.stride(0), total2.stride(0),
            out2.stride(0), float(eps), HAS_RESIDUAL=residual is not None, **cfg)
     return out if residual is None else (total, out)
+
+
+def rms_norm_pair_ref(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor, weight_b: torch.Tensor,
+                      eps_b: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :func:`rms_norm_pair` (same signature and results)."""
+    return rms_norm_ref(a, weight_a, eps_a), rms_norm_ref(b, weight_b, eps_b)
+
+
+def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor, weight_b: torch.Tensor,
+                  eps_b: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(a, weight_a, eps_a), rms_norm(b, weight_b, eps_b))`` in one launch, the same bits as the two
+    calls. ``a [T, Na]`` and ``b [T, Nb]``: the same rows and dtype (fp16/bf16/fp32), each contiguous in its last
+    dimension, rows at any stride (two column ranges of one tensor, say); weights ``[Na]`` / ``[Nb]``. Returns
+    two new contiguous tensors."""
+    check_tensor("a", a, ndim=2, dtypes=FLOAT_DTYPES)
+    device, num_tokens = a.device, a.shape[0]
+    check_tensor("b", b, ndim=2, dtypes=(a.dtype,), device=device)
+    if b.shape[0] != num_tokens:
+        raise ValueError(f"a and b must have the same rows, got {num_tokens} and {b.shape[0]}")
+    for name, t, w, eps in (("a", a, weight_a, eps_a), ("b", b, weight_b, eps_b)):
+        check_tensor(f"weight_{name}", w, ndim=1, dtypes=FLOAT_DTYPES, device=device, shape=(t.shape[1],))
+        if t.stride(1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+        if not eps > 0:
+            raise ValueError(f"eps_{name} must be positive, got {eps}")
+        if not 1 <= t.shape[1] <= MAX_NORM_SIZE:
+            raise ValueError(f"rms_norm_pair normalises rows of 1 to {MAX_NORM_SIZE} values, got {name} of "
+                             f"{t.shape[1]}")
+    if not use_triton(device):
+        return rms_norm_pair_ref(a, weight_a, eps_a, b, weight_b, eps_b)
+    out_a, out_b = torch.empty(a.shape, dtype=a.dtype, device=device), torch.empty(b.shape, dtype=a.dtype,
+                                                                                   device=device)
+    cfg = norm_config(max(a.shape[1], b.shape[1]))
+    launch(rms_norm_pair_kernel, (-(-num_tokens // cfg["BLOCK_M"]),),
+           a, weight_a, out_a, b, weight_b, out_b, num_tokens, a.shape[1], b.shape[1],
+           a.stride(0), out_a.stride(0), b.stride(0), out_b.stride(0), float(eps_a), float(eps_b),
+           BLOCK_M=cfg["BLOCK_M"], BLOCK_A=next_pow2(a.shape[1]), BLOCK_B=next_pow2(b.shape[1]),
+           num_warps=cfg["num_warps"])
+    return out_a, out_b
 
 
 def check_head_norm(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float, second_weight: torch.Tensor | None,

@@ -47,6 +47,7 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "mla_prep_kernel": KernelRole(False, "deliberate: fused RoPE + concat + fp8 quantisation + cache write"),
     "rotary_embedding_kernel": KernelRole(False, "deliberate: in-place pair rotation"),
     "rms_norm_kernel": KernelRole(False, "deliberate: row reduction and scaling (residual add fused)"),
+    "rms_norm_pair_kernel": KernelRole(False, "deliberate: two row reductions and scalings"),
     "rms_norm_rope_heads_kernel": KernelRole(False, "deliberate: per-head norm and pair rotation"),
     "silu_and_mul_kernel": KernelRole(False, "deliberate: elementwise gated activation"),
     "advance_decodes_kernel": KernelRole(False, "deliberate: per-row metadata update of multi-step decoding"),
