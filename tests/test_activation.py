@@ -51,6 +51,19 @@ def test_fused_mlp_weights_are_the_linears_and_match_them(bias):
     assert "gate_up_weight" not in mlp.state_dict()
 
 
+def assert_fusing_keeps_what_reaches_attention(attn, ctx, seen: list, hidden_size: int) -> None:
+    """Run the attention layer ``attn`` on one input before and after its ``fuse_weights``: what reached
+    attention (``seen``, which ``ctx`` appends to) and the outputs agree."""
+    x, positions = torch.randn(6, hidden_size), torch.arange(3, 9)
+    with torch.no_grad():
+        want = attn(x, positions, ctx)
+        attn.fuse_weights()
+        got = attn(x, positions, ctx)
+    for a, b in zip(seen[1], seen[0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("qk_norm,bias", [(True, False), (False, True)])
 def test_fused_qkv_weights_are_the_projections_and_match_them(qk_norm, bias):
     """After fuse_weights the GQA attention runs one GEMM for q, k and v (Qwen3: one norm launch for both
@@ -75,14 +88,7 @@ def test_fused_qkv_weights_are_the_projections_and_match_them(qk_norm, bias):
             seen.append((q.clone(), k.clone(), v.clone()))
             return q
 
-    x, positions = torch.randn(6, config.hidden_size), torch.arange(3, 9)
-    with torch.no_grad():
-        want = attn(x, positions, Ctx())
-        attn.fuse_weights()
-        got = attn(x, positions, Ctx())
-    for a, b in zip(seen[1], seen[0]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_fusing_keeps_what_reaches_attention(attn, Ctx(), seen, config.hidden_size)
     assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
     assert attn.v_proj.weight.data_ptr() == attn.qkv_weight[attn.q_proj.weight.shape[0] +
                                                            attn.k_proj.weight.shape[0]:].data_ptr()
@@ -112,14 +118,7 @@ def test_fused_mla_latent_projections_are_the_linears_and_match_them(bias):
             seen.append((q_nope.clone(), q_pe.clone(), kv_c.clone(), k_pe.clone()))
             return q_nope[..., :config.mla.v_head_dim]
 
-    x, positions = torch.randn(6, config.hidden_size), torch.arange(3, 9)
-    with torch.no_grad():
-        want = attn(x, positions, Ctx())
-        attn.fuse_weights()
-        got = attn(x, positions, Ctx())
-    for a, b in zip(seen[1], seen[0]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert_fusing_keeps_what_reaches_attention(attn, Ctx(), seen, config.hidden_size)
     assert attn.qkv_a_weight.shape == (config.q_lora_rank + config.mla.cache_width, config.hidden_size)
     assert attn.q_a_proj.weight.data_ptr() == attn.qkv_a_weight.data_ptr()
     assert attn.kv_a_proj_with_mqa.weight.data_ptr() == attn.qkv_a_weight[config.q_lora_rank:].data_ptr()
