@@ -11,7 +11,7 @@ of ``kv_head`` as one ``[BLOCK_M, D]`` tile and walks its split of the context i
 tokens gathered through the block table: each cache row is read once for all of the request's tokens and
 heads, as in paged decode (:mod:`tripath.kernels.paged_decode`), whose split rule this kernel shares (each
 request uses ``min(num_splits, max(fill_splits, T // min_split_tiles))`` of the launch's splits) and whose
-:func:`~tripath.kernels.paged_decode.reduce_splits_kernel` merges the partials per token and head
+:func:`~tripath.kernels.split_merge.reduce_splits_kernel` merges the partials per token and head
 (``splits_used`` per token).
 """
 
