@@ -97,12 +97,12 @@ def paged_decode_kernel(
         # Partials: [B, Hq, num_splits, BLOCK_DV] and [B, Hq, num_splits], contiguous; the value scale is
         # applied once, after the merge.
         o_s, lse_s = finalize(m_i, l_i, acc, 1.0)
-        first = (seq.to(tl.int64) * num_heads + heads) * num_splits
-        tl.store(part_out_ptr + (first + split)[:, None] * BLOCK_DV + dims_v[None, :], o_s, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + first + split, lse_s, mask=row_ok)
+        part0 = (seq.to(tl.int64) * num_heads + heads) * num_splits
+        tl.store(part_out_ptr + (part0 + split)[:, None] * BLOCK_DV + dims_v[None, :], o_s, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part0 + split, lse_s, mask=row_ok)
         done = last_to_arrive(counters_ptr + seq.to(tl.int64) * num_kv_heads + kv_head, used)
         if done:
-            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, first, 1, used, row_ok, dims_v, BLOCK_G,
+            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, part0, 1, used, row_ok, dims_v, BLOCK_G,
                                            BLOCK_DV)
     if done:
         if HAS_SINKS:
