@@ -77,9 +77,9 @@ def attend_item(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, 
         tl.store(part_lse_ptr + part, lse_s, mask=row_ok)
         done = last_to_arrive(counters_ptr + slot0.to(tl.int64) * num_kv_heads + kv_head, pieces)
         if done:  # the last piece of the group to finish: merge them all
-            first = (slot0.to(tl.int64) * num_kv_heads + kv_head) * PART_ROWS + rows
-            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, first, num_kv_heads * PART_ROWS, pieces,
-                                           row_ok, dims_v, BLOCK_M, BLOCK_DV)
+            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr,
+                                           (slot0.to(tl.int64) * num_kv_heads + kv_head) * PART_ROWS,
+                                           num_kv_heads * PART_ROWS, rows, pieces, row_ok, dims_v, BLOCK_M, BLOCK_DV)
     if done:
         if HAS_SINKS:
             sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E

@@ -102,8 +102,8 @@ def paged_decode_kernel(
         tl.store(part_lse_ptr + part0 + split, lse_s, mask=row_ok)
         done = last_to_arrive(counters_ptr + seq.to(tl.int64) * num_kv_heads + kv_head, used)
         if done:
-            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, part0, 1, used, row_ok, dims_v, BLOCK_G,
-                                           BLOCK_DV)
+            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, seq.to(tl.int64) * num_heads * num_splits,
+                                           1, heads * num_splits, used, row_ok, dims_v, BLOCK_G, BLOCK_DV)
     if done:
         if HAS_SINKS:
             sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E

@@ -112,7 +112,7 @@ def paged_verify_kernel(
         tl.store(part_lse_ptr + part0 + split, lse_s, mask=row_ok)
         done = last_to_arrive(counters_ptr + tl.program_id(0).to(tl.int64) * num_kv_heads + kv_head, used)
         if done:
-            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, part0, 1, used, row_ok, dims_v, BLOCK_M,
+            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, 0, 1, part0, used, row_ok, dims_v, BLOCK_M,
                                            BLOCK_DV)
     if done:
         if HAS_SINKS:

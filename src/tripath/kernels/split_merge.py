@@ -43,15 +43,17 @@ def last_to_arrive(counter_ptr, pieces):
 
 
 @triton.jit
-def merge_partials(part_out_ptr, part_lse_ptr, first, step, pieces, row_ok, dims_v,
+def merge_partials(part_out_ptr, part_lse_ptr, base, step, row_off, pieces, row_ok, dims_v,
                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """``(m, l, acc)`` of the group's ``pieces`` partials, piece ``j`` of row ``r`` at row index ``first[r] +
-    j · step`` of ``part_lse [*]`` and ``part_out [*, BLOCK_DV]``; read past L1 (other SMs wrote them)."""
+    """``(m, l, acc)`` of the group's ``pieces`` partials, piece ``j`` of row ``r`` at row index ``base + j ·
+    step + row_off[r]`` (``base`` a scalar, ``row_off [M]`` int32: the index is rebuilt each piece rather than
+    held in registers) of ``part_lse [*]`` and ``part_out [*, BLOCK_DV]``; read past L1 (other SMs wrote
+    them)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for j in range(0, pieces):
-        part = first + j * step
+        part = (base + j * step) + row_off
         lse2 = tl.load(part_lse_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg") * LOG2E
         o = tl.load(part_out_ptr + part[:, None] * BLOCK_DV + dims_v[None, :], mask=row_ok[:, None], other=0.0,
                     cache_modifier=".cg")
