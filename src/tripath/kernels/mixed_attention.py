@@ -22,8 +22,19 @@ import triton.language as tl
 
 from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize, load_query_tile
 from tripath.kernels.mixed_plan import ITEM_FIELDS
-from tripath.kernels.split_merge import last_to_arrive, merge_partials
 from tripath.triton_internals.specialize import STEP_INVARIANT
+
+
+@triton.jit
+def merge_partial(m_i, l_i, acc, lse2, o):
+    """Fold one normalised partial (``lse2 [M]`` in the log2 domain, ``o [M, Dv]`` fp32) into a running
+    ``(m_i, l_i, acc)`` of the same form as :func:`attend_paged_tiles` returns; an empty partial (−inf) adds
+    nothing."""
+    m_new = tl.maximum(m_i, lse2)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_use)
+    w = tl.math.exp2(lse2 - m_use)
+    return m_new, l_i * alpha + w, acc * alpha[:, None] + o * w[:, None]
 
 
 @triton.jit
@@ -75,11 +86,21 @@ def attend_item(q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, 
         part = ((slot0 + piece).to(tl.int64) * num_kv_heads + kv_head) * PART_ROWS + rows
         tl.store(part_out_ptr + part[:, None] * BLOCK_DV + dims_v[None, :], o_s, mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, lse_s, mask=row_ok)
-        done = last_to_arrive(counters_ptr + slot0.to(tl.int64) * num_kv_heads + kv_head, pieces)
-        if done:  # the last piece of the group to finish: merge them all
-            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr,
-                                           (slot0.to(tl.int64) * num_kv_heads + kv_head) * PART_ROWS,
-                                           num_kv_heads * PART_ROWS, rows, pieces, row_ok, dims_v, BLOCK_M, BLOCK_DV)
+        tl.debug_barrier()  # every thread's partial stores before the release below
+        counter = counters_ptr + slot0.to(tl.int64) * num_kv_heads + kv_head
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+        done = arrived == pieces - 1
+        if done:  # the last piece of the group to finish: merge them all, reset the counter
+            tl.store(counter, 0)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+            for j in range(0, pieces):
+                part = ((slot0 + j).to(tl.int64) * num_kv_heads + kv_head) * PART_ROWS + rows
+                lse2 = tl.load(part_lse_ptr + part, mask=row_ok, other=float("-inf"), cache_modifier=".cg") * LOG2E
+                o = tl.load(part_out_ptr + part[:, None] * BLOCK_DV + dims_v[None, :], mask=row_ok[:, None],
+                            other=0.0, cache_modifier=".cg")
+                m_i, l_i, acc = merge_partial(m_i, l_i, acc, lse2, o)
     if done:
         if HAS_SINKS:
             sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E

@@ -19,7 +19,7 @@ Hopper's 64-row warpgroup MMA reading its operands straight from shared memory.
 fp8: ``kv_scale`` (and ``q_scale`` for an fp8 query,
 which then multiplies fp8 tiles directly) folds into the score scale; ``kv_scale`` multiplies the output.
 With several splits each writes an fp32 partial ``(o_s, lse_s)`` ``[B, H, S, BLOCK_L]`` that
-:func:`tripath.kernels.split_merge.reduce_splits_kernel` merges.
+:func:`tripath.kernels.paged_decode.reduce_splits_kernel` merges.
 """
 
 import triton

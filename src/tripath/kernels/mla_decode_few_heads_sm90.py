@@ -23,7 +23,7 @@ Math (log2 domain, ``c = sm_scale · log2 e``)::
 Cache rows past the request in its last tile may hold anything (NaN included): their scores are masked and
 the compute warpgroup zeroes their latent rows in shared memory before the value products read them.
 Output: ``out [B, H, L]`` for one split, else fp32 partials ``[B, H, S, L]`` and ``lse [B, H, S]``
-(natural log) for :func:`tripath.kernels.split_merge.reduce_splits_kernel`.
+(natural log) for :func:`tripath.kernels.paged_decode.reduce_splits_kernel`.
 """
 
 from triton.experimental import gluon

@@ -38,7 +38,7 @@ with ``m_h`` any value within ``RESCALE_SLACK`` below the running maximum (exact
 Cache rows past the request in its last tile may hold anything (NaN included): their scores are masked
 and the score warpgroup zeroes their latent rows in shared memory before the value products read them.
 Output: ``out [B, H, L]`` for one split, else fp32 partials ``[B, H, S, L]`` and ``lse [B, H, S]``
-(natural log) for :func:`tripath.kernels.split_merge.reduce_splits_kernel`. With ``TMA_OUT`` (one split,
+(natural log) for :func:`tripath.kernels.paged_decode.reduce_splits_kernel`. With ``TMA_OUT`` (one split,
 ``out`` contiguous and of the query's dtype) each value warpgroup stages its ``[64, L/2]`` output tile in
 the ring, free once all three warpgroups have passed ``done``, and stores it with one TMA copy: every
 program finishes at about the same time, and pointer stores of that burst cost a measurable share of a

@@ -14,7 +14,7 @@ Program ``(b, row block, split)`` takes rows ``r = t · H + h`` (``BLOCK_M`` of 
 split of the request's rows (:func:`~tripath.kernels.mla_decode.split_range`) in ``BLOCK_N``-row tiles through
 two ``tl.dot`` (latent and rotary parts). A row whose split holds nothing it may see gets an empty partial
 (LSE −inf). With several splits the fp32 partials ``[T, H, S, BLOCK_L]`` go to
-:func:`tripath.kernels.split_merge.reduce_splits_kernel`, per token and head (``splits_used`` per token: rows
+:func:`tripath.kernels.paged_decode.reduce_splits_kernel`, per token and head (``splits_used`` per token: rows
 of no request keep the caller's 1 and are left alone). fp8: as the decode kernel.
 """
 

@@ -3,25 +3,22 @@
 Program ``(b, kv_head, split)`` takes the ``G = Hq / Hkv`` query heads that read ``kv_head`` as the rows
 of one ``[BLOCK_G, D]`` tile, and walks its share of request ``b``'s context in tiles of ``BLOCK_N``
 tokens gathered through the block table, so each cache row is read once for all its query heads. With one
-split the program writes the output; otherwise the splits' fp32 partials ``(o_s, lse_s)`` are merged, ``o =
-Σ_s e^{lse_s - lse} o_s`` (sinks counted once, there), in the same launch (below).
+split the program writes the output; otherwise it writes an fp32 partial ``(o_s, lse_s)`` and
+:func:`reduce_splits_kernel` merges ``o = Σ_s e^{lse_s - lse} o_s`` (sinks counted once, there).
 
 The launch's ``num_splits`` is an upper bound chosen on the host from the batch and the block table's
 width (which, in a CUDA graph, is the longest context the engine serves). Each request decides on the
 device how many of them it uses, from its own number of tiles ``T``:
 ``used = min(num_splits, max(fill_splits, T // min_split_tiles))`` — enough splits to keep the GPU busy
 (``fill_splits``, from the batch), and no split shorter than ``min_split_tiles`` tiles beyond that. The
-programs past ``used`` return at once; with ``used == 1`` split 0 writes the output itself. Otherwise the
-split programs of a (request, KV head) count themselves in on ``counters[b, kv_head]`` once their partials
-are written, and the last of them merges the group's partials into ``out`` (:mod:`tripath.kernels.split_merge`);
-the counters start at zero and are left at zero.
+programs past ``used`` return at once; with ``used == 1`` split 0 writes the output itself and the merge
+skips the request (``splits_used[b]`` tells it).
 """
 
 import triton
 import triton.language as tl
 
 from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize
-from tripath.kernels.split_merge import last_to_arrive, merge_partials
 from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
@@ -36,7 +33,7 @@ def paged_decode_kernel(
     stride_v0, stride_v1, stride_v2, stride_v3,
     stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
     num_heads, num_queries_per_kv, head_size, head_size_v, block_size,
-    num_splits, fill_splits, min_split_tiles, counters_ptr, num_kv_heads,
+    num_splits, fill_splits, min_split_tiles, splits_used_ptr,
     SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     SHUFFLED: tl.constexpr, X: tl.constexpr, KV_FP8: tl.constexpr,
@@ -45,7 +42,8 @@ def paged_decode_kernel(
 ):
     """Program ``(b, kv_head, split)``: the GQA group of ``kv_head`` (one ``[BLOCK_G, D]`` query tile) against
     the split's share of request ``b``'s paged context (of the ``used`` splits the request takes, see the
-    module doc): ``out`` from the program that holds the whole context or finishes the group's splits last."""
+    module doc); ``out`` where the request uses one split, else fp32 partials for :func:`reduce_splits_kernel`
+    and, from split 0, ``splits_used[b]``."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -60,6 +58,8 @@ def paged_decode_kernel(
     used = 1
     if SPLIT:
         used = tl.maximum(tl.minimum(num_splits, tl.maximum(fill_splits, num_tiles // min_split_tiles)), 1)
+        if split == 0:
+            tl.store(splits_used_ptr + seq, used)
         if split >= used:
             return
     tiles_per_split = tl.cdiv(num_tiles, used)
@@ -92,19 +92,7 @@ def paged_decode_kernel(
                                        BLOCK_G, BLOCK_N, BLOCK_DV, False, SHUFFLED, X,
                                        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, q_pos, 0, False)
 
-    done = used == 1  # the whole context in this program (always without SPLIT)
-    if not done:
-        # Partials: [B, Hq, num_splits, BLOCK_DV] and [B, Hq, num_splits], contiguous; the value scale is
-        # applied once, after the merge.
-        o_s, lse_s = finalize(m_i, l_i, acc, 1.0)
-        part0 = (seq.to(tl.int64) * num_heads + heads) * num_splits
-        tl.store(part_out_ptr + (part0 + split)[:, None] * BLOCK_DV + dims_v[None, :], o_s, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + part0 + split, lse_s, mask=row_ok)
-        done = last_to_arrive(counters_ptr + seq.to(tl.int64) * num_kv_heads + kv_head, used)
-        if done:
-            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, seq.to(tl.int64) * num_heads * num_splits,
-                                           1, heads * num_splits, used, row_ok, dims_v, BLOCK_G, BLOCK_DV)
-    if done:
+    if used == 1:  # the whole context in this program (always without SPLIT)
         if HAS_SINKS:
             sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
             m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)
@@ -113,3 +101,49 @@ def paged_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_v[None, :] < head_size_v))
         if RETURN_LSE:
             tl.store(lse_ptr + seq * stride_lse_b + heads * stride_lse_h, lse, mask=row_ok)
+    else:
+        out, lse = finalize(m_i, l_i, acc, v_scale)
+        # Partials: [B, Hq, num_splits, BLOCK_DV] and [B, Hq, num_splits], contiguous.
+        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_DV + dims_v[None, :], out, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit(**STEP_INVARIANT)
+def reduce_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, sinks_ptr, splits_used_ptr,
+    stride_o_b, stride_o_h, stride_lse_b, stride_lse_h,
+    num_heads, head_size_v,
+    num_splits, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr, SPLITS_USED: tl.constexpr,
+):
+    """Merge the split partials of one (request, head): ``o = Σ e^{lse_s - lse} o_s``. With ``SPLITS_USED``
+    the first ``splits_used[b]`` partials of request ``b`` (none where it is 1: its output is written)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    used = num_splits
+    if SPLITS_USED:
+        used = tl.load(splits_used_ptr + seq)
+        if used == 1:
+            return
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_DV)
+    base = (seq.to(tl.int64) * num_heads + head) * num_splits
+    lse_s = tl.load(part_lse_ptr + base + splits, mask=splits < used, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    if HAS_SINKS:
+        m = tl.maximum(m, tl.load(sinks_ptr + head).to(tl.float32))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_use)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp(tl.load(sinks_ptr + head).to(tl.float32) - m_use)
+    o_s = tl.load(part_out_ptr + (base + splits)[:, None] * BLOCK_DV + dims[None, :],
+                  mask=(splits[:, None] < used) & (dims[None, :] < head_size_v), other=0.0)
+    safe = tl.where(denom > 0.0, denom, 1.0)
+    out = tl.sum(o_s * (w / safe)[:, None], 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_o_b + head * stride_o_h + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dims < head_size_v)
+    if RETURN_LSE:
+        lse = tl.where(denom > 0.0, tl.log(safe) + m_use, float("-inf"))
+        tl.store(lse_ptr + seq * stride_lse_b + head * stride_lse_h, lse)

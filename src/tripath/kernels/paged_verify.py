@@ -11,15 +11,14 @@ of ``kv_head`` as one ``[BLOCK_M, D]`` tile and walks its split of the context i
 tokens gathered through the block table: each cache row is read once for all of the request's tokens and
 heads, as in paged decode (:mod:`tripath.kernels.paged_decode`), whose split rule this kernel shares (each
 request uses ``min(num_splits, max(fill_splits, T // min_split_tiles))`` of the launch's splits) and whose
-merge in the launch it shares too: the last split of a ``(b, q_block, kv_head)`` to finish merges the
-tile's partials (``counters[b · num_q_blocks + q_block, kv_head]``, :mod:`tripath.kernels.split_merge`).
+:func:`~tripath.kernels.paged_decode.reduce_splits_kernel` merges the partials per token and head
+(``splits_used`` per token).
 """
 
 import triton
 import triton.language as tl
 
 from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize
-from tripath.kernels.split_merge import last_to_arrive, merge_partials
 from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
@@ -34,7 +33,7 @@ def paged_verify_kernel(
     stride_v0, stride_v1, stride_v2, stride_v3,
     stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
     num_heads, num_queries_per_kv, head_size, head_size_v, block_size,
-    num_q_blocks, num_splits, fill_splits, min_split_tiles, counters_ptr, num_kv_heads,
+    num_q_blocks, num_splits, fill_splits, min_split_tiles, splits_used_ptr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     SHUFFLED: tl.constexpr, X: tl.constexpr, KV_FP8: tl.constexpr,
@@ -42,8 +41,8 @@ def paged_verify_kernel(
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr, TREE: tl.constexpr,
 ):
     """Program ``(b · num_q_blocks + q_block, kv_head, split)``: see the module doc. Writes ``out`` where the
-    request uses one split, else fp32 partials ``[T, Hq, num_splits, BLOCK_DV]`` / ``[T, Hq, num_splits]``,
-    and ``out`` if it is the tile's last split to finish."""
+    request uses one split, else fp32 partials ``[T, Hq, num_splits, BLOCK_DV]`` / ``[T, Hq, num_splits]`` and,
+    from split 0, ``splits_used[t]`` for each of its tokens."""
     seq = tl.program_id(0) // num_q_blocks
     q_block = tl.program_id(0) % num_q_blocks
     kv_head = tl.program_id(1)
@@ -72,6 +71,8 @@ def paged_verify_kernel(
     row_ok = (r < tokens_per_block * num_queries_per_kv) & (t < q_len)
     token = (q_start + t).to(tl.int64)
     if SPLIT:
+        if split == 0:
+            tl.store(splits_used_ptr + token, tl.full([BLOCK_M], 0, tl.int32) + used, mask=row_ok & (g == 0))
         if split >= used:
             return
     tiles_per_split = tl.cdiv(num_tiles, used)
@@ -104,17 +105,7 @@ def paged_verify_kernel(
                                        BLOCK_M, BLOCK_N, BLOCK_DV, not TREE, SHUFFLED, X,
                                        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, tree_bits, first_pos, TREE)
 
-    done = used == 1  # the whole context in this program (always without SPLIT)
-    if not done:
-        o_s, lse_s = finalize(m_i, l_i, acc, 1.0)  # the value scale is applied once, after the merge
-        part0 = (token * num_heads + heads) * num_splits
-        tl.store(part_out_ptr + (part0 + split)[:, None] * BLOCK_DV + dims_v[None, :], o_s, mask=row_ok[:, None])
-        tl.store(part_lse_ptr + part0 + split, lse_s, mask=row_ok)
-        done = last_to_arrive(counters_ptr + tl.program_id(0).to(tl.int64) * num_kv_heads + kv_head, used)
-        if done:
-            m_i, l_i, acc = merge_partials(part_out_ptr, part_lse_ptr, 0, 1, part0, used, row_ok, dims_v, BLOCK_M,
-                                           BLOCK_DV)
-    if done:
+    if used == 1:  # the whole context in this program (always without SPLIT)
         if HAS_SINKS:
             sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
             m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)
@@ -123,3 +114,8 @@ def paged_verify_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims_v[None, :] < head_size_v))
         if RETURN_LSE:
             tl.store(lse_ptr + token * stride_lse_t + heads * stride_lse_h, lse, mask=row_ok)
+    else:
+        out, lse = finalize(m_i, l_i, acc, v_scale)
+        part = (token * num_heads + heads) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_DV + dims_v[None, :], out, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)

@@ -1,12 +1,12 @@
 """The split-KV partials shared by paged decode and verify (:mod:`tripath.ops.attention`,
-:mod:`tripath.ops.verify`): their buffers, the merge counters of kernels that merge them in their own launch,
-and the launch of :func:`~tripath.kernels.split_merge.reduce_splits_kernel` that merges them row by row."""
+:mod:`tripath.ops.verify`): their buffers, and the launch of
+:func:`~tripath.kernels.paged_decode.reduce_splits_kernel` that merges them row by row."""
 
 from __future__ import annotations
 
 import torch
 
-from tripath.kernels.split_merge import reduce_splits_kernel
+from tripath.kernels.paged_decode import reduce_splits_kernel
 from tripath.ops._checks import next_pow2
 from tripath.triton_internals import launch
 
@@ -22,22 +22,6 @@ def split_buffers(rows: int, heads: int, num_splits: int, block_dv: int, lse: to
     part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=device)
     used = (torch.ones if fill_used else torch.empty)(rows, dtype=torch.int32, device=device)
     return part_out, part_lse, used
-
-
-_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
-
-
-def merge_counters(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` int32 merge counters at zero, for a launch that merges its splits itself
-    (:mod:`tripath.kernels.split_merge`: its programs leave them at zero). One buffer serves every such
-    launch of the current stream, one at a time, so launches on different streams never share counters; a
-    larger request allocates a larger buffer and keeps the old ones, which captured CUDA graphs still use."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    buffers = _COUNTERS.setdefault((device.type, device.index, stream), [])
-    if not buffers or buffers[-1].numel() < count:
-        size = max(count, 2 * buffers[-1].numel() if buffers else 1024)
-        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def merge_splits(part_out, part_lse, splits_used, out: torch.Tensor, lse: torch.Tensor, sinks, num_splits: int,

@@ -37,7 +37,7 @@ from tripath.ops._checks import (
 )
 from tripath.ops._configs import tables_span_max_len  # noqa: F401 - the engine's decode graphs set it here
 from tripath.ops._descriptors import row_matrix, row_strides
-from tripath.ops._split_kv import merge_counters, split_buffers
+from tripath.ops._split_kv import merge_splits, split_buffers
 from tripath.ops._varlen_sm90 import launch_varlen_sm90, sm90_unsupported
 from tripath.ops.kv_cache import cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform
@@ -284,8 +284,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = out if out is not None else torch.empty(out_shape, dtype=q.dtype, device=device)
     lse = lse_out(batch, q.shape[1], device, return_lse)
     block_dv = next_pow2(head_size_v)
-    part_out, part_lse, _ = split_buffers(batch, q.shape[1], num_splits, block_dv, lse, seq_lens, device)
-    counters = merge_counters(device, batch * num_kv_heads) if num_splits > 1 else seq_lens
+    part_out, part_lse, splits_used = split_buffers(batch, q.shape[1], num_splits, block_dv, lse, seq_lens, device)
     q = q if q.stride(2) == 1 else q.contiguous()
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     dummy = seq_lens
@@ -298,12 +297,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), block_table.stride(0), *cache_strides(k_cache, v_cache),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         q.shape[1], group, head_size, head_size_v, block_size,
-        num_splits=num_splits, fill_splits=fill_splits, min_split_tiles=min_split_tiles, counters_ptr=counters,
-        num_kv_heads=num_kv_heads, SPLIT=num_splits > 1, BLOCK_G=max(16, next_pow2(group)), BLOCK_DK=next_pow2(head_size),
+        num_splits=num_splits, fill_splits=fill_splits, min_split_tiles=min_split_tiles, splits_used_ptr=splits_used,
+        SPLIT=num_splits > 1, BLOCK_G=max(16, next_pow2(group)), BLOCK_DK=next_pow2(head_size),
         BLOCK_DV=block_dv, SHUFFLED=layout == "shuffled", X=shuffle_width(k_cache.dtype), KV_FP8=kv_fp8,
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, **cfg,
     )
+    merge_splits(part_out, part_lse, splits_used, out, lse, sinks, num_splits, block_dv, return_lse)
     return (out, lse) if return_lse else out
 
 

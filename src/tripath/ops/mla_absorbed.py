@@ -2,7 +2,7 @@
 output ``o_lat [B, H, L]`` of each head against its request's paged latent cache (the dims and the math:
 :mod:`tripath.ops.mla`). Variants: the Gluon kernels on sm_90 (:mod:`tripath.ops._mla_decode_sm90`), else the
 packed-heads Triton kernel (:mod:`tripath.kernels.mla_decode`); split-KV partials merged by
-:func:`tripath.kernels.split_merge.reduce_splits_kernel`.
+:func:`tripath.kernels.paged_decode.reduce_splits_kernel`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from tripath import _env
 from tripath.kernels.mla_decode import mla_decode_kernel
-from tripath.kernels.split_merge import reduce_splits_kernel
+from tripath.kernels.paged_decode import reduce_splits_kernel
 from tripath.ops import _mla_configs, reference_mla
 from tripath.ops._checks import (FLOAT_DTYPES, check_block_table, check_out, check_scale, check_seq_lens_values,
                                  check_sm_scale, check_tensor, check_written, contiguous_last, dot_width, next_pow2,

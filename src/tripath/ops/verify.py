@@ -16,7 +16,7 @@ from tripath.kernels.paged_verify import paged_verify_kernel
 from tripath.ops import _configs, reference
 from tripath.ops._attention_checks import (check_attention_options, check_cu_seqlens, check_paged, lse_out,
                                            num_cache_blocks)
-from tripath.ops._split_kv import merge_counters, split_buffers
+from tripath.ops._split_kv import merge_splits, split_buffers
 from tripath.ops._checks import check_cu_seqlens_values, check_out, check_seq_lens_values, next_pow2, values_checked
 from tripath.ops.kv_cache import cache_strides, shuffle_width
 from tripath.platform import FP8_DTYPES, current_platform
@@ -94,8 +94,8 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lse = lse_out(q.shape[0], q.shape[1], device, return_lse)
     block_dv = next_pow2(head_size_v)
     num_tokens = q.shape[0]
-    part_out, part_lse, _ = split_buffers(num_tokens, q.shape[1], num_splits, block_dv, lse, seq_lens, device)
-    counters = merge_counters(device, programs * num_kv_heads) if num_splits > 1 else seq_lens
+    part_out, part_lse, splits_used = split_buffers(num_tokens, q.shape[1], num_splits, block_dv, lse, seq_lens,
+                                                    device, fill_used=True)   # padding rows: nothing to merge
     q = q if q.stride(2) == 1 else q.contiguous()
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     dummy = seq_lens
@@ -110,11 +110,12 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         q.shape[1], group, head_size, head_size_v, block_size,
         num_q_blocks, num_splits=num_splits, fill_splits=fill_splits, min_split_tiles=min_split_tiles,
-        counters_ptr=counters, num_kv_heads=num_kv_heads, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_DK=next_pow2(head_size),
+        splits_used_ptr=splits_used, SPLIT=num_splits > 1, BLOCK_M=block_m, BLOCK_DK=next_pow2(head_size),
         BLOCK_DV=block_dv, SHUFFLED=layout == "shuffled", X=shuffle_width(k_cache.dtype), KV_FP8=kv_fp8,
         HAS_WINDOW=window_left >= 0, HAS_SOFTCAP=softcap > 0, HAS_ALIBI=alibi_slopes is not None,
         HAS_SINKS=sinks is not None, RETURN_LSE=return_lse, TREE=tree_mask is not None, **cfg,
     )
+    merge_splits(part_out, part_lse, splits_used, out, lse, sinks, num_splits, block_dv, return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -10,8 +10,7 @@ does not have are ignored.
 - :data:`STEP_INTS`: integers that vary per step. Left unspecialised they cost nothing measurable (they
   enter address arithmetic once per program).
 - :data:`STEP_INDEX_POINTERS`: int32/int64 index tensors that the engine hands over as slices of packed
-  per-step buffers (and merge counters, for which a launcher without splits passes one of those), and the
-  scalar or per-head operands (scales, ALiBi slopes, sinks) for which a launcher
+  per-step buffers, and the scalar or per-head operands (scales, ALiBi slopes, sinks) for which a launcher
   passes one of those slices as a placeholder when the feature is off. All are read one element at a time,
   so 16-byte alignment buys no wider loads.
 """
@@ -19,8 +18,7 @@ does not have are ignored.
 STEP_INTS = ("stride_bt", "num_seqs", "num_m_blocks", "num_splits", "fill_splits", "min_split_tiles", "num_tokens",
              "batch", "num_rows", "kv_split", "num_q_rows")
 STEP_INDEX_POINTERS = ("block_table_ptr", "seq_lens_ptr", "cu_seqlens_ptr", "cu_seqlens_q_ptr", "cu_seqlens_k_ptr",
-                       "q_start_ptr", "seq_starts_ptr", "splits_used_ptr", "counters_ptr", "slot_mapping_ptr",
-                       "positions_ptr", "context_lens_ptr", "tree_mask_ptr", "k_scale_ptr", "v_scale_ptr",
-                       "kv_scale_ptr", "q_scale_ptr", "scale_ptr", "alibi_ptr", "sinks_ptr", "temperature_ptr",
-                       "seeds_ptr")
+                       "q_start_ptr", "seq_starts_ptr", "splits_used_ptr", "slot_mapping_ptr", "positions_ptr",
+                       "context_lens_ptr", "tree_mask_ptr", "k_scale_ptr", "v_scale_ptr", "kv_scale_ptr",
+                       "q_scale_ptr", "scale_ptr", "alibi_ptr", "sinks_ptr", "temperature_ptr", "seeds_ptr")
 STEP_INVARIANT = dict(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=STEP_INDEX_POINTERS)
