@@ -135,14 +135,14 @@ def gemm_table(model, copy_bytes_per_s: float, rows=GEMM_ROWS) -> list[dict]:
 
 
 def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool,
-        fused_sampling: str = "auto") -> dict:
+        fused_sampling: str = "auto", skinny_gemms: str = "auto") -> dict:
     import torch
 
     from tripath.engine import LLM
     from tripath.bench.serve_floor import measure_ceilings, model_costs
     from tripath.bench.step_breakdown import StepBreakdown
 
-    llm = LLM(model, max_num_seqs=batch, fused_sampling=fused_sampling)
+    llm = LLM(model, max_num_seqs=batch, fused_sampling=fused_sampling, skinny_gemms=skinny_gemms)
     try:
         _decode_ready(llm, batch, context, seed)
         for _ in range(4):
@@ -167,6 +167,7 @@ def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool
             "kernels": kernels, "profiled_steps": profiled_steps,
             "fused_sampling": llm.core.info().fused_sampling,
             "fused_sampling_steps": llm.stats().fused_sampling_steps,
+            "gemm_routes": [list(r) for r in llm.core.info().gemm_routes],
         }
         if gemms:
             result["gemms"] = gemm_table(llm.model, copy)
@@ -189,6 +190,12 @@ def format_result(r: dict) -> str:
         total += k["us_per_step"]
         lines.append(f"| {k['kernel'][:90]} | {k['us_per_step']:.1f} | {k['launches_per_step']:.1f} |")
     lines.append(f"| total kernel time | {total:.1f} | {sum(k['launches_per_step'] for k in r['kernels']):.1f} |")
+    if r.get("gemm_routes"):
+        lines += ["", "the projections' GEMM per weight shape and row class, timed at start (graph replays, weights "
+                  "read from memory):", "| N × K | rows up to | cuBLAS µs | Triton split-K µs | runs |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {n} × {k} | {rows} | {cub:.1f} | {tri:.1f} | {'Triton' if taken else 'cuBLAS'} |"
+                  for n, k, rows, cub, tri, taken in r["gemm_routes"]]
     if "gemms" in r:
         lines += ["", "F.linear (cuBLAS), GPU time of graph replays, weights read from memory:",
                   "| weight | N × K | M | µs | GB/s | of copy |", "|---|---|---|---|---|---|"]
@@ -207,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gemms", action="store_true", help="skip the F.linear table")
     parser.add_argument("--fused-sampling", default="auto", choices=["auto", "on", "off"],
                         help="the LM head with the draw: the start's choice (auto), forced on or off")
+    parser.add_argument("--skinny-gemms", default="auto", choices=["auto", "off"],
+                        help="the projections' GEMM: the start's choice per shape (auto) or cuBLAS (off)")
     parser.add_argument("--json", help="write the result here as JSON")
     args = parser.parse_args(argv)
     import torch
@@ -214,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("the decode-step bench needs a GPU")
     result = run(args.model, args.batch, args.context, args.calls, args.seed, not args.no_gemms,
-                 args.fused_sampling)
+                 args.fused_sampling, args.skinny_gemms)
     print(format_result(result))
     if args.json:
         with open(args.json, "w") as f:

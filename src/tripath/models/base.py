@@ -24,8 +24,8 @@ from torch import nn
 from tripath.attention.spec import AttentionSpec
 from tripath.models.config import ModelConfig
 from tripath.models.layers import MLP, MoE, RMSNorm
-from tripath.models.parallel import (SINGLE, HeadSplit, ParallelState, VocabParallelEmbedding, gather_draws,
-                                     gather_logits, lm_head)
+from tripath.models.parallel import (SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear,
+                                     VocabParallelEmbedding, gather_draws, gather_logits, lm_head)
 from tripath.ops.lm_head_sample import SampleDraw, lm_head_sample
 
 
@@ -119,6 +119,22 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if callable(getattr(module, "fuse_weights", None)):
                 module.fuse_weights()
+
+    def projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(weight [N, K], bias or None)`` of each projection of the decoder layers as their forward runs it
+        through :func:`tripath.ops.linear.linear`: the column- and row-parallel linears (a row-parallel one's
+        bias is added after its all-reduce, so its GEMM has none) and the stacked weights (``*_weight`` buffers,
+        with their ``*_bias``). The engine times the skinny GEMM on these at start
+        (:func:`tripath.ops.linear_routes.choose_routes`)."""
+        found = []
+        for module in self.model.layers.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                sharded_rows = isinstance(module, RowParallelLinear) and module.tp_shards
+                found.append((module.weight, None if sharded_rows else module.bias))
+            for name, buffer in module.named_buffers(recurse=False):
+                if name.endswith("_weight") and buffer is not None and buffer.dim() == 2:
+                    found.append((buffer, getattr(module, name[:-len("weight")] + "bias", None)))
+        return found
 
     def attention_spec(self, *, block_size: int = 16, kv_cache_dtype: str = "auto", kv_layout: str = "nhd",
                        dtype: torch.dtype | None = None, **options) -> AttentionSpec:

@@ -31,7 +31,6 @@ A model loaded with its multi-token-prediction layer (``load_model(..., mtp=True
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tripath.attention.spec import MLALayerWeights
@@ -39,6 +38,7 @@ from tripath.models.base import CausalLM, decoder_layers
 from tripath.models.config import DEEPSEEK_ARCHITECTURES, ModelConfig
 from tripath.models.layers import RMSNorm, rotary_tables, stack_linears
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
+from tripath.ops.linear import linear
 from tripath.ops.norm import rms_norm_pair, rms_norm_pair_ref
 
 
@@ -92,7 +92,7 @@ class MLAAttention(nn.Module):
         if self.qkv_a_weight is None:
             kv_c, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
             return self.project_q(x), self.kv_a_layernorm(kv_c), k_pe
-        q_a, kv_c, k_pe = F.linear(x, self.qkv_a_weight, self.qkv_a_bias).split(
+        q_a, kv_c, k_pe = linear(x, self.qkv_a_weight, self.qkv_a_bias).split(
             [self.q_a_proj.out_features, mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         q_norm, kv_norm = self.q_a_layernorm, self.kv_a_layernorm
         q_a, kv_c = (rms_norm_pair if x.is_cuda else rms_norm_pair_ref)(q_a, q_norm.weight, q_norm.eps, kv_c,

@@ -28,6 +28,7 @@ from tripath.attention.spec import RotaryTables
 from tripath.models.config import MoEConfig, RopeConfig, yarn_mscale
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, ParallelState, RowParallelLinear, Shard, equal_rows
 from tripath.ops.activation import silu_and_mul, silu_and_mul_ref
+from tripath.ops.linear import linear
 from tripath.ops.norm import rms_norm, rms_norm_ref
 
 
@@ -157,7 +158,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)
         return self.down_proj((silu_and_mul if x.is_cuda else silu_and_mul_ref)(gate_up))
 
 

@@ -17,13 +17,13 @@ parallelism (:mod:`tripath.models.parallel`) ``Hq``/``Hkv`` are the rank's heads
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tripath.models.base import CausalLM, decoder_layers
 from tripath.models.config import LLAMA_ARCHITECTURES, ModelConfig
 from tripath.models.layers import RMSNorm, apply_rotary, rotary_tables, stack_linears
 from tripath.models.parallel import SINGLE, ColumnParallelLinear, HeadSplit, ParallelState, RowParallelLinear
+from tripath.ops.linear import linear
 from tripath.ops.norm import rms_norm_rope_heads
 from tripath.ops.rotary import rotary_embedding
 
@@ -66,7 +66,7 @@ class GQAAttention(nn.Module):
         if self.qkv_weight is None:
             return (self.q_proj(x).view(t, self.num_heads, d), self.k_proj(x).view(t, self.num_kv_heads, d),
                     self.v_proj(x).view(t, self.num_kv_heads, d), None)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)
         nq, nk = self.num_heads * d, self.num_kv_heads * d  # the rows of q_proj and of k_proj / v_proj
         q, k, v = (qkv[:, a:b].view(t, -1, d) for a, b in ((0, nq), (nq, nq + nk), (nq + nk, nq + 2 * nk)))
         return q, k, v, qkv[:, :nq + nk].view(t, -1, d)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tripath.ops.linear import linear
 from tripath.ops.lm_head_sample import SampleDraw, merge_packed
 
 
@@ -165,6 +166,9 @@ class ColumnParallelLinear(nn.Linear):
         self.tp_shards = {} if rows is None else {
             name: Shard(0, rows[0], rows[1], out_features) for name in ("weight", "bias")[:1 + bias]}
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class RowParallelLinear(nn.Linear):
     """The rank's share of the input columns of an ``[out_features, in_features]`` linear; the partial
@@ -180,8 +184,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.tp_shards:
-            return super().forward(x)
-        y = F.linear(x, self.weight)
+            return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight)
         if self.reduce:
             self.parallel.all_reduce(y)
         elif self.parallel.rank != 0:

@@ -29,7 +29,8 @@ import torch
 
 from tripath import ops
 from tripath.ops import activation, mla, mla_absorbed, norm, rotary
-from tripath.portability import compile_scenarios_mixed, compile_scenarios_mla_verify, compile_scenarios_sampling
+from tripath.portability import compile_scenarios_gemm as gemm, compile_scenarios_mixed, compile_scenarios_mla_verify
+from tripath.portability import compile_scenarios_sampling as sampling
 from tripath.platform import Platform, fp8_dtype
 
 
@@ -442,9 +443,8 @@ def all_scenarios() -> list[Scenario]:
                        f"{'neox' if is_neox else 'gptj'} bf16", _build_rms_norm_rope_heads, ci=is_neox,
                        head_size=head_size, rotary_dim=rotary_dim, is_neox=is_neox))
     rows.append(_s("multi-step decoding: metadata advance", _build_advance_decodes, ci=True))
-    for inter in (14336, 1536):
-        rows.append(_s(f"silu_and_mul I={inter} bf16", _build_silu_and_mul, ci=inter == 14336, inter=inter))
+    rows += [_s(f"silu_and_mul I={i} bf16", _build_silu_and_mul, ci=i == 14336, inter=i) for i in (14336, 1536)]
     rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_mixed.rows(_cache, _features)]
     rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_mla_verify.rows(_mla_cache)]
-    rows += [_s(name, build, ci, **kw) for name, build, ci, kw in compile_scenarios_sampling.rows()]
+    rows += [_s(name, build, ci, **kw) for module in (sampling, gemm) for name, build, ci, kw in module.rows()]
     return rows

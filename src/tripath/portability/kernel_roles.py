@@ -53,6 +53,7 @@ KERNEL_ROLES: dict[str, KernelRole] = {
     "advance_decodes_kernel": KernelRole(False, "deliberate: per-row metadata update of multi-step decoding"),
     "lm_head_sample_kernel": KernelRole(True, "LM head tiles [BLOCK_V tokens x BLOCK_M rows] = W_tile · hᵀ"),
     "logits_sample_kernel": KernelRole(False, "deliberate: a pass over written logits (argmax / Gumbel keys, LSE)"),
+    "skinny_gemm_kernel": KernelRole(True, "x [BLOCK_M rows] · W tile [BLOCK_N x BLOCK_K]ᵀ over a K split"),
     "sample_partials_reduce_kernel": KernelRole(False, "deliberate: per-row reduction of tile partials"),
 }
 

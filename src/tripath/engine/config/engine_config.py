@@ -87,7 +87,11 @@ class EngineConfig:
     ``fused_sampling``: whether steps whose requests allow it draw their tokens straight from the LM head,
     without writing logits (:mod:`tripath.engine.sampling.fused_sampling`): ``"auto"`` where a measurement at start on
     the GPU found it faster, per bucket of row counts (never on the CPU); ``"on"`` wherever the requests
-    allow; ``"off"`` never.
+    allow; ``"off"`` never. ``skinny_gemms``: which GEMM runs the layers' projections of at most 256 rows
+    (decode steps): ``"auto"``, on a GPU, times cuBLAS and tripath's split-K Triton GEMM on the model's
+    weights at start and takes the faster per weight shape and class of row counts
+    (:mod:`tripath.ops.linear_routes`; the routes hold for the process); ``"off"``, cuBLAS (``F.linear``)
+    everywhere.
     """
 
     backend: str = "auto"
@@ -118,6 +122,7 @@ class EngineConfig:
     step_time_target_s: float | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
     fused_sampling: str = "auto"
+    skinny_gemms: str = "auto"
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
@@ -170,6 +175,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.fused_sampling not in ("auto", "on", "off"):
             raise ValueError(f"fused_sampling must be 'auto', 'on' or 'off', got {self.fused_sampling!r}")
+        if self.skinny_gemms not in ("auto", "off"):
+            raise ValueError(f"skinny_gemms must be 'auto' or 'off', got {self.skinny_gemms!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise TypeError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
 

@@ -28,7 +28,9 @@ class EngineInfo:
     ``enforce_eager``. Sampling straight from the LM head (:mod:`tripath.engine.sampling.fused_sampling`):
     ``fused_sampling`` (the setting and how it was decided; ``"off"`` where the fused path is never taken) and
     ``fused_sampling_buckets`` (``(rows up to, greedy steps fused, sampled steps fused)`` per bucket of row
-    counts). Start: ``warmup_seconds`` (None: no warm-up ran) and ``start_seconds``.
+    counts). The projections' GEMMs (:mod:`tripath.ops.linear_routes`): ``gemm_routes``, ``(N, K, rows up to,
+    cuBLAS µs, Triton split-K µs, Triton taken)`` per weight shape and row class as timed at start (empty
+    with ``skinny_gemms="off"`` or on the CPU). Start: ``warmup_seconds`` (None: no warm-up ran) and ``start_seconds``.
     """
 
     model: str | None
@@ -59,6 +61,7 @@ class EngineInfo:
     generation_config: str = "auto"
     fused_sampling: str = "off"
     fused_sampling_buckets: tuple[tuple[int, bool, bool], ...] = ()
+    gemm_routes: tuple[tuple[int, int, int, float, float, bool], ...] = ()
 
     @property
     def num_usable_kv_blocks(self) -> int:
@@ -108,4 +111,6 @@ def describe_engine(runner, config, *, model: str | None, vocab_size: int, decod
         start_seconds=start_seconds, generation_defaults=dict(generation_defaults),
         generation_config=str(config.generation_config),
         fused_sampling="off" if fused is None else fused.how,
-        fused_sampling_buckets=() if fused is None else fused.facts())
+        fused_sampling_buckets=() if fused is None else fused.facts(),
+        gemm_routes=tuple((t.n, t.k, t.rows, round(t.cublas_us, 2), round(t.triton_us, 2), t.triton)
+                          for t in getattr(runner, "gemm_routes", ())))

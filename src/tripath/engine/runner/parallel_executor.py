@@ -227,4 +227,5 @@ class ParallelExecutor:
     mixed_graphs = property(lambda self: self.runner.mixed_graphs)
     largest_step_host_share = property(lambda self: self.runner.largest_step_host_share)
     fused_sampling = property(lambda self: self.runner.fused_sampling)
+    gemm_routes = property(lambda self: self.runner.gemm_routes)
     num_fused_sampling_steps = property(lambda self: self.runner.num_fused_sampling_steps)

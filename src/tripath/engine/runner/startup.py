@@ -1,6 +1,8 @@
 """How an executor starts, before it serves: :func:`start` runs its phases (:data:`PHASES`) once each, in order.
 
-1. ``plan_memory``: the KV cache's size in blocks: ``num_kv_blocks`` if given (on the CPU,
+1. ``plan_memory``: first (GPU, ``skinny_gemms="auto"``) the projections' GEMM per weight shape and row class,
+   timed on the model's weights (:func:`choose_gemm_routes`), so the memory plan's steps run as the engine
+   will; then the KV cache's size in blocks: ``num_kv_blocks`` if given (on the CPU,
    ``CPU_DEFAULT_KV_BLOCKS``), else on a GPU the memory plan (:func:`tripath.engine.runner.memory_plan.plan_gpu_memory`:
    the worst step of each kind measured on a scratch cache, graph pools and headroom reserved, the cache gets
    what is left of ``gpu_memory_utilization``);
@@ -47,6 +49,8 @@ from tripath.engine.runner.warmup import RunnerBasics, WarmupRunner, saved_plan_
 from tripath.engine.sampling import fused_sampling
 from tripath.engine.sampling.sampler import make_generator, sample
 from tripath.engine.scheduling.block_manager import blocks_needed
+from tripath.ops.linear import forget_routes
+from tripath.ops.linear_routes import RouteTiming, choose_routes
 from tripath.triton_internals import CompilePool, default_workers, warm_up_recording
 
 if TYPE_CHECKING:
@@ -105,6 +109,7 @@ class RunnerStart:
         start's compile pool (:func:`compile_pool`) where the warm-up pays for one."""
         self._phases.enter("plan_memory")
         self._compile_pool = compile_pool(self) if warms_up(self) else None
+        self.gemm_routes = choose_gemm_routes(self)
         if self.config.num_kv_blocks is not None or self.device.type != "cuda":
             return self.config.num_kv_blocks or CPU_DEFAULT_KV_BLOCKS
         self.penalties.allocate(self.logits_width())  # held for the engine's life: in use, not a step's
@@ -171,6 +176,23 @@ class StartingRunner(RunnerBasics, Protocol):
     def fused_sampling(self) -> FusedSampling | None: ...   # measured at start (fused_sampling.measure)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def choose_gemm_routes(runner: StartingRunner) -> list[RouteTiming]:
+    """With ``skinny_gemms="auto"`` on a GPU, time and route the model's projections
+    (:func:`tripath.ops.linear_routes.choose_routes`, every row class up to ``max_num_batched_tokens``);
+    ``"off"`` drops the process's routes (cuBLAS everywhere). Returns the timings (none on the CPU)."""
+    if runner.config.skinny_gemms == "off":
+        forget_routes()
+        return []
+    projections = getattr(runner.model, "projections", None)
+    if runner.device.type != "cuda" or projections is None:
+        return []
+    started = time.perf_counter()
+    timings = choose_routes(projections(), runner.config.max_num_batched_tokens)
+    logger.info("skinny GEMM routes: %d of %d shape and row classes to Triton, timed in %.2f s",
+                sum(t.triton for t in timings), len(timings), time.perf_counter() - started)
+    return timings
 
 
 def compile_pool(runner: WarmupRunner) -> CompilePool | None:
