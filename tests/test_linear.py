@@ -2,6 +2,8 @@
 not divide K, bias, poisoned outputs, the merge counters left at zero; the routes chosen per row class; bad
 input."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -9,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import DEVICE
 from tripath.ops import linear as linear_ops
 from tripath.platform import H200
-from tripath.ops.linear import MAX_SKINNY_ROWS, SkinnyConfig, row_class, skinny_config, skinny_linear
+from tripath.ops.linear import MAX_SKINNY_ROWS, SkinnyConfig, row_class, skinny_candidates, skinny_config, skinny_linear
 
 
 def reference(x, w, bias):
@@ -63,6 +65,9 @@ def test_row_classes_and_default_configs():
             c = skinny_config(rows, n, k, H200)
             assert c.block_m <= row_class(rows) and 1 <= c.splits <= linear_ops.MAX_SPLITS
             assert c.splits * c.block_k <= -(-k // c.block_k) * c.block_k
+            candidates = skinny_candidates(rows, n, k, H200)
+            assert candidates[0] == c and len({x.splits for x in candidates}) == len(candidates)
+            assert all(dataclasses.replace(x, splits=c.splits) == c for x in candidates)
 
 
 def test_bad_input():
@@ -78,3 +83,53 @@ def test_bad_input():
                       torch.randn(7, dtype=torch.float16, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous in their last dimension"):
         skinny_linear(torch.randn(16, 2, dtype=torch.float16, device=DEVICE).t(), w)
+
+
+@pytest.mark.gpu
+def test_routes_choose_per_shape_and_class_and_serve_graph_replays():
+    """``choose_routes`` times both GEMMs per shape and row class and routes ``linear`` accordingly; a routed
+    call matches ``F.linear`` in bf16, inside a CUDA graph too (the counters outlive the replays)."""
+    from tripath.ops.linear import forget_routes, linear
+    from tripath.ops.linear_routes import choose_routes
+
+    w = torch.randn(1280, 4096, dtype=torch.bfloat16, device="cuda") / 64
+    b = torch.randn(1280, dtype=torch.bfloat16, device="cuda")
+    try:
+        timings = choose_routes([(w, b)], max_rows=64)
+        assert [t.rows for t in timings] == [16, 32, 64] and all(t.cublas_us > 0 and t.triton_us > 0 for t in timings)
+        for t in timings:
+            assert ((torch.device("cuda", torch.cuda.current_device()), 1280, 4096, torch.bfloat16, t.rows)
+                    in linear_ops._routes) == t.triton
+        linear_ops._routes[(w.device, 1280, 4096, torch.bfloat16, 64)] = skinny_config(64, 1280, 4096, H200)
+        x = torch.randn(50, 4096, dtype=torch.bfloat16, device="cuda")
+        want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(linear(x, w, b).float(), want, atol=3e-2, rtol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = linear(x, w, b)
+        x.copy_(torch.randn_like(x))
+        for _ in range(3):
+            graph.replay()
+        want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=2e-2)
+        assert counters_zero()
+    finally:
+        forget_routes()
+
+
+@pytest.mark.gpu
+def test_engine_times_every_projection_shape_and_compiles_nothing_after_start():
+    from tripath.engine import LLM, SamplingParams
+
+    llm = LLM("tiny-qwen2", max_num_seqs=8)
+    try:
+        shapes = {(w.shape[0], w.shape[1]) for w, _ in llm.model.projections()}
+        routes = llm.core.info().gemm_routes
+        assert {(n, k) for n, k, *_ in routes} == shapes
+        assert {rows for _, _, rows, *_ in routes} == {16, 32, 64, 128, 256}
+        prompts = [[5 + i, 9, 11, 13] * (1 + i) for i in range(12)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+        assert llm.num_compiled_since_start == 0
+    finally:
+        llm.close()

@@ -9,6 +9,7 @@ Triton variant the routes can launch, so none is compiled while serving.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,15 @@ def skinny_config(num_rows: int, n: int, k: int, platform: Platform) -> SkinnyCo
     splits = max(1, min(MAX_SPLITS, k_blocks, round(2 * num_sms / tiles)))
     stages = 2 if platform.is_hip else 4
     return SkinnyConfig(block_m, block_n, block_k, splits, num_stages=stages)
+
+
+def skinny_candidates(num_rows: int, n: int, k: int, platform: Platform) -> list[SkinnyConfig]:
+    """:func:`skinny_config` and the same tiles with half and twice its K splits (the split count is a
+    runtime argument: every candidate is one compiled variant), distinct, in that order."""
+    base = skinny_config(num_rows, n, k, platform)
+    most = min(MAX_SPLITS, -(-k // base.block_k))
+    counts = dict.fromkeys((base.splits, max(1, base.splits // 2), min(most, 2 * base.splits)))
+    return [dataclasses.replace(base, splits=s) for s in counts]
 
 
 _counters: dict[torch.device, torch.Tensor] = {}  # a device's merge counters (int32, zero between launches)
@@ -117,13 +127,14 @@ _routes: dict[tuple, SkinnyConfig] = {}  # (device, N, K, dtype, row class) → 
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x [..., K], weight [N, K], bias)``, by the skinny GEMM where :func:`choose_routes` measured
-    it faster for this weight's shape and ``x``'s row class, else by ``F.linear``."""
+    """``F.linear(x [..., K], weight [N, K], bias)``, by the skinny GEMM where
+    :func:`~tripath.ops.linear_routes.choose_routes` measured it faster for this weight's shape and ``x``'s row
+    class (``x`` contiguous and 16-byte aligned, as at that measurement), else by ``F.linear``."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if _routes and x.is_cuda and 1 <= rows <= MAX_SKINNY_ROWS:
         config = _routes.get((x.device, weight.shape[0], k, x.dtype, row_class(rows)))
-        if config is not None and x.is_contiguous() and weight.stride(1) == 1:
+        if config is not None and x.is_contiguous() and weight.stride(1) == 1 and x.data_ptr() % 16 == 0:
             return skinny_linear(x.view(rows, k), weight, bias, config).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 

@@ -4,8 +4,9 @@ For every distinct weight shape and every row class up to the engine's row limit
 ``F.linear`` (cuBLAS / hipBLASLt) and the split-K Triton GEMM on the model's own weights of that shape — as
 many of them, and of their copies, as make twice the L2 cache, so that each call reads its weight from
 memory as a layer does — by replaying a CUDA graph of the calls, and routes the shape's row class to the
-Triton GEMM where it took at most :data:`WIN_SHARE` of cuBLAS's time. Timing both compiles the Triton
-variants the routes use, before the engine serves.
+Triton GEMM, with the fastest of its candidate launches (:func:`~tripath.ops.linear.skinny_candidates`), where
+that took at most :data:`WIN_SHARE` of cuBLAS's time. Timing both compiles the Triton variants the routes use,
+before the engine serves.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tripath.ops import linear as linear_ops
-from tripath.ops.linear import ROW_CLASSES, SKINNY_DTYPES, skinny_config, skinny_linear
+from tripath.ops.linear import ROW_CLASSES, SKINNY_DTYPES, SkinnyConfig, skinny_candidates, skinny_linear
 from tripath.platform import current_platform
 
 logger = logging.getLogger(__name__)
@@ -29,13 +30,15 @@ REPLAYS = 20         # graph replays a timing takes the median of
 
 @dataclass(frozen=True)
 class RouteTiming:
-    """One shape and row class as measured: µs a call of each, and whether the Triton GEMM took it."""
+    """One shape and row class as measured: µs a call of each (the Triton GEMM's best candidate, ``config``),
+    and whether the Triton GEMM took it."""
     n: int
     k: int
     rows: int
     cublas_us: float
     triton_us: float
     triton: bool
+    config: SkinnyConfig
 
 
 def _median_call_us(calls) -> float:
@@ -75,36 +78,39 @@ def choose_routes(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]
     """Time and route (module doc) every distinct ``[N, K]`` shape among the ``(weight, bias or None)``
     ``projections`` (2-D CUDA fp16/bf16 weights contiguous in their last dimension; others are left to
     ``F.linear``) for each row class up to ``min(max_rows, MAX_SKINNY_ROWS)``; the routes take effect for
-    :func:`tripath.ops.linear.linear`. A shape with a bias runs its Triton variant with one too."""
+    :func:`tripath.ops.linear.linear`. A shape with a bias is timed with one; a routed shape also runs the
+    variant of the other projections of its shape (with or without a bias) once, so that it is compiled."""
     groups: dict[tuple, list[torch.Tensor]] = {}
-    biased: set[tuple] = set()
+    biases: dict[tuple, set[bool]] = {}
     for w, b in projections:
         if w.is_cuda and w.dim() == 2 and w.dtype in SKINNY_DTYPES and w.stride(1) == 1:
             key = (w.device, w.shape[0], w.shape[1], w.dtype)
             groups.setdefault(key, []).append(w)
-            if b is not None:
-                biased.add(key)
+            biases.setdefault(key, set()).add(b is not None)
     timings = []
     for (device, n, k, dtype), same in groups.items():
-        bias = torch.zeros(n, dtype=dtype, device=device) if (device, n, k, dtype) in biased else None
+        with_bias = biases[(device, n, k, dtype)]
+        bias = torch.zeros(n, dtype=dtype, device=device) if True in with_bias else None
         ws = _out_of_l2(same)
         platform = current_platform(device)
         for rows in ROW_CLASSES:
             if rows > max(ROW_CLASSES[0], max_rows):
                 break
             x = torch.randn(rows, k, dtype=dtype, device=device)
-            config = skinny_config(rows, n, k, platform)
-            cublas = _median_call_us([lambda w=w: F.linear(x, w) for w in ws])
-            triton = _median_call_us([lambda w=w: skinny_linear(x, w, bias, config) for w in ws])
+            cublas = _median_call_us([lambda w=w: F.linear(x, w, bias) for w in ws])
+            triton, config = min(((_median_call_us([lambda w=w, c=c: skinny_linear(x, w, bias, c) for w in ws]), c)
+                                  for c in skinny_candidates(rows, n, k, platform)), key=lambda tc: tc[0])
             wins = triton <= WIN_SHARE * cublas
             key = (device, n, k, dtype, rows)
             if wins:
                 linear_ops._routes[key] = config
+                if len(with_bias) == 2:
+                    skinny_linear(x, same[0], None, config)
             else:
                 linear_ops._routes.pop(key, None)
-            timings.append(RouteTiming(n, k, rows, cublas, triton, wins))
+            timings.append(RouteTiming(n, k, rows, cublas, triton, wins, config))
         del ws
     for t in timings:
-        logger.info("GEMM [%d, %d] x %d rows: cuBLAS %.1f us, Triton split-K %.1f us -> %s", t.n, t.k, t.rows,
-                    t.cublas_us, t.triton_us, "Triton" if t.triton else "cuBLAS")
+        logger.info("GEMM [%d, %d] x %d rows: cuBLAS %.1f us, Triton split-K %.1f us (%d splits) -> %s", t.n, t.k,
+                    t.rows, t.cublas_us, t.triton_us, t.config.splits, "Triton" if t.triton else "cuBLAS")
     return timings
