@@ -100,7 +100,7 @@ def test_routes_choose_per_shape_and_class_and_serve_graph_replays():
         for t in timings:
             assert ((torch.device("cuda", torch.cuda.current_device()), 1280, 4096, torch.bfloat16, t.rows)
                     in linear_ops._routes) == t.triton
-        linear_ops._routes[(w.device, 1280, 4096, torch.bfloat16, 64)] = skinny_config(64, 1280, 4096, H200)
+        linear_ops.set_route(w.device, 1280, 4096, torch.bfloat16, 64, skinny_config(64, 1280, 4096, H200))
         x = torch.randn(50, 4096, dtype=torch.bfloat16, device="cuda")
         want = torch.nn.functional.linear(x.float(), w.float(), b.float())
         torch.testing.assert_close(linear(x, w, b).float(), want, atol=3e-2, rtol=2e-2)

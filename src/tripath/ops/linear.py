@@ -139,6 +139,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def set_route(device: torch.device, n: int, k: int, dtype: torch.dtype, rows: int,
+              config: SkinnyConfig | None) -> None:
+    """Run :func:`linear` on ``[n, k]`` weights of ``dtype`` on ``device`` with ``x`` rows of row class ``rows``
+    by the skinny GEMM launched as ``config``; None: by ``F.linear``. The launch's Triton variant must have
+    been compiled already (the engine's start does it) or the first call compiles it."""
+    if rows not in ROW_CLASSES:
+        raise ValueError(f"rows={rows} is not a row class; row classes: {ROW_CLASSES}")
+    if config is None:
+        _routes.pop((device, n, k, dtype, rows), None)
+    else:
+        _routes[(device, n, k, dtype, rows)] = config
+
+
 def forget_routes() -> None:
     """Drop every chosen route (every projection runs ``F.linear`` again)."""
     _routes.clear()

@@ -18,8 +18,7 @@ from typing import Iterable
 import torch
 import torch.nn.functional as F
 
-from tripath.ops import linear as linear_ops
-from tripath.ops.linear import ROW_CLASSES, SKINNY_DTYPES, SkinnyConfig, skinny_candidates, skinny_linear
+from tripath.ops.linear import ROW_CLASSES, SKINNY_DTYPES, SkinnyConfig, set_route, skinny_candidates, skinny_linear
 from tripath.platform import current_platform
 
 logger = logging.getLogger(__name__)
@@ -101,13 +100,9 @@ def choose_routes(projections: Iterable[tuple[torch.Tensor, torch.Tensor | None]
             triton, config = min(((_median_call_us([lambda w=w, c=c: skinny_linear(x, w, bias, c) for w in ws]), c)
                                   for c in skinny_candidates(rows, n, k, platform)), key=lambda tc: tc[0])
             wins = triton <= WIN_SHARE * cublas
-            key = (device, n, k, dtype, rows)
-            if wins:
-                linear_ops._routes[key] = config
-                if len(with_bias) == 2:
-                    skinny_linear(x, same[0], None, config)
-            else:
-                linear_ops._routes.pop(key, None)
+            set_route(device, n, k, dtype, rows, config if wins else None)
+            if wins and len(with_bias) == 2:
+                skinny_linear(x, same[0], None, config)
             timings.append(RouteTiming(n, k, rows, cublas, triton, wins, config))
         del ws
     for t in timings:
