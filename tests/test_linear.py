@@ -121,7 +121,7 @@ def test_routes_choose_per_shape_and_class_and_serve_graph_replays():
 def test_engine_times_every_projection_shape_and_compiles_nothing_after_start():
     from tripath.engine import LLM, SamplingParams
 
-    llm = LLM("tiny-qwen2", max_num_seqs=8)
+    llm = LLM("tiny-qwen2", max_num_seqs=8, skinny_gemms="auto")
     try:
         shapes = {(w.shape[0], w.shape[1]) for w, _ in llm.model.projections()}
         routes = llm.core.info().gemm_routes

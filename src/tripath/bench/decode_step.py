@@ -135,7 +135,7 @@ def gemm_table(model, copy_bytes_per_s: float, rows=GEMM_ROWS) -> list[dict]:
 
 
 def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool,
-        fused_sampling: str = "auto", skinny_gemms: str = "auto") -> dict:
+        fused_sampling: str = "auto", skinny_gemms: str = "off") -> dict:
     import torch
 
     from tripath.engine import LLM
@@ -214,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-gemms", action="store_true", help="skip the F.linear table")
     parser.add_argument("--fused-sampling", default="auto", choices=["auto", "on", "off"],
                         help="the LM head with the draw: the start's choice (auto), forced on or off")
-    parser.add_argument("--skinny-gemms", default="auto", choices=["auto", "off"],
-                        help="the projections' GEMM: the start's choice per shape (auto) or cuBLAS (off)")
+    parser.add_argument("--skinny-gemms", default="off", choices=["auto", "off"],
+                        help="the projections' GEMM: cuBLAS (off, the engine's default) or the start's choice "
+                             "per shape (auto)")
     parser.add_argument("--json", help="write the result here as JSON")
     args = parser.parse_args(argv)
     import torch

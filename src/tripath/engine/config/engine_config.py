@@ -88,10 +88,9 @@ class EngineConfig:
     without writing logits (:mod:`tripath.engine.sampling.fused_sampling`): ``"auto"`` where a measurement at start on
     the GPU found it faster, per bucket of row counts (never on the CPU); ``"on"`` wherever the requests
     allow; ``"off"`` never. ``skinny_gemms``: which GEMM runs the layers' projections of at most 256 rows
-    (decode steps): ``"auto"``, on a GPU, times cuBLAS and tripath's split-K Triton GEMM on the model's
-    weights at start and takes the faster per weight shape and class of row counts
-    (:mod:`tripath.ops.linear_routes`; the routes hold for the process); ``"off"``, cuBLAS (``F.linear``)
-    everywhere.
+    (decode steps): ``"off"`` (the default), cuBLAS (``F.linear``) everywhere; ``"auto"``, on a GPU, times
+    cuBLAS and tripath's split-K Triton GEMM on the model's weights at start and takes the faster per weight
+    shape and class of row counts (:mod:`tripath.ops.linear_routes`; the routes hold for the process).
     """
 
     backend: str = "auto"
@@ -122,7 +121,7 @@ class EngineConfig:
     step_time_target_s: float | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
     fused_sampling: str = "auto"
-    skinny_gemms: str = "auto"
+    skinny_gemms: str = "off"
 
     def __post_init__(self):
         self.device = resolve_device(self.device)
