@@ -70,6 +70,13 @@ def test_row_classes_and_default_configs():
             assert all(dataclasses.replace(x, splits=c.splits) == c for x in candidates)
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the CPU's path without the interpreter")
+def test_cpu_without_the_interpreter_runs_f_linear(torch_paths_and_validation):
+    x = torch.randn(3, 40, dtype=torch.float16)
+    w = torch.randn(24, 40, dtype=torch.float16)
+    assert torch.equal(skinny_linear(x, w), torch.nn.functional.linear(x, w))
+
+
 def test_bad_input():
     w = torch.randn(8, 16, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="weight's K = 16"):

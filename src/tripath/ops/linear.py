@@ -2,8 +2,8 @@
 Triton GEMM for few rows (:mod:`tripath.kernels.skinny_gemm`), whichever the device measured faster.
 
 Which runs is decided per weight shape and per class of row counts (:data:`ROW_CLASSES`, up to
-:data:`MAX_SKINNY_ROWS` rows) by :func:`choose_routes` at engine start, timing both on the model's own
-weights; a shape and row count that was never measured runs ``F.linear``. Measuring at start compiles every
+:data:`MAX_SKINNY_ROWS` rows) by :func:`tripath.ops.linear_routes.choose_routes` at engine start, timing both on
+the model's own weights; a shape and row count that was never measured runs ``F.linear``. Measuring at start compiles every
 Triton variant the routes can launch, so none is compiled while serving.
 """
 
@@ -97,7 +97,8 @@ def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
     """``x [M, K] · weightᵀ (+ bias)`` by the split-K Triton GEMM (fp16/bf16, 1 ≤ M ≤ :data:`MAX_SKINNY_ROWS`;
-    ``x`` and ``weight`` contiguous in their last dimension). ``config`` defaults to :func:`skinny_config`."""
+    ``x`` and ``weight`` contiguous in their last dimension; ``F.linear`` where Triton does not run, a CPU
+    without the interpreter). ``config`` defaults to :func:`skinny_config`."""
     check_linear(x, weight, bias)
     check_tensor("x", x, ndim=2, dtypes=SKINNY_DTYPES)
     num_rows, k = x.shape
@@ -106,6 +107,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"x has {num_rows} rows; the skinny GEMM takes 1 to {MAX_SKINNY_ROWS}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("x and weight must be contiguous in their last dimension")
+    if not use_triton(x.device):
+        return F.linear(x, weight, bias)
     if config is None:
         config = skinny_config(num_rows, n, k, current_platform(x.device))
     out = torch.empty(num_rows, n, dtype=x.dtype, device=x.device)
