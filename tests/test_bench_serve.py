@@ -152,10 +152,11 @@ def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     code = serve.main_serve(["--workload", "tiny", "--backends", "torch", "--num-requests", "2", "--output-len",
                              "3", "--no-progress", "--json", str(out), "--csv", str(tmp_path / "r.csv"),
                              "--plot", str(tmp_path / "r.png"), "--no-async-scheduling", "--step-breakdown",
-                             "--rounds", "2"])
+                             "--rounds", "2", "--skinny-gemms", "off"])
     assert code == 0
     report = json.loads(out.read_text())
     (result,) = report["results"]
+    assert result["skinny_gemms"] == "off" and result["gemm_routes"] == 0
     assert result["backend"] == "torch" and len(result["passes"]) == 2 and result["warm_start_s"] > 0
     assert len(result["round_warm_passes_s"]) == 2 and result["compiled_in_rounds"] == 0
     assert result["async_scheduling"] is False and report["rows"][0]["backend"] == "torch (sequential)"

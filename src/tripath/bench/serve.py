@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-mixed-cuda-graphs", action="store_true",
                         help="run steps with prompt tokens eagerly (default: CUDA graphs, piecewise around "
                              "attention, or of whole steps for the mixed backend)")
+    parser.add_argument("--skinny-gemms", choices=["auto", "off"],
+                        help="the engine's skinny_gemms (default: the engine's): route few-row projections to "
+                             "the split-K Triton GEMM where it times faster than cuBLAS at start")
     parser.add_argument("--step-breakdown", action="store_true",
                         help="per kind of step of the warm pass: host time inside the launch and GPU span (one rank)")
     parser.add_argument("--no-progress", action="store_true")

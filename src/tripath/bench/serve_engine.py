@@ -98,8 +98,9 @@ def run_pass(llm, prompts: Sequence[Sequence[int]], output_len: int, max_concurr
 def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: str | None, seed: int,
                 passes: int, progress: bool, start_only: bool = False, profile: str | None = None,
                 tensor_parallel_size: int = 1, async_scheduling: bool = True, step_breakdown: bool = False,
-                decode_steps: int = 8, mixed_cuda_graphs: bool = True) -> dict:
+                decode_steps: int = 8, mixed_cuda_graphs: bool = True, skinny_gemms: str | None = None) -> dict:
     """Build the engine and run the passes (or only time the start); the result as a JSON-able dict.
+    ``skinny_gemms``: the engine's option of that name (None: its default).
     ``profile``: after the reported passes, run one more under cProfile and append its top functions here.
     ``step_breakdown``: time each launch of the warm pass by kind of step (:mod:`tripath.bench.step_breakdown`;
     two CUDA events a step are its only cost)."""
@@ -111,12 +112,15 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
     llm = LLM(workload.model, backend=backend, device=device, dtype=dtype, max_num_seqs=workload.max_concurrency,
               max_num_batched_tokens=workload.max_num_batched_tokens, max_model_len=workload.max_model_len,
               seed=seed, tensor_parallel_size=tensor_parallel_size, async_scheduling=async_scheduling,
-              decode_steps=decode_steps, mixed_cuda_graphs=mixed_cuda_graphs)
+              decode_steps=decode_steps, mixed_cuda_graphs=mixed_cuda_graphs,
+              **({} if skinny_gemms is None else {"skinny_gemms": skinny_gemms}))
     start_s = time.perf_counter() - start
     result = {"backend": llm.backend_name, "start_s": start_s, "async_scheduling": llm.overlap,
               "decode_steps": llm.decode_steps,
               "mixed_cuda_graphs": getattr(llm.runner, "mixed_graphs", None) is not None,
-              "largest_step_host_share": getattr(llm.runner, "largest_step_host_share", None)}
+              "largest_step_host_share": getattr(llm.runner, "largest_step_host_share", None),
+              "skinny_gemms": llm.config.skinny_gemms,
+              "gemm_routes": sum(t.triton for t in getattr(llm.runner, "gemm_routes", None) or ())}
     warmup = llm.runner.warmup_report
     result["warmup"] = None if warmup is None else {"seconds": warmup.seconds, "steps_probed": warmup.steps_probed,
                                                     "steps_run": warmup.steps_run,
@@ -193,13 +197,15 @@ def main_worker(argv: list[str]) -> int:
     parser.add_argument("--step-breakdown", action="store_true")
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--no-mixed-cuda-graphs", action="store_true")
+    parser.add_argument("--skinny-gemms", choices=["auto", "off"])
     args = parser.parse_args(argv)
     workload = Workload(**{**json.loads(args.workload_json), "backends": (args.backend,)})
     result = run_backend(workload, args.backend, device=args.device, dtype=args.dtype, seed=args.seed,
                          passes=args.passes, progress=not args.no_progress, start_only=args.start_only,
                          profile=args.profile, tensor_parallel_size=args.tensor_parallel_size,
                          async_scheduling=not args.no_async_scheduling, step_breakdown=args.step_breakdown,
-                         decode_steps=args.decode_steps, mixed_cuda_graphs=not args.no_mixed_cuda_graphs)
+                         decode_steps=args.decode_steps, mixed_cuda_graphs=not args.no_mixed_cuda_graphs,
+                         skinny_gemms=args.skinny_gemms)
     with open(args.result, "w") as f:
         json.dump(result, f)
     return 0
@@ -227,6 +233,8 @@ def spawn_backend(workload: Workload, backend: str, args, cache_dir: str, start_
         cmd.append("--no-async-scheduling")
     if args.no_mixed_cuda_graphs:
         cmd.append("--no-mixed-cuda-graphs")
+    if args.skinny_gemms:
+        cmd += ["--skinny-gemms", args.skinny_gemms]
     if args.step_breakdown and not start_only:
         cmd.append("--step-breakdown")
     # Triton backends on a CPU-only machine run in the interpreter
