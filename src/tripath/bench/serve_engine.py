@@ -120,7 +120,7 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
               "mixed_cuda_graphs": getattr(llm.runner, "mixed_graphs", None) is not None,
               "largest_step_host_share": getattr(llm.runner, "largest_step_host_share", None),
               "skinny_gemms": llm.config.skinny_gemms,
-              "gemm_routes": sum(t.triton for t in getattr(llm.runner, "gemm_routes", None) or ())}
+              "gemm_routes": sum(triton for *_, triton in llm.core.info().gemm_routes)}
     warmup = llm.runner.warmup_report
     result["warmup"] = None if warmup is None else {"seconds": warmup.seconds, "steps_probed": warmup.steps_probed,
                                                     "steps_run": warmup.steps_run,
