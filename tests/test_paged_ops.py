@@ -70,6 +70,18 @@ def test_paged_decode_default_splits_and_empty_split():
         torch.testing.assert_close(got.float(), want.float(), **TOL[torch.float16])
 
 
+def test_paged_decode_grid_puts_a_requests_kv_heads_side_by_side():
+    """The grid is ``(kv_heads, requests, splits)``: the programs running together read whole cache rows."""
+    from tripath.triton_internals import capture_launches
+
+    k_cache, v_cache, bt, _, _ = filled_cache([300, 20, 5], 4, 64, block_size=16, device=DEVICE)
+    q = torch.randn(3, 8, 64, dtype=torch.float16, device=DEVICE)
+    sl = torch.tensor([300, 20, 5], dtype=torch.int32, device=DEVICE)
+    with capture_launches() as records:
+        paged_decode(q, k_cache, v_cache, bt, sl, num_splits=2)
+    assert [r.grid for r in records if r.name == "paged_decode_kernel"] == [(4, 3, 2)]
+
+
 @pytest.mark.parametrize("features", [{}, {"sinks": True}, {"window_left": 600}])
 def test_paged_decode_splits_follow_each_request_on_a_wide_table(monkeypatch, features):
     """A block table far wider than the contexts (a CUDA graph's spans the longest context served): the

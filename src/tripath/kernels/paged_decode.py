@@ -1,6 +1,6 @@
 """Split-KV paged decode (flash-decoding) with the query heads of one KV head packed into one tile.
 
-Program ``(b, kv_head, split)`` takes the ``G = Hq / Hkv`` query heads that read ``kv_head`` as the rows
+Program ``(kv_head, b, split)`` takes the ``G = Hq / Hkv`` query heads that read ``kv_head`` as the rows
 of one ``[BLOCK_G, D]`` tile, and walks its share of request ``b``'s context in tiles of ``BLOCK_N``
 tokens gathered through the block table, so each cache row is read once for all its query heads. With one
 split the program writes the output; otherwise it writes an fp32 partial ``(o_s, lse_s)`` and
@@ -13,6 +13,10 @@ device how many of them it uses, from its own number of tiles ``T``:
 (``fill_splits``, from the batch), and no split shorter than ``min_split_tiles`` tiles beyond that. The
 programs past ``used`` return at once; with ``used == 1`` split 0 writes the output itself and the merge
 skips the request (``splits_used[b]`` tells it).
+
+The KV head is the grid's fastest axis, so the programs running together are a request's heads: with the
+NHD cache one token's row holds every KV head, and neighbouring programs read whole rows (1.6 % faster
+than request-first at 256 requests × 1024 tokens, 32/8/128, block 16, on an H100).
 """
 
 import triton
@@ -40,12 +44,12 @@ def paged_decode_kernel(
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
-    """Program ``(b, kv_head, split)``: the GQA group of ``kv_head`` (one ``[BLOCK_G, D]`` query tile) against
+    """Program ``(kv_head, b, split)``: the GQA group of ``kv_head`` (one ``[BLOCK_G, D]`` query tile) against
     the split's share of request ``b``'s paged context (of the ``used`` splits the request takes, see the
     module doc); ``out`` where the request uses one split, else fp32 partials for :func:`reduce_splits_kernel`
     and, from split 0, ``splits_used[b]``."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     q_pos_scalar = seq_len - 1

@@ -289,7 +289,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     kv_fp8 = k_cache.dtype in FP8_DTYPES
     dummy = seq_lens
     launch(
-        paged_decode_kernel, (batch, num_kv_heads, num_splits),
+        paged_decode_kernel, (num_kv_heads, batch, num_splits),  # a request's KV heads side by side
         q, k_cache, v_cache, block_table, seq_lens, out, lse, part_out, part_lse,
         alibi_slopes if alibi_slopes is not None else dummy, sinks if sinks is not None else dummy,
         k_scale if kv_fp8 else dummy, v_scale if kv_fp8 else dummy,
