@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tripath.bench.decode_step import format_result, main, projection_weights, weight_copies
+from tripath.bench.decode_step import context_tokens, format_result, main, projection_weights, weight_copies
 from tripath.models import build_model
 from tripath.models.presets import PRESETS
 
@@ -43,14 +43,24 @@ def test_the_gemm_table_reads_each_weight_from_memory():
 def test_report_names_the_floor_ratio_and_kernels():
     result = {"model": "m", "backend": "three_path", "batch": 64, "context": 2048, "device": "GPU",
               "step_gpu_ms": 0.6, "steps_timed": 96, "floor_ms": 0.4, "weight_bytes": 1.4e9, "kv_bytes": 2.6e8,
-              "copy_GB/s": 4200.0, "profiled_steps": 96,
+              "copy_GB/s": 4200.0, "profiled_steps": 96, "tokens_timed": 2100.4, "tokens_profiled": 2196.0,
               "kernels": [{"kernel": "gemm", "us_per_step": 300.0, "launches_per_step": 1.0},
                           {"kernel": "norm", "us_per_step": 20.5, "launches_per_step": 9.0}],
               "gemms": [{"weight": "lm_head", "N": 10, "K": 4, "M": 64, "us": 300.0, "GB/s": 4000.0,
                          "of_copy": 0.95}]}
     text = format_result(result)
     assert "1.50x the floor" in text and "| gemm | 300.0 | 1.0 |" in text
+    assert "at 2100 tokens a request on average" in text and "2196 tokens a request on average" in text
     assert "| total kernel time | 320.5 | 10.0 |" in text and "| lm_head | 10 × 4 | 64 | 300.0 | 4000 | 95 % |" in text
+
+
+def test_the_floor_counts_the_tokens_the_requests_hold():
+    """The KV of the floor is what the running requests hold (they grow a token a step), not their prompts."""
+    from types import SimpleNamespace
+
+    llm = SimpleNamespace(scheduler=SimpleNamespace(running=[SimpleNamespace(num_computed_tokens=n)
+                                                             for n in (1030, 1100, 7)]))
+    assert context_tokens(llm) == 2137
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")

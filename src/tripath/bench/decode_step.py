@@ -7,7 +7,9 @@ random prompt tokens; once every request decodes, the bench
   and divides it by the model steps they ran: the *GPU time of a decode step*;
 - compares it with the step's *floor*: the weights a step reads (the LM head included) and the KV cache of
   every decoding request, at the copy bandwidth measured in the same process
-  (:func:`tripath.bench.serve_floor.measure_ceilings`);
+  (:func:`tripath.bench.serve_floor.measure_ceilings`). The requests grow a token a model step (by 100 or
+  more over the run), so the KV counted is the mean over the timed steps of the tokens each request holds
+  (:func:`context_tokens` before and after them), not the prompt's;
 - profiles the same steps' kernels (``torch.profiler``; kernels replayed from CUDA graphs included) and
   lists them by GPU time per model step;
 - times each distinct projection weight of the first layer and the LM head as ``F.linear`` (cuBLAS) at
@@ -49,6 +51,12 @@ def _decode_ready(llm, batch: int, context: int, seed: int) -> list[str]:
             if out.output_token_ids:
                 started.add(out.request_id)
     return ids
+
+
+def context_tokens(llm) -> int:
+    """The tokens the running requests hold in the KV cache (computed so far), summed: what a decode step
+    reads, less one token a request."""
+    return sum(r.num_computed_tokens for r in llm.scheduler.running)
 
 
 def _decode_spans(records) -> tuple[float, int]:
@@ -148,15 +156,18 @@ def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool
         for _ in range(4):
             llm.step()
         timer = StepBreakdown(llm).attach()
+        held_before = context_tokens(llm)
         for _ in range(calls):
             llm.step()
         torch.cuda.synchronize()
         timer.detach()
+        held_after = context_tokens(llm)
         span_ms, steps = _decode_spans(timer.records)
         kernels, profiled_steps = kernel_profile(llm, calls)
+        held_profiled = context_tokens(llm)
         matmul, copy = measure_ceilings(llm.config.device)
         costs = model_costs(llm.model, llm.runner.backend)
-        kv_tokens = batch * (context + 8)
+        kv_tokens = (held_before + held_after) / 2 + batch   # a step reads each request's context and new token
         floor_bytes = costs["weight_bytes"] + costs["kv_bytes_per_token"] * kv_tokens
         result = {
             "model": model, "backend": llm.backend_name, "batch": batch, "context": context,
@@ -164,6 +175,7 @@ def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool
             "step_gpu_ms": span_ms / max(steps, 1), "steps_timed": steps,
             "floor_ms": 1e3 * floor_bytes / copy, "weight_bytes": costs["weight_bytes"],
             "kv_bytes": costs["kv_bytes_per_token"] * kv_tokens,
+            "tokens_timed": kv_tokens / batch, "tokens_profiled": (held_after + held_profiled) / 2 / batch + 1,
             "kernels": kernels, "profiled_steps": profiled_steps,
             "fused_sampling": llm.core.info().fused_sampling,
             "fused_sampling_steps": llm.stats().fused_sampling_steps,
@@ -177,13 +189,15 @@ def run(model: str, batch: int, context: int, calls: int, seed: int, gemms: bool
 
 
 def format_result(r: dict) -> str:
-    lines = [f"{r['model']} ({r['backend']}), {r['batch']} decoding at {r['context']} tokens, {r['device']}",
-             f"decode step: {r['step_gpu_ms']:.3f} ms GPU ({r['steps_timed']} steps timed), floor "
+    lines = [f"{r['model']} ({r['backend']}), {r['batch']} decoding from {r['context']} prompt tokens, {r['device']}",
+             f"decode step: {r['step_gpu_ms']:.3f} ms GPU ({r['steps_timed']} steps timed at "
+             f"{r['tokens_timed']:.0f} tokens a request on average), floor "
              f"{r['floor_ms']:.3f} ms ({r['weight_bytes'] / 1e9:.3f} GB weights + {r['kv_bytes'] / 1e9:.3f} GB KV at "
              f"{r['copy_GB/s']:.0f} GB/s): {r['step_gpu_ms'] / r['floor_ms']:.2f}x the floor",
              f"LM head with the draw: {r.get('fused_sampling', 'off')} "
              f"({r.get('fused_sampling_steps', 0)} model steps drew without logits)",
-             "", f"kernels per model step ({r['profiled_steps']} steps profiled):",
+             "", f"kernels per model step ({r['profiled_steps']} steps profiled, after the timed ones: "
+             f"{r['tokens_profiled']:.0f} tokens a request on average):",
              "| kernel | µs / step | launches / step |", "|---|---|---|"]
     total = 0.0
     for k in r["kernels"]:
