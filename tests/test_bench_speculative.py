@@ -99,3 +99,49 @@ def test_the_oracle_replays_the_speculating_engines_own_greedy_run(monkeypatch, 
                  "cpu", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["same_outputs"] == 1.0 and row["acceptance"] == 1.0 and row["reference_same_as_baseline"] == 0.5
+
+
+def test_counting_weights_make_the_greedy_run_count_up_from_the_prompt():
+    """:func:`count_up` on a preset's random weights: every request's greedy tokens follow its last prompt token
+    one by one (wrapping at the vocabulary), whatever the batch; a tied LM head is refused."""
+    from tripath.bench.speculative import count_up
+    from tripath.engine import LLM, SamplingParams
+
+    with LLM("tiny-llama", device="cpu", num_kv_blocks=64) as llm:
+        count_up(llm.model)
+        prompts = [[5, 9, 17], [3, 254], [40, 41, 42, 43, 100]]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+        assert [o.output_token_ids for o in outputs] == [[(p[-1] + i) % 256 for i in range(1, 7)] for p in prompts]
+    with LLM("tiny-qwen2", device="cpu", num_kv_blocks=16) as llm, pytest.raises(ValueError, match="ties them"):
+        count_up(llm.model)
+
+
+def test_bench_speculative_counts_on_presets_unless_told(monkeypatch, tmp_path, capsys):
+    """The default weights of a preset count, so the baseline's outputs are its prompts' continuations; ``--weights
+    random`` keeps the preset's own, and ``counting`` on a model directory is refused."""
+    import tripath.bench.speculative as bench
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    recorded = []
+    run = bench._run
+
+    def record(llm, prompts, output_len):
+        outputs, measured = run(llm, prompts, output_len)
+        recorded.append((prompts, outputs))
+        return outputs, measured
+
+    monkeypatch.setattr(bench, "_run", record)
+    common = ["--model", "tiny-llama", "--batch-sizes", "2", "--input-len", "12", "--output-len", "5",
+              "--acceptance", "1", "--num-speculative-tokens", "2", "--num-kv-blocks", "64", "--device", "cpu"]
+    assert main(common) == 0
+    prompts, outputs = recorded[0]
+    assert outputs == [[(p[-1] + i) % 256 for i in range(1, 6)] for p in prompts]
+    assert "counting weights" in capsys.readouterr().out
+    recorded.clear()
+    assert main(common + ["--weights", "random"]) == 0
+    prompts, outputs = recorded[0]
+    assert outputs != [[(p[-1] + i) % 256 for i in range(1, 6)] for p in prompts]
+    assert "counting" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not a preset"):
+        main(common[:1] + [str(tmp_path)] + common[2:] + ["--weights", "counting"])

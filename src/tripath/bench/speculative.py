@@ -3,7 +3,12 @@
 No trained draft is needed: the drafts come from an *oracle* (:class:`~tripath.engine.speculative.oracle.
 OracleProposer`) that replays the greedy run of the same prompts recorded without speculation and replaces
 each drafted token with another with probability ``1 - p``. So random weights of a real model's shapes give
-the verify steps of that model at a chosen acceptance. With ``--method mtp`` (a model with a
+the verify steps of that model at a chosen acceptance. Random weights leave many of a greedy run's
+logits nearly tied, and a verify step computes its rows with other kernels than a decode step, so some ties
+break the other way and the drafts turn wrong from there (more often the larger the batch). So by default a
+preset's weights are made *counting* (:func:`count_up`): the greedy token after ``t`` is ``t + 1``, by a margin
+no kernel's rounding reaches; every weight keeps its shape, so every step does the work it does with the
+preset's random weights. ``--weights random`` keeps those. With ``--method mtp`` (a model with a
 multi-token-prediction layer: ``deepseek-r1-attn-tp8``, ``tiny-deepseek``) the MTP layer runs as it would —
 over every step's tokens, and ``k`` times to draft — and the oracle's tokens replace its drafts
 (:class:`~tripath.engine.speculative.oracle.SteeredProposer`), so the times include the MTP layer's work at the
@@ -64,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="speculative_config acceptance_threshold: adaptive draft lengths (0: off)")
     parser.add_argument("--acceptance", default="0,0.5,0.7,0.9",
                         help="chances p that a drafted token is the recorded one, comma-separated")
+    parser.add_argument("--weights", choices=("auto", "counting", "random"), default="auto",
+                        help="a preset's weights: counting (greedy token t + 1 after t, by a wide margin: "
+                             "acceptance stays the oracle's at any batch) or its random ones; auto: counting "
+                             "for a preset with an untied LM head, else its own weights")
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--device")
     parser.add_argument("--dtype")
@@ -85,7 +94,47 @@ def _engine(args, speculative: int | None):
             options["speculative_config"]["tree_width"] = args.tree_width
         if getattr(args, "acceptance_threshold", 0.0) > 0:
             options["speculative_config"]["acceptance_threshold"] = args.acceptance_threshold
-    return LLM(args.model, **{k: v for k, v in options.items() if v is not None})
+    llm = LLM(args.model, **{k: v for k, v in options.items() if v is not None})
+    if _counting(args):
+        count_up(llm.model)
+    return llm
+
+
+COUNTING_EMBEDDING_RMS = 256.0
+"""The RMS :func:`count_up` gives the embedding's rows: about a hundred times what a decoder layer of the
+presets adds to the residual stream (random weights of standard deviation 0.02), so the stream keeps the
+token's direction through every layer."""
+
+
+def _counting(args) -> bool:
+    from tripath.models.presets import PRESETS
+
+    if args.weights == "auto":   # a preset's, where it has an LM head of its own
+        return args.model in PRESETS and not PRESETS[args.model]().tie_word_embeddings
+    if args.weights == "counting" and args.model not in PRESETS:
+        raise ValueError(f"--weights counting rewrites a preset's random weights; {args.model!r} is not a preset "
+                         f"(--weights auto keeps a model directory's own)")
+    return args.weights == "counting"
+
+
+@torch.no_grad()
+def count_up(model) -> None:
+    """Rewrite a model's embedding and LM head in place so that its greedy next token after ``t`` is
+    ``t + 1`` (``vocab_size - 1`` is followed by 0), whatever its decoder layers hold: the LM head's row
+    ``v`` becomes the embedding's row ``v - 1``, then the embedding's rows are scaled to an RMS of
+    :data:`COUNTING_EMBEDDING_RMS`. The residual stream is then the current token's row plus the layers'
+    comparatively small outputs, the final norm keeps its direction, and the LM head's row for ``t + 1`` meets
+    it at a cosine near 1 where every other row's is about ``1 / sqrt(hidden_size)``. Shapes, and so each
+    step's work, are unchanged. Needs an untied LM head holding the whole vocabulary (one rank)."""
+    embed = model.model.embed_tokens.weight
+    if model.lm_head is None:
+        raise ValueError("count_up needs an LM head apart from the embedding; this model ties them")
+    head = model.lm_head.weight
+    if head.shape != embed.shape:
+        raise ValueError(f"count_up needs the whole vocabulary on one rank; the LM head holds {tuple(head.shape)} "
+                         f"and the embedding {tuple(embed.shape)}")
+    head.copy_(torch.roll(embed, 1, dims=0))
+    embed.mul_(COUNTING_EMBEDDING_RMS / embed.float().pow(2).mean().sqrt().item())
 
 
 def _greedy(llm, prompts: list[list[int]], output_len: int) -> list[list[int]]:
@@ -116,6 +165,7 @@ def run(args) -> list[dict]:
     from tripath.engine.speculative.draft_length import DraftLengths
     from tripath.engine.speculative.oracle import OracleProposer, SteeredProposer
 
+    _counting(args)   # a bad --weights fails before any engine loads
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     chances = [float(p) for p in args.acceptance.split(",")]
     llm = _engine(args, None)
@@ -167,7 +217,8 @@ def run(args) -> list[dict]:
 def print_rows(rows: list[dict], args) -> None:
     print(f"{args.model}: {args.input_len} prompt + {args.output_len} output tokens per request, "
           f"{args.num_speculative_tokens} drafted tokens per verify (oracle drafts"
-          + (", the MTP layer running)" if args.method == "mtp" else ")"))
+          + (", the MTP layer running)" if args.method == "mtp" else ")")
+          + (", counting weights" if _counting(args) else ""))
     print(f"{'batch':>5} {'p':>5} {'TPOT ms':>9} {'base ms':>9} {'speed-up':>8} {'tok/s':>9} {'base tok/s':>10} "
           f"{'accepted':>8} {'tok/verify':>10} {'drafted':>8} {'same out':>8} {'ref=base':>8}")
     for r in rows:
