@@ -26,11 +26,12 @@ For each ``--batch-sizes`` entry ``B``, ``B`` greedy requests of ``--input-len``
    baseline's outputs from there on would be wrong drafts. Greedy verification keeps exactly the target's
    tokens, so the oracle replays the reference; ``reference_same_as_baseline`` is the share of its outputs
    equal to the baseline's;
-3. for each ``--acceptance`` ``p``: TPOT, output tok/s, their ratio to the baseline, the measured acceptance
-   (drafts kept / drafted), tokens per verify step, the tokens drafted, and the share of outputs equal to the
-   reference. That share falls below 1.0 where another acceptance changes a step's shapes enough to break a
-   near-tie the other way (adaptive draft lengths, large batches); from the first such token on, the request's
-   drafts are wrong, so the measured acceptance, not ``p``, is what the row ran at.
+3. for each ``--acceptance`` ``p``: TPOT, output tok/s, their ratio to the baseline, and of the measured run
+   its acceptance (drafts kept / drafted), tokens per verify step, the tokens drafted, and the share of
+   outputs equal to the reference. With ``--weights random`` that share falls below 1.0 where another
+   acceptance changes a step's shapes enough to break a near-tie the other way (adaptive draft lengths, large
+   batches); from the first such token on, the request's drafts are wrong, so the measured acceptance, not
+   ``p``, is what the row ran at.
    ``--acceptance-threshold`` turns on adaptive draft lengths (:mod:`tripath.engine.speculative.draft_length`),
    learned afresh for each row (its unmeasured run first, then the measured one).
 
@@ -146,12 +147,16 @@ def _greedy(llm, prompts: list[list[int]], output_len: int) -> list[list[int]]:
 
 
 def _run(llm, prompts: list[list[int]], output_len: int) -> tuple[list[list[int]], dict]:
-    """Warm run, then the measured one: ``(outputs, {tpot_ms, output_tok_s, elapsed_s})``."""
+    """Warm run, then the measured one: ``(outputs, {tpot_ms, output_tok_s, elapsed_s, drafts,
+    draft_tokens, accepted})``, the last three the measured run's verifies, drafted and kept tokens."""
     _greedy(llm, prompts, output_len)
+    before = llm.stats()
     outputs = _greedy(llm, prompts, output_len)
-    metrics = llm.last_metrics
+    after, metrics = llm.stats(), llm.last_metrics
     return outputs, dict(tpot_ms=metrics.mean_tpot_s * 1e3, output_tok_s=metrics.output_throughput,
-                         elapsed_s=metrics.elapsed_s)
+                         elapsed_s=metrics.elapsed_s, drafts=after.spec_num_drafts - before.spec_num_drafts,
+                         draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                         accepted=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
 
 
 def _free_device() -> None:
@@ -195,12 +200,8 @@ def run(args) -> list[dict]:
         agree = sum(r == x for r, x in zip(reference, recorded[b])) / b
         for p in chances:
             propose(b, reference, p)
-            before = llm.stats()
             outputs, measured = _run(llm, prompts[b], args.output_len)
-            after = llm.stats()
-            drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
-            accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
-            verifies = after.spec_num_drafts - before.spec_num_drafts
+            drafted, accepted, verifies = measured.pop("draft_tokens"), measured.pop("accepted"), measured.pop("drafts")
             same = sum(o == r for o, r in zip(outputs, reference)) / b
             rows.append(dict(batch=b, p=p, **measured, baseline_tpot_ms=baseline[b]["tpot_ms"],
                              baseline_output_tok_s=baseline[b]["output_tok_s"],
