@@ -366,6 +366,28 @@ def test_rejected_probes_space_out_and_a_kept_one_brings_them_back():
     assert lengths.steps_without_draft(request, 10_000) < PROBE_EVERY
 
 
+def test_a_new_request_probes_at_the_gap_the_engines_latest_probe_left():
+    """Where the engine's probes keep being rejected, a new request whose prior allows no draft waits the gap
+    the latest probe left (MOST_PROBE_GAP once they reached it) before its first probe, not PROBE_EVERY; once a
+    probe of any request is kept, new requests probe after PROBE_EVERY again."""
+    from tripath.engine.speculative.draft_length import MOST_PROBE_GAP, PROBE_EVERY, DraftLengths
+
+    lengths, old = DraftLengths(0.3), _Request()
+    for _ in range(40):
+        lengths.observe(old, 4, 0)
+    gaps = []
+    while not gaps or gaps[-1] < MOST_PROBE_GAP:   # the old request's probes, each rejected
+        ahead = lengths.steps_without_draft(old, 10_000)
+        assert [lengths.length(old, 4) for _ in range(ahead + 1)] == [0] * ahead + [1]
+        gaps.append(ahead + 1)
+        lengths.observe(old, 1, 0)
+    new = _Request()
+    assert lengths.steps_without_draft(new, 10_000) == MOST_PROBE_GAP - 1
+    assert [lengths.length(new, 4) for _ in range(MOST_PROBE_GAP)] == [0] * (MOST_PROBE_GAP - 1) + [1]
+    lengths.observe(new, 1, 1)   # a probe kept
+    assert lengths.steps_without_draft(_Request(), 10_000) == PROBE_EVERY - 1
+
+
 def test_draft_lengths_tell_the_steps_before_a_probe():
     """``steps_without_draft`` counts the calls of ``length`` that would give no draft (0 once the estimate
     allows one, or a probe is due), and ``skip`` counts steps as those calls do."""

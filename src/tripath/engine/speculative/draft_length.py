@@ -17,7 +17,9 @@ nothing until its first probe, instead of paying a few rejected verifies to lear
 prior is all kept, so the engine's first requests draft ``k``. A request whose
 estimate allows no draft drafts one (a *probe*) after :data:`PROBE_EVERY` steps without, so that its estimate
 can recover; each probe the target rejects doubles that gap, up to :data:`MOST_PROBE_GAP`, and a probe kept
-brings it back to :data:`PROBE_EVERY`. A probe costs more than its row: the engine reads the step before it
+brings it back to :data:`PROBE_EVERY`. A new request starts from the gap the engine's latest probe left (its
+own request's), so where probes keep being rejected a new request does not probe again at the short gaps the
+requests before it found useless. A probe costs more than its row: the engine reads the step before it
 and the probe's own verify before it schedules on, so the steps around it do not overlap.
 
 Between its probes such a request drafts nothing, and the engine knows it ahead of time
@@ -61,13 +63,14 @@ class DraftLengths:
         self.threshold = threshold
         self._estimates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # request -> _Estimate
         self._pool_kept = self._pool_rejected = 0.0   # over every request's verifies (module doc)
+        self._pool_probe_gap = PROBE_EVERY              # the gap the latest probe of any request left
 
     def _new_estimate(self) -> _Estimate:
         """A new request's estimate: the engine's recent acceptance, weighed as ``PRIOR_WEIGHT`` observations
-        (all kept before any verify)."""
+        (all kept before any verify), and the probe gap the engine's latest probe left."""
         total = self._pool_kept + self._pool_rejected
         a = self._pool_kept / total if total > 0 else 1.0
-        return _Estimate(kept=PRIOR_WEIGHT * a, rejected=PRIOR_WEIGHT * (1.0 - a))
+        return _Estimate(kept=PRIOR_WEIGHT * a, rejected=PRIOR_WEIGHT * (1.0 - a), probe_gap=self._pool_probe_gap)
 
     def _estimate(self, request) -> _Estimate:
         estimate = self._estimates.get(request)
@@ -125,3 +128,4 @@ class DraftLengths:
         if estimate.probing:
             estimate.probe_gap = PROBE_EVERY if kept else min(2 * estimate.probe_gap, MOST_PROBE_GAP)
             estimate.probing = False
+            self._pool_probe_gap = estimate.probe_gap
