@@ -1,7 +1,8 @@
 """Launch-configuration rules that the H200 measurements set (docs/BENCHMARKS.md): checked on the H200
 platform description without a GPU, so a change to a rule is a deliberate one."""
 
-from tripath.ops._configs import LONG_TILE, decode_config, default_num_splits, long_tile_splits, varlen_config
+from tripath.ops._configs import (LONG_TILE, decode_config, default_num_splits, long_tile_splits, varlen_config,
+                                  verify_num_splits)
 from tripath.ops._mla_configs import mla_decode_config, mla_decode_num_splits, mla_prep_config
 from tripath.platform import CPU, H200, MI300X
 
@@ -16,6 +17,18 @@ def test_decode_splits():
     # Short contexts never split below ~4 tiles per split.
     assert default_num_splits(H200, 1, 8, 512, 64) == 2
     assert default_num_splits(CPU, 1, 8, 512, 16) == 4
+
+
+def test_verify_splits():
+    # About two programs per SM, half of decode's: 8 × 4096 four splits (decode's eight ran 7% slower at 8 new
+    # tokens), 16 × 4096 two, 32 × 4096 one, 8 × 32768 four; short contexts keep ~4 tiles a split.
+    assert verify_num_splits(H200, 8, 8, 4096, 64) == 4
+    assert verify_num_splits(H200, 16, 8, 4096, 64) == 2
+    assert verify_num_splits(H200, 32, 8, 4096, 64) == 1
+    assert verify_num_splits(H200, 8, 8, 32768, 64) == 4
+    assert verify_num_splits(H200, 1, 8, 4096, 64) == 16
+    assert verify_num_splits(H200, 1, 8, 131072, 64) == 33
+    assert verify_num_splits(CPU, 1, 8, 512, 16) == 4
 
 
 def test_decode_long_tiles():

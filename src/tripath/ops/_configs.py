@@ -204,18 +204,32 @@ def mixed_schedule(platform: Platform, num_kv_heads: int) -> tuple[int, int, int
 
 
 def default_num_splits(platform: Platform, num_seqs: int, num_kv_heads: int, max_seq_len: int | None,
-                       block_n: int) -> int:
+                       block_n: int, programs_per_sm: int = 4) -> int:
     """Split count for paged decode with the 64-token tiles (where :func:`long_tile_splits` gives None):
-    about four programs per SM, never below ~4 tiles per split, at most 64. Why: few long requests want
-    several splits, many requests none; filling the last wave exactly did not pay
+    about ``programs_per_sm`` programs per SM (four), never below ~4 tiles per split, at most 64. Why: few
+    long requests want several splits, many requests none; filling the last wave exactly did not pay
     (docs/BENCHMARKS.md, "Launch configurations")."""
     if platform.backend == "cpu":
         return 1 if max_seq_len is None else max(1, min(4, -(-max_seq_len // (4 * block_n))))
     programs = max(1, num_seqs * num_kv_heads)
-    target = max(1, (4 * platform.num_sms) // programs)
+    target = max(1, (programs_per_sm * platform.num_sms) // programs)
     if max_seq_len is not None:
         target = min(target, max(1, max_seq_len // (4 * block_n)))
     return int(min(target, 64))
+
+
+VERIFY_PROGRAMS_PER_SM = 2  # paged verify's split target (verify_num_splits)
+
+
+def verify_num_splits(platform: Platform, num_programs: int, num_kv_heads: int, max_seq_len: int | None,
+                      block_n: int) -> int:
+    """Split count for paged verify (``num_programs`` query tiles of ``num_kv_heads`` heads each): as paged
+    decode's :func:`default_num_splits` but about ``VERIFY_PROGRAMS_PER_SM`` (two) programs per SM, since a
+    verify's tile carries several tokens' rows. Why: on an H100, 8 new tokens a request (32/8/128) ran 1.27 /
+    1.16 / 1.11 / 1.17 / 1.11× a one-token decode at 8 × 4096 / 16 × 4096 / 32 × 4096 / 4 × 16384 / 8 × 32768
+    with it, 1.36 / 1.28 / 1.16 / 1.23 / 1.11× at decode's four programs an SM (docs/BENCHMARKS.md, "Launch
+    configurations")."""
+    return default_num_splits(platform, num_programs, num_kv_heads, max_seq_len, block_n, VERIFY_PROGRAMS_PER_SM)
 
 
 def binary_steps(num_seqs: int) -> int:

@@ -85,7 +85,7 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     cfg = dict(_configs.decode_config(platform, head_size, k_cache.element_size()))
     max_len = block_table.shape[1] * block_size   # an upper bound from the host: no device sync
     if num_splits is None:
-        num_splits = _configs.default_num_splits(platform, programs, num_kv_heads, max_len, cfg["BLOCK_N"])
+        num_splits = _configs.verify_num_splits(platform, programs, num_kv_heads, max_len, cfg["BLOCK_N"])
         fill_splits, min_split_tiles = _configs.device_split_bounds(platform, programs, num_kv_heads, False)
     else:
         fill_splits, min_split_tiles = int(num_splits), 1
