@@ -112,6 +112,37 @@ def test_a_decode_of_a_token_no_launched_step_samples_is_refused():
         builder.build(plan, [ScheduledRequest(request, 1, 3, True)], 0, {})
 
 
+def test_block_rows_kept_across_steps_stay_bounded_and_exact():
+    """The builder keeps each scheduled block list in a row across steps: over many steps of requests coming,
+    going, growing in place, being replaced and sharing one list, every table equals the definition and the store never holds more rows than a step schedules."""
+    rng = random.Random(1)
+    builder = StepInputBuilder(torch.device("cpu"), BS, max_tokens=256, max_requests=6, max_blocks_per_seq=8)
+    next_block = iter(range(1, 1_000_000))
+    requests = []
+    for step in range(300):
+        requests = [r for r in requests if rng.random() > 0.1]   # some finish
+        while len(requests) < 6:
+            requests.append(Request([2] * rng.randrange(4, 24), SamplingParams(), request_id=str(step)))
+        for request in requests:
+            if not request.block_ids or rng.random() < 0.05:     # (re)allocated: a new list
+                request.block_ids = [next(next_block) for _ in range(rng.randrange(1, 4))]
+            elif rng.random() < 0.3 and len(request.block_ids) < 20:
+                request.block_ids.extend(next(next_block) for _ in range(rng.randrange(1, 3)))
+        chosen = [r for r in requests if rng.random() < 0.7] or requests[:1]
+        if rng.random() < 0.2:
+            chosen[-1].block_ids = chosen[0].block_ids   # two requests on one list
+        scheduled = [ScheduledRequest(r, 1, 1, False) for r in chosen]
+        plan = plan_batch([1] * len(scheduled), [1] * len(scheduled), block_size=BS)
+        got = builder.build(plan, scheduled, 0, {})
+        want = [list(scheduled[i].request.block_ids) for i in plan.order]
+        width = max(len(row) for row in want)
+        table = np.zeros((len(want), width), dtype=np.int32)
+        for r, blocks in enumerate(want):
+            table[r, :len(blocks)] = blocks
+        assert np.array_equal(got.block_table.numpy(), table), step
+        assert builder._blocks.rows.shape[0] <= 6 + 1
+
+
 def _tensors(value, path="meta"):
     """Every tensor reachable from metadata ``value``, by its attribute path (plan and host ints left out)."""
     import dataclasses

@@ -15,6 +15,8 @@ decode, extend → order ``[0, 2, 3, 1]``.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -48,10 +50,7 @@ class ExtendChunkPlan:
         return max((sum(lens) for lens in self.lens), default=0)
 
     def cu_lens(self, chunk: int) -> list[int]:
-        out = [0]
-        for n in self.lens[chunk]:
-            out.append(out[-1] + n)
-        return out
+        return list(itertools.accumulate(self.lens[chunk], initial=0))
 
 
 def plan_extend_chunks(context_lens: Sequence[int], budget: int, block_size: int = 16) -> ExtendChunkPlan:
@@ -90,11 +89,11 @@ class BatchPlan:
     def num_requests(self) -> int:
         return len(self.order)
 
-    @property
+    @functools.cached_property
     def seq_lens(self) -> list[int]:
         return [q + c for q, c in zip(self.query_lens, self.context_lens)]
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
@@ -142,25 +141,36 @@ def plan_batch(query_lens: Sequence[int], context_lens: Sequence[int], *, decode
     Parameters: ``query_lens[i]`` new tokens and ``context_lens[i]`` cached tokens of request ``i`` (host
     ints). Raises ``ValueError`` for mismatched lengths, ``query_len < 1`` or ``context_len < 0``.
     """
-    query_lens, context_lens = list(query_lens), list(context_lens)
+    query_lens, context_lens = list(map(int, query_lens)), list(map(int, context_lens))
     if len(query_lens) != len(context_lens):
         raise ValueError(f"query_lens ({len(query_lens)}) and context_lens ({len(context_lens)}) must have "
                          "one entry per request")
     if decode_threshold < 1:
         raise ValueError(f"decode_threshold must be >= 1, got {decode_threshold}")
-    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
-        if int(q) < 1:
-            raise ValueError(f"query_lens[{i}] = {q}: every request needs at least one new token")
-        if int(c) < 0:
-            raise ValueError(f"context_lens[{i}] = {c} must be >= 0")
-    kinds = [classify(q, c, decode_threshold) for q, c in zip(query_lens, context_lens)]
-    decodes = [i for i, k in enumerate(kinds) if k == DECODE]
-    verifies = [i for i in decodes if int(query_lens[i]) > 1]
-    order = ([i for i in decodes if int(query_lens[i]) == 1] + verifies
-             + [i for i, k in enumerate(kinds) if k == EXTEND] + [i for i, k in enumerate(kinds) if k == PREFILL])
-    n_dec, n_ext = kinds.count(DECODE), kinds.count(EXTEND)
-    ordered_ctx = [int(context_lens[i]) for i in order]
-    chunks = plan_extend_chunks(ordered_ctx[n_dec:n_dec + n_ext], chunk_budget, block_size)
-    return BatchPlan(order=order, query_lens=[int(query_lens[i]) for i in order], context_lens=ordered_ctx,
-                     num_decodes=n_dec, num_extends=n_ext, num_prefills=kinds.count(PREFILL),
+    if query_lens and min(query_lens) < 1:
+        i = next(i for i, q in enumerate(query_lens) if q < 1)
+        raise ValueError(f"query_lens[{i}] = {query_lens[i]}: every request needs at least one new token")
+    if context_lens and min(context_lens) < 0:
+        i = next(i for i, c in enumerate(context_lens) if c < 0)
+        raise ValueError(f"context_lens[{i}] = {context_lens[i]} must be >= 0")
+    if max(query_lens, default=1) == 1 and min(context_lens, default=1) > 0:   # one-token decodes only
+        order, ones, verifies, extends, prefills = list(range(len(query_lens))), query_lens, [], [], []
+    else:   # classify (see classify), one pass
+        ones, verifies, extends, prefills = [], [], [], []
+        for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+            if c == 0:
+                prefills.append(i)
+            elif q == 1:
+                ones.append(i)
+            elif q <= decode_threshold:
+                verifies.append(i)
+            else:
+                extends.append(i)
+        order = ones + verifies + extends + prefills
+        query_lens = [query_lens[i] for i in order]
+        context_lens = [context_lens[i] for i in order]
+    n_dec, n_ext = len(ones) + len(verifies), len(extends)
+    chunks = plan_extend_chunks(context_lens[n_dec:n_dec + n_ext], chunk_budget, block_size)
+    return BatchPlan(order=order, query_lens=query_lens, context_lens=context_lens,
+                     num_decodes=n_dec, num_extends=n_ext, num_prefills=len(prefills),
                      decode_threshold=decode_threshold, extend_chunks=chunks, num_verifies=len(verifies))

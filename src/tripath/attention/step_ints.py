@@ -21,6 +21,8 @@ Layout (``B`` requests, ``E`` extends, ``V`` verifies, in plan order):
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from tripath.attention.planner import BatchPlan
@@ -35,10 +37,8 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def cumsum(values: list[int]) -> list[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out
+    """``[0, v0, v0 + v1, ...]``: the offsets of ``values``."""
+    return list(itertools.accumulate(values, initial=0))
 
 
 class StepInts:

@@ -24,12 +24,11 @@ For a step whose requests are in plan order (``plan.order``), with request ``r``
 The int64 arrays are written into one pinned host buffer, the int32 ones (block table, metadata integers, tree
 masks) into another, each sent to the device with one asynchronous copy; an event guards the buffers, so a
 step never overwrites host memory a previous step's copy still reads. Each scheduled request's block list is
-mirrored in a NumPy array that only grows while the request keeps that list (the block manager replaces the
-list when it frees the blocks), so a row costs one array copy, not a conversion of Python ints; mirrors of
-lists no step scheduled last time are dropped. The block table is filled in one masked assignment, positions
-and slots for every row at once from the rows' starts and counts, and a prompt chunk's ids are a slice of the
+kept in a row of one NumPy array across steps (:class:`_BlockStore`): a step copies in only the ids its lists
+gained, and the step's block table is one gather of those rows in plan order. Positions and slots come for
+every row at once from the plan's query and context lengths, a prompt chunk's ids are a slice of the
 request's prompt array (:meth:`~tripath.engine.requests.request.Request.token_array`): the Python left per row
-is a decode's one token and its bookkeeping.
+is a decode's one token (or where its in-flight token comes from) and its bookkeeping.
 """
 
 from __future__ import annotations
@@ -72,26 +71,62 @@ class StepInputs:
         return meta
 
 
-class _BlockArray:
-    """A request's block ids as an int32 NumPy array, extended in place as its block list grows."""
+class _BlockStore:
+    """Each scheduled request's block ids, kept across steps as a row of one int32 array ``rows [capacity,
+    max_blocks]`` (zero past the request's count; row 0 stays zero, for padding rows). A row is tied to the
+    request's block-list object and extended in place as that list grows (the block manager replaces the list
+    when it frees the blocks); rows of lists no step scheduled last time are freed."""
 
-    __slots__ = ("source", "array", "count")
+    def __init__(self, max_requests: int, max_blocks: int):
+        self.rows = np.zeros((max_requests + 1, max(1, max_blocks)), dtype=np.int32)
+        self._free = list(range(max_requests, 0, -1))
+        self._lists: dict[int, list] = {}   # id of a block list -> [the list, its row, ids copied]
 
-    def __init__(self, source: list[int]):
-        self.source = source  # the request's list object: a new one means the blocks were freed
-        self.array = np.zeros(max(16, len(source)), dtype=np.int32)
-        self.count = 0
+    def sync(self, scheduled) -> tuple[list[int], list[int]]:
+        """``(rows, counts)``: each scheduled request's row and block count, its new block ids copied in."""
+        kept, fresh = {}, []
+        for item in scheduled:
+            source = item.request.block_ids
+            if id(source) in kept:   # a list two rows share
+                continue
+            entry = self._lists.get(id(source))
+            if entry is None or entry[0] is not source:
+                entry = [source, 0, 0]
+                fresh.append(entry)
+            kept[id(source)] = entry
+        for key, entry in self._lists.items():   # lists this step does not schedule: their rows back
+            if kept.get(key) is not entry:
+                self.rows[entry[1], :entry[2]] = 0
+                self._free.append(entry[1])
+        for entry in fresh:
+            if not self._free:
+                self._grow(self.rows.shape[0], self.rows.shape[1])
+            entry[1] = self._free.pop()
+        self._lists = kept
+        rows, counts = [], []
+        for item in scheduled:
+            entry = kept[id(item.request.block_ids)]
+            source, row, count = entry
+            n = len(source)
+            if n != count:
+                if n > self.rows.shape[1]:
+                    self._grow(0, n)
+                if n > count:
+                    self.rows[row, count:n] = source[count:n]
+                else:   # shorter: copied again (the engine's lists only grow in place)
+                    self.rows[row, :count] = 0
+                    self.rows[row, :n] = source
+                entry[2] = n
+            rows.append(row)
+            counts.append(n)
+        return rows, counts
 
-    def sync(self) -> np.ndarray:
-        n = len(self.source)
-        if n > self.count:
-            if n > self.array.shape[0]:
-                grown = np.zeros(max(n, 2 * self.array.shape[0]), dtype=np.int32)
-                grown[:self.count] = self.array[:self.count]
-                self.array = grown
-            self.array[self.count:n] = self.source[self.count:n]
-            self.count = n
-        return self.array[:n]
+    def _grow(self, more_rows: int, min_blocks: int) -> None:
+        old = self.rows
+        grown = np.zeros((old.shape[0] + more_rows, max(old.shape[1], min_blocks)), dtype=np.int32)
+        grown[:old.shape[0], :old.shape[1]] = old
+        self._free.extend(range(grown.shape[0] - 1, old.shape[0] - 1, -1))
+        self.rows = grown
 
 
 class StepInputBuilder:
@@ -101,26 +136,13 @@ class StepInputBuilder:
                  max_blocks_per_seq: int):
         self.device = device
         self.block_size = block_size
-        self._mirrors: dict[int, _BlockArray] = {}  # id of a block list -> its mirror (which keeps it alive)
+        self._blocks = _BlockStore(max_requests, max_blocks_per_seq)
         pin = device.type == "cuda"
         max_tokens = max(max_tokens, max_requests)  # a padded decode step has a token per row
         self._int64 = torch.zeros(3 * max_tokens + 3 * max_requests, dtype=torch.int64, pin_memory=pin)
         self._pin = pin
         self._int32 = torch.zeros(max_requests * (max_blocks_per_seq + 8), dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
-
-    def block_rows(self, scheduled) -> list[np.ndarray]:
-        """The block ids of each scheduled request, from the mirrors of its block list."""
-        mirrors, rows = {}, []
-        for item in scheduled:
-            source = item.request.block_ids
-            mirror = self._mirrors.get(id(source))
-            if mirror is None or mirror.source is not source:
-                mirror = _BlockArray(source)
-            mirrors[id(source)] = mirror
-            rows.append(mirror.sync())
-        self._mirrors = mirrors
-        return rows
 
     def build(self, plan, scheduled, num_padding: int, inflight_rows: dict[int, int] | None = None,
               ints: StepInts | None = None) -> StepInputs:
@@ -132,14 +154,11 @@ class StepInputBuilder:
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
         bs = self.block_size
-        num_tokens, num_rows = plan.num_tokens, plan.num_requests
-        rows = self.block_rows(scheduled)
+        num_tokens, num_rows, order = plan.num_tokens, plan.num_requests, plan.order
         num_scheduled = len(scheduled)
-        items = [scheduled[i] if i < num_scheduled else None for i in plan.order]   # None: a padding row
-        real = [row for row, item in enumerate(items) if item is not None]
-        ordered_blocks = [rows[plan.order[row]] for row in real]
-        lens = np.zeros(num_rows, dtype=np.int64)
-        lens[real] = [len(blocks) for blocks in ordered_blocks]
+        store_rows, block_counts = self._blocks.sync(scheduled)
+        order_array = np.asarray(order, dtype=np.int64)
+        lens = np.asarray(block_counts + [0] * num_padding, dtype=np.int64)[order_array]
         width = max(1, int(lens.max(initial=0)))
         flat = self._int64.numpy()
         ids, positions, slots = flat[:num_tokens], flat[num_tokens:2 * num_tokens], flat[2 * num_tokens:3 * num_tokens]
@@ -148,57 +167,58 @@ class StepInputBuilder:
         self._reserve_int32(n_table + num_ints + num_tokens)   # tree masks: at most a bit word per token
         int32 = self._int32.numpy()
         table = int32[:n_table].reshape(num_rows, width)
-        table.fill(0)
-        if ordered_blocks:   # row after row, each from column 0: the mask's row-major order
-            table[np.arange(width) < lens[:, None]] = np.concatenate(ordered_blocks)
-        # positions and slots, every row at once: row r's tokens sit at start_r .. start_r + n_r - 1
-        counts = np.ones(num_rows, dtype=np.int64)
-        starts = np.ones(num_rows, dtype=np.int64)
-        counts[real] = [items[row].num_new_tokens for row in real]
-        starts[real] = [items[row].num_computed_tokens for row in real]
+        store = self._blocks.rows
+        np.take(store[:, :width], np.asarray(store_rows + [0] * num_padding, dtype=np.int64)[order_array], axis=0,
+                out=table)
+        # positions and slots, every row at once: row r's tokens sit at start_r .. start_r + n_r - 1 (the plan's
+        # query and context lengths; a padding row: one token at position 1)
+        counts = np.asarray(plan.query_lens, dtype=np.int64)
+        starts = np.asarray(plan.context_lens, dtype=np.int64)
         first = np.cumsum(counts) - counts            # each row's first token
         token_row = np.repeat(np.arange(num_rows), counts)
         positions[:] = np.arange(num_tokens) - np.repeat(first - starts, counts)
         slots[:] = table[token_row, positions // bs].astype(np.int64) * bs + positions % bs
-        logit_rows, sample_rows, deferred_rows, deferred_sources = [], [], [], []
-        verify_logits, verify_rows, verify_starts, tree_bits = [], [], [], []
-        trees = any(item is not None and item.draft_parents is not None for item in items)
-        single_rows, single_ids = [], []   # one-token rows (decodes, padding) and their tokens
-        for row, item in enumerate(items):
-            at = int(first[row])
-            if item is None:  # padding: token 0 at position 1, writing nothing
-                single_rows.append(at)
-                single_ids.append(0)
-                slots[at] = -1
-                continue
-            start, n = item.num_computed_tokens, item.num_new_tokens
-            if n == 1:
-                single_rows.append(at)
-                if start < item.request.num_tokens:
-                    single_ids += item.request.token_ids(start, start + 1)
-                else:  # the token a launched step is sampling: filled in on the device
-                    single_ids.append(0)
+        firsts = first.tolist()
+        rows = [(row, firsts[row], scheduled[i]) for row, i in enumerate(order) if i < num_scheduled]
+        if num_padding:   # padding: token 0 at position 1, writing nothing
+            pads = [firsts[row] for row, i in enumerate(order) if i >= num_scheduled]
+            ids[pads] = 0
+            slots[pads] = -1
+        known_rows, known_ids, deferred_rows, deferred_requests = [], [], [], []
+        for _, at, item in rows:
+            if item.num_new_tokens == 1:
+                request, start = item.request, item.num_computed_tokens
+                if start < request.num_tokens:
+                    known_rows.append(at)
+                    known_ids.append(request.token_ids(start, start + 1)[0])
+                else:
                     deferred_rows.append(at)
-                    deferred_sources.append(self._inflight_row(inflight_rows, item.request))
-            else:
-                drafts = item.draft_token_ids
-                own = n - len(drafts)
-                ids[at:at + own] = item.request.token_array(start, start + own)
-                if drafts:
-                    ids[at + own:at + n] = drafts
-                if item.draft_parents is not None:   # a tree's tokens: at context_len + depth
-                    positions[at + 1:at + n] = start + np.asarray(depths(item.draft_parents), dtype=np.int64)
-            if trees and n > 1 and row < plan.num_decodes:   # the decode slice's multi-token rows: its verifies
-                parents = item.draft_parents                   # (and prompt chunks as short, causal)
-                tree_bits += tree_mask_bits(chain_parents(n - 1) if parents is None else parents)
-            if item.draft_token_ids:
+                    deferred_requests.append(request)
+        ids[known_rows] = known_ids
+        deferred_sources = [self._inflight_row(inflight_rows, request) for request in deferred_requests]
+        if deferred_rows:
+            ids[deferred_rows] = 0   # the token a launched step is sampling: filled in on the device
+        logit_rows = [at + item.num_new_tokens - 1 for _, at, item in rows if item.samples and not item.draft_token_ids]
+        sample_rows = [order[row] for row, _, item in rows if item.samples and not item.draft_token_ids]
+        verify_logits, verify_rows, verify_starts, tree_bits = [], [], [], []
+        trees = any(item.draft_parents is not None for _, _, item in rows)
+        for row, at, item in rows:
+            n = item.num_new_tokens
+            if n == 1:
+                continue
+            start, drafts = item.num_computed_tokens, item.draft_token_ids
+            own = n - len(drafts)
+            ids[at:at + own] = item.request.token_array(start, start + own)
+            if drafts:
+                ids[at + own:at + n] = drafts
                 verify_logits.extend(range(at, at + n))
-                verify_rows.append(plan.order[row])
+                verify_rows.append(order[row])
                 verify_starts.append(at)
-            elif item.samples:
-                logit_rows.append(at + n - 1)
-                sample_rows.append(plan.order[row])
-        ids[single_rows] = single_ids
+            if item.draft_parents is not None:   # a tree's tokens: at context_len + depth
+                positions[at + 1:at + n] = start + np.asarray(depths(item.draft_parents), dtype=np.int64)
+            if trees and row < plan.num_decodes:   # the decode slice's multi-token rows: its verifies
+                parents = item.draft_parents         # (and prompt chunks as short, causal)
+                tree_bits += tree_mask_bits(chain_parents(n - 1) if parents is None else parents)
         logit_rows += verify_logits
         num_logits, num_deferred = len(logit_rows), len(deferred_rows)
         end = 3 * num_tokens + num_logits
