@@ -22,12 +22,9 @@ def test_decode_splits():
 def test_verify_splits():
     # About two programs per SM, half of decode's: 8 × 4096 four splits (decode's eight ran 7% slower at 8 new
     # tokens), 16 × 4096 two, 32 × 4096 one, 8 × 32768 four; short contexts keep ~4 tiles a split.
-    assert verify_num_splits(H200, 8, 8, 4096, 64) == 4
-    assert verify_num_splits(H200, 16, 8, 4096, 64) == 2
-    assert verify_num_splits(H200, 32, 8, 4096, 64) == 1
-    assert verify_num_splits(H200, 8, 8, 32768, 64) == 4
-    assert verify_num_splits(H200, 1, 8, 4096, 64) == 16
-    assert verify_num_splits(H200, 1, 8, 131072, 64) == 33
+    for batch, context, splits in ((8, 4096, 4), (16, 4096, 2), (32, 4096, 1), (8, 32768, 4), (1, 4096, 16),
+                                   (1, 131072, 33)):
+        assert verify_num_splits(H200, batch, 8, context, 64) == splits, (batch, context)
     assert verify_num_splits(CPU, 1, 8, 512, 16) == 4
 
 
