@@ -114,7 +114,8 @@ def test_a_decode_of_a_token_no_launched_step_samples_is_refused():
 
 def test_block_rows_kept_across_steps_stay_bounded_and_exact():
     """The builder keeps each scheduled block list in a row across steps: over many steps of requests coming,
-    going, growing in place, being replaced and sharing one list, every table equals the definition and the store never holds more rows than a step schedules."""
+    going, growing in place, being replaced and sharing one list, every table equals the definition and the
+    store never holds more rows than a step schedules."""
     rng = random.Random(1)
     builder = StepInputBuilder(torch.device("cpu"), BS, max_tokens=256, max_requests=6, max_blocks_per_seq=8)
     next_block = iter(range(1, 1_000_000))
