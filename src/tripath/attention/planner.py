@@ -155,17 +155,12 @@ def plan_batch(query_lens: Sequence[int], context_lens: Sequence[int], *, decode
         raise ValueError(f"context_lens[{i}] = {context_lens[i]} must be >= 0")
     if max(query_lens, default=1) == 1 and min(context_lens, default=1) > 0:   # one-token decodes only
         order, ones, verifies, extends, prefills = list(range(len(query_lens))), query_lens, [], [], []
-    else:   # classify (see classify), one pass
+    else:   # one pass: decodes of one token, verifies, extends, prefills
         ones, verifies, extends, prefills = [], [], [], []
+        groups = {PREFILL: prefills, EXTEND: extends}
         for i, (q, c) in enumerate(zip(query_lens, context_lens)):
-            if c == 0:
-                prefills.append(i)
-            elif q == 1:
-                ones.append(i)
-            elif q <= decode_threshold:
-                verifies.append(i)
-            else:
-                extends.append(i)
+            kind = classify(q, c, decode_threshold)
+            (groups[kind] if kind != DECODE else ones if q == 1 else verifies).append(i)
         order = ones + verifies + extends + prefills
         query_lens = [query_lens[i] for i in order]
         context_lens = [context_lens[i] for i in order]
