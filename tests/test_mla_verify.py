@@ -124,7 +124,7 @@ def test_mla_verify_bad_input():
         mla_verify(q, cache, block_table, seq_lens[:1], cu, 3, **ok)
     bad_tree = torch.tensor([1, 1, 4, 1, 3], dtype=torch.int32, device=DEVICE)   # token 1 lacks its own bit
     with pytest.raises(ValueError, match=r"tree_mask\[1\] \(token 1 of request 0\) must set its own bit"):
-        mla_verify(q, cache, block_table, seq_lens, cu, 3, tree_mask=bad_tree, **ok)
+        mla_verify(q, cache, block_table, seq_lens, cu, 3, tree_mask=bad_tree, validate=True, **ok)
     with pytest.raises(ValueError, match="kv_lora_rank=80 must be between 1 and"):
         mla_verify(q, cache, block_table, seq_lens, cu, 3, kv_lora_rank=80, sm_scale=0.1)
     with pytest.raises(ValueError, match="variant='fast' is not supported; supported: auto, gluon, triton"):

@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICE
 
 from tripath.attention.planner import plan_batch
 from tripath.engine.requests.request import Request
@@ -172,8 +173,8 @@ def test_the_metadata_integers_travel_with_the_block_table_and_equal_an_own_uplo
         if name.startswith("mla") else None
     spec = AttentionSpec(4, 1 if mla else 2, 80 if mla else 64, dtype=torch.float16, block_size=BS,
                          extend_chunk_budget=24, decode_threshold=1 if name == "two_path" else 3, mla=mla)
-    backend = select_backend(spec, name, "cpu")
-    builder = StepInputBuilder(torch.device("cpu"), BS, max_tokens=256, max_requests=16, max_blocks_per_seq=64)
+    backend = select_backend(spec, name, DEVICE)
+    builder = StepInputBuilder(DEVICE, BS, max_tokens=256, max_requests=16, max_blocks_per_seq=64)
     rng = random.Random(hash(name) % 1000)
     steps = [[(1, 30), (1, 7), (3, 12), (2, 5), (40, 50), (9, 3), (20, 0), (6, 0)],   # all classes, chunked
              [(25, 20), (30, 0)],                                                    # one chunk + prefill: joined

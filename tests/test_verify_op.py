@@ -159,9 +159,9 @@ def test_paged_verify_refuses_what_it_cannot_run():
         return torch.tensor(bits, dtype=dtype, device=DEVICE)
 
     with pytest.raises(ValueError, match=r"tree_mask\[2\] \(token 2 of request 0\) must set its own bit 2"):
-        paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, tree_mask=mask(1, 3, 3))
+        paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, tree_mask=mask(1, 3, 3), validate=True)
     with pytest.raises(ValueError, match="none above it"):
-        paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, tree_mask=mask(3, 3, 7))
+        paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, tree_mask=mask(3, 3, 7), validate=True)
     with pytest.raises(ValueError, match="tree_mask must be a \\[T\\] int32"):
         paged_verify(q, k_cache, v_cache, bt, sl, cu, 3, tree_mask=mask(1, 3, 7, dtype=torch.int64))
     with pytest.raises(ValueError, match="does not combine with window_left"):

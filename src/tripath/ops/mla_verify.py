@@ -69,7 +69,7 @@ def mla_verify(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     batch = check_verify_requests(q.shape[0], block_table, seq_lens, cu_seqlens_q, max_query_len, block_size,
                                   num_blocks, validate)
     if tree_mask is not None:
-        check_tree_mask(tree_mask, cu_seqlens_q, q.shape[0], device, -1, None)
+        check_tree_mask(tree_mask, cu_seqlens_q, q.shape[0], device, -1, None, validate)
     if num_splits is not None and not 1 <= int(num_splits) <= 256:
         raise ValueError(f"num_splits must be between 1 and 256, got {num_splits}")
     if variant not in VERIFY_VARIANTS:

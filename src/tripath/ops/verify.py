@@ -66,7 +66,7 @@ def paged_verify(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     batch = check_verify_requests(q.shape[0], block_table, seq_lens, cu_seqlens_q, max_query_len, block_size,
                                   num_cache_blocks(k_cache), validate)
     if tree_mask is not None:
-        check_tree_mask(tree_mask, cu_seqlens_q, q.shape[0], device, window_left, alibi_slopes)
+        check_tree_mask(tree_mask, cu_seqlens_q, q.shape[0], device, window_left, alibi_slopes, validate)
     if num_splits is not None and not 1 <= int(num_splits) <= 256:
         raise ValueError(f"num_splits must be between 1 and 256, got {num_splits}")
     out_shape = (q.shape[0], q.shape[1], head_size_v)
@@ -144,8 +144,9 @@ def check_verify_requests(num_tokens: int, block_table: torch.Tensor, seq_lens: 
 
 
 def check_tree_mask(tree_mask: torch.Tensor, cu_seqlens_q: torch.Tensor, num_tokens: int, device,
-                    window_left: int, alibi_slopes) -> None:
-    """``tree_mask``'s shape and dtype and, for host tensors, its bits (self set, none past the token)."""
+                    window_left: int, alibi_slopes, validate: bool | None) -> None:
+    """``tree_mask``'s shape and dtype and, where ``validate`` asks (see :func:`~tripath.ops._checks.values_checked`),
+    its bits: each token sets its own bit and none above it."""
     if not isinstance(tree_mask, torch.Tensor) or tree_mask.dtype != torch.int32 or tree_mask.dim() != 1 or \
             tree_mask.shape[0] < num_tokens or tree_mask.device != device:
         raise ValueError(f"tree_mask must be a [T] int32 tensor on {device} (one entry per new token), got "
@@ -154,11 +155,11 @@ def check_tree_mask(tree_mask: torch.Tensor, cu_seqlens_q: torch.Tensor, num_tok
     if window_left >= 0 or alibi_slopes is not None:
         raise ValueError("tree_mask does not combine with window_left or alibi_slopes: a tree's slots are not "
                          "its tokens' positions")
-    if tree_mask.device.type == "cpu" and cu_seqlens_q.device.type == "cpu":
-        cu = cu_seqlens_q.tolist()
+    if values_checked(validate, tree_mask, cu_seqlens_q):
+        cu, masks = cu_seqlens_q.tolist(), tree_mask.tolist()
         for b in range(len(cu) - 1):
             for t in range(cu[b + 1] - cu[b]):
-                bits = int(tree_mask[cu[b] + t])
+                bits = masks[cu[b] + t]
                 if not bits >> t & 1 or bits >> (t + 1):
                     raise ValueError(f"tree_mask[{cu[b] + t}] (token {t} of request {b}) must set its own bit {t} "
                                      f"and none above it (parents come first), got {bits:#x}")
