@@ -186,7 +186,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     out = out if out is not None else torch.empty(out_shape, dtype=torch.bfloat16 if q_fp8 else q.dtype,
                                                   device=device)
     platform = current_platform(device)
-    block_l, block_r = dot_width(kv_lora_rank), dot_width(width - kv_lora_rank)
+    block_l, block_r = dot_width(kv_lora_rank, q_fp8), dot_width(width - kv_lora_rank, q_fp8)
     if variant in ("auto", "gluon"):
         reason = gluon_unsupported(platform, q, kv_cache, kv_lora_rank)
         if variant == "gluon" and reason is not None:

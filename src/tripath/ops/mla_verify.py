@@ -99,7 +99,7 @@ def mla_verify(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         num_splits = _mla_configs.mla_decode_num_splits(platform, batch * row_blocks,
                                                         block_table.shape[1] * block_size, cfg["BLOCK_N"])
     num_splits = int(num_splits)
-    block_l = dot_width(kv_lora_rank)
+    block_l = dot_width(kv_lora_rank, q_fp8)
     lse = lse_out(num_tokens, num_heads, device, return_lse)
     part_out, part_lse, splits_used = split_buffers(num_tokens, num_heads, num_splits, block_l, lse, seq_lens,
                                                     device, fill_used=True)   # rows of no request: left alone
@@ -114,7 +114,7 @@ def mla_verify(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         num_heads, kv_lora_rank, width - kv_lora_rank, block_size,
         num_splits=num_splits, splits_used_ptr=splits_used, SPLIT=num_splits > 1, BLOCK_L=block_l,
-        BLOCK_R=dot_width(width - kv_lora_rank), TREE=tree_mask is not None, KV_FP8=kv_fp8, Q_FP8=q_fp8,
+        BLOCK_R=dot_width(width - kv_lora_rank, q_fp8), TREE=tree_mask is not None, KV_FP8=kv_fp8, Q_FP8=q_fp8,
         FP8_MAX=fp8_max(q.dtype) if q_fp8 else 0.0, EMULATE_RNE=q_fp8 and _env.triton_interpret(),
         RETURN_LSE=return_lse, **cfg,
     )

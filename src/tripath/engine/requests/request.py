@@ -73,6 +73,8 @@ class Request:
 
     def __post_init__(self):
         self.prompt_token_ids = token_ids_of(self.prompt_token_ids, "prompt_token_ids")
+        # the prompt's int64 array, made once here rather than inside the step that schedules its first chunk
+        self._prompt_array = (self.prompt_token_ids, np.asarray(self.prompt_token_ids, dtype=np.int64))
         if not self.request_id:
             self.request_id = str(self.index)
         if self.sampling_params.logprobs is not None:
@@ -117,8 +119,8 @@ class Request:
         return prompt[start:] + self.output_token_ids[:stop - len(prompt)]
 
     def token_array(self, start: int, stop: int) -> np.ndarray:
-        """:meth:`token_ids` as an int64 array; a slice of the prompt is a view of an array made once (a
-        step's prompt chunk is one memory copy, not a conversion of Python ints)."""
+        """:meth:`token_ids` as an int64 array; a slice of the prompt is a view of an array made when the
+        request is made (a step's prompt chunk is one memory copy, not a conversion of Python ints)."""
         prompt = self.prompt_token_ids
         if stop > len(prompt):
             return np.asarray(self.token_ids(start, stop), dtype=np.int64)
