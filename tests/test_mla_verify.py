@@ -153,3 +153,23 @@ def test_gluon_verify_conditions():
                                                           torch.zeros(4, 64, 640, dtype=torch.bfloat16), 576, None)
     assert "contiguous out" in gluon_verify_unsupported(H200, q, cache, 512,
                                                         torch.zeros(16, 8, 512, dtype=torch.bfloat16).transpose(0, 1))
+
+
+def test_fp8_query_dots_reduce_over_at_least_32_values():
+    """An fp8 query's ``tl.dot`` needs K >= 32 on NVIDIA: a 16-wide rotary part is padded to a 32-wide tile in
+    the verify and in the absorbed decode (a 16-wide tile does not compile there); a 16-bit query keeps 16."""
+    from tripath.ops import mla_decode
+    from tripath.triton_internals import capture_launches
+
+    kv_scale, q_scale = scale_tensor(0.05), scale_tensor(0.02)
+    cache, block_table, _ = filled_mla_cache([20, 9], 16, LAT + ROPE, FP8, kv_scale)
+    seq_lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
+    for q_dtype, least in ((FP8, 32), (torch.float16, 16)):
+        q = torch.randn(5, 4, LAT + ROPE, device=DEVICE).to(q_dtype)
+        scales = dict(kv_scale=kv_scale, q_scale=q_scale if q_dtype == FP8 else None)
+        with capture_launches() as records:
+            mla_verify(q, cache, block_table, seq_lens, cu_seqlens([3, 2], DEVICE), 3, kv_lora_rank=LAT,
+                       sm_scale=0.1, **scales)
+            mla_decode(q[:2], cache, block_table, seq_lens, kv_lora_rank=LAT, sm_scale=0.1, **scales)
+        widths = [r.kwargs["BLOCK_R"] for r in records if "BLOCK_R" in r.kwargs]
+        assert len(widths) == 2 and set(widths) == {least}, (q_dtype, widths)
