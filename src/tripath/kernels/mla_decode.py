@@ -238,8 +238,9 @@ def mla_decode_kernel(
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     if USE_TMA:
         # Whole tiles through the descriptors, unmasked; then the ragged end (rows past the request in its
-        # last page may hold anything, NaN included) in small pointer-loaded tiles that zero those rows.
-        TAIL_N: tl.constexpr = 16
+        # last page may hold anything, NaN included) in small pointer-loaded tiles that zero those rows (32 rows
+        # for an fp8 query: NVIDIA's fp8 products reduce over at least 32 values).
+        TAIL_N: tl.constexpr = 32 if Q_FP8 else 16
         full_hi = lo + (hi - lo) // BLOCK_N * BLOCK_N
         m_i, l_i, acc = _tile_loop(m_i, l_i, acc, q_mine, q_other, q_pe, kv_cache_ptr, lat_desc, pe_desc,
                                    block_row_ptr, lo, full_hi, qk_scale, mine, other, dims_r, mine_ok,
