@@ -12,7 +12,12 @@ DEVICE = torch.device("cuda" if HAS_GPU else "cpu")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_GPU:
+    if HAS_GPU:   # no interpreter here, and engines default to the GPU
+        skip_cpu = pytest.mark.skip(reason="a CPU engine or Triton kernels on CPU tensors (the interpreter is on "
+                                           "only without a GPU)")
+        for item in items:
+            if item.get_closest_marker("cpu") is not None:
+                item.add_marker(skip_cpu)
         return
     skip_gpu = pytest.mark.skip(reason="needs a GPU (the GPU suite: python -m pytest -m gpu on a GPU machine)")
     for item in items:

@@ -9,6 +9,13 @@ from tripath.ops.kv_cache import allocate_kv_cache, write_kv_cache_ref
 TOL = {torch.float16: dict(atol=1.5e-2, rtol=1e-2), torch.bfloat16: dict(atol=1.5e-2, rtol=1e-2),
        torch.float32: dict(atol=1e-4, rtol=1e-4)}
 FP8_TOL = dict(atol=6e-2, rtol=6e-2)
+TF32_TOL = dict(atol=3e-3, rtol=3e-3)   # fp32 on a GPU: tl.dot takes fp32 operands as TF32 (10-bit mantissa)
+
+
+def kernel_tolerance(dtype, device) -> dict:
+    """The tolerance of a Triton kernel's output in ``dtype`` on ``device``: :data:`TOL`, or :data:`TF32_TOL`
+    for fp32 on a GPU."""
+    return TF32_TOL if dtype == torch.float32 and torch.device(device).type != "cpu" else TOL[dtype]
 
 
 def poison(shape, dtype, device) -> torch.Tensor:

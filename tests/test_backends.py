@@ -178,12 +178,15 @@ def test_long_extend_many_chunks_three_path():
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"], ids=["joined-tail", "separate-new-token-pass"])
-def test_attention_launches_get_exactly_their_rows(kv_cache_dtype):
+def test_attention_launches_get_exactly_their_rows(monkeypatch, kv_cache_dtype):
     """Every varlen launch of the extend and prefill paths gets keys and values of exactly
     ``cu_seqlens_k[-1]`` rows: a context chunk smaller than the gather workspace passes the rows it
     gathered, never the workspace's stale rest (the Hopper kernel's last key tile reads rows past the last
-    request, and stale NaN there would reach the output as 0 · NaN)."""
+    request, and stale NaN there would reach the output as 0 · NaN). The portable kernel's launches (sm_90's
+    Gluon kernel takes other arguments)."""
     from tripath.triton_internals import capture_launches
+
+    monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")
 
     spec = AttentionSpec(4, 1, 64, dtype=torch.float16, extend_chunk_budget=32, block_size=16,
                          kv_cache_dtype=kv_cache_dtype)
@@ -227,10 +230,12 @@ def test_three_path_joins_the_last_chunk_with_the_new_tokens(budget, opts):
     torch.testing.assert_close(joined.float(), want.float(), **TOL[torch.float16])
 
 
-def test_three_path_keeps_the_new_token_pass_for_fp8_caches():
+def test_three_path_keeps_the_new_token_pass_for_fp8_caches(monkeypatch):
     """An fp8 cache holds the new keys rounded: the extend's new tokens then take their own causal pass over
-    the step's keys (as the torch reference does), merged with the context."""
+    the step's keys (as the torch reference does), merged with the context (counted on the portable kernel)."""
     from tripath.triton_internals import capture_launches
+
+    monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")
 
     spec = AttentionSpec(4, 1, 64, dtype=torch.float16, kv_cache_dtype="fp8")
     backend = select_backend(spec, "three_path", DEVICE)

@@ -76,6 +76,7 @@ def test_validation_is_off_by_default(monkeypatch):
         ForwardContext(backend, meta, [backend.allocate_cache(4)], validate=True)
 
 
+@pytest.mark.cpu
 def test_every_engine_step_goes_through_the_validator(monkeypatch):
     calls = []
     real = context_module.validate_metadata
@@ -92,6 +93,7 @@ def test_every_engine_step_goes_through_the_validator(monkeypatch):
     assert len(calls) == llm.num_steps > 2 and all(c[1:] == (12, 8) for c in calls)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("name,kv_cache_dtype", [("torch", "auto"), ("three_path", "auto"), ("unified", "auto"),
                                                  ("two_path", "auto"), ("three_path", "fp8")])
 def test_nan_in_one_request_stays_in_it(name, kv_cache_dtype):

@@ -23,6 +23,7 @@ def _with(monkeypatch, cls, **changes):
     monkeypatch.setattr(cls, "capabilities", dataclasses.replace(cls.capabilities, **changes))
 
 
+@pytest.mark.cpu
 def test_the_default_comes_from_the_backends_declaration(monkeypatch):
     assert default_block_size("three_path", False, "cpu") == 16
     _with(monkeypatch, ThreePathBackend, cpu_block_size=32)
@@ -72,6 +73,7 @@ def test_a_block_size_a_backend_cannot_take_is_refused():
         LLM("tiny-deepseek", backend="auto", num_kv_blocks=8, block_size=24)
 
 
+@pytest.mark.cpu
 def test_the_shuffled_layout_is_refused_at_selection_where_its_vectors_do_not_fit():
     """x = 16 bytes / element: 8 for a 16-bit cache, 16 for fp8; block and head sizes must be multiples."""
     assert select_backend(AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=8, kv_layout="shuffled"),
@@ -88,6 +90,7 @@ def test_the_shuffled_layout_is_refused_at_selection_where_its_vectors_do_not_fi
             dtype=torch.float16)
 
 
+@pytest.mark.cpu
 def test_selection_follows_a_narrower_declaration(monkeypatch):
     _with(monkeypatch, ThreePathBackend, block_sizes=(16, 32))
     spec = AttentionSpec(4, 2, 32, dtype=torch.float16, block_size=64)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from conftest import DEVICE
 
 from tripath.kernels.lm_head_sample import gumbel_noise, round_to
 from tripath.ops.lm_head_sample import (SampleDraw, draw_ref, gumbel_noise_ref, lm_head_sample, lm_head_sample_ref,
@@ -68,8 +69,9 @@ def test_philox_is_random123s_and_triton_s():
 
     seeds = torch.tensor([0, -1, 2 ** 40 + 7, -(2 ** 62)])
     positions = torch.tensor([0, 5, 2 ** 31, 123456])
-    x, g = torch.empty(64, 4, dtype=torch.int64), torch.empty(64, 4)
-    noise[(1,)](seeds, positions, x, g, V=64, M=4)
+    x, g = torch.empty(64, 4, dtype=torch.int64, device=DEVICE), torch.empty(64, 4, device=DEVICE)
+    noise[(1,)](seeds.to(DEVICE), positions.to(DEVICE), x, g, V=64, M=4)
+    x, g = x.cpu(), g.cpu()
     assert torch.equal(philox_ref(seeds[:, None], torch.arange(64)[None, :], positions[:, None]).t(), x & 0xFFFFFFFF)
     torch.testing.assert_close(gumbel_noise_ref(seeds, positions, torch.arange(64)).t(), g, atol=1e-6, rtol=1e-6)
 
@@ -87,6 +89,7 @@ def test_the_kernels_float16_rounding_is_torch_s():
                   + [torch.tensor([65504.0, 65519.0, 65520.0, -65520.0, 2.0 ** -14, 2.0 ** -25, 3 * 2.0 ** -25,
                                    1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, float("inf"), -float("inf"), 0.0])])
     x = torch.cat([x, torch.zeros(4096 - x.numel())])
+    x = x.to(DEVICE)
     y = torch.full_like(x, float("nan"))
     rounded[(1,)](x, y, N=4096)
     assert torch.equal(y, x.half().float())

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import DEVICE
-from helpers import FP8_TOL, TOL, cu_seqlens, filled_cache, poison
+from helpers import FP8_TOL, TF32_TOL, cu_seqlens, filled_cache, kernel_tolerance, poison
 from tripath.ops import MixedAttentionWorkspace, mixed_attention, mixed_attention_workspace, plan_mixed_attention
 from tripath.ops import reference as R
 
@@ -93,10 +93,10 @@ def check_work_list(ws: MixedAttentionWorkspace, requests, window_left=-1, kv_sp
 
 
 def _compare(got, want, dtype, fp8=False, lse=None, want_lse=None):
-    tol = FP8_TOL if fp8 else TOL[dtype]
+    tol = FP8_TOL if fp8 else kernel_tolerance(dtype, DEVICE)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     if lse is not None:
-        torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse, want_lse, **(TF32_TOL if tol is TF32_TOL else dict(atol=2e-3, rtol=2e-3)))
 
 
 GQA = [(4, 2), (4, 1), (2, 2), (6, 2)]  # 6/2: a group of three, padded to four rows
@@ -200,7 +200,8 @@ def test_one_workspace_serves_many_calls_and_mixes():
         q, k_cache, v_cache, bt, sl, cq = _step(requests, hq, hkv)
         want = R.unified_attention_ref(q, k_cache, v_cache, bt, sl, cq)
         plan_mixed_attention(ws, cq, sl, kv_split=kv_split)
-        assert check_work_list(ws, requests, kv_split=kv_split)["slots"] > 0
+        slots = check_work_list(ws, requests, kv_split=kv_split)["slots"]
+        assert kv_split is None or slots > 0   # (unset: the cost model's split, which depends on the SM count)
         padded = torch.cat([q, torch.randn(3, hq, D, dtype=q.dtype, device=DEVICE)])
         for _ in range(2):
             out = poison(padded.shape, q.dtype, DEVICE)

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from helpers import FP8_TOL, TOL, cu_seqlens, poison
+from helpers import FP8_TOL, TF32_TOL, TOL, cu_seqlens, poison
 from test_mla_ops import FP8, filled_mla_cache, scale_tensor
 from tripath.ops import mla_verify
 
 LAT, ROPE = 64, 16
-TF32_TOL = dict(atol=3e-3, rtol=3e-3)
 
 
 def _tree(rng: random.Random, n: int, tree: bool) -> tuple[list[int], list[int]]:

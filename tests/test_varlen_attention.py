@@ -91,6 +91,7 @@ def test_tensor_descriptor_path(monkeypatch, opts):
     from tripath.ops import _configs
     from tripath.triton_internals import capture_launches
 
+    monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")   # the portable kernel's path (sm_90 takes Gluon's)
     base = _configs.varlen_config
     monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": True})
     hq, hkv, d, lq, lk = 4, 2, 64, [7, 16, 3], [23, 16, 37]
@@ -142,6 +143,7 @@ def test_tile_choice_counts_causal_tiles_only_where_they_decide_it(monkeypatch):
     from tripath.ops import _configs
     from tripath.triton_internals import capture_launches
 
+    monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")   # the portable kernel's launcher (sm_90 takes Gluon's)
     seen, base = [], _configs.varlen_config
     monkeypatch.setattr(_configs, "varlen_config",
                         lambda *a, **kw: (seen.append(kw.get("causal_tiles")), base(*a, **kw))[1])
@@ -175,9 +177,9 @@ def test_rotary_part_scores_as_the_concatenation(monkeypatch, case):
     from tripath.triton_internals import capture_launches
 
     hq, hkv, d, r, hr, lq, lk, opts, tma = case
-    if tma:
-        base = _configs.varlen_config
-        monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": True})
+    monkeypatch.setenv("TRIPATH_DISABLE_GLUON", "1")   # the portable kernel (sm_90 takes Gluon's where it can)
+    base = _configs.varlen_config
+    monkeypatch.setattr(_configs, "varlen_config", lambda *a, **kw: {**base(*a, **kw), "TMA": tma})
     dtype = torch.float16
     tk = sum(lk)
     q = torch.randn(sum(lq), hq, d, dtype=dtype, device=DEVICE)

@@ -89,8 +89,9 @@ def rms_norm_pair_ref(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: 
 
 def rms_norm_pair(a: torch.Tensor, weight_a: torch.Tensor, eps_a: float, b: torch.Tensor, weight_b: torch.Tensor,
                   eps_b: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(a, weight_a, eps_a), rms_norm(b, weight_b, eps_b))`` in one launch, the same bits as the two
-    calls. ``a [T, Na]`` and ``b [T, Nb]``: the same rows and dtype (fp16/bf16/fp32), each contiguous in its last
+    """``(rms_norm(a, weight_a, eps_a), rms_norm(b, weight_b, eps_b))`` in one launch, the same math as the two
+    calls (one warp count for both widths, so a row's fp32 sum of squares may be added in another order than
+    its own call's, and the last bits differ). ``a [T, Na]`` and ``b [T, Nb]``: the same rows and dtype (fp16/bf16/fp32), each contiguous in its last
     dimension, rows at any stride (two column ranges of one tensor, say); weights ``[Na]`` / ``[Nb]``. Returns
     two new contiguous tensors."""
     check_tensor("a", a, ndim=2, dtypes=FLOAT_DTYPES)
