@@ -28,7 +28,8 @@ kept in a row of one NumPy array across steps (:class:`_BlockStore`): a step cop
 gained, and the step's block table is one gather of those rows in plan order. Positions and slots come for
 every row at once from the plan's query and context lengths, a prompt chunk's ids are a slice of the
 request's prompt array (:meth:`~tripath.engine.requests.request.Request.token_array`): the Python left per row
-is a decode's one token (or where its in-flight token comes from) and its bookkeeping.
+is one pass over the step's rows (a decode's one token, or where its in-flight token comes from, and the rows
+whose logits are drawn) and one over its block lists.
 """
 
 from __future__ import annotations
@@ -80,46 +81,69 @@ class _BlockStore:
     def __init__(self, max_requests: int, max_blocks: int):
         self.rows = np.zeros((max_requests + 1, max(1, max_blocks)), dtype=np.int32)
         self._free = list(range(max_requests, 0, -1))
-        self._lists: dict[int, list] = {}   # id of a block list -> [the list, its row, ids copied]
+        self._lists: dict[int, list] = {}   # id of a block list -> [the list, its row, ids copied, step seen]
+        self._step = 0
 
     def sync(self, scheduled) -> tuple[list[int], list[int]]:
-        """``(rows, counts)``: each scheduled request's row and block count, its new block ids copied in."""
-        kept, fresh = {}, []
-        for item in scheduled:
+        """``(rows, counts)``: each scheduled request's row and block count, its new block ids copied in. One
+        pass over ``scheduled``; the lists it does not hold are looked for only when there are some."""
+        self._step = step = self._step + 1
+        lists = self._lists
+        rows, counts, fresh = [], [], []
+        seen = 0
+        for k, item in enumerate(scheduled):
             source = item.request.block_ids
-            if id(source) in kept:   # a list two rows share
+            entry = lists.get(id(source))
+            if entry is not None and entry[3] == step:   # a list two rows share
+                if entry[1] < 0:
+                    fresh.append((k, entry))
+                rows.append(entry[1])
+                counts.append(entry[2])
                 continue
-            entry = self._lists.get(id(source))
-            if entry is None or entry[0] is not source:
-                entry = [source, 0, 0]
-                fresh.append(entry)
-            kept[id(source)] = entry
-        for key, entry in self._lists.items():   # lists this step does not schedule: their rows back
-            if kept.get(key) is not entry:
-                self.rows[entry[1], :entry[2]] = 0
-                self._free.append(entry[1])
-        for entry in fresh:
-            if not self._free:
-                self._grow(self.rows.shape[0], self.rows.shape[1])
-            entry[1] = self._free.pop()
-        self._lists = kept
-        rows, counts = [], []
-        for item in scheduled:
-            entry = kept[id(item.request.block_ids)]
-            source, row, count = entry
+            seen += 1
+            if entry is None or entry[0] is not source:   # a new list (or a dead one's id reused)
+                if entry is not None:
+                    self._release(entry)
+                lists[id(source)] = entry = [source, -1, 0, step]
+                fresh.append((k, entry))
+                rows.append(-1)
+                counts.append(0)
+                continue
+            entry[3] = step
             n = len(source)
-            if n != count:
-                if n > self.rows.shape[1]:
-                    self._grow(0, n)
-                if n > count:
-                    self.rows[row, count:n] = source[count:n]
-                else:   # shorter: copied again (the engine's lists only grow in place)
-                    self.rows[row, :count] = 0
-                    self.rows[row, :n] = source
-                entry[2] = n
-            rows.append(row)
+            if n != entry[2]:
+                self._copy(entry, n)
+            rows.append(entry[1])
             counts.append(n)
+        if len(lists) > seen:   # lists this step does not schedule: their rows back
+            for key in [key for key, entry in lists.items() if entry[3] != step]:
+                self._release(lists.pop(key))
+        for k, entry in fresh:
+            if entry[1] < 0:
+                if not self._free:
+                    self._grow(self.rows.shape[0], self.rows.shape[1])
+                entry[1] = self._free.pop()
+                self._copy(entry, len(entry[0]))
+            rows[k] = entry[1]
+            counts[k] = entry[2]
         return rows, counts
+
+    def _copy(self, entry: list, n: int) -> None:
+        """Bring ``entry``'s row to its list's first ``n`` ids."""
+        source, row, count = entry[0], entry[1], entry[2]
+        if n > self.rows.shape[1]:
+            self._grow(0, n)
+        if n > count:
+            self.rows[row, count:n] = source[count:n]
+        else:   # shorter: copied again (the engine's lists only grow in place)
+            self.rows[row, :count] = 0
+            self.rows[row, :n] = source
+        entry[2] = n
+
+    def _release(self, entry: list) -> None:
+        if entry[1] >= 0:
+            self.rows[entry[1], :entry[2]] = 0
+            self._free.append(entry[1])
 
     def _grow(self, more_rows: int, min_blocks: int) -> None:
         old = self.rows
@@ -179,33 +203,47 @@ class StepInputBuilder:
         positions[:] = np.arange(num_tokens) - np.repeat(first - starts, counts)
         slots[:] = table[token_row, positions // bs].astype(np.int64) * bs + positions % bs
         firsts = first.tolist()
-        rows = [(row, firsts[row], scheduled[i]) for row, i in enumerate(order) if i < num_scheduled]
         if num_padding:   # padding: token 0 at position 1, writing nothing
             pads = [firsts[row] for row, i in enumerate(order) if i >= num_scheduled]
             ids[pads] = 0
             slots[pads] = -1
-        known_rows, known_ids, deferred_rows, deferred_requests = [], [], [], []
-        for _, at, item in rows:
-            if item.num_new_tokens == 1:
+        # one pass over the rows in plan order: a decode's token (known, or where its in-flight token comes
+        # from) and the rows whose logits are drawn; rows of several tokens are handled after it
+        known_rows, known_ids, deferred_rows, deferred_sources = [], [], [], []
+        logit_rows, sample_rows, multi = [], [], []
+        inflight = inflight_rows if inflight_rows is not None else {}
+        for row, i in enumerate(order):
+            if i >= num_scheduled:
+                continue
+            item = scheduled[i]
+            at = firsts[row]
+            n = item.num_new_tokens
+            if n == 1:
                 request, start = item.request, item.num_computed_tokens
                 if start < request.num_tokens:
                     known_rows.append(at)
                     known_ids.append(request.token_ids(start, start + 1)[0])
                 else:
+                    source = inflight.get(id(request))
+                    if source is None:
+                        raise RuntimeError(f"{request!r} is scheduled to decode a token no launched step is sampling")
                     deferred_rows.append(at)
-                    deferred_requests.append(request)
+                    deferred_sources.append(source)
+                if item.samples:
+                    logit_rows.append(at)
+                    sample_rows.append(i)
+            else:
+                multi.append((row, at, item))
+                if item.samples and not item.draft_token_ids:
+                    logit_rows.append(at + n - 1)
+                    sample_rows.append(i)
         ids[known_rows] = known_ids
-        deferred_sources = [self._inflight_row(inflight_rows, request) for request in deferred_requests]
         if deferred_rows:
             ids[deferred_rows] = 0   # the token a launched step is sampling: filled in on the device
-        logit_rows = [at + item.num_new_tokens - 1 for _, at, item in rows if item.samples and not item.draft_token_ids]
-        sample_rows = [order[row] for row, _, item in rows if item.samples and not item.draft_token_ids]
         verify_logits, verify_rows, verify_starts, tree_bits = [], [], [], []
-        trees = any(item.draft_parents is not None for _, _, item in rows)
-        for row, at, item in rows:
+        trees = any(item.draft_parents is not None for _, _, item in multi)
+        for row, at, item in multi:
             n = item.num_new_tokens
-            if n == 1:
-                continue
             start, drafts = item.num_computed_tokens, item.draft_token_ids
             own = n - len(drafts)
             ids[at:at + own] = item.request.token_array(start, start + own)
@@ -247,13 +285,6 @@ class StepInputBuilder:
         """Grow the int32 staging buffer to hold ``size`` values (called once the last copy has read it)."""
         if self._int32.shape[0] < size:
             self._int32 = torch.zeros(max(size, 2 * self._int32.shape[0]), dtype=torch.int32, pin_memory=self._pin)
-
-    @staticmethod
-    def _inflight_row(inflight_rows: dict[int, int] | None, request) -> int:
-        row = None if inflight_rows is None else inflight_rows.get(id(request))
-        if row is None:
-            raise RuntimeError(f"{request!r} is scheduled to decode a token no launched step is sampling")
-        return row
 
     def _to_device(self, staged: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
