@@ -109,6 +109,41 @@ def test_mixed_plans_once_a_pass_and_again_where_a_layer_changes_the_window(monk
     assert plans == [12]
 
 
+@pytest.mark.parametrize("spec_name", ["gqa4", "mqa-fp8", "window-sinks"])
+def test_mixed_takes_paged_decode_for_decode_only_steps_and_not_for_a_bucket(spec_name):
+    """A step of one-token decodes runs ``paged_decode`` on the ``mixed`` backend (no work list planned) and
+    agrees with ``torch``; a whole-step graph's bucket, even of one-token rows, has no decodes in its plan (its
+    rows are prompts), so the graph captured on it runs the one-launch kernel for any step it replays."""
+    from tripath.attention import ForwardContext
+    from tripath.engine.runner.whole_step_graphs import WholeStepGraphs
+    from tripath.triton_internals import capture_launches
+
+    spec = AttentionSpec(dtype=torch.float16, **SPECS[spec_name])
+    backend = select_backend(spec, "mixed", DEVICE)
+    one_launch = {"plan_mixed_work_kernel", "mixed_attention_kernel"}
+    step = make_step(spec, BATCHES["decode_only"], backend, device=DEVICE, seed=11)
+    want, _ = _run(TorchBackend(spec, DEVICE, new_kv_from_cache=True), step)
+    meta = backend.build_metadata(step.plan, step.block_table, step.slot_mapping)
+    with capture_launches() as records:
+        ForwardContext(backend, meta, [step.fresh_cache()], replay_launches=False).attend(
+            0, step.q, step.k, step.v, alibi_slopes=step.alibi_slopes, sinks=step.sinks)
+    names = {r.name for r in records}
+    assert "paged_decode_kernel" in names and not names & one_launch
+    got = ForwardContext(backend, meta, [step.fresh_cache()], replay_launches=False).attend(
+        0, step.q, step.k, step.v, alibi_slopes=step.alibi_slopes, sinks=step.sinks)
+    torch.testing.assert_close(got.float(), want.float(), **(FP8_TOL if spec.kv_cache_dtype == "fp8" else
+                                                             TOL[spec.dtype]))
+    graphs = WholeStepGraphs(None, backend, [], sizes=[4], max_num_seqs=8, max_model_len=64, max_blocks_per_seq=4,
+                             device=DEVICE)
+    bucket = graphs.bucket_metadata(4)
+    assert bucket.plan.query_lens == [1] * 4 and bucket.decode is None
+    q = torch.randn(4, spec.num_heads, spec.head_size, dtype=spec.dtype, device=DEVICE)
+    kv = torch.randn(4, spec.num_kv_heads, spec.head_size, dtype=spec.dtype, device=DEVICE)
+    with capture_launches() as records:
+        backend.forward(q, kv, kv, step.fresh_cache(), bucket, sinks=step.sinks)
+    assert {r.name for r in records} >= one_launch
+
+
 def test_mixed_on_a_padded_bucket_matches_the_step():
     """A whole-step graph's replay in eager form: the step's metadata copied into a larger bucket's
     (``copy_padded_``: padding requests of no tokens and no keys, padding tokens writing nothing) gives the
