@@ -113,6 +113,11 @@ def test_rounds_report_the_median_round_with_the_first_rounds_starts():
     assert line == "   b: start 20.0 s (10.0 s on the warm cache); passes 9.000 / 3.000 s; warm pass 50.0% of the floor; " \
                    "1 compiled after start"   # printed as each round ends
     assert serve_rounds.round_line(failed) == "   b: the benchmark process exited with 1"
+    phases = {"plan_memory": 1.04, "warm_up": 15.0}
+    assert serve_rounds.round_line({**result_of(3.0, 20.0), "passes": [], "start_phases": phases}) == \
+        "   b: start 20.0 s (plan_memory 1.0 s, warm_up 15.0 s; 10.0 s on the warm cache)"
+    assert serve_rounds.merge_rounds([{**result_of(3.0, 20.0), "start_phases": phases}, result_of(1.0, 6.0),
+                                      result_of(2.0, 5.0)])["start_phases"] == phases   # the first round's
     row = {"backend": "b", "first_pass_s": 0.7, "warm_passes_s": [0.5], "round_warm_passes_s": [0.5, 0.55]}
     assert serve_rounds.format_passes(row).endswith("; warm pass of each round 0.500 / 0.550 s (within 10.0%; "
                                              "reported: the median round)")
@@ -158,6 +163,7 @@ def test_the_command_writes_json_csv_and_a_plot(tmp_path, capsys):
     (result,) = report["results"]
     assert result["skinny_gemms"] == "off" and result["gemm_routes"] == 0
     assert result["backend"] == "torch" and len(result["passes"]) == 2 and result["warm_start_s"] > 0
+    assert list(result["start_phases"]) == ["plan_memory", "allocate_kv_cache", "warm_up", "capture_graphs"]
     assert len(result["round_warm_passes_s"]) == 2 and result["compiled_in_rounds"] == 0
     assert result["async_scheduling"] is False and report["rows"][0]["backend"] == "torch (sequential)"
     assert sum(s["steps"] for s in result["step_breakdown"].values()) == result["passes"][-1]["num_steps"]

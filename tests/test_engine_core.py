@@ -153,7 +153,12 @@ def test_info_is_what_the_server_reads(model):
     assert (info.backend, info.backend_choice, info.num_kv_blocks, info.num_usable_kv_blocks) == \
         ("torch", "asked for", 32, 31)
     assert info.device == "cpu" and not info.on_gpu and info.decode_graph_sizes == () and info.warmup_seconds is None
+    from tripath.engine.runner.startup import PHASES
+
+    assert tuple(phase for phase, _ in info.start_phases) == PHASES and all(s >= 0 for _, s in info.start_phases)
+    assert sum(s for _, s in info.start_phases) <= info.start_seconds + 1e-3
     line = startup_summary(info, "tiny", ["tiny"])
+    assert "start " in line and "(plan_memory " in line and "capture_graphs " in line
     assert "backend torch (asked for)" in line and "CUDA graphs off (not on a GPU)" in line
     assert "KV cache 31 blocks x 16 tokens" in line and "max_model_len 256" in line
     assert cache_config(info)["num_gpu_blocks"] == "32" and cache_config(info)["num_gpu_blocks_override"] == "32"

@@ -115,7 +115,8 @@ def run_backend(workload: Workload, backend: str, *, device: str | None, dtype: 
               decode_steps=decode_steps, mixed_cuda_graphs=mixed_cuda_graphs,
               **({} if skinny_gemms is None else {"skinny_gemms": skinny_gemms}))
     start_s = time.perf_counter() - start
-    result = {"backend": llm.backend_name, "start_s": start_s, "async_scheduling": llm.overlap,
+    result = {"backend": llm.backend_name, "start_s": start_s, "start_phases": dict(llm.core.info().start_phases),
+              "async_scheduling": llm.overlap,
               "decode_steps": llm.decode_steps,
               "mixed_cuda_graphs": getattr(llm.runner, "mixed_graphs", None) is not None,
               "largest_step_host_share": getattr(llm.runner, "largest_step_host_share", None),

@@ -56,8 +56,11 @@ def round_line(result: dict) -> str:
         return f"   {result['backend']}: {result['error']}"
     passes = result.get("passes", [])
     line = f"   {result['backend']}: start {result.get('start_s', float('nan')):.1f} s"
+    notes = [", ".join(f"{phase} {s:.1f} s" for phase, s in (result.get("start_phases") or {}).items())]
     if result.get("warm_start_s") is not None:
-        line += f" ({result['warm_start_s']:.1f} s on the warm cache)"
+        notes.append(f"{result['warm_start_s']:.1f} s on the warm cache")
+    if any(notes):
+        line += " (" + "; ".join(note for note in notes if note) + ")"
     if passes:
         warm = median_pass(passes[1:] or passes)
         line += "; passes " + " / ".join(f"{p['elapsed_s']:.3f}" for p in passes) + " s"
@@ -85,6 +88,7 @@ def merge_rounds(results: list[dict]) -> dict:
     warm = [median_pass(r["passes"][1:] or r["passes"])["elapsed_s"] for r in results]
     median = sorted(range(len(results)), key=lambda i: warm[i])[len(results) // 2]
     return {**results[median], "start_s": results[0].get("start_s"), "warm_start_s": results[0].get("warm_start_s"),
+            "start_phases": results[0].get("start_phases"),
             "round_warm_passes_s": warm,
             "compiled_in_rounds": sum(p["compiled_after_start"] for r in results for p in r.get("passes", []))}
 

@@ -30,7 +30,8 @@ class EngineInfo:
     ``fused_sampling_buckets`` (``(rows up to, greedy steps fused, sampled steps fused)`` per bucket of row
     counts). The projections' GEMMs (:mod:`tripath.ops.linear_routes`): ``gemm_routes``, ``(N, K, rows up to,
     cuBLAS µs, Triton split-K µs, Triton taken)`` per weight shape and row class as timed at start (empty
-    with ``skinny_gemms="off"`` or on the CPU). Start: ``warmup_seconds`` (None: no warm-up ran) and ``start_seconds``.
+    with ``skinny_gemms="off"`` or on the CPU). Start: ``warmup_seconds`` (None: no warm-up ran), ``start_seconds``
+    and ``start_phases`` (``(phase, seconds)`` of :data:`tripath.engine.runner.startup.PHASES`, in order).
     """
 
     model: str | None
@@ -57,6 +58,7 @@ class EngineInfo:
     enforce_eager: bool = False
     warmup_seconds: float | None = None
     start_seconds: float = 0.0
+    start_phases: tuple[tuple[str, float], ...] = ()
     generation_defaults: dict = field(default_factory=dict)
     generation_config: str = "auto"
     fused_sampling: str = "off"
@@ -109,6 +111,7 @@ def describe_engine(runner, config, *, model: str | None, vocab_size: int, decod
         largest_step_host_share=getattr(runner, "largest_step_host_share", None),
         enforce_eager=bool(config.enforce_eager), warmup_seconds=None if warmup is None else warmup.seconds,
         start_seconds=start_seconds, generation_defaults=dict(generation_defaults),
+        start_phases=tuple((phase, round(s, 3)) for phase, s in getattr(runner, "start_phase_seconds", {}).items()),
         generation_config=str(config.generation_config),
         fused_sampling="off" if fused is None else fused.how,
         fused_sampling_buckets=() if fused is None else fused.facts(),

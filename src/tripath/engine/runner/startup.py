@@ -69,15 +69,30 @@ PHASES = ("plan_memory", "allocate_kv_cache", "warm_up", "capture_graphs")   # t
 
 def start(executor: Executor) -> None:
     """Start ``executor`` (built: its model, spec, backend and input builder): the phases of the module doc,
-    once each, in order. When one fails the executor is closed (its compile pool, its worker ranks)."""
+    once each, in order; their wall-clock seconds are left on it as ``start_phase_seconds`` (phase -> seconds,
+    in order) and logged. When one fails the executor is closed (its compile pool, its worker ranks)."""
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def done(phase: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[phase], clock = now - clock, now
+
     try:
         num_blocks = executor.plan_memory()
+        done("plan_memory")
         executor.allocate_kv_cache(num_blocks)
+        done("allocate_kv_cache")
         executor.warm_up()
+        done("warm_up")
         executor.capture_graphs()
+        done("capture_graphs")
     except BaseException:
         executor.close()
         raise
+    executor.start_phase_seconds = seconds
+    logger.info("start: %s", ", ".join(f"{phase} {s:.1f} s" for phase, s in seconds.items()))
 
 
 class PhaseOrder:

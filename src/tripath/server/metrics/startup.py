@@ -57,7 +57,8 @@ def startup_summary(info: EngineInfo, model: str, served_names: Sequence[str]) -
         f"{info.max_num_batched_tokens}",
         _graphs(info),
         f"warm-up {info.warmup_seconds:.1f} s" if info.warmup_seconds is not None else "no warm-up",
-        f"start {info.start_seconds:.1f} s",
+        f"start {info.start_seconds:.1f} s" + (" (" + ", ".join(f"{phase} {s:.1f} s" for phase, s in info.start_phases)
+                                              + ")" if info.start_phases else ""),
         sampling_defaults_text(info.generation_defaults, info.generation_config),
     ]
     return " | ".join(parts)
