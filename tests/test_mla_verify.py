@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import DEVICE
-from helpers import FP8_TOL, TF32_TOL, TOL, cu_seqlens, poison
+from helpers import FP8_TOL, TF32_TOL, cu_seqlens, kernel_tolerance, poison
 from test_mla_ops import FP8, filled_mla_cache, scale_tensor
 from tripath.ops import mla_verify
 
@@ -101,10 +101,8 @@ def check_verify(tree, heads, block_size, num_splits, cache_dtype, q_fp8, query_
                           num_splits=num_splits, out=out, return_lse=True, variant=variant)
     assert got is out and torch.isnan(out[num_tokens:]).all()   # rows of no request: not written
     q64 = q.double() * (q_scale.item() if q_fp8 else 1.0)
-    # fp32 on a GPU: tl.dot takes fp32 operands as TF32 (10-bit mantissa), as the decode kernel does
-    tf32 = dtype == torch.float32 and DEVICE.type != "cpu"
-    tol = FP8_TOL if fp8 else TF32_TOL if tf32 else TOL[dtype]
-    lse_tol = TF32_TOL if tf32 else dict(atol=1e-3, rtol=1e-3)
+    tol = FP8_TOL if fp8 else kernel_tolerance(dtype, DEVICE)   # fp32 on a GPU: TF32's, as the decode kernel's
+    lse_tol = TF32_TOL if tol is TF32_TOL else dict(atol=1e-3, rtol=1e-3)
     start = 0
     for b, (n, ctx) in enumerate(zip(query_lens, contexts)):
         want_o, want_lse = _verify_f64(q64[start:start + n].cpu(), rows[b].cpu(), ctx, trees[b][0], sm_scale, lat)
