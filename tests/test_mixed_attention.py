@@ -195,8 +195,9 @@ def test_one_workspace_serves_many_calls_and_mixes():
     split in the same workspace; a call without ``return_lse`` and rows past the step left alone."""
     hq, hkv = 4, 2
     ws = mixed_attention_workspace(hq, hkv, D, max_num_tokens=48, max_num_seqs=6, device=DEVICE, split_budget=32)
-    for requests, kv_split in (([(40, 1), (9, 1), (30, 6), (0, 12)], 16), ([(300, 1), (20, 3)], None),
-                               ([(40, 1)] * 6, 16)):
+    # contexts past two key tiles (64 keys on a GPU), so that a split of 16 splits them there too
+    for requests, kv_split in (([(140, 1), (9, 1), (130, 6), (0, 12)], 16), ([(300, 1), (20, 3)], None),
+                               ([(200, 1)] * 6, 16)):
         q, k_cache, v_cache, bt, sl, cq = _step(requests, hq, hkv)
         want = R.unified_attention_ref(q, k_cache, v_cache, bt, sl, cq)
         plan_mixed_attention(ws, cq, sl, kv_split=kv_split)

@@ -222,6 +222,7 @@ def test_rotary_part_errors():
                          k_rope=torch.randn(4, 1, 32, dtype=torch.float16, device=DEVICE))
 
 
+@pytest.mark.cpu  # CPU tensors under an overridden platform: what a launch would be, not a launch
 def test_hopper_fast_path_dispatch(monkeypatch):
     """On an H200 the plain 16-bit prefill (heads 64/128, causal or not, LSE, per-request query starts,
     strided heads, MLA's 64-wide rotary part) takes the warp-specialised Gluon kernel, short requests of an

@@ -134,9 +134,10 @@ def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_he
                   head_size, head_size_v, block_size,
                   stride_k0, stride_k1, stride_k2, stride_k3,
                   stride_v0, stride_v1, stride_v2, stride_v3,
-                  SHUFFLED: tl.constexpr, X: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+                  SHUFFLED: tl.constexpr, X: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, MASK: tl.constexpr):
     """Load keys transposed ``[Dk, N]`` and values ``[N, Dv]`` of positions ``k_pos [N]`` from the paged
-    cache, converted to the compute dtype (fp8 is dequantised by the caller's scales).
+    cache, converted to the compute dtype (fp8 is dequantised by the caller's scales). Without ``MASK`` every
+    position is below ``k_limit`` (the caller knows): no position is masked.
 
     The shuffled layout is read with the same 2-D tiles as NHD, each element's address computed from the
     layout: runs of ``x`` elements (16 bytes) are contiguous along the head dims for K and along the tokens
@@ -147,8 +148,11 @@ def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_he
         k_pos = tl.multiple_of(k_pos, X)  # runs of x tokens start at multiples of x (see above)
     valid = k_pos < k_limit
     # every token of a block that holds a valid one reads that block (uniform addresses within a block)
-    blocks = tl.load(block_row_ptr + k_pos // block_size, mask=(k_pos // block_size) * block_size < k_limit,
-                     other=0).to(tl.int64)
+    if MASK:
+        blocks = tl.load(block_row_ptr + k_pos // block_size, mask=(k_pos // block_size) * block_size < k_limit,
+                         other=0).to(tl.int64)
+    else:
+        blocks = tl.load(block_row_ptr + k_pos // block_size).to(tl.int64)
     offsets = k_pos % block_size
     if SHUFFLED:
         # K[b, h, d // x, s, d % x] and V[b, h, s // x, d, s % x]: the innermost strides are x itself
@@ -167,6 +171,10 @@ def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_he
                  + dims_k[:, None] * stride_k3)
         v_off = (blocks[:, None] * stride_v0 + offsets[:, None] * stride_v1 + kv_head * stride_v2
                  + dims_v[None, :] * stride_v3)
+    if not MASK:
+        k = tl.load(k_cache_ptr + k_off, mask=dims_k[:, None] < head_size, other=0.0)
+        v = tl.load(v_cache_ptr + v_off, mask=dims_v[None, :] < head_size_v, other=0.0)
+        return k.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)
     k = tl.load(k_cache_ptr + k_off, mask=valid[None, :] & (dims_k[:, None] < head_size), other=0.0)
     if SHUFFLED:
         # V's 16-byte runs lie along the tokens: mask whole runs (a run whose first token is valid lies in a
@@ -177,6 +185,39 @@ def load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, k_limit, kv_he
     else:
         v = tl.load(v_cache_ptr + v_off, mask=valid[:, None] & (dims_v[None, :] < head_size_v), other=0.0)
     return k.to(COMPUTE_DTYPE), v.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def paged_tile_loop(m_i, l_i, acc, q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi, seq_len,
+                    k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head, dims_k, dims_v, head_size, head_size_v,
+                    block_size, stride_k0, stride_k1, stride_k2, stride_k3, stride_v0, stride_v1, stride_v2,
+                    stride_v3, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                    SHUFFLED: tl.constexpr, X: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr, tree_bits, tree_start, TREE: tl.constexpr):
+    """Key tiles ``[lo, hi)`` folded into the running ``(m_i, l_i, acc)`` (see :func:`attend_paged_tiles`).
+    Without ``MASK`` the caller knows every key of the range is visible to every row (below ``seq_len``,
+    causal and in the window): nothing is masked, and without softcap or ALiBi the scale is folded into the
+    exponent (:func:`softmax_update_raw`)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + offs_n
+        k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, seq_len, kv_head, dims_k, dims_v,
+                             head_size, head_size_v, block_size,
+                             stride_k0, stride_k1, stride_k2, stride_k3,
+                             stride_v0, stride_v1, stride_v2, stride_v3,
+                             SHUFFLED, X, q.dtype, MASK)
+        qk = tl.dot(q, k)
+        if MASK or HAS_SOFTCAP or HAS_ALIBI:
+            s = score_mods(qk, q_pos, k_pos, seq_len, slope2, qk_scale, softcap, window_left,
+                           MASK, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
+            if TREE:
+                offset = k_pos - tree_start
+                bit = (tree_bits[:, None] >> tl.maximum(offset, 0)[None, :]) & 1
+                s = tl.where((offset[None, :] >= 0) & (bit == 0), float("-inf"), s)
+            m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, MASK)
+        else:
+            m_i, l_i, acc = softmax_update_raw(qk, qk_scale, v, m_i, l_i, acc)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -192,28 +233,62 @@ def attend_paged_tiles(q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi,
     """Online softmax of the query rows ``q [BLOCK_M, Dk]`` (at positions ``q_pos [BLOCK_M]``) over request
     ``seq``'s paged keys ``[lo, hi)`` of ``kv_head``, in tiles of ``BLOCK_N`` read through its block-table
     row: :func:`load_paged_kv`, :func:`score_mods` (keys past ``seq_len`` masked, causal if ``CAUSAL``),
-    :func:`softmax_update`. With ``TREE`` (a draft tree's verify) a key at ``tree_start + j`` or later is
-    visible to a row only where bit ``j`` of its ``tree_bits [BLOCK_M]`` is set (the row's token and its
-    ancestors); keys before ``tree_start`` are visible to every row. Returns the running max and sum
-    ``[BLOCK_M]`` (log2 domain) and the unnormalised output ``acc [BLOCK_M, BLOCK_DV]`` fp32, for
-    :func:`add_sinks` / :func:`finalize`."""
+    :func:`softmax_update`; every tile masked. With ``TREE`` (a draft tree's verify) a key at
+    ``tree_start + j`` or later is visible to a row only where bit ``j`` of its ``tree_bits [BLOCK_M]`` is set
+    (the row's token and its ancestors); keys before ``tree_start`` are visible to every row. Returns the
+    running max and sum ``[BLOCK_M]`` (log2 domain) and the unnormalised output ``acc [BLOCK_M, BLOCK_DV]``
+    fp32, for :func:`add_sinks` / :func:`finalize`."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        k_pos = start + offs_n
-        k, v = load_paged_kv(k_cache_ptr, v_cache_ptr, block_row_ptr, k_pos, seq_len, kv_head, dims_k, dims_v,
-                             head_size, head_size_v, block_size,
-                             stride_k0, stride_k1, stride_k2, stride_k3,
-                             stride_v0, stride_v1, stride_v2, stride_v3,
-                             SHUFFLED, X, q.dtype)
-        s = score_mods(tl.dot(q, k), q_pos, k_pos, seq_len, slope2, qk_scale, softcap, window_left,
-                       True, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
-        if TREE:
-            offset = k_pos - tree_start
-            bit = (tree_bits[:, None] >> tl.maximum(offset, 0)[None, :]) & 1
-            s = tl.where((offset[None, :] >= 0) & (bit == 0), float("-inf"), s)
-        m_i, l_i, acc = softmax_update(s, v, m_i, l_i, acc, True)
-    return m_i, l_i, acc
+    return paged_tile_loop(m_i, l_i, acc, q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi, seq_len,
+                           k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head, dims_k, dims_v, head_size,
+                           head_size_v, block_size, stride_k0, stride_k1, stride_k2, stride_k3, stride_v0,
+                           stride_v1, stride_v2, stride_v3, BLOCK_N, True, CAUSAL, SHUFFLED, X, HAS_WINDOW,
+                           HAS_SOFTCAP, HAS_ALIBI, tree_bits, tree_start, TREE)
+
+
+@triton.jit
+def attend_paged_causal(q, q_pos, q_first, q_last, slope2, qk_scale, softcap, window_left, lo, hi, seq_len,
+                        k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, kv_head, dims_k, dims_v,
+                        head_size, head_size_v, block_size,
+                        stride_k0, stride_k1, stride_k2, stride_k3,
+                        stride_v0, stride_v1, stride_v2, stride_v3,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        SHUFFLED: tl.constexpr, X: tl.constexpr,
+                        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """:func:`attend_paged_tiles` for rows that see the keys causally (bottom-right), the tile's queries at
+    positions ``q_first ≤ q_pos ≤ q_last`` (its valid rows; ``q_first < seq_len``), ``lo`` a multiple of
+    ``BLOCK_N``. The key range is cut into edge tiles and inner tiles: a key ``k`` with ``k ≤ q_first`` and
+    (with a window) ``q_last − k ≤ window_left`` is visible to every row, so the tiles wholly made of such keys
+    run unmasked (:func:`paged_tile_loop` without ``MASK``), the others masked. :mod:`unified_attention`'s
+    tiles take it; paged decode and the one-launch mixed kernel keep :func:`attend_paged_tiles`, where the
+    three loops measured slower (docs/BENCHMARKS.md, "The mixed step")."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    hi = tl.maximum(hi, lo)  # an empty range may come with hi < lo (a split past the context's end)
+    inner_lo = lo
+    if HAS_WINDOW:
+        if window_left >= 0:
+            inner_lo = lo + tl.cdiv(tl.maximum(q_last - window_left - lo, 0), BLOCK_N) * BLOCK_N
+    inner_lo = tl.minimum(inner_lo, hi)
+    inner_hi = lo + (tl.maximum(tl.minimum(hi, q_first + 1) - lo, 0) // BLOCK_N) * BLOCK_N
+    inner_hi = tl.maximum(inner_hi, inner_lo)
+    m_i, l_i, acc = paged_tile_loop(m_i, l_i, acc, q, q_pos, slope2, qk_scale, softcap, window_left, lo, inner_lo,
+                                    seq_len, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head, dims_k, dims_v,
+                                    head_size, head_size_v, block_size, stride_k0, stride_k1, stride_k2, stride_k3,
+                                    stride_v0, stride_v1, stride_v2, stride_v3, BLOCK_N, True, True, SHUFFLED, X,
+                                    HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, q_pos, 0, False)
+    m_i, l_i, acc = paged_tile_loop(m_i, l_i, acc, q, q_pos, slope2, qk_scale, softcap, window_left, inner_lo,
+                                    inner_hi, seq_len, k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head, dims_k,
+                                    dims_v, head_size, head_size_v, block_size, stride_k0, stride_k1, stride_k2,
+                                    stride_k3, stride_v0, stride_v1, stride_v2, stride_v3, BLOCK_N, False, True,
+                                    SHUFFLED, X, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, q_pos, 0, False)
+    return paged_tile_loop(m_i, l_i, acc, q, q_pos, slope2, qk_scale, softcap, window_left, inner_hi, hi, seq_len,
+                           k_cache_ptr, v_cache_ptr, block_row_ptr, kv_head, dims_k, dims_v, head_size,
+                           head_size_v, block_size, stride_k0, stride_k1, stride_k2, stride_k3, stride_v0,
+                           stride_v1, stride_v2, stride_v3, BLOCK_N, True, True, SHUFFLED, X, HAS_WINDOW,
+                           HAS_SOFTCAP, HAS_ALIBI, q_pos, 0, False)

@@ -10,7 +10,7 @@ and sees the cached keys causally.
 import triton
 import triton.language as tl
 
-from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_tiles, finalize, load_query_tile
+from tripath.kernels.attention_common import LOG2E, add_sinks, attend_paged_causal, finalize, load_query_tile
 from tripath.triton_internals.specialize import STEP_INVARIANT
 
 
@@ -75,13 +75,12 @@ def unified_attention_kernel(
     if HAS_WINDOW:
         lo = (tl.maximum(p_min - window_left, 0) // BLOCK_N) * BLOCK_N
     hi = p_max + 1
-    m_i, l_i, acc = attend_paged_tiles(q, q_pos, slope2, qk_scale, softcap, window_left, lo, hi, seq_len,
-                                       k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, kv_head,
-                                       dims_k, dims_v, head_size, head_size_v, block_size,
-                                       stride_k0, stride_k1, stride_k2, stride_k3,
-                                       stride_v0, stride_v1, stride_v2, stride_v3,
-                                       BLOCK_M, BLOCK_N, BLOCK_DV, True, SHUFFLED, X,
-                                       HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, q_pos, 0, False)
+    m_i, l_i, acc = attend_paged_causal(q, q_pos, p_min, p_max, slope2, qk_scale, softcap, window_left, lo, hi,
+                                        seq_len, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, stride_bt, kv_head,
+                                        dims_k, dims_v, head_size, head_size_v, block_size,
+                                        stride_k0, stride_k1, stride_k2, stride_k3,
+                                        stride_v0, stride_v1, stride_v2, stride_v3,
+                                        BLOCK_M, BLOCK_N, BLOCK_DV, SHUFFLED, X, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI)
     if HAS_SINKS:
         sink2 = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
         m_i, l_i, acc = add_sinks(m_i, l_i, acc, sink2)
