@@ -269,11 +269,10 @@ def attend_paged_causal(q, q_pos, q_first, q_last, slope2, qk_scale, softcap, wi
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
-    hi = tl.maximum(hi, lo)  # an empty range may come with hi < lo (a split past the context's end)
+    hi = tl.maximum(hi, lo)  # an empty range stays empty in all three loops
     inner_lo = lo
     if HAS_WINDOW:
-        if window_left >= 0:
-            inner_lo = lo + tl.cdiv(tl.maximum(q_last - window_left - lo, 0), BLOCK_N) * BLOCK_N
+        inner_lo = lo + tl.cdiv(tl.maximum(q_last - window_left - lo, 0), BLOCK_N) * BLOCK_N
     inner_lo = tl.minimum(inner_lo, hi)
     inner_hi = lo + (tl.maximum(tl.minimum(hi, q_first + 1) - lo, 0) // BLOCK_N) * BLOCK_N
     inner_hi = tl.maximum(inner_hi, inner_lo)
